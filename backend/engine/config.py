@@ -1,0 +1,153 @@
+"""Engine arguments: TensorRT-LLM's `LLM()` keyword arguments (as written in `model.yaml`), parsed once into typed,
+validated objects. A key the chosen engine cannot honour is an error at load, never silently dropped."""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """An engine argument with a bad value or an unknown key; the message names it."""
+
+
+ENGINE_CHOICES = ("auto", "embedded", "tensorrt_llm")
+DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16")
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+SCHEDULER_POLICIES = ("GUARANTEED_NO_EVICT", "MAX_UTILIZATION")
+
+
+@dataclass
+class KvCacheConfig:
+    enable_block_reuse: bool = True
+    tokens_per_block: int = 32
+    # An explicit token budget wins; otherwise the fraction of free memory (GPU memory, or host memory on CPU).
+    max_tokens: Optional[int] = None
+    free_gpu_memory_fraction: float = 0.9
+
+    def validate(self) -> None:
+        if self.tokens_per_block < 1:
+            raise ConfigError(f"kv_cache_config.tokens_per_block must be >= 1, got {self.tokens_per_block}")
+        if self.max_tokens is not None and self.max_tokens < 1:
+            raise ConfigError(f"kv_cache_config.max_tokens must be >= 1, got {self.max_tokens}")
+        if not 0 < self.free_gpu_memory_fraction <= 1:
+            raise ConfigError("kv_cache_config.free_gpu_memory_fraction must be in (0, 1], "
+                              f"got {self.free_gpu_memory_fraction}")
+
+
+@dataclass
+class SchedulerConfig:
+    capacity_scheduler_policy: str = "GUARANTEED_NO_EVICT"
+
+    def validate(self) -> None:
+        if self.capacity_scheduler_policy not in SCHEDULER_POLICIES:
+            raise ConfigError(f"scheduler_config.capacity_scheduler_policy must be one of {SCHEDULER_POLICIES}, "
+                              f"got {self.capacity_scheduler_policy!r}")
+
+
+@dataclass
+class EngineConfig:
+    """Everything an engine needs to start. Field names are TensorRT-LLM `LLM()` argument names, except `engine`
+    and `device`, which are ours."""
+
+    model: str = ""
+    tokenizer: Optional[str] = None
+    engine: str = "auto"
+    dtype: str = "auto"
+    device: str = "auto"
+    max_batch_size: int = 64
+    max_num_tokens: int = 8192
+    max_seq_len: Optional[int] = None
+    max_beam_width: int = 1
+    enable_chunked_prefill: bool = False
+    kv_cache_config: KvCacheConfig = field(default_factory=KvCacheConfig)
+    scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    backend: Optional[str] = None
+    enable_lora: bool = False
+    lora_config: Optional[dict] = None
+    speculative_config: Optional[dict] = None
+    normalize_log_probs: bool = True
+    # Keys passed through untouched to TensorRT-LLM (the embedded engine refuses them).
+    extra: dict = field(default_factory=dict)
+
+    @classmethod
+    def from_dict(cls, args: dict[str, Any]) -> "EngineConfig":
+        args = dict(args)
+        nested = {"kv_cache_config": KvCacheConfig, "scheduler_config": SchedulerConfig}
+        known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        values: dict[str, Any] = {"extra": {}}
+        for key, value in args.items():
+            if key in nested:
+                values[key] = _build_nested(key, nested[key], value)
+            elif key in known:
+                values[key] = value
+            else:
+                values["extra"][key] = value
+        config = cls(**values)
+        config.validate()
+        return config
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, overrides: Optional[dict[str, Any]] = None) -> "EngineConfig":
+        args = load_yaml_args(path)
+        args.update(overrides or {})
+        return cls.from_dict(args)
+
+    def validate(self) -> None:
+        for name, choices in (("engine", ENGINE_CHOICES), ("dtype", DTYPE_CHOICES), ("device", DEVICE_CHOICES)):
+            if getattr(self, name) not in choices:
+                raise ConfigError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
+        for name in ("max_batch_size", "max_num_tokens", "max_beam_width", "tensor_parallel_size",
+                     "pipeline_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.max_seq_len is not None and (not isinstance(self.max_seq_len, int) or self.max_seq_len < 2):
+            raise ConfigError(f"max_seq_len must be an integer >= 2, got {self.max_seq_len!r}")
+        self.kv_cache_config.validate()
+        self.scheduler_config.validate()
+
+    def embedded_unsupported(self) -> list[str]:
+        """Settings the embedded engine cannot honour, each as 'key=value (why)'."""
+        problems = [f"{k}={v!r} (unknown to the embedded engine)" for k, v in self.extra.items()]
+        if self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1:
+            problems.append("tensor/pipeline parallelism (the embedded engine runs on one device)")
+        if self.max_beam_width != 1:
+            problems.append(f"max_beam_width={self.max_beam_width} (beam search is not built yet)")
+        if self.enable_lora or self.lora_config:
+            problems.append("enable_lora/lora_config (LoRA is not built yet)")
+        if self.speculative_config:
+            problems.append("speculative_config (speculative decoding is not built yet)")
+        return problems
+
+
+def _build_nested(key: str, kind: type, value: Any) -> Any:
+    if value is None:
+        return kind()
+    if not isinstance(value, dict):
+        raise ConfigError(f"{key} must be a mapping, got {value!r}")
+    names = {f.name for f in dataclasses.fields(kind)}
+    unknown = sorted(set(value) - names)
+    if unknown:
+        raise ConfigError(f"{key}: unknown key(s) {unknown}; known: {sorted(names)}")
+    return kind(**value)
+
+
+def load_yaml_args(path: str | Path) -> dict[str, Any]:
+    """Read a `model.yaml`; the `triton_config` section belongs to the Triton side and is left out."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except OSError as exc:
+        raise ConfigError(f"cannot read engine config {path}: {exc}") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"engine config {path} is not valid YAML: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"engine config {path} must be a mapping of LLM() arguments")
+    data.pop("triton_config", None)
+    return data

@@ -1,0 +1,84 @@
+"""Paged attention in plain PyTorch: writes new K/V into the block cache by slot, then attends over each sequence's
+cached context. Runs anywhere PyTorch runs; decode-only steps take one batched SDPA call."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    """How this step's flat token batch maps onto sequences and KV blocks.
+
+    Tokens of one sequence are contiguous: sequence i owns tokens `query_starts[i] : query_starts[i] + query_lens[i]`,
+    which sit at the last `query_lens[i]` positions of its `context_lens[i]` cached tokens (after this step's write).
+    """
+
+    slot_mapping: torch.Tensor  # [T] int64: flat cache slot (block * block_size + offset) of each new token
+    block_tables: torch.Tensor  # [S, max_blocks] int64, padded with 0
+    query_starts: list[int]
+    query_lens: list[int]
+    context_lens: list[int]
+    block_size: int
+    # Decode-only steps (every query_len == 1) use one batched kernel; built once per step by the runner.
+    decode_mask: torch.Tensor | None = None  # [S, 1, 1, max_context] bool
+
+    @property
+    def is_decode_only(self) -> bool:
+        return self.decode_mask is not None
+
+
+def build_decode_mask(context_lens: list[int], block_size: int, num_blocks: int, device) -> torch.Tensor:
+    lens = torch.tensor(context_lens, device=device)
+    positions = torch.arange(num_blocks * block_size, device=device)
+    return (positions[None, :] < lens[:, None])[:, None, None, :]
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Store this step's keys and values ([T, kv_heads, head_dim]) at their slots."""
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    k_cache.view(num_slots, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
+    v_cache.view(num_slots, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]; caches: [blocks, block_size, kv_heads, head_dim].
+    Returns [T, heads, head_dim]."""
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    if meta.is_decode_only:
+        return _decode_attention(q, k_cache, v_cache, meta, scale)
+    out = torch.empty_like(q)
+    for start, q_len, ctx_len, table in zip(meta.query_starts, meta.query_lens, meta.context_lens,
+                                            meta.block_tables):
+        out[start:start + q_len] = _sequence_attention(q[start:start + q_len], k_cache, v_cache, table,
+                                                       ctx_len, meta.block_size, scale)
+    return out
+
+
+def _gather(cache: torch.Tensor, table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    num_blocks = (length + block_size - 1) // block_size
+    return cache[table[:num_blocks]].flatten(0, 1)[:length]
+
+
+def _sequence_attention(q, k_cache, v_cache, table, ctx_len, block_size, scale):
+    keys = _gather(k_cache, table, ctx_len, block_size).transpose(0, 1)  # [kv_heads, ctx, d]
+    values = _gather(v_cache, table, ctx_len, block_size).transpose(0, 1)
+    q_len = q.shape[0]
+    query_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
+    mask = torch.arange(ctx_len, device=q.device)[None, :] <= query_pos[:, None]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask, scale=scale,
+                                         enable_gqa=True)
+    return out.transpose(0, 1)
+
+
+def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale):
+    tables = meta.block_tables
+    keys = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [S, kv_heads, max_ctx, d]
+    values = v_cache[tables].flatten(1, 2).transpose(1, 2)
+    out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=meta.decode_mask, scale=scale,
+                                         enable_gqa=True)
+    return out[:, :, 0, :]

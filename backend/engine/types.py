@@ -1,0 +1,140 @@
+"""Request and output types of the engine seam, shaped like TensorRT-LLM's LLM API.
+
+`SamplingParams`, `CompletionOutput` and `RequestOutput` carry the field names of `tensorrt_llm.SamplingParams`,
+`tensorrt_llm.executor.result.CompletionOutput` and `GenerationResult`, so that the Triton models speak one
+vocabulary whichever engine runs behind them. The engine works on token ids only: text is the tokenizer's job.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+class InvalidRequestError(ValueError):
+    """A request the engine refuses: the message names the field, its value and the rule."""
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise InvalidRequestError(message)
+
+
+@dataclass
+class SamplingParams:
+    """Per-request generation settings (TensorRT-LLM's names; `None` means the engine default)."""
+
+    max_tokens: int = 32
+    end_id: Optional[int] = None
+    pad_id: Optional[int] = None
+    n: int = 1
+    temperature: Optional[float] = None
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    seed: Optional[int] = None
+    min_tokens: Optional[int] = None
+    repetition_penalty: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    stop_token_ids: Optional[list[int]] = None
+    # Multi-token sequences: generation stops after any of them appears (stop) / never produces them (bad).
+    stop_words: Optional[list[list[int]]] = None
+    bad_words: Optional[list[list[int]]] = None
+    embedding_bias: Optional[list[float]] = None
+    logprobs: bool = False
+    ignore_eos: bool = False
+    beam_width: int = 1
+    length_penalty: Optional[float] = None
+    early_stopping: Optional[int] = None
+    return_perf_metrics: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        """Greedy when temperature is 0 or top_k is 1, or when no sampling knob was set at all."""
+        if self.temperature is not None and self.temperature == 0:
+            return True
+        if self.top_k == 1:
+            return True
+        return self.temperature is None and self.top_k in (None, 0) and self.top_p is None
+
+    def validate(self, max_seq_len: Optional[int] = None) -> None:
+        """Raise `InvalidRequestError` naming the first field that breaks its rule."""
+        _require(isinstance(self.max_tokens, int) and self.max_tokens > 0,
+                 f"max_tokens must be an integer > 0, got {self.max_tokens!r}")
+        if max_seq_len is not None:
+            _require(self.max_tokens < max_seq_len,
+                     f"max_tokens={self.max_tokens} must be less than max_seq_len={max_seq_len}")
+        _require(self.n >= 1, f"n (num_return_sequences) must be >= 1, got {self.n}")
+        _require(self.beam_width == 1, f"beam_width={self.beam_width} is not supported yet (only 1)")
+        if self.temperature is not None:
+            _require(math.isfinite(self.temperature) and self.temperature >= 0,
+                     f"temperature must be >= 0, got {self.temperature}")
+        if self.top_p is not None:
+            _require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k is not None:
+            _require(self.top_k >= 0, f"top_k must be >= 0 (0 = off), got {self.top_k}")
+        if self.repetition_penalty is not None:
+            _require(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.min_tokens is not None:
+            _require(self.min_tokens >= 0, f"min_tokens must be >= 0, got {self.min_tokens}")
+        for name in ("stop_words", "bad_words"):
+            words = getattr(self, name)
+            if words:
+                _require(all(len(w) > 0 for w in words), f"{name} must not contain empty sequences")
+
+
+@dataclass
+class RequestPerfMetrics:
+    """Per-request timings (ns since the epoch) and KV-cache statistics, as `return_perf_metrics` reports them."""
+
+    arrival_time_ns: int = 0
+    first_scheduled_time_ns: int = 0
+    first_token_time_ns: int = 0
+    last_token_time_ns: int = 0
+    kv_cache_alloc_new_blocks: int = 0
+    kv_cache_reused_blocks: int = 0
+    kv_cache_alloc_total_blocks: int = 0
+    num_preemptions: int = 0
+    prefill_steps: int = 0
+    total_draft_tokens: int = 0
+    total_accepted_draft_tokens: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.total_accepted_draft_tokens / self.total_draft_tokens if self.total_draft_tokens else 0.0
+
+
+@dataclass
+class CompletionOutput:
+    """One generated sequence. `token_ids` is cumulative; `token_ids_diff` is what the last update added."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    finish_reason: Optional[str] = None  # "stop" | "length" | "cancelled"
+    stop_reason: Optional[int | list[int]] = None
+    request_perf_metrics: Optional[RequestPerfMetrics] = None
+    _diff_start: int = 0
+
+    @property
+    def length(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def token_ids_diff(self) -> list[int]:
+        return self.token_ids[self._diff_start:]
+
+    @property
+    def logprobs_diff(self) -> list[float]:
+        return self.logprobs[self._diff_start:]
+
+
+@dataclass
+class RequestOutput:
+    """The state of one request after an update: one `CompletionOutput` per sample (`n`)."""
+
+    request_id: int
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
