@@ -1,0 +1,28 @@
+"""The engine seam: one protocol (TensorRT-LLM's LLM API shape), two implementations."""
+from __future__ import annotations
+
+import importlib.util
+
+from .config import ConfigError, EngineConfig
+from .types import CompletionOutput, InvalidRequestError, RequestOutput, SamplingParams
+
+__all__ = ["create_engine", "choose_engine", "EngineConfig", "ConfigError", "SamplingParams", "RequestOutput",
+           "CompletionOutput", "InvalidRequestError"]
+
+
+def choose_engine(config: EngineConfig) -> str:
+    """'auto' picks TensorRT-LLM when it is importable, the embedded engine otherwise."""
+    if config.engine != "auto":
+        return config.engine
+    return "tensorrt_llm" if importlib.util.find_spec("tensorrt_llm") is not None else "embedded"
+
+
+def create_engine(config: EngineConfig):
+    """Start the engine `config` selects; it exposes generate_async / abort / stats / shutdown."""
+    if choose_engine(config) == "tensorrt_llm":
+        from .trtllm import TensorRTLLMEngine  # imported only when chosen: the library is large and GPU-only
+
+        return TensorRTLLMEngine(config)
+    from .embedded.engine import EmbeddedEngine
+
+    return EmbeddedEngine(config)

@@ -1,0 +1,51 @@
+"""Where the embedded engine runs, in which dtype, and how many tokens of KV cache it can afford."""
+from __future__ import annotations
+
+import torch
+
+from ..config import ConfigError, EngineConfig
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device='cuda' was asked for but no CUDA device is available")
+    return torch.device(name)
+
+
+def resolve_dtype(requested: str, model_dtype: str | None, device: torch.device) -> torch.dtype:
+    """An explicit dtype wins; 'auto' takes the checkpoint's dtype, except float16 on CPU (slow there: float32)."""
+    if requested != "auto":
+        return _DTYPES[requested]
+    name = (model_dtype or "float32").replace("torch.", "")
+    if name not in _DTYPES:
+        name = "float32"
+    if device.type == "cpu" and name == "float16":
+        name = "float32"
+    return _DTYPES[name]
+
+
+def available_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return free
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
+
+
+def kv_cache_token_budget(config: EngineConfig, model_config, dtype: torch.dtype, device: torch.device,
+                          max_seq_len: int) -> int:
+    """`kv_cache_config.max_tokens` if given; else the free-memory fraction (of GPU memory, or of available host
+    memory on CPU), capped at what `max_batch_size` sequences of `max_seq_len` tokens can use."""
+    kv = config.kv_cache_config
+    if kv.max_tokens is not None:
+        return kv.max_tokens
+    per_token = model_config.kv_bytes_per_token(dtype)
+    affordable = int(available_memory_bytes(device) * kv.free_gpu_memory_fraction) // per_token
+    return max(kv.tokens_per_block, min(affordable, config.max_batch_size * max_seq_len))

@@ -1,0 +1,208 @@
+"""`EmbeddedEngine`: the embedded core behind TensorRT-LLM's LLM-API surface.
+
+One background thread owns the `EngineCore` and steps it while there is work; callers talk to it through a command
+queue. `generate_async` validates the request at once (so a bad request fails its caller only) and returns a
+`RequestHandle`: iterable (blocking) and async-iterable over `RequestOutput`s, with `abort()`."""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import queue
+import threading
+from typing import Optional
+
+from ..config import EngineConfig
+from ..types import RequestOutput, SamplingParams
+from .engine_core import EngineCore, EngineRequest, EngineStats, snapshot
+
+log = logging.getLogger("tritonllm.engine")
+_END = object()
+
+
+class EngineError(RuntimeError):
+    """The engine failed while running a request (not the request's fault)."""
+
+
+class RequestHandle:
+    """Outputs of one request: every step's update when streaming, else only the final one."""
+
+    def __init__(self, engine: "EmbeddedEngine", request_id: int, streaming: bool):
+        self.engine = engine
+        self.request_id = request_id
+        self.streaming = streaming
+        self._outputs: queue.SimpleQueue = queue.SimpleQueue()
+        self._last: Optional[RequestOutput] = None
+        self._done = False
+
+    def _put(self, item) -> None:
+        self._outputs.put(item)
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> RequestOutput:
+        return self._next(None)
+
+    def _next(self, timeout: Optional[float]) -> RequestOutput:
+        if self._done:
+            raise StopIteration
+        item = self._outputs.get(timeout=timeout)
+        if isinstance(item, BaseException):
+            self._done = True
+            raise item
+        if item is _END:
+            self._done = True
+            raise StopIteration
+        self._last = item
+        if item.finished:
+            self._outputs.put(_END)
+        return item
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        try:
+            return await asyncio.to_thread(self._next, None)
+        except StopIteration:
+            raise StopAsyncIteration from None
+
+    def result(self, timeout: Optional[float] = None) -> RequestOutput:
+        """Block until the request finishes; returns its final output."""
+        while not self._done:
+            try:
+                self._next(timeout)
+            except StopIteration:
+                break
+        return self._last
+
+    async def aresult(self) -> RequestOutput:
+        return await asyncio.to_thread(self.result)
+
+    def abort(self) -> None:
+        self.engine.abort(self.request_id)
+
+    @property
+    def finished(self) -> bool:
+        return self._last is not None and self._last.finished
+
+
+class EmbeddedEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.core = EngineCore(config)
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._handles: dict[int, RequestHandle] = {}
+        self._ids = itertools.count(1)
+        self._ids_lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._stats = self.core.stats()
+        self._thread = threading.Thread(target=self._loop, name="tritonllm-engine", daemon=True)
+        self._thread.start()
+
+    # -- public API -------------------------------------------------------------------------------------------
+
+    def generate_async(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                       streaming: bool = False, request_id: Optional[int] = None) -> RequestHandle:
+        if self._stopped.is_set():
+            raise EngineError("the engine has been shut down")
+        self.core.validate(prompt_token_ids, sampling_params)
+        if request_id is None:
+            with self._ids_lock:
+                request_id = next(self._ids)
+        handle = RequestHandle(self, request_id, streaming)
+        self._commands.put(("add", handle, list(prompt_token_ids), sampling_params))
+        return handle
+
+    def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> RequestOutput:
+        return self.generate_async(prompt_token_ids, sampling_params).result()
+
+    def abort(self, request_id: int) -> None:
+        self._commands.put(("abort", request_id))
+
+    def stats(self) -> EngineStats:
+        """Counters as of the last finished step (or idle moment)."""
+        return self._stats
+
+    def wait_idle(self, timeout: float = 10.0) -> EngineStats:
+        """Wait until the engine has no request left; returns fresh stats."""
+        done = threading.Event()
+        self._commands.put(("idle", done))
+        if not done.wait(timeout):
+            raise TimeoutError(f"engine still busy after {timeout}s")
+        return self._stats
+
+    def shutdown(self) -> None:
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self._commands.put(("stop",))
+        self._thread.join(timeout=30)
+
+    # -- engine thread ----------------------------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        idle_waiters: list[threading.Event] = []
+        while True:
+            block = not self.core.has_work
+            if not self._drain_commands(block, idle_waiters):
+                break
+            if self.core.has_work:
+                self._step()
+            self._stats = self.core.stats()
+            if not self.core.has_work:
+                for waiter in idle_waiters:
+                    waiter.set()
+                idle_waiters.clear()
+        for request in self.core.fail_all():
+            self._deliver(request)
+
+    def _drain_commands(self, block: bool, idle_waiters: list) -> bool:
+        while True:
+            try:
+                command = self._commands.get(block=block, timeout=None if block else 0)
+            except queue.Empty:
+                return True
+            block = False
+            kind = command[0]
+            if kind == "stop":
+                return False
+            if kind == "add":
+                self._add(*command[1:])
+            elif kind == "abort":
+                request = self.core.abort_request(command[1])
+                if request is not None:
+                    self._deliver(request)
+            elif kind == "idle":
+                idle_waiters.append(command[1])
+
+    def _add(self, handle: RequestHandle, prompt: list[int], params: SamplingParams) -> None:
+        try:
+            self.core.add_request(handle.request_id, prompt, params)
+        except Exception as exc:  # a request that became invalid (e.g. duplicate id) fails alone
+            handle._put(exc)
+            return
+        self._handles[handle.request_id] = handle
+
+    def _step(self) -> None:
+        try:
+            updated = self.core.step()
+        except Exception as exc:
+            log.exception("engine step failed; failing the %d active request(s)", len(self.core.requests))
+            for request in self.core.fail_all():
+                handle = self._handles.pop(request.request_id, None)
+                if handle is not None:
+                    handle._put(EngineError(f"engine step failed: {exc}"))
+            return
+        for request in updated:
+            self._deliver(request)
+
+    def _deliver(self, request: EngineRequest) -> None:
+        handle = self._handles.get(request.request_id)
+        if handle is None:
+            return
+        if handle.streaming or request.finished:
+            handle._put(snapshot(request, mark_delivered=handle.streaming))
+        if request.finished:
+            del self._handles[request.request_id]

@@ -1,0 +1,234 @@
+"""The embedded engine's synchronous core: admits requests, runs one scheduled step at a time, applies sampled
+tokens and finish rules. Not thread-safe: `EmbeddedEngine` drives it from one thread."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field, replace
+from typing import Optional
+
+import torch
+
+from ..config import EngineConfig
+from ..types import CompletionOutput, InvalidRequestError, RequestOutput, SamplingParams
+from .block_manager import BlockManager, blocks_for
+from .device import resolve_device, resolve_dtype, kv_cache_token_budget
+from .loader import load_model, read_model_config
+from .model_runner import ModelRunner
+from .sampler import sample
+from .scheduler import Scheduler
+from .sequence import Sequence, SequenceStatus
+
+log = logging.getLogger("tritonllm.engine")
+
+
+@dataclass(eq=False)
+class EngineRequest:
+    request_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    seqs: list[Sequence] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        return all(seq.is_finished for seq in self.seqs)
+
+
+@dataclass
+class EngineStats:
+    num_total_blocks: int
+    num_free_blocks: int
+    tokens_per_block: int
+    num_running: int
+    num_waiting: int
+    num_steps: int
+    max_seq_len: int
+    max_batch_size: int
+    max_num_tokens: int
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig):
+        problems = config.embedded_unsupported()
+        if problems:
+            raise InvalidRequestError("the embedded engine cannot honour: " + "; ".join(problems))
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, read_model_config(config.model).torch_dtype, self.device)
+        self.model, self.model_config = load_model(config.model, self.dtype, self.device)
+        self.max_seq_len = self._max_seq_len()
+        block_size = config.kv_cache_config.tokens_per_block
+        budget = kv_cache_token_budget(config, self.model_config, self.dtype, self.device, self.max_seq_len)
+        num_blocks = max(1, budget // block_size)
+        self.block_manager = BlockManager(num_blocks, block_size)
+        self.scheduler = Scheduler(
+            self.block_manager, config.max_batch_size, config.max_num_tokens, config.enable_chunked_prefill,
+            guaranteed_no_evict=config.scheduler_config.capacity_scheduler_policy == "GUARANTEED_NO_EVICT")
+        mc = self.model_config
+        self.runner = ModelRunner(self.model, mc.num_layers, mc.num_kv_heads, mc.head_dim, num_blocks, block_size,
+                                  self.dtype, self.device)
+        self.requests: dict[int, EngineRequest] = {}
+        self.num_steps = 0
+        self._next_seq_id = 0
+        log.info("embedded engine ready: %s on %s (%s), %d KV blocks x %d tokens, max_seq_len %d, "
+                 "max_batch_size %d, max_num_tokens %d", config.model, self.device, self.dtype, num_blocks,
+                 block_size, self.max_seq_len, config.max_batch_size, config.max_num_tokens)
+
+    def _max_seq_len(self) -> int:
+        limit = self.model_config.max_position_embeddings
+        if self.model_config.sliding_window:
+            limit = min(limit, self.model_config.sliding_window)
+        wanted = self.config.max_seq_len or limit
+        if wanted > limit:
+            raise InvalidRequestError(f"max_seq_len={wanted} exceeds what the model supports ({limit})")
+        return wanted
+
+    # -- requests ---------------------------------------------------------------------------------------------
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise InvalidRequestError for a request this engine can never run."""
+        params.validate(self.max_seq_len)
+        prompt_len = len(prompt_token_ids)
+        if prompt_len == 0:
+            raise InvalidRequestError("the prompt is empty: at least one input token is required")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"input token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        total = prompt_len + params.max_tokens
+        if total > self.max_seq_len:
+            raise InvalidRequestError(f"prompt length {prompt_len} + max_tokens {params.max_tokens} = {total} "
+                                      f"exceeds max_seq_len {self.max_seq_len}")
+        if not self.config.enable_chunked_prefill and prompt_len > self.config.max_num_tokens:
+            raise InvalidRequestError(f"prompt length {prompt_len} exceeds max_num_tokens "
+                                      f"{self.config.max_num_tokens} (enable chunked prefill for longer prompts)")
+        needed = blocks_for(total, self.block_manager.block_size)
+        if needed > self.block_manager.num_blocks:
+            raise InvalidRequestError(f"the request needs {needed} KV blocks but the cache holds only "
+                                      f"{self.block_manager.num_blocks}")
+
+    def add_request(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams) -> EngineRequest:
+        self.validate(prompt_token_ids, params)
+        if request_id in self.requests:
+            raise InvalidRequestError(f"request id {request_id} is already running")
+        request = EngineRequest(request_id, list(prompt_token_ids), params)
+        for index in range(params.n):
+            seq = Sequence(self._next_seq_id, request_id, index, request.prompt_token_ids, params,
+                           generator=_generator(params.seed, index))
+            self._next_seq_id += 1
+            request.seqs.append(seq)
+            self.scheduler.add(seq)
+        self.requests[request_id] = request
+        return request
+
+    def abort_request(self, request_id: int) -> Optional[EngineRequest]:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        for seq in request.seqs:
+            if not seq.is_finished:
+                seq.finish("cancelled")
+            self.scheduler.remove(seq)
+        return request
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # -- stepping ---------------------------------------------------------------------------------------------
+
+    def step(self) -> list[EngineRequest]:
+        """Run one step; returns the requests that produced tokens or finished in it."""
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        now = time.time_ns()
+        for seq in batch.seqs:
+            if not seq.metrics.first_scheduled_time_ns:
+                seq.metrics.first_scheduled_time_ns = now
+            if seq.num_computed_tokens < len(seq.prompt_token_ids):
+                seq.metrics.prefill_steps += 1
+        logits, sampling_seqs = self.runner.execute(batch, self.block_manager.take_newly_allocated())
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += num_new
+        updated = {}
+        if sampling_seqs:
+            tokens, logprobs = sample(logits, sampling_seqs)
+            for seq, token, logprob in zip(sampling_seqs, tokens, logprobs):
+                self._append_token(seq, token, logprob)
+                updated[seq.request_id] = self.requests[seq.request_id]
+        self.num_steps += 1
+        return list(updated.values())
+
+    def _append_token(self, seq: Sequence, token: int, logprob: float) -> None:
+        now = time.time_ns()
+        seq.metrics.first_token_time_ns = seq.metrics.first_token_time_ns or now
+        seq.metrics.last_token_time_ns = now
+        params = seq.params
+        if token == params.end_id and not params.ignore_eos:
+            self._finish(seq, "stop", token)
+            return
+        seq.output_token_ids.append(token)
+        seq.logprobs.append(logprob)
+        seq.cumulative_logprob += logprob
+        stop = _matched_stop(seq)
+        if stop is not None:
+            self._finish(seq, "stop", stop)
+        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_seq_len:
+            self._finish(seq, "length")
+
+    def _finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
+        seq.finish(reason, stop_reason)
+        self.scheduler.remove(seq)
+        request = self.requests[seq.request_id]
+        if request.finished:
+            del self.requests[seq.request_id]
+
+    def fail_all(self) -> list[EngineRequest]:
+        """Drop every request (after an engine error); their blocks are freed."""
+        failed = list(self.requests.values())
+        for request in failed:
+            self.abort_request(request.request_id)
+        return failed
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_total_blocks=self.block_manager.num_blocks, num_free_blocks=self.block_manager.num_free_blocks,
+            tokens_per_block=self.block_manager.block_size, num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting), num_steps=self.num_steps, max_seq_len=self.max_seq_len,
+            max_batch_size=self.config.max_batch_size, max_num_tokens=self.config.max_num_tokens)
+
+
+def snapshot(request: EngineRequest, mark_delivered: bool) -> RequestOutput:
+    """A RequestOutput copy of the request's state; `token_ids_diff` holds what was not delivered before."""
+    outputs = []
+    for seq in request.seqs:
+        outputs.append(CompletionOutput(
+            index=seq.index, token_ids=list(seq.output_token_ids), logprobs=list(seq.logprobs),
+            cumulative_logprob=seq.cumulative_logprob, finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason, request_perf_metrics=replace(seq.metrics),
+            _diff_start=seq.num_delivered_tokens))
+        if mark_delivered:
+            seq.num_delivered_tokens = len(seq.output_token_ids)
+    return RequestOutput(request.request_id, request.prompt_token_ids, outputs, finished=request.finished)
+
+
+def _matched_stop(seq: Sequence):
+    params = seq.params
+    last = seq.output_token_ids[-1]
+    if params.stop_token_ids and last in params.stop_token_ids:
+        return last
+    tokens = seq.all_token_ids()
+    for word in params.stop_words or ():
+        if tokens[-len(word):] == word and len(seq.output_token_ids) >= 1:
+            return list(word)
+    return None
+
+
+def _generator(seed: Optional[int], index: int) -> torch.Generator:
+    generator = torch.Generator()
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed((seed + index) % (2 ** 63))
+    return generator

@@ -1,0 +1,107 @@
+"""Turns each sequence's next-token logits into a token and its log-probability.
+
+Order of the logit processors: embedding bias, bad words, min_tokens (end and stop tokens banned), repetition /
+presence / frequency penalties; then greedy argmax, or temperature, top-k, top-p and a draw from the sequence's own
+generator (so a seeded sequence gives the same tokens whatever else is in the batch). Log-probs are the log-softmax
+of the processed logits (after temperature, before top-k/top-p truncation)."""
+from __future__ import annotations
+
+import torch
+
+from .sequence import Sequence
+
+NEG_INF = float("-inf")
+
+
+def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
+    """logits: [N, vocab] float32, one row per sequence. Returns the chosen tokens and their log-probs."""
+    for row, seq in enumerate(seqs):
+        _process_row(logits[row], seq)
+    greedy_rows = [i for i, seq in enumerate(seqs) if seq.params.greedy]
+    tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
+    if greedy_rows:
+        index = torch.tensor(greedy_rows, device=logits.device)
+        tokens[index] = logits[index].argmax(dim=-1)
+    for row, seq in enumerate(seqs):
+        if not seq.params.greedy:
+            temperature = seq.params.temperature if seq.params.temperature is not None else 1.0
+            logits[row] /= temperature
+            tokens[row] = _draw(logits[row], seq)
+    logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
+    return tokens.tolist(), logprobs.tolist()
+
+
+def _process_row(row: torch.Tensor, seq: Sequence) -> None:
+    params = seq.params
+    if params.embedding_bias is not None:
+        row += torch.as_tensor(params.embedding_bias, dtype=row.dtype, device=row.device)[: row.shape[0]]
+    if params.bad_words:
+        _ban(row, banned_by_words(seq.all_token_ids(), params.bad_words))
+    if params.min_tokens and len(seq.output_token_ids) < params.min_tokens:
+        _ban(row, end_tokens(seq))
+    if _has_penalty(params):
+        _apply_penalties(row, seq)
+
+
+def _ban(row: torch.Tensor, token_ids) -> None:
+    ids = [t for t in token_ids if 0 <= t < row.shape[0]]
+    if ids:
+        row[ids] = NEG_INF
+
+
+def banned_by_words(token_ids: list[int], words: list[list[int]]) -> list[int]:
+    """Last tokens of the bad words whose other tokens the sequence has just produced."""
+    banned = []
+    for word in words:
+        head = word[:-1]
+        if not head or token_ids[-len(head):] == head:
+            banned.append(word[-1])
+    return banned
+
+
+def end_tokens(seq: Sequence) -> list[int]:
+    params = seq.params
+    ids = [params.end_id] if params.end_id is not None and params.end_id >= 0 else []
+    ids += list(params.stop_token_ids or [])
+    ids += [word[0] for word in params.stop_words or [] if len(word) == 1]
+    return ids
+
+
+def _has_penalty(params) -> bool:
+    return bool((params.repetition_penalty not in (None, 1.0)) or params.presence_penalty
+                or params.frequency_penalty)
+
+
+def _apply_penalties(row: torch.Tensor, seq: Sequence) -> None:
+    params = seq.params
+    if params.repetition_penalty not in (None, 1.0):
+        seen = torch.tensor(sorted(set(seq.all_token_ids())), dtype=torch.long, device=row.device)
+        values = row[seen]
+        row[seen] = torch.where(values > 0, values / params.repetition_penalty, values * params.repetition_penalty)
+    if (params.presence_penalty or params.frequency_penalty) and seq.output_token_ids:
+        outputs = torch.tensor(seq.output_token_ids, dtype=torch.long, device=row.device)
+        counts = torch.bincount(outputs, minlength=row.shape[0])[: row.shape[0]].to(row.dtype)
+        row -= (params.frequency_penalty or 0.0) * counts
+        row -= (params.presence_penalty or 0.0) * (counts > 0).to(row.dtype)
+
+
+def _draw(row: torch.Tensor, seq: Sequence) -> int:
+    params = seq.params
+    filtered = row.clone()
+    if params.top_k:
+        k = min(params.top_k, filtered.shape[0])
+        threshold = torch.topk(filtered, k).values[-1]
+        filtered[filtered < threshold] = NEG_INF
+    if params.top_p is not None and params.top_p < 1.0:
+        filtered = _top_p(filtered, params.top_p)
+    probs = torch.softmax(filtered, dim=-1).cpu()
+    return int(torch.multinomial(probs, 1, generator=seq.generator)[0])
+
+
+def _top_p(row: torch.Tensor, top_p: float) -> torch.Tensor:
+    sorted_logits, order = torch.sort(row, descending=True)
+    cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+    # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it already does.
+    drop = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= top_p
+    sorted_logits[drop] = NEG_INF
+    return torch.full_like(row, NEG_INF).scatter(0, order, sorted_logits)

@@ -1,0 +1,126 @@
+"""Fills one token budget per step (vLLM v1's rule): every scheduled sequence's computed tokens catch up with its
+known tokens. Running sequences go first (a decode is one token, a chunked prefill a slice of its prompt), then
+waiting ones are admitted in arrival order while the batch, the token budget and the KV cache allow.
+
+When blocks run out, the most recently admitted running sequence is preempted: its blocks are freed and it goes
+back to the front of the queue to be recomputed. With GUARANTEED_NO_EVICT a sequence is admitted only when blocks
+for its whole output are available on top of what the running ones may still need, so preemption does not happen;
+MAX_UTILIZATION admits as soon as the prompt fits."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .block_manager import BlockManager
+from .sequence import Sequence, SequenceStatus
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence] = field(default_factory=list)
+    num_new_tokens: list[int] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    def add(self, seq: Sequence, num_tokens: int) -> None:
+        self.seqs.append(seq)
+        self.num_new_tokens.append(num_tokens)
+
+
+class Scheduler:
+    def __init__(self, block_manager: BlockManager, max_batch_size: int, max_num_tokens: int,
+                 enable_chunked_prefill: bool, guaranteed_no_evict: bool):
+        self.block_manager = block_manager
+        self.max_batch_size = max_batch_size
+        self.max_num_tokens = max_num_tokens
+        self.enable_chunked_prefill = enable_chunked_prefill
+        self.guaranteed_no_evict = guaranteed_no_evict
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def remove(self, seq: Sequence) -> None:
+        """Drop a finished or aborted sequence and free its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.block_manager.free(seq)
+
+    def schedule(self) -> ScheduledBatch:
+        batch = ScheduledBatch()
+        budget = self._schedule_running(batch, self.max_num_tokens)
+        if not batch.preempted:
+            self._admit_waiting(batch, budget)
+        return batch
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        for seq in list(self.running):
+            if seq.status is not SequenceStatus.RUNNING or budget <= 0:
+                continue
+            num_tokens = self._tokens_to_schedule(seq, budget, first=batch.is_empty)
+            if num_tokens == 0:
+                continue
+            if not self._grow_or_preempt(seq, seq.num_computed_tokens + num_tokens, batch):
+                continue
+            batch.add(seq, num_tokens)
+            budget -= num_tokens
+        return budget
+
+    def _grow_or_preempt(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
+        while not self.block_manager.grow(seq, num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim, batch)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence, batch: ScheduledBatch) -> None:
+        self.running.remove(seq)
+        if seq in batch.seqs:
+            position = batch.seqs.index(seq)
+            del batch.seqs[position], batch.num_new_tokens[position]
+        self.block_manager.free(seq)
+        seq.status = SequenceStatus.WAITING
+        seq.metrics.num_preemptions += 1
+        self.waiting.appendleft(seq)
+        batch.preempted.append(seq)
+
+    def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
+            seq = self.waiting[0]
+            num_tokens = self._tokens_to_schedule(seq, budget, first=batch.is_empty)
+            if num_tokens == 0 or not self._fits(seq, seq.num_computed_tokens + num_tokens):
+                break
+            self.block_manager.grow(seq, seq.num_computed_tokens + num_tokens)
+            self.waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            batch.add(seq, num_tokens)
+            budget -= num_tokens
+
+    def _tokens_to_schedule(self, seq: Sequence, budget: int, first: bool) -> int:
+        wanted = seq.num_uncomputed_tokens
+        if wanted <= budget:
+            return wanted
+        if self.enable_chunked_prefill:
+            return budget
+        # Without chunking a prompt runs whole; one that outgrew the budget (recompute after preemption) may
+        # still run alone, or it would never run again.
+        return wanted if first else 0
+
+    def _fits(self, seq: Sequence, num_tokens: int) -> bool:
+        manager = self.block_manager
+        if not self.guaranteed_no_evict:
+            return manager.can_grow(seq, num_tokens)
+        reserved = sum(manager.blocks_needed(s, s.max_total_tokens) for s in self.running)
+        return manager.blocks_needed(seq, seq.max_total_tokens) + reserved <= manager.num_free_blocks

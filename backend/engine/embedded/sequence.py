@@ -1,0 +1,84 @@
+"""Per-sample state of a request inside the embedded engine.
+
+One request with `n` samples becomes `n` sequences. A sequence's KV cache catches up with its tokens: each step
+computes `num_tokens - num_computed_tokens` tokens (or a budget-limited chunk of them), and a new token is sampled
+only once every known token has been computed. Preemption resets `num_computed_tokens` to 0 (recompute)."""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from ..types import RequestPerfMetrics, SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: int
+    request_id: int
+    index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    generator: Optional[torch.Generator] = None
+    output_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    cumulative_logprob: float = 0.0
+    num_computed_tokens: int = 0
+    block_table: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    finish_reason: Optional[str] = None
+    stop_reason: Optional[int | list[int]] = None
+    metrics: RequestPerfMetrics = field(default_factory=RequestPerfMetrics)
+    # Tokens delivered to the client so far (streaming sends the rest).
+    num_delivered_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        self.metrics.arrival_time_ns = time.time_ns()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    @property
+    def max_total_tokens(self) -> int:
+        """The most tokens this sequence can ever hold (prompt plus its full output)."""
+        return len(self.prompt_token_ids) + self.params.max_tokens
+
+    def token_at(self, position: int) -> int:
+        prompt_len = len(self.prompt_token_ids)
+        if position < prompt_len:
+            return self.prompt_token_ids[position]
+        return self.output_token_ids[position - prompt_len]
+
+    def tokens_between(self, start: int, end: int) -> list[int]:
+        prompt_len = len(self.prompt_token_ids)
+        if end <= prompt_len:
+            return self.prompt_token_ids[start:end]
+        if start >= prompt_len:
+            return self.output_token_ids[start - prompt_len:end - prompt_len]
+        return self.prompt_token_ids[start:] + self.output_token_ids[:end - prompt_len]
+
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    def finish(self, reason: str, stop_reason=None) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.stop_reason = stop_reason
