@@ -10,7 +10,7 @@ import itertools
 import logging
 import queue
 import threading
-from typing import Optional
+from typing import Callable, Optional
 
 from ..config import EngineConfig
 from ..types import RequestOutput, SamplingParams
@@ -27,16 +27,22 @@ class EngineError(RuntimeError):
 class RequestHandle:
     """Outputs of one request: every step's update when streaming, else only the final one."""
 
-    def __init__(self, engine: "EmbeddedEngine", request_id: int, streaming: bool):
+    def __init__(self, engine: "EmbeddedEngine", request_id: int, streaming: bool,
+                 on_output: Optional[Callable[["RequestHandle", object], None]] = None):
         self.engine = engine
         self.request_id = request_id
         self.streaming = streaming
+        self._on_output = on_output
         self._outputs: queue.SimpleQueue = queue.SimpleQueue()
         self._last: Optional[RequestOutput] = None
         self._done = False
 
     def _put(self, item) -> None:
-        self._outputs.put(item)
+        # With a callback, outputs (or the exception that ended the request) go to it, on the engine thread.
+        if self._on_output is not None:
+            self._on_output(self, item)
+        else:
+            self._outputs.put(item)
 
     def __iter__(self):
         return self
@@ -104,14 +110,15 @@ class EmbeddedEngine:
     # -- public API -------------------------------------------------------------------------------------------
 
     def generate_async(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                       streaming: bool = False, request_id: Optional[int] = None) -> RequestHandle:
+                       streaming: bool = False, request_id: Optional[int] = None,
+                       on_output: Optional[Callable[[RequestHandle, object], None]] = None) -> RequestHandle:
         if self._stopped.is_set():
             raise EngineError("the engine has been shut down")
         self.core.validate(prompt_token_ids, sampling_params)
         if request_id is None:
             with self._ids_lock:
                 request_id = next(self._ids)
-        handle = RequestHandle(self, request_id, streaming)
+        handle = RequestHandle(self, request_id, streaming, on_output)
         self._commands.put(("add", handle, list(prompt_token_ids), sampling_params))
         return handle
 

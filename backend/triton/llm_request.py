@@ -1,0 +1,190 @@
+"""Turns one `tensorrt_llm` Triton request into engine rows: token ids plus SamplingParams per batch row.
+
+Tensor names are the contract's (TensorRT-LLM backend `tensorrt_llm` model). Every bad value raises `InputError`
+naming the input; inputs of features that are not built yet are refused rather than silently ignored."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from ..engine.types import SamplingParams
+from .pb import InputError, optional_input
+
+# Inputs whose feature is not built yet: sending one is an error, never silently dropped.
+UNSUPPORTED_INPUTS = {
+    "draft_input_ids": "draft tokens (speculative decoding)", "draft_logits": "draft tokens (speculative decoding)",
+    "draft_acceptance_threshold": "draft tokens (speculative decoding)",
+    "lora_task_id": "LoRA", "lora_weights": "LoRA", "lora_config": "LoRA",
+    "prompt_embedding_table": "prompt tables", "prompt_table_extra_ids": "prompt tables",
+    "encoder_input_features": "encoder-decoder/multimodal", "encoder_output_lengths": "encoder-decoder/multimodal",
+    "cross_attention_mask": "multimodal", "skip_cross_attn_blocks": "multimodal",
+    "mrope_rotary_cos_sin": "multimodal", "mrope_position_deltas": "multimodal",
+    "guided_decoding_guide_type": "guided decoding", "guided_decoding_guide": "guided decoding",
+    "lookahead_window_size": "lookahead decoding", "lookahead_ngram_size": "lookahead decoding",
+    "lookahead_verification_set_size": "lookahead decoding",
+    "context_phase_params": "disaggregated serving",
+    "retention_token_range_starts": "KV cache retention", "retention_token_range_ends": "KV cache retention",
+    "retention_token_range_priorities": "KV cache retention",
+    "retention_token_range_durations_ms": "KV cache retention", "retention_decode_priority": "KV cache retention",
+    "retention_decode_duration_ms": "KV cache retention",
+    "return_context_logits": "context logits", "return_generation_logits": "generation logits",
+    "runtime_top_p_min": "top-p decay", "runtime_top_p_decay": "top-p decay", "runtime_top_p_reset_ids": "top-p decay",
+}
+# Inputs a true value or presence of which asks for the feature (a false flag is harmless).
+FLAG_INPUTS = {"return_context_logits", "return_generation_logits"}
+
+
+@dataclass
+class RowOptions:
+    """What a row's responses carry, beyond the tokens."""
+
+    streaming: bool
+    exclude_input_in_output: bool
+    return_log_probs: bool
+    return_perf_metrics: bool
+
+
+@dataclass
+class EngineRow:
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    options: RowOptions
+
+
+def batch_size(request) -> int:
+    ids = optional_input(request, "input_ids")
+    if ids is None:
+        raise InputError("input 'input_ids' is required (a value is required for input_ids)")
+    if ids.ndim != 2:
+        raise InputError(f"input 'input_ids' must be 2-D [batch, tokens], got shape {list(ids.shape)}")
+    return ids.shape[0]
+
+
+def is_stop_request(request) -> bool:
+    stop = optional_input(request, "stop")
+    return stop is not None and bool(np.asarray(stop).reshape(-1)[0])
+
+
+def check_unsupported(request) -> None:
+    for name, feature in UNSUPPORTED_INPUTS.items():
+        value = optional_input(request, name)
+        if value is None or value.size == 0:
+            continue
+        if name in FLAG_INPUTS and not np.asarray(value).astype(bool).any():
+            continue
+        raise InputError(f"input '{name}' needs {feature}, which is not supported yet")
+
+
+def convert_request(request, default_exclude_input: bool, decoupled: bool) -> list[EngineRow]:
+    """All rows of a Triton request, validated."""
+    check_unsupported(request)
+    rows = batch_size(request)
+    ids = optional_input(request, "input_ids").astype(np.int64)
+    lengths = _column(request, "input_lengths", rows, required=True)
+    return [_convert_row(request, row, ids[row], int(lengths[row]), default_exclude_input, decoupled)
+            for row in range(rows)]
+
+
+def _convert_row(request, row, ids, length, default_exclude_input, decoupled) -> EngineRow:
+    if not 0 < length <= ids.shape[0]:
+        raise InputError(f"input 'input_lengths' = {length} must be in [1, {ids.shape[0]}] (the input_ids width)")
+    streaming = _flag(request, "streaming", row, False)
+    if streaming and not decoupled:
+        raise InputError("input 'streaming' = true: streaming is only supported in decoupled mode")
+    params = SamplingParams(
+        max_tokens=_int(request, "request_output_len", row, required=True),
+        end_id=_int(request, "end_id", row), pad_id=_int(request, "pad_id", row),
+        n=_int(request, "num_return_sequences", row) or 1,
+        beam_width=_int(request, "beam_width", row) or 1,
+        temperature=_float(request, "temperature", row), top_k=_int(request, "runtime_top_k", row),
+        top_p=_top_p(request, row), seed=_int(request, "seed", row),
+        min_tokens=_min_tokens(request, row),
+        repetition_penalty=_float(request, "repetition_penalty", row),
+        presence_penalty=_float(request, "presence_penalty", row),
+        frequency_penalty=_float(request, "frequency_penalty", row),
+        length_penalty=_float(request, "len_penalty", row),
+        stop_words=_word_list(request, "stop_words_list", row), bad_words=_word_list(request, "bad_words_list", row),
+        embedding_bias=_embedding_bias(request, row),
+        logprobs=_flag(request, "return_log_probs", row, False),
+        return_perf_metrics=_flag(request, "return_perf_metrics", row, False))
+    options = RowOptions(streaming, _flag(request, "exclude_input_in_output", row, default_exclude_input),
+                         params.logprobs, params.return_perf_metrics)
+    try:
+        params.validate()
+    except ValueError as exc:
+        raise InputError(f"invalid sampling input: {exc}") from None
+    return EngineRow([int(t) for t in ids[:length]], params, options)
+
+
+def _column(request, name, rows, required=False) -> Optional[np.ndarray]:
+    """A per-row scalar input ([B] after reshape, or [B, 1]) as a flat array of `rows` values."""
+    value = optional_input(request, name)
+    if value is None or value.size == 0:
+        if required:
+            raise InputError(f"input '{name}' is required")
+        return None
+    flat = np.asarray(value).reshape(value.shape[0] if value.ndim else 1, -1)[:, 0]
+    if flat.shape[0] not in (1, rows):
+        raise InputError(f"input '{name}' has {flat.shape[0]} rows but input_ids has {rows}")
+    return flat
+
+
+def _scalar(request, name, row, required=False):
+    column = _column(request, name, batch_size(request), required)
+    return None if column is None else column[min(row, column.shape[0] - 1)]
+
+
+def _int(request, name, row, required=False) -> Optional[int]:
+    value = _scalar(request, name, row, required)
+    return None if value is None else int(value)
+
+
+def _float(request, name, row) -> Optional[float]:
+    value = _scalar(request, name, row)
+    return None if value is None else float(value)
+
+
+def _flag(request, name, row, default: bool) -> bool:
+    value = _scalar(request, name, row)
+    return default if value is None else bool(value)
+
+
+def _top_p(request, row) -> Optional[float]:
+    value = _float(request, "runtime_top_p", row)
+    return None if value is None or value <= 0 else value  # the anchor treats top_p <= 0 as unset
+
+
+def _min_tokens(request, row) -> Optional[int]:
+    value = _int(request, "min_tokens", row)
+    return value if value is not None else _int(request, "min_length", row)  # genai-perf's older name
+
+
+def _word_list(request, name, row) -> Optional[list[list[int]]]:
+    value = optional_input(request, name)
+    if value is None or value.size == 0:
+        return None
+    if value.ndim != 3 or value.shape[1] != 2:
+        raise InputError(f"input '{name}' must have shape [batch, 2, length], got {list(value.shape)}")
+    return parse_word_list(value[min(row, value.shape[0] - 1)], name)
+
+
+def parse_word_list(pair: np.ndarray, name: str) -> Optional[list[list[int]]]:
+    """[[flat ids...], [cumulative end offsets..., -1 padding]] -> token sequences."""
+    ids, offsets = pair[0].tolist(), [int(o) for o in pair[1].tolist() if o >= 0]
+    words, start = [], 0
+    for end in offsets:
+        if end < start or end > len(ids):
+            raise InputError(f"input '{name}' has an offset {end} outside its {len(ids)} ids")
+        if end > start:
+            words.append([int(t) for t in ids[start:end]])
+        start = end
+    return words or None
+
+
+def _embedding_bias(request, row) -> Optional[list[float]]:
+    value = optional_input(request, "embedding_bias")
+    if value is None or value.size == 0:
+        return None
+    return np.asarray(value[min(row, value.shape[0] - 1)], dtype=np.float32).tolist()

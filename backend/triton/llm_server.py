@@ -1,0 +1,205 @@
+"""Request lifecycle of the `tensorrt_llm` model: submit rows to the engine, send responses, cancel.
+
+`execute` only converts and submits (it returns at once). Engine outputs arrive through callbacks on the engine's
+thread and are queued; one sender thread turns them into Triton responses and, every
+`cancellation_check_period_ms`, asks Triton whether any client went away (then aborts its engine requests, which
+frees their KV blocks). A `stop=true` request with the same request id aborts them too."""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Optional
+
+from ..engine.types import RequestOutput
+from .llm_request import EngineRow, convert_request, is_stop_request
+from .llm_responses import merge_batch, sequence_tensors
+from .pb import InputError, error_response, pb_utils, send_final, send_response
+
+log = logging.getLogger("tritonllm.tensorrt_llm")
+
+
+@dataclass(eq=False)
+class TritonRequestState:
+    """One Triton request: its rows (one engine request each) and what has been sent."""
+
+    request: object
+    sender: object
+    triton_id: str
+    rows: list[EngineRow]
+    engine_ids: list[int] = field(default_factory=list)
+    rows_done: int = 0
+    sequences_done: set = field(default_factory=set)
+    final_rows: dict = field(default_factory=dict)  # non-decoupled: row -> tensors
+    cancelled: bool = False
+    closed: bool = False
+
+
+class LLMRequestServer:
+    def __init__(self, engine, decoupled: bool, exclude_input_in_output: bool, cancellation_check_ms: int):
+        self.engine = engine
+        self.decoupled = decoupled
+        self.exclude_input_in_output = exclude_input_in_output
+        self.check_period = max(cancellation_check_ms, 1) / 1000
+        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self.active: dict[int, TritonRequestState] = {}  # engine request id -> state
+        self.by_triton_id: dict[str, list[TritonRequestState]] = {}
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._send_loop, name="tritonllm-sender", daemon=True)
+        self.thread.start()
+
+    # -- called from execute() --------------------------------------------------------------------------------
+
+    def submit(self, request) -> None:
+        sender = request.get_response_sender()
+        try:
+            if is_stop_request(request):
+                self._stop(request.request_id())
+                send_final(sender, None)
+                return
+            rows = convert_request(request, self.exclude_input_in_output, self.decoupled)
+            if not self.decoupled and any(row.params.n > 1 for row in rows):
+                raise InputError("input 'num_return_sequences' > 1 needs decoupled mode (one response per sequence)")
+            state = TritonRequestState(request, sender, request.request_id(), rows)
+            self._start(state)
+        except (InputError, ValueError) as exc:
+            send_final(sender, error_response(str(exc)))
+
+    def _start(self, state: TritonRequestState) -> None:
+        with self.lock:
+            try:
+                for index, row in enumerate(state.rows):
+                    handle = self.engine.generate_async(
+                        row.prompt_token_ids, row.params, streaming=row.options.streaming,
+                        on_output=lambda _handle, item, s=state, r=index: self.events.put((s, r, item)))
+                    state.engine_ids.append(handle.request_id)
+                    self.active[handle.request_id] = state
+            except Exception:
+                self._cancel(state)
+                for engine_id in state.engine_ids:
+                    self.active.pop(engine_id, None)
+                raise
+            if state.triton_id:
+                self.by_triton_id.setdefault(state.triton_id, []).append(state)
+
+    def _stop(self, triton_id: str) -> None:
+        if not triton_id:
+            raise InputError("input 'stop': a request id must be provided for request cancellation")
+        with self.lock:
+            states = list(self.by_triton_id.get(triton_id, []))
+        for state in states:
+            self._cancel(state)
+
+    def _cancel(self, state: TritonRequestState) -> None:
+        state.cancelled = True
+        for engine_id in state.engine_ids:
+            self.engine.abort(engine_id)
+
+    # -- sender thread ----------------------------------------------------------------------------------------
+
+    def _send_loop(self) -> None:
+        while not (self.stopping.is_set() and not self.active):
+            try:
+                state, row, item = self.events.get(timeout=self.check_period)
+            except queue.Empty:
+                self._poll_cancellation()
+                continue
+            try:
+                self._on_output(state, row, item)
+            except Exception:  # never let one request's failure stop the sender for the others
+                log.exception("failed to send a response for request %r", state.triton_id)
+                self._close(state, error_response("internal error while sending the response"))
+            self._poll_cancellation()
+
+    def _poll_cancellation(self) -> None:
+        with self.lock:
+            states = {id(s): s for s in self.active.values()}.values()
+        for state in states:
+            if not state.cancelled and state.sender.is_cancelled():
+                log.info("client cancelled request %r: aborting it", state.triton_id)
+                self._cancel(state)
+
+    def _on_output(self, state: TritonRequestState, row: int, item) -> None:
+        if state.closed:
+            return
+        if isinstance(item, BaseException):
+            self._cancel(state)
+            self._close(state, error_response(str(item)))
+            return
+        if item.finished:
+            state.rows_done += 1
+        if state.cancelled:
+            if state.rows_done == len(state.rows):
+                self._close(state, error_response("request was cancelled", cancelled=True))
+            return
+        if self.decoupled:
+            self._send_decoupled(state, row, item)
+        else:
+            self._collect_non_decoupled(state, row, item)
+
+    def _send_decoupled(self, state: TritonRequestState, row: int, output: RequestOutput) -> None:
+        options = state.rows[row].options
+        batch_index = row if len(state.rows) > 1 else None
+        pending = []
+        for completion in output.outputs:
+            key = (row, completion.index)
+            if key in state.sequences_done:
+                continue
+            finished = completion.finish_reason is not None
+            if not finished and not completion.token_ids_diff:
+                continue
+            if finished:
+                state.sequences_done.add(key)
+            sequence_index = completion.index if len(output.outputs) > 1 else None
+            pending.append(sequence_tensors(output.prompt_token_ids, completion, options,
+                                            delta=options.streaming, is_final=finished,
+                                            batch_index=batch_index, sequence_index=sequence_index))
+        last_row = state.rows_done == len(state.rows) and output.finished
+        for position, tensors in enumerate(pending):
+            if last_row and position == len(pending) - 1:
+                self._close(state, pb_utils().InferenceResponse(output_tensors=tensors))
+            else:
+                send_response(state.sender, pb_utils().InferenceResponse(output_tensors=tensors))
+        if last_row and not state.closed:
+            self._close(state, None)
+
+    def _collect_non_decoupled(self, state: TritonRequestState, row: int, output: RequestOutput) -> None:
+        if not output.finished:
+            return
+        completion = output.outputs[0]
+        state.final_rows[row] = sequence_tensors(output.prompt_token_ids, completion, state.rows[row].options,
+                                                 delta=False, is_final=True, batch_index=None, sequence_index=None)
+        if len(state.final_rows) == len(state.rows):
+            tensors = merge_batch([state.final_rows[i] for i in range(len(state.rows))])
+            self._close(state, pb_utils().InferenceResponse(output_tensors=tensors))
+
+    def _close(self, state: TritonRequestState, response) -> None:
+        """Send the request's last response (FINAL flag) and forget it."""
+        if state.closed:
+            return
+        state.closed = True
+        send_final(state.sender, response)
+        with self.lock:
+            for engine_id in state.engine_ids:
+                self.active.pop(engine_id, None)
+            if state.triton_id in self.by_triton_id:
+                remaining = [s for s in self.by_triton_id[state.triton_id] if s is not state]
+                if remaining:
+                    self.by_triton_id[state.triton_id] = remaining
+                else:
+                    del self.by_triton_id[state.triton_id]
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort what is still running, let the sender answer it, then stop."""
+        with self.lock:
+            states = {id(s): s for s in self.active.values()}.values()
+        for state in states:
+            self._cancel(state)
+        self.stopping.set()
+        self.thread.join(timeout)
+
+    @property
+    def num_active(self) -> int:
+        return len(self.active)
