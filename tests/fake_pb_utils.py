@@ -1,0 +1,168 @@
+"""A small fake of `triton_python_backend_utils`: the subset the tritonllm models use, with the stub's names.
+
+Tests install it as `sys.modules["triton_python_backend_utils"]` (see `install`). It is strict where the real
+stub is strict (e.g. a Logger without `log_warning`, string tensors as object arrays of bytes), so code that
+passes here does not trip on the first real server run.
+"""
+from __future__ import annotations
+
+import sys
+import types
+from typing import Any, Mapping, Optional
+
+import numpy as np
+
+TRITONSERVER_RESPONSE_COMPLETE_FINAL = 1
+
+
+class TritonModelException(Exception):
+    pass
+
+
+class TritonError:
+    UNKNOWN, INTERNAL, NOT_FOUND, INVALID_ARG, UNAVAILABLE, UNSUPPORTED, ALREADY_EXISTS, CANCELLED = range(8)
+
+    def __init__(self, message: str, code: int = INTERNAL):
+        self._message = message
+        self._code = code
+
+    def message(self) -> str:
+        return self._message
+
+    def code(self) -> int:
+        return self._code
+
+    def __repr__(self) -> str:
+        return f"TritonError({self._message!r}, code={self._code})"
+
+
+def _as_triton_array(value: Any) -> np.ndarray:
+    """Numpy the way the stub hands it out: strings become object arrays of bytes."""
+    array = np.asarray(value)
+    if array.dtype.kind in "SU" or (array.dtype.kind == "O" and array.size and isinstance(array.flat[0], str)):
+        encode = np.vectorize(lambda s: s.encode("utf-8") if isinstance(s, str) else bytes(s), otypes=[object])
+        array = encode(array) if array.size else array.astype(object)
+    return array
+
+
+class Tensor:
+    def __init__(self, name: str, array: np.ndarray):
+        if not isinstance(array, np.ndarray):
+            raise TritonModelException(f"Tensor '{name}' needs a numpy array, got {type(array).__name__}")
+        if array.dtype.kind == "U":
+            raise TritonModelException(f"Tensor '{name}': unicode arrays are not supported, use bytes objects")
+        self._name = name
+        self._array = array
+
+    def name(self) -> str:
+        return self._name
+
+    def as_numpy(self) -> np.ndarray:
+        return self._array
+
+    def is_cpu(self) -> bool:
+        return True
+
+
+class InferenceResponse:
+    def __init__(self, output_tensors: Optional[list] = None, error: Optional[TritonError] = None):
+        self._tensors = list(output_tensors or [])
+        self._error = error
+
+    def output_tensors(self) -> list:
+        return self._tensors
+
+    def has_error(self) -> bool:
+        return self._error is not None
+
+    def error(self) -> Optional[TritonError]:
+        return self._error
+
+
+class ResponseSender:
+    """Records what a decoupled model sends: a list of (response, flags)."""
+
+    def __init__(self):
+        self.sent: list[tuple[Optional[InferenceResponse], int]] = []
+
+    def send(self, response: Optional[InferenceResponse] = None, flags: int = 0) -> None:
+        if self.sent and self.sent[-1][1] & TRITONSERVER_RESPONSE_COMPLETE_FINAL:
+            raise TritonModelException("response sent after the FINAL flag")
+        self.sent.append((response, flags))
+
+    @property
+    def finished(self) -> bool:
+        return bool(self.sent) and bool(self.sent[-1][1] & TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+
+class InferenceRequest:
+    """A received request built from {input name: array-like}; strings become object arrays of bytes."""
+
+    def __init__(self, inputs: Mapping[str, Any], request_id: str = "", cancelled: bool = False):
+        self._inputs = {name: Tensor(name, _as_triton_array(value)) for name, value in inputs.items()}
+        self._request_id = request_id
+        self._cancelled = cancelled
+        self._sender = ResponseSender()
+
+    def get_input_tensor_by_name(self, name: str) -> Optional[Tensor]:
+        return self._inputs.get(name)
+
+    def inputs(self) -> list[Tensor]:
+        return list(self._inputs.values())
+
+    def request_id(self) -> str:
+        return self._request_id
+
+    def is_cancelled(self) -> bool:
+        return self._cancelled
+
+    def cancel(self) -> None:
+        self._cancelled = True
+
+    def get_response_sender(self) -> ResponseSender:
+        return self._sender
+
+
+def get_input_tensor_by_name(request: InferenceRequest, name: str) -> Optional[Tensor]:
+    return request.get_input_tensor_by_name(name)
+
+
+def get_output_tensor_by_name(response: InferenceResponse, name: str) -> Optional[Tensor]:
+    for tensor in response.output_tensors():
+        if tensor.name() == name:
+            return tensor
+    return None
+
+
+class Logger:
+    """Records messages per level; like the stub, it has `log_warn` and no `log_warning`."""
+
+    records: list[tuple[str, str]] = []
+
+    @classmethod
+    def log_info(cls, message: str) -> None:
+        cls.records.append(("info", message))
+
+    @classmethod
+    def log_warn(cls, message: str) -> None:
+        cls.records.append(("warn", message))
+
+    @classmethod
+    def log_error(cls, message: str) -> None:
+        cls.records.append(("error", message))
+
+    @classmethod
+    def log_verbose(cls, message: str) -> None:
+        cls.records.append(("verbose", message))
+
+
+def install() -> types.ModuleType:
+    """Put this module in sys.modules as `triton_python_backend_utils`; returns it. Undo with `uninstall`."""
+    module = sys.modules[__name__]
+    Logger.records = []
+    sys.modules["triton_python_backend_utils"] = module
+    return module
+
+
+def uninstall() -> None:
+    sys.modules.pop("triton_python_backend_utils", None)
