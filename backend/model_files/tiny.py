@@ -1,0 +1,154 @@
+"""Tiny random-weight models in Hugging Face format, for fast tests: Llama, Qwen2 (q/k/v biases) and Qwen3
+(q/k norms, head_dim != hidden / heads), each with a real byte-level BPE tokenizer trained on text we ship.
+
+The same seed and architecture always give byte-identical files."""
+from __future__ import annotations
+
+import functools
+import math
+from importlib import resources
+from pathlib import Path
+from typing import Any, Union
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+from .hf_files import CHATML_TEMPLATE, portable_model_config, portable_tokenizer_config, special_tokens_map, \
+    write_json
+
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
+EOS_TOKEN = "<|im_end|>"
+PAD_TOKEN = "<|endoftext|>"
+EOS_TOKEN_ID = SPECIAL_TOKENS.index(EOS_TOKEN)
+PAD_TOKEN_ID = SPECIAL_TOKENS.index(PAD_TOKEN)
+TOKENIZER_VOCAB_TARGET = 1000
+MAX_POSITION_EMBEDDINGS = 4096
+
+_COMMON = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
+               num_key_value_heads=2, hidden_act="silu", rms_norm_eps=1e-6, rope_theta=10000.0,
+               max_position_embeddings=MAX_POSITION_EMBEDDINGS, initializer_range=0.02, attention_dropout=0.0,
+               use_cache=True, bos_token_id=None, eos_token_id=EOS_TOKEN_ID, pad_token_id=PAD_TOKEN_ID,
+               dtype="float32")
+_ARCH_CONFIGS: dict[str, dict[str, Any]] = {
+    "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", head_dim=16,
+                  tie_word_embeddings=False, attention_bias=False, mlp_bias=False),
+    "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", tie_word_embeddings=True,
+                  use_sliding_window=False, sliding_window=None, max_window_layers=2),
+    "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=24, tie_word_embeddings=True,
+                  attention_bias=False, use_sliding_window=False, sliding_window=None, max_window_layers=2),
+}
+ARCHITECTURES = tuple(_ARCH_CONFIGS)
+
+
+def build_tiny_model(out_dir: Union[str, Path], seed: int = 0, arch: str = "llama") -> Path:
+    if arch not in _ARCH_CONFIGS:
+        raise ValueError(f"unknown tiny model architecture {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer_json = trained_tokenizer_json()
+    config = tiny_config(arch, Tokenizer.from_str(tokenizer_json).get_vocab_size())
+    save_file(random_weights(config, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
+    write_json(out / "config.json", config)
+    write_json(out / "generation_config.json", {"eos_token_id": EOS_TOKEN_ID, "pad_token_id": PAD_TOKEN_ID})
+    (out / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
+    tokenizer_config = _tokenizer_config()
+    write_json(out / "tokenizer_config.json", tokenizer_config)
+    write_json(out / "special_tokens_map.json", special_tokens_map(tokenizer_config))
+    return out
+
+
+def tiny_config(arch: str, vocab_size: int) -> dict[str, Any]:
+    return portable_model_config({**_COMMON, **_ARCH_CONFIGS[arch], "vocab_size": vocab_size})
+
+
+# ---- weights ----
+
+def random_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    """Every tensor random, biases and norm scales included, scaled so logits spread widely (no near-ties)."""
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, shape, kind in _weight_specs(config):
+        noise = torch.randn(shape, generator=generator, dtype=torch.float32)
+        tensors[name] = _INIT[kind](noise, shape)
+    return tensors
+
+
+# Scales chosen by measurement: greedy decoding stays varied (a tied model whose embeddings dominate the residual
+# stream just repeats its input token) and the top two logits stay well apart.
+_INIT = {
+    "embedding": lambda noise, shape: noise * 0.3,
+    "linear": lambda noise, shape: noise / math.sqrt(shape[1]),  # keeps activations near unit scale
+    "mixing": lambda noise, shape: noise * 2 / math.sqrt(shape[1]),  # q, k, o, down: sharper attention, more mixing
+    "head": lambda noise, shape: noise * 0.5,
+    "bias": lambda noise, shape: noise * 0.3,
+    "norm": lambda noise, shape: 1.0 + noise * 0.2,
+    "final_norm": lambda noise, shape: 3.0 * (1.0 + noise * 0.2),  # spreads the logits
+}
+
+
+def _weight_specs(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...], str]]:
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    q_size = config["num_attention_heads"] * head_dim
+    kv_size = config["num_key_value_heads"] * head_dim
+    qkv_bias = config["model_type"] == "qwen2" or config.get("attention_bias", False)
+    specs = [("model.embed_tokens.weight", (config["vocab_size"], hidden), "embedding")]
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        specs += [(p + "input_layernorm.weight", (hidden,), "norm"),
+                  (p + "post_attention_layernorm.weight", (hidden,), "norm")]
+        for proj, rows, kind in (("q", q_size, "mixing"), ("k", kv_size, "mixing"), ("v", kv_size, "linear")):
+            specs.append((p + f"self_attn.{proj}_proj.weight", (rows, hidden), kind))
+            if qkv_bias:
+                specs.append((p + f"self_attn.{proj}_proj.bias", (rows,), "bias"))
+        specs.append((p + "self_attn.o_proj.weight", (hidden, q_size), "mixing"))
+        if config["model_type"] == "qwen3":
+            specs += [(p + "self_attn.q_norm.weight", (head_dim,), "norm"),
+                      (p + "self_attn.k_norm.weight", (head_dim,), "norm")]
+        specs += [(p + "mlp.gate_proj.weight", (inter, hidden), "linear"),
+                  (p + "mlp.up_proj.weight", (inter, hidden), "linear"),
+                  (p + "mlp.down_proj.weight", (hidden, inter), "mixing")]
+    specs.append(("model.norm.weight", (hidden,), "final_norm"))
+    if not config["tie_word_embeddings"]:
+        specs.append(("lm_head.weight", (config["vocab_size"], hidden), "head"))
+    return specs
+
+
+# ---- tokenizer ----
+
+def corpus_text() -> str:
+    return resources.files("tritonllm.model_files").joinpath("data/tiny_corpus.txt").read_text(encoding="utf-8")
+
+
+# The pre-tokenizer split of Qwen2-family tokenizers (digits one by one). transformers 5 imposes it on any
+# model_type "qwen2" folder whatever tokenizer.json says, so every tiny model uses it and all loaders agree.
+_QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+@functools.lru_cache(maxsize=1)
+def trained_tokenizer_json() -> str:
+    """A byte-level BPE (any UTF-8 text encodes, nothing is unknown) trained on the shipped corpus."""
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.normalizer = normalizers.NFC()
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_QWEN_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+    ])
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
+    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB_TARGET, min_frequency=1, show_progress=False,
+                                  special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train_from_iterator(corpus_text().splitlines(keepends=True), trainer)
+    return tokenizer.to_str(pretty=True)
+
+
+def _tokenizer_config() -> dict[str, Any]:
+    added = {str(i): dict(content=token, lstrip=False, normalized=False, rstrip=False, single_word=False,
+                          special=True) for i, token in enumerate(SPECIAL_TOKENS)}
+    return portable_tokenizer_config(dict(added_tokens_decoder=added, bos_token=None, eos_token=EOS_TOKEN,
+                                          pad_token=PAD_TOKEN, unk_token=None,
+                                          model_max_length=MAX_POSITION_EMBEDDINGS),
+                                     chat_template=CHATML_TEMPLATE)
