@@ -1,0 +1,139 @@
+"""Reads a Hugging Face model folder (config.json + safetensors) into the embedded engine's own model code.
+
+Weights go straight into parameters allocated in the target dtype on the target device; every failure is a
+`ModelLoadError` that names the file or tensor at fault."""
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any, Union
+
+import torch
+from safetensors import safe_open
+from tqdm import tqdm
+
+from .models.llama import LlamaForCausalLM, WeightSlot
+from .models.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelLoadError
+
+__all__ = ["ModelLoadError", "ModelConfig", "SUPPORTED_ARCHITECTURES", "load_model", "read_model_config"]
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# Checkpoint tensors that carry nothing the model needs (old exports saved RoPE's frequencies).
+_HARMLESS_EXTRA = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+
+
+def read_model_config(model_dir: Union[str, Path]) -> ModelConfig:
+    model_dir = Path(model_dir)
+    config = ModelConfig.from_dict(_read_json(model_dir / "config.json", "config.json"),
+                                   source=str(model_dir / "config.json"))
+    # generation_config.json's end tokens are the ones generation stops on (Llama 3 lists several there).
+    generation_file = model_dir / "generation_config.json"
+    if generation_file.is_file():
+        eos = _read_json(generation_file, "generation_config.json").get("eos_token_id")
+        if eos is not None:
+            config.eos_token_id = eos
+    return config
+
+
+def load_model(model_dir: Union[str, Path], dtype: torch.dtype,
+               device: Union[str, torch.device]) -> tuple[LlamaForCausalLM, ModelConfig]:
+    model_dir = Path(model_dir)
+    config = read_model_config(model_dir)
+    files = weight_files(model_dir)
+    device = torch.device(device)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config)
+    _allocate_parameters(model, dtype, device)
+    _fill_parameters(model, config, files, device)
+    model.rotary_emb.reset_frequencies(device)
+    return model.eval(), config
+
+
+def weight_files(model_dir: Path) -> list[Path]:
+    """The safetensors files of a model folder: one file, or the shards its index names."""
+    if (model_dir / SINGLE_FILE).is_file():
+        return [model_dir / SINGLE_FILE]
+    index_path = model_dir / INDEX_FILE
+    if not index_path.is_file():
+        found = sorted(p.name for p in model_dir.glob("*.bin")) if model_dir.is_dir() else []
+        hint = f" (found {', '.join(found)}: only safetensors weights are supported)" if found else ""
+        raise ModelLoadError(f"{model_dir}: no weight file, expected {SINGLE_FILE} or {INDEX_FILE}{hint}")
+    weight_map = _read_json(index_path, INDEX_FILE).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise ModelLoadError(f"{index_path}: has no 'weight_map'")
+    shards = [model_dir / name for name in sorted(set(weight_map.values()))]
+    for shard in shards:
+        if not shard.is_file():
+            raise ModelLoadError(f"{index_path}: lists weight file {shard.name}, which does not exist")
+    return shards
+
+
+def _read_json(path: Path, what: str) -> dict[str, Any]:
+    if not path.is_file():
+        raise ModelLoadError(f"{path}: {what} not found")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ModelLoadError(f"{path}: {what} is not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: {what} must hold a JSON object")
+    return data
+
+
+def _allocate_parameters(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
+    """Replace the meta parameters with uninitialised storage; loading then fills every one of them."""
+    for module in model.modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            storage = torch.empty(param.shape, dtype=dtype, device=device)
+            setattr(module, name, torch.nn.Parameter(storage, requires_grad=False))
+
+
+def _fill_parameters(model: LlamaForCausalLM, config: ModelConfig, files: list[Path], device) -> None:
+    slots = model.checkpoint_slots()
+    handles = [(path, _open(path, device)) for path in files]
+    total = sum(len(handle.keys()) for _, handle in handles)
+    loaded: set[str] = set()
+    with tqdm(total=total, desc="Loading weights", unit="tensor", disable=None) as progress:
+        for path, handle in handles:
+            for name in handle.keys():
+                slot = slots.get(name)
+                if slot is None:
+                    _check_extra(name, path, config)
+                else:
+                    _load_tensor(handle, name, path, slot)
+                    loaded.add(name)
+                progress.update(1)
+    missing = [name for name in slots if name not in loaded]
+    if missing:
+        shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+        raise ModelLoadError(f"{files[0].parent}: missing tensor {shown}")
+
+
+def _open(path: Path, device: torch.device):
+    try:
+        return safe_open(str(path), framework="pt", device=str(device))
+    except Exception as err:  # safetensors raises its own error types for bad headers and short files
+        raise ModelLoadError(f"{path}: not a readable safetensors file ({err})") from None
+
+
+def _check_extra(name: str, path: Path, config: ModelConfig) -> None:
+    if _HARMLESS_EXTRA.search(name):
+        return
+    if name == "lm_head.weight" and config.tie_word_embeddings:
+        return  # a tied model's output projection is its embedding; the saved copy is redundant
+    raise ModelLoadError(f"{path}: unexpected tensor {name} (not part of a {config.architecture})")
+
+
+def _load_tensor(handle, name: str, path: Path, slot: WeightSlot) -> None:
+    try:
+        shape = tuple(handle.get_slice(name).get_shape())
+        if shape != slot.shape:
+            raise ModelLoadError(f"{path}: tensor {name} has shape {list(shape)}, expected {list(slot.shape)}")
+        tensor = handle.get_tensor(name)
+    except ModelLoadError:
+        raise
+    except Exception as err:
+        raise ModelLoadError(f"{path}: cannot read tensor {name} ({err})") from None
+    slot.copy_(tensor)

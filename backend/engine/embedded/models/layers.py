@@ -1,0 +1,92 @@
+"""Building blocks of Llama-family decoders: RMSNorm, rotary position embedding, SiLU-gated MLP.
+
+All work on flat token batches: `[T, ...]`, no batch dimension."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .model_config import RopeConfig
+from .rope import rope_frequencies
+
+
+class Linear(nn.Module):
+    """y = x W^T (+ b). Parameters start uninitialised: the loader always fills them, and building the model on
+    the meta device then allocates nothing and runs no random init."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Embedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_embeddings, embedding_dim))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.weight)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # Normalise in fp32, then scale in the model's dtype, so low-precision runs round where HF's do.
+        original_dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(original_dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """Rotates pairs (i, i + head_dim/2) of each head by position * frequency; angles are computed in fp32."""
+
+    def __init__(self, rope: RopeConfig, head_dim: int):
+        super().__init__()
+        self.rope = rope
+        self.head_dim = head_dim
+        inv_freq, self.attention_factor = rope_frequencies(rope, head_dim)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def reset_frequencies(self, device) -> None:
+        """Recompute the fp32 frequencies on `device` (after the module was built on the meta device)."""
+        inv_freq, _ = rope_frequencies(self.rope, self.head_dim)
+        self.inv_freq = inv_freq.to(device)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions: [T] -> (cos, sin), each [T, head_dim] in `dtype`."""
+        angles = positions.to(torch.float32)[:, None] * self.inv_freq.float()[None, :]
+        angles = torch.cat((angles, angles), dim=-1)
+        cos = angles.cos() * self.attention_factor
+        sin = angles.sin() * self.attention_factor
+        return cos.to(dtype), sin.to(dtype)
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; cos, sin: [T, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)

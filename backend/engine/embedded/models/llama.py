@@ -1,0 +1,143 @@
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3; so also SmolLM2 and TinyLlama) over the paged KV cache.
+
+Tokens of all sequences in a step are one flat batch `[T, ...]`; `AttentionMetadata` says which belong together."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..attention import AttentionMetadata, paged_attention
+from .layers import Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary
+from .model_config import ModelConfig
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+@dataclass
+class WeightSlot:
+    """Where one checkpoint tensor goes: rows `start : start + shape[0]` of `param` (fused projections)."""
+    param: nn.Parameter
+    start: int
+    shape: tuple[int, ...]
+
+    def copy_(self, tensor: torch.Tensor) -> None:
+        with torch.no_grad():
+            self.param.narrow(0, self.start, self.shape[0]).copy_(tensor)
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.split_sizes = [config.q_size, config.kv_size, config.kv_size]
+        self.scale = config.head_dim ** -0.5
+        self.qkv_proj = Linear(config.hidden_size, sum(self.split_sizes), bias=config.qkv_bias)
+        self.o_proj = Linear(config.q_size, config.hidden_size, bias=config.o_bias)
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+
+    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata,
+                kv_cache: KVCache) -> torch.Tensor:
+        tokens = hidden.shape[0]
+        q, k, v = self.qkv_proj(hidden).split(self.split_sizes, dim=-1)
+        q = q.view(tokens, self.num_heads, self.head_dim)
+        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:  # Qwen3 normalises each head before rotating it
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], attn, self.scale)
+        return self.o_proj(out.reshape(tokens, -1))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = LlamaAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+
+    def forward(self, hidden, cos, sin, attn: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, attn, kv_cache)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.config = config
+        self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim)
+        # Tied models reuse the embedding matrix as the output projection.
+        self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+                kv_caches: list[KVCache]) -> torch.Tensor:
+        """input_ids, positions: [T]; kv_caches: one (k, v) per layer. Returns final-norm hidden states [T, hidden]."""
+        if len(kv_caches) != len(self.layers):
+            raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
+        hidden = self.embed_tokens(input_ids)
+        cos, sin = self.rotary_emb(positions, hidden.dtype)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            hidden = layer(hidden, cos, sin, attn, kv_cache)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, hidden] -> fp32 logits [N, vocab]."""
+        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, weight).float()
+
+    def checkpoint_slots(self) -> dict[str, WeightSlot]:
+        """Every tensor a Hugging Face checkpoint of this model must hold, by its HF name."""
+        slots = {"model.embed_tokens.weight": _whole(self.embed_tokens.weight),
+                 "model.norm.weight": _whole(self.norm.weight)}
+        if self.lm_head is not None:
+            slots["lm_head.weight"] = _whole(self.lm_head.weight)
+        for i, layer in enumerate(self.layers):
+            slots.update(_layer_slots(f"model.layers.{i}.", layer))
+        return slots
+
+
+def _whole(param: nn.Parameter) -> WeightSlot:
+    return WeightSlot(param, 0, tuple(param.shape))
+
+
+def _stacked(param: nn.Parameter, sizes: list[int]) -> list[WeightSlot]:
+    """Slots for checkpoint tensors stacked along dim 0 into one fused parameter."""
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [WeightSlot(param, start, (size, *param.shape[1:])) for start, size in zip(starts, sizes)]
+
+
+def _layer_slots(prefix: str, layer: LlamaDecoderLayer) -> dict[str, WeightSlot]:
+    attn, mlp = layer.self_attn, layer.mlp
+    slots = {
+        prefix + "input_layernorm.weight": _whole(layer.input_layernorm.weight),
+        prefix + "post_attention_layernorm.weight": _whole(layer.post_attention_layernorm.weight),
+        prefix + "self_attn.o_proj.weight": _whole(attn.o_proj.weight),
+        prefix + "mlp.down_proj.weight": _whole(mlp.down_proj.weight),
+    }
+    qkv_names = [prefix + f"self_attn.{p}_proj" for p in "qkv"]
+    gate_up_names = [prefix + "mlp.gate_proj", prefix + "mlp.up_proj"]
+    fused = [(qkv_names, attn.qkv_proj, attn.split_sizes),
+             (gate_up_names, mlp.gate_up_proj, [mlp.intermediate_size] * 2)]
+    for names, linear, sizes in fused:
+        for kind in ("weight", "bias"):
+            param = getattr(linear, kind)
+            if param is not None:
+                slots.update({f"{name}.{kind}": slot for name, slot in zip(names, _stacked(param, sizes))})
+    if attn.o_proj.bias is not None:
+        slots[prefix + "self_attn.o_proj.bias"] = _whole(attn.o_proj.bias)
+    if mlp.down_proj.bias is not None:
+        slots[prefix + "mlp.down_proj.bias"] = _whole(mlp.down_proj.bias)
+    if attn.q_norm is not None:
+        slots[prefix + "self_attn.q_norm.weight"] = _whole(attn.q_norm.weight)
+        slots[prefix + "self_attn.k_norm.weight"] = _whole(attn.k_norm.weight)
+    return slots

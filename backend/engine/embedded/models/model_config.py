@@ -1,0 +1,195 @@
+"""The model facts the embedded engine needs, parsed once from a Hugging Face `config.json` into a typed object.
+
+Reads both config dialects: transformers 4.x (`rope_theta` at the top level, `rope_scaling`) and 5.x
+(`rope_parameters`, `dtype`)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+import torch
+
+
+class ModelLoadError(ValueError):
+    """A model folder that cannot be loaded; the message names the file, tensor or setting at fault."""
+
+
+# HF architecture name -> its `model_type`.
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+DEFAULT_ROPE_THETA = 10000.0
+
+
+@dataclass
+class RopeConfig:
+    rope_type: str = "default"
+    theta: float = DEFAULT_ROPE_THETA
+    # The type's own settings (factor, low_freq_factor, beta_fast, ...), as written in the config.
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    rope: RopeConfig
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k, before RoPE
+    # Set only when the checkpoint really uses sliding-window attention, which this engine does not implement:
+    # the engine caps sequences at this length, where sliding and full attention agree.
+    sliding_window: Optional[int] = None
+    eos_token_id: Union[int, list[int], None] = None
+    bos_token_id: Optional[int] = None
+    pad_token_id: Optional[int] = None
+    torch_dtype: Optional[str] = None  # as written in config.json (`torch_dtype` or `dtype`); may be None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Bytes of K and V cache that one token takes over all layers."""
+        element = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * element
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any], source: str = "config.json") -> "ModelConfig":
+        return _parse(raw, source)
+
+
+def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
+    architecture = _architecture(raw, source)
+    model_type = SUPPORTED_ARCHITECTURES[architecture]
+    hidden = _required(raw, "hidden_size", source)
+    heads = _required(raw, "num_attention_heads", source)
+    num_layers = _required(raw, "num_hidden_layers", source)
+    _check_activation(raw, source)
+    # Qwen3 configs that leave head_dim out mean 128, not hidden / heads.
+    default_head_dim = 128 if model_type == "qwen3" else hidden // heads
+    kv_heads = raw.get("num_key_value_heads") or heads
+    if heads % kv_heads:
+        raise ModelLoadError(f"{source}: num_attention_heads ({heads}) is not a multiple of "
+                             f"num_key_value_heads ({kv_heads})")
+    return ModelConfig(
+        architecture=architecture,
+        model_type=model_type,
+        vocab_size=_required(raw, "vocab_size", source),
+        hidden_size=hidden,
+        intermediate_size=_required(raw, "intermediate_size", source),
+        num_layers=num_layers,
+        num_heads=heads,
+        num_kv_heads=kv_heads,
+        head_dim=raw.get("head_dim") or default_head_dim,
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+        max_position_embeddings=raw.get("max_position_embeddings", 2048),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        rope=_rope(raw, source),
+        sliding_window=_sliding_window(raw, model_type, num_layers),
+        eos_token_id=raw.get("eos_token_id"),
+        bos_token_id=raw.get("bos_token_id"),
+        pad_token_id=raw.get("pad_token_id"),
+        torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+        **_bias_flags(raw, model_type),
+    )
+
+
+def _architecture(raw: dict[str, Any], source: str) -> str:
+    supported = ", ".join(SUPPORTED_ARCHITECTURES)
+    names = raw.get("architectures") or []
+    for name in names:
+        if name in SUPPORTED_ARCHITECTURES:
+            return name
+    if names:
+        raise ModelLoadError(f"{source}: unsupported architecture {', '.join(map(str, names))}; "
+                             f"the embedded engine supports {supported}")
+    # No `architectures` list: fall back on model_type.
+    model_type = raw.get("model_type")
+    for name, known_type in SUPPORTED_ARCHITECTURES.items():
+        if model_type == known_type:
+            return name
+    raise ModelLoadError(f"{source}: unsupported model_type {model_type!r} (no architectures listed); "
+                         f"the embedded engine supports {supported}")
+
+
+def _required(raw: dict[str, Any], key: str, source: str) -> Any:
+    if raw.get(key) is None:
+        raise ModelLoadError(f"{source}: required setting {key!r} is missing")
+    return raw[key]
+
+
+def _check_activation(raw: dict[str, Any], source: str) -> None:
+    act = raw.get("hidden_act", "silu")
+    if act != "silu":
+        raise ModelLoadError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
+
+
+def _bias_flags(raw: dict[str, Any], model_type: str) -> dict[str, bool]:
+    attention_bias = bool(raw.get("attention_bias", False))
+    if model_type == "qwen2":  # Qwen2 always has q/k/v biases and no o_proj bias
+        return dict(qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False)
+    if model_type == "qwen3":
+        return dict(qkv_bias=attention_bias, o_bias=attention_bias, mlp_bias=False, qk_norm=True)
+    if model_type == "mistral":
+        return dict(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False)
+    return dict(qkv_bias=attention_bias, o_bias=attention_bias, mlp_bias=bool(raw.get("mlp_bias", False)),
+                qk_norm=False)
+
+
+def _rope(raw: dict[str, Any], source: str) -> RopeConfig:
+    # transformers 5.x gives `rope_scaling` precedence over `rope_parameters` when both are present.
+    params = dict(raw.get("rope_scaling") or raw.get("rope_parameters") or {})
+    theta = params.pop("rope_theta", None)
+    if theta is None:
+        theta = (raw.get("rope_parameters") or {}).get("rope_theta", raw.get("rope_theta", DEFAULT_ROPE_THETA))
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ModelLoadError(f"{source}: RoPE type {rope_type!r} is not supported; "
+                             f"supported types: {', '.join(SUPPORTED_ROPE_TYPES)}")
+    partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
+    if partial != 1.0:
+        raise ModelLoadError(f"{source}: partial_rotary_factor {partial} is not supported (only 1.0)")
+    if rope_type in ("llama3", "yarn"):
+        # Scaled types measure against the pre-training context, which defaults to max_position_embeddings.
+        params.setdefault("original_max_position_embeddings",
+                          raw.get("original_max_position_embeddings", raw.get("max_position_embeddings")))
+    return RopeConfig(rope_type=rope_type, theta=float(theta), params=params)
+
+
+def _sliding_window(raw: dict[str, Any], model_type: str, num_layers: int) -> Optional[int]:
+    if model_type == "mistral":
+        # Mistral's class default is 4096 when the key is absent; null turns it off.
+        return raw.get("sliding_window", 4096)
+    if model_type in ("qwen2", "qwen3"):
+        if not raw.get("use_sliding_window", False):
+            return None
+        window = raw.get("sliding_window", 4096)
+        layer_types = raw.get("layer_types")
+        if layer_types is None:
+            first_sliding = raw.get("max_window_layers", 28)
+            layer_types = ["sliding_attention" if i >= first_sliding else "full_attention"
+                           for i in range(num_layers)]
+        return window if window and "sliding_attention" in layer_types else None
+    window = raw.get("sliding_window")  # Llama has no sliding window; honour one if a config sets it anyway
+    return window or None
