@@ -196,11 +196,11 @@ class EmbeddedEngine:
         try:
             updated = self.core.step()
         except Exception as exc:
-            log.exception("engine step failed; failing the %d active request(s)", len(self.core.requests))
-            for request in self.core.fail_all():
-                handle = self._handles.pop(request.request_id, None)
-                if handle is not None:
-                    handle._put(EngineError(f"engine step failed: {exc}"))
+            log.exception("engine step failed; failing the %d active request(s)", len(self._handles))
+            self.core.fail_all()
+            handles, self._handles = self._handles, {}
+            for handle in handles.values():
+                handle._put(EngineError(f"engine step failed: {exc}"))
             return
         for request in updated:
             self._deliver(request)

@@ -155,8 +155,8 @@ class EngineCore:
         if sampling_seqs:
             tokens, logprobs = sample(logits, sampling_seqs)
             for seq, token, logprob in zip(sampling_seqs, tokens, logprobs):
-                self._append_token(seq, token, logprob)
                 updated[seq.request_id] = self.requests[seq.request_id]
+                self._append_token(seq, token, logprob)
         self.num_steps += 1
         return list(updated.values())
 
