@@ -1,0 +1,27 @@
+"""`tritonllm repo build` and `tritonllm repo fill`."""
+from __future__ import annotations
+
+from .repo import build_repo, fill_template
+
+
+def _parameters(pairs: list[str]) -> dict[str, str]:
+    parameters = {}
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--param expects KEY=VALUE, got {pair!r}")
+        parameters[key] = value
+    return parameters
+
+
+def main(args) -> int:
+    if args.repo_command == "fill":
+        fill_template(args.config, args.substitutions, in_place=True)
+        print(f"filled {args.config}")
+        return 0
+    repo = build_repo(args.model, args.out, streaming=args.streaming, max_batch_size=args.max_batch_size,
+                      engine=args.engine, dtype=args.dtype, device=args.device, max_seq_len=args.max_seq_len,
+                      max_num_tokens=args.max_num_tokens, kv_cache_max_tokens=args.kv_cache_max_tokens,
+                      parameters=_parameters(args.param), overwrite=True)
+    print(f"model repository ready: {repo}")
+    return 0
