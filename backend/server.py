@@ -165,7 +165,7 @@ def _repository_for(args, work_dir: Path) -> Path:
         model_dir = Path(args.model).resolve()
     repo = work_dir / "repos" / model_dir.name
     print(f"[serve] building the model repository {repo} for {model_dir}", flush=True)
-    return build_repo(model_dir, repo, streaming=args.streaming, max_batch_size=args.max_batch_size)
+    return build_repo(model_dir, repo, streaming=args.streaming, max_batch_size=args.max_batch_size, overwrite=True)
 
 
 def main(args) -> int:

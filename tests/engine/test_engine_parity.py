@@ -1,5 +1,7 @@
-"""The embedded engine against Hugging Face transformers on the same weights: greedy, fp32, token for token."""
-import threading
+"""The embedded engine against Hugging Face transformers on the same weights: greedy, fp32, token for token.
+
+TRITONLLM_TEST_DEVICE=cuda runs both sides on the GPU (the CPU is the default)."""
+import os
 
 import pytest
 import torch
@@ -19,14 +21,16 @@ PROMPTS = [
     "budget every step, and when memory ran short it sent the newest request back to wait. Later they",
 ]
 MAX_NEW = 24
+DEVICE = os.environ.get("TRITONLLM_TEST_DEVICE", "cpu")
 
 
 def hf_greedy(model_dir, prompt_ids: list[list[int]], max_new: int, eos_id: int) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(DEVICE).eval()
     outputs = []
     with torch.inference_mode():
         for ids in prompt_ids:
-            generated = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            input_ids = torch.tensor([ids], device=DEVICE)
+            generated = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
                                        max_new_tokens=max_new, do_sample=False, eos_token_id=eos_id,
                                        pad_token_id=eos_id)[0, len(ids):].tolist()
             # The engine, like TensorRT-LLM, does not return the end token.
@@ -35,7 +39,7 @@ def hf_greedy(model_dir, prompt_ids: list[list[int]], max_new: int, eos_id: int)
 
 
 def make_engine(model_dir, **overrides) -> EmbeddedEngine:
-    args = {"model": str(model_dir), "dtype": "float32", "device": "cpu", "max_batch_size": 8,
+    args = {"model": str(model_dir), "dtype": "float32", "device": DEVICE, "max_batch_size": 8,
             "max_num_tokens": 512, "kv_cache_config": {"tokens_per_block": 8, "max_tokens": 4096}}
     args.update(overrides)
     return EmbeddedEngine(EngineConfig.from_dict(args))
