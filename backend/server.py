@@ -148,7 +148,7 @@ def default_work_dir() -> Path:
 
 def curl_example(http_url: str) -> str:
     return (f"curl -s -X POST http://{http_url}/v2/models/ensemble/generate -d "
-            "'{\"text_input\": \"What is the capital of France?\", \"max_tokens\": 32, "
+            "'{\"text_input\": \"The capital of France is\", \"max_tokens\": 16, "
             "\"bad_words\": \"\", \"stop_words\": \"\"}'")
 
 

@@ -151,3 +151,21 @@ def test_smollm2_matches_hf(smollm2_dir):
         assert_all_blocks_free(engine)
     finally:
         engine.shutdown()
+
+
+def test_async_iteration_ends_with_the_final_output(tiny):
+    import asyncio
+
+    model_dir, tokenizer, prompt_ids, expected = tiny
+    engine = make_engine(model_dir)
+
+    async def collect():
+        tokens = []
+        async for update in engine.generate_async(prompt_ids[1], greedy(tokenizer), streaming=True):
+            tokens.extend(update.outputs[0].token_ids_diff)
+        return tokens
+
+    try:
+        assert asyncio.run(asyncio.wait_for(collect(), 60)) == expected[1]
+    finally:
+        engine.shutdown()

@@ -69,10 +69,17 @@ class RequestHandle:
         return self
 
     async def __anext__(self) -> RequestOutput:
+        # StopIteration cannot cross a Future, so the worker thread returns the end marker instead.
+        item = await asyncio.to_thread(self._next_or_end)
+        if item is _END:
+            raise StopAsyncIteration
+        return item
+
+    def _next_or_end(self):
         try:
-            return await asyncio.to_thread(self._next, None)
+            return self._next(None)
         except StopIteration:
-            raise StopAsyncIteration from None
+            return _END
 
     def result(self, timeout: Optional[float] = None) -> RequestOutput:
         """Block until the request finishes; returns its final output."""
