@@ -13,6 +13,7 @@ from .sequence import Sequence
 NEG_INF = float("-inf")
 
 
+@torch.inference_mode()
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
     """logits: [N, vocab] float32, one row per sequence. Returns the chosen tokens and their log-probs."""
     for row, seq in enumerate(seqs):
