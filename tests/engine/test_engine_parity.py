@@ -169,3 +169,16 @@ def test_async_iteration_ends_with_the_final_output(tiny):
         assert asyncio.run(asyncio.wait_for(collect(), 60)) == expected[1]
     finally:
         engine.shutdown()
+
+
+def test_chunked_prefill_matches_hf(tiny):
+    model_dir, tokenizer, prompt_ids, expected = tiny
+    engine = make_engine(model_dir, enable_chunked_prefill=True, max_num_tokens=8)
+    try:
+        outputs = [h.result() for h in [engine.generate_async(ids, greedy(tokenizer)) for ids in prompt_ids]]
+        assert [o.outputs[0].token_ids for o in outputs] == expected
+        longest = max(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]))
+        assert outputs[longest].outputs[0].request_perf_metrics.prefill_steps > 1
+        assert_all_blocks_free(engine)
+    finally:
+        engine.shutdown()
