@@ -138,11 +138,16 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     from .engine.config import ConfigError
+    from .engine.embedded.models.model_config import ModelLoadError
     from .engine.types import InvalidRequestError
+    from .repo import RepoError
+    from .server import ServerError
+    from .triton.params import ParameterError
 
     try:
         return _run(args)
-    except (ConfigError, InvalidRequestError, FileNotFoundError) as exc:
+    except (ConfigError, InvalidRequestError, ModelLoadError, RepoError, ServerError, ParameterError,
+            FileNotFoundError) as exc:
         print(f"tritonllm: error: {exc}", file=sys.stderr)
         return 2
 

@@ -62,6 +62,7 @@ def main(args) -> int:
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or args.model)
     params = sampling_params_for(tokenizer, args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                                  top_p=args.top_p, seed=args.seed, n=args.n)
+    params.validate()  # a bad knob fails before the model loads
     prompt_ids = [tokenizer.encode(text) for text in args.prompt]
     engine = create_engine(config)
     try:
