@@ -156,10 +156,42 @@ class Logger:
         cls.records.append(("verbose", message))
 
 
+class MetricFamily:
+    """Records every metric created, like the stub's registry; `kind` must be one of the stub's constants."""
+
+    COUNTER, GAUGE, HISTOGRAM = range(3)
+    families: dict[str, "MetricFamily"] = {}
+
+    def __init__(self, name: str, description: str, kind: int):
+        if kind not in (self.COUNTER, self.GAUGE, self.HISTOGRAM):
+            raise TritonModelException(f"MetricFamily {name}: unknown kind {kind!r}")
+        self.name, self.description, self.kind = name, description, kind
+        self.metrics: list["Metric"] = []
+        MetricFamily.families[name] = self
+
+    def Metric(self, labels: Mapping[str, str]) -> "Metric":  # noqa: N802 (the stub's name)
+        metric = Metric(dict(labels))
+        self.metrics.append(metric)
+        return metric
+
+
+class Metric:
+    def __init__(self, labels: dict[str, str]):
+        self.labels = labels
+        self._value = 0.0
+
+    def set(self, value: float) -> None:
+        self._value = float(value)
+
+    def value(self) -> float:
+        return self._value
+
+
 def install() -> types.ModuleType:
     """Put this module in sys.modules as `triton_python_backend_utils`; returns it. Undo with `uninstall`."""
     module = sys.modules[__name__]
     Logger.records = []
+    MetricFamily.families = {}
     sys.modules["triton_python_backend_utils"] = module
     return module
 

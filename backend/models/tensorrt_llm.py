@@ -7,6 +7,7 @@ from pathlib import Path
 
 from ..engine import choose_engine, create_engine
 from ..triton.engine_args import load_tensorrt_llm_settings
+from ..triton.llm_metrics import EngineMetrics
 from ..triton.llm_server import LLMRequestServer
 from ..triton.logging_bridge import route_logs_to_triton
 
@@ -23,6 +24,8 @@ class TritonPythonModel:
         self.engine = create_engine(settings.engine)
         self.server = LLMRequestServer(self.engine, settings.decoupled, settings.exclude_input_in_output,
                                        settings.cancellation_check_period_ms)
+        self.metrics = EngineMetrics(self.engine.stats, args["model_name"], args["model_version"],
+                                     settings.stats_check_period_ms).start()
 
     def execute(self, requests):
         for request in requests:
@@ -30,5 +33,6 @@ class TritonPythonModel:
         return None
 
     def finalize(self):
+        self.metrics.stop()
         self.server.shutdown()
         self.engine.shutdown()

@@ -1,0 +1,91 @@
+"""The tensorrt_llm model's Prometheus gauges, against a fake pb_utils: names and labels of the contract (row 28),
+values from the engine's stats, and a refresh thread that keeps them current."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tritonllm.engine.embedded.engine_core import EngineStats
+from tritonllm.triton.llm_metrics import GAUGES, EngineMetrics, gauge_values
+
+
+def _load_fake_pb_utils():
+    path = Path(__file__).resolve().parents[1] / "fake_pb_utils.py"
+    spec = importlib.util.spec_from_file_location("fake_pb_utils_metrics", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+fake = _load_fake_pb_utils()
+
+
+@pytest.fixture(autouse=True)
+def pb_utils(monkeypatch):
+    fake.MetricFamily.families = {}
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", fake)
+    return fake
+
+
+def stats(**changes) -> EngineStats:
+    values = dict(num_total_blocks=100, num_free_blocks=100, tokens_per_block=32, num_running=0, num_waiting=0,
+                  num_steps=0, max_seq_len=1024, max_batch_size=8, max_num_tokens=8192)
+    return EngineStats(**{**values, **changes})
+
+
+def gauge(family: str, kind: str) -> fake.Metric:
+    label = {"nv_trt_llm_request_metrics": "request_type", "nv_trt_llm_kv_cache_block_metrics": "kv_cache_block_type",
+             "nv_trt_llm_general_metrics": "general_type"}[family]
+    matches = [m for m in fake.MetricFamily.families[family].metrics if m.labels[label] == kind]
+    assert len(matches) == 1, f"{family}{{{label}={kind}}} exported {len(matches)} times"
+    return matches[0]
+
+
+def test_gauge_values_follow_the_engine_stats():
+    values = gauge_values(stats(num_free_blocks=90, num_running=2, num_waiting=1, num_steps=7), now=5.0)
+    assert set(values) == set(GAUGES)
+    assert values[("nv_trt_llm_kv_cache_block_metrics", "free")] == 90
+    assert values[("nv_trt_llm_kv_cache_block_metrics", "used")] == 10
+    assert values[("nv_trt_llm_kv_cache_block_metrics", "max")] == 100
+    assert values[("nv_trt_llm_kv_cache_block_metrics", "tokens_per")] == 32
+    assert values[("nv_trt_llm_request_metrics", "active")] == 3  # running + waiting
+    assert values[("nv_trt_llm_request_metrics", "scheduled")] == 2
+    assert values[("nv_trt_llm_request_metrics", "waiting")] == 1
+    assert values[("nv_trt_llm_request_metrics", "max")] == 8
+    assert values[("nv_trt_llm_general_metrics", "iteration_counter")] == 7
+
+
+def test_gauges_carry_the_contract_names_and_labels():
+    EngineMetrics(lambda: stats(), "tensorrt_llm", "1", period_ms=1000).update()
+    assert all(f.kind == fake.MetricFamily.GAUGE for f in fake.MetricFamily.families.values())
+    for family, kind in GAUGES:
+        assert gauge(family, kind).labels["model"] == "tensorrt_llm"
+        assert gauge(family, kind).labels["version"] == "1"
+
+
+def test_the_thread_keeps_the_gauges_current_and_survives_a_failing_read():
+    current = {"stats": stats(num_free_blocks=60, num_running=1)}
+
+    def read():
+        if current["stats"] is None:
+            raise RuntimeError("engine gone")
+        return current["stats"]
+
+    metrics = EngineMetrics(read, "tensorrt_llm", "1", period_ms=5).start()
+    try:
+        assert gauge("nv_trt_llm_kv_cache_block_metrics", "free").value() == 60  # start() sets them at once
+        current["stats"] = None
+        time.sleep(0.05)
+        current["stats"] = stats(num_free_blocks=100)
+        deadline = time.monotonic() + 5
+        while gauge("nv_trt_llm_kv_cache_block_metrics", "free").value() != 100 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert gauge("nv_trt_llm_kv_cache_block_metrics", "free").value() == 100
+        assert gauge("nv_trt_llm_request_metrics", "active").value() == 0
+    finally:
+        metrics.stop()
+    assert not metrics.thread.is_alive()
