@@ -94,7 +94,7 @@ def _convert_row(request, row, ids, length, default_exclude_input, decoupled) ->
     if streaming and not decoupled:
         raise InputError("input 'streaming' = true: streaming is only supported in decoupled mode")
     params = SamplingParams(
-        max_tokens=_int(request, "request_output_len", row, required=True),
+        max_tokens=_output_len(request, row),
         end_id=_int(request, "end_id", row), pad_id=_int(request, "pad_id", row),
         n=_int(request, "num_return_sequences", row) or 1,
         beam_width=_int(request, "beam_width", row) or 1,
@@ -149,6 +149,13 @@ def _float(request, name, row) -> Optional[float]:
 def _flag(request, name, row, default: bool) -> bool:
     value = _scalar(request, name, row)
     return default if value is None else bool(value)
+
+
+def _output_len(request, row) -> int:
+    value = _int(request, "request_output_len", row, required=True)
+    if value < 1:
+        raise InputError("request_output_len", f"(the ensemble's max_tokens) must be >= 1, got {value}")
+    return value
 
 
 def _top_p(request, row) -> Optional[float]:
