@@ -168,7 +168,16 @@ def _repository_for(args, work_dir: Path) -> Path:
     return build_repo(model_dir, repo, streaming=args.streaming, max_batch_size=args.max_batch_size, overwrite=True)
 
 
+def _stop_on_sigterm() -> None:
+    """SIGTERM (service managers, `kill`) stops the server as Ctrl-C does, so tritonserver is never orphaned."""
+    def interrupt(_signum, _frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 def main(args) -> int:
+    _stop_on_sigterm()
     work_dir = Path(args.work_dir) if args.work_dir else default_work_dir()
     repo = _repository_for(args, work_dir)
     server = TritonServer(repo, Ports(args.http_port, args.grpc_port, args.metrics_port),
