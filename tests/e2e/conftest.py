@@ -1,0 +1,91 @@
+"""End-to-end fixtures: the real tritonserver (from the nvidia-pytriton wheel) on repositories built by
+`build_repo` for a tiny random model, and small clients for its HTTP, SSE, gRPC-stream and metrics endpoints.
+
+One decoupled server serves the whole session; the non-decoupled one starts only for the tests that ask for it.
+Each server logs to a file; a failing test gets the tail of every server log in its report."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+pytest.importorskip("pytriton", reason="the e2e tests need the nvidia-pytriton wheel (tritonserver)")
+pytest.importorskip("tritonclient.grpc", reason="the e2e tests need tritonclient[grpc]")
+
+from tritonllm.model_files.tiny import build_tiny_model  # noqa: E402
+from tritonllm.repo import build_repo  # noqa: E402
+from tritonllm.server import Ports, TritonServer  # noqa: E402
+
+
+def _load_clients():
+    """Register clients.py as `e2e_clients`, so that the test modules can import it."""
+    spec = importlib.util.spec_from_file_location("e2e_clients", Path(__file__).with_name("clients.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["e2e_clients"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+clients = _load_clients()
+
+MAX_SEQ_LEN = 2048  # long enough for a stream that runs for seconds unless it is cancelled
+LOG_TAIL_LINES = 80
+_server_logs: list[Path] = []
+
+
+# ---------------------------------------------------------------------------------------------- fixtures
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_model"))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model):
+    from tritonllm.tokenizer import load_tokenizer
+
+    return load_tokenizer(str(tiny_model))
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model, tmp_path_factory) -> Iterator["clients.LiveServer"]:
+    """The decoupled (streaming) repository, as `tritonllm repo build` makes it."""
+    yield from _serve(tiny_model, tmp_path_factory.mktemp("decoupled"), streaming=True)
+
+
+@pytest.fixture(scope="module")
+def plain_server(tiny_model, tmp_path_factory) -> Iterator["clients.LiveServer"]:
+    """The non-decoupled repository; module-scoped so it stops once its tests are done."""
+    yield from _serve(tiny_model, tmp_path_factory.mktemp("non_decoupled"), streaming=False)
+
+
+def _serve(model_dir: Path, work: Path, streaming: bool) -> Iterator["clients.LiveServer"]:
+    repo = build_repo(model_dir, work / "repo", streaming=streaming, max_seq_len=MAX_SEQ_LEN)
+    log_file = work / "tritonserver.log"
+    _server_logs.append(log_file)
+    triton = TritonServer(repo, Ports.free(), log_file=log_file)
+    try:
+        triton.start(timeout=180)
+    except BaseException:
+        triton.stop()
+        raise  # the log stays listed, so the failed setup's report shows why
+    try:
+        yield clients.LiveServer(triton, log_file, MAX_SEQ_LEN)
+    finally:
+        triton.stop()
+        _server_logs.remove(log_file)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    report = outcome.get_result()
+    if report.failed:
+        for log_file in _server_logs:
+            if log_file.exists():
+                lines = [line for line in log_file.read_text(errors="replace").splitlines()
+                         if not line.startswith(("|", "+"))][-LOG_TAIL_LINES:]  # without the start-up tables
+                report.sections.append((f"tritonserver log {log_file} (last {len(lines)} lines)", "\n".join(lines)))
