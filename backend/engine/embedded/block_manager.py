@@ -1,11 +1,17 @@
-"""Paged KV cache bookkeeping: which fixed-size blocks each sequence owns.
+"""Paged KV cache bookkeeping: which fixed-size blocks each sequence owns, and which finished blocks can be reused.
 
 Blocks are plain integers into the cache tensors the model runner owns. A sequence's `block_table` lists its blocks
 in token order; token `p` lives in slot `block_table[p // block_size] * block_size + p % block_size`.
-Reference counts let several sequences share a block later (prefix reuse); today each block has one owner."""
+
+Prefix reuse: once a block is full of computed tokens it gets a hash that chains the hash of the block before it
+with its own tokens (and an extra key: the LoRA adapter or a salt), so equal hashes mean equal prefixes. A freed
+block keeps its hash and contents until its space is needed; free blocks are handed out least recently freed first.
+A new sequence starts from the longest chain of cached blocks matching its tokens, never including the block of its
+last token: that token's logits must be computed."""
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict
+from typing import Hashable, Optional
 
 from .sequence import Sequence
 
@@ -14,20 +20,87 @@ def blocks_for(num_tokens: int, block_size: int) -> int:
     return (num_tokens + block_size - 1) // block_size
 
 
+def chain_hash(parent: Optional[int], tokens: tuple[int, ...], extra_key: Hashable) -> int:
+    return hash((parent, tokens, extra_key))
+
+
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int):
+    def __init__(self, num_blocks: int, block_size: int, enable_reuse: bool = False):
         if num_blocks < 1 or block_size < 1:
             raise ValueError(f"need at least one KV block of at least one token, got {num_blocks} x {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
+        self.enable_reuse = enable_reuse
         self.ref_counts = [0] * num_blocks
-        self.free_block_ids: deque[int] = deque(range(num_blocks))
+        # Free blocks, least recently freed first; a value of None means the block holds no reusable prefix.
+        self.free_blocks: OrderedDict[int, None] = OrderedDict((b, None) for b in range(num_blocks))
+        self.block_hash: list[Optional[int]] = [None] * num_blocks
+        self.block_tokens: list[Optional[tuple[int, ...]]] = [None] * num_blocks
+        self.cached: dict[int, int] = {}  # hash -> block id
         # Blocks handed out since the runner last looked: it zeroes them before first use.
         self.newly_allocated: list[int] = []
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self.free_block_ids)
+        """Blocks no sequence uses (cached prefixes among them: they are reclaimed when needed)."""
+        return len(self.free_blocks)
+
+    @property
+    def num_cached_free_blocks(self) -> int:
+        return sum(1 for b in self.free_blocks if self.block_hash[b] is not None)
+
+    # -- prefix reuse -----------------------------------------------------------------------------------------
+
+    def match_prefix(self, seq: Sequence, extra_key: Hashable = None) -> list[int]:
+        """Cached blocks holding `seq`'s leading tokens, in order (none if reuse is off)."""
+        if not self.enable_reuse:
+            return []
+        tokens = seq.all_token_ids()
+        matched, parent = [], None
+        for index in range((len(tokens) - 1) // self.block_size):
+            block_tokens = tuple(tokens[index * self.block_size:(index + 1) * self.block_size])
+            parent = chain_hash(parent, block_tokens, extra_key)
+            block = self.cached.get(parent)
+            if block is None or self.block_tokens[block] != block_tokens:  # tokens guard against collisions
+                break
+            matched.append(block)
+        return matched
+
+    def num_free_after_reuse(self, blocks: list[int]) -> int:
+        """Free blocks left once `blocks` (a prefix match) are taken."""
+        return self.num_free_blocks - sum(1 for b in blocks if self.ref_counts[b] == 0)
+
+    def reuse(self, seq: Sequence, blocks: list[int]) -> None:
+        """Give `seq` the matched blocks: their tokens count as computed."""
+        for block in blocks:
+            if self.ref_counts[block] == 0:
+                del self.free_blocks[block]
+            self.ref_counts[block] += 1
+            seq.block_table.append(block)
+        seq.block_hashes = [self.block_hash[b] for b in blocks]
+        seq.num_computed_tokens = len(blocks) * self.block_size
+        seq.metrics.kv_cache_reused_blocks += len(blocks)
+        seq.metrics.kv_cache_alloc_total_blocks += len(blocks)
+
+    def register_full_blocks(self, seq: Sequence, extra_key: Hashable = None) -> None:
+        """Hash the blocks `seq` has completely computed since the last call, so later sequences can reuse them."""
+        if not self.enable_reuse:
+            return
+        full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
+        tokens = None
+        while len(seq.block_hashes) < full:
+            index = len(seq.block_hashes)
+            tokens = tokens or seq.all_token_ids()
+            block_tokens = tuple(tokens[index * self.block_size:(index + 1) * self.block_size])
+            parent = seq.block_hashes[-1] if seq.block_hashes else None
+            block_hash = chain_hash(parent, block_tokens, extra_key)
+            seq.block_hashes.append(block_hash)
+            block = seq.block_table[index]
+            if block_hash not in self.cached and self.block_hash[block] is None:
+                self.cached[block_hash] = block
+                self.block_hash[block], self.block_tokens[block] = block_hash, block_tokens
+
+    # -- allocation -------------------------------------------------------------------------------------------
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """How many more blocks `seq` needs so that it can hold `num_tokens` tokens."""
@@ -42,21 +115,32 @@ class BlockManager:
         if needed > self.num_free_blocks:
             return False
         for _ in range(needed):
-            block_id = self.free_block_ids.popleft()
-            self.ref_counts[block_id] = 1
-            seq.block_table.append(block_id)
-            self.newly_allocated.append(block_id)
+            block, _ = self.free_blocks.popitem(last=False)
+            self._forget(block)
+            self.ref_counts[block] = 1
+            seq.block_table.append(block)
+            self.newly_allocated.append(block)
         seq.metrics.kv_cache_alloc_new_blocks += needed
         seq.metrics.kv_cache_alloc_total_blocks += needed
         return True
 
+    def _forget(self, block: int) -> None:
+        """The block's space is taken for new tokens: its cached prefix is gone."""
+        block_hash = self.block_hash[block]
+        if block_hash is not None and self.cached.get(block_hash) == block:
+            del self.cached[block_hash]
+        self.block_hash[block] = self.block_tokens[block] = None
+
     def free(self, seq: Sequence) -> None:
-        """Return every block of `seq`; tail blocks first so that early (shareable) blocks stay cached longest."""
-        for block_id in reversed(seq.block_table):
-            self.ref_counts[block_id] -= 1
-            if self.ref_counts[block_id] == 0:
-                self.free_block_ids.append(block_id)
+        """Return every block of `seq`; tail blocks first, so that a prefix's early blocks are reclaimed last."""
+        for block in reversed(seq.block_table):
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_blocks[block] = None
+                if self.block_hash[block] is None:  # nothing worth keeping: hand it out first
+                    self.free_blocks.move_to_end(block, last=False)
         seq.block_table.clear()
+        seq.block_hashes = []
         seq.num_computed_tokens = 0
 
     def take_newly_allocated(self) -> list[int]:

@@ -37,7 +37,7 @@ class EngineRequest:
 @dataclass
 class EngineStats:
     num_total_blocks: int
-    num_free_blocks: int
+    num_free_blocks: int  # unused by any request, cached prefixes included
     tokens_per_block: int
     num_running: int
     num_waiting: int
@@ -45,6 +45,7 @@ class EngineStats:
     max_seq_len: int
     max_batch_size: int
     max_num_tokens: int
+    num_cached_blocks: int = 0  # free blocks that still hold a reusable prefix
 
 
 class EngineCore:
@@ -60,7 +61,7 @@ class EngineCore:
         block_size = config.kv_cache_config.tokens_per_block
         budget = kv_cache_token_budget(config, self.model_config, self.dtype, self.device, self.max_seq_len)
         num_blocks = max(1, budget // block_size)
-        self.block_manager = BlockManager(num_blocks, block_size)
+        self.block_manager = BlockManager(num_blocks, block_size, config.kv_cache_config.enable_block_reuse)
         self.scheduler = Scheduler(
             self.block_manager, config.max_batch_size, config.max_num_tokens, config.enable_chunked_prefill,
             guaranteed_no_evict=config.scheduler_config.capacity_scheduler_policy == "GUARANTEED_NO_EVICT")
@@ -151,6 +152,7 @@ class EngineCore:
         logits, sampling_seqs = self.runner.execute(batch, self.block_manager.take_newly_allocated())
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += num_new
+            self.block_manager.register_full_blocks(seq, seq.cache_key)
         updated = {}
         if sampling_seqs:
             tokens, logprobs = sample(logits, sampling_seqs)
@@ -194,6 +196,7 @@ class EngineCore:
     def stats(self) -> EngineStats:
         return EngineStats(
             num_total_blocks=self.block_manager.num_blocks, num_free_blocks=self.block_manager.num_free_blocks,
+            num_cached_blocks=self.block_manager.num_cached_free_blocks,
             tokens_per_block=self.block_manager.block_size, num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting), num_steps=self.num_steps, max_seq_len=self.max_seq_len,
             max_batch_size=self.config.max_batch_size, max_num_tokens=self.config.max_num_tokens)

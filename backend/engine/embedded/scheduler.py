@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from .block_manager import BlockManager
+from .block_manager import BlockManager, blocks_for
 from .sequence import Sequence, SequenceStatus
 
 
@@ -96,20 +96,25 @@ class Scheduler:
         batch.preempted.append(seq)
 
     def _admit_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        manager = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
-            num_tokens = self._tokens_to_schedule(seq, budget, first=batch.is_empty)
-            if num_tokens == 0 or not self._fits(seq, seq.num_computed_tokens + num_tokens):
+            matched = [] if seq.block_table else manager.match_prefix(seq, seq.cache_key)
+            computed = len(matched) * manager.block_size if matched else seq.num_computed_tokens
+            num_tokens = self._tokens_to_schedule(seq, budget, first=batch.is_empty, computed=computed)
+            if num_tokens == 0 or not self._fits(seq, computed + num_tokens, matched):
                 break
-            self.block_manager.grow(seq, seq.num_computed_tokens + num_tokens)
+            if matched:
+                manager.reuse(seq, matched)
+            manager.grow(seq, seq.num_computed_tokens + num_tokens)
             self.waiting.popleft()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             batch.add(seq, num_tokens)
             budget -= num_tokens
 
-    def _tokens_to_schedule(self, seq: Sequence, budget: int, first: bool) -> int:
-        wanted = seq.num_uncomputed_tokens
+    def _tokens_to_schedule(self, seq: Sequence, budget: int, first: bool, computed: int | None = None) -> int:
+        wanted = seq.num_tokens - (seq.num_computed_tokens if computed is None else computed)
         if wanted <= budget:
             return wanted
         if self.enable_chunked_prefill:
@@ -118,9 +123,12 @@ class Scheduler:
         # still run alone, or it would never run again.
         return wanted if first else 0
 
-    def _fits(self, seq: Sequence, num_tokens: int) -> bool:
+    def _fits(self, seq: Sequence, num_tokens: int, matched: list[int]) -> bool:
+        """Whether `seq` can be admitted to hold `num_tokens` tokens, starting from the `matched` cached blocks."""
         manager = self.block_manager
-        if not self.guaranteed_no_evict:
-            return manager.can_grow(seq, num_tokens)
-        reserved = sum(manager.blocks_needed(s, s.max_total_tokens) for s in self.running)
-        return manager.blocks_needed(seq, seq.max_total_tokens) + reserved <= manager.num_free_blocks
+        free = manager.num_free_after_reuse(matched)
+        target = seq.max_total_tokens if self.guaranteed_no_evict else num_tokens
+        needed = max(0, blocks_for(target, manager.block_size) - len(seq.block_table) - len(matched))
+        if self.guaranteed_no_evict:
+            needed += sum(manager.blocks_needed(s, s.max_total_tokens) for s in self.running)
+        return needed <= free

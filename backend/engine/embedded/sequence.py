@@ -34,6 +34,8 @@ class Sequence:
     cumulative_logprob: float = 0.0
     num_computed_tokens: int = 0
     block_table: list[int] = field(default_factory=list)
+    # Chain hashes of the leading blocks that are full of computed tokens (prefix reuse).
+    block_hashes: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     finish_reason: Optional[str] = None
     stop_reason: Optional[int | list[int]] = None
@@ -60,6 +62,11 @@ class Sequence:
     def max_total_tokens(self) -> int:
         """The most tokens this sequence can ever hold (prompt plus its full output)."""
         return len(self.prompt_token_ids) + self.params.max_tokens
+
+    @property
+    def cache_key(self):
+        """What besides the tokens decides a block's contents (the LoRA adapter, later); part of its hash."""
+        return None
 
     def token_at(self, position: int) -> int:
         prompt_len = len(self.prompt_token_ids)
