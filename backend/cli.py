@@ -53,6 +53,22 @@ def _bench_commands(sub) -> None:
     engine.add_argument("--hf-batch-size", type=int, default=8, help="static batch size for HF generate")
     engine.add_argument("--seed", type=int, default=0, help="seed of the request mix")
     engine.add_argument("--json", action="store_true")
+    chunked = kinds.add_parser("chunked", help="p99 inter-token latency of running streams while a long prompt "
+                                               "arrives, chunked prefill off vs on")
+    _engine_arguments(chunked)
+    chunked.add_argument("--streams", type=int, default=8, help="streams decoding when the long prompt arrives")
+    chunked.add_argument("--stream-tokens", type=int, default=64, help="tokens each stream generates")
+    chunked.add_argument("--long-prompt", type=int, default=2000, help="tokens of the prompt that arrives")
+    chunked.add_argument("--chunk", type=int, default=256, help="max_num_tokens (the chunk) with chunking on")
+    chunked.add_argument("--seed", type=int, default=0)
+    chunked.add_argument("--json", action="store_true")
+    reuse = kinds.add_parser("reuse", help="time to first token of requests sharing a system prompt, "
+                                           "KV reuse off vs on")
+    _engine_arguments(reuse)
+    reuse.add_argument("--requests", type=int, default=16)
+    reuse.add_argument("--system-prompt", type=int, default=1000, help="tokens of the shared system prompt")
+    reuse.add_argument("--seed", type=int, default=0)
+    reuse.add_argument("--json", action="store_true")
 
 
 def _repo_commands(sub) -> None:
@@ -121,8 +137,10 @@ def _run(args) -> int:
 
         return main(args)
     if args.command == "bench":
-        from .bench import main
-
+        if args.bench_command == "engine":
+            from .bench import main
+        else:
+            from .bench_scenarios import main
         return main(args)
     if args.command == "repo":
         from .repo_cli import main
