@@ -34,17 +34,19 @@ class TokenClock:
         self.done = threading.Event()
         self.lock = threading.Lock()
         self.pending = 0
+        self.armed = False  # set by the last request tracked: `done` waits for it too
 
-    def track(self):
+    def track(self, last: bool = False):
         with self.lock:
             self.pending += 1
+            self.armed = self.armed or last
 
         def on_output(handle, item):
             with self.lock:
                 self.times.setdefault(handle.request_id, []).append(time.perf_counter())
                 if isinstance(item, BaseException) or item.finished:
                     self.pending -= 1
-                    if self.pending == 0:
+                    if self.pending == 0 and self.armed:
                         self.done.set()
         return on_output
 
@@ -57,13 +59,15 @@ def chunked_run(engine, streams: list[list[int]], long_prompt: list[int], stream
         time.sleep(0.01)
     arrival = time.perf_counter()
     long_handle = engine.generate_async(long_prompt, SamplingParams(max_tokens=4, ignore_eos=True),
-                                        streaming=True, on_output=clock.track())
+                                        streaming=True, on_output=clock.track(last=True))
     clock.done.wait()
     first_token = clock.times[long_handle.request_id][0]
     gaps = []
     for handle in handles:
         times = clock.times[handle.request_id]
         gaps += [b - a for a, b in zip(times, times[1:]) if b > arrival and a < first_token]
+    if not gaps:
+        raise RuntimeError("the streams ended before the long prompt produced a token: raise --stream-tokens")
     return {"p99_itl_s": percentile(gaps, 99), "max_itl_s": max(gaps), "gaps": len(gaps),
             "long_prompt_ttft_s": first_token - arrival}
 

@@ -55,10 +55,13 @@ def result_record(prompt_ids: list[int], output: RequestOutput, tokenizer) -> di
 def main(args) -> int:
     from transformers import AutoTokenizer
 
-    from .engine import create_engine
+    from .engine import choose_engine, create_engine
+    from .engine.embedded.loader import read_model_config
 
     config = build_engine_config(args.model, args.config, dtype=args.dtype, device=args.device,
                                  max_batch_size=args.max_batch_size)
+    if choose_engine(config) == "embedded":
+        read_model_config(config.model)  # a missing or unsupported model fails here, before the tokenizer
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or args.model)
     params = sampling_params_for(tokenizer, args.max_tokens, temperature=args.temperature, top_k=args.top_k,
                                  top_p=args.top_p, seed=args.seed, n=args.n)
