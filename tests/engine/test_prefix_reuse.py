@@ -156,3 +156,26 @@ def test_cached_blocks_are_reclaimed_least_recently_freed_first():
     newcomer = Sequence(9, 9, 0, [7, 7, 7], SamplingParams(max_tokens=1))
     manager.grow(newcomer, 6)  # needs 3 blocks: the 2 uncached ones, then the oldest cached one
     assert manager.match_prefix(seqs[0]) == [] and len(manager.match_prefix(seqs[1])) == 1
+
+
+def test_cached_free_block_count_matches_a_recount():
+    manager = BlockManager(num_blocks=6, block_size=2, enable_reuse=True)
+    seqs = [Sequence(i, i, 0, [1, 2, 3, 4, 5 + i], SamplingParams(max_tokens=1)) for i in range(3)]
+
+    def recount():
+        return sum(1 for b in manager.free_blocks if manager.block_hash[b] is not None)
+
+    for seq in seqs[:2]:
+        manager.reuse(seq, manager.match_prefix(seq))
+        manager.grow(seq, 5)
+        seq.num_computed_tokens = 5
+        manager.register_full_blocks(seq)
+        assert manager.num_cached_free_blocks == recount()
+    manager.free(seqs[0])
+    assert manager.num_cached_free_blocks == recount()
+    manager.reuse(seqs[2], manager.match_prefix(seqs[2]))
+    manager.grow(seqs[2], 5)
+    assert manager.num_cached_free_blocks == recount()
+    for seq in seqs[1:]:
+        manager.free(seq)
+    assert manager.num_cached_free_blocks == recount() and manager.num_free_blocks == 6

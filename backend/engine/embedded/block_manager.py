@@ -37,6 +37,7 @@ class BlockManager:
         self.block_hash: list[Optional[int]] = [None] * num_blocks
         self.block_tokens: list[Optional[tuple[int, ...]]] = [None] * num_blocks
         self.cached: dict[int, int] = {}  # hash -> block id
+        self.num_cached_free_blocks = 0  # free blocks that still hold a registered prefix
         # Blocks handed out since the runner last looked: it zeroes them before first use.
         self.newly_allocated: list[int] = []
 
@@ -44,10 +45,6 @@ class BlockManager:
     def num_free_blocks(self) -> int:
         """Blocks no sequence uses (cached prefixes among them: they are reclaimed when needed)."""
         return len(self.free_blocks)
-
-    @property
-    def num_cached_free_blocks(self) -> int:
-        return sum(1 for b in self.free_blocks if self.block_hash[b] is not None)
 
     # -- prefix reuse -----------------------------------------------------------------------------------------
 
@@ -75,6 +72,7 @@ class BlockManager:
         for block in blocks:
             if self.ref_counts[block] == 0:
                 del self.free_blocks[block]
+                self.num_cached_free_blocks -= 1
             self.ref_counts[block] += 1
             seq.block_table.append(block)
         seq.block_hashes = [self.block_hash[b] for b in blocks]
@@ -116,6 +114,8 @@ class BlockManager:
             return False
         for _ in range(needed):
             block, _ = self.free_blocks.popitem(last=False)
+            if self.block_hash[block] is not None:
+                self.num_cached_free_blocks -= 1
             self._forget(block)
             self.ref_counts[block] = 1
             seq.block_table.append(block)
@@ -139,6 +139,8 @@ class BlockManager:
                 self.free_blocks[block] = None
                 if self.block_hash[block] is None:  # nothing worth keeping: hand it out first
                     self.free_blocks.move_to_end(block, last=False)
+                else:
+                    self.num_cached_free_blocks += 1
         seq.block_table.clear()
         seq.block_hashes = []
         seq.num_computed_tokens = 0
