@@ -80,10 +80,14 @@ class InferenceResponse:
 
 
 class ResponseSender:
-    """Records what a decoupled model sends: a list of (response, flags)."""
+    """Records what a decoupled model sends: a list of (response, flags). Cancelled when its request is."""
 
-    def __init__(self):
+    def __init__(self, request: Optional["InferenceRequest"] = None):
         self.sent: list[tuple[Optional[InferenceResponse], int]] = []
+        self._request = request
+
+    def is_cancelled(self) -> bool:
+        return self._request is not None and self._request.is_cancelled()
 
     def send(self, response: Optional[InferenceResponse] = None, flags: int = 0) -> None:
         if self.sent and self.sent[-1][1] & TRITONSERVER_RESPONSE_COMPLETE_FINAL:
@@ -102,7 +106,7 @@ class InferenceRequest:
         self._inputs = {name: Tensor(name, _as_triton_array(value)) for name, value in inputs.items()}
         self._request_id = request_id
         self._cancelled = cancelled
-        self._sender = ResponseSender()
+        self._sender = ResponseSender(self)
 
     def get_input_tensor_by_name(self, name: str) -> Optional[Tensor]:
         return self._inputs.get(name)
@@ -157,7 +161,8 @@ class Logger:
 
 
 class MetricFamily:
-    """Records every metric created, like the stub's registry; `kind` must be one of the stub's constants."""
+    """Records every metric created, like the stub's registry; `kind` must be one of the stub's constants, and,
+    as in the stub, a histogram's metrics need buckets and other metrics must not have them."""
 
     COUNTER, GAUGE, HISTOGRAM = range(3)
     families: dict[str, "MetricFamily"] = {}
@@ -169,22 +174,69 @@ class MetricFamily:
         self.metrics: list["Metric"] = []
         MetricFamily.families[name] = self
 
-    def Metric(self, labels: Mapping[str, str]) -> "Metric":  # noqa: N802 (the stub's name)
-        metric = Metric(dict(labels))
+    def Metric(self, labels: Mapping[str, str], buckets: Optional[list] = None) -> "Metric":  # noqa: N802
+        if (self.kind == self.HISTOGRAM) != (buckets is not None):
+            raise TritonModelException(f"MetricFamily {self.name}: buckets are required for histograms only")
+        if buckets is not None and (not isinstance(buckets, list) or list(buckets) != sorted(buckets)):
+            raise TritonModelException(f"MetricFamily {self.name}: buckets must be a sorted list")
+        metric = Metric(self.kind, dict(labels), buckets)
         self.metrics.append(metric)
         return metric
 
 
 class Metric:
-    def __init__(self, labels: dict[str, str]):
+    def __init__(self, kind: int, labels: dict[str, str], buckets: Optional[list] = None):
+        self.kind = kind
         self.labels = labels
+        self.buckets = buckets
         self._value = 0.0
+        self.observations: list[float] = []
 
     def set(self, value: float) -> None:
+        if self.kind == MetricFamily.HISTOGRAM:
+            raise TritonModelException("set() is not supported for a histogram")
         self._value = float(value)
 
+    def observe(self, value: float) -> None:
+        if self.kind != MetricFamily.HISTOGRAM:
+            raise TritonModelException("observe() is only supported for a histogram")
+        self.observations.append(float(value))
+
     def value(self) -> float:
+        if self.kind == MetricFamily.HISTOGRAM:
+            raise TritonModelException("value() is not supported for a histogram")
         return self._value
+
+
+class ModelConfig:
+    """What `auto_complete_config` receives: the model config dict, with the stub's setters and their checks."""
+
+    def __init__(self, config: Mapping[str, Any]):
+        self._config = {"max_batch_size": 0, **dict(config)}
+
+    def as_dict(self) -> dict:
+        return self._config
+
+    def set_max_batch_size(self, max_batch_size: int) -> None:
+        if self._config["max_batch_size"] > max_batch_size:
+            raise ValueError(f"configuration specified max_batch_size {self._config['max_batch_size']}, but "
+                             f"auto-complete specified {max_batch_size}")
+        self._config["max_batch_size"] = max_batch_size
+
+    def set_model_transaction_policy(self, policy: Mapping[str, Any]) -> None:
+        if set(policy) - {"decoupled"}:
+            raise ValueError("model transaction policy contains property other than 'decoupled'")
+        current = self._config.setdefault("model_transaction_policy", {})
+        if "decoupled" in current and current["decoupled"] != policy["decoupled"]:
+            raise ValueError(f"trying to change decoupled property, which is already set to '{current['decoupled']}'")
+        current.update(policy)
+
+
+model_dir = ""  # what get_model_dir() answers: tests set it to the model's version folder
+
+
+def get_model_dir() -> str:
+    return model_dir
 
 
 def install() -> types.ModuleType:

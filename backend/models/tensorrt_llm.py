@@ -10,6 +10,7 @@ from ..triton.engine_args import load_tensorrt_llm_settings
 from ..triton.llm_metrics import EngineMetrics
 from ..triton.llm_server import LLMRequestServer
 from ..triton.logging_bridge import route_logs_to_triton
+from ..triton.request_metrics import RequestMetrics
 
 
 class TritonPythonModel:
@@ -22,8 +23,9 @@ class TritonPythonModel:
         log.info("starting the %s engine for %s (decoupled=%s)", choose_engine(settings.engine),
                  settings.engine.model, settings.decoupled)
         self.engine = create_engine(settings.engine)
+        self.request_metrics = RequestMetrics(args["model_name"], args["model_version"])
         self.server = LLMRequestServer(self.engine, settings.decoupled, settings.exclude_input_in_output,
-                                       settings.cancellation_check_period_ms)
+                                       settings.cancellation_check_period_ms, on_finished=self.request_metrics.observe)
         self.metrics = EngineMetrics(self.engine.stats, args["model_name"], args["model_version"],
                                      settings.stats_check_period_ms).start()
 

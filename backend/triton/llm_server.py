@@ -3,14 +3,15 @@
 `execute` only converts and submits (it returns at once). Engine outputs arrive through callbacks on the engine's
 thread and are queued; one sender thread turns them into Triton responses and, every
 `cancellation_check_period_ms`, asks Triton whether any client went away (then aborts its engine requests, which
-frees their KV blocks). A `stop=true` request with the same request id aborts them too."""
+frees their KV blocks). A `stop=true` request with the same request id aborts them too. When an engine request
+finishes, the sender thread hands its final output to `on_finished` (the per-request metrics)."""
 from __future__ import annotations
 
 import logging
 import queue
 import threading
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 from ..engine.types import RequestOutput
 from .llm_request import EngineRow, convert_request, is_stop_request
@@ -37,8 +38,10 @@ class TritonRequestState:
 
 
 class LLMRequestServer:
-    def __init__(self, engine, decoupled: bool, exclude_input_in_output: bool, cancellation_check_ms: int):
+    def __init__(self, engine, decoupled: bool, exclude_input_in_output: bool, cancellation_check_ms: int,
+                 on_finished: Optional[Callable[[RequestOutput], None]] = None):
         self.engine = engine
+        self.on_finished = on_finished
         self.decoupled = decoupled
         self.exclude_input_in_output = exclude_input_in_output
         self.check_period = max(cancellation_check_ms, 1) / 1000
@@ -130,6 +133,7 @@ class LLMRequestServer:
             return
         if item.finished:
             state.rows_done += 1
+            self._report_finished(item)
         if state.cancelled:
             if state.rows_done == len(state.rows):
                 self._close(state, error_response("request was cancelled", cancelled=True))
@@ -138,6 +142,14 @@ class LLMRequestServer:
             self._send_decoupled(state, row, item)
         else:
             self._collect_non_decoupled(state, row, item)
+
+    def _report_finished(self, output: RequestOutput) -> None:
+        if self.on_finished is None:
+            return
+        try:
+            self.on_finished(output)
+        except Exception:  # metrics must never cost a client its response
+            log.exception("could not record the metrics of a finished request")
 
     def _send_decoupled(self, state: TritonRequestState, row: int, output: RequestOutput) -> None:
         options = state.rows[row].options

@@ -178,31 +178,35 @@ class LiveServer:
 
     # -- metrics -----------------------------------------------------------------------------------------------
 
-    def metrics(self) -> dict[tuple[str, str], float]:
-        """The tensorrt_llm gauges: (family, kind label value) -> value."""
+    def metrics_text(self) -> str:
+        """GET /metrics on the metrics port: Prometheus text, as curl shows it."""
         connection = http.client.HTTPConnection("localhost", self.ports.metrics, timeout=10)
         try:
             connection.request("GET", "/metrics")
-            text = connection.getresponse().read().decode()
+            return connection.getresponse().read().decode()
         finally:
             connection.close()
-        return parse_trt_llm_gauges(text)
+
+    def metrics(self) -> dict[tuple[str, str], float]:
+        """The tensorrt_llm gauges: (family, kind label value) -> value."""
+        return parse_trt_llm_gauges(self.metrics_text())
 
     def wait_engine_idle(self, timeout: float = 10) -> dict[tuple[str, str], float]:
         """Poll the metrics until no request is active and every KV block is free, in a sample taken after this
         call began (the gauges refresh every stats_check_period_ms); returns the last sample."""
-        since = time.time()
+        since_us = time.time() * 1e6  # the timestamp gauge counts microseconds since the epoch
         deadline = time.monotonic() + timeout
         while True:
             sample = self.metrics()
-            fresh = sample.get(("nv_trt_llm_general_metrics", "timestamp"), 0) > since
+            fresh = sample.get(("nv_trt_llm_general_metrics", "timestamp"), 0) > since_us
             if (fresh and engine_is_idle(sample)) or time.monotonic() > deadline:
                 return sample
             time.sleep(0.05)
 
 
 _GAUGE_LINE = re.compile(r'^(nv_trt_llm_\w+)\{([^}]*)\}\s+(\S+)$')
-_KIND_LABELS = ("request_type", "kv_cache_block_type", "general_type")
+_KIND_LABELS = ("request_type", "kv_cache_block_type", "general_type", "memory_type",
+                "inflight_batcher_specific_metric")
 
 
 def parse_trt_llm_gauges(text: str) -> dict[tuple[str, str], float]:
@@ -218,6 +222,28 @@ def parse_trt_llm_gauges(text: str) -> dict[tuple[str, str], float]:
         if kind is not None:
             gauges[(match.group(1), kind)] = float(match.group(3))
     return gauges
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One line of Prometheus text: `name{labels} value`."""
+
+    name: str
+    labels: dict
+    value: float
+
+
+_SAMPLE_LINE = re.compile(r'^([A-Za-z_:][\w:]*)(?:\{([^}]*)\})?\s+(\S+)$')
+
+
+def parse_samples(text: str) -> list[Sample]:
+    samples = []
+    for line in text.splitlines():
+        match = _SAMPLE_LINE.match(line)
+        if match and not line.startswith("#"):
+            labels = dict(re.findall(r'(\w+)="([^"]*)"', match.group(2) or ""))
+            samples.append(Sample(match.group(1), labels, float(match.group(3))))
+    return samples
 
 
 def engine_is_idle(gauges: dict[tuple[str, str], float]) -> bool:

@@ -1,0 +1,99 @@
+"""Per-request histograms of an LLM model, observed once per engine request (one batch row) when it finishes.
+
+  nv_llm_input_token_len{response_metric_type="total_input_tokens"}    prompt tokens
+  nv_llm_output_token_len{response_metric_type="total_output_tokens"}  generated tokens, all sequences of the row
+  nv_llm_time_to_first_token_seconds                                   engine arrival -> first generated token
+  nv_llm_inter_token_latency_seconds                                   mean gap between a sequence's tokens
+
+All carry the `model` and `version` labels. The token-length buckets are TensorRT-LLM's (10, 50, 100, 500,
+1000; contract row 28). The two latency histograms are this package's answer to pain point P14 (TensorRT-LLM
+exports none). Their times come from the engine's per-request timestamps (`RequestPerfMetrics`), so streaming and
+non-streaming requests are measured alike; a request whose engine gave no timestamps is left out of them.
+Cancelled requests count too: their tokens were generated."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from ..engine.types import RequestOutput
+from .pb import pb_utils
+
+TOKEN_BUCKETS = (10, 50, 100, 500, 1000)
+TIME_TO_FIRST_TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+INTER_TOKEN_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+INPUT_TOKENS = "nv_llm_input_token_len"
+OUTPUT_TOKENS = "nv_llm_output_token_len"
+TIME_TO_FIRST_TOKEN = "nv_llm_time_to_first_token_seconds"
+INTER_TOKEN_LATENCY = "nv_llm_inter_token_latency_seconds"
+
+# family name -> (description, extra labels, buckets)
+HISTOGRAMS = {
+    INPUT_TOKENS: ("Prompt length of finished LLM requests, in tokens",
+                   {"response_metric_type": "total_input_tokens"}, TOKEN_BUCKETS),
+    OUTPUT_TOKENS: ("Generated length of finished LLM requests, in tokens",
+                    {"response_metric_type": "total_output_tokens"}, TOKEN_BUCKETS),
+    TIME_TO_FIRST_TOKEN: ("Time from a request's arrival at the engine to its first generated token, in seconds",
+                          {}, TIME_TO_FIRST_TOKEN_BUCKETS),
+    INTER_TOKEN_LATENCY: ("Mean time between consecutive generated tokens of a sequence, in seconds",
+                          {}, INTER_TOKEN_LATENCY_BUCKETS),
+}
+
+
+@dataclass(frozen=True)
+class RequestObservation:
+    """What one finished engine request adds to the histograms."""
+
+    input_tokens: int
+    output_tokens: int
+    time_to_first_token: Optional[float] = None  # seconds; None without engine timestamps
+    inter_token_latencies: list[float] = field(default_factory=list)  # seconds, one per sequence of >= 2 tokens
+
+
+def observe_request(output: RequestOutput) -> RequestObservation:
+    """The observation of a finished RequestOutput (its `token_ids` are the generated tokens only)."""
+    return RequestObservation(
+        input_tokens=len(output.prompt_token_ids),
+        output_tokens=sum(len(completion.token_ids) for completion in output.outputs),
+        time_to_first_token=time_to_first_token(output),
+        inter_token_latencies=[latency for latency in map(mean_inter_token_latency, output.outputs)
+                               if latency is not None])
+
+
+def time_to_first_token(output: RequestOutput) -> Optional[float]:
+    timings = [c.request_perf_metrics for c in output.outputs if c.request_perf_metrics is not None]
+    arrivals = [t.arrival_time_ns for t in timings if t.arrival_time_ns > 0]
+    first_tokens = [t.first_token_time_ns for t in timings if t.first_token_time_ns > 0]
+    if not arrivals or not first_tokens:
+        return None
+    return max(min(first_tokens) - min(arrivals), 0) / 1e9
+
+
+def mean_inter_token_latency(completion: Any) -> Optional[float]:
+    timing = completion.request_perf_metrics
+    gaps = len(completion.token_ids) - 1
+    if timing is None or gaps < 1 or not timing.first_token_time_ns or not timing.last_token_time_ns:
+        return None
+    return max(timing.last_token_time_ns - timing.first_token_time_ns, 0) / gaps / 1e9
+
+
+class RequestMetrics:
+    """The histograms of one model instance; `observe(output)` records a finished engine request."""
+
+    def __init__(self, model: str, version: str):
+        pb = pb_utils()
+        labels = {"model": model, "version": str(version)}
+        # The stub frees a family's metrics with the family: keep both for as long as this object lives.
+        self.families = {name: pb.MetricFamily(name=name, description=description, kind=pb.MetricFamily.HISTOGRAM)
+                         for name, (description, _, _) in HISTOGRAMS.items()}
+        self.histograms = {name: self.families[name].Metric(labels={**extra, **labels}, buckets=list(buckets))
+                           for name, (_, extra, buckets) in HISTOGRAMS.items()}
+
+    def observe(self, output: RequestOutput) -> None:
+        observation = observe_request(output)
+        self.histograms[INPUT_TOKENS].observe(observation.input_tokens)
+        self.histograms[OUTPUT_TOKENS].observe(observation.output_tokens)
+        if observation.time_to_first_token is not None:
+            self.histograms[TIME_TO_FIRST_TOKEN].observe(observation.time_to_first_token)
+        for latency in observation.inter_token_latencies:
+            self.histograms[INTER_TOKEN_LATENCY].observe(latency)
