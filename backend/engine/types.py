@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
+
+if TYPE_CHECKING:
+    import torch
 
 
 class InvalidRequestError(ValueError):
@@ -42,6 +45,8 @@ class SamplingParams:
     bad_words: Optional[list[list[int]]] = None
     embedding_bias: Optional[list[float]] = None
     logprobs: bool = False
+    return_context_logits: bool = False
+    return_generation_logits: bool = False
     ignore_eos: bool = False
     beam_width: int = 1
     length_penalty: Optional[float] = None
@@ -115,6 +120,8 @@ class CompletionOutput:
     finish_reason: Optional[str] = None  # "stop" | "length" | "cancelled"
     stop_reason: Optional[int | list[int]] = None
     request_perf_metrics: Optional[RequestPerfMetrics] = None
+    # [tokens, vocab] float32 raw logits of each generated token (return_generation_logits)
+    generation_logits: Optional["torch.Tensor"] = None
     _diff_start: int = 0
 
     @property
@@ -129,6 +136,10 @@ class CompletionOutput:
     def logprobs_diff(self) -> list[float]:
         return self.logprobs[self._diff_start:]
 
+    @property
+    def generation_logits_diff(self) -> Optional["torch.Tensor"]:
+        return None if self.generation_logits is None else self.generation_logits[self._diff_start:]
+
 
 @dataclass
 class RequestOutput:
@@ -138,3 +149,5 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     finished: bool = False
+    # [prompt tokens, vocab] float32 logits at every prompt position (return_context_logits)
+    context_logits: Optional["torch.Tensor"] = None

@@ -155,6 +155,9 @@ class EngineCore:
             self.block_manager.register_full_blocks(seq, seq.cache_key)
         updated = {}
         if sampling_seqs:
+            for row, seq in enumerate(sampling_seqs):
+                if seq.params.return_generation_logits:  # raw, before the sampler changes them in place
+                    seq.generation_logits.append(logits[row].cpu().clone())
             tokens, logprobs = sample(logits, sampling_seqs)
             for seq, token, logprob in zip(sampling_seqs, tokens, logprobs):
                 updated[seq.request_id] = self.requests[seq.request_id]
@@ -168,6 +171,8 @@ class EngineCore:
         seq.metrics.last_token_time_ns = now
         params = seq.params
         if token == params.end_id and not params.ignore_eos:
+            if seq.generation_logits:  # the end token is not returned, nor its logits
+                seq.generation_logits.pop()
             self._finish(seq, "stop", token)
             return
         seq.output_token_ids.append(token)
@@ -206,14 +211,19 @@ def snapshot(request: EngineRequest, mark_delivered: bool) -> RequestOutput:
     """A RequestOutput copy of the request's state; `token_ids_diff` holds what was not delivered before."""
     outputs = []
     for seq in request.seqs:
+        generation_logits = torch.stack(seq.generation_logits) if seq.params.return_generation_logits and \
+            seq.generation_logits else None
         outputs.append(CompletionOutput(
             index=seq.index, token_ids=list(seq.output_token_ids), logprobs=list(seq.logprobs),
             cumulative_logprob=seq.cumulative_logprob, finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason, request_perf_metrics=replace(seq.metrics),
-            _diff_start=seq.num_delivered_tokens))
+            generation_logits=generation_logits, _diff_start=seq.num_delivered_tokens))
         if mark_delivered:
             seq.num_delivered_tokens = len(seq.output_token_ids)
-    return RequestOutput(request.request_id, request.prompt_token_ids, outputs, finished=request.finished)
+    first = request.seqs[0]
+    context_logits = torch.cat(first.context_logits) if first.context_logits else None
+    return RequestOutput(request.request_id, request.prompt_token_ids, outputs, finished=request.finished,
+                         context_logits=context_logits)
 
 
 def _matched_stop(seq: Sequence):

@@ -19,6 +19,8 @@ class StepInputs:
     attn: AttentionMetadata
     logits_indices: torch.Tensor
     sampling_seqs: list[Sequence]
+    # Sequences that asked for context logits, with the flat indices of their prompt tokens in this step.
+    context_requests: list[tuple[Sequence, list[int]]]
 
 
 class ModelRunner:
@@ -34,10 +36,13 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, new_blocks: list[int]) -> tuple[torch.Tensor, list[Sequence]]:
+        """Runs the step; returns next-token logits for the sampling sequences (and stores context logits)."""
         self.zero_blocks(new_blocks)
         inputs = self.prepare(batch)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches)
         logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
+        for seq, indices in inputs.context_requests:
+            seq.context_logits.append(self.model.compute_logits(hidden[self._long(indices)]).float().cpu())
         return logits, inputs.sampling_seqs
 
     def zero_blocks(self, block_ids: list[int]) -> None:
@@ -51,7 +56,7 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         input_ids, positions, slots = [], [], []
-        query_starts, context_lens, logits_indices, sampling_seqs = [], [], [], []
+        query_starts, context_lens, logits_indices, sampling_seqs, context_requests = [], [], [], [], []
         bs = self.block_size
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
@@ -61,6 +66,10 @@ class ModelRunner:
             table = seq.block_table
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
             context_lens.append(end)
+            prompt_end = min(end, len(seq.prompt_token_ids))
+            if seq.params.return_context_logits and start < prompt_end:
+                first = query_starts[-1]
+                context_requests.append((seq, list(range(first, first + prompt_end - start))))
             if end == seq.num_tokens:
                 logits_indices.append(len(input_ids) - 1)
                 sampling_seqs.append(seq)
@@ -73,7 +82,7 @@ class ModelRunner:
         if all(n == 1 for n in batch.num_new_tokens):
             attn.decode_mask = build_decode_mask(context_lens, bs, max_blocks, self.device)
         return StepInputs(self._long(input_ids), self._long(positions), attn, self._long(logits_indices),
-                          sampling_seqs)
+                          sampling_seqs, context_requests)
 
     def _long(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

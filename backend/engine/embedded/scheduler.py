@@ -90,6 +90,7 @@ class Scheduler:
             position = batch.seqs.index(seq)
             del batch.seqs[position], batch.num_new_tokens[position]
         self.block_manager.free(seq)
+        seq.context_logits.clear()  # recomputed with the prompt
         seq.status = SequenceStatus.WAITING
         seq.metrics.num_preemptions += 1
         self.waiting.appendleft(seq)
@@ -99,7 +100,9 @@ class Scheduler:
         manager = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
-            matched = [] if seq.block_table else manager.match_prefix(seq, seq.cache_key)
+            # Context logits need every prompt position computed, so such a request reuses nothing.
+            reusable = not seq.block_table and not seq.params.return_context_logits
+            matched = manager.match_prefix(seq, seq.cache_key) if reusable else []
             computed = len(matched) * manager.block_size if matched else seq.num_computed_tokens
             num_tokens = self._tokens_to_schedule(seq, budget, first=batch.is_empty, computed=computed)
             if num_tokens == 0 or not self._fits(seq, computed + num_tokens, matched):

@@ -40,6 +40,9 @@ class Sequence:
     finish_reason: Optional[str] = None
     stop_reason: Optional[int | list[int]] = None
     metrics: RequestPerfMetrics = field(default_factory=RequestPerfMetrics)
+    # Raw logits kept for the client: one [n, vocab] chunk per prefill step, one [vocab] row per sampled token.
+    context_logits: list[torch.Tensor] = field(default_factory=list)
+    generation_logits: list[torch.Tensor] = field(default_factory=list)
     # Tokens delivered to the client so far (streaming sends the rest).
     num_delivered_tokens: int = 0
 
