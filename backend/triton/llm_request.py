@@ -29,11 +29,10 @@ UNSUPPORTED_INPUTS = {
     "retention_token_range_priorities": "KV cache retention",
     "retention_token_range_durations_ms": "KV cache retention", "retention_decode_priority": "KV cache retention",
     "retention_decode_duration_ms": "KV cache retention",
-    "return_context_logits": "context logits", "return_generation_logits": "generation logits",
     "runtime_top_p_min": "top-p decay", "runtime_top_p_decay": "top-p decay", "runtime_top_p_reset_ids": "top-p decay",
 }
 # Inputs a true value or presence of which asks for the feature (a false flag is harmless).
-FLAG_INPUTS = {"return_context_logits", "return_generation_logits"}
+FLAG_INPUTS: set[str] = set()
 
 
 @dataclass
@@ -44,6 +43,8 @@ class RowOptions:
     exclude_input_in_output: bool
     return_log_probs: bool
     return_perf_metrics: bool
+    return_context_logits: bool = False
+    return_generation_logits: bool = False
 
 
 @dataclass
@@ -108,9 +109,12 @@ def _convert_row(request, row, ids, length, default_exclude_input, decoupled) ->
         stop_words=_word_list(request, "stop_words_list", row), bad_words=_word_list(request, "bad_words_list", row),
         embedding_bias=_embedding_bias(request, row),
         logprobs=_flag(request, "return_log_probs", row, False),
+        return_context_logits=_flag(request, "return_context_logits", row, False),
+        return_generation_logits=_flag(request, "return_generation_logits", row, False),
         return_perf_metrics=_flag(request, "return_perf_metrics", row, False))
     options = RowOptions(streaming, _flag(request, "exclude_input_in_output", row, default_exclude_input),
-                         params.logprobs, params.return_perf_metrics)
+                         params.logprobs, params.return_perf_metrics, params.return_context_logits,
+                         params.return_generation_logits)
     try:
         params.validate()
     except ValueError as exc:

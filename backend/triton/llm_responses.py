@@ -16,7 +16,8 @@ PERF_INT64 = ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns
 
 
 def sequence_tensors(prompt: list[int], completion: CompletionOutput, options: RowOptions, *, delta: bool,
-                     is_final: bool, batch_index: Optional[int], sequence_index: Optional[int]) -> list:
+                     is_final: bool, batch_index: Optional[int], sequence_index: Optional[int],
+                     context_logits=None) -> list:
     """The tensors of one response for one sequence. `delta`: only the tokens not sent before (streaming)."""
     start = completion._diff_start if delta else 0
     new_tokens = completion.token_ids[start:]
@@ -38,10 +39,23 @@ def sequence_tensors(prompt: list[int], completion: CompletionOutput, options: R
                                      np.array(logprobs, dtype=np.float32).reshape(1, 1, len(logprobs))))
     if options.return_perf_metrics and completion.request_perf_metrics is not None:
         tensors += perf_tensors(completion)
+    tensors += logits_tensors(completion, options, start, context_logits)
     if batch_index is not None:
         tensors.append(output_tensor("batch_index", np.array([[batch_index]], dtype=np.int32)))
     if sequence_index is not None:
         tensors.append(output_tensor("sequence_index", np.array([[sequence_index]], dtype=np.int32)))
+    return tensors
+
+
+def logits_tensors(completion: CompletionOutput, options: RowOptions, start: int, context_logits) -> list:
+    """context_logits [1, prompt_len, vocab] with a sequence's first response; generation_logits
+    [1, 1, tokens, vocab] for the tokens of this response."""
+    tensors = []
+    if options.return_context_logits and start == 0 and context_logits is not None:
+        tensors.append(output_tensor("context_logits", context_logits.numpy().astype(np.float32)[None]))
+    if options.return_generation_logits and completion.generation_logits is not None:
+        rows = completion.generation_logits[start:].numpy().astype(np.float32)
+        tensors.append(output_tensor("generation_logits", rows[None, None]))
     return tensors
 
 

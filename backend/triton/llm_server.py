@@ -167,7 +167,8 @@ class LLMRequestServer:
             sequence_index = completion.index if len(output.outputs) > 1 else None
             pending.append(sequence_tensors(output.prompt_token_ids, completion, options,
                                             delta=options.streaming, is_final=finished,
-                                            batch_index=batch_index, sequence_index=sequence_index))
+                                            batch_index=batch_index, sequence_index=sequence_index,
+                                            context_logits=output.context_logits))
         last_row = state.rows_done == len(state.rows) and output.finished
         for position, tensors in enumerate(pending):
             if last_row and position == len(pending) - 1:
@@ -182,7 +183,8 @@ class LLMRequestServer:
             return
         completion = output.outputs[0]
         state.final_rows[row] = sequence_tensors(output.prompt_token_ids, completion, state.rows[row].options,
-                                                 delta=False, is_final=True, batch_index=None, sequence_index=None)
+                                                 delta=False, is_final=True, batch_index=None, sequence_index=None,
+                                                 context_logits=output.context_logits)
         if len(state.final_rows) == len(state.rows):
             tensors = merge_batch([state.final_rows[i] for i in range(len(state.rows))])
             self._close(state, pb_utils().InferenceResponse(output_tensors=tensors))
