@@ -35,7 +35,6 @@ STOP_WORD_PREFIX = "\x00tritonllm-stop-word-"
 BAD_WORD_PREFIX = "\x00tritonllm-bad-word-"
 STATS_POLL_TIMEOUT_S = 0.01  # `LLM.get_stats` waits this long for queued iteration stats; stats() must not stall
 SHUTDOWN_DRAIN_TIMEOUT_S = 10.0  # how long shutdown lets aborted requests deliver their final output
-_END_OF_STREAM = object()
 
 
 class TensorRTLLMNotInstalled(ImportError):
@@ -253,20 +252,6 @@ class TensorRTLLMRequestHandle(RequestHandle):
         self.params = params
         self.trtllm_params: Any = None  # set at submission; the library fills its end_id in place when None
         self._delivered: dict[int, int] = {}
-
-    async def __anext__(self) -> RequestOutput:
-        # The end of the stream comes back as a value: a StopIteration raised in the worker thread cannot cross
-        # the asyncio Future of `to_thread` (the await would never return).
-        item = await asyncio.to_thread(self._next_or_end)
-        if item is _END_OF_STREAM:
-            raise StopAsyncIteration
-        return item
-
-    def _next_or_end(self):
-        try:
-            return self._next(None)
-        except StopIteration:
-            return _END_OF_STREAM
 
     def _deliver_update(self, update: Any) -> None:
         if self.streaming or update.finished:
