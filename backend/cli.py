@@ -77,6 +77,9 @@ def _repo_commands(sub) -> None:
     build = kinds.add_parser("build", help="a ready model repository for a model folder")
     build.add_argument("--model", required=True, help="Hugging Face model folder")
     build.add_argument("--out", required=True, help="repository folder to write")
+    build.add_argument("--llmapi", action="store_true",
+                       help="only the LLM-API tensorrt_llm model (text in, text out); --param KEY=VALUE then sets "
+                            "model.yaml keys (KEY.SUBKEY for nested ones)")
     build.add_argument("--streaming", action=argparse.BooleanOptionalAction, default=True,
                        help="decoupled models (streaming); --no-streaming for one response per request")
     build.add_argument("--max-batch-size", type=int, default=8)

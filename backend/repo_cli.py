@@ -1,5 +1,7 @@
-"""`tritonllm repo build` and `tritonllm repo fill`."""
+"""`tritonllm repo build` (the ensemble's models, or `--llmapi`) and `tritonllm repo fill`."""
 from __future__ import annotations
+
+import yaml
 
 from .repo import build_repo, fill_template
 
@@ -19,9 +21,24 @@ def main(args) -> int:
         fill_template(args.config, args.substitutions, in_place=True)
         print(f"filled {args.config}")
         return 0
+    if args.llmapi:
+        return _build_llmapi(args)
     repo = build_repo(args.model, args.out, streaming=args.streaming, max_batch_size=args.max_batch_size,
                       engine=args.engine, dtype=args.dtype, device=args.device, max_seq_len=args.max_seq_len,
                       max_num_tokens=args.max_num_tokens, kv_cache_max_tokens=args.kv_cache_max_tokens,
                       parameters=_parameters(args.param), overwrite=True)
     print(f"model repository ready: {repo}")
+    return 0
+
+
+def _build_llmapi(args) -> int:
+    from .llmapi_repo import build_llmapi_repo
+
+    # model.yaml values are typed: "64" is a number, "true" a boolean, as YAML reads them.
+    engine_args = {key: yaml.safe_load(value) for key, value in _parameters(args.param).items()}
+    repo = build_llmapi_repo(args.model, args.out, streaming=args.streaming, engine=args.engine, dtype=args.dtype,
+                             device=args.device, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
+                             max_num_tokens=args.max_num_tokens, kv_cache_max_tokens=args.kv_cache_max_tokens,
+                             engine_args=engine_args, overwrite=True)
+    print(f"model repository ready: {repo} (the LLM-API tensorrt_llm model)")
     return 0

@@ -1,7 +1,8 @@
 """End-to-end fixtures: the real tritonserver (from the nvidia-pytriton wheel) on repositories built by
 `build_repo` for a tiny random model, and small clients for its HTTP, SSE, gRPC-stream and metrics endpoints.
 
-One decoupled server serves the whole session; the non-decoupled one starts only for the tests that ask for it.
+One decoupled server serves the whole session; the non-decoupled one and the LLM-API one (`build_llmapi_repo`)
+start only for the tests that ask for them.
 Each server logs to a file; a failing test gets the tail of every server log in its report."""
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 pytest.importorskip("pytriton", reason="the e2e tests need the nvidia-pytriton wheel (tritonserver)")
 pytest.importorskip("tritonclient.grpc", reason="the e2e tests need tritonclient[grpc]")
 
+from tritonllm.llmapi_repo import build_llmapi_repo  # noqa: E402
 from tritonllm.model_files.tiny import build_tiny_model  # noqa: E402
 from tritonllm.repo import build_repo  # noqa: E402
 from tritonllm.server import Ports, TritonServer  # noqa: E402
@@ -62,8 +64,18 @@ def plain_server(tiny_model, tmp_path_factory) -> Iterator["clients.LiveServer"]
     yield from _serve(tiny_model, tmp_path_factory.mktemp("non_decoupled"), streaming=False)
 
 
+@pytest.fixture(scope="module")
+def llmapi_server(tiny_model, tmp_path_factory) -> Iterator["clients.LiveServer"]:
+    """The LLM-API model alone (`tritonllm repo build --llmapi`), decoupled; module-scoped."""
+    work = tmp_path_factory.mktemp("llmapi")
+    yield from _run(build_llmapi_repo(tiny_model, work / "repo", max_seq_len=MAX_SEQ_LEN), work)
+
+
 def _serve(model_dir: Path, work: Path, streaming: bool) -> Iterator["clients.LiveServer"]:
-    repo = build_repo(model_dir, work / "repo", streaming=streaming, max_seq_len=MAX_SEQ_LEN)
+    yield from _run(build_repo(model_dir, work / "repo", streaming=streaming, max_seq_len=MAX_SEQ_LEN), work)
+
+
+def _run(repo: Path, work: Path) -> Iterator["clients.LiveServer"]:
     log_file = work / "tritonserver.log"
     _server_logs.append(log_file)
     triton = TritonServer(repo, Ports.free(), log_file=log_file)

@@ -1,0 +1,112 @@
+"""Settings of the LLM-API `tensorrt_llm` model, all from its `1/model.yaml`, as in TensorRT-LLM's llmapi model.
+
+The file holds TensorRT-LLM `LLM()` keyword arguments plus a `triton_config` section with `max_batch_size` and
+`decoupled`, which `auto_complete_config` hands to Triton (config.pbtxt leaves them out). Problems raise
+`ConfigError` naming the file and the key."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import yaml
+
+from ..engine.config import ConfigError, EngineConfig, load_yaml_args
+from ..tokenizer import LoadedTokenizer, load_tokenizer
+from .engine_args import find_engine_args_file
+from .params import Parameters
+
+TRITON_CONFIG_KEYS = ("max_batch_size", "decoupled")
+
+
+@dataclass(frozen=True)
+class TritonConfig:
+    """model.yaml's `triton_config`: what Triton itself needs to know about the model."""
+
+    max_batch_size: int = 0
+    decoupled: bool = False
+
+
+@dataclass(frozen=True)
+class LLMAPISettings:
+    engine: EngineConfig
+    triton: TritonConfig
+    tokenizer_dir: str
+    yaml_path: Path
+    cancellation_check_period_ms: int = 100
+    stats_check_period_ms: int = 100
+
+
+def model_yaml_path(version_dir: str | Path) -> Path:
+    """`$LLM_CONFIG_PATH` or `model.yaml` in the model's version folder (what pb_utils.get_model_dir() names)."""
+    version_dir = Path(version_dir)
+    path = find_engine_args_file(version_dir.parent, version_dir.name)
+    if path is None:
+        raise ConfigError(f"{version_dir / 'model.yaml'} is missing: the LLM-API model reads its engine arguments "
+                          "and triton_config from it")
+    return path
+
+
+def read_triton_config(path: Path) -> TritonConfig:
+    section = _read_yaml(path).get("triton_config")
+    if not isinstance(section, dict):
+        raise ConfigError(f"{path}: triton_config must be a mapping with {' and '.join(TRITON_CONFIG_KEYS)}")
+    unknown = sorted(set(section) - set(TRITON_CONFIG_KEYS))
+    if unknown:
+        raise ConfigError(f"{path}: triton_config has unknown key(s) {unknown}; known: {list(TRITON_CONFIG_KEYS)}")
+    batch, decoupled = section.get("max_batch_size", 0), section.get("decoupled", False)
+    if batch != 0:
+        raise ConfigError(f"{path}: triton_config.max_batch_size = {batch!r} must be 0: each request carries one "
+                          "prompt and the engine batches requests itself")
+    if not isinstance(decoupled, bool):
+        raise ConfigError(f"{path}: triton_config.decoupled = {decoupled!r} must be true or false")
+    return TritonConfig(max_batch_size=0, decoupled=decoupled)
+
+
+def load_llmapi_settings(version_dir: str | Path, model_config: Optional[Mapping[str, Any]] = None) -> LLMAPISettings:
+    """Everything the model needs to start. `model_config` (Triton's, after auto-complete) may set the optional
+    parameters cancellation_check_period_ms and stats_check_period_ms."""
+    path = model_yaml_path(version_dir)
+    triton = read_triton_config(path)
+    args = load_yaml_args(path)
+    model = resolve_model_path(path, args.get("model"), "model")
+    if model is None:
+        raise ConfigError(f"{path}: 'model' is unset: name the Hugging Face model folder (tritonllm repo build "
+                          "--llmapi fills it)")
+    args["model"] = model
+    tokenizer = resolve_model_path(path, args.get("tokenizer"), "tokenizer") or model
+    args["tokenizer"] = tokenizer
+    params = Parameters.from_model_config(model_config or {})
+    return LLMAPISettings(
+        engine=EngineConfig.from_dict(args), triton=triton, tokenizer_dir=tokenizer, yaml_path=path,
+        cancellation_check_period_ms=params.int("cancellation_check_period_ms", 100, minimum=1),
+        stats_check_period_ms=params.int("stats_check_period_ms", 100, minimum=1))
+
+
+def load_llmapi_tokenizer(settings: LLMAPISettings) -> LoadedTokenizer:
+    try:
+        return load_tokenizer(settings.tokenizer_dir)
+    except Exception as error:
+        raise ConfigError(f"{settings.yaml_path}: cannot load a tokenizer from {settings.tokenizer_dir} (model or "
+                          f"tokenizer): {type(error).__name__}: {error}") from error
+
+
+def resolve_model_path(yaml_path: Path, value: Any, key: str) -> Optional[str]:
+    """A folder named in model.yaml; relative ones are relative to the yaml's folder, so a repository that carries
+    its model can move."""
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise ConfigError(f"{yaml_path}: {key} must be a folder path, got {value!r}")
+    path = Path(value).expanduser()
+    return str(path if path.is_absolute() else (yaml_path.parent / path).resolve())
+
+
+def _read_yaml(path: Path) -> dict:
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path} must be a mapping of LLM() arguments and triton_config")
+    return data

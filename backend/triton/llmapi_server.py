@@ -1,0 +1,170 @@
+"""Request lifecycle of the LLM-API `tensorrt_llm` model: tokenize, run the engine, detokenize, respond, cancel.
+
+`submit` (called from execute) converts a request and starts one engine request; it returns at once. The engine
+always streams its updates here, whatever the client asked for, so stop strings are found in the text as it grows.
+Updates are queued to one sender thread, which keeps each sequence's text (SequenceText) and answers: every update
+that changes the text when the client streams, one response at the end otherwise. Every
+`cancellation_check_period_ms` it asks Triton whether a client went away and then aborts the engine request, which
+frees its KV blocks (TensorRT-LLM's llmapi model never does: contract 1.3); the client gets a CANCELLED error. When
+every sequence's text has reached a stop string the engine request is aborted too: the answer is complete."""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable, Optional
+
+from ..engine.types import CompletionOutput, InvalidRequestError, RequestOutput
+from .llmapi_request import LLMAPIRequest, convert_request, name_inputs
+from .llmapi_responses import SequenceResult, error_response, inference_response
+from .llmapi_text import SequenceText
+from .pb import InputError, send_final, send_response
+
+log = logging.getLogger("tritonllm.llmapi")
+
+
+@dataclass(eq=False)
+class RequestState:
+    sender: Any
+    job: LLMAPIRequest
+    texts: dict[int, SequenceText] = field(default_factory=dict)  # sequence index -> its text
+    engine_id: Optional[int] = None
+    last_sent: Optional[list[str]] = None  # texts of the last streamed response
+    cancelled: bool = False
+    closed: bool = False
+
+
+class LLMAPIServer:
+    def __init__(self, engine: Any, tokenizer: Any, decoupled: bool, cancellation_check_ms: int = 100,
+                 on_finished: Optional[Callable[[RequestOutput], None]] = None):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.decoupled = decoupled
+        self.on_finished = on_finished
+        self.check_period = max(cancellation_check_ms, 1) / 1000
+        self.events: queue.SimpleQueue = queue.SimpleQueue()
+        self.active: dict[int, RequestState] = {}  # engine request id -> state
+        self.lock = threading.Lock()
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._send_loop, name="tritonllm-llmapi-sender", daemon=True)
+        self.thread.start()
+
+    # -- called from execute() --------------------------------------------------------------------------------
+
+    def submit(self, request: Any) -> None:
+        sender = request.get_response_sender()
+        try:
+            self._start(RequestState(sender, convert_request(request, self.tokenizer, self.decoupled)))
+        except InvalidRequestError as exc:  # the engine refused it; say which inputs are concerned
+            send_final(sender, error_response(name_inputs(str(exc))))
+        except (InputError, ValueError) as exc:
+            send_final(sender, error_response(str(exc)))
+
+    def _start(self, state: RequestState) -> None:
+        with self.lock:  # the sender thread forgets a request under this lock: it must be registered first
+            handle = self.engine.generate_async(state.job.prompt_token_ids, state.job.params, streaming=True,
+                                                on_output=lambda _handle, item: self.events.put((state, item)))
+            state.engine_id = handle.request_id
+            self.active[handle.request_id] = state
+
+    # -- sender thread ----------------------------------------------------------------------------------------
+
+    def _send_loop(self) -> None:
+        while not (self.stopping.is_set() and not self.active):
+            try:
+                state, item = self.events.get(timeout=self.check_period)
+            except queue.Empty:
+                self._poll_cancellation()
+                continue
+            try:
+                self._on_output(state, item)
+            except Exception:  # never let one request's failure stop the sender for the others
+                log.exception("failed to answer an LLM-API request")
+                self._close(state, error_response("internal error while sending the response", "INTERNAL"))
+            self._poll_cancellation()
+
+    def _poll_cancellation(self) -> None:
+        with self.lock:
+            states = list(self.active.values())
+        for state in states:
+            if not state.cancelled and state.sender.is_cancelled():
+                log.info("client cancelled an LLM-API request: aborting engine request %s", state.engine_id)
+                state.cancelled = True
+                self.engine.abort(state.engine_id)
+
+    def _on_output(self, state: RequestState, item: Any) -> None:
+        if isinstance(item, BaseException):
+            self._close(state, error_response(f"the engine failed: {item}", "INTERNAL"))
+            return
+        if item.finished:
+            self._report_finished(item)
+        if state.closed:
+            return  # answered already (every sequence reached a stop string); only the metrics were left
+        if state.cancelled:
+            if item.finished:
+                self._close(state, error_response("request was cancelled", "CANCELLED"))
+            return
+        if self._update_texts(state, item):
+            if not item.finished:
+                self.engine.abort(state.engine_id)  # every text is complete: stop generating
+            self._close(state, inference_response(self._final_results(state, item), state.job.outputs))
+        elif state.job.streaming:
+            self._send_progress(state, item)
+
+    def _update_texts(self, state: RequestState, output: RequestOutput) -> bool:
+        """Decode what each sequence added; True once every sequence has finished or reached a stop string."""
+        for completion in output.outputs:
+            text = state.texts.setdefault(completion.index, SequenceText(self.tokenizer, state.job.stop))
+            text.add(completion.token_ids, is_final=completion.finish_reason is not None)
+        return all(c.finish_reason is not None or state.texts[c.index].stopped for c in output.outputs)
+
+    def _send_progress(self, state: RequestState, output: RequestOutput) -> None:
+        results = [self._result(state, completion, final=False) for completion in output.outputs]
+        texts = [result.text for result in results]
+        if texts != state.last_sent:  # a held-back character or stop-string prefix adds nothing to send
+            state.last_sent = texts
+            send_response(state.sender, inference_response(results, state.job.outputs))
+
+    def _final_results(self, state: RequestState, output: RequestOutput) -> list[SequenceResult]:
+        results = [self._result(state, completion, final=True) for completion in output.outputs]
+        if state.job.best_of > 1:
+            results = [max(results, key=lambda result: result.cumulative_logprob)]
+        if not state.job.streaming and not state.job.exclude_input:
+            results = [replace(result, text=state.job.prompt + result.text) for result in results]
+        return results
+
+    @staticmethod
+    def _result(state: RequestState, completion: CompletionOutput, final: bool) -> SequenceResult:
+        text = state.texts[completion.index]
+        if not final:
+            return SequenceResult(text.text(final=False), cumulative_logprob=completion.cumulative_logprob)
+        finish_reason = "stop" if text.stopped else completion.finish_reason
+        return SequenceResult(text.text(final=True), finish_reason, text.stopped_by, completion.cumulative_logprob)
+
+    def _report_finished(self, output: RequestOutput) -> None:
+        if self.on_finished is None:
+            return
+        try:
+            self.on_finished(output)
+        except Exception:  # metrics must never cost a client its response
+            log.exception("could not record the metrics of a finished request")
+
+    def _close(self, state: RequestState, response: Any) -> None:
+        """Send the request's last response (FINAL flag) and forget it."""
+        if state.closed:
+            return
+        state.closed = True
+        with self.lock:  # forget it first: a sender that fails must not leave it active forever
+            self.active.pop(state.engine_id, None)
+        send_final(state.sender, response)
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Abort what is still running, let the sender answer it, then stop."""
+        with self.lock:
+            states = list(self.active.values())
+        for state in states:
+            state.cancelled = True
+            self.engine.abort(state.engine_id)
+        self.stopping.set()
+        self.thread.join(timeout)

@@ -1,0 +1,69 @@
+"""The text of one generated sequence of the LLM-API model: decoded as its tokens arrive, cut at stop strings.
+
+Streaming responses carry the cumulative text, as TensorRT-LLM's LLM API `output.text` is (each response holds
+everything generated so far; a client shows the last one). Two rules keep every response a prefix of the final
+text, so a client never sees text taken back:
+  * a multi-byte character is sent only once it is complete (detokenize_delta holds the partial bytes back);
+  * text that could be the beginning of a stop string is held back until the next tokens tell.
+A stop string ends the sequence and is left out of the text (the LLM API's include_stop_str_in_output=False).
+Stop strings are matched on the text, so they stop generation however the tokenizer splits them in context
+(token-level stop words miss those: pain point P4)."""
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+from ..tokenizer import detokenize_delta, prefix_window
+
+
+class SequenceText:
+    def __init__(self, tokenizer: Any, stop: Sequence[str] = (), skip_special_tokens: bool = True):
+        self.tokenizer = tokenizer
+        self.stop = [word for word in stop if word]
+        self.skip_special_tokens = skip_special_tokens
+        self.decoded = ""  # complete characters of every token seen, stop strings included
+        self.stop_at: Optional[int] = None  # where the first stop string starts in `decoded`
+        self.stopped_by: Optional[str] = None
+        self.tokens_seen = 0
+
+    @property
+    def stopped(self) -> bool:
+        return self.stopped_by is not None
+
+    def add(self, token_ids: Sequence[int], is_final: bool) -> None:
+        """Take the sequence's tokens so far (cumulative); the ones not seen before are decoded and appended."""
+        if self.stopped:
+            return  # a stop string ended the text; later tokens are not part of it
+        new_count = len(token_ids) - self.tokens_seen
+        if new_count == 0 and not is_final:
+            return
+        prefix = prefix_window(token_ids, new_count)
+        searched_from = max(len(self.decoded) - max((len(word) for word in self.stop), default=0), 0)
+        self.decoded += detokenize_delta(self.tokenizer, prefix, token_ids[len(token_ids) - new_count:], is_final,
+                                         self.skip_special_tokens)
+        self.tokens_seen = len(token_ids)
+        self._find_stop(searched_from)
+
+    def _find_stop(self, start: int) -> None:
+        hits = [(self.decoded.find(word, start), word) for word in self.stop]
+        hits = [(position, word) for position, word in hits if position >= 0]
+        if hits:
+            self.stop_at, self.stopped_by = min(hits)  # the earliest stop string wins
+
+    def text(self, final: bool) -> str:
+        """What a response may carry now: everything before a stop string, and, until the end, nothing that could
+        still turn out to be the start of one."""
+        if self.stopped:
+            return self.decoded[:self.stop_at]
+        if final:
+            return self.decoded
+        return self.decoded[:len(self.decoded) - self._possible_stop_start()]
+
+    def _possible_stop_start(self) -> int:
+        """Length of the longest tail of the text that is a proper prefix of a stop string."""
+        longest = 0
+        for word in self.stop:
+            for length in range(min(len(word) - 1, len(self.decoded)), longest, -1):
+                if self.decoded.endswith(word[:length]):
+                    longest = length
+                    break
+        return longest

@@ -1,0 +1,222 @@
+"""The LLM-API `tensorrt_llm` model run in-process: a repository from `build_llmapi_repo` for a tiny random model,
+the real embedded engine, and a fake pb_utils standing in for Triton (auto_complete_config, requests, senders,
+metrics). The real server is exercised by tests/e2e/test_llmapi.py."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tritonllm.engine import SamplingParams
+from tritonllm.llmapi_repo import build_llmapi_repo
+from tritonllm.model_files.tiny import build_tiny_model
+from tritonllm.triton.llmapi_server import LLMAPIServer
+
+
+def _load_fake_pb_utils():
+    path = Path(__file__).resolve().parents[1] / "fake_pb_utils.py"
+    spec = importlib.util.spec_from_file_location("fake_pb_utils_llmapi_model", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+fake = _load_fake_pb_utils()
+PROMPT = "The lamp turned"
+TYPES = {bool: np.bool_, int: np.int32, float: np.float32}
+
+
+@pytest.fixture(scope="module")
+def repo(tmp_path_factory) -> Path:
+    model = build_tiny_model(tmp_path_factory.mktemp("tiny"))
+    return build_llmapi_repo(model, tmp_path_factory.mktemp("llmapi") / "repo", max_seq_len=256, max_batch_size=4)
+
+
+@pytest.fixture(scope="module")
+def model(repo):
+    """The loaded model (module-scoped: the engine takes a few seconds), with the fake pb_utils installed."""
+    saved = sys.modules.get("triton_python_backend_utils")
+    sys.modules["triton_python_backend_utils"] = fake
+    fake.MetricFamily.families = {}
+    fake.model_dir = str(repo / "tensorrt_llm" / "1")
+    from tritonllm.models.llmapi import TritonPythonModel
+
+    instance = TritonPythonModel()
+    config = TritonPythonModel.auto_complete_config(fake.ModelConfig({"name": "tensorrt_llm"})).as_dict()
+    instance.initialize({"model_config": json.dumps(config), "model_name": "tensorrt_llm", "model_version": "1",
+                         "model_repository": str(repo / "tensorrt_llm")})
+    try:
+        yield instance
+    finally:
+        instance.finalize()
+        if saved is None:
+            sys.modules.pop("triton_python_backend_utils", None)
+        else:
+            sys.modules["triton_python_backend_utils"] = saved
+
+
+def request(prompt=PROMPT, **inputs) -> fake.InferenceRequest:
+    tensors = {} if prompt is None else {"text_input": np.array([prompt.encode()], dtype=object)}
+    for name, value in inputs.items():
+        tensors[name] = value if isinstance(value, np.ndarray) else np.array([value], dtype=TYPES[type(value)])
+    return fake.InferenceRequest(tensors)
+
+
+def run(model, req, timeout: float = 60) -> list:
+    """Execute one request; the (response, flags) it got once its final response was sent."""
+    model.execute([req])
+    return wait_final(req, timeout)
+
+
+def wait_final(req, timeout: float = 60) -> list:
+    sender = req.get_response_sender()
+    deadline = time.monotonic() + timeout
+    while not sender.finished:
+        assert time.monotonic() < deadline, f"no final response within {timeout}s"
+        time.sleep(0.005)
+    return sender.sent
+
+
+def outputs(response) -> dict:
+    assert not response.has_error(), response.error().message()
+    return {tensor.name(): tensor.as_numpy() for tensor in response.output_tensors()}
+
+
+def text(response) -> str:
+    return outputs(response)["text_output"][0].decode()
+
+
+def wait_idle(model, timeout: float = 10):
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = model.engine.stats()
+        if stats.num_running + stats.num_waiting == 0 and stats.num_free_blocks == stats.num_total_blocks:
+            return stats
+        assert time.monotonic() < deadline, f"engine still busy: {stats}"
+        time.sleep(0.01)
+
+
+ALL_OUTPUTS = dict(return_finish_reason=True, return_stop_reason=True, return_cumulative_logprob=True)
+
+
+def test_auto_complete_takes_triton_config_from_model_yaml(model, repo):
+    from tritonllm.models.llmapi import TritonPythonModel
+
+    config = TritonPythonModel.auto_complete_config(fake.ModelConfig({"name": "tensorrt_llm"})).as_dict()
+    assert config["max_batch_size"] == 0 and config["model_transaction_policy"] == {"decoupled": True}
+
+
+def test_a_plain_request_gets_one_final_response_with_typed_outputs(model):
+    (response, flags), = run(model, request(sampling_param_max_tokens=6, **ALL_OUTPUTS))
+    assert flags == fake.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+    values = outputs(response)
+    assert values["text_output"].dtype == object and values["text_output"].shape == (1,)
+    assert values["text_output"][0].decode().startswith(PROMPT)  # exclude_input_from_output defaults to false
+    assert values["finish_reason"].tolist() in ([b"length"], [b"stop"])
+    assert values["stop_reason"].tolist() == [b"None"]
+    assert values["cumulative_logprob"].dtype == np.float32 and values["cumulative_logprob"].shape == (1,)
+    assert values["cumulative_logprob"][0] < 0
+
+
+def test_only_the_requested_optional_outputs_are_sent(model):
+    (response, _), = run(model, request(sampling_param_max_tokens=2))
+    assert set(outputs(response)) == {"text_output"}
+
+
+def test_streaming_sends_cumulative_text_ending_as_the_plain_answer(model):
+    (plain, _), = run(model, request(sampling_param_max_tokens=12, sampling_param_exclude_input_from_output=True))
+    sent = run(model, request(sampling_param_max_tokens=12, streaming=True, return_finish_reason=True))
+    texts = [text(response) for response, _ in sent]
+    assert len(sent) > 1 and [flags for _, flags in sent][-1] == fake.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+    assert all(later.startswith(earlier) for earlier, later in zip(texts, texts[1:]))
+    assert texts[-1] == text(plain)  # a stream never echoes the prompt
+    assert [outputs(r)["finish_reason"][0] for r, _ in sent][:-1] == [b"None"] * (len(sent) - 1)
+
+
+def test_a_stop_string_ends_the_answer_and_is_named_as_the_stop_reason(model):
+    (plain, _), = run(model, request(sampling_param_max_tokens=24, sampling_param_exclude_input_from_output=True))
+    full = text(plain)
+    stop = full[6:9]
+    assert stop.strip(), f"pick another slice of {full!r}"
+    (response, _), = run(model, request(sampling_param_max_tokens=24, sampling_param_exclude_input_from_output=True,
+                                        sampling_param_stop=np.array([stop.encode()], dtype=object), **ALL_OUTPUTS))
+    values = outputs(response)
+    assert text(response) == full[:full.index(stop)]
+    assert values["finish_reason"].tolist() == [b"stop"] and values["stop_reason"].tolist() == [stop.encode()]
+    wait_idle(model)  # the engine request was stopped and its blocks freed
+
+
+def test_best_of_returns_the_most_likely_of_its_samples(model):
+    inputs = dict(sampling_param_max_tokens=5, sampling_param_temperature=1.0, sampling_param_best_of=3,
+                  sampling_param_seed=np.array([7], dtype=np.uint64), sampling_param_exclude_input_from_output=True,
+                  return_cumulative_logprob=True)
+    (response, _), = run(model, request(**inputs))
+    values = outputs(response)
+    assert values["text_output"].shape == (1,)
+    samples = model.engine.generate(model.server.tokenizer.encode(PROMPT, add_special_tokens=True),
+                                    SamplingParams(max_tokens=5, temperature=1.0, n=3, seed=7, logprobs=True,
+                                                   end_id=model.server.tokenizer.end_id))
+    best = max(samples.outputs, key=lambda c: c.cumulative_logprob)
+    assert values["cumulative_logprob"][0] == pytest.approx(best.cumulative_logprob, abs=1e-3)
+
+
+def test_a_cancelled_request_aborts_its_engine_request(model):
+    wait_idle(model)
+    steps_before = model.engine.stats().num_steps
+    req = request(sampling_param_max_tokens=200, streaming=True)
+    model.execute([req])
+    sender = req.get_response_sender()
+    deadline = time.monotonic() + 30
+    while len(sender.sent) < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    req.cancel()
+    sent = wait_final(req)
+    last, flags = sent[-1]
+    assert flags == fake.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+    assert last.has_error() and last.error().code() == fake.TritonError.CANCELLED
+    assert wait_idle(model).num_steps - steps_before < 150
+
+
+@pytest.mark.parametrize("inputs, named", [
+    (dict(prompt=None), "text_input"),
+    (dict(sampling_param_max_tokens=0), "sampling_param_max_tokens"),
+    (dict(sampling_param_max_tokens=1000), "sampling_param_max_tokens"),  # beyond max_seq_len 256
+])
+def test_errors_name_the_input_and_carry_na_text(model, inputs, named):
+    (response, flags), = run(model, request(**inputs))
+    assert flags == fake.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+    assert response.has_error() and f"'{named}'" in response.error().message()
+    assert response.error().code() == fake.TritonError.INVALID_ARG
+    assert [t.as_numpy().tolist() for t in response.output_tensors()] == [[b"N/A"]]
+
+
+def test_streaming_is_refused_when_the_model_is_not_decoupled(model):
+    server = LLMAPIServer(model.engine, model.server.tokenizer, decoupled=False)
+    try:
+        req = request(streaming=True)
+        server.submit(req)
+        (response, _), = req.get_response_sender().sent
+        assert "'streaming'" in response.error().message()
+    finally:
+        server.shutdown()
+
+
+def test_finished_requests_feed_the_histograms(model):
+    histograms = model.request_metrics.histograms
+    before = len(histograms["nv_llm_input_token_len"].observations)
+    run(model, request(sampling_param_max_tokens=3))
+    deadline = time.monotonic() + 5
+    while len(histograms["nv_llm_input_token_len"].observations) == before:
+        assert time.monotonic() < deadline
+        time.sleep(0.005)
+    prompt_len = len(model.server.tokenizer.encode(PROMPT, add_special_tokens=True))
+    assert histograms["nv_llm_input_token_len"].observations[-1] == prompt_len
+    assert 1 <= histograms["nv_llm_output_token_len"].observations[-1] <= 3
+    gauges = fake.MetricFamily.families["nv_trt_llm_kv_cache_block_metrics"].metrics
+    assert {metric.labels["model"] for metric in gauges} == {"tensorrt_llm"}
