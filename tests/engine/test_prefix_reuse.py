@@ -105,6 +105,7 @@ def test_repeated_prompt_reuses_every_full_block(tiny):
         assert second.kv_cache_reused_blocks == full_blocks
         assert second.kv_cache_alloc_total_blocks == first.kv_cache_alloc_total_blocks
         assert second.kv_cache_alloc_new_blocks == first.kv_cache_alloc_new_blocks - full_blocks
+        assert engine.wait_idle().num_reused_blocks == full_blocks
     finally:
         engine.shutdown()
 
@@ -120,6 +121,7 @@ def test_no_block_leaks_after_a_mixed_run_with_aborts(tiny):
             handle.abort()
         finals = [h.result() for h in handles]
         assert {f.outputs[0].finish_reason for f in finals} == {"cancelled", "length"}
+        assert any(f.outputs[0].request_perf_metrics.num_preemptions for f in finals)
         assert_no_leak(engine)
         assert engine.stats().num_cached_blocks > 0
     finally:

@@ -2,6 +2,7 @@
 from the engine's stats and the process's memory, and a refresh thread that keeps them current."""
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import sys
 import time
@@ -88,12 +89,8 @@ def test_iteration_details_the_engine_does_not_report_read_as_zero_and_running_r
 
 
 def test_iteration_details_are_used_when_the_engine_reports_them():
-    class DetailedStats(EngineStats):
-        num_context_requests = 1
-        num_context_tokens = 120
-        num_paused_requests = 2
-
-    detailed = DetailedStats(**vars(stats(num_running=3)))
+    detailed = dataclasses.replace(stats(num_running=3), num_context_requests=1, num_context_tokens=120,
+                                   num_paused_requests=2)
     values = gauge_values(detailed, 0.0, MEMORY)
     assert values[("nv_trt_llm_request_metrics", "context")] == 1
     assert values[("nv_trt_llm_inflight_batcher_metrics", "generation_requests")] == 2

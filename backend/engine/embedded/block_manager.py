@@ -38,6 +38,7 @@ class BlockManager:
         self.block_tokens: list[Optional[tuple[int, ...]]] = [None] * num_blocks
         self.cached: dict[int, int] = {}  # hash -> block id
         self.num_cached_free_blocks = 0  # free blocks that still hold a registered prefix
+        self.num_reused_blocks = 0  # blocks matched from the prefix cache, ever
         # Blocks handed out since the runner last looked: it zeroes them before first use.
         self.newly_allocated: list[int] = []
 
@@ -78,6 +79,7 @@ class BlockManager:
         seq.block_hashes = [self.block_hash[b] for b in blocks]
         seq.num_computed_tokens = len(blocks) * self.block_size
         seq.metrics.kv_cache_reused_blocks += len(blocks)
+        self.num_reused_blocks += len(blocks)
         seq.metrics.kv_cache_alloc_total_blocks += len(blocks)
 
     def register_full_blocks(self, seq: Sequence, extra_key: Hashable = None) -> None:

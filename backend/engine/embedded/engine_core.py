@@ -46,6 +46,10 @@ class EngineStats:
     max_batch_size: int
     max_num_tokens: int
     num_cached_blocks: int = 0  # free blocks that still hold a reusable prefix
+    num_reused_blocks: int = 0  # blocks taken from the prefix cache since the engine started
+    num_context_requests: int = 0  # running requests whose prompt is not fully computed yet
+    num_context_tokens: int = 0  # prompt tokens computed in the last step
+    num_paused_requests: int = 0  # preempted requests waiting to be recomputed
 
 
 class EngineCore:
@@ -70,6 +74,7 @@ class EngineCore:
                                   self.dtype, self.device)
         self.requests: dict[int, EngineRequest] = {}
         self.num_steps = 0
+        self.last_context_tokens = 0
         self._next_seq_id = 0
         log.info("embedded engine ready: %s on %s (%s), %d KV blocks x %d tokens, max_seq_len %d, "
                  "max_batch_size %d, max_num_tokens %d", config.model, self.device, self.dtype, num_blocks,
@@ -144,11 +149,13 @@ class EngineCore:
         if batch.is_empty:
             return []
         now = time.time_ns()
-        for seq in batch.seqs:
+        self.last_context_tokens = 0
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             if not seq.metrics.first_scheduled_time_ns:
                 seq.metrics.first_scheduled_time_ns = now
             if seq.num_computed_tokens < len(seq.prompt_token_ids):
                 seq.metrics.prefill_steps += 1
+                self.last_context_tokens += min(num_new, len(seq.prompt_token_ids) - seq.num_computed_tokens)
         logits, sampling_seqs = self.runner.execute(batch, self.block_manager.take_newly_allocated())
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += num_new
@@ -201,10 +208,15 @@ class EngineCore:
     def stats(self) -> EngineStats:
         return EngineStats(
             num_total_blocks=self.block_manager.num_blocks, num_free_blocks=self.block_manager.num_free_blocks,
-            num_cached_blocks=self.block_manager.num_cached_free_blocks,
             tokens_per_block=self.block_manager.block_size, num_running=len(self.scheduler.running),
             num_waiting=len(self.scheduler.waiting), num_steps=self.num_steps, max_seq_len=self.max_seq_len,
-            max_batch_size=self.config.max_batch_size, max_num_tokens=self.config.max_num_tokens)
+            max_batch_size=self.config.max_batch_size, max_num_tokens=self.config.max_num_tokens,
+            num_cached_blocks=self.block_manager.num_cached_free_blocks,
+            num_reused_blocks=self.block_manager.num_reused_blocks,
+            num_context_requests=sum(1 for s in self.scheduler.running
+                                     if s.num_computed_tokens < len(s.prompt_token_ids)),
+            num_context_tokens=self.last_context_tokens,
+            num_paused_requests=sum(1 for s in self.scheduler.waiting if s.metrics.num_preemptions))
 
 
 def snapshot(request: EngineRequest, mark_delivered: bool) -> RequestOutput:
