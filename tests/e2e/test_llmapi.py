@@ -116,3 +116,16 @@ def test_the_llmapi_model_exports_the_metrics_families(llmapi_server):
     families = {s.name for s in after if s.labels.get("model") == MODEL and s.labels.get("version") == "1"}
     assert {"nv_trt_llm_request_metrics", "nv_trt_llm_runtime_memory_metrics", "nv_trt_llm_kv_cache_block_metrics",
             "nv_trt_llm_inflight_batcher_metrics", "nv_trt_llm_general_metrics"} <= families
+
+
+def test_a_non_decoupled_llmapi_model_answers_once_and_refuses_streaming(tiny_model, tmp_path):
+    from tritonllm.llmapi_repo import build_llmapi_repo
+    from tritonllm.server import Ports, TritonServer
+
+    repo = build_llmapi_repo(tiny_model, tmp_path / "repo", streaming=False, max_seq_len=256)
+    with TritonServer(repo, Ports.free(), log_file=tmp_path / "tritonserver.log") as triton:
+        server = clients.LiveServer(triton, tmp_path / "tritonserver.log", 256)
+        reply = server.generate({"text_input": PROMPT, "sampling_param_max_tokens": 4}, model=MODEL)
+        assert reply["text_output"].startswith(PROMPT)
+        status, error = server.generate_error({"text_input": PROMPT, "streaming": True}, model=MODEL)
+        assert "'streaming'" in error and "decoupled" in error
