@@ -5,7 +5,7 @@ Every value carries the `model` and `version` labels and one label naming what i
 
   nv_trt_llm_request_metrics{request_type=active|max|scheduled|context|waiting}
   nv_trt_llm_runtime_memory_metrics{memory_type=cpu|gpu|pinned}
-  nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type=max|free|used|tokens_per|fraction}
+  nv_trt_llm_kv_cache_block_metrics{kv_cache_block_type=max|free|used|tokens_per|fraction|reused}
   nv_trt_llm_inflight_batcher_metrics{inflight_batcher_specific_metric=total_context_tokens|generation_requests|
                                       micro_batch_id|paused_requests}
   nv_trt_llm_general_metrics{general_type=timestamp|iteration_counter}
@@ -38,7 +38,7 @@ FAMILIES = {
                ("active", "max", "scheduled", "context", "waiting")),
     MEMORY: ("Memory used by the LLM runtime, in bytes", "memory_type", ("cpu", "gpu", "pinned")),
     KV_CACHE: ("Paged KV cache blocks of the LLM engine", "kv_cache_block_type",
-               ("max", "free", "used", "tokens_per", "fraction")),
+               ("max", "free", "used", "tokens_per", "fraction", "reused")),
     INFLIGHT_BATCHER: ("In-flight batching state of the last engine iteration", "inflight_batcher_specific_metric",
                        ("total_context_tokens", "generation_requests", "micro_batch_id", "paused_requests")),
     GENERAL: ("LLM engine clock: iterations run and when the gauges were sampled (microseconds since the epoch)",
@@ -67,6 +67,7 @@ def gauge_values(stats: Any, now: float, memory: Mapping[str, int]) -> dict[tupl
         (KV_CACHE, "used"): used,
         (KV_CACHE, "tokens_per"): stats.tokens_per_block,
         (KV_CACHE, "fraction"): used / stats.num_total_blocks if stats.num_total_blocks > 0 else 0.0,
+        (KV_CACHE, "reused"): getattr(stats, "num_reused_blocks", 0),
         (INFLIGHT_BATCHER, "total_context_tokens"): getattr(stats, "num_context_tokens", 0),
         (INFLIGHT_BATCHER, "generation_requests"): max(stats.num_running - context, 0),
         (INFLIGHT_BATCHER, "micro_batch_id"): 0,  # one micro-batch: no pipeline parallelism

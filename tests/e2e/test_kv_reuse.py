@@ -28,3 +28,6 @@ def test_a_repeated_prompt_reuses_every_full_block(server, tokenizer):
     assert second["kv_cache_alloc_new_blocks"] == 1 and second["kv_cache_alloc_total_blocks"] == 5
     for sample in (first, second):
         assert 0 < sample["arrival_time_ns"] <= sample["first_token_time_ns"] <= sample["last_token_time_ns"]
+    gauges = server.wait_engine_idle()
+    assert gauges[("nv_trt_llm_kv_cache_block_metrics", "reused")] >= 4
+    assert gauges[("nv_trt_llm_kv_cache_block_metrics", "free")] == gauges[("nv_trt_llm_kv_cache_block_metrics", "max")]

@@ -53,7 +53,7 @@ def test_every_family_and_label_value_of_the_contract_is_exported():
     contract = {
         "nv_trt_llm_request_metrics": ("request_type", {"active", "max", "scheduled", "context", "waiting"}),
         "nv_trt_llm_runtime_memory_metrics": ("memory_type", {"cpu", "gpu", "pinned"}),
-        "nv_trt_llm_kv_cache_block_metrics": ("kv_cache_block_type", {"max", "free", "used", "tokens_per", "fraction"}),
+        "nv_trt_llm_kv_cache_block_metrics": ("kv_cache_block_type", {"max", "free", "used", "tokens_per", "fraction", "reused"}),
         "nv_trt_llm_inflight_batcher_metrics": ("inflight_batcher_specific_metric",
                                                 {"total_context_tokens", "generation_requests", "micro_batch_id",
                                                  "paused_requests"}),
