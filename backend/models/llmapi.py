@@ -8,17 +8,16 @@ from __future__ import annotations
 import json
 import logging
 
-from ..engine import choose_engine, create_engine
+from ..engine import choose_engine
 from ..triton.engine_args import is_decoupled
-from ..triton.llm_metrics import EngineMetrics
+from ..triton.engine_model import EngineBackedModel
 from ..triton.llmapi_config import load_llmapi_settings, load_llmapi_tokenizer, model_yaml_path, read_triton_config
 from ..triton.llmapi_server import LLMAPIServer
 from ..triton.logging_bridge import route_logs_to_triton
 from ..triton.pb import pb_utils
-from ..triton.request_metrics import RequestMetrics
 
 
-class TritonPythonModel:
+class TritonPythonModel(EngineBackedModel):
     @classmethod
     def auto_complete_config(cls, auto_complete_model_config):
         triton = read_triton_config(model_yaml_path(pb_utils().get_model_dir()))
@@ -35,19 +34,5 @@ class TritonPythonModel:
         log.info("starting the %s engine for %s from %s (decoupled=%s)", choose_engine(settings.engine),
                  settings.engine.model, settings.yaml_path, decoupled)
         tokenizer = load_llmapi_tokenizer(settings)
-        self.engine = create_engine(settings.engine)
-        name, version = args["model_name"], args["model_version"]
-        self.request_metrics = RequestMetrics(name, version)
-        self.server = LLMAPIServer(self.engine, tokenizer, decoupled,
-                                   settings.cancellation_check_period_ms, on_finished=self.request_metrics.observe)
-        self.metrics = EngineMetrics(self.engine.stats, name, version, settings.stats_check_period_ms).start()
-
-    def execute(self, requests):
-        for request in requests:
-            self.server.submit(request)
-        return None
-
-    def finalize(self):
-        self.metrics.stop()
-        self.server.shutdown()
-        self.engine.shutdown()
+        self.start(settings.engine, args, settings.stats_check_period_ms, lambda engine, on_finished: LLMAPIServer(
+            engine, tokenizer, decoupled, settings.cancellation_check_period_ms, on_finished=on_finished))

@@ -1,0 +1,31 @@
+"""What the two engine-backed Triton models share: an engine, a request server that answers through response
+senders, request metrics and engine gauges; `execute` only hands requests over, `finalize` stops all three."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from ..engine import create_engine
+from ..engine.config import EngineConfig
+from .llm_metrics import EngineMetrics
+from .request_metrics import RequestMetrics
+
+
+class EngineBackedModel:
+    def start(self, engine_config: EngineConfig, args: dict, stats_check_period_ms: int,
+              make_server: Callable[[Any, Callable], Any]) -> None:
+        """Start the engine, the request server `make_server(engine, on_finished)` builds, and the metrics."""
+        name, version = args["model_name"], args["model_version"]
+        self.engine = create_engine(engine_config)
+        self.request_metrics = RequestMetrics(name, version)
+        self.server = make_server(self.engine, self.request_metrics.observe)
+        self.metrics = EngineMetrics(self.engine.stats, name, version, stats_check_period_ms).start()
+
+    def execute(self, requests):
+        for request in requests:
+            self.server.submit(request)
+        return None
+
+    def finalize(self):
+        self.metrics.stop()
+        self.server.shutdown()
+        self.engine.shutdown()
