@@ -19,7 +19,7 @@ from typing import Any, Iterable, Mapping, Optional
 
 from tritonllm.engine.config import DEVICE_CHOICES, DTYPE_CHOICES, ENGINE_CHOICES
 
-MODEL_NAMES = ("preprocessing", "tensorrt_llm", "postprocessing", "ensemble")
+MODEL_NAMES = ("preprocessing", "tensorrt_llm", "postprocessing", "ensemble", "tensorrt_llm_bls")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
 # tensorrt_llm parameters whose placeholder has another name (as in TensorRT-LLM's template); build_repo takes either.
 PLACEHOLDER_OF_PARAMETER = {"gpt_model_path": "engine_dir", "gpt_model_type": "batching_strategy",
@@ -62,8 +62,8 @@ def build_repo(model_dir: str | Path, out_dir: str | Path, *, streaming: bool = 
                kv_cache_free_gpu_mem_fraction: Optional[float] = None, enable_kv_cache_reuse: bool = True,
                enable_chunked_context: bool = False, exclude_input_in_output: bool = False,
                parameters: Optional[Mapping[str, Any]] = None, overwrite: bool = False) -> Path:
-    """Write the preprocessing, tensorrt_llm, postprocessing and ensemble models into `out_dir`, every placeholder
-    filled. `model_dir` is a Hugging Face model folder (config.json + tokenizer). `parameters` overrides any
+    """Write the preprocessing, tensorrt_llm, postprocessing, ensemble and tensorrt_llm_bls models into `out_dir`,
+    every placeholder filled. `model_dir` is a Hugging Face model folder (config.json + tokenizer). `parameters` overrides any
     placeholder by name, or by its tensorrt_llm parameter key (e.g. {"max_batch_size": 64, "gpt_model_type":
     "inflight_batching"}); None or "" leaves a parameter unset. Other models already in `out_dir` are left
     alone; ours are replaced only with `overwrite`. Returns `out_dir`."""
@@ -89,6 +89,10 @@ def build_repo(model_dir: str | Path, out_dir: str | Path, *, streaming: bool = 
         "engine": engine, "dtype": dtype, "device": device, "max_seq_len": max_seq_len,
         "max_num_tokens": max_num_tokens, "max_tokens_in_paged_kv_cache": kv_cache_max_tokens,
         "kv_cache_free_gpu_mem_fraction": kv_cache_free_gpu_mem_fraction,
+        # tensorrt_llm_bls; triton_grpc_url unset: the BLS reads the port from tritonserver's command line.
+        "bls_instance_count": 1, "accumulate_tokens": False, "tensorrt_llm_model_name": "tensorrt_llm",
+        "tensorrt_llm_draft_model_name": None, "multimodal_encoders_name": None, "triton_grpc_url": None,
+        "prompt_embedding_table_data_type": "TYPE_FP16",
     }
     overrides = {PLACEHOLDER_OF_PARAMETER.get(key, key): value for key, value in (parameters or {}).items()}
     values.update(overrides)

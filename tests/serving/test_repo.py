@@ -141,11 +141,37 @@ ENSEMBLE_INPUTS = inputs(
     RAGGED("guided_decoding_guide_type", "TYPE_STRING", [1]),
     RAGGED("guided_decoding_guide", "TYPE_STRING", [1]),
 )
+BLS_INPUTS = inputs(
+    ("text_input", "TYPE_STRING", [1], REQ, False, False),
+    ("max_tokens", "TYPE_INT32", [1], REQ, False, False),
+    *scalar_opts("TYPE_STRING", "decoder_text_input", "image_url_input", "guided_decoding_guide_type",
+                 "guided_decoding_guide"),
+    ("image_input", "TYPE_FP16", [-1, 3, -1, -1], OPT, False, False),
+    ("image_bytes_input", "TYPE_UINT8", [-1, -1, -1, -1], OPT, False, False),
+    ("video_bytes_input", "TYPE_UINT8", [-1, -1, -1, -1], OPT, False, False),
+    *scalar_opts("TYPE_INT32", "end_id", "pad_id", "top_k", "min_tokens", "min_length", "beam_width",
+                 "prompt_vocab_size", "num_draft_tokens"),
+    *scalar_opts("TYPE_FP32", "top_p", "temperature", "length_penalty", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty"),
+    *scalar_opts("TYPE_BOOL", "exclude_input_in_output", "stream"),
+    *scalar_opts("TYPE_BOOL", "return_log_probs", "return_context_logits", "return_generation_logits",
+                 "use_draft_logits", "return_perf_metrics", reshape=True),
+    *scalar_opts("TYPE_INT32", "num_return_sequences", reshape=True),
+    *scalar_opts("TYPE_UINT64", "seed", "prompt_table_extra_id"),
+    *scalar_opts("TYPE_UINT64", "lora_task_id", reshape=True),
+    *[(name, "TYPE_STRING", [-1], OPT, False, False) for name in ("bad_words", "stop_words",
+                                                                   "embedding_bias_words")],
+    ("embedding_bias_weights", "TYPE_FP32", [-1], OPT, False, False),
+    ("prompt_embedding_table", "TYPE_FP16", [-1, -1], OPT, False, False),  # ${prompt_embedding_table_data_type}
+    RAGGED("lora_weights", "TYPE_FP16", [-1, -1]),
+    RAGGED("lora_config", "TYPE_INT32", [-1, 3]),
+)
 CONTRACT = {
     "preprocessing": (PREPROCESSING_INPUTS, PREPROCESSING_OUTPUTS),
     "tensorrt_llm": (TENSORRT_LLM_INPUTS, TENSORRT_LLM_OUTPUTS),
     "postprocessing": (POSTPROCESSING_INPUTS, {"OUTPUT": ("TYPE_STRING", [-1])}),
     "ensemble": (ENSEMBLE_INPUTS, {"text_output": ("TYPE_STRING", [-1]), **COMMON_OUTPUTS}),
+    "tensorrt_llm_bls": (BLS_INPUTS, {"text_output": ("TYPE_STRING", [-1]), **COMMON_OUTPUTS}),
 }
 # Every placeholder TensorRT-LLM's templates have, so fill_template command lines written for them still work.
 ANCHOR_PLACEHOLDERS = {
@@ -155,6 +181,9 @@ ANCHOR_PLACEHOLDERS = {
     "postprocessing": {"triton_max_batch_size", "tokenizer_dir", "skip_special_tokens",
                        "postprocessing_instance_count"},
     "ensemble": {"triton_max_batch_size", "logits_datatype"},
+    "tensorrt_llm_bls": {"triton_max_batch_size", "decoupled_mode", "bls_instance_count", "accumulate_tokens",
+                         "tensorrt_llm_model_name", "tensorrt_llm_draft_model_name", "multimodal_encoders_name",
+                         "logits_datatype", "prompt_embedding_table_data_type"},
     "tensorrt_llm": {
         "triton_backend", "triton_max_batch_size", "decoupled_mode", "max_queue_delay_microseconds", "max_queue_size",
         "encoder_input_features_data_type", "logits_datatype", "max_beam_width", "batching_strategy", "engine_dir",
@@ -234,12 +263,14 @@ def test_headers_follow_the_contract(built):
     configs = {name: parse(built / name / "config.pbtxt") for name in MODEL_NAMES}
     assert {name: c.name for name, c in configs.items()} == {name: name for name in MODEL_NAMES}
     assert configs["ensemble"].platform == "ensemble"
-    for name in ("preprocessing", "tensorrt_llm", "postprocessing"):
+    for name in ("preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls"):
         assert configs[name].backend == "python"
-        assert configs[name].HasField("dynamic_batching")
+        assert configs[name].HasField("dynamic_batching") == (name != "tensorrt_llm_bls")
         assert [g.kind for g in configs[name].instance_group] == [model_config_pb2.ModelInstanceGroup.KIND_CPU]
     assert all(c.max_batch_size == 8 for c in configs.values())
     assert configs["tensorrt_llm"].model_transaction_policy.decoupled is True
+    assert configs["tensorrt_llm_bls"].model_transaction_policy.decoupled is True
+    assert configs["tensorrt_llm_bls"].instance_group[0].count == 1
     assert list(configs["tensorrt_llm"].dynamic_batching.preferred_batch_size) == [8]
 
 
@@ -296,6 +327,9 @@ def test_build_leaves_no_placeholder_and_fills_the_parameters(built, fake_model)
         assert parameters(config)["tokenizer_dir"] == str(fake_model.resolve())
         assert config.instance_group[0].count == 1
     assert (built / "ensemble" / "1").is_dir()
+    bls = parameters(parse(built / "tensorrt_llm_bls" / "config.pbtxt"))
+    assert (bls["accumulate_tokens"], bls["tensorrt_llm_model_name"]) == ("false", "tensorrt_llm")
+    assert bls["triton_grpc_url"] == "" and bls["tensorrt_llm_draft_model_name"] == ""
     assert validate_repo(built) == []
 
 
@@ -317,6 +351,16 @@ def test_build_options_reach_the_configs(fake_model, tmp_path):
     assert params["gpt_model_type"] == "inflight_batching", "a parameter key reaches its differently named placeholder"
     assert parse(repo / "preprocessing" / "config.pbtxt").instance_group[0].count == 2
     assert parse(repo / "postprocessing" / "config.pbtxt").instance_group[0].count == 3
+    assert parse(repo / "tensorrt_llm_bls" / "config.pbtxt").model_transaction_policy.decoupled is False
+
+
+def test_build_fills_the_bls_parameters(fake_model, tmp_path):
+    repo = build_repo(fake_model, tmp_path / "repo", parameters={
+        "bls_instance_count": 4, "accumulate_tokens": True, "triton_grpc_url": "localhost:9001"})
+    bls = parse(repo / "tensorrt_llm_bls" / "config.pbtxt")
+    assert bls.instance_group[0].count == 4
+    assert parameters(bls)["accumulate_tokens"] == "true"
+    assert parameters(bls)["triton_grpc_url"] == "localhost:9001"
 
 
 def test_build_resolves_a_relative_model_folder(fake_model, tmp_path, monkeypatch):
@@ -328,6 +372,8 @@ def test_build_resolves_a_relative_model_folder(fake_model, tmp_path, monkeypatc
 def test_build_ships_the_model_files(built):
     for name in ("preprocessing", "tensorrt_llm", "postprocessing"):
         assert f"from tritonllm.models.{name} import TritonPythonModel" in (built / name / "1" / "model.py").read_text()
+    assert "from tritonllm.models.bls import TritonPythonModel" in \
+        (built / "tensorrt_llm_bls" / "1" / "model.py").read_text()
     engine_args = yaml.safe_load((built / "tensorrt_llm" / "1" / "model.yaml").read_text())
     assert engine_args["engine"] == "auto" and "triton_config" in engine_args and "model" not in engine_args
 
@@ -469,6 +515,11 @@ def test_validate_repo_after_fill_template_is_clean(tmp_path, fake_model):
     fill_template(repo / "tensorrt_llm" / "config.pbtxt",
                   f"triton_backend:python,triton_max_batch_size:8,decoupled_mode:true,engine_dir:{fake_model},"
                   "encoder_input_features_data_type:TYPE_FP16,logits_datatype:TYPE_FP32")
+    # TensorRT-LLM's documented command line for its BLS template
+    fill_template(repo / "tensorrt_llm_bls" / "config.pbtxt",
+                  "triton_max_batch_size:8,decoupled_mode:False,bls_instance_count:1,accumulate_tokens:False,"
+                  "tensorrt_llm_model_name:tensorrt_llm,tensorrt_llm_draft_model_name:,multimodal_encoders_name:,"
+                  "prompt_embedding_table_data_type:TYPE_FP16,logits_datatype:TYPE_FP32")
     assert validate_repo(repo) == []
     parse(repo / "tensorrt_llm" / "config.pbtxt")  # parses although parameters still hold placeholders
 

@@ -1,0 +1,33 @@
+"""The `tensorrt_llm_bls` Triton model: text in, text out through preprocessing, tensorrt_llm and
+postprocessing, orchestrated here (see tritonllm.bls for the design)."""
+from __future__ import annotations
+
+import json
+import logging
+
+from ..bls.config import BlsConfig
+from ..bls.llm_calls import ExecTransport, GrpcTransport
+from ..bls.server import BlsServer
+from ..triton.logging_bridge import route_logs_to_triton
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        route_logs_to_triton()
+        config = BlsConfig.from_model_config(json.loads(args["model_config"]))
+        if config.decoupled:
+            transport = GrpcTransport(config.resolved_grpc_url(), config.llm_model_name)
+            logging.getLogger("tritonllm.tensorrt_llm_bls").info(
+                "calling %s over gRPC at %s", config.llm_model_name, transport.url)
+        else:
+            transport = ExecTransport(config.llm_model_name)
+        self.server = BlsServer(transport, config.decoupled, config.accumulate_tokens,
+                                config.cancellation_check_period_ms)
+
+    def execute(self, requests):
+        for request in requests:
+            self.server.submit(request)
+        return None
+
+    def finalize(self):
+        self.server.shutdown()
