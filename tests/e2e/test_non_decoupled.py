@@ -1,9 +1,13 @@
 """A non-decoupled repository (`build_repo(..., streaming=False)`): one response per request, so /generate and
-plain HTTP infer work, a batch comes back as one response with a row per prompt, and streaming is refused."""
+plain HTTP infer work, a batch comes back as one response with a row per prompt, and streaming is refused. The
+tensorrt_llm_bls model answers the same way, and a gRPC client cancelling it stops the engine request."""
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
 
 import e2e_clients as clients
@@ -46,3 +50,57 @@ def test_batch_of_three_returns_one_response_with_three_rows(plain_server):
     texts = result.as_numpy("text_output")
     assert texts.shape[0] == 3
     assert clients.decode_texts(texts) == [plain_server.generate(body(p))["text_output"] for p in PROMPTS]
+
+
+# ---------------------------------------------------------------------------------------------- tensorrt_llm_bls
+
+def test_bls_answers_like_the_ensemble(plain_server):
+    for prompt in PROMPTS:
+        assert plain_server.generate(body(prompt), model="tensorrt_llm_bls")["text_output"] == \
+            plain_server.generate(body(prompt))["text_output"]
+
+
+@pytest.mark.parametrize("extra, name", [({"stream": True}, "'stream'"), ({"num_return_sequences": 2},
+                                                                          "'num_return_sequences'")])
+def test_bls_refuses_what_needs_more_than_one_response(plain_server, extra, name):
+    status, message = plain_server.generate_error(body(PROMPTS[0], **extra), model="tensorrt_llm_bls")
+    assert status == 400 and name in message and "needs a decoupled tensorrt_llm_bls" in message
+
+
+def test_bls_batch_of_three_returns_one_response_with_three_rows(plain_server):
+    client = httpclient.InferenceServerClient(f"localhost:{plain_server.ports.http}")
+    try:
+        inputs = []
+        for name, array, dtype in (("text_input", np.array([[p.encode()] for p in PROMPTS], dtype=object), "BYTES"),
+                                   ("max_tokens", np.full((3, 1), MAX_TOKENS, dtype=np.int32), "INT32")):
+            tensor = httpclient.InferInput(name, list(array.shape), dtype)
+            tensor.set_data_from_numpy(array)
+            inputs.append(tensor)
+        result = client.infer("tensorrt_llm_bls", inputs)
+    finally:
+        client.close()
+    assert clients.decode_texts(result.as_numpy("text_output")) == \
+        [plain_server.generate(body(p))["text_output"] for p in PROMPTS]
+
+
+def test_cancelling_a_bls_request_stops_its_engine_request(plain_server):
+    """The BLS sees the gRPC client cancel and sends tensorrt_llm a stop request with the request's id."""
+    before = plain_server.wait_engine_idle()
+    client = grpcclient.InferenceServerClient(plain_server.triton.grpc_url)
+    max_tokens = plain_server.max_seq_len - 16
+    try:
+        future = client.async_infer("tensorrt_llm_bls", clients.grpc_inputs(
+            {"text_input": clients.strings(PROMPTS[0]), "max_tokens": clients.scalar(max_tokens, np.int32)}),
+            callback=lambda result, error: None)
+        deadline = time.monotonic() + 30
+        while plain_server.metrics().get(("nv_trt_llm_request_metrics", "active")) != 1:
+            assert time.monotonic() < deadline, "the request never reached the engine"
+            time.sleep(0.02)
+        future.cancel()
+        after = plain_server.wait_engine_idle(timeout=20)
+    finally:
+        client.close()
+    assert clients.engine_is_idle(after), after
+    steps = after[("nv_trt_llm_general_metrics", "iteration_counter")] - \
+        before[("nv_trt_llm_general_metrics", "iteration_counter")]
+    assert steps < max_tokens // 2, f"the engine ran {steps} steps of {max_tokens}: the request was not stopped"
