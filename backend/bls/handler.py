@@ -19,8 +19,8 @@ from .sequences import SequenceText
 log = logging.getLogger("tritonllm.tensorrt_llm_bls")
 
 # tensorrt_llm outputs a BLS response carries on as they are.
-PASSED_ON = ("cum_log_probs", "output_log_probs", "batch_index", "sequence_index",
-             "kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks",
+PASSED_ON = ("cum_log_probs", "output_log_probs", "context_logits", "generation_logits", "batch_index",
+             "sequence_index", "kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks",
              "arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns",
              "acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens")
 

@@ -31,6 +31,7 @@ TO_LLM = {
     "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty", "seed": "seed",
     "return_log_probs": "return_log_probs", "return_perf_metrics": "return_perf_metrics",
     "exclude_input_in_output": "exclude_input_in_output", "num_return_sequences": "num_return_sequences",
+    "return_context_logits": "return_context_logits", "return_generation_logits": "return_generation_logits",
 }
 # Inputs whose mere presence asks for a feature that is not built yet.
 UNSUPPORTED_INPUTS = {
@@ -45,8 +46,6 @@ UNSUPPORTED_VALUES = {
     "num_draft_tokens": (lambda v: v > 0, "speculative decoding (num_draft_tokens > 0)"),
     "use_draft_logits": (lambda v: bool(v), "speculative decoding (use_draft_logits)"),
     "beam_width": (lambda v: v > 1, "beam search (beam_width > 1)"),
-    "return_context_logits": (lambda v: bool(v), "context logits"),
-    "return_generation_logits": (lambda v: bool(v), "generation logits"),
 }
 
 

@@ -84,6 +84,14 @@ def test_three_return_sequences_come_tagged_with_sequence_index(server):
     assert len(set(texts[BLS].values())) == 3, "sampled sequences differ"
 
 
+def test_logits_and_log_probs_come_through_like_the_ensembles(server):
+    request = body(PROMPTS[2], 4, return_generation_logits=True, return_context_logits=True, return_log_probs=True)
+    bls, ensemble = server.generate(request, model=BLS), server.generate(request, model="ensemble")
+    for name in ("generation_logits", "context_logits", "output_log_probs", "cum_log_probs"):
+        assert np.array(bls[name]).size > 0, name
+        np.testing.assert_allclose(np.array(bls[name]), np.array(ensemble[name]), rtol=1e-5, atol=1e-5)
+
+
 # ---------------------------------------------------------------------------------------------- stop words
 
 def boundary_stop_word(tokenizer, ids: list[int]) -> tuple[str, int]:
@@ -182,7 +190,6 @@ def test_http_client_closing_a_bls_stream_frees_the_engine(server, long_stream):
     ({"lora_task_id": 3}, ["'lora_task_id'", "LoRA", "not supported yet"]),
     ({"num_draft_tokens": 2}, ["'num_draft_tokens'", "speculative decoding", "not supported yet"]),
     ({"beam_width": 2}, ["'beam_width'", "beam search", "not supported yet"]),
-    ({"return_generation_logits": True}, ["'return_generation_logits'", "not supported yet"]),
     ({"guided_decoding_guide_type": "json"}, ["'guided_decoding_guide_type'", "not supported yet"]),
     ({"image_url_input": "http://example.com/cat.jpg"}, ["'image_url_input'", "multimodal", "not supported yet"]),
     ({"max_tokens": 5000}, ["max_tokens", "max_seq_len"]),

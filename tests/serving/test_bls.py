@@ -84,6 +84,7 @@ def bls_request(**inputs):
 def test_read_request_renames_inputs_for_tensorrt_llm():
     request = read_request(bls_request(top_k=np.array([[3]], np.int32), stream=np.array([[True]]),
                                        min_length=np.array([[2]], np.int32),
+                                       return_generation_logits=np.array([True]),
                                        num_return_sequences=np.array([2], np.int32),
                                        stop_words=np.array([["end", ""]], object)), decoupled=True)
     assert request.streaming and request.sequences_per_row == [2] and request.stop_words == [["end"]]
@@ -91,6 +92,7 @@ def test_read_request_renames_inputs_for_tensorrt_llm():
     assert llm["runtime_top_k"].tolist() == [[3]] and llm["streaming"].tolist() == [[True]]
     assert llm["min_tokens"].tolist() == [[2]], "min_length reaches tensorrt_llm as min_tokens"
     assert llm["num_return_sequences"].shape == (1, 1), "reshaped inputs go on as [batch, 1]"
+    assert llm["return_generation_logits"].tolist() == [[True]]
     assert set(llm) >= {"input_ids", "end_id"}
     assert set(request.preprocessing_inputs()) == {"QUERY", "REQUEST_OUTPUT_LEN", "STOP_WORDS_DICT"}
 
@@ -99,7 +101,6 @@ def test_read_request_renames_inputs_for_tensorrt_llm():
     ({"lora_task_id": np.array([3], np.uint64)}, "'lora_task_id' needs LoRA, which is not supported yet"),
     ({"num_draft_tokens": np.array([[2]], np.int32)}, "'num_draft_tokens'"),
     ({"beam_width": np.array([[2]], np.int32)}, "beam search"),
-    ({"return_generation_logits": np.array([True])}, "generation logits"),
     ({"image_url_input": np.array([["http://x"]], object)}, "multimodal"),
     ({"guided_decoding_guide": np.array([["{}"]], object)}, "guided decoding"),
     ({"max_tokens": np.array([[0]], np.int32)}, "'max_tokens' must be >= 1"),
@@ -112,7 +113,7 @@ def test_read_request_refuses_unsupported_or_bad_inputs(inputs, message):
 
 def test_harmless_values_of_unsupported_inputs_pass():
     read_request(bls_request(num_draft_tokens=np.array([[0]], np.int32), beam_width=np.array([[1]], np.int32),
-                             return_context_logits=np.array([False]),
+                             use_draft_logits=np.array([False]),
                              guided_decoding_guide_type=np.array([[""]], object)), decoupled=True)
 
 
