@@ -59,9 +59,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     return out
 
 
+def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
+    """cache[block_ids] for any shape of ids; index_select is several times faster than advanced indexing here."""
+    return torch.index_select(cache, 0, block_ids.reshape(-1)).view(*block_ids.shape, *cache.shape[1:])
+
+
 def _gather(cache: torch.Tensor, table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
     num_blocks = (length + block_size - 1) // block_size
-    return cache[table[:num_blocks]].flatten(0, 1)[:length]
+    return _gather_blocks(cache, table[:num_blocks]).flatten(0, 1)[:length]
 
 
 def _sequence_attention(q, k_cache, v_cache, table, ctx_len, block_size, scale):
@@ -77,8 +82,8 @@ def _sequence_attention(q, k_cache, v_cache, table, ctx_len, block_size, scale):
 
 def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale):
     tables = meta.block_tables
-    keys = k_cache[tables].flatten(1, 2).transpose(1, 2)  # [S, kv_heads, max_ctx, d]
-    values = v_cache[tables].flatten(1, 2).transpose(1, 2)
+    keys = _gather_blocks(k_cache, tables).flatten(1, 2).transpose(1, 2)  # [S, kv_heads, max_ctx, d]
+    values = _gather_blocks(v_cache, tables).flatten(1, 2).transpose(1, 2)
     out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=meta.decode_mask, scale=scale,
                                          enable_gqa=True)
     return out[:, :, 0, :]
