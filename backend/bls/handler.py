@@ -9,11 +9,10 @@ from typing import Any, Optional
 
 import numpy as np
 
-from ..triton.pb import InputError, error_response, output_tensor, pb_utils, send_final, send_response, \
-    string_tensor
+from ..triton.pb import error_response, output_tensor, pb_utils, send_final, send_response, string_tensor
 from .inner_models import InnerModelError, postprocess, preprocess
 from .llm_calls import LlmCancelled, LlmResponse
-from .request import BlsRequest, read_request
+from .request import BlsRequest
 from .sequences import SequenceText
 
 log = logging.getLogger("tritonllm.tensorrt_llm_bls")
@@ -26,14 +25,19 @@ PASSED_ON = ("cum_log_probs", "output_log_probs", "context_logits", "generation_
 
 
 class BlsHandler:
-    def __init__(self, request: Any, transport, decoupled: bool, accumulate: bool):
-        self.request = request
-        self.sender = request.get_response_sender()
+    """One request, read and checked already (`read_request`, in execute: Triton may release the request's
+    memory once execute returns, so the handler keeps copies and never touches the request again)."""
+
+    def __init__(self, bls: BlsRequest, sender: Any, transport, accumulate: bool):
+        self.bls = bls
+        self.sender = sender
         self.transport = transport
-        self.decoupled = decoupled
         self.accumulate = accumulate
         self.request_id = f"bls-{uuid.uuid4()}"  # the tensorrt_llm request's id, for stop requests and logs
         self.lock = threading.Lock()
+        # Held around is_cancelled() and the final send: asking Triton about a request whose final response
+        # is sent crashes the server (TRITONBACKEND_ResponseFactoryIsCancelled on a freed response factory).
+        self.sender_lock = threading.Lock()
         self.call = None
         self.cancelled = False  # by the client, or by shutdown
         self.closed = False  # the FINAL flag is sent
@@ -43,9 +47,7 @@ class BlsHandler:
 
     def run(self) -> None:
         try:
-            self._generate(read_request(self.request, self.decoupled))
-        except (InputError, ValueError) as error:
-            self._close(error_response(error))
+            self._generate(self.bls)
         except InnerModelError as error:
             self._close(error_response(ValueError(str(error)) if error.is_input_error else str(error)))
         except LlmCancelled:
@@ -104,22 +106,20 @@ class BlsHandler:
         return self.sequences[key]
 
     def _close(self, response) -> None:
-        with self.lock:
+        with self.sender_lock:
             if self.closed:
                 return
             self.closed = True
-        send_final(self.sender, response)
+            send_final(self.sender, response)
 
     # -- other threads ------------------------------------------------------------------------------------------
 
     def poll_cancelled(self) -> None:
         """Called by the watcher thread: a client that went away cancels the tensorrt_llm request."""
-        if self.closed or self.cancelled:
-            return
-        try:
+        with self.sender_lock:
+            if self.closed or self.cancelled:
+                return
             gone = self.sender.is_cancelled()
-        except Exception:  # the request completed between the check above and this one
-            return
         if gone:
             log.info("client cancelled request %s: cancelling its tensorrt_llm request", self.request_id)
             self.cancel()

@@ -3,8 +3,8 @@
 Two transports, chosen by the repository's transaction policy:
   * decoupled: a gRPC stream to this server's own endpoint (`GrpcTransport`). It streams, and cancelling it is a
     client cancellation that tensorrt_llm sees (it aborts the engine request, freeing its KV blocks). It avoids
-    BLS `exec(decoupled=True)`, whose open iterator can crash Triton 2.51's stub while the model sends
-    responses, and which 2.51 cannot cancel.
+    BLS `exec(decoupled=True)`: Triton 2.51 cannot cancel that iterator, and under concurrent streams with
+    clients cancelling, that path crashed the server (see tritonllm.bls).
   * non-decoupled: BLS `exec` (`ExecTransport`), one response; cancelling sends tensorrt_llm a `stop` request
     with the same request id, as TensorRT-LLM's own clients do.
 """

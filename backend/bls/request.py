@@ -85,7 +85,9 @@ class BlsRequest:
 
 
 def read_request(request: Any, decoupled: bool) -> BlsRequest:
-    inputs = {tensor.name(): tensor.as_numpy() for tensor in request.inputs()}
+    """The request's inputs, copied (not views into the request's memory, which Triton may release once execute
+    returns) and checked; InputError names what is wrong."""
+    inputs = {tensor.name(): np.array(tensor.as_numpy(), copy=True) for tensor in request.inputs()}
     query = pb.required_input(request, "text_input", "STRING")
     batch = query.shape[0] if query.ndim else 0
     for name, array in inputs.items():

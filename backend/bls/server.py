@@ -7,7 +7,9 @@ import logging
 import threading
 from typing import Any
 
+from ..triton.pb import error_response, send_final
 from .handler import BlsHandler
+from .request import read_request
 
 log = logging.getLogger("tritonllm.tensorrt_llm_bls")
 
@@ -25,7 +27,15 @@ class BlsServer:
         self.watcher.start()
 
     def submit(self, request: Any) -> None:
-        handler = BlsHandler(request, self.transport, self.decoupled, self.accumulate)
+        """Called in execute: reads the request there (its memory may be released once execute returns), then
+        runs it on a thread of its own."""
+        sender = request.get_response_sender()
+        try:
+            bls = read_request(request, self.decoupled)
+        except ValueError as error:  # InputError among them
+            send_final(sender, error_response(error))
+            return
+        handler = BlsHandler(bls, sender, self.transport, self.accumulate)
         thread = threading.Thread(target=self._run, args=(handler,), name="tritonllm-bls-request", daemon=True)
         with self.lock:
             self.handlers[handler] = thread

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import sys
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -16,6 +17,7 @@ from tritonllm.bls.grpc_endpoint import GrpcEndpointError, grpc_url_from_argumen
 from tritonllm.bls.llm_calls import LlmCancelled, LlmResponse
 from tritonllm.bls.request import read_request
 from tritonllm.bls.sequences import SequenceText
+from tritonllm.bls.server import BlsServer
 from tritonllm.bls.stop_words import first_stop_end, search_start
 from tritonllm.triton.pb import InputError
 
@@ -172,6 +174,9 @@ class ScriptedTransport:
         self.inputs = inputs
         return self.call
 
+    def close(self):
+        pass
+
 
 def llm_response(pieces: list[str], final: bool, batch_index=None, sequence_index=None) -> LlmResponse:
     """A response whose 'tokens' are indexes into a piece table the fake postprocessing decodes."""
@@ -197,10 +202,14 @@ def stand_ins(monkeypatch):
         for row, length in zip(outputs["output_ids"], outputs["sequence_length"])])
 
 
+def handler_for(request, transport, decoupled=True, accumulate=False):
+    return bls_handler.BlsHandler(read_request(request, decoupled), request.get_response_sender(), transport,
+                                  accumulate)
+
+
 def run(request, responses, decoupled=True, accumulate=False):
     transport = ScriptedTransport(responses)
-    handler = bls_handler.BlsHandler(request, transport, decoupled, accumulate)
-    handler.run()
+    handler_for(request, transport, decoupled, accumulate).run()
     sent = request.get_response_sender().sent
     assert sent and sent[-1][1] == fake.TRITONSERVER_RESPONSE_COMPLETE_FINAL, "the request must end with FINAL"
     return sent, transport
@@ -250,17 +259,38 @@ def test_three_sequences_are_tagged_and_final_after_the_last(stand_ins):
     assert [flags for _, flags in sent] == [0, 0, fake.TRITONSERVER_RESPONSE_COMPLETE_FINAL]
 
 
-def test_bad_input_is_answered_with_an_error_naming_it(stand_ins):
-    sent, transport = run(bls_request(lora_task_id=np.array([1], np.uint64)), [])
-    ((response, flags),) = sent
+def test_bad_input_is_answered_in_execute_with_an_error_naming_it(stand_ins):
+    transport = ScriptedTransport([])
+    server = BlsServer(transport, decoupled=True, accumulate=False, cancellation_check_ms=100)
+    request = bls_request(lora_task_id=np.array([1], np.uint64))
+    try:
+        server.submit(request)
+        ((response, flags),) = request.get_response_sender().sent  # answered before submit returned
+    finally:
+        server.shutdown()
+    assert flags == fake.TRITONSERVER_RESPONSE_COMPLETE_FINAL
     assert response.has_error() and "lora_task_id" in response.error().message()
     assert response.error().code() == fake.TritonError.INVALID_ARG
     assert transport.inputs is None, "nothing reached tensorrt_llm"
 
 
+def test_a_request_runs_on_its_own_thread_and_is_forgotten_when_done(stand_ins):
+    transport = ScriptedTransport([llm_response(["Hel"], True)])
+    server = BlsServer(transport, decoupled=True, accumulate=False, cancellation_check_ms=100)
+    request = bls_request()
+    try:
+        server.submit(request)
+        deadline = time.monotonic() + 10
+        while server.num_active and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        server.shutdown()
+    assert texts(request.get_response_sender().sent) == ["Hel"] and server.num_active == 0
+
+
 def test_cancel_before_the_call_starts_is_answered_as_cancelled(stand_ins):
     request = bls_request()
-    handler = bls_handler.BlsHandler(request, ScriptedTransport([]), True, False)
+    handler = handler_for(request, ScriptedTransport([]))
     handler.cancel()
     handler.run()
     ((response, _),) = request.get_response_sender().sent
@@ -270,8 +300,19 @@ def test_cancel_before_the_call_starts_is_answered_as_cancelled(stand_ins):
 def test_a_client_that_went_away_cancels_the_running_call(stand_ins):
     request = bls_request(stream=np.array([[True]]))
     transport = ScriptedTransport([llm_response(["Hel"], False), llm_response(["lo"], False)])
-    handler = bls_handler.BlsHandler(request, transport, True, False)
+    handler = handler_for(request, transport)
     handler.call = transport.call  # as if the request were running
     request.get_response_sender().is_cancelled = lambda: True
     handler.poll_cancelled()
     assert transport.call.cancelled.is_set()
+
+
+def test_no_cancellation_check_once_the_final_response_is_sent(stand_ins):
+    """Triton crashes when is_cancelled() reaches a request whose final response went out."""
+    request = bls_request()
+    handler = handler_for(request, ScriptedTransport([llm_response(["Hel"], True)]))
+    handler.run()
+    asked = []
+    request.get_response_sender().is_cancelled = lambda: asked.append(1) or False
+    handler.poll_cancelled()
+    assert asked == []
