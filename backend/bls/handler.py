@@ -47,7 +47,7 @@ class BlsHandler:
 
     def run(self) -> None:
         try:
-            self._generate(self.bls)
+            self._generate()
         except InnerModelError as error:
             self._close(error_response(ValueError(str(error)) if error.is_input_error else str(error)))
         except LlmCancelled:
@@ -56,7 +56,8 @@ class BlsHandler:
             log.exception("request %s failed", self.request_id)
             self._close(error_response(f"tensorrt_llm_bls failed: {type(error).__name__}: {error}"))
 
-    def _generate(self, bls: BlsRequest) -> None:
+    def _generate(self) -> None:
+        bls = self.bls
         preprocessed = preprocess(bls.preprocessing_inputs(), self.request_id)
         with self.lock:
             if self.cancelled:

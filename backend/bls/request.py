@@ -5,7 +5,7 @@ Inputs of features that are not built yet are refused with an error naming them,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 import numpy as np
 
@@ -92,11 +92,10 @@ def read_request(request: Any, decoupled: bool) -> BlsRequest:
     batch = query.shape[0] if query.ndim else 0
     for name, array in inputs.items():
         pb.check_batch_size(array, name, batch)
-    check_supported(inputs, batch)
-    max_tokens = pb.required_input(request, "max_tokens", "INT32")
+    check_supported(inputs)
+    pb.required_input(request, "max_tokens", "INT32")
     for row in range(batch):
-        if pb.row_scalar(max_tokens, row, "max_tokens", "int") < 1:
-            raise InputError("max_tokens", f"must be >= 1, got {pb.row_scalar(max_tokens, row, 'max_tokens', 'int')}")
+        _row_int(request, "max_tokens", row, default=1)  # >= 1, checked before any model works on the request
     parsed = BlsRequest(
         inputs=inputs,
         prompts=[pb.row_scalar(query, row, "text_input", "str") for row in range(batch)],
@@ -110,7 +109,7 @@ def read_request(request: Any, decoupled: bool) -> BlsRequest:
     return parsed
 
 
-def check_supported(inputs: dict[str, np.ndarray], batch: int) -> None:
+def check_supported(inputs: dict[str, np.ndarray]) -> None:
     for name, feature in UNSUPPORTED_INPUTS.items():
         if name in inputs and _carries_something(inputs[name]):
             raise InputError(f"input '{name}' needs {feature}, which is not supported yet")
