@@ -31,8 +31,6 @@ UNSUPPORTED_INPUTS = {
     "retention_decode_duration_ms": "KV cache retention",
     "runtime_top_p_min": "top-p decay", "runtime_top_p_decay": "top-p decay", "runtime_top_p_reset_ids": "top-p decay",
 }
-# Inputs a true value or presence of which asks for the feature (a false flag is harmless).
-FLAG_INPUTS: set[str] = set()
 
 
 @dataclass
@@ -72,8 +70,6 @@ def check_unsupported(request) -> None:
     for name, feature in UNSUPPORTED_INPUTS.items():
         value = optional_input(request, name)
         if value is None or value.size == 0:
-            continue
-        if name in FLAG_INPUTS and not np.asarray(value).astype(bool).any():
             continue
         raise InputError(f"input '{name}' needs {feature}, which is not supported yet")
 

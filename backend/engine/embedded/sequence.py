@@ -71,12 +71,6 @@ class Sequence:
         """What besides the tokens decides a block's contents (the LoRA adapter, later); part of its hash."""
         return None
 
-    def token_at(self, position: int) -> int:
-        prompt_len = len(self.prompt_token_ids)
-        if position < prompt_len:
-            return self.prompt_token_ids[position]
-        return self.output_token_ids[position - prompt_len]
-
     def tokens_between(self, start: int, end: int) -> list[int]:
         prompt_len = len(self.prompt_token_ids)
         if end <= prompt_len:
