@@ -25,11 +25,14 @@ def sampling_params_for(tokenizer, max_tokens: int, **knobs) -> SamplingParams:
                           **{k: v for k, v in knobs.items() if v is not None})
 
 
-def run_prompts(engine, prompt_ids: list[list[int]], params: SamplingParams,
-                sequential: bool = False) -> list[RequestOutput]:
+def run_prompts(engine, prompt_ids: list[list[int]], params: SamplingParams, sequential: bool = False,
+                loras: Optional[list] = None) -> list[RequestOutput]:
+    """`loras`: a LoRARequest (or None) per prompt."""
+    loras = loras or [None] * len(prompt_ids)
     if sequential:
-        return [engine.generate_async(ids, params).result() for ids in prompt_ids]
-    handles = [engine.generate_async(ids, params) for ids in prompt_ids]
+        return [engine.generate_async(ids, params, lora_request=lora).result()
+                for ids, lora in zip(prompt_ids, loras)]
+    handles = [engine.generate_async(ids, params, lora_request=lora) for ids, lora in zip(prompt_ids, loras)]
     return [handle.result() for handle in handles]
 
 
@@ -52,14 +55,28 @@ def result_record(prompt_ids: list[int], output: RequestOutput, tokenizer) -> di
     return record
 
 
+def _lora_overrides(args, loras: list) -> dict:
+    """LoRA on, with room for every distinct adapter of the call, when any prompt has one."""
+    distinct = len({lora.lora_int_id for lora in loras if lora is not None})
+    if not distinct:
+        return {}
+    config = dict((load_yaml_args(args.config) if args.config else {}).get("lora_config") or {})
+    config["max_loras"] = max(config.get("max_loras", 4), distinct)
+    config["max_cpu_loras"] = max(config.get("max_cpu_loras", 4), config["max_loras"])
+    return {"enable_lora": True, "lora_config": config}
+
+
 def main(args) -> int:
     from transformers import AutoTokenizer
 
     from .engine import choose_engine, create_engine
     from .engine.embedded.loader import read_model_config
 
+    from tritonllm.lora.cli import lora_requests_for
+
+    loras = lora_requests_for(args, len(args.prompt))
     config = build_engine_config(args.model, args.config, dtype=args.dtype, device=args.device,
-                                 max_batch_size=args.max_batch_size)
+                                 max_batch_size=args.max_batch_size, **_lora_overrides(args, loras))
     if choose_engine(config) == "embedded":
         read_model_config(config.model)  # a missing or unsupported model fails here, before the tokenizer
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or args.model)
@@ -69,7 +86,7 @@ def main(args) -> int:
     prompt_ids = [tokenizer.encode(text) for text in args.prompt]
     engine = create_engine(config)
     try:
-        outputs = run_prompts(engine, prompt_ids, params, args.sequential)
+        outputs = run_prompts(engine, prompt_ids, params, args.sequential, loras)
     finally:
         engine.shutdown()
     for ids, output in zip(prompt_ids, outputs):

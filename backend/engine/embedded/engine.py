@@ -13,7 +13,7 @@ import threading
 from typing import Callable, Optional
 
 from ..config import EngineConfig
-from ..types import RequestOutput, SamplingParams
+from ..types import LoRARequest, RequestOutput, SamplingParams
 from .engine_core import EngineCore, EngineRequest, EngineStats, snapshot
 
 log = logging.getLogger("tritonllm.engine")
@@ -118,19 +118,23 @@ class EmbeddedEngine:
 
     def generate_async(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
                        streaming: bool = False, request_id: Optional[int] = None,
-                       on_output: Optional[Callable[[RequestHandle, object], None]] = None) -> RequestHandle:
+                       on_output: Optional[Callable[[RequestHandle, object], None]] = None,
+                       lora_request: Optional[LoRARequest] = None) -> RequestHandle:
+        """`lora_request`: the adapter to run with (by id, name, folder or in-memory tensors); None: base model."""
         if self._stopped.is_set():
             raise EngineError("the engine has been shut down")
         self.core.validate(prompt_token_ids, sampling_params)
+        lora = self.core.prepare_lora(lora_request)  # parsed and checked here, off the engine thread
         if request_id is None:
             with self._ids_lock:
                 request_id = next(self._ids)
         handle = RequestHandle(self, request_id, streaming, on_output)
-        self._commands.put(("add", handle, list(prompt_token_ids), sampling_params))
+        self._commands.put(("add", handle, list(prompt_token_ids), sampling_params, lora))
         return handle
 
-    def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> RequestOutput:
-        return self.generate_async(prompt_token_ids, sampling_params).result()
+    def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                 lora_request: Optional[LoRARequest] = None) -> RequestOutput:
+        return self.generate_async(prompt_token_ids, sampling_params, lora_request=lora_request).result()
 
     def abort(self, request_id: int) -> None:
         self._commands.put(("abort", request_id))
@@ -191,9 +195,9 @@ class EmbeddedEngine:
             elif kind == "idle":
                 idle_waiters.append(command[1])
 
-    def _add(self, handle: RequestHandle, prompt: list[int], params: SamplingParams) -> None:
+    def _add(self, handle: RequestHandle, prompt: list[int], params: SamplingParams, lora=None) -> None:
         try:
-            self.core.add_request(handle.request_id, prompt, params)
+            self.core.add_request(handle.request_id, prompt, params, lora)
         except Exception as exc:  # a request that became invalid (e.g. duplicate id) fails alone
             handle._put(exc)
             return

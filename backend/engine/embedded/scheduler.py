@@ -32,8 +32,9 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_batch_size: int, max_num_tokens: int,
-                 enable_chunked_prefill: bool, guaranteed_no_evict: bool):
+                 enable_chunked_prefill: bool, guaranteed_no_evict: bool, max_loras: int | None = None):
         self.block_manager = block_manager
+        self.max_loras = max_loras  # distinct LoRA adapters among running sequences (so in any step)
         self.max_batch_size = max_batch_size
         self.max_num_tokens = max_num_tokens
         self.enable_chunked_prefill = enable_chunked_prefill
@@ -105,7 +106,7 @@ class Scheduler:
             matched = manager.match_prefix(seq, seq.cache_key) if reusable else []
             computed = len(matched) * manager.block_size if matched else seq.num_computed_tokens
             num_tokens = self._tokens_to_schedule(seq, budget, first=batch.is_empty, computed=computed)
-            if num_tokens == 0 or not self._fits(seq, computed + num_tokens, matched):
+            if num_tokens == 0 or not self._fits(seq, computed + num_tokens, matched) or not self._adapter_fits(seq):
                 break
             if matched:
                 manager.reuse(seq, matched)
@@ -125,6 +126,14 @@ class Scheduler:
         # Without chunking a prompt runs whole; one that outgrew the budget (recompute after preemption) may
         # still run alone, or it would never run again.
         return wanted if first else 0
+
+    def _adapter_fits(self, seq: Sequence) -> bool:
+        """Whether admitting `seq` keeps the running sequences within `max_loras` distinct adapters."""
+        key = seq.adapter_key
+        if key is None or self.max_loras is None:
+            return True
+        running = {s.adapter_key for s in self.running if s.adapter_key is not None}
+        return key in running or len(running) < self.max_loras
 
     def _fits(self, seq: Sequence, num_tokens: int, matched: list[int]) -> bool:
         """Whether `seq` can be admitted to hold `num_tokens` tokens, starting from the `matched` cached blocks."""

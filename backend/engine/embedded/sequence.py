@@ -45,6 +45,8 @@ class Sequence:
     generation_logits: list[torch.Tensor] = field(default_factory=list)
     # Tokens delivered to the client so far (streaming sends the rest).
     num_delivered_tokens: int = 0
+    # The LoRA adapter it runs with (tritonllm.lora.cache.CachedAdapter), None for the base model.
+    lora: Optional[object] = None
 
     def __post_init__(self) -> None:
         self.metrics.arrival_time_ns = time.time_ns()
@@ -67,9 +69,14 @@ class Sequence:
         return len(self.prompt_token_ids) + self.params.max_tokens
 
     @property
+    def adapter_key(self) -> Optional[int]:
+        """The LoRA adapter's cache uid (unique per stored adapter), None for the base model."""
+        return None if self.lora is None else self.lora.uid
+
+    @property
     def cache_key(self):
-        """What besides the tokens decides a block's contents (the LoRA adapter, later); part of its hash."""
-        return None
+        """What besides the tokens decides a block's contents (the LoRA adapter); part of its hash."""
+        return self.adapter_key
 
     def tokens_between(self, start: int, end: int) -> list[int]:
         prompt_len = len(self.prompt_token_ids)

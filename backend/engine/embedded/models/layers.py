@@ -87,6 +87,12 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
+        """`lora`: the layer's LoRA view (tritonllm.lora.layers.LayerLora), which adds its deltas in place."""
+        gate_up = self.gate_up_proj(x)
+        if lora is not None:
+            lora.apply("gate_up", x, gate_up)
+        gate, up = gate_up.split(self.intermediate_size, dim=-1)
+        hidden = F.silu(gate) * up
+        out = self.down_proj(hidden)
+        return out if lora is None else lora.apply("down", hidden, out)

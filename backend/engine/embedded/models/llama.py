@@ -42,17 +42,21 @@ class LlamaAttention(nn.Module):
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
     def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata,
-                kv_cache: KVCache) -> torch.Tensor:
+                kv_cache: KVCache, lora=None) -> torch.Tensor:
         tokens = hidden.shape[0]
-        q, k, v = self.qkv_proj(hidden).split(self.split_sizes, dim=-1)
+        qkv = self.qkv_proj(hidden)
+        if lora is not None:
+            lora.apply("qkv", hidden, qkv)
+        q, k, v = qkv.split(self.split_sizes, dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:  # Qwen3 normalises each head before rotating it
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], attn, self.scale)
-        return self.o_proj(out.reshape(tokens, -1))
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], attn, self.scale).reshape(tokens, -1)
+        projected = self.o_proj(out)
+        return projected if lora is None else lora.apply("o", out, projected)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -63,9 +67,9 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
 
-    def forward(self, hidden, cos, sin, attn: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, attn, kv_cache)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+    def forward(self, hidden, cos, sin, attn: AttentionMetadata, kv_cache: KVCache, lora=None) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, attn, kv_cache, lora)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden), lora)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -80,14 +84,15 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
-                kv_caches: list[KVCache]) -> torch.Tensor:
-        """input_ids, positions: [T]; kv_caches: one (k, v) per layer. Returns final-norm hidden states [T, hidden]."""
+                kv_caches: list[KVCache], lora=None) -> torch.Tensor:
+        """input_ids, positions: [T]; kv_caches: one (k, v) per layer. Returns final-norm hidden states [T, hidden].
+        `lora`: the step's multi-LoRA view (tritonllm.lora.layers.LoraBatch), or None for the base model."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, hidden.dtype)
-        for layer, kv_cache in zip(self.layers, kv_caches):
-            hidden = layer(hidden, cos, sin, attn, kv_cache)
+        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+            hidden = layer(hidden, cos, sin, attn, kv_cache, None if lora is None else lora.layer(index))
         return self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
