@@ -186,11 +186,16 @@ def main(args) -> int:
     server.start()
     print(f"[serve] ready. HTTP {server.http_url}  gRPC {server.grpc_url}  metrics localhost:{args.metrics_port}")
     print(f"[serve] try:\n  {curl_example(server.http_url)}\n[serve] Ctrl-C stops the server.", flush=True)
+    frontend = None
     try:
+        from .openai_api.launch import start_next_to_server
+        frontend = start_next_to_server(args, server, repo)  # None unless --openai-port
         while server.process.poll() is None:
             time.sleep(1)
     except KeyboardInterrupt:
         print("\n[serve] stopping tritonserver", flush=True)
     finally:
+        if frontend is not None:
+            frontend.stop()
         code = server.stop()
     return 0 if code in (0, None, -signal.SIGTERM) else code

@@ -1,0 +1,92 @@
+"""What the routes call: checks a request against this server (model name, context length), renders chat
+prompts, and starts its `Generation`. Nothing here knows about HTTP."""
+from __future__ import annotations
+
+import json
+import logging
+from typing import Optional
+
+from .chat import ChatTemplate
+from .config import FrontendConfig
+from .errors import ModelNotFound, Unsupported
+from .generation import Generation, PreparedPrompt, prepare_prompt
+from .schemas import (ChatCompletionBody, CompletionBody, GenerationRequest, chat_max_tokens, chat_messages,
+                      check_chat_fields, check_completion_fields, completion_prompts, include_usage, sampling_of,
+                      stop_strings)
+from .triton_client import TritonClient
+
+log = logging.getLogger("tritonllm.openai")
+
+
+class OpenAIService:
+    def __init__(self, config: FrontendConfig, tokenizer=None, client: Optional[TritonClient] = None):
+        if tokenizer is None:
+            from ..tokenizer import load_tokenizer
+
+            tokenizer = load_tokenizer(str(config.model_dir)).hf
+        self.config = config
+        self.tokenizer = tokenizer
+        self.template = ChatTemplate(tokenizer, config.model_dir)
+        self.client = client or TritonClient(config.triton_url)
+        self._context_length: Optional[int] = config.max_model_len
+
+    # -- server state ----------------------------------------------------------------------------------------
+
+    async def ready(self) -> bool:
+        return await self.client.ready(self.config.backend_model)
+
+    async def context_length(self) -> int:
+        """Prompt plus completion tokens the engine takes: --max-model-len, else the tensorrt_llm model's
+        max_seq_len parameter as Triton loaded it, else the model's max_position_embeddings."""
+        if self._context_length is None:
+            from_triton = await self.client.model_parameter("tensorrt_llm", "max_seq_len")
+            if from_triton is not None and from_triton.isdigit():
+                self._context_length = int(from_triton)
+            else:
+                config = json.loads((self.config.model_dir / "config.json").read_text())
+                return int(config.get("max_position_embeddings", 2048))  # not cached: Triton may come up later
+        return self._context_length
+
+    def check_model(self, name: str) -> None:
+        if name not in self.config.model_names:
+            raise ModelNotFound(name)
+        if name in self.config.lora_names:
+            self.adapter_inputs(name)
+
+    def adapter_inputs(self, name: str) -> dict:
+        """Hook for serving a LoRA adapter by name: the backend inputs that select it. The backend models take
+        no adapter input yet (LoRA is being built), so a request for one is refused rather than answered by
+        the base model."""
+        raise Unsupported(f"'{name}' is a LoRA adapter name; serving adapters needs the backend model's adapter "
+                          "input, which is not built yet", param="model")
+
+    # -- requests --------------------------------------------------------------------------------------------
+
+    async def chat(self, body: ChatCompletionBody) -> Generation:
+        self.check_model(body.model)
+        check_chat_fields(body)
+        max_tokens = chat_max_tokens(body)
+        prompt = self.template.render(chat_messages(body))
+        request = GenerationRequest(model=body.model, prompts=(prompt,), n=body.n,
+                                    sampling=sampling_of(body, max_tokens), stop=stop_strings(body),
+                                    end_of_turn=self.template.end_of_turn, logprobs=body.logprobs,
+                                    stream=body.stream, include_usage=include_usage(body))
+        return Generation(self.client, self.config.backend_model, request,
+                          await self._prepare(request.prompts, max_tokens, "messages"))
+
+    async def completion(self, body: CompletionBody) -> Generation:
+        self.check_model(body.model)
+        check_completion_fields(body)
+        request = GenerationRequest(model=body.model, prompts=completion_prompts(body), n=body.n,
+                                    sampling=sampling_of(body, body.max_tokens), stop=stop_strings(body),
+                                    end_of_turn=(), logprobs=body.logprobs is not None, stream=body.stream,
+                                    include_usage=include_usage(body))
+        return Generation(self.client, self.config.backend_model, request,
+                          await self._prepare(request.prompts, body.max_tokens, "prompt"))
+
+    async def _prepare(self, prompts: tuple[str, ...], max_tokens: Optional[int],
+                       prompt_param: str) -> list[PreparedPrompt]:
+        context = await self.context_length()
+        # Counted as the preprocessing step tokenizes (add_special_tokens, the repository default).
+        return [prepare_prompt(text, len(self.tokenizer.encode(text, add_special_tokens=True)), max_tokens,
+                               context, prompt_param) for text in prompts]
