@@ -1,0 +1,54 @@
+"""`tritonllm spec ...`: speculative-decoding tools (argparse only here; the work is imported on use)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+_DTYPES = ("float32", "bfloat16", "float16")
+
+
+def add_spec_command(sub) -> None:
+    spec = sub.add_parser("spec", help="speculative decoding tools")
+    kinds = spec.add_subparsers(dest="spec_command", required=True)
+    train = kinds.add_parser("train-medusa", help="train Medusa heads for a model (base frozen; minutes on CPU "
+                                                  "for SmolLM2) and save them in the Medusa checkpoint format")
+    train.add_argument("--model", required=True, help="Hugging Face model folder")
+    train.add_argument("--out", required=True, help="folder for config.json + medusa_lm_head.safetensors")
+    train.add_argument("--heads", type=int, default=3, help="number of Medusa heads")
+    train.add_argument("--layers", type=int, default=1, help="ResBlocks per head")
+    train.add_argument("--steps", type=int, default=200, help="optimizer steps")
+    train.add_argument("--batch", type=int, default=256, help="positions per step")
+    train.add_argument("--lr", type=float, default=1e-3)
+    train.add_argument("--text", help="UTF-8 training text (default: the English text shipped with tritonllm)")
+    train.add_argument("--distill-tokens", type=int, default=0,
+                       help="also train on about this many tokens of the model's own greedy continuations")
+    train.add_argument("--save-dtype", choices=_DTYPES, default="float32")
+    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--json", action="store_true", help="print the training report as one JSON line")
+
+
+def run_spec_command(args) -> int:
+    import torch
+
+    from tritonllm.engine.config import ConfigError
+
+    from .train_medusa import TrainSettings, train_medusa
+
+    for name in ("heads", "layers", "steps", "batch"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    text = Path(args.text).read_text(encoding="utf-8") if args.text else None
+    settings = TrainSettings(num_heads=args.heads, num_layers=args.layers, steps=args.steps,
+                             batch_positions=args.batch, learning_rate=args.lr, distill_tokens=args.distill_tokens,
+                             seed=args.seed, save_dtype=getattr(torch, args.save_dtype), progress=not args.json)
+    report = train_medusa(args.model, args.out, settings, text)
+    summary = {"out": str(report.out_dir), "tokens": report.num_tokens, "first_loss": round(report.first_loss, 4),
+               "last_loss": round(report.last_loss, 4), "head_accuracy": [round(a, 4) for a in report.head_accuracy],
+               "seconds": round(report.seconds, 1)}
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        accuracy = ", ".join(f"head {h}: {a:.1%}" for h, a in enumerate(report.head_accuracy))
+        print(f"Medusa heads saved to {report.out_dir} ({report.num_tokens} tokens, loss {report.first_loss:.3f} "
+              f"-> {report.last_loss:.3f}, top-1 agreement with the model {accuracy}, {report.seconds:.0f} s)")
+    return 0
