@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import yaml
 
-from .repo import build_repo, fill_template
+from .repo import RepoError, build_repo, fill_template
 
 
 def _parameters(pairs: list[str]) -> dict[str, str]:
@@ -23,12 +23,32 @@ def main(args) -> int:
         return 0
     if args.llmapi:
         return _build_llmapi(args)
+    parameters = _parameters(args.param)
+    if getattr(args, "lora_dir", None):
+        parameters["lora_prefetch_dir"] = _lora_dir(args.lora_dir)
     repo = build_repo(args.model, args.out, streaming=args.streaming, max_batch_size=args.max_batch_size,
                       engine=args.engine, dtype=args.dtype, device=args.device, max_seq_len=args.max_seq_len,
                       max_num_tokens=args.max_num_tokens, kv_cache_max_tokens=args.kv_cache_max_tokens,
-                      parameters=_parameters(args.param), overwrite=True)
+                      parameters=parameters, overwrite=True)
     print(f"model repository ready: {repo}")
     return 0
+
+
+def _lora_dir(folder: str) -> str:
+    """The folder as an absolute path, after listing the adapters it holds and the ids they will get."""
+    from pathlib import Path
+
+    from tritonllm.lora.lora_dir import adapters_in
+    from tritonllm.lora.modules import LoraFormatError
+
+    path = Path(folder).expanduser().resolve()
+    try:
+        adapters = adapters_in([path])
+    except LoraFormatError as exc:
+        raise RepoError(str(exc)) from None
+    for adapter in adapters:
+        print(f"LoRA adapter '{adapter.name}': lora_task_id {adapter.task_id} (or lora_name \"{adapter.name}\")")
+    return str(path)
 
 
 def _build_llmapi(args) -> int:

@@ -12,8 +12,9 @@ import torch
 
 from .adapter import LoraAdapter
 from .cache import AdapterCache, CachedAdapter, LoraCacheError
-from .convert import is_adapter_folder, load_adapter_folder
+from .convert import load_adapter_folder
 from .layers import DeviceSlots, LoraBatch
+from .lora_dir import NamedAdapter, adapters_in
 from .modules import LoraFormatError, ModuleShapes
 from .settings import LoraSettings
 from .trtllm_format import adapter_from_tensors
@@ -23,13 +24,6 @@ log = logging.getLogger("tritonllm.lora")
 
 class LoraRequestError(ValueError):
     """A request's adapter is unusable; the message names the id, name or tensor."""
-
-
-@dataclass(frozen=True)
-class NamedAdapter:
-    name: str
-    task_id: int
-    path: str
 
 
 @dataclass
@@ -48,37 +42,23 @@ class LoraRuntime:
         self.slots = DeviceSlots(shapes, settings.lora_target_modules, settings.max_loras, settings.max_lora_rank,
                                  dtype, device)
         self.names: dict[str, NamedAdapter] = {}
-        for folder in settings.lora_dir:
-            self.preload(folder)
+        if settings.lora_dir:
+            self.preload(settings.lora_dir)
 
     # -- preloading ---------------------------------------------------------------------------------------------
 
-    def preload(self, folder: str | Path) -> list[NamedAdapter]:
-        """Adapters of `folder` (itself an adapter, or a folder of adapter folders), named by folder name; a
-        numeric name is the task id (TensorRT-LLM's lora_prefetch_dir), others get the next free ids."""
-        folder = Path(folder)
-        if not folder.is_dir():
-            raise LoraFormatError(f"lora_dir {folder} is not a folder")
-        found = [folder] if is_adapter_folder(folder) else sorted(p for p in folder.iterdir() if is_adapter_folder(p))
-        if not found:
-            raise LoraFormatError(f"lora_dir {folder} holds no adapter folder (PEFT, or the .npy pair)")
-        named = [self._preload_one(path) for path in sorted(found, key=lambda p: (not p.name.isdigit(), p.name))]
+    def preload(self, folders: tuple[str, ...]) -> list[NamedAdapter]:
+        """Adapters of the folders by name (lora_dir.py); each is checked now and cached while there is room."""
+        named = adapters_in(folders)
         for item in named:
+            if item.name in self.names or any(n.task_id == item.task_id for n in self.names.values()):
+                raise LoraFormatError(f"lora_dir: adapter '{item.name}' (task id {item.task_id}) clashes with "
+                                      "another preloaded adapter")
+            adapter = self._checked(load_adapter_folder(item.path, self.shapes), f"lora_dir adapter '{item.name}'")
+            if len(self.cache.entries) < self.cache.max_adapters:
+                self.cache.release(self.cache.acquire(item.task_id, adapter, item.name))
+            self.names[item.name] = item
             log.info("LoRA adapter '%s' preloaded as lora_task_id %d from %s", item.name, item.task_id, item.path)
-        return named
-
-    def _preload_one(self, path: Path) -> NamedAdapter:
-        if path.name in self.names:
-            raise LoraFormatError(f"lora_dir: two adapters are named '{path.name}'")
-        used = {n.task_id for n in self.names.values()}
-        task_id = int(path.name) if path.name.isdigit() else next(i for i in range(1, 1 << 62) if i not in used)
-        if task_id in used:
-            raise LoraFormatError(f"lora_dir: adapter '{path.name}' and another both use task id {task_id}")
-        named = NamedAdapter(path.name, task_id, str(path))
-        adapter = self._checked(load_adapter_folder(path, self.shapes), f"lora_dir adapter '{path.name}'")
-        if len(self.cache.entries) < self.cache.max_adapters:
-            self.cache.release(self.cache.acquire(task_id, adapter, path.name))
-        self.names[path.name] = named
         return named
 
     # -- caller thread ------------------------------------------------------------------------------------------

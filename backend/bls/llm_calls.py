@@ -97,7 +97,8 @@ def infer_request(model: str, inputs: Mapping[str, np.ndarray], request_id: str)
         array = np.ascontiguousarray(array)
         request.inputs.add(name=name, datatype=np_to_triton_dtype(array.dtype), shape=list(array.shape))
         # The bytes go in raw_input_contents, in the order of the inputs.
-        raw = serialize_byte_tensor(array).tobytes() if array.dtype.kind in "OSU" else array.tobytes()
+        # (serialize_byte_tensor returns a 0-d object array holding the bytes: take the item, not its pointer.)
+        raw = serialize_byte_tensor(array).item() if array.dtype.kind in "OSU" else array.tobytes()
         request.raw_input_contents.append(raw)
     return request
 

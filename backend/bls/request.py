@@ -32,14 +32,17 @@ TO_LLM = {
     "return_log_probs": "return_log_probs", "return_perf_metrics": "return_perf_metrics",
     "exclude_input_in_output": "exclude_input_in_output", "num_return_sequences": "num_return_sequences",
     "return_context_logits": "return_context_logits", "return_generation_logits": "return_generation_logits",
+    "lora_task_id": "lora_task_id", "lora_name": "lora_name",
 }
+# BLS input -> tensorrt_llm input, forwarded as sent ([batch, ...] ragged tensors).
+TO_LLM_AS_IS = ("lora_weights", "lora_config")
 # Inputs whose mere presence asks for a feature that is not built yet.
 UNSUPPORTED_INPUTS = {
     "decoder_text_input": "encoder-decoder models", "image_input": "multimodal models",
     "image_bytes_input": "multimodal models", "image_url_input": "multimodal models",
     "video_bytes_input": "multimodal models", "prompt_embedding_table": "prompt tables",
-    "prompt_table_extra_id": "prompt tables", "lora_task_id": "LoRA", "lora_weights": "LoRA",
-    "lora_config": "LoRA", "guided_decoding_guide_type": "guided decoding", "guided_decoding_guide": "guided decoding",
+    "prompt_table_extra_id": "prompt tables",
+    "guided_decoding_guide_type": "guided decoding", "guided_decoding_guide": "guided decoding",
 }
 # Inputs that ask for a feature not built yet only with some values: (rule that is refused, feature).
 UNSUPPORTED_VALUES = {
@@ -79,6 +82,9 @@ class BlsRequest:
         for name, target in TO_LLM.items():
             if name in self.inputs:
                 tensors[target] = self.inputs[name].reshape(self.batch_size, 1)
+        for name in TO_LLM_AS_IS:
+            if name in self.inputs and self.inputs[name].size:
+                tensors[name] = self.inputs[name]
         if "min_tokens" not in tensors and "min_length" in self.inputs:  # genai-perf's older name
             tensors["min_tokens"] = self.inputs["min_length"].reshape(self.batch_size, 1)
         return tensors

@@ -251,6 +251,7 @@ class TensorRTLLMRequestHandle(RequestHandle):
         self.prompt_token_ids = prompt_token_ids
         self.params = params
         self.trtllm_params: Any = None  # set at submission; the library fills its end_id in place when None
+        self.trtllm_lora: Any = None  # the library's LoRARequest, if any
         self._delivered: dict[int, int] = {}
 
     def _deliver_update(self, update: Any) -> None:
@@ -346,16 +347,19 @@ class TensorRTLLMEngine:
 
     def generate_async(self, prompt_token_ids: list[int], sampling_params: SamplingParams, streaming: bool = False,
                        request_id: Optional[int] = None,
-                       on_output: Optional[Callable[[RequestHandle, object], None]] = None) -> RequestHandle:
+                       on_output: Optional[Callable[[RequestHandle, object], None]] = None,
+                       lora_request=None) -> RequestHandle:
         """Submit a request; the library's own refusals (bad arguments) raise here, as the embedded engine's do."""
         if self._stopped.is_set():
             raise EngineError("the engine has been shut down")
         self._validate(prompt_token_ids, sampling_params)
+        trtllm_lora = self._trtllm_lora_request(lora_request)
         if request_id is None:
             with self._ids_lock:
                 request_id = next(self._ids)
         params = self._resolve_end_id(sampling_params)
         handle = TensorRTLLMRequestHandle(self, request_id, list(prompt_token_ids), params, streaming, on_output)
+        handle.trtllm_lora = trtllm_lora
         self._loop.call(self._submit, handle)
         return handle
 
@@ -405,6 +409,17 @@ class TensorRTLLMEngine:
             raise InvalidRequestError(f"prompt length {len(prompt_token_ids)} + max_tokens {params.max_tokens} "
                                       f"exceeds max_seq_len {max_seq_len}")
 
+    def _trtllm_lora_request(self, lora_request) -> Any:
+        """The library's LoRARequest: its LLM API takes an adapter by folder (name, id, path) only."""
+        if lora_request is None:
+            return None
+        if lora_request.lora_weights is not None or not lora_request.lora_path:
+            raise InvalidRequestError("the TensorRT-LLM engine takes LoRA adapters by folder (LoRARequest with "
+                                      "lora_path) only; lora_weights / lora_config and ids alone need the embedded "
+                                      "engine")
+        task_id = lora_request.lora_int_id if lora_request.lora_int_id is not None else 0
+        return self.trtllm.LoRARequest(lora_request.lora_name or str(task_id), task_id, lora_request.lora_path)
+
     def _resolve_end_id(self, params: SamplingParams) -> SamplingParams:
         # With end_id unset the library runs its tokenizer setup, which re-encodes `stop`/`bad` strings and would
         # overwrite our token-level words (see trtllm_sampling_params). So fill end_id first, as that setup would.
@@ -423,7 +438,7 @@ class TensorRTLLMEngine:
         handle.trtllm_params = trtllm_sampling_params(handle.params, self.trtllm)
         # Called with this loop running: only then is the library's result async-iterable.
         result = self.llm.generate_async(handle.prompt_token_ids, sampling_params=handle.trtllm_params,
-                                         streaming=handle.streaming)
+                                         streaming=handle.streaming, lora_request=handle.trtllm_lora)
         self._results[handle.request_id] = result
         self._tasks[handle.request_id] = self._loop.loop.create_task(self._drive(handle, result))
 

@@ -40,11 +40,11 @@ ENGINE_PARAMETERS = (
     "gpt_model_path", "tokenizer_dir", "max_beam_width", "max_tokens_in_paged_kv_cache",
     "kv_cache_free_gpu_mem_fraction", "enable_kv_cache_reuse", "enable_chunked_context", "batch_scheduler_policy",
     "normalize_log_probs", "engine", "dtype", "device", "max_num_tokens", "max_seq_len", "max_batch_size",
+    "lora_prefetch_dir",
 )
 TRITON_PARAMETERS = ("exclude_input_in_output", "cancellation_check_period_ms", "stats_check_period_ms")
 # Set at all, these ask for something not built; the value does not matter.
 UNBUILT_WHEN_SET = {
-    "lora_prefetch_dir": "LoRA adapter prefetching is not supported yet",
     "guided_decoding_backend": "guided decoding is not supported yet",
     "encoder_model_path": "encoder-decoder models are not supported",
     "participant_ids": "multi-process (MPI orchestrator) execution is not supported",
@@ -121,7 +121,21 @@ def engine_overrides(params: Parameters) -> dict[str, Any]:
     policy = lowercase_choice(params, "batch_scheduler_policy", tuple(SCHEDULER_POLICY_NAMES))
     if policy is not None:
         out["scheduler_config"] = {"capacity_scheduler_policy": SCHEDULER_POLICY_NAMES[policy]}
+    _put(out, "lora_config", lora_overrides(params))
     return out
+
+
+def lora_overrides(params: Parameters) -> Optional[dict[str, Any]]:
+    """The PEFT-cache parameters as lora_config keys; any of them set turns LoRA on. lora_prefetch_dir holds
+    adapter folders (TensorRT-LLM's `<task_id>/model.lora_{weights,config}.npy`, or PEFT folders) preloaded by
+    name; lora_cache_max_adapter_size is the highest rank; lora_cache_host_memory_bytes caps the host tier.
+    lora_cache_optimal_adapter_size and lora_cache_gpu_memory_fraction size TensorRT-LLM's cache pages; here the
+    device tier holds lora_config.max_loras adapters, so they are only type-checked."""
+    lora: dict[str, Any] = {}
+    _put(lora, "lora_dir", params.str("lora_prefetch_dir"))
+    _put(lora, "max_lora_rank", params.int("lora_cache_max_adapter_size", minimum=1))
+    _put(lora, "host_cache_bytes", params.int("lora_cache_host_memory_bytes", minimum=1))
+    return lora or None
 
 
 def merge_engine_args(base: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:

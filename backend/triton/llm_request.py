@@ -9,14 +9,13 @@ from typing import Optional
 
 import numpy as np
 
-from ..engine.types import SamplingParams
+from ..engine.types import LoRARequest, SamplingParams
 from .pb import InputError, optional_input
 
 # Inputs whose feature is not built yet: sending one is an error, never silently dropped.
 UNSUPPORTED_INPUTS = {
     "draft_input_ids": "draft tokens (speculative decoding)", "draft_logits": "draft tokens (speculative decoding)",
     "draft_acceptance_threshold": "draft tokens (speculative decoding)",
-    "lora_task_id": "LoRA", "lora_weights": "LoRA", "lora_config": "LoRA",
     "prompt_embedding_table": "prompt tables", "prompt_table_extra_ids": "prompt tables",
     "encoder_input_features": "encoder-decoder/multimodal", "encoder_output_lengths": "encoder-decoder/multimodal",
     "cross_attention_mask": "multimodal", "skip_cross_attn_blocks": "multimodal",
@@ -50,6 +49,7 @@ class EngineRow:
     prompt_token_ids: list[int]
     params: SamplingParams
     options: RowOptions
+    lora: Optional[LoRARequest] = None
 
 
 def batch_size(request) -> int:
@@ -115,7 +115,34 @@ def _convert_row(request, row, ids, length, default_exclude_input, decoupled) ->
         params.validate()
     except ValueError as exc:
         raise InputError(f"invalid sampling input: {exc}") from None
-    return EngineRow([int(t) for t in ids[:length]], params, options)
+    return EngineRow([int(t) for t in ids[:length]], params, options, _lora_request(request, row))
+
+
+def _lora_request(request, row) -> Optional[LoRARequest]:
+    """The row's adapter: `lora_task_id` (with `lora_weights` + `lora_config` the first time), or `lora_name`
+    (an adapter preloaded from lora_dir / lora_prefetch_dir). None: the base model."""
+    task_id = _int(request, "lora_task_id", row)
+    name = _scalar(request, "lora_name", row)
+    name = name.decode() if isinstance(name, bytes) else (None if name is None else str(name))
+    weights, config = _row_tensor(request, "lora_weights", row), _row_tensor(request, "lora_config", row)
+    if task_id is None and not name:
+        if weights is not None or config is not None:
+            raise InputError("input 'lora_task_id' is required with lora_weights / lora_config (the id the adapter "
+                             "is cached under)")
+        return None
+    if (weights is None) != (config is None):
+        missing = "lora_config" if config is None else "lora_weights"
+        raise InputError(f"input '{missing}' is missing: lora_weights and lora_config go together "
+                         f"(lora_task_id {task_id})")
+    return LoRARequest(lora_name=name or None, lora_int_id=task_id, lora_weights=weights, lora_config=config)
+
+
+def _row_tensor(request, name, row) -> Optional[np.ndarray]:
+    """A ragged per-row tensor input ([batch, ...]) for one row, or None when absent or empty."""
+    value = optional_input(request, name)
+    if value is None or value.size == 0:
+        return None
+    return np.asarray(value[min(row, value.shape[0] - 1)])
 
 
 def _column(request, name, rows, required=False) -> Optional[np.ndarray]:

@@ -76,7 +76,8 @@ class LLMRequestServer:
                 for index, row in enumerate(state.rows):
                     handle = self.engine.generate_async(
                         row.prompt_token_ids, row.params, streaming=row.options.streaming,
-                        on_output=lambda _handle, item, s=state, r=index: self.events.put((s, r, item)))
+                        on_output=lambda _handle, item, s=state, r=index: self.events.put((s, r, item)),
+                        **({"lora_request": row.lora} if row.lora is not None else {}))
                     state.engine_ids.append(handle.request_id)
                     self.active[handle.request_id] = state
             except Exception:

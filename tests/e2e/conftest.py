@@ -71,6 +71,18 @@ def llmapi_server(tiny_model, tmp_path_factory) -> Iterator["clients.LiveServer"
     yield from _run(build_llmapi_repo(tiny_model, work / "repo", max_seq_len=MAX_SEQ_LEN), work)
 
 
+@pytest.fixture(scope="module")
+def lora_server(tiny_model, lora_prefetch_dir, tmp_path_factory) -> Iterator["clients.LiveServer"]:
+    """The decoupled repository with LoRA on: `lora_prefetch_dir` (a fixture of the test module) preloaded by name,
+    and a small adapter cache (lora_config.max_cpu_loras = max_loras = 2 in model.yaml) so that tests can evict."""
+    work = tmp_path_factory.mktemp("lora")
+    repo = build_repo(tiny_model, work / "repo", streaming=True, max_seq_len=MAX_SEQ_LEN,
+                      parameters={"lora_prefetch_dir": str(lora_prefetch_dir)})
+    with (repo / "tensorrt_llm" / "1" / "model.yaml").open("a") as yaml_file:
+        yaml_file.write("\nlora_config:\n  max_cpu_loras: 2\n  max_loras: 2\n")
+    yield from _run(repo, work)
+
+
 def _serve(model_dir: Path, work: Path, streaming: bool) -> Iterator["clients.LiveServer"]:
     yield from _run(build_repo(model_dir, work / "repo", streaming=streaming, max_seq_len=MAX_SEQ_LEN), work)
 

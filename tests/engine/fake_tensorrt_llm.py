@@ -451,6 +451,15 @@ class FakeTokenizer:
         return [ord(ch) for ch in text]
 
 
+@dataclass
+class LoRARequest:
+    """tensorrt_llm.executor.request.LoRARequest: an adapter folder under a name and an id."""
+
+    lora_name: str
+    lora_int_id: int
+    lora_path: str = ""
+
+
 class LLM:
     instances: ClassVar[list] = []
 
@@ -486,6 +495,7 @@ class LLM:
         except RuntimeError:
             loop_running = False
         self.generate_calls.append({"inputs": inputs, "sampling_params": params, "streaming": streaming,
+                                    "lora_request": lora_request,
                                     "thread": threading.current_thread().name, "loop_running": loop_running})
         script = self.scripts.popleft() if self.scripts else default_script(params.n)
         return GenerationResult(self, next(self._ids), prompt, params, streaming, script)

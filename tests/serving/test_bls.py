@@ -99,8 +99,17 @@ def test_read_request_renames_inputs_for_tensorrt_llm():
     assert set(request.preprocessing_inputs()) == {"QUERY", "REQUEST_OUTPUT_LEN", "STOP_WORDS_DICT"}
 
 
+def test_lora_inputs_reach_tensorrt_llm():
+    weights, config = np.ones((1, 2, 6), np.float16), np.array([[[1, 0, 1], [2, 0, 1]]], np.int32)
+    request = read_request(bls_request(lora_task_id=np.array([7], np.uint64), lora_weights=weights,
+                                       lora_config=config, lora_name=np.array(["fr"], object)), decoupled=True)
+    llm = request.llm_inputs({"INPUT_ID": np.zeros((1, 3), np.int32)})
+    assert llm["lora_task_id"].tolist() == [[7]] and llm["lora_name"].tolist() in ([["fr"]], [[b"fr"]])
+    assert llm["lora_weights"] is not None and np.array_equal(llm["lora_weights"], weights)
+    assert np.array_equal(llm["lora_config"], config)
+
+
 @pytest.mark.parametrize("inputs, message", [
-    ({"lora_task_id": np.array([3], np.uint64)}, "'lora_task_id' needs LoRA, which is not supported yet"),
     ({"num_draft_tokens": np.array([[2]], np.int32)}, "'num_draft_tokens'"),
     ({"beam_width": np.array([[2]], np.int32)}, "beam search"),
     ({"image_url_input": np.array([["http://x"]], object)}, "multimodal"),
@@ -262,14 +271,14 @@ def test_three_sequences_are_tagged_and_final_after_the_last(stand_ins):
 def test_bad_input_is_answered_in_execute_with_an_error_naming_it(stand_ins):
     transport = ScriptedTransport([])
     server = BlsServer(transport, decoupled=True, accumulate=False, cancellation_check_ms=100)
-    request = bls_request(lora_task_id=np.array([1], np.uint64))
+    request = bls_request(guided_decoding_guide=np.array([["{}"]], object))
     try:
         server.submit(request)
         ((response, flags),) = request.get_response_sender().sent  # answered before submit returned
     finally:
         server.shutdown()
     assert flags == fake.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-    assert response.has_error() and "lora_task_id" in response.error().message()
+    assert response.has_error() and "guided_decoding_guide" in response.error().message()
     assert response.error().code() == fake.TritonError.INVALID_ARG
     assert transport.inputs is None, "nothing reached tensorrt_llm"
 

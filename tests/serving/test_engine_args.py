@@ -224,7 +224,6 @@ def test_bad_values_name_the_parameter(model_dir, name, value):
     ("decoding_mode", "eagle", "not supported"),
     ("decoding_mode", "lookahead", "not supported"),
     ("decoding_mode", "redrafter", "not supported"),
-    ("lora_prefetch_dir", "/adapters", "not supported yet"),
     ("guided_decoding_backend", "xgrammar", "not supported yet"),
     ("enable_trt_overlap", "true", "deprecated"),
     ("enable_trt_overlap", "1", "deprecated"),

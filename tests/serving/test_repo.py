@@ -79,6 +79,7 @@ TENSORRT_LLM_INPUTS = inputs(
                  "return_generation_logits", "return_perf_metrics", "exclude_input_in_output", "stop", "streaming",
                  reshape=True),
     *scalar_opts("TYPE_UINT64", "seed", "lora_task_id", reshape=True),
+    *scalar_opts("TYPE_STRING", "lora_name"),  # ours; no reshape: Triton 2.51 garbles a reshaped STRING from an ensemble
     RAGGED("prompt_embedding_table", "TYPE_FP16", [-1, -1]),
     RAGGED("prompt_table_extra_ids", "TYPE_UINT64", [-1]),
     RAGGED("cross_attention_mask", "TYPE_BOOL", [-1, -1]),
@@ -132,6 +133,7 @@ ENSEMBLE_INPUTS = inputs(
     *scalar_opts("TYPE_BOOL", "exclude_input_in_output", "return_log_probs", "return_context_logits",
                  "return_generation_logits", "return_perf_metrics", "stream"),
     *scalar_opts("TYPE_UINT64", "seed", "prompt_table_extra_id", "lora_task_id"),
+    *scalar_opts("TYPE_STRING", "lora_name"),  # ours
     *[(name, "TYPE_STRING", [-1], OPT, False, False) for name in ("bad_words", "stop_words",
                                                                    "embedding_bias_words")],
     ("embedding_bias_weights", "TYPE_FP32", [-1], OPT, False, False),
@@ -159,6 +161,7 @@ BLS_INPUTS = inputs(
     *scalar_opts("TYPE_INT32", "num_return_sequences", reshape=True),
     *scalar_opts("TYPE_UINT64", "seed", "prompt_table_extra_id"),
     *scalar_opts("TYPE_UINT64", "lora_task_id", reshape=True),
+    *scalar_opts("TYPE_STRING", "lora_name", reshape=True),  # ours
     *[(name, "TYPE_STRING", [-1], OPT, False, False) for name in ("bad_words", "stop_words",
                                                                    "embedding_bias_words")],
     ("embedding_bias_weights", "TYPE_FP32", [-1], OPT, False, False),
