@@ -14,7 +14,7 @@ from typing import AsyncIterator, Mapping, Optional, Sequence
 import grpc
 import numpy as np
 from tritonclient.grpc import InferResult, service_pb2, service_pb2_grpc
-from tritonclient.utils import np_to_triton_dtype, serialize_byte_tensor
+from tritonclient.utils import deserialize_bytes_tensor, np_to_triton_dtype, serialize_byte_tensor, triton_to_np_dtype
 
 from .errors import BackendFailed, BadRequest, PromptTooLong, ServiceUnavailable
 
@@ -124,10 +124,18 @@ def _raw_bytes(array: np.ndarray) -> bytes:
 
 
 def decode_outputs(response) -> dict[str, np.ndarray]:
-    if not response.outputs:
-        return {}
-    result = InferResult(response)
-    return {output.name: result.as_numpy(output.name) for output in response.outputs}
+    """The response's tensors, read in one pass over its raw contents (they come in the order of `outputs`)."""
+    if len(response.raw_output_contents) != len(response.outputs):  # tensors sent in `contents` instead
+        result = InferResult(response)
+        return {output.name: result.as_numpy(output.name) for output in response.outputs}
+    tensors = {}
+    for output, raw in zip(response.outputs, response.raw_output_contents):
+        if output.datatype == "BYTES":
+            array = deserialize_bytes_tensor(raw)
+        else:
+            array = np.frombuffer(raw, dtype=triton_to_np_dtype(output.datatype))
+        tensors[output.name] = array.reshape(list(output.shape))
+    return tensors
 
 
 def is_final(response) -> bool:
