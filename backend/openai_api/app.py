@@ -19,7 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from .config import FrontendConfig
-from .errors import ModelNotFound, OpenAIError, ServiceUnavailable
+from .errors import BadRequest, ModelNotFound, OpenAIError, ServiceUnavailable
 from .generation import ChoiceEvent, Generation
 from .metrics import FrontendMetrics
 from .responses import AnswerBuilder, ChoiceText
@@ -137,7 +137,7 @@ async def _json(request: Request) -> Any:
     try:
         return await request.json()
     except ValueError:
-        raise OpenAIError("the request body is not valid JSON") from None
+        raise BadRequest("the request body is not valid JSON") from None
 
 
 async def _whole(request: Request, generation: Generation, builder: AnswerBuilder,
@@ -182,7 +182,7 @@ async def _disconnected(request: Request) -> None:
 async def _stream(generation: Generation, builder: AnswerBuilder, record: RequestRecord) -> StreamingResponse:
     events = generation.events()
     try:
-        first = await anext(events)
+        first = await anext(events, None)
     except BaseException:
         await events.aclose()
         raise
@@ -190,7 +190,7 @@ async def _stream(generation: Generation, builder: AnswerBuilder, record: Reques
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def _sse(events: AsyncIterator[ChoiceEvent], first: ChoiceEvent, generation: Generation,
+async def _sse(events: AsyncIterator[ChoiceEvent], first: Optional[ChoiceEvent], generation: Generation,
                builder: AnswerBuilder, record: RequestRecord) -> AsyncIterator[bytes]:
     status = CLIENT_CLOSED_REQUEST  # unless the stream gets to its end
     sent: dict[int, int] = {}  # characters sent per choice, for text completions' text_offset

@@ -20,6 +20,12 @@ MAX_STOP_STRINGS = 16
 class _Body(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_not_given(cls, data):
+        """OpenAI reads a field sent as null as a field not sent; so do we (the defaults then apply)."""
+        return {key: value for key, value in data.items() if value is not None} if isinstance(data, dict) else data
+
 
 class StreamOptions(_Body):
     include_usage: bool = False

@@ -50,6 +50,12 @@ def test_unknown_fields_are_ignored_and_defaults_follow_openai():
     assert body.n == 1 and stop_strings(body) == () and include_usage(body)
 
 
+def test_null_fields_count_as_not_sent():
+    body = parse_body(ChatCompletionBody, {**CHAT, "n": None, "stream": None, "logprobs": None, "stop": None,
+                                           "temperature": None})
+    assert body.n == 1 and body.stream is False and body.logprobs is False and stop_strings(body) == ()
+
+
 def test_stop_usage_and_extensions():
     body = parse_body(CompletionBody, {"model": "m", "prompt": ["a", "b"], "stop": "END", "stream": True,
                                        "stream_options": {"include_usage": True}, "top_k": 5, "min_tokens": 2,
