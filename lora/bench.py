@@ -93,7 +93,8 @@ def main(args) -> int:
               "targets": [m.trtllm_name for m in MODULES], "dtype": str(dtype).replace("torch.", ""),
               "device": str(device), "threads": torch.get_num_threads(), "base_s": round(base_s, 3),
               "base_runs_s": [round(base_s * 2 - base_again_s, 3), round(base_again_s, 3)],
-              "lora_s": round(lora_s, 3), "base_tok_s": round(total / base_s, 2), "lora_tok_s": round(total / lora_s, 2)}
+              "lora_s": round(lora_s, 3), "base_tok_s": round(total / base_s, 2),
+              "lora_tok_s": round(total / lora_s, 2)}
     result["ratio"] = round(result["lora_tok_s"] / result["base_tok_s"], 3)
     if args.json:
         print(json.dumps(result))

@@ -99,7 +99,7 @@ def output_ids(reply) -> list[int]:
     return [int(t) for array in reply.outputs("output_ids") for t in array.reshape(-1) if t >= 0]
 
 
-def send(server, stream, inputs):
+def send(stream, inputs):
     stream.send("tensorrt_llm", {**inputs, "streaming": scalar(True, np.bool_),
                                  "exclude_input_in_output": scalar(True, np.bool_)})
 
@@ -110,7 +110,8 @@ def test_preloaded_adapters_are_listed_in_the_log(lora_server):
 
 def test_base_and_two_adapters_in_one_batch(lora_server, tokenizer, adapters, reference):
     """Base, a and b, three prompts each, all in flight together: every request gets the tokens it gets alone."""
-    prompts = [tokenizer.encode(text, add_special_tokens=True) for text in (PROMPT, "The quick brown fox", "Hello there, how")]
+    texts = (PROMPT, "The quick brown fox", "Hello there, how")
+    prompts = [tokenizer.encode(text, add_special_tokens=True) for text in texts]
     end_id = tokenizer.end_id
     jobs = []
     for prompt_ids in prompts:
@@ -120,7 +121,7 @@ def test_base_and_two_adapters_in_one_batch(lora_server, tokenizer, adapters, re
     streams = [lora_server.grpc_stream() for _ in jobs]
     try:
         for stream, (_, _, inputs) in zip(streams, jobs):
-            send(lora_server, stream, inputs)
+            send(stream, inputs)
         got = [output_ids(stream.collect()) for stream in streams]
     finally:
         for stream in streams:
@@ -164,8 +165,7 @@ def test_eviction_spares_requests_in_flight(lora_server, tokenizer, adapters, re
         assert reply.error is None, reply.error
     long_stream = lora_server.grpc_stream()
     try:
-        send(lora_server, long_stream, direct_request(prompt_ids, long_tokens, -1, **lora_inputs(adapters, "c", 31,
-                                                                                                 False)))
+        send(long_stream, direct_request(prompt_ids, long_tokens, -1, **lora_inputs(adapters, "c", 31, False)))
         reply = clients.StreamReply()
         clients.add_event(reply, *long_stream.next_event(60))  # its first token: it is running, c is pinned
         evicting = lora_server.stream_infer("tensorrt_llm", direct_request(prompt_ids, 2, -1,

@@ -4,14 +4,13 @@ EngineCore, so "in flight" is exact, not a race."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from tritonllm.engine.config import EngineConfig
 from tritonllm.engine.embedded.engine_core import EngineCore
 from tritonllm.engine.types import InvalidRequestError, LoRARequest, SamplingParams
-from tritonllm.lora.cache import AdapterCache, LoraCacheError
 from tritonllm.lora.adapter import LoraAdapter
-
-import torch
+from tritonllm.lora.cache import AdapterCache, LoraCacheError
 
 
 def make_core(model_dir, **lora_config) -> EngineCore:
