@@ -84,8 +84,9 @@ class Generation:
     """One OpenAI request in flight. Iterate `events()` once; `usage` is complete when it ends."""
 
     def __init__(self, client: TritonClient, backend_model: str, request: GenerationRequest,
-                 prompts: list[PreparedPrompt]):
+                 prompts: list[PreparedPrompt], extra_inputs: Optional[dict[str, np.ndarray]] = None):
         self.client = client
+        self.extra_inputs = extra_inputs or {}  # the LoRA adapter's lora_name, for one
         self.backend_model = backend_model
         self.request = request
         self.prompts = prompts
@@ -106,7 +107,7 @@ class Generation:
 
     async def _prompt_events(self, p: int) -> AsyncIterator[ChoiceEvent]:
         choices = self.choices[p]
-        inputs = backend_inputs(self.prompts[p], self.request)
+        inputs = {**backend_inputs(self.prompts[p], self.request), **self.extra_inputs}
         stream = self.client.stream(self.backend_model, inputs, OUTPUTS)
         async with contextlib.aclosing(stream) as responses:
             async for response in responses:

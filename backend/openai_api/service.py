@@ -6,9 +6,11 @@ import json
 import logging
 from typing import Optional
 
+import numpy as np
+
 from .chat import ChatTemplate
 from .config import FrontendConfig
-from .errors import ModelNotFound, Unsupported
+from .errors import ModelNotFound
 from .generation import Generation, PreparedPrompt, prepare_prompt
 from .schemas import (ChatCompletionBody, CompletionBody, GenerationRequest, chat_max_tokens, chat_messages,
                       check_chat_fields, check_completion_fields, completion_prompts, include_usage, sampling_of,
@@ -50,15 +52,13 @@ class OpenAIService:
     def check_model(self, name: str) -> None:
         if name not in self.config.model_names:
             raise ModelNotFound(name)
-        if name in self.config.lora_names:
-            self.adapter_inputs(name)
 
-    def adapter_inputs(self, name: str) -> dict:
-        """Hook for serving a LoRA adapter by name: the backend inputs that select it. The backend models take
-        no adapter input yet (LoRA is being built), so a request for one is refused rather than answered by
-        the base model."""
-        raise Unsupported(f"'{name}' is a LoRA adapter name; serving adapters needs the backend model's adapter "
-                          "input, which is not built yet", param="model")
+    def adapter_inputs(self, name: str) -> dict[str, np.ndarray]:
+        """The backend inputs that pick the LoRA adapter a model name stands for: `lora_name`, the name of an
+        adapter the repository preloads (lora_prefetch_dir); none for the base model."""
+        if name not in self.config.lora_names:
+            return {}
+        return {"lora_name": np.array([[name.encode("utf-8")]], dtype=object)}
 
     # -- requests --------------------------------------------------------------------------------------------
 
@@ -72,7 +72,7 @@ class OpenAIService:
                                     end_of_turn=self.template.end_of_turn, logprobs=body.logprobs,
                                     stream=body.stream, include_usage=include_usage(body))
         return Generation(self.client, self.config.backend_model, request,
-                          await self._prepare(request.prompts, max_tokens, "messages"))
+                          await self._prepare(request.prompts, max_tokens, "messages"), self.adapter_inputs(body.model))
 
     async def completion(self, body: CompletionBody) -> Generation:
         self.check_model(body.model)
@@ -82,7 +82,8 @@ class OpenAIService:
                                     end_of_turn=(), logprobs=body.logprobs is not None, stream=body.stream,
                                     include_usage=include_usage(body))
         return Generation(self.client, self.config.backend_model, request,
-                          await self._prepare(request.prompts, body.max_tokens, "prompt"))
+                          await self._prepare(request.prompts, body.max_tokens, "prompt"),
+                          self.adapter_inputs(body.model))
 
     async def _prepare(self, prompts: tuple[str, ...], max_tokens: Optional[int],
                        prompt_param: str) -> list[PreparedPrompt]:

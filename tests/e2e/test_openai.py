@@ -7,6 +7,7 @@ import http.client
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 openai = pytest.importorskip("openai", reason="the OpenAI endpoint tests need the openai client")
@@ -210,6 +211,43 @@ def test_closing_a_stream_early_cancels_the_triton_request(server, client, token
     assert clients.engine_is_idle(after), f"the engine did not free its blocks or requests: {after}"
     steps = after[ITERATIONS] - before[ITERATIONS]
     assert 0 < steps < EARLY, f"the engine ran {steps} steps for a stream closed after 5 chunks"
+
+
+# ---------------------------------------------------------------------------------------------- LoRA
+
+@pytest.fixture(scope="module")
+def lora_prefetch_dir(tiny_model, tmp_path_factory):
+    """One PEFT adapter, `fr`, with random weights, for conftest's lora_server to preload by name."""
+    peft = pytest.importorskip("peft", reason="the LoRA test builds its adapter with peft")
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
+    adapter = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                         init_lora_weights=False))
+    folder = tmp_path_factory.mktemp("openai_lora")
+    adapter.save_pretrained(folder / "fr")
+    return folder
+
+
+def test_a_lora_name_is_answered_by_its_adapter(lora_server, tiny_model, tmp_path_factory):
+    frontend = start_frontend(lora_server, tiny_model, tmp_path_factory.mktemp("openai_lora_frontend"),
+                              "--lora-name", "fr")
+    try:
+        with openai.OpenAI(base_url=f"{frontend.base_url}/v1", api_key="unused", max_retries=0, timeout=120) as c:
+            assert [model.id for model in c.models.list()] == [MODEL, "fr"]
+            via_adapter = c.completions.create(model="fr", prompt=PROMPT, max_tokens=12, temperature=0)
+            via_base = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+    finally:
+        frontend.stop()
+    direct = lora_server.stream_infer("tensorrt_llm_bls", {
+        "text_input": clients.strings(PROMPT), "max_tokens": clients.scalar(12, np.int32),
+        "stream": clients.scalar(True, np.bool_), "exclude_input_in_output": clients.scalar(True, np.bool_),
+        "lora_name": clients.strings("fr")})
+    assert direct.error is None, direct.error
+    assert via_adapter.choices[0].text == "".join(direct.texts())
+    assert via_adapter.choices[0].text != via_base.choices[0].text, "the adapter changed nothing: pick a bigger one"
 
 
 # ---------------------------------------------------------------------------------------------- ensemble

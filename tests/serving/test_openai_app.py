@@ -141,6 +141,14 @@ def test_n_and_several_prompts_number_the_choices(scripted):
     assert all(r["num_return_sequences"][0, 0] == 2 for r in triton.requests[-2:])
 
 
+def test_a_lora_name_picks_its_adapter_and_the_base_name_none(scripted):
+    client, triton, _ = scripted
+    client.post("/v1/completions", json={"model": "adapter", "prompt": "x", "max_tokens": 2})
+    assert triton.requests[-1]["lora_name"][0, 0] == b"adapter"
+    client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2})
+    assert "lora_name" not in triton.requests[-1]
+
+
 def test_chat_logprobs_carry_each_tokens_text(scripted):
     client, _, _ = scripted
     answer = client.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "x"}],
@@ -157,8 +165,8 @@ def test_errors_in_openai_shape(scripted):
                         "top_p")
     assert_openai_error(client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 64}),
                         400, "max_tokens", "context_length_exceeded")
-    assert_openai_error(client.post("/v1/completions", json={"model": "adapter", "prompt": "x"}), 422, "model",
-                        "unsupported_parameter")
+    assert_openai_error(client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "echo": True}), 422,
+                        "echo", "unsupported_parameter")
     assert_openai_error(client.post("/v1/completions", content=b"{not json", headers={"Content-Type":
                                                                                     "application/json"}), 400)
     assert_openai_error(client.get("/v1/nothing-here"), 404)
