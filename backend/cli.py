@@ -38,6 +38,8 @@ def _generate_command(sub) -> None:
     gen.add_argument("--n", type=int, help="independent samples per prompt")
     gen.add_argument("--sequential", action="store_true", help="one prompt after another instead of together")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt and line, in prompt order")
+    from tritonllm.lora.cli import add_generate_options
+    add_generate_options(gen)
 
 
 def _bench_commands(sub) -> None:
@@ -69,6 +71,10 @@ def _bench_commands(sub) -> None:
     reuse.add_argument("--system-prompt", type=int, default=1000, help="tokens of the shared system prompt")
     reuse.add_argument("--seed", type=int, default=0)
     reuse.add_argument("--json", action="store_true")
+    from tritonllm.lora.cli import add_bench_command as add_lora_bench
+    add_lora_bench(kinds, _engine_arguments)
+    from .openai_api.cli import add_bench_command
+    add_bench_command(kinds)
 
 
 def _repo_commands(sub) -> None:
@@ -91,6 +97,8 @@ def _repo_commands(sub) -> None:
     build.add_argument("--kv-cache-max-tokens", type=int, help="KV cache size in tokens")
     build.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                        help="set any tensorrt_llm config.pbtxt parameter; repeatable")
+    build.add_argument("--lora-dir", help="LoRA adapters preloaded by folder name (PEFT folders or the .npy pair; "
+                                          "lora_prefetch_dir): turns LoRA on and lists each adapter's task id")
     fill = kinds.add_parser("fill", help="fill ${placeholders} like the anchor's fill_template.py")
     fill.add_argument("config", help="config.pbtxt to fill in place")
     fill.add_argument("substitutions", help="key:value pairs separated by commas; \\, escapes a comma")
@@ -110,6 +118,8 @@ def _serve_command(sub) -> None:
     serve.add_argument("--streaming", action=argparse.BooleanOptionalAction, default=True)
     serve.add_argument("--max-batch-size", type=int, default=8)
     serve.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
+    from .openai_api.cli import add_serve_options
+    add_serve_options(serve)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -121,6 +131,12 @@ def build_parser() -> argparse.ArgumentParser:
     _bench_commands(sub)
     _repo_commands(sub)
     _serve_command(sub)
+    from tritonllm.lora.cli import add_lora_command
+    add_lora_command(sub)
+    from .openai_api.cli import add_openai_command
+    add_openai_command(sub)
+    from tritonllm.spec_decode.cli import add_spec_command
+    add_spec_command(sub)
     return parser
 
 
@@ -142,11 +158,27 @@ def _run(args) -> int:
     if args.command == "bench":
         if args.bench_command == "engine":
             from .bench import main
+        elif args.bench_command == "lora":
+            from tritonllm.lora.bench import main
+        elif args.bench_command == "openai":
+            from .openai_api.bench import main
         else:
             from .bench_scenarios import main
         return main(args)
+    if args.command == "spec":
+        from tritonllm.spec_decode.cli import run_spec_command
+
+        return run_spec_command(args)
+    if args.command == "lora":
+        from tritonllm.lora.cli import main
+
+        return main(args)
     if args.command == "repo":
         from .repo_cli import main
+
+        return main(args)
+    if args.command == "openai":
+        from .openai_api.cli import main
 
         return main(args)
     from .server import main

@@ -111,16 +111,27 @@ class EngineConfig:
             raise ConfigError(f"max_seq_len must be an integer >= 2, got {self.max_seq_len!r}")
         self.kv_cache_config.validate()
         self.scheduler_config.validate()
+        self.lora_settings()
+
+    def lora_settings(self):
+        """`lora_config` typed and checked (tritonllm.lora.settings.LoraSettings), or None when LoRA is off.
+        A `lora_config` alone turns LoRA on, as in TensorRT-LLM."""
+        if not (self.enable_lora or self.lora_config):
+            return None
+        from tritonllm.lora.settings import LoraSettings, LoraSettingsError
+
+        if self.lora_config is not None and not isinstance(self.lora_config, dict):
+            raise ConfigError(f"lora_config must be a mapping, got {self.lora_config!r}")
+        try:
+            return LoraSettings.from_dict(self.lora_config)
+        except (LoraSettingsError, TypeError) as exc:
+            raise ConfigError(str(exc)) from None
 
     def embedded_unsupported(self) -> list[str]:
         """Settings the embedded engine cannot honour, each as 'key=value (why)'."""
         problems = [f"{k}={v!r} (unknown to the embedded engine)" for k, v in self.extra.items()]
         if self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1:
             problems.append("tensor/pipeline parallelism (the embedded engine runs on one device)")
-        if self.max_beam_width != 1:
-            problems.append(f"max_beam_width={self.max_beam_width} (beam search is not built yet)")
-        if self.enable_lora or self.lora_config:
-            problems.append("enable_lora/lora_config (LoRA is not built yet)")
         if self.speculative_config:
             problems.append("speculative_config (speculative decoding is not built yet)")
         return problems

@@ -70,7 +70,15 @@ class SamplingParams:
             _require(self.max_tokens < max_seq_len,
                      f"max_tokens={self.max_tokens} must be less than max_seq_len={max_seq_len}")
         _require(self.n >= 1, f"n (num_return_sequences) must be >= 1, got {self.n}")
-        _require(self.beam_width == 1, f"beam_width={self.beam_width} is not supported yet (only 1)")
+        _require(isinstance(self.beam_width, int) and self.beam_width >= 1,
+                 f"beam_width must be an integer >= 1, got {self.beam_width!r}")
+        if self.beam_width > 1:
+            _require(self.n <= self.beam_width, f"n (num_return_sequences) = {self.n} must not exceed "
+                     f"beam_width = {self.beam_width}: beam search returns at most beam_width beams")
+            _require(not self.return_generation_logits,
+                     "return_generation_logits is not supported with beam search (beam_width > 1)")
+        if self.length_penalty is not None:
+            _require(math.isfinite(self.length_penalty), f"length_penalty must be finite, got {self.length_penalty}")
         if self.temperature is not None:
             _require(math.isfinite(self.temperature) and self.temperature >= 0,
                      f"temperature must be >= 0, got {self.temperature}")
@@ -151,3 +159,29 @@ class RequestOutput:
     finished: bool = False
     # [prompt tokens, vocab] float32 logits at every prompt position (return_context_logits)
     context_logits: Optional["torch.Tensor"] = None
+
+
+@dataclass
+class LoRARequest:
+    """The adapter a request runs with, as TensorRT-LLM's LLM API names it (`lora_name`, `lora_int_id`,
+    `lora_path`). The embedded engine also takes the adapter in memory: `lora_weights` / `lora_config` are
+    TensorRT-LLM's per-request tensors (numpy arrays, see tritonllm.lora.trtllm_format). Only an id (or only a name
+    of a preloaded adapter) means: the adapter cached under it."""
+
+    lora_name: Optional[str] = None
+    lora_int_id: Optional[int] = None
+    lora_path: str = ""
+    lora_weights: Optional[object] = None
+    lora_config: Optional[object] = None
+
+    @property
+    def adapter_id(self) -> Optional[int]:
+        return self.lora_int_id
+
+    @property
+    def name(self) -> Optional[str]:
+        return self.lora_name
+
+    @property
+    def path(self) -> str:
+        return self.lora_path

@@ -11,7 +11,7 @@ last token: that token's logits must be computed."""
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Hashable, Optional
+from typing import Callable, Hashable, Optional
 
 from .sequence import Sequence
 
@@ -124,6 +124,29 @@ class BlockManager:
             self.newly_allocated.append(block)
         seq.metrics.kv_cache_alloc_new_blocks += needed
         seq.metrics.kv_cache_alloc_total_blocks += needed
+        return True
+
+    def fork(self, parent: Sequence, child: Sequence, copy_block: Callable[[int, int], None]) -> bool:
+        """Give `child` the KV of `parent`'s computed tokens: full blocks are shared, a partly filled last block
+        is copied at once by `copy_block(source, destination)` (the two sequences will write different tokens
+        into it). False (child left without blocks, to be recomputed) when no block is free for the copy."""
+        computed = parent.num_computed_tokens
+        if computed == 0:
+            return False
+        shared = parent.block_table[:blocks_for(computed, self.block_size)]
+        partial = computed % self.block_size != 0
+        if partial and not self.free_blocks:
+            return False
+        for block in shared[:-1] if partial else shared:
+            self.ref_counts[block] += 1
+            child.block_table.append(block)
+        if partial:
+            self.grow(child, computed)
+            copy = child.block_table[-1]
+            self.newly_allocated.remove(copy)  # the copy overwrites it whole: zeroing it later would wipe it
+            copy_block(shared[-1], copy)
+        child.block_hashes = list(parent.block_hashes)
+        child.num_computed_tokens = computed
         return True
 
     def _forget(self, block: int) -> None:

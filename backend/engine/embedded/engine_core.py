@@ -11,11 +11,12 @@ import torch
 
 from ..config import EngineConfig
 from ..types import CompletionOutput, InvalidRequestError, RequestOutput, SamplingParams
+from .beam_search import BeamSearch, Continuation
 from .block_manager import BlockManager, blocks_for
 from .device import resolve_device, resolve_dtype, kv_cache_token_budget
 from .loader import load_model, read_model_config
 from .model_runner import ModelRunner
-from .sampler import sample
+from .sampler import beam_logprobs, sample
 from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus
 
@@ -27,7 +28,11 @@ class EngineRequest:
     request_id: int
     prompt_token_ids: list[int]
     params: SamplingParams
-    seqs: list[Sequence] = field(default_factory=list)
+    seqs: list[Sequence] = field(default_factory=list)  # the live beams, for a beam search
+    beam: Optional[BeamSearch] = None
+    # Beam search: next-token logits of live beams that are computed, until every live beam is.
+    beam_logits: dict[int, torch.Tensor] = field(default_factory=dict)
+    lora: Optional[object] = None  # the pinned adapter (tritonllm.lora.cache.CachedAdapter), if any
 
     @property
     def finished(self) -> bool:
@@ -66,12 +71,15 @@ class EngineCore:
         budget = kv_cache_token_budget(config, self.model_config, self.dtype, self.device, self.max_seq_len)
         num_blocks = max(1, budget // block_size)
         self.block_manager = BlockManager(num_blocks, block_size, config.kv_cache_config.enable_block_reuse)
+        self.lora = _lora_runtime(config, self.model_config, self.dtype, self.device)
         self.scheduler = Scheduler(
             self.block_manager, config.max_batch_size, config.max_num_tokens, config.enable_chunked_prefill,
-            guaranteed_no_evict=config.scheduler_config.capacity_scheduler_policy == "GUARANTEED_NO_EVICT")
+            guaranteed_no_evict=config.scheduler_config.capacity_scheduler_policy == "GUARANTEED_NO_EVICT",
+            max_loras=self.lora.settings.max_loras if self.lora else None)
         mc = self.model_config
         self.runner = ModelRunner(self.model, mc.num_layers, mc.num_kv_heads, mc.head_dim, num_blocks, block_size,
                                   self.dtype, self.device)
+        self.runner.lora = self.lora
         self.requests: dict[int, EngineRequest] = {}
         self.num_steps = 0
         self.last_context_tokens = 0
@@ -94,6 +102,9 @@ class EngineCore:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequestError for a request this engine can never run."""
         params.validate(self.max_seq_len)
+        if params.beam_width > self.config.max_beam_width:
+            raise InvalidRequestError(f"beam_width={params.beam_width} exceeds the engine's max_beam_width "
+                                      f"{self.config.max_beam_width}")
         prompt_len = len(prompt_token_ids)
         if prompt_len == 0:
             raise InvalidRequestError("the prompt is empty: at least one input token is required")
@@ -108,29 +119,62 @@ class EngineCore:
         if not self.config.enable_chunked_prefill and prompt_len > self.config.max_num_tokens:
             raise InvalidRequestError(f"prompt length {prompt_len} exceeds max_num_tokens "
                                       f"{self.config.max_num_tokens} (enable chunked prefill for longer prompts)")
-        needed = blocks_for(total, self.block_manager.block_size)
+        needed = blocks_for(total, self.block_manager.block_size) * params.beam_width
         if needed > self.block_manager.num_blocks:
-            raise InvalidRequestError(f"the request needs {needed} KV blocks but the cache holds only "
+            beams = f" ({params.beam_width} beams)" if params.beam_width > 1 else ""
+            raise InvalidRequestError(f"the request needs {needed} KV blocks{beams} but the cache holds only "
                                       f"{self.block_manager.num_blocks}")
 
-    def add_request(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams) -> EngineRequest:
+    def prepare_lora(self, lora_request) -> Optional[object]:
+        """Check a LoRARequest on the caller's thread (tritonllm.lora.runtime.AdapterRef, or None without one)."""
+        if lora_request is None:
+            return None
+        if self.lora is None:
+            raise InvalidRequestError("this request names a LoRA adapter but LoRA is not enabled (set enable_lora: "
+                                      "true / lora_config in model.yaml)")
+        from tritonllm.lora.runtime import AdapterRef, LoraRequestError
+
+        if isinstance(lora_request, AdapterRef):
+            return lora_request
+        try:
+            return self.lora.prepare(lora_request)
+        except (LoraRequestError, ValueError) as exc:
+            raise InvalidRequestError(str(exc)) from None
+
+    def add_request(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
+                    lora_request=None) -> EngineRequest:
         self.validate(prompt_token_ids, params)
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id} is already running")
-        request = EngineRequest(request_id, list(prompt_token_ids), params)
-        for index in range(params.n):
+        lora = self._acquire_lora(self.prepare_lora(lora_request))
+        request = EngineRequest(request_id, list(prompt_token_ids), params, lora=lora)
+        if params.beam_width > 1:  # one live beam until the first step forks it
+            request.beam = BeamSearch.for_params(params, min(params.max_tokens, self.max_seq_len - len(prompt_token_ids)))
+        for index in range(1 if request.beam else params.n):
             seq = Sequence(self._next_seq_id, request_id, index, request.prompt_token_ids, params,
-                           generator=_generator(params.seed, index))
+                           generator=_generator(params.seed, index), lora=lora)
             self._next_seq_id += 1
             request.seqs.append(seq)
             self.scheduler.add(seq)
         self.requests[request_id] = request
         return request
 
+    def _acquire_lora(self, ref) -> Optional[object]:
+        if ref is None:
+            return None
+        from tritonllm.lora.runtime import LoraRequestError
+
+        try:
+            return self.lora.acquire(ref)
+        except LoraRequestError as exc:
+            raise InvalidRequestError(str(exc)) from None
+
     def abort_request(self, request_id: int) -> Optional[EngineRequest]:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        if request.lora is not None:
+            self.lora.release(request.lora)
         for seq in request.seqs:
             if not seq.is_finished:
                 seq.finish("cancelled")
@@ -165,12 +209,104 @@ class EngineCore:
             for row, seq in enumerate(sampling_seqs):
                 if seq.params.return_generation_logits:  # raw, before the sampler changes them in place
                     seq.generation_logits.append(logits[row].cpu().clone())
-            tokens, logprobs = sample(logits, sampling_seqs)
-            for seq, token, logprob in zip(sampling_seqs, tokens, logprobs):
-                updated[seq.request_id] = self.requests[seq.request_id]
-                self._append_token(seq, token, logprob)
+            updated = self._next_tokens(logits, sampling_seqs)
         self.num_steps += 1
         return list(updated.values())
+
+    def _next_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> dict[int, EngineRequest]:
+        updated = {}
+        requests = [self.requests[seq.request_id] for seq in seqs]
+        rows = [row for row, request in enumerate(requests) if request.beam is None]
+        if rows:
+            plain = [seqs[row] for row in rows]
+            tokens, logprobs = sample(logits[rows] if len(rows) < len(seqs) else logits, plain)
+            for seq, token, logprob in zip(plain, tokens, logprobs):
+                updated[seq.request_id] = self.requests[seq.request_id]
+                self._append_token(seq, token, logprob)
+        # Store every beam's logits first: a beam step changes the beams' tokens, so it must not run before a
+        # sibling's row of this same step is in (that row would then be stale).
+        beam_requests = {}
+        for row, (seq, request) in enumerate(zip(seqs, requests)):
+            if request.beam is not None:
+                request.beam_logits[seq.seq_id] = logits[row]
+                beam_requests[request.request_id] = request
+        for request in beam_requests.values():
+            if all(beam.seq_id in request.beam_logits for beam in request.seqs):
+                self._beam_step(request)
+                updated[request.request_id] = request
+        return updated
+
+    # -- beam search ------------------------------------------------------------------------------------------
+
+    def _beam_step(self, request: EngineRequest) -> None:
+        beams = list(request.seqs)
+        logits = torch.stack([request.beam_logits.pop(beam.seq_id) for beam in beams])
+        search = request.beam
+        candidates = search.top_continuations(beams, beam_logprobs(logits, beams), self._beam_ending)
+        survivors = search.select(beams, candidates)
+        now = time.time_ns()
+        for beam in beams:
+            beam.metrics.first_token_time_ns = beam.metrics.first_token_time_ns or now
+            beam.metrics.last_token_time_ns = now
+        if search.done:
+            for beam in beams:
+                self._finish(beam, "stop")
+            return
+        request.seqs = self._next_beams(request, beams, survivors)
+
+    def _beam_ending(self, seq: Sequence, token: int) -> tuple[Optional[str], object]:
+        """Whether `seq` extended by `token` ends, and why: ("stop", "end_id" | stop token | stop word),
+        ("length", None) or (None, None)."""
+        params = seq.params
+        if token == params.end_id and not params.ignore_eos:
+            return "stop", "end_id"
+        if params.stop_token_ids and token in params.stop_token_ids:
+            return "stop", token
+        if params.stop_words:
+            tokens = seq.all_token_ids() + [token]
+            for word in params.stop_words:
+                if tokens[-len(word):] == word:
+                    return "stop", list(word)
+        if len(seq.output_token_ids) + 1 >= params.max_tokens or seq.num_tokens + 1 >= self.max_seq_len:
+            return "length", None
+        return None, None
+
+    def _next_beams(self, request: EngineRequest, beams: list[Sequence],
+                    survivors: list[Continuation]) -> list[Sequence]:
+        """Turn the surviving continuations into live sequences: a parent's first child continues in it, the
+        others fork it (before it takes its new token); parents without children are freed."""
+        taken: set[int] = set()
+        children = []
+        for candidate in survivors:
+            parent = beams[candidate.parent]
+            if candidate.parent in taken:
+                children.append(self._fork(parent))
+            else:
+                taken.add(candidate.parent)
+                children.append(parent)
+        for index, parent in enumerate(beams):
+            if index not in taken:
+                parent.finish("cancelled")  # a pruned beam: not part of the results
+                self.scheduler.remove(parent)
+        for index, (child, candidate) in enumerate(zip(children, survivors)):
+            child.index = index
+            child.output_token_ids.append(candidate.token)
+            child.logprobs.append(candidate.logprob)
+            child.cumulative_logprob = candidate.score
+        return children
+
+    def _fork(self, parent: Sequence) -> Sequence:
+        child = Sequence(self._next_seq_id, parent.request_id, parent.index, parent.prompt_token_ids, parent.params,
+                         output_token_ids=list(parent.output_token_ids), logprobs=list(parent.logprobs),
+                         cumulative_logprob=parent.cumulative_logprob, metrics=replace(parent.metrics),
+                         lora=parent.lora)
+        self._next_seq_id += 1
+        if parent.status is SequenceStatus.RUNNING and self.block_manager.fork(parent, child, self.runner.copy_block):
+            child.status = SequenceStatus.RUNNING
+            self.scheduler.running.append(child)
+        else:  # no block for its copy (or the parent was preempted): recompute it
+            self.scheduler.waiting.appendleft(child)
+        return child
 
     def _append_token(self, seq: Sequence, token: int, logprob: float) -> None:
         now = time.time_ns()
@@ -197,6 +333,8 @@ class EngineCore:
         request = self.requests[seq.request_id]
         if request.finished:
             del self.requests[seq.request_id]
+            if request.lora is not None:
+                self.lora.release(request.lora)
 
     def fail_all(self) -> list[EngineRequest]:
         """Drop every request (after an engine error); their blocks are freed."""
@@ -221,6 +359,8 @@ class EngineCore:
 
 def snapshot(request: EngineRequest, mark_delivered: bool) -> RequestOutput:
     """A RequestOutput copy of the request's state; `token_ids_diff` holds what was not delivered before."""
+    if request.beam is not None:
+        return _beam_snapshot(request)
     outputs = []
     for seq in request.seqs:
         generation_logits = torch.stack(seq.generation_logits) if seq.params.return_generation_logits and \
@@ -238,6 +378,24 @@ def snapshot(request: EngineRequest, mark_delivered: bool) -> RequestOutput:
                          context_logits=context_logits)
 
 
+def _beam_snapshot(request: EngineRequest) -> RequestOutput:
+    """The best `n` finished hypotheses once the search is done, else the live beams, each whole (beams change
+    their earlier tokens, so a stream sends every beam in full each time)."""
+    metrics = replace(request.seqs[0].metrics) if request.seqs else None
+    if request.beam.done:
+        outputs = [CompletionOutput(index=i, token_ids=list(h.token_ids), logprobs=list(h.logprobs),
+                                    cumulative_logprob=h.cumulative_logprob, finish_reason=h.finish_reason,
+                                    stop_reason=h.stop_reason, request_perf_metrics=metrics)
+                   for i, h in enumerate(request.beam.results(request.params.n))]
+    else:
+        outputs = [CompletionOutput(index=seq.index, token_ids=list(seq.output_token_ids),
+                                    logprobs=list(seq.logprobs), cumulative_logprob=seq.cumulative_logprob,
+                                    finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
+                                    request_perf_metrics=replace(seq.metrics))
+                   for seq in request.seqs[:request.params.n]]
+    return RequestOutput(request.request_id, request.prompt_token_ids, outputs, finished=request.finished)
+
+
 def _matched_stop(seq: Sequence):
     params = seq.params
     last = seq.output_token_ids[-1]
@@ -248,6 +406,20 @@ def _matched_stop(seq: Sequence):
         if tokens[-len(word):] == word and len(seq.output_token_ids) >= 1:
             return list(word)
     return None
+
+
+def _lora_runtime(config: EngineConfig, model_config, dtype: torch.dtype, device: torch.device):
+    """The LoRA runtime (adapter cache, device slots, preloaded adapters), or None when LoRA is off."""
+    settings = config.lora_settings()
+    if settings is None:
+        return None
+    from tritonllm.lora.modules import LoraFormatError, ModuleShapes
+    from tritonllm.lora.runtime import LoraRequestError, LoraRuntime
+
+    try:
+        return LoraRuntime(settings, ModuleShapes.of_config(model_config), dtype, device)
+    except (LoraFormatError, LoraRequestError) as exc:
+        raise InvalidRequestError(f"lora_config: {exc}") from None
 
 
 def _generator(seed: Optional[int], index: int) -> torch.Generator:

@@ -29,6 +29,7 @@ class ModelRunner:
         self.model = model
         self.block_size = block_size
         self.device = device
+        self.lora = None  # tritonllm.lora.runtime.LoraRuntime when LoRA is enabled
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         # Blocks are zeroed when first handed out (see `zero_blocks`), so the cache can start uninitialised.
         self.kv_caches = [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
@@ -39,11 +40,17 @@ class ModelRunner:
         """Runs the step; returns next-token logits for the sampling sequences (and stores context logits)."""
         self.zero_blocks(new_blocks)
         inputs = self.prepare(batch)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches)
+        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches, self._lora_batch(batch))
         logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
         for seq, indices in inputs.context_requests:
             seq.context_logits.append(self.model.compute_logits(hidden[self._long(indices)]).float().cpu())
         return logits, inputs.sampling_seqs
+
+    def _lora_batch(self, batch: ScheduledBatch):
+        """The step's multi-LoRA view (each sequence's tokens with its adapter), or None without adapters."""
+        if self.lora is None:
+            return None
+        return self.lora.batch_for([(seq.lora, num) for seq, num in zip(batch.seqs, batch.num_new_tokens)])
 
     def zero_blocks(self, block_ids: list[int]) -> None:
         # Attention reads whole blocks (masking the tail), so a block must never hold NaN/Inf garbage.
@@ -53,6 +60,13 @@ class ModelRunner:
         for k_cache, v_cache in self.kv_caches:
             k_cache.index_fill_(0, index, 0)
             v_cache.index_fill_(0, index, 0)
+
+    @torch.inference_mode()
+    def copy_block(self, source: int, target: int) -> None:
+        """Copy one KV block in every layer (a forked beam's partly filled last block)."""
+        for k_cache, v_cache in self.kv_caches:
+            k_cache[target].copy_(k_cache[source])
+            v_cache[target].copy_(v_cache[source])
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         input_ids, positions, slots = [], [], []

@@ -32,6 +32,16 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
     return tokens.tolist(), logprobs.tolist()
 
 
+@torch.inference_mode()
+def beam_logprobs(logits: torch.Tensor, beams: list[Sequence]) -> torch.Tensor:
+    """Log-probs a beam search ranks by: log-softmax first, then the logit processors (HF's order for beams).
+    Sampling knobs (temperature, top-k/p, seed) do not apply: beam search is deterministic."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    for row, seq in enumerate(beams):
+        _process_row(logprobs[row], seq)
+    return logprobs
+
+
 def _process_row(row: torch.Tensor, seq: Sequence) -> None:
     params = seq.params
     if params.embedding_bias is not None:

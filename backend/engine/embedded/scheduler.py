@@ -62,7 +62,23 @@ class Scheduler:
         budget = self._schedule_running(batch, self.max_num_tokens)
         if not batch.preempted:
             self._admit_waiting(batch, budget)
+        if batch.is_empty and self.waiting and self.running:
+            self._requeue_stalled()
+            self._admit_waiting(batch, self.max_num_tokens)
         return batch
+
+    def _requeue_stalled(self) -> None:
+        """Every running sequence is a beam waiting for sibling beams that wait for blocks the running ones hold.
+        Send them all back and queue every waiting sequence by request, oldest first, so that the oldest beam
+        search gets all its beams in (one always fits: the engine checks that) and moves on."""
+        for seq in list(self.running):
+            self.running.remove(seq)
+            self.block_manager.free(seq)
+            seq.context_logits.clear()
+            seq.status = SequenceStatus.WAITING
+            seq.metrics.num_preemptions += 1
+            self.waiting.append(seq)
+        self.waiting = deque(sorted(self.waiting, key=lambda s: (s.metrics.arrival_time_ns, s.request_id, s.index)))
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         for seq in list(self.running):

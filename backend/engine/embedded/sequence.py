@@ -49,7 +49,7 @@ class Sequence:
     lora: Optional[object] = None
 
     def __post_init__(self) -> None:
-        self.metrics.arrival_time_ns = time.time_ns()
+        self.metrics.arrival_time_ns = self.metrics.arrival_time_ns or time.time_ns()  # a fork keeps its parent's
 
     @property
     def num_tokens(self) -> int:
