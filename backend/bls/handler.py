@@ -82,16 +82,19 @@ class BlsHandler:
         if "output_ids" not in outputs:
             return None  # a final flag without outputs
         texts = postprocess(outputs, self.request_id)
+        beams = outputs["output_ids"].shape[1] if outputs["output_ids"].ndim == 3 else 1
         rows, row_texts = [], []
         for row, key in enumerate(_row_keys(outputs)):
             sequence = self._sequence(bls, key)
             if sequence.finished:
                 continue  # a stop word ended it: later tokens are not part of its text
             final = _row_flag(outputs, "detok_is_final", row, default=response.final)
-            text = (sequence.add_delta(texts[row], final) if bls.streaming
-                    else sequence.add_whole(texts[row], final))
             rows.append(row)
-            row_texts.append(text)
+            if beams > 1:  # one text per beam, row after row, as the anchor flattens them
+                row_texts += sequence.add_beams(texts[row * beams:(row + 1) * beams], final)
+            else:
+                row_texts.append(sequence.add_delta(texts[row], final) if bls.streaming
+                                 else sequence.add_whole(texts[row], final))
         if not rows:
             return None
         tensors = [string_tensor("text_output", row_texts)]

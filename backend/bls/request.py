@@ -32,7 +32,7 @@ TO_LLM = {
     "return_log_probs": "return_log_probs", "return_perf_metrics": "return_perf_metrics",
     "exclude_input_in_output": "exclude_input_in_output", "num_return_sequences": "num_return_sequences",
     "return_context_logits": "return_context_logits", "return_generation_logits": "return_generation_logits",
-    "lora_task_id": "lora_task_id", "lora_name": "lora_name",
+    "lora_task_id": "lora_task_id", "lora_name": "lora_name", "priority": "priority", "beam_width": "beam_width",
 }
 # BLS input -> tensorrt_llm input, forwarded as sent ([batch, ...] ragged tensors).
 TO_LLM_AS_IS = ("lora_weights", "lora_config")
@@ -48,7 +48,6 @@ UNSUPPORTED_INPUTS = {
 UNSUPPORTED_VALUES = {
     "num_draft_tokens": (lambda v: v > 0, "speculative decoding (num_draft_tokens > 0)"),
     "use_draft_logits": (lambda v: bool(v), "speculative decoding (use_draft_logits)"),
-    "beam_width": (lambda v: v > 1, "beam search (beam_width > 1)"),
 }
 
 
@@ -61,7 +60,7 @@ class BlsRequest:
     stop_words: list[list[str]]
     streaming: bool
     exclude_input: list[bool]
-    sequences_per_row: list[int]  # num_return_sequences
+    sequences_per_row: list[int]  # response streams per row: num_return_sequences, or 1 for all beams
 
     @property
     def batch_size(self) -> int:
@@ -108,7 +107,7 @@ def read_request(request: Any, decoupled: bool) -> BlsRequest:
         stop_words=_stop_words(request, batch),
         streaming=_request_flag(request, "stream", batch),
         exclude_input=[_row_flag(request, "exclude_input_in_output", row) for row in range(batch)],
-        sequences_per_row=[_row_int(request, "num_return_sequences", row, 1) for row in range(batch)],
+        sequences_per_row=[_responses_per_row(request, row) for row in range(batch)],
     )
     if not decoupled:
         check_one_response(parsed)
@@ -170,3 +169,10 @@ def _request_flag(request: Any, name: str, batch: int) -> bool:
     if len(values) > 1:
         raise InputError(name, "must have the same value in every batch row")
     return values.pop() if values else False
+
+
+def _responses_per_row(request, row: int) -> int:
+    """Response streams of a row: one per returned sequence, or one for all beams of a beam search."""
+    if _row_int(request, "beam_width", row, 1) > 1:
+        return 1
+    return _row_int(request, "num_return_sequences", row, 1)

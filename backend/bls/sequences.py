@@ -38,6 +38,18 @@ class SequenceText:
         self._finish_at(first_stop_end(text, self.stop_words, self.generation_start), is_final)
         return self.text
 
+    def add_beams(self, texts: list[str], is_final: bool) -> list[str]:
+        """Take the whole text of every beam (beam search rewrites earlier tokens, so beams always come whole);
+        each is cut after its first stop word. The row is done with its final response."""
+        if self.finished:
+            return []
+        cut = []
+        for text in texts:
+            end = first_stop_end(text, self.stop_words, self.generation_start)
+            cut.append(text if end is None else text[:end])
+        self.finished = is_final
+        return cut
+
     def _finish_at(self, stop_end, is_final: bool) -> None:
         if stop_end is not None:
             self.text = self.text[:stop_end]

@@ -408,6 +408,9 @@ class TensorRTLLMEngine:
         if max_seq_len is not None and len(prompt_token_ids) + params.max_tokens > max_seq_len:
             raise InvalidRequestError(f"prompt length {len(prompt_token_ids)} + max_tokens {params.max_tokens} "
                                       f"exceeds max_seq_len {max_seq_len}")
+        if params.priority not in (None, 0.5):  # the executor has Request.priority; the LLM API does not pass it
+            raise InvalidRequestError(f"priority={params.priority}: TensorRT-LLM's LLM API has no request priority; "
+                                      "only the embedded engine honours it (leave it out or send 0.5)")
 
     def _trtllm_lora_request(self, lora_request) -> Any:
         """The library's LoRARequest: its LLM API takes an adapter by folder (name, id, path) only."""

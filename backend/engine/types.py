@@ -52,6 +52,8 @@ class SamplingParams:
     length_penalty: Optional[float] = None
     early_stopping: Optional[int] = None
     return_perf_metrics: bool = False
+    # Scheduling priority in [0, 1] (TensorRT-LLM's Request.priority; None = 0.5): higher waits less.
+    priority: Optional[float] = None
 
     @property
     def greedy(self) -> bool:
@@ -77,6 +79,9 @@ class SamplingParams:
                      f"beam_width = {self.beam_width}: beam search returns at most beam_width beams")
             _require(not self.return_generation_logits,
                      "return_generation_logits is not supported with beam search (beam_width > 1)")
+        if self.priority is not None:
+            _require(math.isfinite(self.priority) and 0 <= self.priority <= 1,
+                     f"priority must be in [0, 1], got {self.priority}")
         if self.length_penalty is not None:
             _require(math.isfinite(self.length_penalty), f"length_penalty must be finite, got {self.length_penalty}")
         if self.temperature is not None:

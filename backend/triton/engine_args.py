@@ -21,8 +21,8 @@ from tritonllm.triton.params import ParameterError, Parameters
 ENGINE_ARGS_FILE = "model.yaml"
 SCHEDULER_POLICY_NAMES = {"max_utilization": "MAX_UTILIZATION", "guaranteed_no_evict": "GUARANTEED_NO_EVICT"}
 BATCHING_STRATEGIES = ("inflight_fused_batching", "inflight_batching")
-SAMPLING_DECODING_MODES = ("auto", "top_k", "top_p", "top_k_top_p")
-UNBUILT_DECODING_MODES = ("beam_search", "medusa", "redrafter", "lookahead", "eagle")
+SAMPLING_DECODING_MODES = ("auto", "top_k", "top_p", "top_k_top_p", "beam_search")
+UNBUILT_DECODING_MODES = ("medusa", "redrafter", "lookahead", "eagle")
 
 # Parameters of the contract accepted at their harmless defaults (what we do anyway). Each is type-checked, so a
 # typo fails as it would upstream; a value that asks for more than the default is refused (check_unbuilt_features).
@@ -158,10 +158,7 @@ def lowercase_choice(params: Parameters, name: str, choices: tuple[str, ...]) ->
 
 
 def beam_width(params: Parameters) -> Optional[int]:
-    width = params.int("max_beam_width", minimum=1)
-    if width is not None and width > 1:
-        raise _unbuilt(params, "max_beam_width", "beam search is not supported yet; use 1")
-    return width
+    return params.int("max_beam_width", minimum=1)
 
 
 def memory_fraction(params: Parameters, name: str) -> Optional[float]:

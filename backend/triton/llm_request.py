@@ -90,11 +90,14 @@ def _convert_row(request, row, ids, length, default_exclude_input, decoupled) ->
     streaming = _flag(request, "streaming", row, False)
     if streaming and not decoupled:
         raise InputError("input 'streaming' = true: streaming is only supported in decoupled mode")
+    beam_width = _int(request, "beam_width", row) or 1
+    _refuse_diversity(request, row)
     params = SamplingParams(
         max_tokens=_output_len(request, row),
         end_id=_int(request, "end_id", row), pad_id=_int(request, "pad_id", row),
-        n=_int(request, "num_return_sequences", row) or 1,
-        beam_width=_int(request, "beam_width", row) or 1,
+        n=_int(request, "num_return_sequences", row) or beam_width,  # beam search returns every beam by default
+        beam_width=beam_width, early_stopping=_early_stopping(request, row),
+        priority=_float(request, "priority", row),
         temperature=_float(request, "temperature", row), top_k=_int(request, "runtime_top_k", row),
         top_p=_top_p(request, row), seed=_int(request, "seed", row),
         min_tokens=_min_tokens(request, row),
@@ -116,6 +119,18 @@ def _convert_row(request, row, ids, length, default_exclude_input, decoupled) ->
     except ValueError as exc:
         raise InputError(f"invalid sampling input: {exc}") from None
     return EngineRow([int(t) for t in ids[:length]], params, options, _lora_request(request, row))
+
+
+def _early_stopping(request, row) -> Optional[int]:
+    value = _scalar(request, "early_stopping", row)  # BOOL on the wire; TensorRT-LLM's integer 1 / 0
+    return None if value is None else int(bool(value))
+
+
+def _refuse_diversity(request, row) -> None:
+    rate = _float(request, "beam_search_diversity_rate", row)
+    if rate:
+        raise InputError(f"input 'beam_search_diversity_rate' = {rate}: diverse beam search is not supported "
+                         "(send 0 or leave it out)")
 
 
 def _lora_request(request, row) -> Optional[LoRARequest]:

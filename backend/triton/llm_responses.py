@@ -47,6 +47,37 @@ def sequence_tensors(prompt: list[int], completion: CompletionOutput, options: R
     return tensors
 
 
+def beam_tensors(prompt: list[int], completions: list[CompletionOutput], options: RowOptions, *, is_final: bool,
+                 batch_index: Optional[int], streaming: bool) -> list:
+    """One response carrying every beam: output_ids [1, beams, len] padded with -1, sequence_length [1, beams].
+    Beams rewrite their earlier tokens, so a stream sends each beam whole (its generated tokens) every time; a
+    final non-streamed response echoes the prompt unless excluded, like a single sequence."""
+    echo_prompt = not streaming and not options.exclude_input_in_output
+    rows = [(prompt if echo_prompt else []) + c.token_ids for c in completions]
+    width = max(len(r) for r in rows)
+    ids = np.full((1, len(rows), width), -1, dtype=np.int32)
+    for beam, row in enumerate(rows):
+        ids[0, beam, :len(row)] = row
+    tensors = [
+        output_tensor("output_ids", ids),
+        output_tensor("sequence_length", np.array([[len(r) for r in rows]], dtype=np.int32)),
+        output_tensor("detok_prefix_ids", np.zeros((1, len(rows), 0), dtype=np.int32)),
+        output_tensor("detok_is_final", np.array([[is_final]], dtype=bool)),
+    ]
+    if options.return_log_probs:
+        logprobs = np.zeros((1, len(rows), max(len(c.logprobs) for c in completions)), dtype=np.float32)
+        for beam, completion in enumerate(completions):
+            logprobs[0, beam, :len(completion.logprobs)] = completion.logprobs
+        tensors.append(output_tensor("cum_log_probs",
+                                     np.array([[c.cumulative_logprob for c in completions]], dtype=np.float32)))
+        tensors.append(output_tensor("output_log_probs", logprobs))
+    if options.return_perf_metrics and completions[0].request_perf_metrics is not None:
+        tensors += perf_tensors(completions[0])
+    if batch_index is not None:
+        tensors.append(output_tensor("batch_index", np.array([[batch_index]], dtype=np.int32)))
+    return tensors
+
+
 def logits_tensors(completion: CompletionOutput, options: RowOptions, start: int, context_logits) -> list:
     """context_logits [1, prompt_len, vocab] with a sequence's first response; generation_logits
     [1, 1, tokens, vocab] for the tokens of this response."""

@@ -15,7 +15,7 @@ from typing import Callable, Optional
 
 from ..engine.types import RequestOutput
 from .llm_request import EngineRow, convert_request, is_stop_request
-from .llm_responses import merge_batch, sequence_tensors
+from .llm_responses import beam_tensors, merge_batch, sequence_tensors
 from .pb import InputError, error_response, pb_utils, send_final, send_response
 
 log = logging.getLogger("tritonllm.tensorrt_llm")
@@ -63,7 +63,7 @@ class LLMRequestServer:
                 send_final(sender, None)
                 return
             rows = convert_request(request, self.exclude_input_in_output, self.decoupled)
-            if not self.decoupled and any(row.params.n > 1 for row in rows):
+            if not self.decoupled and any(row.params.n > 1 and row.params.beam_width == 1 for row in rows):
                 raise InputError("input 'num_return_sequences' > 1 needs decoupled mode (one response per sequence)")
             state = TritonRequestState(request, sender, request.request_id(), rows)
             self._start(state)
@@ -155,6 +155,23 @@ class LLMRequestServer:
     def _send_decoupled(self, state: TritonRequestState, row: int, output: RequestOutput) -> None:
         options = state.rows[row].options
         batch_index = row if len(state.rows) > 1 else None
+        if state.rows[row].params.beam_width > 1:
+            pending = [beam_tensors(output.prompt_token_ids, output.outputs, options, is_final=output.finished,
+                                    batch_index=batch_index, streaming=options.streaming)]
+        else:
+            pending = self._sequence_responses(state, row, output, options, batch_index)
+        last_row = state.rows_done == len(state.rows) and output.finished
+        for position, tensors in enumerate(pending):
+            if last_row and position == len(pending) - 1:
+                self._close(state, pb_utils().InferenceResponse(output_tensors=tensors))
+            else:
+                send_response(state.sender, pb_utils().InferenceResponse(output_tensors=tensors))
+        if last_row and not state.closed:
+            self._close(state, None)
+
+    def _sequence_responses(self, state: TritonRequestState, row: int, output: RequestOutput, options,
+                            batch_index: Optional[int]) -> list[list]:
+        """One response per sequence that has new tokens or finished (num_return_sequences > 1: several)."""
         pending = []
         for completion in output.outputs:
             key = (row, completion.index)
@@ -170,22 +187,19 @@ class LLMRequestServer:
                                             delta=options.streaming, is_final=finished,
                                             batch_index=batch_index, sequence_index=sequence_index,
                                             context_logits=output.context_logits))
-        last_row = state.rows_done == len(state.rows) and output.finished
-        for position, tensors in enumerate(pending):
-            if last_row and position == len(pending) - 1:
-                self._close(state, pb_utils().InferenceResponse(output_tensors=tensors))
-            else:
-                send_response(state.sender, pb_utils().InferenceResponse(output_tensors=tensors))
-        if last_row and not state.closed:
-            self._close(state, None)
+        return pending
 
     def _collect_non_decoupled(self, state: TritonRequestState, row: int, output: RequestOutput) -> None:
         if not output.finished:
             return
-        completion = output.outputs[0]
-        state.final_rows[row] = sequence_tensors(output.prompt_token_ids, completion, state.rows[row].options,
-                                                 delta=False, is_final=True, batch_index=None, sequence_index=None,
-                                                 context_logits=output.context_logits)
+        options = state.rows[row].options
+        if state.rows[row].params.beam_width > 1:
+            state.final_rows[row] = beam_tensors(output.prompt_token_ids, output.outputs, options, is_final=True,
+                                                 batch_index=None, streaming=False)
+        else:
+            state.final_rows[row] = sequence_tensors(output.prompt_token_ids, output.outputs[0], options,
+                                                     delta=False, is_final=True, batch_index=None,
+                                                     sequence_index=None, context_logits=output.context_logits)
         if len(state.final_rows) == len(state.rows):
             tensors = merge_batch([state.final_rows[i] for i in range(len(state.rows))])
             self._close(state, pb_utils().InferenceResponse(output_tensors=tensors))

@@ -33,6 +33,7 @@ def _load_clients():
 
 clients = _load_clients()
 
+MAX_BEAM_WIDTH = 4
 MAX_SEQ_LEN = 2048  # long enough for a stream that runs for seconds unless it is cancelled
 LOG_TAIL_LINES = 80
 _server_logs: list[Path] = []
@@ -84,7 +85,8 @@ def lora_server(tiny_model, lora_prefetch_dir, tmp_path_factory) -> Iterator["cl
 
 
 def _serve(model_dir: Path, work: Path, streaming: bool) -> Iterator["clients.LiveServer"]:
-    yield from _run(build_repo(model_dir, work / "repo", streaming=streaming, max_seq_len=MAX_SEQ_LEN), work)
+    yield from _run(build_repo(model_dir, work / "repo", streaming=streaming, max_seq_len=MAX_SEQ_LEN,
+                               parameters={"max_beam_width": MAX_BEAM_WIDTH}), work)
 
 
 def _run(repo: Path, work: Path) -> Iterator["clients.LiveServer"]:

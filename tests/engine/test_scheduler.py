@@ -118,3 +118,36 @@ def test_remove_frees_blocks_of_waiting_and_running(chunked):
     scheduler.remove(a)
     scheduler.remove(b)
     assert manager.num_free_blocks == 16 and not scheduler.has_work
+
+
+def make_prioritised(seq_id, priority, prompt_len=4):
+    return Sequence(seq_id, seq_id, 0, list(range(1, prompt_len + 1)),
+                    SamplingParams(max_tokens=2, priority=priority))
+
+
+def test_waiting_requests_are_admitted_by_priority_then_arrival():
+    manager = BlockManager(num_blocks=64, block_size=4)
+    scheduler = Scheduler(manager, max_batch_size=1, max_num_tokens=64, enable_chunked_prefill=False,
+                          guaranteed_no_evict=False)
+    low, default, high, default_later = (make_prioritised(0, 0.1), make_prioritised(1, None),
+                                         make_prioritised(2, 0.9), make_prioritised(3, 0.5))
+    for seq in (low, default, high, default_later):
+        scheduler.add(seq)
+    order = []
+    while scheduler.has_work:
+        batch = run_step(scheduler)
+        order += [s.seq_id for s in batch.seqs if s.seq_id not in order]
+    assert order == [2, 1, 3, 0]
+
+
+def test_preemption_takes_the_lowest_priority_first():
+    manager = BlockManager(num_blocks=4, block_size=4)
+    scheduler = Scheduler(manager, max_batch_size=8, max_num_tokens=64, enable_chunked_prefill=False,
+                          guaranteed_no_evict=False)
+    low, high = make_prioritised(0, 0.2, prompt_len=8), make_prioritised(1, 0.8, prompt_len=8)
+    scheduler.add(high)
+    scheduler.add(low)
+    run_step(scheduler)  # both admitted: 2 blocks each, the cache is full
+    assert scheduler.running == [high, low]
+    batch = run_step(scheduler)  # both need a third block: the low-priority one gives its blocks back
+    assert batch.preempted == [low] and batch.seqs == [high]

@@ -204,6 +204,8 @@ def test_our_own_checks_run_before_the_library(engine):
         engine.generate_async([], params())
     with pytest.raises(InvalidRequestError, match="top_p"):
         engine.generate_async([1], params(top_p=1.5))
+    with pytest.raises(InvalidRequestError, match="no request priority"):
+        engine.generate_async([1], params(priority=0.9))
     assert engine.llm.generate_calls == []
 
 

@@ -111,7 +111,7 @@ def test_lora_inputs_reach_tensorrt_llm():
 
 @pytest.mark.parametrize("inputs, message", [
     ({"num_draft_tokens": np.array([[2]], np.int32)}, "'num_draft_tokens'"),
-    ({"beam_width": np.array([[2]], np.int32)}, "beam search"),
+    ({"beam_width": np.array([[0]], np.int32)}, "'beam_width' must be >= 1"),
     ({"image_url_input": np.array([["http://x"]], object)}, "multimodal"),
     ({"guided_decoding_guide": np.array([["{}"]], object)}, "guided decoding"),
     ({"max_tokens": np.array([[0]], np.int32)}, "'max_tokens' must be >= 1"),
@@ -120,6 +120,13 @@ def test_lora_inputs_reach_tensorrt_llm():
 def test_read_request_refuses_unsupported_or_bad_inputs(inputs, message):
     with pytest.raises(InputError, match=message.replace("(", r"\(").replace(")", r"\)")):
         read_request(bls_request(**inputs), decoupled=True)
+
+
+def test_a_beam_search_is_one_response_stream_and_reaches_tensorrt_llm():
+    request = read_request(bls_request(beam_width=np.array([[3]], np.int32),
+                                       num_return_sequences=np.array([[2]], np.int32)), decoupled=False)
+    assert request.sequences_per_row == [1]  # all beams come in one response, so non-decoupled works
+    assert request.llm_inputs({"INPUT_ID": np.zeros((1, 3), np.int32)})["beam_width"].tolist() == [[3]]
 
 
 def test_harmless_values_of_unsupported_inputs_pass():

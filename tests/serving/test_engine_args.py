@@ -218,8 +218,6 @@ def test_bad_values_name_the_parameter(model_dir, name, value):
 
 
 @pytest.mark.parametrize("name, value, why", [
-    ("max_beam_width", "4", "beam search is not supported yet"),
-    ("decoding_mode", "beam_search", "not supported"),
     ("decoding_mode", "medusa", "not supported"),
     ("decoding_mode", "eagle", "not supported"),
     ("decoding_mode", "lookahead", "not supported"),

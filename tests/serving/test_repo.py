@@ -74,7 +74,7 @@ TENSORRT_LLM_INPUTS = inputs(
     RAGGED("embedding_bias", "TYPE_FP32", [-1]),
     *scalar_opts("TYPE_FP32", "temperature", "runtime_top_p", "runtime_top_p_min", "runtime_top_p_decay",
                  "len_penalty", "repetition_penalty", "beam_search_diversity_rate", "presence_penalty",
-                 "frequency_penalty", reshape=True),
+                 "frequency_penalty", "priority", reshape=True),
     *scalar_opts("TYPE_BOOL", "early_stopping", "return_log_probs", "return_context_logits",
                  "return_generation_logits", "return_perf_metrics", "exclude_input_in_output", "stop", "streaming",
                  reshape=True),
@@ -134,6 +134,7 @@ ENSEMBLE_INPUTS = inputs(
                  "return_generation_logits", "return_perf_metrics", "stream"),
     *scalar_opts("TYPE_UINT64", "seed", "prompt_table_extra_id", "lora_task_id"),
     *scalar_opts("TYPE_STRING", "lora_name"),  # ours
+    *scalar_opts("TYPE_FP32", "priority"),  # ours
     *[(name, "TYPE_STRING", [-1], OPT, False, False) for name in ("bad_words", "stop_words",
                                                                    "embedding_bias_words")],
     ("embedding_bias_weights", "TYPE_FP32", [-1], OPT, False, False),
@@ -162,6 +163,7 @@ BLS_INPUTS = inputs(
     *scalar_opts("TYPE_UINT64", "seed", "prompt_table_extra_id"),
     *scalar_opts("TYPE_UINT64", "lora_task_id", reshape=True),
     *scalar_opts("TYPE_STRING", "lora_name", reshape=True),  # ours
+    *scalar_opts("TYPE_FP32", "priority", reshape=True),  # ours
     *[(name, "TYPE_STRING", [-1], OPT, False, False) for name in ("bad_words", "stop_words",
                                                                    "embedding_bias_words")],
     ("embedding_bias_weights", "TYPE_FP32", [-1], OPT, False, False),

@@ -1,9 +1,10 @@
 """Fills one token budget per step (vLLM v1's rule): every scheduled sequence's computed tokens catch up with its
 known tokens. Running sequences go first (a decode is one token, a chunked prefill a slice of its prompt), then
-waiting ones are admitted in arrival order while the batch, the token budget and the KV cache allow.
+waiting ones are admitted by priority (request `priority`, higher first), then arrival order, while the batch, the
+token budget and the KV cache allow.
 
-When blocks run out, the most recently admitted running sequence is preempted: its blocks are freed and it goes
-back to the front of the queue to be recomputed. With GUARANTEED_NO_EVICT a sequence is admitted only when blocks
+When blocks run out, the most recently admitted running sequence of the lowest priority is preempted: its blocks
+are freed and it goes back to the front of the queue to be recomputed. With GUARANTEED_NO_EVICT a sequence is admitted only when blocks
 for its whole output are available on top of what the running ones may still need, so preemption does not happen;
 MAX_UTILIZATION admits as soon as the prompt fits."""
 from __future__ import annotations
@@ -47,6 +48,11 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def add(self, seq: Sequence) -> None:
+        """Queue `seq` behind every waiting sequence of the same or higher priority (FIFO within a priority)."""
+        for position, queued in enumerate(self.waiting):
+            if queued.priority < seq.priority:
+                self.waiting.insert(position, seq)
+                return
         self.waiting.append(seq)
 
     def remove(self, seq: Sequence) -> None:
@@ -78,7 +84,8 @@ class Scheduler:
             seq.status = SequenceStatus.WAITING
             seq.metrics.num_preemptions += 1
             self.waiting.append(seq)
-        self.waiting = deque(sorted(self.waiting, key=lambda s: (s.metrics.arrival_time_ns, s.request_id, s.index)))
+        self.waiting = deque(sorted(self.waiting, key=lambda s: (-s.priority, s.metrics.arrival_time_ns,
+                                                                 s.request_id, s.index)))
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         for seq in list(self.running):
@@ -95,7 +102,8 @@ class Scheduler:
 
     def _grow_or_preempt(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
         while not self.block_manager.grow(seq, num_tokens):
-            victim = self.running[-1]
+            # The most recently admitted of the lowest priority gives its blocks back.
+            victim = min(reversed(self.running), key=lambda s: s.priority)
             self._preempt(victim, batch)
             if victim is seq:
                 return False

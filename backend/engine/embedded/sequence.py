@@ -74,6 +74,10 @@ class Sequence:
         return None if self.lora is None else self.lora.uid
 
     @property
+    def priority(self) -> float:
+        return 0.5 if self.params.priority is None else self.params.priority
+
+    @property
     def cache_key(self):
         """What besides the tokens decides a block's contents (the LoRA adapter); part of its hash."""
         return self.adapter_key
