@@ -175,3 +175,16 @@ def test_beam_limits_are_clear_errors(tiny):
                                                           return_generation_logits=True))
     finally:
         engine.shutdown()
+
+
+def test_beam_width_one_is_greedy(tiny):
+    model_dir, model, prompt_ids, end_ids = tiny
+    engine = make_engine(model_dir, max_beam_width=4)
+    try:
+        for ids, end_id in zip(prompt_ids, end_ids):
+            greedy = engine.generate(ids, SamplingParams(max_tokens=MAX_NEW, end_id=end_id))
+            one_beam = engine.generate(ids, beam_params(end_id, 1))
+            assert one_beam.outputs[0].token_ids == greedy.outputs[0].token_ids
+            assert one_beam.outputs[0].token_ids == hf_beams(model, ids, end_id, 1, 1.0, 0)[0]
+    finally:
+        engine.shutdown()
