@@ -106,6 +106,19 @@ def _accept_one_child(tree: DraftTree, node: int, p: torch.Tensor, generator: to
     return None
 
 
+def accept_or_resample(p: torch.Tensor, q: Optional[torch.Tensor], token: int, generator: torch.Generator,
+                       threshold: Optional[float] = None) -> tuple[bool, int]:
+    """One step of rejection sampling for draft `token` (drawn from q; None: deterministic): (accepted, the token
+    to commit). With a `threshold` the draft is kept when min(1, p/q) reaches it (a fixed rule, as TensorRT-LLM's
+    acceptance threshold) instead of against a uniform draw; a rejection draws from norm(max(0, p - q)) either way."""
+    if threshold is None:
+        accepted = _accept(p, q, token, generator)
+    else:
+        proposal = 1.0 if q is None else float(q[token])
+        accepted = proposal > 0.0 and min(1.0, float(p[token]) / proposal) >= threshold
+    return (True, token) if accepted else (False, _draw(_residual(p, q, token), generator))
+
+
 def _accept(p: torch.Tensor, q: Optional[torch.Tensor], token: int, generator: torch.Generator) -> bool:
     target = float(p[token])
     proposal = 1.0 if q is None else float(q[token])

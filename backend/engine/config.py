@@ -112,6 +112,15 @@ class EngineConfig:
         self.kv_cache_config.validate()
         self.scheduler_config.validate()
         self.lora_settings()
+        self.speculative_settings()
+
+    def speculative_settings(self):
+        """`speculative_config` typed and checked (tritonllm.spec_decode.config), or None without one."""
+        if not self.speculative_config:
+            return None
+        from tritonllm.spec_decode.config import parse_speculative_config
+
+        return parse_speculative_config(self.speculative_config)
 
     def lora_settings(self):
         """`lora_config` typed and checked (tritonllm.lora.settings.LoraSettings), or None when LoRA is off.
@@ -132,8 +141,13 @@ class EngineConfig:
         problems = [f"{k}={v!r} (unknown to the embedded engine)" for k, v in self.extra.items()]
         if self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1:
             problems.append("tensor/pipeline parallelism (the embedded engine runs on one device)")
-        if self.speculative_config:
-            problems.append("speculative_config (speculative decoding is not built yet)")
+        spec = self.speculative_settings()
+        if spec is not None and spec.decoding_type == "Eagle":
+            problems.append("speculative_config.decoding_type=Eagle (Eagle is not built yet in the embedded engine; "
+                            "NGram, DraftTarget, Medusa and Lookahead are)")
+        if spec is not None and self.max_beam_width > 1:
+            problems.append(f"speculative_config with max_beam_width={self.max_beam_width} (speculative decoding "
+                            "does not combine with beam search)")
         return problems
 
 

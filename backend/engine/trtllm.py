@@ -411,6 +411,9 @@ class TensorRTLLMEngine:
         if params.priority not in (None, 0.5):  # the executor has Request.priority; the LLM API does not pass it
             raise InvalidRequestError(f"priority={params.priority}: TensorRT-LLM's LLM API has no request priority; "
                                       "only the embedded engine honours it (leave it out or send 0.5)")
+        if params.draft_tokens:  # ExternalDraftTokensConfig is the executor's; the LLM API does not take it
+            raise InvalidRequestError("draft_input_ids (external draft tokens): TensorRT-LLM's LLM API takes no "
+                                      "per-request draft tokens; only the embedded engine verifies them")
 
     def _trtllm_lora_request(self, lora_request) -> Any:
         """The library's LoRARequest: its LLM API takes an adapter by folder (name, id, path) only."""

@@ -54,6 +54,12 @@ class SamplingParams:
     return_perf_metrics: bool = False
     # Scheduling priority in [0, 1] (TensorRT-LLM's Request.priority; None = 0.5): higher waits less.
     priority: Optional[float] = None
+    # External draft tokens (TensorRT-LLM's ExternalDraftTokensConfig): guesses of the next output tokens, verified
+    # by the target in one step; `draft_logits` [k, vocab] (the draft's logits) switch sampled requests to
+    # rejection sampling, `draft_acceptance_threshold` to a fixed acceptance threshold on p(d) / q(d).
+    draft_tokens: Optional[list[int]] = None
+    draft_logits: Optional["torch.Tensor"] = None
+    draft_acceptance_threshold: Optional[float] = None
 
     @property
     def greedy(self) -> bool:
@@ -99,6 +105,23 @@ class SamplingParams:
             words = getattr(self, name)
             if words:
                 _require(all(len(w) > 0 for w in words), f"{name} must not contain empty sequences")
+        self._validate_draft()
+
+    def _validate_draft(self) -> None:
+        if not self.draft_tokens:
+            _require(self.draft_logits is None and self.draft_acceptance_threshold is None,
+                     "draft_logits / draft_acceptance_threshold need draft_input_ids (draft_tokens)")
+            return
+        _require(self.beam_width == 1, "draft tokens (draft_input_ids) are not supported with beam search "
+                                       f"(beam_width={self.beam_width})")
+        num = len(self.draft_tokens)
+        if self.draft_logits is not None:
+            shape = tuple(self.draft_logits.shape)
+            _require(len(shape) == 2 and shape[0] == num, f"draft_logits must be [{num}, vocab] for {num} draft "
+                                                          f"tokens, got {list(shape)}")
+        if self.draft_acceptance_threshold is not None:
+            _require(0 <= self.draft_acceptance_threshold <= 1, "draft_acceptance_threshold must be in [0, 1], "
+                                                                f"got {self.draft_acceptance_threshold}")
 
 
 @dataclass

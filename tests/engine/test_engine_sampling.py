@@ -2,7 +2,7 @@
 import pytest
 from transformers import AutoTokenizer
 
-from tritonllm.engine.config import EngineConfig
+from tritonllm.engine.config import ConfigError, EngineConfig
 from tritonllm.engine.embedded.engine import EmbeddedEngine
 from tritonllm.engine.types import InvalidRequestError, SamplingParams
 from tritonllm.model_files.tiny import build_tiny_model
@@ -145,7 +145,10 @@ def test_token_outside_vocabulary_and_empty_prompt_are_errors(setup):
 
 def test_unsupported_settings_fail_at_start(tmp_path):
     model_dir = build_tiny_model(tmp_path / "m", seed=0)
-    with pytest.raises(InvalidRequestError, match="speculative_config"):
-        EmbeddedEngine(EngineConfig.from_dict({"model": str(model_dir), "speculative_config": {"x": 1}}))
+    with pytest.raises(ConfigError, match="speculative_config.decoding_type"):
+        EngineConfig.from_dict({"model": str(model_dir), "speculative_config": {"x": 1}})
+    with pytest.raises(InvalidRequestError, match="Eagle is not built yet"):
+        EmbeddedEngine(EngineConfig.from_dict({"model": str(model_dir), "speculative_config": {
+            "decoding_type": "Eagle", "speculative_model_dir": str(model_dir)}}))
     with pytest.raises(InvalidRequestError, match="unknown_key"):
         EmbeddedEngine(EngineConfig.from_dict({"model": str(model_dir), "unknown_key": 3}))

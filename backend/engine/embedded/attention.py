@@ -24,6 +24,9 @@ class AttentionMetadata:
     block_size: int
     # Decode-only steps (every query_len == 1) use one batched kernel; built once per step by the runner.
     decode_mask: torch.Tensor | None = None  # [S, 1, 1, max_context] bool
+    # Speculative drafts: per sequence, None (causal) or a [n, n] bool mask over its last n query tokens (the root
+    # and its draft tree); those tokens see the whole context before them and, among themselves, only this mask.
+    tail_masks: list[torch.Tensor | None] | None = None
 
     @property
     def is_decode_only(self) -> bool:
@@ -52,10 +55,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     if meta.is_decode_only:
         return _decode_attention(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
-    for start, q_len, ctx_len, table in zip(meta.query_starts, meta.query_lens, meta.context_lens,
-                                            meta.block_tables):
+    tail_masks = meta.tail_masks or [None] * len(meta.query_starts)
+    for start, q_len, ctx_len, table, tail_mask in zip(meta.query_starts, meta.query_lens, meta.context_lens,
+                                                       meta.block_tables, tail_masks):
         out[start:start + q_len] = _sequence_attention(q[start:start + q_len], k_cache, v_cache, table,
-                                                       ctx_len, meta.block_size, scale)
+                                                       ctx_len, meta.block_size, scale, tail_mask)
     return out
 
 
@@ -69,12 +73,15 @@ def _gather(cache: torch.Tensor, table: torch.Tensor, length: int, block_size: i
     return _gather_blocks(cache, table[:num_blocks]).flatten(0, 1)[:length]
 
 
-def _sequence_attention(q, k_cache, v_cache, table, ctx_len, block_size, scale):
+def _sequence_attention(q, k_cache, v_cache, table, ctx_len, block_size, scale, tail_mask=None):
     keys = _gather(k_cache, table, ctx_len, block_size).transpose(0, 1)  # [kv_heads, ctx, d]
     values = _gather(v_cache, table, ctx_len, block_size).transpose(0, 1)
     q_len = q.shape[0]
     query_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
     mask = torch.arange(ctx_len, device=q.device)[None, :] <= query_pos[:, None]
+    if tail_mask is not None:  # the tail rows already see all columns before the tail (causal)
+        tail = tail_mask.shape[0]
+        mask[q_len - tail:, ctx_len - tail:] = tail_mask.to(q.device)
     out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask, scale=scale,
                                          enable_gqa=True)
     return out.transpose(0, 1)

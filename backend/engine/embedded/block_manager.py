@@ -170,6 +170,20 @@ class BlockManager:
         seq.block_hashes = []
         seq.num_computed_tokens = 0
 
+    def slot_of(self, seq: Sequence, position: int) -> int:
+        return seq.block_table[position // self.block_size] * self.block_size + position % self.block_size
+
+    def trim(self, seq: Sequence, num_tokens: int) -> None:
+        """Free `seq`'s tail blocks past its first `num_tokens` tokens (rejected speculative drafts held them).
+        Such blocks were never registered as prefixes: only computed, committed tokens are."""
+        keep = blocks_for(num_tokens, self.block_size)
+        while len(seq.block_table) > keep:
+            block = seq.block_table.pop()
+            self.ref_counts[block] -= 1
+            if self.ref_counts[block] == 0:
+                self.free_blocks[block] = None
+                self.free_blocks.move_to_end(block, last=False)
+
     def take_newly_allocated(self) -> list[int]:
         blocks, self.newly_allocated = self.newly_allocated, []
         return blocks

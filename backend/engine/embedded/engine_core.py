@@ -19,6 +19,7 @@ from .model_runner import ModelRunner
 from .sampler import beam_logprobs, sample
 from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus
+from .speculative import Speculator
 
 log = logging.getLogger("tritonllm.engine")
 
@@ -80,6 +81,7 @@ class EngineCore:
         self.runner = ModelRunner(self.model, mc.num_layers, mc.num_kv_heads, mc.head_dim, num_blocks, block_size,
                                   self.dtype, self.device)
         self.runner.lora = self.lora
+        self.speculator = Speculator(self, config.speculative_settings())
         self.requests: dict[int, EngineRequest] = {}
         self.num_steps = 0
         self.last_context_tokens = 0
@@ -119,6 +121,13 @@ class EngineCore:
         if not self.config.enable_chunked_prefill and prompt_len > self.config.max_num_tokens:
             raise InvalidRequestError(f"prompt length {prompt_len} exceeds max_num_tokens "
                                       f"{self.config.max_num_tokens} (enable chunked prefill for longer prompts)")
+        bad = [t for t in params.draft_tokens or () if not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequestError(f"draft token id {bad[0]} (draft_input_ids) is outside the vocabulary "
+                                      f"[0, {vocab})")
+        if params.draft_logits is not None and params.draft_logits.shape[-1] != vocab:
+            raise InvalidRequestError(f"draft_logits has {params.draft_logits.shape[-1]} columns, the vocabulary "
+                                      f"{vocab}")
         needed = blocks_for(total, self.block_manager.block_size) * params.beam_width
         if needed > self.block_manager.num_blocks:
             beams = f" ({params.beam_width} beams)" if params.beam_width > 1 else ""
@@ -179,6 +188,7 @@ class EngineCore:
             if not seq.is_finished:
                 seq.finish("cancelled")
             self.scheduler.remove(seq)
+            self.speculator.release(seq)
         return request
 
     @property
@@ -189,6 +199,7 @@ class EngineCore:
 
     def step(self) -> list[EngineRequest]:
         """Run one step; returns the requests that produced tokens or finished in it."""
+        self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
@@ -200,18 +211,32 @@ class EngineCore:
             if seq.num_computed_tokens < len(seq.prompt_token_ids):
                 seq.metrics.prefill_steps += 1
                 self.last_context_tokens += min(num_new, len(seq.prompt_token_ids) - seq.num_computed_tokens)
-        logits, sampling_seqs = self.runner.execute(batch, self.block_manager.take_newly_allocated())
+        out = self.runner.execute(batch, self.block_manager.take_newly_allocated())
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += num_new
+            seq.num_computed_tokens += num_new - seq.num_draft_tokens  # drafts count once accepted
             self.block_manager.register_full_blocks(seq, seq.cache_key)
-        updated = {}
-        if sampling_seqs:
-            for row, seq in enumerate(sampling_seqs):
-                if seq.params.return_generation_logits:  # raw, before the sampler changes them in place
-                    seq.generation_logits.append(logits[row].cpu().clone())
-            updated = self._next_tokens(logits, sampling_seqs)
+        updated = self._plain_tokens(out) if out.seqs else {}
+        for index, seq in enumerate(out.seqs):
+            if seq.draft is not None:
+                updated[seq.request_id] = self.requests[seq.request_id]
+                self.speculator.verify(out, index, self._append_token)
         self.num_steps += 1
         return list(updated.values())
+
+    def _plain_tokens(self, out) -> dict[int, EngineRequest]:
+        """Sample the sequences without a draft (one logits row each)."""
+        plain = [i for i, seq in enumerate(out.seqs) if seq.draft is None]
+        if not plain:
+            return {}
+        seqs = [out.seqs[i] for i in plain]
+        logits = out.logits if len(plain) == out.logits.shape[0] else out.logits[[out.first_rows[i] for i in plain]]
+        for row, seq in enumerate(seqs):
+            if seq.params.return_generation_logits:  # raw, before the sampler changes them in place
+                seq.generation_logits.append(logits[row].cpu().clone())
+        updated = self._next_tokens(logits, seqs)
+        for i in plain:
+            self.speculator.remember_hidden(out, i)
+        return updated
 
     def _next_tokens(self, logits: torch.Tensor, seqs: list[Sequence]) -> dict[int, EngineRequest]:
         updated = {}
@@ -330,6 +355,7 @@ class EngineCore:
     def _finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
         seq.finish(reason, stop_reason)
         self.scheduler.remove(seq)
+        self.speculator.release(seq)
         request = self.requests[seq.request_id]
         if request.finished:
             del self.requests[seq.request_id]

@@ -1,5 +1,9 @@
 """Owns the model and its paged KV cache; turns a scheduled batch into flat tensors and returns next-token logits
-for the sequences whose every known token is now computed."""
+for the sequences whose every known token is now computed.
+
+A sequence with a speculative draft (`seq.draft`) also feeds the draft's tokens after its last known token (the
+root): draft token i goes to the KV slot of position root + 1 + i and is rotated for position root + its offset,
+and logits come back for the root and every draft token."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -21,6 +25,19 @@ class StepInputs:
     sampling_seqs: list[Sequence]
     # Sequences that asked for context logits, with the flat indices of their prompt tokens in this step.
     context_requests: list[tuple[Sequence, list[int]]]
+    first_rows: list[int]  # each sampling sequence's first row among the logits rows
+
+
+@dataclass
+class StepOutput:
+    logits: torch.Tensor  # [rows, vocab] fp32: one row per sampling sequence, 1 + draft tokens with a draft
+    hidden: torch.Tensor  # [rows, hidden]: the final-norm hidden states of the same rows
+    seqs: list[Sequence]  # the sampling sequences
+    first_rows: list[int]  # each one's first row
+
+    def rows_of(self, index: int) -> slice:
+        start = self.first_rows[index]
+        return slice(start, start + 1 + self.seqs[index].num_draft_tokens)
 
 
 class ModelRunner:
@@ -36,15 +53,16 @@ class ModelRunner:
                           for _ in range(num_layers)]
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, new_blocks: list[int]) -> tuple[torch.Tensor, list[Sequence]]:
+    def execute(self, batch: ScheduledBatch, new_blocks: list[int]) -> StepOutput:
         """Runs the step; returns next-token logits for the sampling sequences (and stores context logits)."""
         self.zero_blocks(new_blocks)
         inputs = self.prepare(batch)
         hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches, self._lora_batch(batch))
-        logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
+        sampled = hidden[inputs.logits_indices]
+        logits = self.model.compute_logits(sampled).float()
         for seq, indices in inputs.context_requests:
             seq.context_logits.append(self.model.compute_logits(hidden[self._long(indices)]).float().cpu())
-        return logits, inputs.sampling_seqs
+        return StepOutput(logits, sampled, inputs.sampling_seqs, inputs.first_rows)
 
     def _lora_batch(self, batch: ScheduledBatch):
         """The step's multi-LoRA view (each sequence's tokens with its adapter), or None without adapters."""
@@ -62,6 +80,14 @@ class ModelRunner:
             v_cache.index_fill_(0, index, 0)
 
     @torch.inference_mode()
+    def copy_slots(self, sources: list[int], targets: list[int]) -> None:
+        """Copy single token slots in every layer (accepted tree nodes moved down to consecutive positions)."""
+        src, dst = self._long(sources), self._long(targets)
+        for cache in (c for pair in self.kv_caches for c in pair):
+            flat = cache.view(-1, *cache.shape[2:])
+            flat.index_copy_(0, dst, flat.index_select(0, src))
+
+    @torch.inference_mode()
     def copy_block(self, source: int, target: int) -> None:
         """Copy one KV block in every layer (a forked beam's partly filled last block)."""
         for k_cache, v_cache in self.kv_caches:
@@ -71,32 +97,40 @@ class ModelRunner:
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         input_ids, positions, slots = [], [], []
         query_starts, context_lens, logits_indices, sampling_seqs, context_requests = [], [], [], [], []
+        first_rows, tail_masks = [], []
         bs = self.block_size
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
+            known_end = end - seq.num_draft_tokens
             query_starts.append(len(input_ids))
-            input_ids += seq.tokens_between(start, end)
-            positions += range(start, end)
+            input_ids += seq.tokens_between(start, known_end)
+            positions += range(start, known_end)
+            if seq.draft is not None:  # after the root (position known_end - 1), in slots known_end .. end - 1
+                input_ids += seq.draft.tokens
+                positions += [known_end - 1 + offset for offset in seq.draft.position_offsets[1:]]
             table = seq.block_table
             slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
             context_lens.append(end)
+            tail_masks.append(None if seq.draft is None else seq.draft.attention_mask())
             prompt_end = min(end, len(seq.prompt_token_ids))
             if seq.params.return_context_logits and start < prompt_end:
                 first = query_starts[-1]
                 context_requests.append((seq, list(range(first, first + prompt_end - start))))
-            if end == seq.num_tokens:
-                logits_indices.append(len(input_ids) - 1)
+            if known_end == seq.num_tokens:
+                first_rows.append(len(logits_indices))
+                logits_indices += range(len(input_ids) - 1 - seq.num_draft_tokens, len(input_ids))
                 sampling_seqs.append(seq)
         max_blocks = max(blocks_for(n, bs) for n in context_lens)
         tables = [seq.block_table[:max_blocks] + [0] * (max_blocks - len(seq.block_table[:max_blocks]))
                   for seq in batch.seqs]
         attn = AttentionMetadata(
             slot_mapping=self._long(slots), block_tables=self._long(tables), query_starts=query_starts,
-            query_lens=list(batch.num_new_tokens), context_lens=context_lens, block_size=bs)
+            query_lens=list(batch.num_new_tokens), context_lens=context_lens, block_size=bs,
+            tail_masks=tail_masks if any(m is not None for m in tail_masks) else None)
         if all(n == 1 for n in batch.num_new_tokens):
             attn.decode_mask = build_decode_mask(context_lens, bs, max_blocks, self.device)
         return StepInputs(self._long(input_ids), self._long(positions), attn, self._long(logits_indices),
-                          sampling_seqs, context_requests)
+                          sampling_seqs, context_requests, first_rows)
 
     def _long(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -96,8 +96,23 @@ def _apply_penalties(row: torch.Tensor, seq: Sequence) -> None:
         row -= (params.presence_penalty or 0.0) * (counts > 0).to(row.dtype)
 
 
+@torch.inference_mode()
+def sampling_probs(row: torch.Tensor, seq: Sequence) -> tuple[torch.Tensor, torch.Tensor]:
+    """A sampled sequence's next-token distribution as `sample` draws from it (processors, temperature, top-k,
+    top-p), and the log-probs `sample` reports. Processes `row` in place. For rejection sampling."""
+    _process_row(row, seq)
+    temperature = seq.params.temperature if seq.params.temperature is not None else 1.0
+    row /= temperature
+    return torch.softmax(_filtered(row, seq.params), dim=-1).cpu(), torch.log_softmax(row, dim=-1).cpu()
+
+
 def _draw(row: torch.Tensor, seq: Sequence) -> int:
-    params = seq.params
+    probs = torch.softmax(_filtered(row, seq.params), dim=-1).cpu()
+    return int(torch.multinomial(probs, 1, generator=seq.generator)[0])
+
+
+def _filtered(row: torch.Tensor, params) -> torch.Tensor:
+    """A copy of `row` with what top-k / top-p cut set to -inf."""
     filtered = row.clone()
     if params.top_k:
         k = min(params.top_k, filtered.shape[0])
@@ -105,8 +120,7 @@ def _draw(row: torch.Tensor, seq: Sequence) -> int:
         filtered[filtered < threshold] = NEG_INF
     if params.top_p is not None and params.top_p < 1.0:
         filtered = _top_p(filtered, params.top_p)
-    probs = torch.softmax(filtered, dim=-1).cpu()
-    return int(torch.multinomial(probs, 1, generator=seq.generator)[0])
+    return filtered
 
 
 def _top_p(row: torch.Tensor, top_p: float) -> torch.Tensor:

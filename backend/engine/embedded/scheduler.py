@@ -115,6 +115,7 @@ class Scheduler:
             position = batch.seqs.index(seq)
             del batch.seqs[position], batch.num_new_tokens[position]
         self.block_manager.free(seq)
+        seq.draft = None
         seq.context_logits.clear()  # recomputed with the prompt
         seq.status = SequenceStatus.WAITING
         seq.metrics.num_preemptions += 1
@@ -142,7 +143,10 @@ class Scheduler:
             budget -= num_tokens
 
     def _tokens_to_schedule(self, seq: Sequence, budget: int, first: bool, computed: int | None = None) -> int:
-        wanted = seq.num_tokens - (seq.num_computed_tokens if computed is None else computed)
+        known = seq.num_tokens - (seq.num_computed_tokens if computed is None else computed)
+        if seq.draft is not None and known + seq.num_draft_tokens > budget:
+            seq.draft = None  # a speculative draft is an optional extra: dropped rather than chunked
+        wanted = known + seq.num_draft_tokens
         if wanted <= budget:
             return wanted
         if self.enable_chunked_prefill:

@@ -47,6 +47,9 @@ class Sequence:
     num_delivered_tokens: int = 0
     # The LoRA adapter it runs with (tritonllm.lora.cache.CachedAdapter), None for the base model.
     lora: Optional[object] = None
+    # This step's speculative draft (speculative.StepDraft): fed after the last token, never counted as known
+    # tokens; the tokens the target accepts are appended to the output like sampled ones.
+    draft: Optional[object] = None
 
     def __post_init__(self) -> None:
         self.metrics.arrival_time_ns = self.metrics.arrival_time_ns or time.time_ns()  # a fork keeps its parent's
@@ -58,6 +61,11 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Query tokens this step's draft adds after the known tokens."""
+        return 0 if self.draft is None else self.draft.num_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -1,0 +1,158 @@
+"""The speculative methods as the engine drives them: each turns the running decode sequences into this step's
+`StepDraft`s (or None), and may look at the verified rows afterwards (lookahead's Jacobi window does).
+
+Built on tritonllm.spec_decode: n-gram, Medusa and the draft model are plain `Proposer`s (their trees are wrapped
+as they are); lookahead adds its window tokens to the draft; external draft tokens come with the request."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional, Sequence as Seq
+
+import torch
+
+from tritonllm.spec_decode.proposer import ProposalInput
+from tritonllm.spec_decode.tree import DraftTree
+
+from .sequence import Sequence
+
+
+@dataclass
+class StepDraft:
+    """What a speculating sequence feeds after its root this step: the draft tree's nodes, then (lookahead only)
+    window tokens that are computed but never committed."""
+
+    tree: DraftTree
+    window: list[int] = field(default_factory=list)
+    offsets: Optional[list[int]] = None  # root first; None: the tree's depths
+    mask: Optional[torch.Tensor] = None  # [1 + T, 1 + T] over root, nodes and window; None: the tree's
+    context: object = None  # the method's own per-step state (lookahead's LookaheadStep)
+    pre_matched: int = 0  # external drafts: leading draft tokens already equal to committed outputs
+    external: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tree) + len(self.window)
+
+    @property
+    def tokens(self) -> list[int]:
+        return list(self.tree.tokens) + self.window
+
+    @property
+    def position_offsets(self) -> list[int]:
+        return self.offsets if self.offsets is not None else self.tree.position_offsets()
+
+    def attention_mask(self) -> Optional[torch.Tensor]:
+        """None where causal attention is right (a chain without a window)."""
+        if self.mask is not None:
+            return self.mask
+        return None if self.tree.is_chain else self.tree.attention_mask()
+
+
+class ProposerMethod:
+    """A spec_decode `Proposer` (n-gram, Medusa, draft model): its trees become the drafts."""
+
+    needs_hidden = False
+
+    def __init__(self, proposer, needs_hidden: bool = False):
+        self.proposer = proposer
+        self.needs_hidden = needs_hidden
+
+    def drafts(self, items: Seq[ProposalInput], seqs: Seq[Sequence]) -> list[Optional[StepDraft]]:
+        trees = self.proposer.propose(items) if items else []
+        return [StepDraft(tree) if len(tree) else None for tree in trees]
+
+    def after_verify(self, seq: Sequence, draft: StepDraft, argmax: list[int], num_committed: int) -> None:
+        pass
+
+    def release(self, seq_id: int) -> None:
+        self.proposer.release(seq_id)
+
+
+class LookaheadMethod:
+    """Lookahead decoding per sequence: the pool's candidates for the root are the tree, the Jacobi window rides
+    along in the same forward (its rows only feed the window and the pool)."""
+
+    needs_hidden = False
+
+    def __init__(self, config):
+        from tritonllm.spec_decode.lookahead import LookaheadDecoder
+
+        self.decoder = LookaheadDecoder(config)
+        self.states: dict[int, object] = {}
+
+    def drafts(self, items: Seq[ProposalInput], seqs: Seq[Sequence]) -> list[Optional[StepDraft]]:
+        return [self._draft(item) for item in items]
+
+    def _draft(self, item: ProposalInput) -> Optional[StepDraft]:
+        history = list(item.token_ids)
+        state = self.states.get(item.seq_id)
+        if state is None:
+            state = self.states[item.seq_id] = self.decoder.new_state(history)
+        else:
+            self.decoder.observe(state, history)
+        step = self.decoder.build_step(state, history[-1], item.max_draft_tokens)
+        if len(step.tokens) - 1 > (item.max_draft_tokens or 0) + 1:  # the window would pass the KV reservation
+            return None
+        nodes = len(step.tree)
+        return StepDraft(step.tree, step.tokens[1 + nodes:], step.position_offsets, step.mask, context=step)
+
+    def after_verify(self, seq: Sequence, draft: StepDraft, argmax: list[int], num_committed: int) -> None:
+        state = self.states.get(seq.seq_id)
+        if state is not None and draft.context is not None:
+            self.decoder.advance_window(state, draft.context, argmax, num_committed)
+
+    def release(self, seq_id: int) -> None:
+        self.states.pop(seq_id, None)
+
+
+def external_draft(seq: Sequence, room: int) -> Optional[StepDraft]:
+    """The request's own draft tokens (draft_input_ids) still ahead of its committed output, as a chain.
+    Guesses already overtaken by committed tokens count as verified; a mismatch there ends them."""
+    params = seq.params
+    drafts, outputs = list(params.draft_tokens), seq.output_token_ids
+    done = min(len(outputs), len(drafts))
+    if outputs[:done] != drafts[:done] or done == len(drafts) or room <= 0:
+        return None
+    remaining = drafts[done:done + room]
+    probs = None
+    if params.draft_logits is not None and not params.greedy:
+        logits = torch.as_tensor(params.draft_logits, dtype=torch.float32)
+        probs = torch.softmax(logits[done:done + len(remaining)], dim=-1)
+    return StepDraft(DraftTree.chain(remaining, probs), pre_matched=done, external=True)
+
+
+def build_method(spec_config, core) -> Optional[object]:
+    """The engine-side method for a parsed speculative config (None without one)."""
+    if spec_config is None:
+        return None
+    kind = spec_config.decoding_type
+    if kind == "NGram":
+        from tritonllm.spec_decode.ngram import NGramProposer
+
+        return ProposerMethod(NGramProposer(spec_config))
+    if kind == "Lookahead":
+        return LookaheadMethod(spec_config)
+    if kind == "Medusa":
+        return ProposerMethod(_medusa_proposer(spec_config, core), needs_hidden=True)
+    if kind == "DraftTarget":
+        from .draft_model import DraftModelProposer
+
+        return ProposerMethod(DraftModelProposer.for_target(spec_config, core))
+    raise ValueError(f"speculative_config.decoding_type={kind} is not built yet in the embedded engine")
+
+
+def _medusa_proposer(spec_config, core):
+    from tritonllm.engine.types import InvalidRequestError
+    from tritonllm.spec_decode.medusa import MedusaProposer, load_medusa
+
+    from .models.model_config import ModelLoadError
+
+    try:
+        heads = load_medusa(spec_config.speculative_model_dir, core.dtype, core.device)
+        mc = core.model_config
+        if (heads.hidden_size, heads.vocab_size) != (mc.hidden_size, mc.vocab_size):
+            raise ModelLoadError(f"heads are for hidden size {heads.hidden_size} / vocab {heads.vocab_size}, the "
+                                 f"model has {mc.hidden_size} / {mc.vocab_size}")
+        return MedusaProposer(heads, spec_config.medusa_choices, spec_config.max_draft_len)
+    except ModelLoadError as exc:
+        raise InvalidRequestError(f"speculative_config.speculative_model_dir: {exc}") from None

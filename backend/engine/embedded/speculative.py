@@ -1,0 +1,156 @@
+"""Speculative decoding inside the embedded engine: drafts before the schedule, verification after the forward.
+
+Drafts are kept on the side (`Sequence.draft`), not appended as provisional tokens: the sequence's known tokens
+stay the committed ones, so prefix hashing, stop rules and preemption never see a draft. The scheduler adds the
+draft's tokens to the step's query (budget and KV blocks count them; a draft that does not fit is dropped), the
+runner feeds them after the root (the last committed token) and returns logits at the root and every draft token.
+
+Verification walks the tree from the root: each row is turned into a token exactly as a plain decode step would
+(the sampler with the sequence's processors and generator, after committing the tokens before it), and the walk
+continues while that token is a child in the tree. So greedy output equals plain greedy decoding and sampled
+output keeps the target distribution (a deterministic draft is accepted with probability p(d), the rejection
+token is drawn from p without d). Drafts with probabilities (external `draft_logits`) use rejection sampling.
+Tokens are committed one by one through the engine's finish rules (end id, stop words, max_tokens). Afterwards
+the KV of rejected positions is dropped: num_computed_tokens falls back to the committed tokens, accepted tree
+nodes are copied down to consecutive slots, tail blocks are freed."""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Optional
+
+import torch
+
+from tritonllm.spec_decode.acceptance import accept_or_resample
+from tritonllm.spec_decode.proposer import ProposalInput
+
+from .model_runner import StepOutput
+from .sampler import sample, sampling_probs
+from .sequence import Sequence, SequenceStatus
+from .spec_methods import StepDraft, build_method, external_draft
+
+log = logging.getLogger("tritonllm.engine")
+
+Commit = Callable[[Sequence, int, float], None]
+
+
+class Speculator:
+    def __init__(self, core, spec_config=None):
+        self.core = core
+        self.config = spec_config
+        self.method = build_method(spec_config, core)
+        self.hidden: dict[int, torch.Tensor] = {}  # Medusa: the state that predicted each sequence's last token
+        self.external_done: set[int] = set()  # sequences whose request's draft tokens are verified
+
+    # -- before the schedule ----------------------------------------------------------------------------------
+
+    def propose(self, running: list[Sequence]) -> None:
+        """Set `draft` on the running decode sequences that speculate this step."""
+        items, seqs = [], []
+        for seq in running:
+            seq.draft = None
+            room = self._room(seq)
+            if room <= 0:
+                continue
+            if seq.params.draft_tokens and seq.seq_id not in self.external_done:
+                seq.draft = external_draft(seq, room)
+                if seq.draft is None:
+                    self._close_external(seq)
+            elif self.method is not None and (not self.method.needs_hidden or seq.seq_id in self.hidden):
+                items.append(ProposalInput(seq.seq_id, seq.all_token_ids(), self.hidden.get(seq.seq_id), room))
+                seqs.append(seq)
+        if items:
+            for seq, draft in zip(seqs, self.method.drafts(items, seqs)):
+                seq.draft = draft
+
+    def _room(self, seq: Sequence) -> int:
+        """Draft tokens that could still be committed: 0 for sequences not decoding (prefill, waiting, beams)."""
+        if seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1 or seq.params.beam_width > 1:
+            return 0
+        return seq.params.max_tokens - len(seq.output_token_ids) - 1
+
+    def _close_external(self, seq: Sequence) -> None:
+        """The request's drafts are used up (or were overtaken by different tokens): count them once."""
+        drafts, outputs = seq.params.draft_tokens, seq.output_token_ids
+        matched = next((i for i, (d, o) in enumerate(zip(drafts, outputs)) if d != o), min(len(drafts), len(outputs)))
+        seq.metrics.total_draft_tokens += len(drafts)
+        seq.metrics.total_accepted_draft_tokens += matched
+        self.external_done.add(seq.seq_id)
+
+    # -- after the forward ------------------------------------------------------------------------------------
+
+    def remember_hidden(self, out: StepOutput, index: int, offset: int = 0) -> None:
+        """Medusa drafts from the hidden state that produced the sequence's newest token (row `offset` of its
+        rows: the last accepted node's)."""
+        if self.method is not None and self.method.needs_hidden and not out.seqs[index].is_finished:
+            self.hidden[out.seqs[index].seq_id] = out.hidden[out.first_rows[index] + offset]
+
+    def verify(self, out: StepOutput, index: int, commit: Commit) -> None:
+        seq, draft = out.seqs[index], out.seqs[index].draft
+        rows = out.rows_of(index)
+        logits, root_position = out.logits[rows], seq.num_tokens - 1
+        keep_raw = draft.window or seq.params.return_generation_logits
+        raw = logits.clone() if keep_raw else None  # the sampler processes rows in place
+        accepted = self._walk(seq, draft, logits, raw, commit)
+        self._count(seq, draft, len(accepted))
+        seq.draft = None
+        if seq.is_finished:
+            return
+        if not draft.external and self.method is not None:
+            argmax = raw.argmax(dim=-1).tolist() if draft.window else []  # the window's guesses
+            self.method.after_verify(seq, draft, argmax, len(accepted) + 1)
+        self._roll_back(seq, root_position, accepted)
+        self.remember_hidden(out, index, accepted[-1] + 1 if accepted else 0)
+
+    def _walk(self, seq: Sequence, draft: StepDraft, logits: torch.Tensor, raw: Optional[torch.Tensor],
+              commit: Commit) -> list[int]:
+        """Commit tokens row by row while they follow the tree; returns the accepted node indices."""
+        tree = draft.tree
+        children: dict[tuple[int, int], int] = {}
+        for i, (token, parent) in enumerate(zip(tree.tokens, tree.parents)):
+            children.setdefault((parent, token), i)  # a duplicate sibling is never reached first
+        accepted, node = [], -1
+        while True:
+            row = node + 1
+            if seq.params.return_generation_logits:
+                seq.generation_logits.append(raw[row].cpu())
+            token, logprob = self._choose(seq, tree, node, logits[row:row + 1])
+            commit(seq, token, logprob)
+            child = children.get((node, token))
+            if seq.is_finished or child is None:
+                return accepted
+            accepted.append(child)
+            node = child
+
+    def _choose(self, seq: Sequence, tree, node: int, row: torch.Tensor) -> tuple[int, float]:
+        next_node = node + 1
+        if tree.draft_probs is None or seq.params.greedy or next_node >= len(tree):
+            tokens, logprobs = sample(row, [seq])
+            return tokens[0], logprobs[0]
+        probs, logprobs = sampling_probs(row[0], seq)  # a chain: node i's child is node i + 1
+        _, token = accept_or_resample(probs, tree.draft_probs[next_node], tree.tokens[next_node], seq.generator,
+                                      seq.params.draft_acceptance_threshold)
+        return token, float(logprobs[token])
+
+    def _count(self, seq: Sequence, draft: StepDraft, num_accepted: int) -> None:
+        seq.metrics.total_draft_tokens += draft.pre_matched + len(draft.tree)
+        seq.metrics.total_accepted_draft_tokens += draft.pre_matched + num_accepted
+        if draft.external and not seq.is_finished:
+            self.external_done.add(seq.seq_id)
+
+    def _roll_back(self, seq: Sequence, root_position: int, accepted: list[int]) -> None:
+        """Keep the KV of the root and the accepted nodes, at consecutive positions; drop the rest."""
+        moves = [(root_position + 1 + node, root_position + 1 + depth) for depth, node in enumerate(accepted)
+                 if node != depth]
+        if moves:
+            slot = self.core.block_manager.slot_of
+            self.core.runner.copy_slots([slot(seq, src) for src, _ in moves], [slot(seq, dst) for _, dst in moves])
+        seq.num_computed_tokens = root_position + 1 + len(accepted)
+        self.core.block_manager.trim(seq, seq.num_tokens)
+
+    def release(self, seq: Sequence) -> None:
+        """Forget a finished or aborted sequence."""
+        seq.draft = None
+        self.hidden.pop(seq.seq_id, None)
+        self.external_done.discard(seq.seq_id)
+        if self.method is not None:
+            self.method.release(seq.seq_id)
