@@ -14,8 +14,6 @@ from .pb import InputError, optional_input
 
 # Inputs whose feature is not built yet: sending one is an error, never silently dropped.
 UNSUPPORTED_INPUTS = {
-    "draft_input_ids": "draft tokens (speculative decoding)", "draft_logits": "draft tokens (speculative decoding)",
-    "draft_acceptance_threshold": "draft tokens (speculative decoding)",
     "prompt_embedding_table": "prompt tables", "prompt_table_extra_ids": "prompt tables",
     "encoder_input_features": "encoder-decoder/multimodal", "encoder_output_lengths": "encoder-decoder/multimodal",
     "cross_attention_mask": "multimodal", "skip_cross_attn_blocks": "multimodal",
@@ -110,7 +108,8 @@ def _convert_row(request, row, ids, length, default_exclude_input, decoupled) ->
         logprobs=_flag(request, "return_log_probs", row, False),
         return_context_logits=_flag(request, "return_context_logits", row, False),
         return_generation_logits=_flag(request, "return_generation_logits", row, False),
-        return_perf_metrics=_flag(request, "return_perf_metrics", row, False))
+        return_perf_metrics=_flag(request, "return_perf_metrics", row, False),
+        **_draft_inputs(request, row))
     options = RowOptions(streaming, _flag(request, "exclude_input_in_output", row, default_exclude_input),
                          params.logprobs, params.return_perf_metrics, params.return_context_logits,
                          params.return_generation_logits)
@@ -150,6 +149,30 @@ def _lora_request(request, row) -> Optional[LoRARequest]:
         raise InputError(f"input '{missing}' is missing: lora_weights and lora_config go together "
                          f"(lora_task_id {task_id})")
     return LoRARequest(lora_name=name or None, lora_int_id=task_id, lora_weights=weights, lora_config=config)
+
+
+def _draft_inputs(request, row) -> dict:
+    """External draft tokens (TensorRT-LLM's ExternalDraftTokensConfig): `draft_input_ids` [batch, k],
+    `draft_logits` [batch, k, vocab] and `draft_acceptance_threshold` [batch] for one row."""
+    ids = _row_tensor(request, "draft_input_ids", row)
+    logits = _row_tensor(request, "draft_logits", row)
+    threshold = _float(request, "draft_acceptance_threshold", row)
+    if ids is None:
+        if logits is not None or threshold is not None:
+            name = "draft_logits" if logits is not None else "draft_acceptance_threshold"
+            raise InputError(f"input '{name}' needs input 'draft_input_ids' (the draft tokens it goes with)")
+        return {}
+    if ids.ndim != 1:
+        raise InputError(f"input 'draft_input_ids' must be [batch, draft tokens], got a row of shape {list(ids.shape)}")
+    fields = {"draft_tokens": [int(t) for t in ids], "draft_acceptance_threshold": threshold}
+    if logits is not None:
+        if logits.ndim != 2 or logits.shape[0] != ids.shape[0]:
+            raise InputError(f"input 'draft_logits' must be [batch, {ids.shape[0]}, vocab] for {ids.shape[0]} draft "
+                             f"tokens, got a row of shape {list(logits.shape)}")
+        import torch
+
+        fields["draft_logits"] = torch.from_numpy(np.ascontiguousarray(logits, dtype=np.float32))
+    return fields
 
 
 def _row_tensor(request, name, row) -> Optional[np.ndarray]:
