@@ -97,6 +97,8 @@ def _repo_commands(sub) -> None:
     build.add_argument("--kv-cache-max-tokens", type=int, help="KV cache size in tokens")
     build.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                        help="set any tensorrt_llm config.pbtxt parameter; repeatable")
+    build.add_argument("--draft-model", metavar="DIR", help="a draft model folder (same tokenizer): adds "
+                       "tensorrt_llm_draft for the tensorrt_llm_bls draft/target loop (num_draft_tokens)")
     build.add_argument("--lora-dir", help="LoRA adapters preloaded by folder name (PEFT folders or the .npy pair; "
                                           "lora_prefetch_dir): turns LoRA on and lists each adapter's task id")
     fill = kinds.add_parser("fill", help="fill ${placeholders} like the anchor's fill_template.py")

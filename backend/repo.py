@@ -9,6 +9,7 @@ The template is looked up in this order:
 """
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -61,13 +62,16 @@ def build_repo(model_dir: str | Path, out_dir: str | Path, *, streaming: bool = 
                max_num_tokens: Optional[int] = None, kv_cache_max_tokens: Optional[int] = None,
                kv_cache_free_gpu_mem_fraction: Optional[float] = None, enable_kv_cache_reuse: bool = True,
                enable_chunked_context: bool = False, exclude_input_in_output: bool = False,
-               parameters: Optional[Mapping[str, Any]] = None, overwrite: bool = False) -> Path:
+               parameters: Optional[Mapping[str, Any]] = None, overwrite: bool = False,
+               draft_model_dir: Optional[str | Path] = None) -> Path:
     """Write the preprocessing, tensorrt_llm, postprocessing, ensemble and tensorrt_llm_bls models into `out_dir`,
     every placeholder filled. `model_dir` is a Hugging Face model folder (config.json + tokenizer). `parameters` overrides any
     placeholder by name, or by its tensorrt_llm parameter key (e.g. {"max_batch_size": 64, "gpt_model_type":
     "inflight_batching"}); None or "" leaves a parameter unset. Other models already in `out_dir` are left
-    alone; ours are replaced only with `overwrite`. Returns `out_dir`."""
+    alone; ours are replaced only with `overwrite`. `draft_model_dir` adds a second engine model,
+    `tensorrt_llm_draft`, for the BLS draft/target loop (`num_draft_tokens`). Returns `out_dir`."""
     model = check_model_dir(model_dir)
+    draft = check_draft_model(model, draft_model_dir) if draft_model_dir is not None else None
     check_build_numbers(max_batch_size=max_batch_size, preprocessing_instances=preprocessing_instances,
                         postprocessing_instances=postprocessing_instances, max_seq_len=max_seq_len,
                         max_num_tokens=max_num_tokens, kv_cache_max_tokens=kv_cache_max_tokens)
@@ -94,10 +98,42 @@ def build_repo(model_dir: str | Path, out_dir: str | Path, *, streaming: bool = 
         "tensorrt_llm_draft_model_name": None, "multimodal_encoders_name": None, "triton_grpc_url": None,
         "prompt_embedding_table_data_type": "TYPE_FP16",
     }
+    if draft is not None:
+        values["tensorrt_llm_draft_model_name"] = DRAFT_MODEL_NAME
     overrides = {PLACEHOLDER_OF_PARAMETER.get(key, key): value for key, value in (parameters or {}).items()}
     values.update(overrides)
-    return write_repo(template_dir(), Path(out_dir), {k: format_value(k, v) for k, v in values.items()},
+    repo = write_repo(template_dir(), Path(out_dir), {k: format_value(k, v) for k, v in values.items()},
                       overrides=set(overrides), overwrite=overwrite)
+    if draft is not None:
+        add_draft_model(repo, model, draft)
+    return repo
+
+
+DRAFT_MODEL_NAME = "tensorrt_llm_draft"
+
+
+def check_draft_model(model: str, draft_model_dir: str | Path) -> str:
+    """The draft model folder, checked: it must speak the target's vocabulary (the loop exchanges token ids)."""
+    draft = check_model_dir(draft_model_dir)
+    sizes = [json.loads((Path(folder) / "config.json").read_text()).get("vocab_size") for folder in (model, draft)]
+    if sizes[0] != sizes[1]:
+        raise RepoError(f"the draft model's vocab_size {sizes[1]} differs from the target's {sizes[0]}: draft and "
+                        "target must share one tokenizer")
+    return draft
+
+
+def add_draft_model(repo: Path, target_dir: str, draft_dir: str) -> None:
+    """`tensorrt_llm_draft`: the built tensorrt_llm model (same settings) on the draft model's folder."""
+    target = repo / DRAFT_MODEL_NAME
+    if target.exists():
+        shutil.rmtree(target)
+    shutil.copytree(repo / "tensorrt_llm", target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    config = target / "config.pbtxt"
+    text = config.read_text().replace('name: "tensorrt_llm"', f'name: "{DRAFT_MODEL_NAME}"', 1)
+    for key in ("gpt_model_path", "tokenizer_dir"):
+        text = text.replace(f'key: "{key}" value: {{ string_value: "{target_dir}" }}',
+                            f'key: "{key}" value: {{ string_value: "{draft_dir}" }}')
+    config.write_text(text)
 
 
 def write_repo(template: Path, out_dir: Path, values: Mapping[str, str], *, overrides: Iterable[str] = (),

@@ -29,7 +29,7 @@ def main(args) -> int:
     repo = build_repo(args.model, args.out, streaming=args.streaming, max_batch_size=args.max_batch_size,
                       engine=args.engine, dtype=args.dtype, device=args.device, max_seq_len=args.max_seq_len,
                       max_num_tokens=args.max_num_tokens, kv_cache_max_tokens=args.kv_cache_max_tokens,
-                      parameters=parameters, overwrite=True)
+                      parameters=parameters, overwrite=True, draft_model_dir=getattr(args, "draft_model", None))
     print(f"model repository ready: {repo}")
     return 0
 

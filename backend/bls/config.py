@@ -15,6 +15,7 @@ class BlsConfig:
     decoupled: bool
     accumulate_tokens: bool
     llm_model_name: str
+    draft_model_name: Optional[str]  # tensorrt_llm_draft_model_name: the draft/target loop's draft model
     grpc_url: Optional[str]  # set: the triton_grpc_url parameter; None: found from tritonserver's command line
     cancellation_check_period_ms: int
 
@@ -26,6 +27,7 @@ class BlsConfig:
             decoupled=bool(policy.get("decoupled", False)),
             accumulate_tokens=params.bool("accumulate_tokens", False),
             llm_model_name=params.str("tensorrt_llm_model_name", "tensorrt_llm"),
+            draft_model_name=params.str("tensorrt_llm_draft_model_name"),
             grpc_url=params.str("triton_grpc_url"),
             cancellation_check_period_ms=params.int("cancellation_check_period_ms", DEFAULT_CANCELLATION_CHECK_MS,
                                                     minimum=1),

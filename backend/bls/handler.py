@@ -14,6 +14,7 @@ from .inner_models import InnerModelError, postprocess, preprocess
 from .llm_calls import LlmCancelled, LlmResponse
 from .request import BlsRequest
 from .sequences import SequenceText
+from .speculative import SpeculativeCall
 
 log = logging.getLogger("tritonllm.tensorrt_llm_bls")
 
@@ -28,10 +29,11 @@ class BlsHandler:
     """One request, read and checked already (`read_request`, in execute: Triton may release the request's
     memory once execute returns, so the handler keeps copies and never touches the request again)."""
 
-    def __init__(self, bls: BlsRequest, sender: Any, transport, accumulate: bool):
+    def __init__(self, bls: BlsRequest, sender: Any, transport, accumulate: bool, draft_transport=None):
         self.bls = bls
         self.sender = sender
         self.transport = transport
+        self.draft_transport = draft_transport
         self.accumulate = accumulate
         self.request_id = f"bls-{uuid.uuid4()}"  # the tensorrt_llm request's id, for stop requests and logs
         self.lock = threading.Lock()
@@ -62,7 +64,7 @@ class BlsHandler:
         with self.lock:
             if self.cancelled:
                 raise LlmCancelled()
-            self.call = self.transport.start(bls.llm_inputs(preprocessed), self.request_id)
+            self.call = self._start(bls, bls.llm_inputs(preprocessed))
         for response in self.call.responses():
             tensors = self._tensors(bls, response)
             done = len(self.sequences) == bls.sequence_count and all(s.finished for s in self.sequences.values())
@@ -74,6 +76,12 @@ class BlsHandler:
             if tensors:
                 send_response(self.sender, pb_utils().InferenceResponse(output_tensors=tensors))
         self._close(None)  # tensorrt_llm ended without marking every sequence final
+
+    def _start(self, bls: BlsRequest, inputs: dict):
+        if bls.speculation is None:
+            return self.transport.start(inputs, self.request_id)
+        return SpeculativeCall(self.transport, self.draft_transport, inputs, bls.speculation, bls.streaming,
+                               echo_prompt=not bls.exclude_input[0], request_id=self.request_id)
 
     def _tensors(self, bls: BlsRequest, response: LlmResponse) -> Optional[list]:
         """The BLS response for a tensorrt_llm response: its rows' text (rows of finished sequences left out) and

@@ -5,12 +5,13 @@ Inputs of features that are not built yet are refused with an error naming them,
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 
 from ..triton import pb
 from ..triton.pb import InputError
+from .speculative import SpeculationSettings
 
 # BLS input -> preprocessing input.
 TO_PREPROCESSING = {
@@ -45,10 +46,7 @@ UNSUPPORTED_INPUTS = {
     "guided_decoding_guide_type": "guided decoding", "guided_decoding_guide": "guided decoding",
 }
 # Inputs that ask for a feature not built yet only with some values: (rule that is refused, feature).
-UNSUPPORTED_VALUES = {
-    "num_draft_tokens": (lambda v: v > 0, "speculative decoding (num_draft_tokens > 0)"),
-    "use_draft_logits": (lambda v: bool(v), "speculative decoding (use_draft_logits)"),
-}
+UNSUPPORTED_VALUES: dict = {}
 
 
 @dataclass
@@ -61,6 +59,7 @@ class BlsRequest:
     streaming: bool
     exclude_input: list[bool]
     sequences_per_row: list[int]  # response streams per row: num_return_sequences, or 1 for all beams
+    speculation: Optional[SpeculationSettings] = None  # num_draft_tokens > 0: the draft/target loop
 
     @property
     def batch_size(self) -> int:
@@ -108,6 +107,7 @@ def read_request(request: Any, decoupled: bool) -> BlsRequest:
         streaming=_request_flag(request, "stream", batch),
         exclude_input=[_row_flag(request, "exclude_input_in_output", row) for row in range(batch)],
         sequences_per_row=[_responses_per_row(request, row) for row in range(batch)],
+        speculation=_speculation(request, batch),
     )
     if not decoupled:
         check_one_response(parsed)
@@ -176,3 +176,23 @@ def _responses_per_row(request, row: int) -> int:
     if _row_int(request, "beam_width", row, 1) > 1:
         return 1
     return _row_int(request, "num_return_sequences", row, 1)
+
+
+def _speculation(request: Any, batch: int) -> Optional[SpeculationSettings]:
+    """The draft/target loop's settings when num_draft_tokens > 0; it runs one plain sequence."""
+    if pb.optional_input(request, "num_draft_tokens") is None:
+        return None
+    count = _row_value(request, "num_draft_tokens", 0, "int", 0)
+    if count < 0:
+        raise InputError("num_draft_tokens", f"must be >= 0, got {count}")
+    if count == 0:
+        return None
+    if batch != 1:
+        raise InputError("num_draft_tokens", f"speculative decoding runs one prompt per request, got {batch}")
+    for name, why in (("beam_width", "beam search"), ("num_return_sequences", "several sequences")):
+        if _row_int(request, name, 0, 1) > 1:
+            raise InputError(name, f"{why} cannot be combined with num_draft_tokens > 0")
+    for name in ("return_context_logits", "return_generation_logits"):
+        if _row_flag(request, name, 0):
+            raise InputError(name, "logits cannot be returned with num_draft_tokens > 0")
+    return SpeculationSettings(count, _row_flag(request, "use_draft_logits", 0))

@@ -7,7 +7,7 @@ import logging
 import threading
 from typing import Any
 
-from ..triton.pb import error_response, send_final
+from ..triton.pb import InputError, error_response, send_final
 from .handler import BlsHandler
 from .request import read_request
 
@@ -15,8 +15,10 @@ log = logging.getLogger("tritonllm.tensorrt_llm_bls")
 
 
 class BlsServer:
-    def __init__(self, transport, decoupled: bool, accumulate: bool, cancellation_check_ms: int):
+    def __init__(self, transport, decoupled: bool, accumulate: bool, cancellation_check_ms: int,
+                 draft_transport=None):
         self.transport = transport
+        self.draft_transport = draft_transport  # the draft model of the draft/target loop, if configured
         self.decoupled = decoupled
         self.accumulate = accumulate
         self.period = max(cancellation_check_ms, 1) / 1000
@@ -32,10 +34,13 @@ class BlsServer:
         sender = request.get_response_sender()
         try:
             bls = read_request(request, self.decoupled)
+            if bls.speculation is not None and self.draft_transport is None:
+                raise InputError("num_draft_tokens", "> 0 needs a draft model: set the tensorrt_llm_draft_model_name "
+                                 "parameter of tensorrt_llm_bls (tritonllm repo build --draft-model DIR)")
         except ValueError as error:  # InputError among them
             send_final(sender, error_response(error))
             return
-        handler = BlsHandler(bls, sender, self.transport, self.accumulate)
+        handler = BlsHandler(bls, sender, self.transport, self.accumulate, self.draft_transport)
         thread = threading.Thread(target=self._run, args=(handler,), name="tritonllm-bls-request", daemon=True)
         with self.lock:
             self.handlers[handler] = thread
@@ -71,3 +76,5 @@ class BlsServer:
         for thread in threads:
             thread.join(timeout / max(len(threads), 1))
         self.transport.close()
+        if self.draft_transport is not None:
+            self.draft_transport.close()

@@ -15,14 +15,10 @@ class TritonPythonModel:
     def initialize(self, args):
         route_logs_to_triton()
         config = BlsConfig.from_model_config(json.loads(args["model_config"]))
-        if config.decoupled:
-            transport = GrpcTransport(config.resolved_grpc_url(), config.llm_model_name)
-            logging.getLogger("tritonllm.tensorrt_llm_bls").info(
-                "calling %s over gRPC at %s", config.llm_model_name, transport.url)
-        else:
-            transport = ExecTransport(config.llm_model_name)
+        transport = _transport(config, config.llm_model_name)
+        draft = _transport(config, config.draft_model_name) if config.draft_model_name else None
         self.server = BlsServer(transport, config.decoupled, config.accumulate_tokens,
-                                config.cancellation_check_period_ms)
+                                config.cancellation_check_period_ms, draft_transport=draft)
 
     def execute(self, requests):
         for request in requests:
@@ -31,3 +27,11 @@ class TritonPythonModel:
 
     def finalize(self):
         self.server.shutdown()
+
+
+def _transport(config: BlsConfig, model: str):
+    if not config.decoupled:
+        return ExecTransport(model)
+    transport = GrpcTransport(config.resolved_grpc_url(), model)
+    logging.getLogger("tritonllm.tensorrt_llm_bls").info("calling %s over gRPC at %s", model, transport.url)
+    return transport

@@ -84,6 +84,16 @@ def lora_server(tiny_model, lora_prefetch_dir, tmp_path_factory) -> Iterator["cl
     yield from _run(repo, work)
 
 
+@pytest.fixture(scope="module")
+def draft_server(tiny_model, tmp_path_factory) -> Iterator["clients.LiveServer"]:
+    """The decoupled repository plus `tensorrt_llm_draft` (a tiny model with other weights, same tokenizer) for the
+    BLS draft/target loop; module-scoped."""
+    work = tmp_path_factory.mktemp("draft")
+    draft = build_tiny_model(work / "draft_model", seed=7)
+    yield from _run(build_repo(tiny_model, work / "repo", streaming=True, max_seq_len=MAX_SEQ_LEN,
+                               draft_model_dir=draft), work)
+
+
 def _serve(model_dir: Path, work: Path, streaming: bool) -> Iterator["clients.LiveServer"]:
     yield from _run(build_repo(model_dir, work / "repo", streaming=streaming, max_seq_len=MAX_SEQ_LEN,
                                parameters={"max_beam_width": MAX_BEAM_WIDTH}), work)

@@ -110,7 +110,10 @@ def test_lora_inputs_reach_tensorrt_llm():
 
 
 @pytest.mark.parametrize("inputs, message", [
-    ({"num_draft_tokens": np.array([[2]], np.int32)}, "'num_draft_tokens'"),
+    ({"num_draft_tokens": np.array([[-1]], np.int32)}, "'num_draft_tokens' must be >= 0"),
+    ({"num_draft_tokens": np.array([[2]], np.int32), "beam_width": np.array([[2]], np.int32)}, "'beam_width'"),
+    ({"num_draft_tokens": np.array([[2]], np.int32), "return_generation_logits": np.array([True])},
+     "'return_generation_logits'"),
     ({"beam_width": np.array([[0]], np.int32)}, "'beam_width' must be >= 1"),
     ({"image_url_input": np.array([["http://x"]], object)}, "multimodal"),
     ({"guided_decoding_guide": np.array([["{}"]], object)}, "guided decoding"),
