@@ -75,6 +75,8 @@ def _bench_commands(sub) -> None:
     add_lora_bench(kinds, _engine_arguments)
     from .openai_api.cli import add_bench_command
     add_bench_command(kinds)
+    from tritonllm.spec_decode.cli import add_bench_command as add_spec_bench
+    add_spec_bench(kinds, _engine_arguments)
 
 
 def _repo_commands(sub) -> None:
@@ -164,6 +166,8 @@ def _run(args) -> int:
             from tritonllm.lora.bench import main
         elif args.bench_command == "openai":
             from .openai_api.bench import main
+        elif args.bench_command == "spec":
+            from tritonllm.spec_decode.bench import main
         else:
             from .bench_scenarios import main
         return main(args)

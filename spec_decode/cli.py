@@ -27,6 +27,16 @@ def add_spec_command(sub) -> None:
     train.add_argument("--json", action="store_true", help="print the training report as one JSON line")
 
 
+def add_bench_command(kinds, engine_arguments) -> None:
+    """`tritonllm bench spec` (registered by backend/cli.py next to the other benchmarks)."""
+    from .bench import add_arguments
+
+    bench = kinds.add_parser("spec", help="batch-1 decode tok/s with speculative decoding vs without, same engine, "
+                                          "one run (input-grounded prompts)")
+    engine_arguments(bench)
+    add_arguments(bench)
+
+
 def run_spec_command(args) -> int:
     import torch
 

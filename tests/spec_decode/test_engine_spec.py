@@ -209,3 +209,39 @@ def test_configuration_errors_name_the_key(model_dir, other_draft_dir, tmp_path)
         make_engine(model_dir, {"decoding_type": "DraftTarget", "speculative_model_dir": str(tmp_path)})
     with pytest.raises(InvalidRequestError, match="beam search"):
         make_engine(model_dir, {"decoding_type": "NGram"}, max_beam_width=2)
+
+
+@pytest.mark.slow
+def test_smollm2_greedy_output_is_plain_greedy_for_every_method(smollm2_dir, tmp_path):
+    """The real model, batches mixing lengths: an input-grounded prompt (n-gram and lookahead find drafts), a short
+    one and a mid-length one. Medusa heads are random (ResBlocks) over copies of the model's LM head."""
+    from transformers import AutoTokenizer
+
+    from tritonllm.spec_decode.bench import grounded_texts, prompt_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    prompts = [prompt_ids(tokenizer, grounded_texts(1)[0]), tokenizer.encode("Hello"),
+               tokenizer.encode("Write a short list of fruits and their colours:")]
+    embedding = load_file(str(smollm2_dir / "model.safetensors"))["model.embed_tokens.weight"].float()
+    heads = MedusaHeads(embedding.shape[1], embedding.shape[0], num_heads=2)
+    heads.copy_lm_head(embedding)
+    medusa = save_medusa(heads, tmp_path / "medusa")
+    specs = [{"decoding_type": "NGram", "max_draft_len": 4},
+             {"decoding_type": "Lookahead", "max_window_size": 3, "max_ngram_size": 3, "max_verification_set_size": 3},
+             {"decoding_type": "DraftTarget", "max_draft_len": 3, "speculative_model_dir": str(smollm2_dir)},
+             {"decoding_type": "Medusa", "speculative_model_dir": str(medusa), "medusa_choices": [[0], [1], [0, 0]]}]
+    results = []
+    for spec in [None] + specs:
+        engine = make_engine(smollm2_dir, spec, kv_cache_config={"tokens_per_block": 16, "max_tokens": 4096})
+        try:
+            handles = [engine.generate_async(p, SamplingParams(max_tokens=n, end_id=tokenizer.eos_token_id))
+                       for p, n in zip(prompts, [40, 12, 24])]
+            results.append([h.result().outputs[0] for h in handles])
+            assert_all_blocks_free(engine)
+        finally:
+            engine.shutdown()
+    reference = [o.token_ids for o in results[0]]
+    for spec, outputs in zip(specs, results[1:]):
+        assert [o.token_ids for o in outputs] == reference, spec["decoding_type"]
+        assert sum(o.request_perf_metrics.total_draft_tokens for o in outputs) > 0, spec["decoding_type"]
+    assert results[1][0].request_perf_metrics.total_accepted_draft_tokens > 0  # n-gram on the grounded prompt

@@ -1,0 +1,110 @@
+"""`tritonllm bench spec`: batch-1 greedy decode speed with speculative decoding against the same engine without
+it, in one run, on input-grounded prompts (rewrite a given text), where prompt lookup and lookahead find drafts.
+
+Both engines run every prompt in turn (plain, then speculative, prompt by prompt, so machine noise hits both
+alike). Decode speed counts the tokens after the first over the time from the first token to the last (prefill
+left out). Mean accepted length: tokens committed per decode step of the speculative engine."""
+from __future__ import annotations
+
+import json
+import sys
+from importlib import resources
+
+TASK = "Rewrite the following text in your own words, keeping every step and detail:\n\n"
+METHODS = {
+    "ngram": lambda a: {"decoding_type": "NGram", "max_draft_len": a.draft_len, "max_matching_ngram_size": 3},
+    "lookahead": lambda a: {"decoding_type": "Lookahead", "max_window_size": 4, "max_ngram_size": 4,
+                            "max_verification_set_size": 4},
+    "drafttarget": lambda a: {"decoding_type": "DraftTarget", "max_draft_len": a.draft_len,
+                              "speculative_model_dir": a.spec_model_dir},
+    "medusa": lambda a: {"decoding_type": "Medusa", "speculative_model_dir": a.spec_model_dir},
+}
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("--method", choices=sorted(METHODS), default="ngram",
+                        help="when --config has no speculative_config")
+    parser.add_argument("--draft-len", type=int, default=6, help="max_draft_len for ngram / drafttarget")
+    parser.add_argument("--spec-model-dir", help="draft model or Medusa heads folder (drafttarget, medusa)")
+    parser.add_argument("--prompts", type=int, default=4, help="texts to rewrite, one request at a time")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--json", action="store_true")
+
+
+def grounded_texts(count: int) -> list[str]:
+    """The longest paragraphs of the English text shipped with tritonllm.spec_decode."""
+    text = resources.files("tritonllm.spec_decode").joinpath("data/medusa_training.txt").read_text(encoding="utf-8")
+    paragraphs = sorted((p.strip() for p in text.split("\n\n") if len(p) > 300), key=len, reverse=True)
+    return paragraphs[:count]
+
+
+def prompt_ids(tokenizer, text: str) -> list[int]:
+    message = [{"role": "user", "content": TASK + text}]
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template(message, add_generation_prompt=True, tokenize=False)
+        return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(TASK + text)
+
+
+def timed_request(engine, ids: list[int], params) -> dict:
+    steps_before = engine.wait_idle().num_steps
+    out = engine.generate(ids, params).outputs[0]
+    metrics = out.request_perf_metrics
+    decode_steps = engine.wait_idle().num_steps - steps_before - metrics.prefill_steps
+    return {"tokens": out.token_ids, "decode_s": (metrics.last_token_time_ns - metrics.first_token_time_ns) / 1e9,
+            "decode_steps": decode_steps, "drafted": metrics.total_draft_tokens,
+            "accepted": metrics.total_accepted_draft_tokens}
+
+
+def summarise(runs: list[dict]) -> dict:
+    tokens = sum(len(r["tokens"]) - 1 for r in runs)
+    seconds = sum(r["decode_s"] for r in runs)
+    steps = sum(r["decode_steps"] for r in runs)
+    drafted = sum(r["drafted"] for r in runs)
+    return {"decode_tokens": tokens, "decode_s": round(seconds, 3), "tok_s": round(tokens / seconds, 2),
+            "mean_accepted_length": round(tokens / steps, 3) if steps else None,
+            "acceptance_rate": round(sum(r["accepted"] for r in runs) / drafted, 3) if drafted else None}
+
+
+def main(args) -> int:
+    import torch
+    from transformers import AutoTokenizer
+
+    from tritonllm.engine import create_engine
+    from tritonllm.engine.config import ConfigError, load_yaml_args
+    from tritonllm.engine.types import SamplingParams
+    from tritonllm.generate import build_engine_config
+
+    spec = (load_yaml_args(args.config) if args.config else {}).get("speculative_config") or METHODS[args.method](args)
+    if spec.get("speculative_model_dir", "") is None:
+        raise ConfigError(f"--spec-model-dir is required for --method {args.method}")
+    overrides = dict(dtype=args.dtype, device=args.device, max_batch_size=args.max_batch_size or 1)
+    plain = create_engine(build_engine_config(args.model, args.config, speculative_config={}, **overrides))
+    fast = create_engine(build_engine_config(args.model, args.config, speculative_config=spec, **overrides))
+    tokenizer = AutoTokenizer.from_pretrained(args.model)
+    params = SamplingParams(max_tokens=args.max_tokens, end_id=tokenizer.eos_token_id)
+    prompts = [prompt_ids(tokenizer, text) for text in grounded_texts(args.prompts)]
+    try:
+        for engine in (plain, fast):  # warm-up
+            engine.generate(prompts[0][:32], SamplingParams(max_tokens=8))
+        runs = {"plain": [], "spec": []}
+        for number, ids in enumerate(prompts, 1):
+            runs["plain"].append(timed_request(plain, ids, params))
+            runs["spec"].append(timed_request(fast, ids, params))
+            print(f"[bench] prompt {number}/{len(prompts)}: {len(ids)} tokens in, "
+                  f"{len(runs['spec'][-1]['tokens'])} out", file=sys.stderr, flush=True)
+    finally:
+        plain.shutdown()
+        fast.shutdown()
+    result = {"method": spec.get("decoding_type"), "speculative_config": spec, "prompts": len(prompts),
+              "max_tokens": args.max_tokens, "threads": torch.get_num_threads(),
+              "identical_outputs": all(a["tokens"] == b["tokens"] for a, b in zip(runs["plain"], runs["spec"])),
+              "plain": summarise(runs["plain"]), "spec": summarise(runs["spec"])}
+    result["speedup"] = round(result["spec"]["tok_s"] / result["plain"]["tok_s"], 3)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(f"{result['method']}: {result['spec']['tok_s']} tok/s vs {result['plain']['tok_s']} tok/s without "
+              f"speculation ({result['speedup']}x), mean accepted length {result['spec']['mean_accepted_length']}, "
+              f"outputs identical: {result['identical_outputs']}")
+    return 0

@@ -1,0 +1,73 @@
+"""Speculative decoding through the real tritonserver: a repository whose model.yaml has a speculative_config gives
+the plain repository's greedy tokens for concurrent requests of mixed lengths and reports draft counts; a plain
+repository verifies a request's own draft_input_ids."""
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+
+import e2e_clients
+from tritonllm.repo import build_repo
+from tritonllm.server import Ports, TritonServer
+
+pytestmark = pytest.mark.server
+
+MAX_SEQ_LEN = 2048
+PROMPTS = ["the river ran past the mill and the mill wheel turned, the river ran past the mill",
+           "one", "a b c d e f g a b c d e f g a b c", "Explain how bread rises in a warm kitchen."]
+
+
+@pytest.fixture(scope="module")
+def spec_server(tiny_model, tmp_path_factory):
+    """The decoupled repository with the tiny model drafting for itself (DraftTarget): every draft is right."""
+    work = tmp_path_factory.mktemp("speculative")
+    repo = build_repo(tiny_model, work / "repo", streaming=True, max_seq_len=MAX_SEQ_LEN)
+    with (repo / "tensorrt_llm" / "1" / "model.yaml").open("a") as yaml_file:
+        yaml_file.write(f"\nspeculative_config:\n  decoding_type: DraftTarget\n  max_draft_len: 3\n"
+                        f"  speculative_model_dir: {tiny_model}\n")
+    triton = TritonServer(repo, Ports.free(), log_file=work / "tritonserver.log")
+    triton.start(timeout=180)
+    try:
+        yield e2e_clients.LiveServer(triton, work / "tritonserver.log", MAX_SEQ_LEN)
+    finally:
+        triton.stop()
+
+
+def perf_reply(server, prompt_ids, max_tokens, end_id, **extra):
+    reply = server.stream_infer("tensorrt_llm", e2e_clients.direct_request(
+        prompt_ids, max_tokens, end_id, return_perf_metrics=True, exclude_input_in_output=True, **extra))
+    assert reply.error is None, reply.error
+    (output_ids,) = reply.outputs("output_ids")
+    counts = {name: int(reply.outputs(name)[-1].reshape(-1)[0])
+              for name in ("total_draft_tokens", "total_accepted_draft_tokens")}
+    return output_ids.reshape(-1).tolist(), counts
+
+
+def test_greedy_tokens_equal_the_plain_repository(server, spec_server, tokenizer):
+    prompts = [tokenizer.encode(text, add_special_tokens=True) for text in PROMPTS]
+    lengths = [24, 9, 31, 16]
+    want = [e2e_clients.greedy_token_ids(server, ids, n, tokenizer.end_id) for ids, n in zip(prompts, lengths)]
+    with ThreadPoolExecutor(len(prompts)) as pool:  # together, so the engine batches them
+        got = list(pool.map(lambda args: perf_reply(spec_server, *args, tokenizer.end_id), zip(prompts, lengths)))
+    assert [tokens for tokens, _ in got] == want
+    for tokens, counts in got:
+        if len(tokens) > 2:
+            assert counts["total_draft_tokens"] > 0
+            assert counts["total_accepted_draft_tokens"] == counts["total_draft_tokens"]
+    gauges = spec_server.wait_engine_idle()
+    assert gauges[("nv_trt_llm_kv_cache_block_metrics", "free")] == gauges[("nv_trt_llm_kv_cache_block_metrics", "max")]
+
+
+def test_draft_input_ids_are_verified_on_a_plain_repository(server, tokenizer):
+    prompt = tokenizer.encode(PROMPTS[3], add_special_tokens=True)
+    want = e2e_clients.greedy_token_ids(server, prompt, 6, tokenizer.end_id)
+    drafts = np.array([want[:5]], dtype=np.int32)
+    tokens, counts = perf_reply(server, prompt, 6, tokenizer.end_id, draft_input_ids=drafts)
+    assert tokens == want and counts == {"total_draft_tokens": 5, "total_accepted_draft_tokens": 5}
+    wrong = drafts.copy()
+    wrong[0, 2] = (wrong[0, 2] + 1) % 500
+    tokens, counts = perf_reply(server, prompt, 6, tokenizer.end_id, draft_input_ids=wrong)
+    assert tokens == want and counts == {"total_draft_tokens": 5, "total_accepted_draft_tokens": 2}
+    reply = server.stream_infer("tensorrt_llm", e2e_clients.direct_request(
+        prompt, 6, tokenizer.end_id, draft_logits=np.zeros((1, 2, 7), np.float32)))
+    assert reply.error is not None and "draft_logits" in str(reply.error)
