@@ -245,3 +245,21 @@ def test_smollm2_greedy_output_is_plain_greedy_for_every_method(smollm2_dir, tmp
         assert [o.token_ids for o in outputs] == reference, spec["decoding_type"]
         assert sum(o.request_perf_metrics.total_draft_tokens for o in outputs) > 0, spec["decoding_type"]
     assert results[1][0].request_perf_metrics.total_accepted_draft_tokens > 0  # n-gram on the grounded prompt
+
+
+def test_generate_json_lines_report_draft_counts(model_dir, tmp_path, capsys):
+    import json
+
+    from tritonllm.cli import main as cli_main
+
+    config = tmp_path / "model.yaml"
+    config.write_text(f"speculative_config:\n  decoding_type: DraftTarget\n  max_draft_len: 3\n"
+                      f"  speculative_model_dir: {model_dir}\n")
+    assert cli_main(["generate", "--model", str(model_dir), "--config", str(config), "--prompt", "hello there",
+                     "--prompt", "a b c d", "--max-tokens", "12", "--json"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(records) == 2
+    for record in records:
+        stats = record["stats"]
+        assert stats["total_draft_tokens"] > 0 and stats["total_accepted_draft_tokens"] == stats["total_draft_tokens"]
+        assert stats["acceptance_rate"] == 1.0
