@@ -1,7 +1,11 @@
-"""Speculative decoding: proposers (n-gram, lookahead, Medusa; draft model and Eagle next), one verification path,
-and the Medusa head trainer. Everything here is engine-independent (phase 1).
+"""Speculative decoding: proposers (n-gram, lookahead, Medusa; Eagle next), one verification path, the Medusa head
+trainer and `tritonllm bench spec`. Everything here is engine-independent; the embedded engine drives it from
+tritonllm.engine.embedded.speculative (with spec_methods.py and draft_model.py, the draft model's own KV cache).
 
-Phase 2, engine integration (proposal, not built yet):
+Phase 2, engine integration (built as below, except: GUARANTEED_NO_EVICT needs no extra reservation, since drafts
+are capped at the tokens a request may still commit; verification samples each row with the request's own
+sampler instead of calling `acceptance.*`, which is exact for deterministic drafts, and uses rejection sampling
+only for drafts with probabilities; lookahead's window tokens ride after the tree in the same forward):
 - Scheduler: a running sequence with k draft nodes schedules 1 + k query tokens (root + nodes) under the same
   "computed tokens catch up with known tokens" rule; drafts count against `max_num_tokens` and are reserved with
   `block_manager.grow(seq, num_computed + 1 + k)`. GUARANTEED_NO_EVICT admission adds max_total_draft_tokens.
