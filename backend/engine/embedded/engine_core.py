@@ -2,6 +2,7 @@
 tokens and finish rules. Not thread-safe: `EmbeddedEngine` drives it from one thread."""
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from dataclasses import dataclass, field, replace
@@ -11,14 +12,15 @@ import torch
 
 from ..config import EngineConfig
 from ..types import CompletionOutput, InvalidRequestError, RequestOutput, SamplingParams
-from .beam_search import BeamSearch, Continuation
+from .beam_requests import BeamRequests, beam_snapshot
+from .beam_search import BeamSearch
 from .block_manager import BlockManager, blocks_for
 from .device import resolve_device, resolve_dtype, kv_cache_token_budget
 from .loader import load_model, read_model_config
 from .model_runner import ModelRunner
-from .sampler import beam_logprobs, sample
+from .sampler import sample
 from .scheduler import Scheduler
-from .sequence import Sequence, SequenceStatus
+from .sequence import Sequence
 from .speculative import Speculator
 
 log = logging.getLogger("tritonllm.engine")
@@ -82,13 +84,17 @@ class EngineCore:
                                   self.dtype, self.device)
         self.runner.lora = self.lora
         self.speculator = Speculator(self, config.speculative_settings())
+        self.beams = BeamRequests(self)
         self.requests: dict[int, EngineRequest] = {}
         self.num_steps = 0
         self.last_context_tokens = 0
-        self._next_seq_id = 0
+        self._seq_ids = itertools.count()
         log.info("embedded engine ready: %s on %s (%s), %d KV blocks x %d tokens, max_seq_len %d, "
                  "max_batch_size %d, max_num_tokens %d", config.model, self.device, self.dtype, num_blocks,
                  block_size, self.max_seq_len, config.max_batch_size, config.max_num_tokens)
+
+    def new_seq_id(self) -> int:
+        return next(self._seq_ids)
 
     def _max_seq_len(self) -> int:
         limit = self.model_config.max_position_embeddings
@@ -160,9 +166,8 @@ class EngineCore:
         if params.beam_width > 1:  # one live beam until the first step forks it
             request.beam = BeamSearch.for_params(params, min(params.max_tokens, self.max_seq_len - len(prompt_token_ids)))
         for index in range(1 if request.beam else params.n):
-            seq = Sequence(self._next_seq_id, request_id, index, request.prompt_token_ids, params,
+            seq = Sequence(self.new_seq_id(), request_id, index, request.prompt_token_ids, params,
                            generator=_generator(params.seed, index), lora=lora)
-            self._next_seq_id += 1
             request.seqs.append(seq)
             self.scheduler.add(seq)
         self.requests[request_id] = request
@@ -257,81 +262,9 @@ class EngineCore:
                 beam_requests[request.request_id] = request
         for request in beam_requests.values():
             if all(beam.seq_id in request.beam_logits for beam in request.seqs):
-                self._beam_step(request)
+                self.beams.step(request)
                 updated[request.request_id] = request
         return updated
-
-    # -- beam search ------------------------------------------------------------------------------------------
-
-    def _beam_step(self, request: EngineRequest) -> None:
-        beams = list(request.seqs)
-        logits = torch.stack([request.beam_logits.pop(beam.seq_id) for beam in beams])
-        search = request.beam
-        candidates = search.top_continuations(beams, beam_logprobs(logits, beams), self._beam_ending)
-        survivors = search.select(beams, candidates)
-        now = time.time_ns()
-        for beam in beams:
-            beam.metrics.first_token_time_ns = beam.metrics.first_token_time_ns or now
-            beam.metrics.last_token_time_ns = now
-        if search.done:
-            for beam in beams:
-                self._finish(beam, "stop")
-            return
-        request.seqs = self._next_beams(request, beams, survivors)
-
-    def _beam_ending(self, seq: Sequence, token: int) -> tuple[Optional[str], object]:
-        """Whether `seq` extended by `token` ends, and why: ("stop", "end_id" | stop token | stop word),
-        ("length", None) or (None, None)."""
-        params = seq.params
-        if token == params.end_id and not params.ignore_eos:
-            return "stop", "end_id"
-        if params.stop_token_ids and token in params.stop_token_ids:
-            return "stop", token
-        if params.stop_words:
-            tokens = seq.all_token_ids() + [token]
-            for word in params.stop_words:
-                if tokens[-len(word):] == word:
-                    return "stop", list(word)
-        if len(seq.output_token_ids) + 1 >= params.max_tokens or seq.num_tokens + 1 >= self.max_seq_len:
-            return "length", None
-        return None, None
-
-    def _next_beams(self, request: EngineRequest, beams: list[Sequence],
-                    survivors: list[Continuation]) -> list[Sequence]:
-        """Turn the surviving continuations into live sequences: a parent's first child continues in it, the
-        others fork it (before it takes its new token); parents without children are freed."""
-        taken: set[int] = set()
-        children = []
-        for candidate in survivors:
-            parent = beams[candidate.parent]
-            if candidate.parent in taken:
-                children.append(self._fork(parent))
-            else:
-                taken.add(candidate.parent)
-                children.append(parent)
-        for index, parent in enumerate(beams):
-            if index not in taken:
-                parent.finish("cancelled")  # a pruned beam: not part of the results
-                self.scheduler.remove(parent)
-        for index, (child, candidate) in enumerate(zip(children, survivors)):
-            child.index = index
-            child.output_token_ids.append(candidate.token)
-            child.logprobs.append(candidate.logprob)
-            child.cumulative_logprob = candidate.score
-        return children
-
-    def _fork(self, parent: Sequence) -> Sequence:
-        child = Sequence(self._next_seq_id, parent.request_id, parent.index, parent.prompt_token_ids, parent.params,
-                         output_token_ids=list(parent.output_token_ids), logprobs=list(parent.logprobs),
-                         cumulative_logprob=parent.cumulative_logprob, metrics=replace(parent.metrics),
-                         lora=parent.lora)
-        self._next_seq_id += 1
-        if parent.status is SequenceStatus.RUNNING and self.block_manager.fork(parent, child, self.runner.copy_block):
-            child.status = SequenceStatus.RUNNING
-            self.scheduler.running.append(child)
-        else:  # no block for its copy (or the parent was preempted): recompute it
-            self.scheduler.waiting.appendleft(child)
-        return child
 
     def _append_token(self, seq: Sequence, token: int, logprob: float) -> None:
         now = time.time_ns()
@@ -341,18 +274,18 @@ class EngineCore:
         if token == params.end_id and not params.ignore_eos:
             if seq.generation_logits:  # the end token is not returned, nor its logits
                 seq.generation_logits.pop()
-            self._finish(seq, "stop", token)
+            self.finish_sequence(seq, "stop", token)
             return
         seq.output_token_ids.append(token)
         seq.logprobs.append(logprob)
         seq.cumulative_logprob += logprob
         stop = _matched_stop(seq)
         if stop is not None:
-            self._finish(seq, "stop", stop)
+            self.finish_sequence(seq, "stop", stop)
         elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_seq_len:
-            self._finish(seq, "length")
+            self.finish_sequence(seq, "length")
 
-    def _finish(self, seq: Sequence, reason: str, stop_reason=None) -> None:
+    def finish_sequence(self, seq: Sequence, reason: str, stop_reason=None) -> None:
         seq.finish(reason, stop_reason)
         self.scheduler.remove(seq)
         self.speculator.release(seq)
@@ -386,7 +319,7 @@ class EngineCore:
 def snapshot(request: EngineRequest, mark_delivered: bool) -> RequestOutput:
     """A RequestOutput copy of the request's state; `token_ids_diff` holds what was not delivered before."""
     if request.beam is not None:
-        return _beam_snapshot(request)
+        return beam_snapshot(request)
     outputs = []
     for seq in request.seqs:
         generation_logits = torch.stack(seq.generation_logits) if seq.params.return_generation_logits and \
@@ -402,24 +335,6 @@ def snapshot(request: EngineRequest, mark_delivered: bool) -> RequestOutput:
     context_logits = torch.cat(first.context_logits) if first.context_logits else None
     return RequestOutput(request.request_id, request.prompt_token_ids, outputs, finished=request.finished,
                          context_logits=context_logits)
-
-
-def _beam_snapshot(request: EngineRequest) -> RequestOutput:
-    """The best `n` finished hypotheses once the search is done, else the live beams, each whole (beams change
-    their earlier tokens, so a stream sends every beam in full each time)."""
-    metrics = replace(request.seqs[0].metrics) if request.seqs else None
-    if request.beam.done:
-        outputs = [CompletionOutput(index=i, token_ids=list(h.token_ids), logprobs=list(h.logprobs),
-                                    cumulative_logprob=h.cumulative_logprob, finish_reason=h.finish_reason,
-                                    stop_reason=h.stop_reason, request_perf_metrics=metrics)
-                   for i, h in enumerate(request.beam.results(request.params.n))]
-    else:
-        outputs = [CompletionOutput(index=seq.index, token_ids=list(seq.output_token_ids),
-                                    logprobs=list(seq.logprobs), cumulative_logprob=seq.cumulative_logprob,
-                                    finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-                                    request_perf_metrics=replace(seq.metrics))
-                   for seq in request.seqs[:request.params.n]]
-    return RequestOutput(request.request_id, request.prompt_token_ids, outputs, finished=request.finished)
 
 
 def _matched_stop(seq: Sequence):
