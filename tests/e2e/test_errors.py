@@ -20,7 +20,7 @@ def http_errors(server) -> dict[str, tuple[int, str]]:
         "missing text_input": {"max_tokens": 5},
         "max_tokens 0": {"text_input": "Hi", "max_tokens": 0},
         "max_tokens beyond the limit": {"text_input": "Hello there", "max_tokens": too_long},
-        "unsupported lora_task_id": {"text_input": "Hi", "max_tokens": 5, "lora_task_id": 3},
+        "lora_task_id without LoRA": {"text_input": "Hi", "max_tokens": 5, "lora_task_id": 3},
     }
     return {case: server.generate_error(body) for case, body in bodies.items()}
 
@@ -56,8 +56,8 @@ def test_malformed_requests_fail_alone_while_a_stream_completes(server):
     assert status == 400 and "max_tokens" in message and "request_output_len" in message
     status, message = errors["max_tokens beyond the limit"]
     assert status == 400 and "max_tokens" in message and f"exceeds max_seq_len {server.max_seq_len}" in message
-    status, message = errors["unsupported lora_task_id"]
-    assert status == 400 and "'lora_task_id'" in message and "not supported yet" in message
+    status, message = errors["lora_task_id without LoRA"]  # this repository runs without LoRA
+    assert status == 400 and "LoRA is not enabled" in message and "enable_lora" in message
     assert "max_tokens" in dtype_error and "FP32" in dtype_error
 
     assert still_streaming, "the good stream ended before the bad requests were answered: make it longer"
