@@ -22,7 +22,11 @@ ENGINE_ARGS_FILE = "model.yaml"
 SCHEDULER_POLICY_NAMES = {"max_utilization": "MAX_UTILIZATION", "guaranteed_no_evict": "GUARANTEED_NO_EVICT"}
 BATCHING_STRATEGIES = ("inflight_fused_batching", "inflight_batching")
 SAMPLING_DECODING_MODES = ("auto", "top_k", "top_p", "top_k_top_p", "beam_search")
-UNBUILT_DECODING_MODES = ("medusa", "redrafter", "lookahead", "eagle")
+# Speculative modes built in the embedded engine: they become speculative_config (see speculative_overrides).
+SPECULATIVE_DECODING_MODES = ("lookahead", "medusa")
+UNBUILT_DECODING_MODES = ("redrafter", "eagle")
+LOOKAHEAD_PARAMETERS = {"lookahead_window_size": "max_window_size", "lookahead_ngram_size": "max_ngram_size",
+                        "lookahead_verification_set_size": "max_verification_set_size"}
 
 # Parameters of the contract accepted at their harmless defaults (what we do anyway). Each is type-checked, so a
 # typo fails as it would upstream; a value that asks for more than the default is refused (check_unbuilt_features).
@@ -122,7 +126,29 @@ def engine_overrides(params: Parameters) -> dict[str, Any]:
     if policy is not None:
         out["scheduler_config"] = {"capacity_scheduler_policy": SCHEDULER_POLICY_NAMES[policy]}
     _put(out, "lora_config", lora_overrides(params))
+    _put(out, "speculative_config", speculative_overrides(params))
     return out
+
+
+def speculative_overrides(params: Parameters) -> Optional[dict[str, Any]]:
+    """TensorRT-LLM backend's decoding parameters as speculative_config keys. decoding_mode=lookahead needs the
+    three lookahead_* parameters (as upstream); decoding_mode=medusa takes medusa_choices, and the heads' folder
+    comes from model.yaml's speculative_config (speculative_model_dir), which the pbtxt cannot name."""
+    mode = (params.str("decoding_mode") or "").lower()
+    if mode == "lookahead":
+        config: dict[str, Any] = {"decoding_type": "Lookahead"}
+        for name, key in LOOKAHEAD_PARAMETERS.items():
+            value = params.int(name, minimum=1)
+            if value is None:
+                raise ParameterError(f"{params.model_name}: parameter '{name}' is required with decoding_mode="
+                                     f"lookahead (all of {sorted(LOOKAHEAD_PARAMETERS)})")
+            config[key] = value
+        return config
+    if mode == "medusa":
+        config = {"decoding_type": "Medusa"}
+        _put(config, "medusa_choices", params.str("medusa_choices"))
+        return config
+    return None
 
 
 def lora_overrides(params: Parameters) -> Optional[dict[str, Any]]:
@@ -184,8 +210,9 @@ def check_unbuilt_features(params: Parameters) -> None:
     if mode is not None and mode.lower() in UNBUILT_DECODING_MODES:
         raise _unbuilt(params, "decoding_mode", f"{mode} decoding is not supported yet; use one of "
                                                 f"{SAMPLING_DECODING_MODES} or leave it empty")
-    if mode is not None and mode.lower() not in SAMPLING_DECODING_MODES:
-        raise _unbuilt(params, "decoding_mode", f"must be one of {SAMPLING_DECODING_MODES + UNBUILT_DECODING_MODES}")
+    known = SAMPLING_DECODING_MODES + SPECULATIVE_DECODING_MODES
+    if mode is not None and mode.lower() not in known:
+        raise _unbuilt(params, "decoding_mode", f"must be one of {known + UNBUILT_DECODING_MODES}")
     _require(params, "kv_cache_host_memory_bytes", params.int("kv_cache_host_memory_bytes", 0, minimum=0) == 0,
              "offloading the KV cache to host memory is not supported yet; use 0")
     _require(params, "sink_token_length", not params.int("sink_token_length", 0, minimum=0),

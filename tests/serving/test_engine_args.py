@@ -218,9 +218,7 @@ def test_bad_values_name_the_parameter(model_dir, name, value):
 
 
 @pytest.mark.parametrize("name, value, why", [
-    ("decoding_mode", "medusa", "not supported"),
     ("decoding_mode", "eagle", "not supported"),
-    ("decoding_mode", "lookahead", "not supported"),
     ("decoding_mode", "redrafter", "not supported"),
     ("guided_decoding_backend", "xgrammar", "not supported yet"),
     ("enable_trt_overlap", "true", "deprecated"),
@@ -265,3 +263,35 @@ def test_harmless_contract_parameters_are_accepted(model_dir):
     settings = load(model_dir, **harmless)
     assert settings.engine.model == MODEL and settings.unknown_parameters == ()
     assert load(model_dir, gpt_model_type="inflight_batching", decoding_mode="AUTO").engine.model == MODEL
+
+
+# ------------------------------------------------------------------------------------------------ speculative
+
+def test_lookahead_decoding_mode_becomes_speculative_config(model_dir):
+    settings = load(model_dir, decoding_mode="lookahead", lookahead_window_size="3", lookahead_ngram_size="4",
+                    lookahead_verification_set_size="2")
+    assert settings.engine.speculative_config == {"decoding_type": "Lookahead", "max_window_size": 3,
+                                                  "max_ngram_size": 4, "max_verification_set_size": 2}
+    spec = settings.engine.speculative_settings()
+    assert (spec.max_window_size, spec.max_ngram_size, spec.max_verification_set_size) == (3, 4, 2)
+
+
+def test_lookahead_decoding_mode_needs_all_three_sizes(model_dir):
+    with pytest.raises(ParameterError, match="'lookahead_ngram_size' is required with decoding_mode=lookahead"):
+        load(model_dir, decoding_mode="lookahead", lookahead_window_size="3", lookahead_verification_set_size="2")
+
+
+def test_medusa_decoding_mode_takes_its_choices_and_the_heads_from_model_yaml(model_dir):
+    write_yaml(model_dir, {"speculative_config": {"decoding_type": "Medusa", "speculative_model_dir": "/heads"}})
+    settings = load(model_dir, decoding_mode="medusa", medusa_choices="{0}, {0, 0}, {1}")
+    assert settings.engine.speculative_config == {"decoding_type": "Medusa", "speculative_model_dir": "/heads",
+                                                  "medusa_choices": "{0}, {0, 0}, {1}"}
+    assert settings.engine.speculative_settings().max_total_draft_tokens == 3
+    with pytest.raises(ConfigError, match="speculative_model_dir"):
+        load(_empty(model_dir), decoding_mode="medusa")  # no speculative_config in model.yaml: no heads
+
+
+def _empty(model_dir: Path) -> Path:
+    other = model_dir / "no_yaml"
+    (other / "1").mkdir(parents=True)
+    return other
