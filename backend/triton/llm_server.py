@@ -220,14 +220,18 @@ class LLMRequestServer:
                 else:
                     del self.by_triton_id[state.triton_id]
 
-    def shutdown(self, timeout: float = 10.0) -> None:
-        """Abort what is still running, let the sender answer it, then stop."""
+    def shutdown(self, timeout: float = 3.0) -> None:
+        """Abort what is still running, let the sender answer it, then stop. Bounded well under tritonserver's
+        exit timeout: a model still finalizing then would be left behind as an orphaned stub process."""
         with self.lock:
             states = {id(s): s for s in self.active.values()}.values()
         for state in states:
             self._cancel(state)
         self.stopping.set()
         self.thread.join(timeout)
+        if self.thread.is_alive():
+            log.warning("%d request(s) still unanswered at shutdown: %s", len(self.active),
+                        sorted({s.triton_id for s in self.active.values()}))
 
     @property
     def num_active(self) -> int:

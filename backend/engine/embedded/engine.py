@@ -156,7 +156,9 @@ class EmbeddedEngine:
             return
         self._stopped.set()
         self._commands.put(("stop",))
-        self._thread.join(timeout=30)
+        self._thread.join(timeout=5)  # a step in flight finishes first; Triton's exit timeout is 10 s
+        if self._thread.is_alive():
+            log.warning("the engine thread is still busy after 5 s; leaving it (daemon thread)")
 
     # -- engine thread ----------------------------------------------------------------------------------------
 
@@ -189,11 +191,21 @@ class EmbeddedEngine:
             if kind == "add":
                 self._add(*command[1:])
             elif kind == "abort":
-                request = self.core.abort_request(command[1])
-                if request is not None:
-                    self._deliver(request)
+                self._abort(command[1])
             elif kind == "idle":
                 idle_waiters.append(command[1])
+
+    def _abort(self, request_id: int) -> None:
+        try:
+            request = self.core.abort_request(request_id)
+        except Exception:  # never let one abort stop the engine thread: every other request would hang
+            log.exception("aborting request %s failed; failing it", request_id)
+            handle = self._handles.pop(request_id, None)
+            if handle is not None:
+                handle._put(EngineError(f"request {request_id} could not be aborted cleanly"))
+            return
+        if request is not None:
+            self._deliver(request)
 
     def _add(self, handle: RequestHandle, prompt: list[int], params: SamplingParams, lora=None) -> None:
         try:
