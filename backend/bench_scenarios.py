@@ -107,7 +107,8 @@ def main_chunked(args, tokenizer) -> dict:
         _progress(f"chunked prefill {mode}: {args.streams} streams, then a {args.long_prompt}-token prompt")
         engine = _engine(args, max_seq_len=args.long_prompt + 512, **overrides)
         try:
-            chunked_run(engine, streams[:1], long_prompt[:64], 8)  # warm-up
+            # Warm-up, with streams as long as the real ones: short ones can end before the prompt's first token.
+            chunked_run(engine, streams[:1], long_prompt[:64], args.stream_tokens)
             results[mode] = chunked_run(engine, streams, long_prompt, args.stream_tokens)
         finally:
             engine.shutdown()
