@@ -56,6 +56,11 @@ def test_greedy_tokens_equal_the_plain_repository(server, spec_server, tokenizer
             assert counts["total_accepted_draft_tokens"] == counts["total_draft_tokens"]
     gauges = spec_server.wait_engine_idle()
     assert gauges[("nv_trt_llm_kv_cache_block_metrics", "free")] == gauges[("nv_trt_llm_kv_cache_block_metrics", "max")]
+    drafted = sum(counts["total_draft_tokens"] for _, counts in got)
+    samples = {s.name: s.value for s in e2e_clients.parse_samples(spec_server.metrics_text())
+               if s.name.startswith("nv_llm_spec_") and s.labels.get("model") == "tensorrt_llm"}
+    assert samples["nv_llm_spec_draft_tokens_sum"] == drafted  # the Prometheus histograms saw every draft
+    assert samples["nv_llm_spec_acceptance_rate_count"] == sum(1 for _, counts in got if counts["total_draft_tokens"])
 
 
 def test_draft_input_ids_are_verified_on_a_plain_repository(server, tokenizer):

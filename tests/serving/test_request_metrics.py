@@ -157,3 +157,17 @@ def test_a_failing_metrics_hook_does_not_cost_the_client_its_response():
     server.shutdown()
     (response, _flags), = request.get_response_sender().sent
     assert not response.has_error()
+
+
+def test_speculative_requests_add_their_draft_counts_and_acceptance_rate(pb_utils):
+    from tritonllm.triton.request_metrics import ACCEPTANCE_RATE, ACCEPTED_DRAFT_TOKENS, DRAFT_TOKENS
+
+    metrics = RequestMetrics("tensorrt_llm", "1")
+    plain = completion(4, first_ms=2, last_ms=5)
+    drafted = completion(6, first_ms=2, last_ms=5)
+    drafted.request_perf_metrics.total_draft_tokens, drafted.request_perf_metrics.total_accepted_draft_tokens = 8, 6
+    metrics.observe(finished(3, plain))
+    metrics.observe(finished(3, drafted))
+    observed = {name: metrics.histograms[name].observations
+                for name in (DRAFT_TOKENS, ACCEPTED_DRAFT_TOKENS, ACCEPTANCE_RATE)}
+    assert observed == {DRAFT_TOKENS: [8], ACCEPTED_DRAFT_TOKENS: [6], ACCEPTANCE_RATE: [0.75]}
