@@ -3,11 +3,9 @@ endpoint found on tritonserver's command line, and one request run end to end ag
 responses (preprocessing and postprocessing stand-ins), with a fake pb_utils."""
 from __future__ import annotations
 
-import importlib.util
 import sys
 import threading
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,15 +20,7 @@ from tritonllm.bls.stop_words import first_stop_end, search_start
 from tritonllm.triton.pb import InputError
 
 
-def _load_fake_pb_utils():
-    path = Path(__file__).resolve().parents[1] / "fake_pb_utils.py"
-    spec = importlib.util.spec_from_file_location("fake_pb_utils", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-fake = _load_fake_pb_utils()
+import fake_pb_utils as fake  # registered by conftest.py
 
 
 @pytest.fixture(autouse=True)

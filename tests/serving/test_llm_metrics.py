@@ -3,10 +3,8 @@ from the engine's stats and the process's memory, and a refresh thread that keep
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -15,15 +13,7 @@ from tritonllm.triton.llm_metrics import FAMILIES, GAUGES, EngineMetrics, gauge_
 from tritonllm.triton.runtime_memory import runtime_memory
 
 
-def _load_fake_pb_utils():
-    path = Path(__file__).resolve().parents[1] / "fake_pb_utils.py"
-    spec = importlib.util.spec_from_file_location("fake_pb_utils_metrics", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-fake = _load_fake_pb_utils()
+import fake_pb_utils as fake  # registered by conftest.py
 
 
 @pytest.fixture(autouse=True)

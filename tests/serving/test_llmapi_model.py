@@ -3,7 +3,6 @@ the real embedded engine, and a fake pb_utils standing in for Triton (auto_compl
 metrics). The real server is exercised by tests/e2e/test_llmapi.py."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
 import time
@@ -18,15 +17,7 @@ from tritonllm.model_files.tiny import build_tiny_model
 from tritonllm.triton.llmapi_server import LLMAPIServer
 
 
-def _load_fake_pb_utils():
-    path = Path(__file__).resolve().parents[1] / "fake_pb_utils.py"
-    spec = importlib.util.spec_from_file_location("fake_pb_utils_llmapi_model", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-fake = _load_fake_pb_utils()
+import fake_pb_utils as fake  # registered by conftest.py
 PROMPT = "The lamp turned"
 TYPES = {bool: np.bool_, int: np.int32, float: np.float32}
 

@@ -2,9 +2,7 @@
 pb_utils; every refusal names the input."""
 from __future__ import annotations
 
-import importlib.util
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -13,15 +11,7 @@ from tritonllm.triton.llmapi_request import convert_request, name_inputs
 from tritonllm.triton.pb import InputError
 
 
-def _load_fake_pb_utils():
-    path = Path(__file__).resolve().parents[1] / "fake_pb_utils.py"
-    spec = importlib.util.spec_from_file_location("fake_pb_utils_llmapi_request", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-fake = _load_fake_pb_utils()
+import fake_pb_utils as fake  # registered by conftest.py
 
 
 @pytest.fixture(autouse=True)

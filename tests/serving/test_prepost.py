@@ -1,10 +1,8 @@
 """The preprocessing and postprocessing models executed with a fake pb_utils (no server), and the pb plumbing."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,16 +17,7 @@ from tritonllm.triton.params import ParameterError
 TEXT = ["Hello world, the quick brown fox jumps over the lazy dog.", "Streaming keeps spaces: naïve café 🙂"] * 10
 
 
-def _load_fake_pb_utils():
-    path = Path(__file__).resolve().parents[1] / "fake_pb_utils.py"
-    spec = importlib.util.spec_from_file_location("fake_pb_utils", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["fake_pb_utils"] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-fake = _load_fake_pb_utils()
+import fake_pb_utils as fake  # registered by conftest.py
 
 
 @pytest.fixture(autouse=True)

@@ -2,10 +2,8 @@
 sender thread's hook that feeds them."""
 from __future__ import annotations
 
-import importlib.util
 import sys
 import time
-from pathlib import Path
 
 import pytest
 
@@ -14,15 +12,7 @@ from tritonllm.triton.request_metrics import (HISTOGRAMS, INPUT_TOKENS, INTER_TO
                                               TIME_TO_FIRST_TOKEN, RequestMetrics, observe_request)
 
 
-def _load_fake_pb_utils():
-    path = Path(__file__).resolve().parents[1] / "fake_pb_utils.py"
-    spec = importlib.util.spec_from_file_location("fake_pb_utils_request_metrics", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-fake = _load_fake_pb_utils()
+import fake_pb_utils as fake  # registered by conftest.py
 MS = 1_000_000  # nanoseconds
 
 
