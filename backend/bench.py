@@ -5,13 +5,12 @@ tokens; throughput counts those requested tokens over wall time (prefill include
 as static batches (left-padded, each batch runs until its longest request is done); the engine gets them all at once."""
 from __future__ import annotations
 
-import json
 import random
-import sys
 import time
 from dataclasses import dataclass
 from importlib import resources
 
+from .bench_report import progress, report
 from .engine.types import SamplingParams
 from .generate import build_engine_config
 
@@ -66,9 +65,6 @@ def run_hf(model, tokenizer, requests: list[BenchRequest], batch_size: int) -> f
     return time.perf_counter() - start
 
 
-def _progress(message: str) -> None:
-    print(f"[bench] {message}", file=sys.stderr, flush=True)
-
 
 def main(args) -> int:
     import torch
@@ -82,19 +78,19 @@ def main(args) -> int:
     requests = make_requests(tokenizer, args.requests, (args.min_prompt, args.max_prompt),
                              (args.min_output, args.max_output), args.seed)
     total_tokens = sum(r.output_len for r in requests)
-    _progress(f"{len(requests)} requests, {total_tokens} output tokens; starting the engine")
+    progress(f"{len(requests)} requests, {total_tokens} output tokens; starting the engine")
     engine = create_engine(config)
     dtype = engine.core.dtype
     try:
         run_engine(engine, requests[:2])  # warm-up
-        _progress("timing the engine")
+        progress("timing the engine")
         engine_s = run_engine(engine, requests)
     finally:
         engine.shutdown()
-    _progress(f"engine: {engine_s:.1f}s; loading Hugging Face ({dtype})")
+    progress(f"engine: {engine_s:.1f}s; loading Hugging Face ({dtype})")
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(engine.core.device).eval()
     run_hf(model, tokenizer, requests[:2], args.hf_batch_size)
-    _progress(f"timing Hugging Face generate in static batches of {args.hf_batch_size}")
+    progress(f"timing Hugging Face generate in static batches of {args.hf_batch_size}")
     hf_s = run_hf(model, tokenizer, requests, args.hf_batch_size)
     result = {"requests": len(requests), "output_tokens": total_tokens, "dtype": str(dtype).replace("torch.", ""),
               "device": str(engine.core.device), "threads": torch.get_num_threads(),
@@ -102,9 +98,6 @@ def main(args) -> int:
               "engine_tok_s": round(total_tokens / engine_s, 2), "hf_tok_s": round(total_tokens / hf_s, 2),
               "hf_batch_size": args.hf_batch_size}
     result["ratio"] = round(result["engine_tok_s"] / result["hf_tok_s"], 3)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(f"embedded engine: {result['engine_tok_s']} tok/s   HF generate: {result['hf_tok_s']} tok/s   "
-              f"ratio {result['ratio']}x")
+    report(result, args.json, f"embedded engine: {result['engine_tok_s']} tok/s   HF generate: "
+                              f"{result['hf_tok_s']} tok/s   ratio {result['ratio']}x")
     return 0

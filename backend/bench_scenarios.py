@@ -6,19 +6,15 @@ reuse: requests sharing a long system prompt arrive together after one request h
 prompt (as in steady traffic); their mean time to first token with KV reuse off and on."""
 from __future__ import annotations
 
-import json
 import statistics
-import sys
 import threading
 import time
 
 from .bench import make_requests
+from .bench_report import progress, report
 from .engine.types import SamplingParams
 from .generate import build_engine_config
 
-
-def _progress(message: str) -> None:
-    print(f"[bench] {message}", file=sys.stderr, flush=True)
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -104,7 +100,7 @@ def main_chunked(args, tokenizer) -> dict:
     results = {}
     for mode, overrides in (("off", {"enable_chunked_prefill": False, "max_num_tokens": args.long_prompt + 64}),
                             ("on", {"enable_chunked_prefill": True, "max_num_tokens": args.chunk})):
-        _progress(f"chunked prefill {mode}: {args.streams} streams, then a {args.long_prompt}-token prompt")
+        progress(f"chunked prefill {mode}: {args.streams} streams, then a {args.long_prompt}-token prompt")
         engine = _engine(args, max_seq_len=args.long_prompt + 512, **overrides)
         try:
             # Warm-up, with streams as long as the real ones: short ones can end before the prompt's first token.
@@ -122,7 +118,7 @@ def main_reuse(args, tokenizer) -> dict:
     questions = _tokens(tokenizer, args.requests, 16, args.seed + 1)
     results = {}
     for mode, reuse in (("off", False), ("on", True)):
-        _progress(f"KV reuse {mode}: {args.requests} requests sharing a {args.system_prompt}-token system prompt")
+        progress(f"KV reuse {mode}: {args.requests} requests sharing a {args.system_prompt}-token system prompt")
         engine = _engine(args, kv_cache_config={"enable_block_reuse": reuse},
                          max_seq_len=args.system_prompt + 64)
         try:
@@ -139,9 +135,5 @@ def main(args) -> int:
 
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     result = main_chunked(args, tokenizer) if args.bench_command == "chunked" else main_reuse(args, tokenizer)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        for key, value in result.items():
-            print(f"{key}: {value}")
+    report(result, args.json, "\n".join(f"{key}: {value}" for key, value in result.items()))
     return 0

@@ -7,13 +7,12 @@ The adapters go in as TensorRT-LLM tensors (lora_weights / lora_config) in a war
 requests name them by id only, as clients of the PEFT cache do."""
 from __future__ import annotations
 
-import json
-import sys
 import time
 
 import torch
 
 from tritonllm.bench import make_requests
+from tritonllm.bench_report import progress, report
 from tritonllm.engine.types import LoRARequest, SamplingParams
 from tritonllm.generate import build_engine_config
 
@@ -21,9 +20,6 @@ from .adapter import LoraAdapter
 from .modules import MODULES, ModuleShapes
 from .trtllm_format import adapter_to_tensors
 
-
-def _progress(message: str) -> None:
-    print(f"[bench] {message}", file=sys.stderr, flush=True)
 
 
 def random_adapter(shapes: ModuleShapes, rank: int, seed: int) -> LoraAdapter:
@@ -72,18 +68,18 @@ def main(args) -> int:
     requests = make_requests(tokenizer, args.requests, (args.prompt, args.prompt), (args.output, args.output),
                              args.seed)
     total = sum(r.output_len for r in requests)
-    _progress(f"{len(requests)} requests x {args.prompt} prompt / {args.output} output tokens; starting the engine")
+    progress(f"{len(requests)} requests x {args.prompt} prompt / {args.output} output tokens; starting the engine")
     engine = EmbeddedEngine(config)
     try:
         shapes = ModuleShapes.of_config(engine.core.model_config)
         ids = register_adapters(engine, shapes, args.adapters, args.rank)
         mixed = [ids[i % len(ids)] for i in range(len(requests))]
         timed_run(engine, requests[:2], [None, ids[0]])  # warm-up
-        _progress("timing the base model")
+        progress("timing the base model")
         base_s = timed_run(engine, requests, [None] * len(requests))
-        _progress(f"base: {base_s:.1f}s; timing {args.adapters} adapters mixed")
+        progress(f"base: {base_s:.1f}s; timing {args.adapters} adapters mixed")
         lora_s = timed_run(engine, requests, mixed)
-        _progress(f"adapters: {lora_s:.1f}s; timing the base model again (the machine's drift shows here)")
+        progress(f"adapters: {lora_s:.1f}s; timing the base model again (the machine's drift shows here)")
         base_again_s = timed_run(engine, requests, [None] * len(requests))
         base_s = (base_s + base_again_s) / 2
         dtype, device = engine.core.dtype, engine.core.device
@@ -96,9 +92,6 @@ def main(args) -> int:
               "lora_s": round(lora_s, 3), "base_tok_s": round(total / base_s, 2),
               "lora_tok_s": round(total / lora_s, 2)}
     result["ratio"] = round(result["lora_tok_s"] / result["base_tok_s"], 3)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(f"base model: {result['base_tok_s']} tok/s   {args.adapters} adapters mixed: {result['lora_tok_s']} "
-              f"tok/s   ratio {result['ratio']}x")
+    report(result, args.json, f"base model: {result['base_tok_s']} tok/s   {args.adapters} adapters mixed: "
+                              f"{result['lora_tok_s']} tok/s   ratio {result['ratio']}x")
     return 0

@@ -6,9 +6,9 @@ alike). Decode speed counts the tokens after the first over the time from the fi
 left out). Mean accepted length: tokens committed per decode step of the speculative engine."""
 from __future__ import annotations
 
-import json
-import sys
 from importlib import resources
+
+from tritonllm.bench_report import progress, report
 
 TASK = "Rewrite the following text in your own words, keeping every step and detail:\n\n"
 METHODS = {
@@ -91,8 +91,7 @@ def main(args) -> int:
         for number, ids in enumerate(prompts, 1):
             runs["plain"].append(timed_request(plain, ids, params))
             runs["spec"].append(timed_request(fast, ids, params))
-            print(f"[bench] prompt {number}/{len(prompts)}: {len(ids)} tokens in, "
-                  f"{len(runs['spec'][-1]['tokens'])} out", file=sys.stderr, flush=True)
+            progress(f"prompt {number}/{len(prompts)}: {len(ids)} tokens in, {len(runs['spec'][-1]['tokens'])} out")
     finally:
         plain.shutdown()
         fast.shutdown()
@@ -101,10 +100,7 @@ def main(args) -> int:
               "identical_outputs": all(a["tokens"] == b["tokens"] for a, b in zip(runs["plain"], runs["spec"])),
               "plain": summarise(runs["plain"]), "spec": summarise(runs["spec"])}
     result["speedup"] = round(result["spec"]["tok_s"] / result["plain"]["tok_s"], 3)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(f"{result['method']}: {result['spec']['tok_s']} tok/s vs {result['plain']['tok_s']} tok/s without "
-              f"speculation ({result['speedup']}x), mean accepted length {result['spec']['mean_accepted_length']}, "
-              f"outputs identical: {result['identical_outputs']}")
+    report(result, args.json, f"{result['method']}: {result['spec']['tok_s']} tok/s vs {result['plain']['tok_s']} "
+                              f"tok/s without speculation ({result['speedup']}x), mean accepted length "
+                              f"{result['spec']['mean_accepted_length']}, outputs identical: {result['identical_outputs']}")
     return 0

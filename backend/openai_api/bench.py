@@ -12,12 +12,12 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
 from ..bench import make_requests
+from ..bench_report import progress, report
 from ..repo import build_repo
 from ..server import Ports, TritonServer, free_port
 from .generation import OUTPUTS, PreparedPrompt, backend_inputs
@@ -27,9 +27,6 @@ from .triton_client import TritonClient
 
 SERVED_NAME = "bench"
 
-
-def _progress(message: str) -> None:
-    print(f"[bench] {message}", file=sys.stderr, flush=True)
 
 
 def request_for(prompt: str, output_tokens: int) -> GenerationRequest:
@@ -105,7 +102,7 @@ def measure(args, model_dir: Path, work: Path) -> dict:
     max_seq_len = max(p.prompt_tokens for p in prompts) + args.output_tokens + 16
     repo = build_repo(model_dir, work / "repo", streaming=True, max_batch_size=args.requests,
                       max_seq_len=max_seq_len, overwrite=True)
-    _progress(f"starting tritonserver on {repo} (logs in {work})")
+    progress(f"starting tritonserver on {repo} (logs in {work})")
     with TritonServer(repo, Ports.free(), log_file=work / "tritonserver.log") as triton:
         extra = ["--served-model-name", SERVED_NAME, "--backend-model", args.backend_model]
         with FrontendProcess(triton.grpc_url, model_dir, free_port(), extra=extra,
@@ -113,10 +110,10 @@ def measure(args, model_dir: Path, work: Path) -> dict:
             warm = prompts[:2]
             asyncio.run(direct_run(triton.grpc_url, args.backend_model, warm, 4))
             asyncio.run(frontend_run(frontend.base_url, warm, 4))
-            _progress(f"direct gRPC: {len(prompts)} concurrent streams of {args.output_tokens} tokens")
+            progress(f"direct gRPC: {len(prompts)} concurrent streams of {args.output_tokens} tokens")
             direct_s, direct = asyncio.run(direct_run(triton.grpc_url, args.backend_model, prompts,
                                                       args.output_tokens))
-            _progress(f"direct: {direct_s:.1f}s; now through the OpenAI endpoint")
+            progress(f"direct: {direct_s:.1f}s; now through the OpenAI endpoint")
             frontend_s, through = asyncio.run(frontend_run(frontend.base_url, prompts, args.output_tokens))
     result = {"backend_model": args.backend_model, "requests": len(prompts), "prompt_tokens": args.prompt_tokens,
               "output_tokens_per_request": args.output_tokens, "load_1min": round(load, 2),
@@ -139,9 +136,7 @@ def main(args) -> int:
     else:
         with tempfile.TemporaryDirectory(prefix="tritonllm-bench-openai-") as folder:
             result = measure(args, model_dir, Path(folder))
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(f"direct gRPC: {result['direct']['tok_s']} tok/s   through the OpenAI endpoint: "
-              f"{result['openai']['tok_s']} tok/s   ratio {result['ratio']}x   texts equal: {result['texts_equal']}")
+    report(result, args.json, f"direct gRPC: {result['direct']['tok_s']} tok/s   through the OpenAI endpoint: "
+                              f"{result['openai']['tok_s']} tok/s   ratio {result['ratio']}x   texts equal: "
+                              f"{result['texts_equal']}")
     return 0
