@@ -17,6 +17,7 @@ from ..engine.types import RequestOutput
 from .llm_request import EngineRow, convert_request, is_stop_request
 from .llm_responses import beam_tensors, merge_batch, sequence_tensors
 from .pb import InputError, error_response, pb_utils, send_final, send_response
+from .request_metrics import report_finished
 
 log = logging.getLogger("tritonllm.tensorrt_llm")
 
@@ -134,7 +135,7 @@ class LLMRequestServer:
             return
         if item.finished:
             state.rows_done += 1
-            self._report_finished(item)
+            report_finished(self.on_finished, item, log)
         if state.cancelled:
             if state.rows_done == len(state.rows):
                 self._close(state, error_response("request was cancelled", cancelled=True))
@@ -143,14 +144,6 @@ class LLMRequestServer:
             self._send_decoupled(state, row, item)
         else:
             self._collect_non_decoupled(state, row, item)
-
-    def _report_finished(self, output: RequestOutput) -> None:
-        if self.on_finished is None:
-            return
-        try:
-            self.on_finished(output)
-        except Exception:  # metrics must never cost a client its response
-            log.exception("could not record the metrics of a finished request")
 
     def _send_decoupled(self, state: TritonRequestState, row: int, output: RequestOutput) -> None:
         options = state.rows[row].options

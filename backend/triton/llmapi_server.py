@@ -20,6 +20,7 @@ from .llmapi_request import LLMAPIRequest, convert_request, name_inputs
 from .llmapi_responses import SequenceResult, error_response, inference_response
 from .llmapi_text import SequenceText
 from .pb import InputError, send_final, send_response
+from .request_metrics import report_finished
 
 log = logging.getLogger("tritonllm.llmapi")
 
@@ -98,7 +99,7 @@ class LLMAPIServer:
             self._close(state, error_response(f"the engine failed: {item}", "INTERNAL"))
             return
         if item.finished:
-            self._report_finished(item)
+            report_finished(self.on_finished, item, log)
         if state.closed:
             return  # answered already (every sequence reached a stop string); only the metrics were left
         if state.cancelled:
@@ -141,14 +142,6 @@ class LLMAPIServer:
             return SequenceResult(text.text(final=False), cumulative_logprob=completion.cumulative_logprob)
         finish_reason = "stop" if text.stopped else completion.finish_reason
         return SequenceResult(text.text(final=True), finish_reason, text.stopped_by, completion.cumulative_logprob)
-
-    def _report_finished(self, output: RequestOutput) -> None:
-        if self.on_finished is None:
-            return
-        try:
-            self.on_finished(output)
-        except Exception:  # metrics must never cost a client its response
-            log.exception("could not record the metrics of a finished request")
 
     def _close(self, state: RequestState, response: Any) -> None:
         """Send the request's last response (FINAL flag) and forget it."""

@@ -15,8 +15,9 @@ The speculative-decoding histograms count only requests that had draft tokens (s
 Cancelled requests count too: their tokens were generated."""
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from ..engine.types import RequestOutput
 from .pb import pb_utils
@@ -95,6 +96,18 @@ def mean_inter_token_latency(completion: Any) -> Optional[float]:
     if timing is None or gaps < 1 or not timing.first_token_time_ns or not timing.last_token_time_ns:
         return None
     return max(timing.last_token_time_ns - timing.first_token_time_ns, 0) / gaps / 1e9
+
+
+def report_finished(on_finished: Optional[Callable[[RequestOutput], None]], output: RequestOutput,
+                    log: logging.Logger) -> None:
+    """Hand a finished request to the model's metrics hook, if any; a failure there is logged, never raised (metrics
+    must never cost a client its response)."""
+    if on_finished is None:
+        return
+    try:
+        on_finished(output)
+    except Exception:
+        log.exception("could not record the metrics of a finished request")
 
 
 class RequestMetrics:
