@@ -229,3 +229,24 @@ def test_smollm2_logits_match_hf_and_it_knows_paris(smollm2_dir):
     while len(generated) < len(answer):
         generated.append(int(decode_step(model, generated[-1], len(prompt) + len(generated) - 1, caches).argmax()))
     assert generated == answer
+
+
+def test_cpu_fp32_models_use_prepacked_matmuls_with_the_same_logits(llama_dir):
+    """fp32 on CPU packs every projection and the output head for oneDNN; other dtypes keep the plain matmul."""
+    from tritonllm.engine.embedded.models.cpu_gemm import packing_available
+    from tritonllm.engine.embedded.models.layers import Linear
+
+    model, config = load_model(llama_dir, torch.float32, "cpu")
+    linears = [m for m in model.modules() if isinstance(m, Linear)]
+    if not packing_available():
+        pytest.skip("this PyTorch build has no oneDNN weight packing")
+    assert linears and all(m.packed is not None for m in linears) and model.packed_head is not None
+    packed_logits, _ = prefill(model, config, PROMPT)
+    for module in linears:
+        module.packed = None
+    model.packed_head = None
+    plain_logits, _ = prefill(model, config, PROMPT)
+    torch.testing.assert_close(packed_logits, plain_logits, atol=1e-5, rtol=1e-5)
+
+    half, _ = load_model(llama_dir, torch.bfloat16, "cpu")
+    assert half.packed_head is None and all(m.packed is None for m in half.modules() if isinstance(m, Linear))

@@ -58,9 +58,19 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
     tail_masks = meta.tail_masks or [None] * len(meta.query_starts)
     for start, q_len, ctx_len, table, tail_mask in zip(meta.query_starts, meta.query_lens, meta.context_lens,
                                                        meta.block_tables, tail_masks):
-        out[start:start + q_len] = _sequence_attention(q[start:start + q_len], k_cache, v_cache, table,
-                                                       ctx_len, meta.block_size, scale, tail_mask)
+        rows = slice(start, start + q_len)
+        if q_len == ctx_len and tail_mask is None:  # a whole prompt: its own keys, causal, nothing to gather
+            out[rows] = _causal_attention(q[rows], k[rows], v[rows], scale)
+        else:
+            out[rows] = _sequence_attention(q[rows], k_cache, v_cache, table, ctx_len, meta.block_size, scale,
+                                            tail_mask)
     return out
+
+
+def _causal_attention(q, k, v, scale):
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
+                                         scale=scale, enable_gqa=True)
+    return out.transpose(0, 1)
 
 
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:

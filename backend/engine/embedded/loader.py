@@ -48,6 +48,7 @@ def load_model(model_dir: Union[str, Path], dtype: torch.dtype,
     _allocate_parameters(model, dtype, device)
     _fill_parameters(model, config, files, device)
     model.rotary_emb.reset_frequencies(device)
+    model.pack_for_cpu()
     return model.eval(), config
 
 

@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .cpu_gemm import pack_weight, packed_linear
 from .model_config import RopeConfig
 from .rope import rope_frequencies
 
@@ -19,8 +20,15 @@ class Linear(nn.Module):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.packed: torch.Tensor | None = None  # the weight prepacked for oneDNN on CPU (see cpu_gemm)
+
+    def pack_for_cpu(self) -> None:
+        """Pack the loaded weight once for CPU matmuls (a no-op off CPU / fp32); the weight must not change after."""
+        self.packed = pack_weight(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return packed_linear(x, self.packed, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 

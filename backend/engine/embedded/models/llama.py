@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import AttentionMetadata, paged_attention
+from .cpu_gemm import pack_weight, packed_linear
 from .layers import Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary
 from .model_config import ModelConfig
 
@@ -83,6 +84,19 @@ class LlamaForCausalLM(nn.Module):
         self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim)
         # Tied models reuse the embedding matrix as the output projection.
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.packed_head: torch.Tensor | None = None
+
+    def pack_for_cpu(self) -> None:
+        """Prepack every projection and the output head for CPU matmuls (fp32 on CPU only; see cpu_gemm). Costs a
+        second copy of those weights in memory; call once the weights are loaded."""
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack_for_cpu()
+        self.packed_head = pack_weight(self.output_weight)
+
+    @property
+    def output_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                 kv_caches: list[KVCache], lora=None) -> torch.Tensor:
@@ -98,7 +112,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> fp32 logits [N, vocab]."""
-        weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.packed_head is not None:
+            return packed_linear(hidden, self.packed_head, None).float()
+        weight = self.output_weight
         if 1 < hidden.shape[0] <= _FEW_ROWS and hidden.device.type == "cpu":
             # A few rows (speculative drafts, small decode batches): on CPU, weight @ hidden.T runs at the cost of one
             # row where the usual layout costs several (measured on SmolLM2's 49k x 576 head).
