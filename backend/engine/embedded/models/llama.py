@@ -49,13 +49,14 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden)
         if lora is not None:
             lora.apply("qkv", hidden, qkv)
-        q, k, v = qkv.split(self.split_sizes, dim=-1)
-        q = q.view(tokens, self.num_heads, self.head_dim)
-        k = k.view(tokens, self.num_kv_heads, self.head_dim)
+        q_and_k, v = qkv.split([self.split_sizes[0] + self.split_sizes[1], self.split_sizes[2]], dim=-1)
+        q_and_k = q_and_k.view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:  # Qwen3 normalises each head before rotating it
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+            q, k = q_and_k.split([self.num_heads, self.num_kv_heads], dim=1)
+            q_and_k = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        # Queries and keys rotate in one go (fewer small ops per layer, which count on CPU).
+        q, k = apply_rotary(q_and_k, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], attn, self.scale).reshape(tokens, -1)
         projected = self.o_proj(out)
         return projected if lora is None else lora.apply("o", out, projected)
