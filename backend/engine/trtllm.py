@@ -126,12 +126,21 @@ def trtllm_sampling_params(params: SamplingParams, trtllm: Any) -> Any:
         ignore_eos=params.ignore_eos, return_perf_metrics=params.return_perf_metrics,
         # Triton's pre/postprocessing models own the text; the engine works on token ids only.
         detokenize=False, include_stop_str_in_output=True,
+        lookahead_config=_lookahead_config(params.lookahead_config, trtllm),
         **_beam_search_kwargs(params.beam_width), **_word_placeholders(params))
     if params.stop_words:
         sampling._stop_word_ids = [list(word) for word in params.stop_words]
     if params.bad_words:
         sampling._bad_word_ids = [list(word) for word in params.bad_words]
     return sampling
+
+
+def _lookahead_config(config, trtllm: Any):
+    """Our per-request (W, N, G) as the executor binding the library's SamplingParams.lookahead_config takes."""
+    if config is None:
+        return None
+    binding = trtllm.bindings.executor.LookaheadDecodingConfig
+    return binding(config.max_window_size, config.max_ngram_size, config.max_verification_set_size)
 
 
 def _embedding_bias_tensor(bias: Optional[list[float]]):

@@ -60,6 +60,9 @@ class SamplingParams:
     draft_tokens: Optional[list[int]] = None
     draft_logits: Optional["torch.Tensor"] = None
     draft_acceptance_threshold: Optional[float] = None
+    # Per-request lookahead window / n-gram / verification set (TensorRT-LLM's SamplingParams.lookahead_config,
+    # a tritonllm.spec_decode.config.LookaheadConfig); each at most the engine's, which must run lookahead.
+    lookahead_config: Optional[object] = None
 
     @property
     def greedy(self) -> bool:

@@ -19,8 +19,6 @@ UNSUPPORTED_INPUTS = {
     "cross_attention_mask": "multimodal", "skip_cross_attn_blocks": "multimodal",
     "mrope_rotary_cos_sin": "multimodal", "mrope_position_deltas": "multimodal",
     "guided_decoding_guide_type": "guided decoding", "guided_decoding_guide": "guided decoding",
-    "lookahead_window_size": "lookahead decoding", "lookahead_ngram_size": "lookahead decoding",
-    "lookahead_verification_set_size": "lookahead decoding",
     "context_phase_params": "disaggregated serving",
     "retention_token_range_starts": "KV cache retention", "retention_token_range_ends": "KV cache retention",
     "retention_token_range_priorities": "KV cache retention",
@@ -109,7 +107,7 @@ def _convert_row(request, row, ids, length, default_exclude_input, decoupled) ->
         return_context_logits=_flag(request, "return_context_logits", row, False),
         return_generation_logits=_flag(request, "return_generation_logits", row, False),
         return_perf_metrics=_flag(request, "return_perf_metrics", row, False),
-        **_draft_inputs(request, row))
+        lookahead_config=_lookahead(request, row), **_draft_inputs(request, row))
     options = RowOptions(streaming, _flag(request, "exclude_input_in_output", row, default_exclude_input),
                          params.logprobs, params.return_perf_metrics, params.return_context_logits,
                          params.return_generation_logits)
@@ -118,6 +116,28 @@ def _convert_row(request, row, ids, length, default_exclude_input, decoupled) ->
     except ValueError as exc:
         raise InputError(f"invalid sampling input: {exc}") from None
     return EngineRow([int(t) for t in ids[:length]], params, options, _lora_request(request, row))
+
+
+LOOKAHEAD_INPUTS = {"lookahead_window_size": "max_window_size", "lookahead_ngram_size": "max_ngram_size",
+                    "lookahead_verification_set_size": "max_verification_set_size"}
+
+
+def _lookahead(request, row):
+    """The row's own lookahead (W, N, G): all three inputs or none (as TensorRT-LLM's backend requires)."""
+    from tritonllm.spec_decode.config import LookaheadConfig
+
+    values = {name: _int(request, name, row) for name in LOOKAHEAD_INPUTS}
+    given = [name for name, value in values.items() if value is not None]
+    if not given:
+        return None
+    if len(given) < len(values):
+        missing = sorted(set(values) - set(given))
+        raise InputError(f"input '{given[0]}' needs all three lookahead inputs; missing {', '.join(missing)}")
+    for name, value in values.items():
+        least = 2 if name == "lookahead_ngram_size" else 1
+        if value < least:
+            raise InputError(f"input '{name}' = {value} must be >= {least}")
+    return LookaheadConfig(**{key: values[name] for name, key in LOOKAHEAD_INPUTS.items()})
 
 
 def _early_stopping(request, row) -> Optional[int]:

@@ -76,3 +76,47 @@ def test_draft_input_ids_are_verified_on_a_plain_repository(server, tokenizer):
     reply = server.stream_infer("tensorrt_llm", e2e_clients.direct_request(
         prompt, 6, tokenizer.end_id, draft_logits=np.zeros((1, 2, 7), np.float32)))
     assert reply.error is not None and "draft_logits" in str(reply.error)
+
+
+@pytest.fixture(scope="module")
+def lookahead_server(tiny_model, tmp_path_factory):
+    """A repository running lookahead decoding with the TensorRT-LLM backend's parameters (W = N = G = 3)."""
+    work = tmp_path_factory.mktemp("lookahead")
+    repo = build_repo(tiny_model, work / "repo", streaming=True, max_seq_len=MAX_SEQ_LEN,
+                      parameters={"decoding_mode": "lookahead", "lookahead_window_size": "3",
+                                  "lookahead_ngram_size": "3", "lookahead_verification_set_size": "3"})
+    triton = TritonServer(repo, Ports.free(), log_file=work / "tritonserver.log")
+    triton.start(timeout=180)
+    try:
+        yield e2e_clients.LiveServer(triton, work / "tritonserver.log", MAX_SEQ_LEN)
+    finally:
+        triton.stop()
+
+
+def lookahead_inputs(window, ngram, verification):
+    return {"lookahead_window_size": window, "lookahead_ngram_size": ngram,
+            "lookahead_verification_set_size": verification}
+
+
+def test_per_request_lookahead_inputs_narrow_the_instance_lookahead(server, lookahead_server, tokenizer):
+    prompt = tokenizer.encode(PROMPTS[2], add_special_tokens=True)
+    want = e2e_clients.greedy_token_ids(server, prompt, 20, tokenizer.end_id)
+    for sizes in [(2, 2, 2), (3, 3, 3), (1, 3, 1)]:
+        tokens, counts = perf_reply(lookahead_server, prompt, 20, tokenizer.end_id, **lookahead_inputs(*sizes))
+        assert tokens == want, sizes
+    tokens, _ = perf_reply(lookahead_server, prompt, 20, tokenizer.end_id)  # the instance's own sizes
+    assert tokens == want
+    too_wide = lookahead_server.stream_infer("tensorrt_llm", e2e_clients.direct_request(
+        prompt, 4, tokenizer.end_id, **lookahead_inputs(4, 3, 3)))
+    assert too_wide.error is not None and "window size 4 exceeds the model instance's 3" in str(too_wide.error)
+    partial = lookahead_server.stream_infer("tensorrt_llm", e2e_clients.direct_request(
+        prompt, 4, tokenizer.end_id, lookahead_window_size=2))
+    assert partial.error is not None
+    assert "missing lookahead_ngram_size, lookahead_verification_set_size" in str(partial.error)
+
+
+def test_per_request_lookahead_inputs_need_an_instance_running_lookahead(server, tokenizer):
+    prompt = tokenizer.encode(PROMPTS[1], add_special_tokens=True)
+    reply = server.stream_infer("tensorrt_llm", e2e_clients.direct_request(
+        prompt, 4, tokenizer.end_id, **lookahead_inputs(2, 2, 2)))
+    assert reply.error is not None and "needs the model instance's lookahead decoding" in str(reply.error)

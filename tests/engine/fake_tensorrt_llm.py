@@ -6,6 +6,8 @@ TensorRT-LLM cannot be installed here, so the adapter is tested against this mod
   LLM.__init__ / generate_async / get_stats / get_kv_cache_events / shutdown:
       tensorrt_llm/llmapi/llm.py @ 4c05a74891e4df8066f08ed4ce14b0972abe4e25 (`LLM` = `_TorchLLM`, the PyTorch
       backend; its keyword arguments are checked against the LLM argument model's field names)
+  bindings.executor.LookaheadDecodingConfig:
+      cpp/include/tensorrt_llm/executor/executor.h (constructor: windowSize, ngramSize, verificationSetSize)
   SamplingParams:
       tensorrt_llm/sampling_params.py @ b35ac1b64368513d215c57d2ed01d62d910df8da (version.py there: 1.2.0rc2)
   KvCacheConfig, SchedulerConfig, CapacitySchedulerPolicy, LLM argument names (BaseLlmArgs + TorchLlmArgs):
@@ -259,6 +261,19 @@ class SamplingParams:
     def _get_stop_reasons_and_words(self):
         reasons = list(self.stop_token_ids or []) + (_as_list(self.stop) if self.stop is not None else [])
         return list(zip(reasons, self._get_stop_words()))
+
+
+@dataclass(frozen=True)
+class _LookaheadDecodingConfig:
+    """bindings.executor.LookaheadDecodingConfig(windowSize, ngramSize, verificationSetSize) (executor.h)."""
+    window_size: int
+    ngram_size: int
+    verification_set_size: int
+
+
+class bindings:  # noqa: N801 - the library's module path tensorrt_llm.bindings.executor
+    class executor:  # noqa: N801
+        LookaheadDecodingConfig = _LookaheadDecodingConfig
 
 
 def _as_list(text: Union[str, List[str]]) -> List[str]:

@@ -430,3 +430,13 @@ def test_a_missing_library_gives_a_clear_error(monkeypatch):
     importlib.reload(adapter)  # importing the adapter module itself never needs the library
     with pytest.raises(ImportError, match="TensorRT-LLM is not installed; use engine: embedded"):
         create_engine(EngineConfig(model="m", engine="tensorrt_llm"))
+
+
+def test_sampling_params_lookahead_config_becomes_the_executor_binding(fake):
+    from tritonllm.spec_decode.config import LookaheadConfig
+
+    ours = SamplingParams(max_tokens=5, lookahead_config=LookaheadConfig(max_window_size=3, max_ngram_size=4,
+                                                                         max_verification_set_size=2))
+    theirs = adapter.trtllm_sampling_params(ours, fake)
+    assert theirs.lookahead_config == fake.bindings.executor.LookaheadDecodingConfig(3, 4, 2)
+    assert adapter.trtllm_sampling_params(SamplingParams(max_tokens=5), fake).lookahead_config is None

@@ -263,3 +263,34 @@ def test_generate_json_lines_report_draft_counts(model_dir, tmp_path, capsys):
         stats = record["stats"]
         assert stats["total_draft_tokens"] > 0 and stats["total_accepted_draft_tokens"] == stats["total_draft_tokens"]
         assert stats["acceptance_rate"] == 1.0
+
+
+def test_per_request_lookahead_configs_mix_in_one_batch_and_stay_greedy(model_dir, other_draft_dir, medusa_dir,
+                                                                         reference):
+    """Each request may narrow the engine's lookahead (TensorRT-LLM's SamplingParams.lookahead_config)."""
+    from tritonllm.spec_decode.config import LookaheadConfig
+
+    engine = make_engine(model_dir, methods(model_dir, other_draft_dir, medusa_dir)["lookahead"])
+    own = [LookaheadConfig(max_window_size=2, max_ngram_size=2, max_verification_set_size=1), None,
+           LookaheadConfig(max_window_size=3, max_ngram_size=3, max_verification_set_size=3),
+           LookaheadConfig(max_window_size=1, max_ngram_size=3, max_verification_set_size=2)]
+    try:
+        handles = [engine.generate_async(p, SamplingParams(max_tokens=n, end_id=2, lookahead_config=c))
+                   for p, n, c in zip(PROMPTS, MAX_TOKENS, own)]
+        outputs = [h.result().outputs[0] for h in handles]
+        assert [o.token_ids for o in outputs] == reference
+        assert outputs[0].request_perf_metrics.total_draft_tokens > 0
+        decoders = engine.core.speculator.method.decoders
+        assert {c for c in own if c is not None} <= set(decoders)  # each request ran with its own (W, N, G)
+        assert_all_blocks_free(engine)
+        too_wide = LookaheadConfig(max_window_size=4, max_ngram_size=3, max_verification_set_size=3)
+        with pytest.raises(InvalidRequestError, match="window size 4 exceeds the model instance's 3"):
+            engine.generate_async(PROMPTS[0], SamplingParams(max_tokens=4, lookahead_config=too_wide))
+    finally:
+        engine.shutdown()
+    plain = make_engine(model_dir)
+    try:
+        with pytest.raises(InvalidRequestError, match="needs the model instance's lookahead decoding"):
+            plain.generate_async(PROMPTS[0], SamplingParams(max_tokens=4, lookahead_config=own[0]))
+    finally:
+        plain.shutdown()

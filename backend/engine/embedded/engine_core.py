@@ -134,6 +134,8 @@ class EngineCore:
         if params.draft_logits is not None and params.draft_logits.shape[-1] != vocab:
             raise InvalidRequestError(f"draft_logits has {params.draft_logits.shape[-1]} columns, the vocabulary "
                                       f"{vocab}")
+        if params.lookahead_config is not None:
+            self.speculator.check_lookahead(params.lookahead_config)
         needed = blocks_for(total, self.block_manager.block_size) * params.beam_width
         if needed > self.block_manager.num_blocks:
             beams = f" ({params.beam_width} beams)" if params.beam_width > 1 else ""

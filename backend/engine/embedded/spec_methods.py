@@ -75,31 +75,39 @@ class LookaheadMethod:
     needs_hidden = False
 
     def __init__(self, config):
-        from tritonllm.spec_decode.lookahead import LookaheadDecoder
-
-        self.decoder = LookaheadDecoder(config)
-        self.states: dict[int, object] = {}
+        self.config = config
+        self.decoders: dict[object, object] = {}  # one LookaheadDecoder per (W, N, G) in use
+        self.states: dict[int, tuple[object, object]] = {}  # seq id -> (its decoder, its LookaheadState)
 
     def drafts(self, items: Seq[ProposalInput], seqs: Seq[Sequence]) -> list[Optional[StepDraft]]:
-        return [self._draft(item) for item in items]
+        return [self._draft(item, seq.params.lookahead_config or self.config) for item, seq in zip(items, seqs)]
 
-    def _draft(self, item: ProposalInput) -> Optional[StepDraft]:
+    def _decoder(self, config):
+        from tritonllm.spec_decode.lookahead import LookaheadDecoder
+
+        if config not in self.decoders:
+            self.decoders[config] = LookaheadDecoder(config)
+        return self.decoders[config]
+
+    def _draft(self, item: ProposalInput, config) -> Optional[StepDraft]:
         history = list(item.token_ids)
-        state = self.states.get(item.seq_id)
-        if state is None:
-            state = self.states[item.seq_id] = self.decoder.new_state(history)
+        if item.seq_id in self.states:
+            decoder, state = self.states[item.seq_id]
+            decoder.observe(state, history)
         else:
-            self.decoder.observe(state, history)
-        step = self.decoder.build_step(state, history[-1], item.max_draft_tokens)
+            decoder = self._decoder(config)
+            state = decoder.new_state(history)
+            self.states[item.seq_id] = (decoder, state)
+        step = decoder.build_step(state, history[-1], item.max_draft_tokens)
         if len(step.tokens) - 1 > (item.max_draft_tokens or 0) + 1:  # the window would pass the KV reservation
             return None
         nodes = len(step.tree)
         return StepDraft(step.tree, step.tokens[1 + nodes:], step.position_offsets, step.mask, context=step)
 
     def after_verify(self, seq: Sequence, draft: StepDraft, argmax: list[int], num_committed: int) -> None:
-        state = self.states.get(seq.seq_id)
-        if state is not None and draft.context is not None:
-            self.decoder.advance_window(state, draft.context, argmax, num_committed)
+        if seq.seq_id in self.states and draft.context is not None:
+            decoder, state = self.states[seq.seq_id]
+            decoder.advance_window(state, draft.context, argmax, num_committed)
 
     def release(self, seq_id: int) -> None:
         self.states.pop(seq_id, None)

@@ -41,6 +41,23 @@ class Speculator:
         self.hidden: dict[int, torch.Tensor] = {}  # Medusa: the state that predicted each sequence's last token
         self.external_done: set[int] = set()  # sequences whose request's draft tokens are verified
 
+    def check_lookahead(self, wanted) -> None:
+        """A request's own lookahead (W, N, G) needs the engine's lookahead and must fit within it."""
+        from tritonllm.spec_decode.config import LookaheadConfig
+
+        from ..types import InvalidRequestError
+
+        if not isinstance(self.config, LookaheadConfig):
+            raise InvalidRequestError("a per-request lookahead config (lookahead_window_size / lookahead_ngram_size /"
+                                      " lookahead_verification_set_size) needs the model instance's lookahead "
+                                      "decoding (decoding_mode: lookahead, or speculative_config decoding_type "
+                                      "Lookahead)")
+        for key, short in (("max_window_size", "window size"), ("max_ngram_size", "n-gram size"),
+                           ("max_verification_set_size", "verification set size")):
+            if getattr(wanted, key) > getattr(self.config, key):
+                raise InvalidRequestError(f"lookahead {short} {getattr(wanted, key)} exceeds the model instance's "
+                                          f"{getattr(self.config, key)}")
+
     # -- before the schedule ----------------------------------------------------------------------------------
 
     def propose(self, running: list[Sequence]) -> None:
