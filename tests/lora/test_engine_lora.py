@@ -158,3 +158,39 @@ def test_lora_request_without_enable_lora_is_refused(tiny_llama, tiny_tokenizer,
             engine.generate(prompt_ids[0], greedy(tiny_tokenizer), LoRARequest(lora_int_id=1))
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize("spec", [
+    {"decoding_type": "NGram", "max_draft_len": 4, "max_matching_ngram_size": 2},
+    {"decoding_type": "Lookahead", "max_window_size": 3, "max_ngram_size": 3, "max_verification_set_size": 3},
+], ids=["ngram", "lookahead"])
+def test_speculation_with_adapters_keeps_each_adapters_greedy_tokens(tiny_llama, tiny_tokenizer, prompt_ids,
+                                                                      base_tokens, two_adapters, spec):
+    """Drafts are verified by the forward of the request's own adapter, so speculation never changes its tokens."""
+    engine = EmbeddedEngine(EngineConfig.from_dict({
+        "model": str(tiny_llama), "dtype": "float32", "device": DEVICE, "max_batch_size": 8, "max_num_tokens": 512,
+        "kv_cache_config": {"tokens_per_block": 8, "max_tokens": 4096}, "enable_lora": True,
+        "speculative_config": spec}))
+    # Repetitive prompts give the model-free drafters something to propose.
+    prompts = [ids * 3 for ids in prompt_ids]
+    try:
+        jobs = [(engine.generate_async(ids, greedy(tiny_tokenizer)), None) for ids in prompts]
+        for task_id, name in ((1, "first"), (2, "second")):
+            path = two_adapters[name][0]
+            for ids in prompts:
+                jobs.append((engine.generate_async(ids, greedy(tiny_tokenizer),
+                                                   lora_request=LoRARequest(name, task_id, str(path))), name))
+        got = [handle.result().outputs[0] for handle, _ in jobs]
+    finally:
+        engine.shutdown()
+    plain = make_engine(tiny_llama)
+    try:
+        want = [plain.generate(ids, greedy(tiny_tokenizer)).outputs[0].token_ids for ids in prompts]
+        for task_id, name in ((1, "first"), (2, "second")):
+            lora = LoRARequest(name, task_id, str(two_adapters[name][0]))
+            want += [plain.generate(ids, greedy(tiny_tokenizer), lora_request=lora).outputs[0].token_ids
+                     for ids in prompts]
+    finally:
+        plain.shutdown()
+    assert [o.token_ids for o in got] == want
+    assert sum(o.request_perf_metrics.total_draft_tokens for o in got) > 0
