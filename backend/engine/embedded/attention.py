@@ -23,7 +23,7 @@ class AttentionMetadata:
     context_lens: list[int]
     block_size: int
     # Decode-only steps (every query_len == 1) use one batched kernel; built once per step by the runner.
-    decode_mask: torch.Tensor | None = None  # [S, 1, 1, max_context] bool
+    decode_mask: torch.Tensor | None = None  # [S, 1, 1, max_context], bool or additive (build_decode_mask)
     # Speculative drafts: per sequence, None (causal) or a [n, n] bool mask over its last n query tokens (the root
     # and its draft tree); those tokens see the whole context before them and, among themselves, only this mask.
     tail_masks: list[torch.Tensor | None] | None = None
@@ -33,10 +33,16 @@ class AttentionMetadata:
         return self.decode_mask is not None
 
 
-def build_decode_mask(context_lens: list[int], block_size: int, num_blocks: int, device) -> torch.Tensor:
+def build_decode_mask(context_lens: list[int], block_size: int, num_blocks: int, device,
+                      dtype: torch.dtype | None = None) -> torch.Tensor:
+    """[S, 1, 1, num_blocks * block_size]: which gathered positions each sequence sees. Bool, or with `dtype` (the
+    queries' dtype) additive 0 / -inf, which SDPA takes as is; a bool mask it converts again in every layer."""
     lens = torch.tensor(context_lens, device=device)
     positions = torch.arange(num_blocks * block_size, device=device)
-    return (positions[None, :] < lens[:, None])[:, None, None, :]
+    visible = (positions[None, :] < lens[:, None])[:, None, None, :]
+    if dtype is None:
+        return visible
+    return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -128,7 +128,8 @@ class ModelRunner:
             query_lens=list(batch.num_new_tokens), context_lens=context_lens, block_size=bs,
             tail_masks=tail_masks if any(m is not None for m in tail_masks) else None)
         if all(n == 1 for n in batch.num_new_tokens):
-            attn.decode_mask = build_decode_mask(context_lens, bs, max_blocks, self.device)
+            attn.decode_mask = build_decode_mask(context_lens, bs, max_blocks, self.device,
+                                                 self.kv_caches[0][0].dtype)
         return StepInputs(self._long(input_ids), self._long(positions), attn, self._long(logits_indices),
                           sampling_seqs, context_requests, first_rows)
 
