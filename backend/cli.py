@@ -77,6 +77,9 @@ def _bench_commands(sub) -> None:
     add_bench_command(kinds)
     from tritonllm.spec_decode.cli import add_bench_command as add_spec_bench
     add_spec_bench(kinds, _engine_arguments)
+    from tritonllm.spec_decode.bls_bench import add_arguments as add_bls_spec_arguments
+    add_bls_spec_arguments(kinds.add_parser("bls-spec", help="tensorrt_llm_bls draft/target loop vs the same BLS "
+                                                             "without drafts, real tritonserver, batch 1"))
 
 
 def _repo_commands(sub) -> None:
@@ -168,6 +171,8 @@ def _run(args) -> int:
             from .openai_api.bench import main
         elif args.bench_command == "spec":
             from tritonllm.spec_decode.bench import main
+        elif args.bench_command == "bls-spec":
+            from tritonllm.spec_decode.bls_bench import main
         else:
             from .bench_scenarios import main
         return main(args)

@@ -42,3 +42,17 @@ def test_stop_word_ends_the_speculative_loop(draft_server, tokenizer):
 def test_without_a_draft_model_the_request_is_refused(server):
     status, message = server.generate_error({**BODY, "num_draft_tokens": 4}, model="tensorrt_llm_bls")
     assert status == 400 and "tensorrt_llm_draft_model_name" in message
+
+
+def test_bls_spec_bench_reports_equal_texts_and_the_counts(tiny_model, capsys):
+    """`tritonllm bench bls-spec` on the tiny model drafting for itself: every draft token is accepted."""
+    import json
+
+    from tritonllm.cli import main
+
+    assert main(["bench", "bls-spec", "--model", str(tiny_model), "--draft-model", str(tiny_model),
+                 "--prompts", "1", "--max-tokens", "12", "--num-draft-tokens", "3", "--json"]) == 0
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    result = json.loads(line)
+    assert result["texts_equal"] and result["plain_s"] > 0 and result["speculative_s"] > 0
+    assert result["total_draft_tokens"] > 0 and result["acceptance_rate"] == 1.0
