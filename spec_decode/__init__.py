@@ -1,6 +1,7 @@
-"""Speculative decoding: proposers (n-gram, lookahead, Medusa; Eagle next), one verification path, the Medusa head
-trainer and `tritonllm bench spec`. Everything here is engine-independent; the embedded engine drives it from
-tritonllm.engine.embedded.speculative (with spec_methods.py and draft_model.py, the draft model's own KV cache).
+"""Speculative decoding: proposers (n-gram, lookahead, Medusa, the EAGLE-1/2 checkpoint format), one verification
+path, the Medusa head trainer and `tritonllm bench spec`. Everything here is engine-independent; the embedded engine
+drives it from tritonllm.engine.embedded.speculative (with spec_methods.py, draft_model.py and eagle_proposer.py, the
+draft model's and the Eagle layer's own KV caches).
 
 Phase 2, engine integration (built as below, except: GUARANTEED_NO_EVICT needs no extra reservation, since drafts
 are capped at the tokens a request may still commit; verification samples each row with the request's own

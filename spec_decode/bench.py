@@ -18,14 +18,17 @@ METHODS = {
     "drafttarget": lambda a: {"decoding_type": "DraftTarget", "max_draft_len": a.draft_len,
                               "speculative_model_dir": a.spec_model_dir},
     "medusa": lambda a: {"decoding_type": "Medusa", "speculative_model_dir": a.spec_model_dir},
+    "eagle": lambda a: {"decoding_type": "Eagle", "max_draft_len": a.draft_len,
+                        "speculative_model_dir": a.spec_model_dir},
 }
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--method", choices=sorted(METHODS), default="ngram",
                         help="when --config has no speculative_config")
-    parser.add_argument("--draft-len", type=int, default=6, help="max_draft_len for ngram / drafttarget")
-    parser.add_argument("--spec-model-dir", help="draft model or Medusa heads folder (drafttarget, medusa)")
+    parser.add_argument("--draft-len", type=int, default=6, help="max_draft_len for ngram / drafttarget / eagle")
+    parser.add_argument("--spec-model-dir",
+                        help="draft model, Medusa heads or EAGLE draft folder (drafttarget, medusa, eagle)")
     parser.add_argument("--prompts", type=int, default=4, help="texts to rewrite, one request at a time")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--json", action="store_true")

@@ -142,9 +142,6 @@ class EngineConfig:
         if self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1:
             problems.append("tensor/pipeline parallelism (the embedded engine runs on one device)")
         spec = self.speculative_settings()
-        if spec is not None and spec.decoding_type == "Eagle":
-            problems.append("speculative_config.decoding_type=Eagle (Eagle is not built yet in the embedded engine; "
-                            "NGram, DraftTarget, Medusa and Lookahead are)")
         if spec is not None and self.max_beam_width > 1:
             problems.append(f"speculative_config with max_beam_width={self.max_beam_width} (speculative decoding "
                             "does not combine with beam search)")

@@ -147,8 +147,8 @@ def test_unsupported_settings_fail_at_start(tmp_path):
     model_dir = build_tiny_model(tmp_path / "m", seed=0)
     with pytest.raises(ConfigError, match="speculative_config.decoding_type"):
         EngineConfig.from_dict({"model": str(model_dir), "speculative_config": {"x": 1}})
-    with pytest.raises(InvalidRequestError, match="Eagle is not built yet"):
+    with pytest.raises(InvalidRequestError, match="EAGLE-3 drafts are not built"):
         EmbeddedEngine(EngineConfig.from_dict({"model": str(model_dir), "speculative_config": {
-            "decoding_type": "Eagle", "speculative_model_dir": str(model_dir)}}))
+            "decoding_type": "Eagle3", "speculative_model_dir": str(model_dir)}}))
     with pytest.raises(InvalidRequestError, match="unknown_key"):
         EmbeddedEngine(EngineConfig.from_dict({"model": str(model_dir), "unknown_key": 3}))

@@ -219,6 +219,7 @@ class EngineCore:
                 seq.metrics.prefill_steps += 1
                 self.last_context_tokens += min(num_new, len(seq.prompt_token_ids) - seq.num_computed_tokens)
         out = self.runner.execute(batch, self.block_manager.take_newly_allocated())
+        self.speculator.observe(out)
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += num_new - seq.num_draft_tokens  # drafts count once accepted
             self.block_manager.register_full_blocks(seq, seq.cache_key)

@@ -7,6 +7,7 @@ and logits come back for the root and every draft token."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
@@ -34,6 +35,9 @@ class StepOutput:
     hidden: torch.Tensor  # [rows, hidden]: the final-norm hidden states of the same rows
     seqs: list[Sequence]  # the sampling sequences
     first_rows: list[int]  # each one's first row
+    # Only when the runner's `keep_all_hidden` is set (Eagle): for every scheduled sequence, the position of its
+    # first computed token and the final-norm hidden states of its computed known tokens (drafts left out).
+    all_hidden: Optional[list[tuple[Sequence, int, torch.Tensor]]] = None
 
     def rows_of(self, index: int) -> slice:
         start = self.first_rows[index]
@@ -47,6 +51,7 @@ class ModelRunner:
         self.block_size = block_size
         self.device = device
         self.lora = None  # tritonllm.lora.runtime.LoraRuntime when LoRA is enabled
+        self.keep_all_hidden = False  # return every computed position's hidden state (StepOutput.all_hidden)
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         # Blocks are zeroed when first handed out (see `zero_blocks`), so the cache can start uninitialised.
         self.kv_caches = [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
@@ -62,7 +67,11 @@ class ModelRunner:
         logits = self.model.compute_logits(sampled).float()
         for seq, indices in inputs.context_requests:
             seq.context_logits.append(self.model.compute_logits(hidden[self._long(indices)]).float().cpu())
-        return StepOutput(logits, sampled, inputs.sampling_seqs, inputs.first_rows)
+        all_hidden = None
+        if self.keep_all_hidden:
+            all_hidden = [(seq, seq.num_computed_tokens, hidden[start:start + num - seq.num_draft_tokens])
+                          for seq, num, start in zip(batch.seqs, batch.num_new_tokens, inputs.attn.query_starts)]
+        return StepOutput(logits, sampled, inputs.sampling_seqs, inputs.first_rows, all_hidden)
 
     def _lora_batch(self, batch: ScheduledBatch):
         """The step's multi-LoRA view (each sequence's tokens with its adapter), or None without adapters."""

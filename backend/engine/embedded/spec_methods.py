@@ -146,6 +146,8 @@ def build_method(spec_config, core) -> Optional[object]:
         from .draft_model import DraftModelProposer
 
         return ProposerMethod(DraftModelProposer.for_target(spec_config, core))
+    if kind == "Eagle":
+        return _eagle_method(spec_config, core)
     raise ValueError(f"speculative_config.decoding_type={kind} is not built yet in the embedded engine")
 
 
@@ -164,3 +166,27 @@ def _medusa_proposer(spec_config, core):
         return MedusaProposer(heads, spec_config.medusa_choices, spec_config.max_draft_len)
     except ModelLoadError as exc:
         raise InvalidRequestError(f"speculative_config.speculative_model_dir: {exc}") from None
+
+def _eagle_method(spec_config, core):
+    """EAGLE-1/2: the draft layer of `speculative_model_dir` on the target's dtype and device, with as many KV
+    slots as the target's cache (one layer's worth)."""
+    from tritonllm.engine.types import InvalidRequestError
+    from tritonllm.spec_decode.eagle import load_eagle
+
+    from .eagle_proposer import EagleMethod, EagleProposer
+    from .models.model_config import ModelLoadError
+
+    where = "speculative_config"
+    if spec_config.eagle3:
+        raise InvalidRequestError(f"{where}.decoding_type=Eagle3: EAGLE-3 drafts are not built in the embedded "
+                                  "engine (EAGLE-1/2 drafts are)")
+    if spec_config.use_dynamic_tree:
+        raise InvalidRequestError(f"{where}.use_dynamic_tree: EAGLE-2's dynamic tree is not built in the embedded "
+                                  "engine; use a static eagle_choices tree or a chain (max_draft_len)")
+    try:
+        draft = load_eagle(spec_config.speculative_model_dir, core.dtype, core.device, target=core.model_config)
+    except ModelLoadError as exc:
+        raise InvalidRequestError(f"{where}.speculative_model_dir: {exc}") from None
+    manager = core.block_manager
+    return EagleMethod(EagleProposer(draft, core.model, spec_config.max_draft_len, spec_config.eagle_choices,
+                                     manager.num_blocks, manager.block_size, core.dtype, core.device))

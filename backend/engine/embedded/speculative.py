@@ -40,6 +40,9 @@ class Speculator:
         self.method = build_method(spec_config, core)
         self.hidden: dict[int, torch.Tensor] = {}  # Medusa: the state that predicted each sequence's last token
         self.external_done: set[int] = set()  # sequences whose request's draft tokens are verified
+        # Eagle: the method sees the target's hidden state of every computed position (prompts included).
+        self.all_hidden = getattr(self.method, "needs_all_hidden", False)
+        core.runner.keep_all_hidden = self.all_hidden
 
     def check_lookahead(self, wanted) -> None:
         """A request's own lookahead (W, N, G) needs the engine's lookahead and must fit within it."""
@@ -63,6 +66,8 @@ class Speculator:
     def propose(self, running: list[Sequence]) -> None:
         """Set `draft` on the running decode sequences that speculate this step."""
         items, seqs = [], []
+        if self.all_hidden:
+            self.method.retain({seq.seq_id for seq in running})  # preempted sequences start over
         for seq in running:
             seq.draft = None
             room = self._room(seq)
@@ -95,6 +100,11 @@ class Speculator:
 
     # -- after the forward ------------------------------------------------------------------------------------
 
+    def observe(self, out: StepOutput) -> None:
+        """Eagle: hand the method the hidden states of the positions this step computed."""
+        for seq, position, hidden in out.all_hidden or ():
+            self.method.observe_hidden(seq, position, hidden)
+
     def remember_hidden(self, out: StepOutput, index: int, offset: int = 0) -> None:
         """Medusa drafts from the hidden state that produced the sequence's newest token (row `offset` of its
         rows: the last accepted node's)."""
@@ -112,6 +122,9 @@ class Speculator:
         seq.draft = None
         if seq.is_finished:
             return
+        if self.all_hidden and accepted:  # the accepted nodes' rows are computed positions now
+            rows = [out.first_rows[index] + 1 + node for node in accepted]
+            self.method.observe_hidden(seq, root_position + 1, out.hidden[rows])
         if not draft.external and self.method is not None:
             argmax = raw.argmax(dim=-1).tolist() if draft.window else []  # the window's guesses
             self.method.after_verify(seq, draft, argmax, len(accepted) + 1)

@@ -1,0 +1,230 @@
+"""EAGLE-1/2 draft layers in the EAGLE checkpoint format: loading, saving, and the layer itself.
+
+An EAGLE-1/2 draft is one Llama decoder layer without `input_layernorm`, preceded by `fc` ([H, 2H], with a bias
+unless config.json says `"bias": false`). It has no embedding or LM head of its own: it borrows the target's. At
+draft position j its input is `fc(cat(embed(token[j + 1]), feature[j]))`, where the feature is the target's
+final-norm hidden state at position j (for committed positions) or the draft layer's own output at its parent
+(for drafted ones); its output goes through the target's LM head as it is, without a norm.
+
+A checkpoint folder holds `config.json` (Hugging Face Llama style, `num_hidden_layers: 1`, optional `bias` and
+`qkv_bias`) and `model.safetensors` or `pytorch_model.bin` with the keys the EAGLE repository writes: `fc.weight`,
+`fc.bias`, `layers.0.self_attn.{q,k,v,o}_proj.weight` (q/k/v biases with `qkv_bias`),
+`layers.0.mlp.{gate,up,down}_proj.weight`, `layers.0.post_attention_layernorm.weight`, and optionally
+`embed_tokens.weight`, which is ignored (the target's embedding is used). EAGLE-3 drafts (`midlayer.*`, `d2t`) are
+a different format and are refused with a message saying so."""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any, Optional, Union
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from tritonllm.engine.embedded.attention import AttentionMetadata
+from tritonllm.engine.embedded.models.layers import Linear, RotaryEmbedding
+from tritonllm.engine.embedded.models.llama import LlamaDecoderLayer, WeightSlot, _layer_slots
+from tritonllm.engine.embedded.models.model_config import ModelConfig, ModelLoadError
+
+CONFIG_FILE = "config.json"
+SAFETENSORS_FILE = "model.safetensors"
+PICKLE_FILE = "pytorch_model.bin"
+LAYER_PREFIX = "layers.0."
+# Tensors an EAGLE-1/2 folder may hold that the draft does not use.
+_IGNORED = ("embed_tokens.weight",)
+_EAGLE3_KEYS = ("midlayer.", "d2t", "t2d")
+
+
+class EagleDraft(nn.Module):
+    """fc + one decoder layer (no input norm). `forward` takes the token embeddings (the target's embedding of
+    each draft position's token) and the features, and returns the layer's output, to go through the target's LM
+    head unnormalised."""
+
+    def __init__(self, config: ModelConfig, bias: bool = True):
+        super().__init__()
+        self.config = config
+        self.bias = bias
+        hidden = config.hidden_size
+        self.fc = Linear(2 * hidden, hidden, bias=bias)
+        self.layer = LlamaDecoderLayer(config)
+        self.layer.input_layernorm = nn.Identity()
+        self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim)
+
+    @property
+    def hidden_size(self) -> int:
+        return self.config.hidden_size
+
+    def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
+                attn: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """embeds, features: [T, hidden]; positions: [T]; kv_cache: the layer's (k, v) paged cache."""
+        hidden = self.fc(torch.cat((embeds, features.to(embeds.dtype)), dim=-1))
+        cos, sin = self.rotary_emb(positions, hidden.dtype)
+        return self.layer(hidden, cos, sin, attn, kv_cache)
+
+    def checkpoint_slots(self) -> dict[str, WeightSlot]:
+        """Every tensor an EAGLE-1/2 checkpoint must hold, by its name there."""
+        slots = {"fc.weight": WeightSlot(self.fc.weight, 0, tuple(self.fc.weight.shape))}
+        if self.fc.bias is not None:
+            slots["fc.bias"] = WeightSlot(self.fc.bias, 0, tuple(self.fc.bias.shape))
+        # The shared Llama slot map, given a stand-in for the input norm this layer does not have.
+        layer = self.layer
+        view = SimpleNamespace(input_layernorm=SimpleNamespace(weight=torch.empty(0)), self_attn=layer.self_attn,
+                               mlp=layer.mlp, post_attention_layernorm=layer.post_attention_layernorm)
+        layer = _layer_slots(LAYER_PREFIX, view)
+        layer.pop(LAYER_PREFIX + "input_layernorm.weight")
+        slots.update(layer)
+        return slots
+
+    def checkpoint_state(self) -> dict[str, torch.Tensor]:
+        """The weights under the EAGLE format's key names."""
+        return {name: slot.param.detach().narrow(0, slot.start, slot.shape[0]).contiguous().clone()
+                for name, slot in self.checkpoint_slots().items()}
+
+    def pack_for_cpu(self) -> None:
+        for module in self.modules():
+            if isinstance(module, Linear):
+                module.pack_for_cpu()
+
+
+# ---- config ---------------------------------------------------------------------------------------------------
+
+def eagle_config_for(target_config: dict[str, Any], bias: bool = True) -> dict[str, Any]:
+    """An EAGLE-1/2 config.json for a target's config.json: the target's sizes, one Llama layer (q/k/v biases
+    kept for Qwen2 targets, as `qkv_bias`), `bias` for fc."""
+    config = {key: value for key, value in target_config.items()
+              if key not in ("architectures", "model_type", "layer_types", "use_sliding_window", "sliding_window",
+                             "max_window_layers", "tie_word_embeddings")}
+    target = ModelConfig.from_dict(target_config, source="the target's config.json")
+    if target.qk_norm:
+        raise ModelLoadError("EAGLE-1/2 drafts have no q/k norms; a draft for a Qwen3 target is not supported")
+    config.update(architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=1, bias=bias,
+                  qkv_bias=target.qkv_bias, head_dim=target.head_dim, tie_word_embeddings=False)
+    return config
+
+
+def parse_eagle_config(raw: dict[str, Any], source: str) -> tuple[ModelConfig, bool]:
+    """(layer config, fc bias) from an EAGLE config.json. Its architecture is the layer's (Llama when unnamed)."""
+    raw = dict(raw)
+    if not raw.get("architectures") and not raw.get("model_type"):
+        raw["architectures"] = ["LlamaForCausalLM"]
+    config = ModelConfig.from_dict(raw, source=source)
+    if "qkv_bias" in raw:  # the EAGLE repository's switch for Qwen2 drafts
+        config.qkv_bias = bool(raw["qkv_bias"])
+    if config.qk_norm:
+        raise ModelLoadError(f"{source}: EAGLE-1/2 drafts have no q/k norms (model_type {config.model_type})")
+    layers = raw.get("num_hidden_layers", 1)
+    if layers != 1:
+        raise ModelLoadError(f"{source}: num_hidden_layers is {layers}; an EAGLE-1/2 draft has one layer")
+    return config, bool(raw.get("bias", True))  # the EAGLE repository's default is a biased fc
+
+
+# ---- checkpoint folder ----------------------------------------------------------------------------------------
+
+def save_eagle(draft: EagleDraft, out_dir: Union[str, Path], config: dict[str, Any],
+               dtype: torch.dtype = torch.float32, pickle: bool = False) -> Path:
+    """Write `config.json` and the weights (`model.safetensors`, or `pytorch_model.bin` with `pickle`)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    state = {key: value.to(dtype) for key, value in draft.checkpoint_state().items()}
+    if pickle:
+        torch.save(state, out / PICKLE_FILE)
+    else:
+        save_file(state, str(out / SAFETENSORS_FILE), metadata={"format": "pt"})
+    config = dict(config, num_hidden_layers=1, bias=draft.bias)
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return out
+
+
+def random_eagle(target_dir: Union[str, Path], out_dir: Union[str, Path], seed: int = 0, bias: bool = True,
+                 scale: float = 1.0) -> Path:
+    """An untrained EAGLE-1/2 folder for the model in `target_dir` (random weights, for tests and as a start
+    for training): weights ~ N(0, scale / fan_in), norms 1."""
+    target_config = json.loads((Path(target_dir) / CONFIG_FILE).read_text(encoding="utf-8"))
+    config = eagle_config_for(target_config, bias)
+    layer_config, _ = parse_eagle_config(config, CONFIG_FILE)
+    draft = EagleDraft(layer_config, bias)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in draft.named_parameters():
+            if name.endswith("layernorm.weight"):
+                param.fill_(1.0)
+            elif param.dim() == 1:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.1 * scale)
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * scale / math.sqrt(param.shape[1]))
+    return save_eagle(draft, out_dir, config)
+
+
+def load_eagle(model_dir: Union[str, Path], dtype: torch.dtype = torch.float32,
+               device: Union[str, torch.device] = "cpu", target: Optional[ModelConfig] = None) -> EagleDraft:
+    """The EAGLE-1/2 draft in `model_dir`; with `target`, its hidden size and vocabulary must match the target's."""
+    folder = Path(model_dir)
+    raw = _read_config(folder)
+    state = _read_weights(folder)
+    eagle3 = sorted(key for key in state if key.startswith(_EAGLE3_KEYS))
+    if eagle3:
+        raise ModelLoadError(f"{folder}: an EAGLE-3 draft (tensor {eagle3[0]}); only EAGLE-1/2 drafts are supported")
+    config, bias = parse_eagle_config(raw, str(folder / CONFIG_FILE))
+    if target is not None:
+        if config.hidden_size != target.hidden_size:
+            raise ModelLoadError(f"{folder}: the draft's hidden_size is {config.hidden_size}, the target's "
+                                 f"{target.hidden_size}")
+        if config.vocab_size != target.vocab_size:
+            raise ModelLoadError(f"{folder}: the draft's vocab_size is {config.vocab_size}, the target's "
+                                 f"{target.vocab_size}")
+    draft = EagleDraft(config, bias)
+    slots = draft.checkpoint_slots()
+    for key in state:
+        if key not in slots and key not in _IGNORED and not key.endswith("rotary_emb.inv_freq"):
+            raise ModelLoadError(f"{folder}: unexpected tensor {key} in the EAGLE weights")
+    for key, slot in slots.items():
+        if key not in state:
+            hint = " (config.json says bias is true, the default; set \"bias\": false for an fc without bias)" \
+                if key == "fc.bias" else ""
+            raise ModelLoadError(f"{folder}: EAGLE weights lack {key}{hint}")
+        if tuple(state[key].shape) != slot.shape:
+            raise ModelLoadError(f"{folder}: EAGLE tensor {key} has shape {list(state[key].shape)}, expected "
+                                 f"{list(slot.shape)}")
+        slot.copy_(state[key].float())
+    embed = state.get("embed_tokens.weight")
+    if embed is not None and target is not None and tuple(embed.shape) != (target.vocab_size, target.hidden_size):
+        raise ModelLoadError(f"{folder}: EAGLE tensor embed_tokens.weight has shape {list(embed.shape)}, the "
+                             f"target's embedding is {[target.vocab_size, target.hidden_size]}")
+    draft = draft.to(device=device, dtype=dtype).eval()
+    draft.rotary_emb.reset_frequencies(torch.device(device))  # fp32 frequencies whatever the dtype
+    draft.pack_for_cpu()
+    return draft
+
+
+def _read_config(folder: Path) -> dict[str, Any]:
+    path = folder / CONFIG_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"{folder}: no {CONFIG_FILE} (an EAGLE checkpoint folder has config.json and "
+                             f"{SAFETENSORS_FILE} or {PICKLE_FILE})")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ModelLoadError(f"{path}: not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: must hold a JSON object")
+    return data
+
+
+def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    if (folder / SAFETENSORS_FILE).is_file():
+        try:
+            return load_file(str(folder / SAFETENSORS_FILE))
+        except Exception as err:  # safetensors raises its own error types
+            raise ModelLoadError(f"{folder / SAFETENSORS_FILE}: not a readable safetensors file ({err})") from None
+    if (folder / PICKLE_FILE).is_file():
+        try:  # weights_only: a checkpoint must never run code on load
+            state = torch.load(folder / PICKLE_FILE, map_location="cpu", weights_only=True)
+        except Exception as err:
+            raise ModelLoadError(f"{folder / PICKLE_FILE}: cannot read EAGLE weights ({err})") from None
+        if not isinstance(state, dict):
+            raise ModelLoadError(f"{folder / PICKLE_FILE}: does not hold a state dict")
+        return state
+    raise ModelLoadError(f"{folder}: no {SAFETENSORS_FILE} or {PICKLE_FILE}")
