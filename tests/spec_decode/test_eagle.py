@@ -1,8 +1,9 @@
 """EAGLE-1/2 drafts: the checkpoint format round-trips (safetensors and .bin), bad folders fail naming the tensor or
-setting, the proposer's drafts are the draft layer's own argmax / top-k (against a dense reference of the layer),
-and through the engine greedy output with Eagle equals plain greedy output (chains and trees, tiny Llama and Qwen2,
-chunked prefill with prefix reuse, preemption, requests joining mid-flight, aborts), with drafts counted per
-request and every KV block (the target's and the draft layer's) free afterwards. A target whose next token depends
+setting, the proposer's drafts are the draft layer's own argmax / top-k (against a dense reference of the layer;
+EAGLE-2's dynamic tree too), and through the engine greedy output with Eagle equals plain greedy output (chains,
+static and dynamic trees, tiny Llama and Qwen2, chunked prefill with prefix reuse, preemption, requests joining
+mid-flight, aborts), with drafts counted per request and every KV block (the target's and the draft layer's) free
+afterwards. A target whose next token depends
 only on the current one, with a draft layer that computes the same function, gets every top-1 draft accepted.
 TRITONLLM_TEST_DEVICE=cuda runs the engine and the proposer on the GPU (the CPU is the default)."""
 import json
@@ -53,8 +54,11 @@ def make_engine(model_dir, spec=None, **overrides):
 
 
 def eagle_spec(eagle_dir, tree=False, **extra):
+    """A chain (tree False), the static TREE (True) or EAGLE-2's dynamic tree ("dynamic")."""
     spec = {"decoding_type": "Eagle", "speculative_model_dir": str(eagle_dir), "max_draft_len": 3, **extra}
-    if tree:
+    if tree == "dynamic":
+        spec.update(use_dynamic_tree=True, dynamic_tree_max_topK=2, max_total_draft_tokens=5)
+    elif tree:
         spec["eagle_choices"] = TREE
     return spec
 
@@ -101,7 +105,7 @@ SETTINGS = {
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
-@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+@pytest.mark.parametrize("tree", [False, True, "dynamic"], ids=["chain", "tree", "dynamic"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_greedy_output_is_plain_greedy(targets, eagles, references, arch, tree, setting):
     engine = make_engine(targets[arch], eagle_spec(eagles[arch], tree), **SETTINGS[setting])
@@ -167,7 +171,7 @@ def bigram(tmp_path_factory, targets):
     return target, save_eagle(draft, eagle_dir, config)
 
 
-@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+@pytest.mark.parametrize("tree", [False, True, "dynamic"], ids=["chain", "tree", "dynamic"])
 def test_a_draft_that_mimics_the_target_gets_every_top1_draft_accepted(bigram, tree):
     target, eagle_dir = bigram
     plain, spec = make_engine(target), make_engine(target, eagle_spec(eagle_dir, tree))
@@ -178,12 +182,13 @@ def test_a_draft_that_mimics_the_target_gets_every_top1_draft_accepted(bigram, t
         assert [o.token_ids for o in got] == [o.token_ids for o in want]
         for out in got:
             m = out.request_perf_metrics
-            if tree:  # the top-1 path is accepted, its rank-1 siblings are not: 3 accepted of 6 per full step
+            if tree:  # the top-1 path is accepted, its siblings are not (3 accepted of 6 per full static tree)
                 assert 0 < m.total_accepted_draft_tokens < m.total_draft_tokens
             else:
                 assert m.total_draft_tokens > 0 and m.total_accepted_draft_tokens == m.total_draft_tokens
-            # Every step commits its accepted drafts plus one token: 30 tokens in 30 - accepted steps.
-            assert m.total_accepted_draft_tokens >= 20
+            # Every step commits its accepted drafts plus one token: 30 tokens in 30 - accepted steps. The dynamic
+            # tree always keeps the best depth-1 node (no node scores above it), deeper ones by their scores.
+            assert m.total_accepted_draft_tokens >= (15 if tree == "dynamic" else 20)
         assert_all_blocks_free(spec)
     finally:
         plain.shutdown()
@@ -215,28 +220,56 @@ def dense_layer(draft, embeds, features, positions):
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
 
-def reference_tree(draft, target, tokens, features, first, paths, k):
-    """Each tree node's token: the top-k of its parent's output, the parent computed over the committed inputs from
-    position `first` and then its ancestors (each fed with its own parent's output)."""
+def reference_outputs(draft, target, tokens, features, first):
+    """output(drafted): the draft layer's output after the committed inputs from position `first` and then the
+    `drafted` tokens (each fed with the output before it); () is the root's."""
     embed = target.embed_tokens.weight
     committed = list(range(first, len(tokens) - 1))
     base_embeds = embed[torch.tensor([tokens[j + 1] for j in committed], device=embed.device)]
     base_features = features[first:len(tokens) - 1]
 
-    def output(path):  # the draft layer's output at the node `path` (() = the root)
-        embeds, feats, positions = [base_embeds], [base_features], list(committed)
-        for depth in range(1, len(path) + 1):
-            embeds.append(embed[[token(path[:depth])]])
-            feats.append(output(path[:depth - 1])[None])
-            positions.append(len(tokens) - 2 + depth)
-        out = dense_layer(draft, torch.cat(embeds), torch.cat(feats), torch.tensor(positions, device=embed.device))
-        return out[-1]
+    def output(drafted):
+        embeds = torch.cat([base_embeds] + [embed[[t]] for t in drafted])
+        feats = torch.cat([base_features] + [output(drafted[:i])[None] for i in range(len(drafted))])
+        positions = committed + [len(tokens) - 2 + depth for depth in range(1, len(drafted) + 1)]
+        return dense_layer(draft, embeds, feats, torch.tensor(positions, device=embed.device))[-1]
+
+    return output
+
+
+def reference_tree(draft, target, tokens, features, first, paths, k):
+    """Each static tree node's token: the top-k of its parent's output."""
+    output = reference_outputs(draft, target, tokens, features, first)
+
+    def drafted(path):
+        return tuple(token(path[:depth]) for depth in range(1, len(path) + 1))
 
     def token(path):
-        logits = target.compute_logits(output(path[:-1])[None])[0]
+        logits = target.compute_logits(output(drafted(path[:-1]))[None])[0]
         return logits.topk(k).indices[path[-1]].item()
 
     return [token(tuple(p)) for p in paths]
+
+
+def reference_dynamic(draft, target, tokens, features, first, k, depth, total):
+    """EAGLE-2's tree: (tokens, parents) of the `total` best nodes, expanding the k best of each depth."""
+    output = reference_outputs(draft, target, tokens, features, first)
+
+    def children(score, drafted):
+        logp = torch.log_softmax(target.compute_logits(output(drafted)[None])[0], -1)
+        values, indices = logp.topk(k)
+        return [(score + v, drafted + (t,)) for v, t in zip(values.tolist(), indices.tolist())]
+
+    frontier = children(0.0, ())
+    nodes = list(frontier)
+    for _ in range(1, depth):
+        grown = [child for score, drafted in frontier for child in children(score, drafted)]
+        nodes += grown
+        frontier = sorted(grown, key=lambda node: -node[0])[:k]
+    order = sorted(range(len(nodes)), key=lambda i: (-nodes[i][0], len(nodes[i][1]), i))[:total]
+    kept = sorted(order, key=lambda i: (len(nodes[i][1]), i))
+    index = {nodes[i][1]: n for n, i in enumerate(kept)}
+    return ([nodes[i][1][-1] for i in kept], [index.get(nodes[i][1][:-1], -1) for i in kept])
 
 
 @pytest.mark.parametrize("choices", [None, TREE, [[0], [1], [0, 0], [1, 0], [1, 1], [0, 0, 0], [1, 0, 0]]],
@@ -247,6 +280,8 @@ def test_drafts_are_the_draft_layers_own_top_k(targets, eagles, choices):
     draft = load_eagle(eagles["qwen2"], device=DEVICE, target=target_config)
     proposer = EagleProposer(draft, target, 3, choices, num_blocks=64, block_size=BLOCK, dtype=torch.float32,
                              device=torch.device(DEVICE))
+    dynamic = EagleProposer(draft, target, 3, None, num_blocks=64, block_size=BLOCK, dtype=torch.float32,
+                            device=torch.device(DEVICE), dynamic_top_k=2, total_tokens=5)
     tokens = [int(t) for t in torch.randint(3, 900, (30,))]
     features = torch.randn(len(tokens), draft.hidden_size).to(DEVICE) * 2
     paths = sorted(choices or [[0], [0, 0], [0, 0, 0]], key=lambda p: (len(p), p))  # the tree's node order
@@ -258,6 +293,12 @@ def test_drafts_are_the_draft_layers_own_top_k(targets, eagles, choices):
         (tree,) = proposer.propose([ProposalInput(7, tokens[:end])])
         assert tree.tokens == reference_tree(draft, target, tokens[:end], features, 3, paths, k)
         assert proposer.shadows[7].num_stable == end - 1 - 3  # drafted slots dropped
+        if choices is None:  # EAGLE-2's dynamic tree (top-k 2, 3 deep, 5 nodes) over the same inputs
+            start = dynamic.shadows[7].next_position if 7 in dynamic.shadows else 3
+            dynamic.observe(7, start, features[start:end - 1])
+            (tree,) = dynamic.propose([ProposalInput(7, tokens[:end])])
+            assert (tree.tokens, tree.parents) == reference_dynamic(draft, target, tokens[:end], features, 3, 2, 3,
+                                                                    5)
     (short,) = proposer.propose([ProposalInput(7, tokens, max_draft_tokens=2)])
     assert len(short) == 0  # nothing new observed since the last proposal: no draft
     proposer.release(7)
@@ -336,9 +377,6 @@ def test_engine_errors_name_the_key(targets, eagles, tmp_path):
         make_engine(targets["llama"], eagle_spec(_other_size_eagle(eagles["llama"], tmp_path)))
     with pytest.raises(InvalidRequestError, match="EAGLE-3 drafts are not built"):
         make_engine(targets["llama"], {"decoding_type": "Eagle3", "speculative_model_dir": str(eagles["llama"])})
-    with pytest.raises(InvalidRequestError, match="use_dynamic_tree"):
-        make_engine(targets["llama"], eagle_spec(eagles["llama"], use_dynamic_tree=True, dynamic_tree_max_topK=2,
-                                                 max_total_draft_tokens=4))
 
 
 def _other_size_eagle(eagle_dir, tmp_path):

@@ -180,13 +180,13 @@ def _eagle_method(spec_config, core):
     if spec_config.eagle3:
         raise InvalidRequestError(f"{where}.decoding_type=Eagle3: EAGLE-3 drafts are not built in the embedded "
                                   "engine (EAGLE-1/2 drafts are)")
-    if spec_config.use_dynamic_tree:
-        raise InvalidRequestError(f"{where}.use_dynamic_tree: EAGLE-2's dynamic tree is not built in the embedded "
-                                  "engine; use a static eagle_choices tree or a chain (max_draft_len)")
     try:
         draft = load_eagle(spec_config.speculative_model_dir, core.dtype, core.device, target=core.model_config)
     except ModelLoadError as exc:
         raise InvalidRequestError(f"{where}.speculative_model_dir: {exc}") from None
     manager = core.block_manager
+    dynamic = spec_config.use_dynamic_tree  # EAGLE-2's tree, else a chain or the static eagle_choices tree
     return EagleMethod(EagleProposer(draft, core.model, spec_config.max_draft_len, spec_config.eagle_choices,
-                                     manager.num_blocks, manager.block_size, core.dtype, core.device))
+                                     manager.num_blocks, manager.block_size, core.dtype, core.device,
+                                     dynamic_top_k=spec_config.dynamic_tree_max_topK if dynamic else None,
+                                     total_tokens=spec_config.max_total_draft_tokens if dynamic else None))
