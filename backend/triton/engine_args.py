@@ -23,8 +23,8 @@ SCHEDULER_POLICY_NAMES = {"max_utilization": "MAX_UTILIZATION", "guaranteed_no_e
 BATCHING_STRATEGIES = ("inflight_fused_batching", "inflight_batching")
 SAMPLING_DECODING_MODES = ("auto", "top_k", "top_p", "top_k_top_p", "beam_search")
 # Speculative modes built in the embedded engine: they become speculative_config (see speculative_overrides).
-SPECULATIVE_DECODING_MODES = ("lookahead", "medusa")
-UNBUILT_DECODING_MODES = ("redrafter", "eagle")
+SPECULATIVE_DECODING_MODES = ("lookahead", "medusa", "eagle")
+UNBUILT_DECODING_MODES = ("redrafter",)
 LOOKAHEAD_PARAMETERS = {"lookahead_window_size": "max_window_size", "lookahead_ngram_size": "max_ngram_size",
                         "lookahead_verification_set_size": "max_verification_set_size"}
 
@@ -132,8 +132,9 @@ def engine_overrides(params: Parameters) -> dict[str, Any]:
 
 def speculative_overrides(params: Parameters) -> Optional[dict[str, Any]]:
     """TensorRT-LLM backend's decoding parameters as speculative_config keys. decoding_mode=lookahead needs the
-    three lookahead_* parameters (as upstream); decoding_mode=medusa takes medusa_choices, and the heads' folder
-    comes from model.yaml's speculative_config (speculative_model_dir), which the pbtxt cannot name."""
+    three lookahead_* parameters (as upstream); decoding_mode=medusa / eagle take medusa_choices / eagle_choices,
+    and the heads' or draft layer's folder comes from model.yaml's speculative_config (speculative_model_dir),
+    which the pbtxt cannot name."""
     mode = (params.str("decoding_mode") or "").lower()
     if mode == "lookahead":
         config: dict[str, Any] = {"decoding_type": "Lookahead"}
@@ -144,9 +145,9 @@ def speculative_overrides(params: Parameters) -> Optional[dict[str, Any]]:
                                      f"lookahead (all of {sorted(LOOKAHEAD_PARAMETERS)})")
             config[key] = value
         return config
-    if mode == "medusa":
-        config = {"decoding_type": "Medusa"}
-        _put(config, "medusa_choices", params.str("medusa_choices"))
+    if mode in ("medusa", "eagle"):  # the heads' / draft layer's folder comes from model.yaml
+        config = {"decoding_type": mode.capitalize()}
+        _put(config, f"{mode}_choices", params.str(f"{mode}_choices"))
         return config
     return None
 

@@ -218,7 +218,6 @@ def test_bad_values_name_the_parameter(model_dir, name, value):
 
 
 @pytest.mark.parametrize("name, value, why", [
-    ("decoding_mode", "eagle", "not supported"),
     ("decoding_mode", "redrafter", "not supported"),
     ("guided_decoding_backend", "xgrammar", "not supported yet"),
     ("enable_trt_overlap", "true", "deprecated"),
@@ -289,6 +288,16 @@ def test_medusa_decoding_mode_takes_its_choices_and_the_heads_from_model_yaml(mo
     assert settings.engine.speculative_settings().max_total_draft_tokens == 3
     with pytest.raises(ConfigError, match="speculative_model_dir"):
         load(_empty(model_dir), decoding_mode="medusa")  # no speculative_config in model.yaml: no heads
+
+
+def test_eagle_decoding_mode_takes_its_choices_and_the_draft_layer_from_model_yaml(model_dir):
+    write_yaml(model_dir, {"speculative_config": {"decoding_type": "Eagle", "speculative_model_dir": "/eagle"}})
+    settings = load(model_dir, decoding_mode="eagle", eagle_choices="{0}, {0, 0}, {1}")
+    assert settings.engine.speculative_config == {"decoding_type": "Eagle", "speculative_model_dir": "/eagle",
+                                                  "eagle_choices": "{0}, {0, 0}, {1}"}
+    assert settings.engine.speculative_settings().max_total_draft_tokens == 3
+    with pytest.raises(ConfigError, match="speculative_model_dir"):
+        load(_empty(model_dir), decoding_mode="eagle")
 
 
 def _empty(model_dir: Path) -> Path:
