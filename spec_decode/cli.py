@@ -1,6 +1,7 @@
 """`tritonllm spec ...`: speculative-decoding tools (argparse only here; the work is imported on use)."""
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -22,9 +23,16 @@ def add_spec_command(sub) -> None:
     train.add_argument("--text", help="UTF-8 training text (default: the English text shipped with tritonllm)")
     train.add_argument("--distill-tokens", type=int, default=0,
                        help="also train on about this many tokens of the model's own greedy continuations")
+    train.add_argument("--share-lm-head", action=argparse.BooleanOptionalAction, default=True,
+                       help="heads use the model's own LM head (frozen; only the ResBlocks train; a few MB, our "
+                            "medusa_shared_lm_head format extension); --no-share-lm-head gives each head its own "
+                            "trained copy, in the standard Medusa format (vocab x hidden per head)")
+    train.add_argument("--held-out", type=float, default=0.1,
+                       help="fraction of the text (its end) kept out of training; accuracy is measured on it")
     train.add_argument("--save-dtype", choices=_DTYPES, default="float32")
     train.add_argument("--seed", type=int, default=0)
-    train.add_argument("--json", action="store_true", help="print the training report as one JSON line")
+    train.add_argument("--json", action="store_true",
+                       help="print the training report as one JSON line (progress bars stay on stderr)")
 
 
 def add_bench_command(kinds, engine_arguments) -> None:
@@ -47,18 +55,25 @@ def run_spec_command(args) -> int:
     for name in ("heads", "layers", "steps", "batch"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if not 0 <= args.held_out < 1:
+        raise ConfigError(f"--held-out must be in [0, 1), got {args.held_out}")
     text = Path(args.text).read_text(encoding="utf-8") if args.text else None
     settings = TrainSettings(num_heads=args.heads, num_layers=args.layers, steps=args.steps,
                              batch_positions=args.batch, learning_rate=args.lr, distill_tokens=args.distill_tokens,
-                             seed=args.seed, save_dtype=getattr(torch, args.save_dtype), progress=not args.json)
+                             seed=args.seed, save_dtype=getattr(torch, args.save_dtype), progress=True,
+                             share_lm_head=args.share_lm_head, held_out=args.held_out)
     report = train_medusa(args.model, args.out, settings, text)
     summary = {"out": str(report.out_dir), "tokens": report.num_tokens, "first_loss": round(report.first_loss, 4),
                "last_loss": round(report.last_loss, 4), "head_accuracy": [round(a, 4) for a in report.head_accuracy],
+               "train_accuracy": [round(a, 4) for a in report.train_accuracy],
+               "held_out_tokens": report.held_out_tokens, "shared_lm_head": args.share_lm_head,
                "seconds": round(report.seconds, 1)}
     if args.json:
         print(json.dumps(summary))
     else:
         accuracy = ", ".join(f"head {h}: {a:.1%}" for h, a in enumerate(report.head_accuracy))
-        print(f"Medusa heads saved to {report.out_dir} ({report.num_tokens} tokens, loss {report.first_loss:.3f} "
-              f"-> {report.last_loss:.3f}, top-1 agreement with the model {accuracy}, {report.seconds:.0f} s)")
+        where = f"on {report.held_out_tokens} held-out tokens" if report.held_out_tokens else "on the training text"
+        print(f"Medusa heads saved to {report.out_dir} ({report.num_tokens} training tokens, loss "
+              f"{report.first_loss:.3f} -> {report.last_loss:.3f}, top-1 agreement with the model {where}: "
+              f"{accuracy}, {report.seconds:.0f} s)")
     return 0

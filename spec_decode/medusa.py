@@ -5,14 +5,25 @@ the target's final-norm hidden state; head h guesses the token h+2 positions ahe
 next one, the tree's root). A checkpoint folder holds `config.json` (`medusa_num_heads`, `medusa_num_layers`,
 `base_model_name_or_path`) and `medusa_lm_head.safetensors` or `medusa_lm_head.pt` with keys
 `{h}.{l}.linear.weight|bias` and `{h}.{L}.weight` (a `medusa_head.` prefix, as full Medusa-2 models use, is
-stripped). The head and layer counts are read from the tensors, since published configs are not reliable."""
+stripped). The head and layer counts are read from the tensors, since published configs are not reliable.
+
+Our extension to the format: `"medusa_shared_lm_head": true` in config.json means the heads have no vocabulary
+projection of their own (no `{h}.{L}.weight` tensors) and use the base model's output head, which the user of the
+heads supplies (`MedusaHeads.share_lm_head`: the weight or the target's `compute_logits`). All heads' logits then
+come from one matmul over [N * heads, hidden], and the checkpoint is a few MB instead of one LM head per head.
+Other Medusa implementations do not know the key; `tritonllm spec train-medusa --no-share-lm-head` writes the
+standard format.
+
+`speculative_model_dir: builtin:NAME` names heads shipped in this package (spec_decode/data/NAME-medusa; see
+BUILTIN_HEADS), e.g. `builtin:smollm2` for SmolLM2-135M-Instruct."""
 from __future__ import annotations
 
 import json
 import logging
 import re
+from importlib import resources
 from pathlib import Path
-from typing import Optional, Sequence, Union
+from typing import Callable, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +41,9 @@ log = logging.getLogger("tritonllm.spec_decode")
 CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "medusa_lm_head.safetensors"
 PICKLE_FILE = "medusa_lm_head.pt"
+SHARED_KEY = "medusa_shared_lm_head"  # our config.json extension, see the module docstring
+BUILTIN_PREFIX = "builtin:"
+BUILTIN_HEADS = {"smollm2": "smollm2-medusa"}  # builtin:NAME -> folder under spec_decode/data
 _KEY = re.compile(r"^(\d+)\.(\d+)\.(linear\.weight|linear\.bias|weight)$")
 
 
@@ -46,18 +60,47 @@ class ResBlock(nn.Module):
 
 
 class MedusaHeads(nn.Module):
-    def __init__(self, hidden_size: int, vocab_size: int, num_heads: int, num_layers: int = 1):
+    """`shared_lm_head`: the heads are ResBlocks only and use the base model's output head, given with
+    `share_lm_head` before the first forward."""
+
+    def __init__(self, hidden_size: int, vocab_size: int, num_heads: int, num_layers: int = 1,
+                 shared_lm_head: bool = False):
         super().__init__()
+        if shared_lm_head and num_layers < 1:
+            raise ValueError("Medusa heads sharing the base LM head need at least one ResBlock layer")
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
         self.num_heads, self.num_layers = num_heads, num_layers
+        self.shared_lm_head = shared_lm_head
+        self._lm_head: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
         self.heads = nn.ModuleList(
             nn.Sequential(*[ResBlock(hidden_size) for _ in range(num_layers)],
-                          nn.Linear(hidden_size, vocab_size, bias=False))
+                          *([] if shared_lm_head else [nn.Linear(hidden_size, vocab_size, bias=False)]))
             for _ in range(num_heads))
+
+    def share_lm_head(self, lm_head: Union[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]],
+                      vocab_size: int = 0) -> None:
+        """The base model's output head for shared heads: its weight [vocab, hidden], or a function mapping
+        hidden states [M, hidden] to logits [M, vocab] (vocab_size then says the vocabulary size)."""
+        if not self.shared_lm_head:
+            raise ValueError("these Medusa heads have their own vocabulary projections")
+        if isinstance(lm_head, torch.Tensor):
+            if lm_head.dim() != 2 or lm_head.shape[1] != self.hidden_size:
+                raise ValueError(f"the LM head has shape {list(lm_head.shape)}; the Medusa heads need "
+                                 f"[vocab, {self.hidden_size}]")
+            weight, vocab_size = lm_head, lm_head.shape[0]
+            lm_head = lambda states: F.linear(states, weight)  # noqa: E731
+        self._lm_head = lm_head
+        self.vocab_size = vocab_size or self.vocab_size
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> logits [N, heads, vocab]."""
-        return torch.stack([head(hidden) for head in self.heads], dim=1)
+        if not self.shared_lm_head:
+            return torch.stack([head(hidden) for head in self.heads], dim=1)
+        if self._lm_head is None:
+            raise RuntimeError("Medusa heads sharing the base LM head need it first (MedusaHeads.share_lm_head)")
+        states = torch.stack([head(hidden) for head in self.heads], dim=1)  # [N, heads, hidden]
+        logits = self._lm_head(states.reshape(-1, self.hidden_size))  # every head in one matmul
+        return logits.view(hidden.shape[0], self.num_heads, -1)
 
     @torch.inference_mode()
     def top_k(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
@@ -70,9 +113,15 @@ class MedusaHeads(nn.Module):
 
     def copy_lm_head(self, weight: torch.Tensor) -> None:
         """Every head's vocabulary projection starts as (a copy of) the base model's."""
+        if self.shared_lm_head:
+            raise ValueError("these Medusa heads share the base LM head; use share_lm_head")
         with torch.no_grad():
             for head in self.heads:
                 head[-1].weight.copy_(weight)
+
+    def projections(self) -> list[nn.Linear]:
+        """Each head's own vocabulary projection (none when the heads share the base LM head)."""
+        return [] if self.shared_lm_head else [head[-1] for head in self.heads]
 
 
 # ---- checkpoint folder ----------------------------------------------------------------------------------------
@@ -86,21 +135,42 @@ def save_medusa(heads: MedusaHeads, out_dir: Union[str, Path], base_model: str =
     config = {"medusa_num_heads": heads.num_heads, "medusa_num_layers": heads.num_layers,
               "base_model_name_or_path": base_model, "hidden_size": heads.hidden_size,
               "vocab_size": heads.vocab_size}
+    if heads.shared_lm_head:
+        config[SHARED_KEY] = True
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return out
 
 
+def resolve_heads_dir(model_dir: Union[str, Path]) -> Path:
+    """The folder for a `speculative_model_dir` value: a path, or `builtin:NAME` for heads shipped here."""
+    text = str(model_dir)
+    if not text.startswith(BUILTIN_PREFIX):
+        return Path(model_dir)
+    name = text[len(BUILTIN_PREFIX):]
+    if name not in BUILTIN_HEADS:
+        raise ModelLoadError(f"no built-in Medusa heads named {name!r} (built in: "
+                             f"{', '.join(BUILTIN_PREFIX + known for known in BUILTIN_HEADS)})")
+    return Path(str(resources.files("tritonllm.spec_decode").joinpath("data", BUILTIN_HEADS[name])))
+
+
 def load_medusa(model_dir: Union[str, Path], dtype: torch.dtype = torch.float32,
                 device: Union[str, torch.device] = "cpu") -> MedusaHeads:
-    folder = Path(model_dir)
+    """Heads from a checkpoint folder (or `builtin:NAME`). Shared-LM-head heads still need `share_lm_head`."""
+    folder = resolve_heads_dir(model_dir)
     config = _read_config(folder)
+    shared = config.get(SHARED_KEY, False)
+    if not isinstance(shared, bool):
+        raise ModelLoadError(f"{folder / CONFIG_FILE}: {SHARED_KEY} must be true or false, got {shared!r}")
     state = _strip_prefix(_read_weights(folder))
-    num_heads, num_layers = _shape_from_keys(state, folder)
+    num_heads, num_layers = _shape_from_keys(state, folder, shared)
     if config.get("medusa_num_heads") not in (None, num_heads):
         log.warning("%s: config.json says %s heads but the weights hold %d; using %d", folder,
                     config["medusa_num_heads"], num_heads, num_heads)
-    vocab_size, hidden_size = state[f"0.{num_layers}.weight"].shape
-    heads = MedusaHeads(hidden_size, vocab_size, num_heads, num_layers)
+    if shared:  # the vocabulary comes with the base model's head; config.json may record it
+        hidden_size, vocab_size = state["0.0.linear.weight"].shape[1], int(config.get("vocab_size") or 0)
+    else:
+        vocab_size, hidden_size = state[f"0.{num_layers}.weight"].shape
+    heads = MedusaHeads(hidden_size, vocab_size, num_heads, num_layers, shared_lm_head=shared)
     expected = heads.checkpoint_state()
     for key, tensor in expected.items():
         if key not in state:
@@ -144,22 +214,30 @@ def _strip_prefix(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return state
 
 
-def _shape_from_keys(state: dict[str, torch.Tensor], folder: Path) -> tuple[int, int]:
-    """(heads, layers) from key names; the vocabulary projection is the one `{h}.{L}.weight` without 'linear'."""
-    heads, projection_index = set(), set()
+def _shape_from_keys(state: dict[str, torch.Tensor], folder: Path, shared: bool = False) -> tuple[int, int]:
+    """(heads, layers) from key names; the vocabulary projection is the one `{h}.{L}.weight` without 'linear'
+    (absent when the heads share the base LM head: L is then one past the last ResBlock)."""
+    heads, projection_index, block_index = set(), set(), set()
     for key in state:
         match = _KEY.match(key)
         if match is None:
             raise ModelLoadError(f"{folder}: unexpected tensor {key} in Medusa weights")
         heads.add(int(match.group(1)))
-        if match.group(3) == "weight":
-            projection_index.add(int(match.group(2)))
-    if not heads or len(projection_index) != 1:
-        raise ModelLoadError(f"{folder}: Medusa weights need one '{{head}}.{{layers}}.weight' per head")
+        (projection_index if match.group(3) == "weight" else block_index).add(int(match.group(2)))
+    if shared:
+        if projection_index:
+            raise ModelLoadError(f"{folder}: config.json says {SHARED_KEY} but the weights hold vocabulary "
+                                 f"projections ('{{head}}.{min(projection_index)}.weight')")
+        if not block_index:
+            raise ModelLoadError(f"{folder}: Medusa heads sharing the base LM head need ResBlock weights "
+                                 f"('{{head}}.{{layer}}.linear.weight|bias')")
+    elif not heads or len(projection_index) != 1:
+        raise ModelLoadError(f"{folder}: Medusa weights need one '{{head}}.{{layers}}.weight' per head (or "
+                             f"\"{SHARED_KEY}\": true in config.json for heads that use the base LM head)")
     num_heads = max(heads) + 1
     if sorted(heads) != list(range(num_heads)):
         raise ModelLoadError(f"{folder}: Medusa heads are not numbered 0..{num_heads - 1}")
-    return num_heads, projection_index.pop()
+    return num_heads, (max(block_index) + 1 if shared else projection_index.pop())
 
 
 # ---- proposer -------------------------------------------------------------------------------------------------

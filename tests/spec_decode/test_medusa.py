@@ -1,24 +1,29 @@
 """Medusa heads: the checkpoint format round-trips (safetensors and .pt, prefixed keys), bad folders fail with the
 file named, the proposer fills the choices tree from each head's top-k, and a short train-medusa run on a tiny
-model produces loadable heads that agree with the model more than fresh ones."""
+model produces loadable heads that agree with the model more than fresh ones. Heads sharing the base LM head (our
+`medusa_shared_lm_head` extension) give the logits of full heads holding copies of it, keep greedy output exact in
+the engine, and the SmolLM2 heads shipped in the package (`builtin:smollm2`) load and draft accepted tokens."""
 import json
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
+from tritonllm.engine.config import EngineConfig
+from tritonllm.engine.embedded.engine import EmbeddedEngine
 from tritonllm.engine.embedded.models.model_config import ModelLoadError
+from tritonllm.engine.types import InvalidRequestError, SamplingParams
 from tritonllm.model_files.tiny import build_tiny_model
-from tritonllm.spec_decode.medusa import MedusaHeads, MedusaProposer, load_medusa, save_medusa
+from tritonllm.spec_decode.medusa import MedusaHeads, MedusaProposer, load_medusa, resolve_heads_dir, save_medusa
 from tritonllm.spec_decode.proposer import ProposalInput
 from tritonllm.spec_decode.train_medusa import TrainSettings, train_medusa
 
 HIDDEN, VOCAB = 16, 50
 
 
-def _random_heads(num_heads=3, num_layers=1, seed=0) -> MedusaHeads:
+def _random_heads(num_heads=3, num_layers=1, seed=0, shared=False) -> MedusaHeads:
     torch.manual_seed(seed)
-    heads = MedusaHeads(HIDDEN, VOCAB, num_heads, num_layers)
+    heads = MedusaHeads(HIDDEN, VOCAB, num_heads, num_layers, shared_lm_head=shared)
     with torch.no_grad():
         for param in heads.parameters():
             param.normal_()
@@ -103,13 +108,14 @@ def test_short_training_run_on_a_tiny_model_gives_loadable_heads_that_learned(tm
     report = train_medusa(model_dir, tmp_path / "heads", settings, text)
     heads = load_medusa(tmp_path / "heads")
     vocab_size = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    assert (heads.num_heads, heads.num_layers, heads.vocab_size) == (2, 1, vocab_size)
-    assert report.last_loss < 0.6 * report.first_loss
+    assert heads.shared_lm_head and (heads.num_heads, heads.num_layers, heads.vocab_size) == (2, 1, vocab_size)
+    assert report.last_loss < 0.6 * report.first_loss and report.held_out_tokens > 0
     # A fresh head is the base LM head: it guesses the next token, not the one after; training must beat that.
     fresh = train_medusa(model_dir, tmp_path / "fresh", TrainSettings(num_heads=2, steps=0, window=64,
                                                                       progress=False), text)
-    assert report.head_accuracy[0] > fresh.head_accuracy[0] + 0.1
-    assert report.head_accuracy[1] > fresh.head_accuracy[1] + 0.1
+    for h in range(2):
+        assert report.train_accuracy[h] > fresh.train_accuracy[h] + 0.1
+        assert report.head_accuracy[h] > fresh.head_accuracy[h]  # held out: this tiny random model is hard
 
 
 def test_cli_train_medusa_writes_heads_and_reports_json(tmp_path, capsys):
@@ -123,5 +129,135 @@ def test_cli_train_medusa_writes_heads_and_reports_json(tmp_path, capsys):
                  "--steps", "3", "--batch", "32", "--text", str(text_file), "--json"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["out"] == str(out) and len(report["head_accuracy"]) == 2
-    assert load_medusa(out).num_heads == 2
+    assert load_medusa(out).num_heads == 2 and load_medusa(out).shared_lm_head and report["held_out_tokens"] > 0
+    full = tmp_path / "full"
+    assert main(["spec", "train-medusa", "--model", str(model_dir), "--out", str(full), "--heads", "2",
+                 "--steps", "2", "--batch", "32", "--text", str(text_file), "--no-share-lm-head",
+                 "--distill-tokens", "128", "--json"]) == 0
+    distilled = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert distilled["tokens"] > report["tokens"] + 64  # two batched greedy continuations were added
+    heads = load_medusa(full)
+    assert not heads.shared_lm_head and heads.vocab_size == json.loads((model_dir / "config.json").read_text())[
+        "vocab_size"]
+    assert "medusa_shared_lm_head" not in json.loads((full / "config.json").read_text())
     assert main(["spec", "train-medusa", "--model", str(model_dir), "--out", str(out), "--steps", "0"]) == 2
+
+
+# ---- heads sharing the base model's LM head ------------------------------------------------------------------
+
+def test_shared_head_checkpoint_round_trips_and_equals_full_heads_holding_copies_of_the_base_head(tmp_path):
+    base_head = torch.randn(VOCAB, HIDDEN)
+    shared = _random_heads(num_layers=2, shared=True)
+    shared.share_lm_head(base_head)
+    full = MedusaHeads(HIDDEN, VOCAB, 3, 2)
+    full.load_state_dict(shared.state_dict(), strict=False)  # the same ResBlocks...
+    full.copy_lm_head(base_head)  # ...in front of copies of the base head
+    save_medusa(shared, tmp_path / "shared")
+    save_medusa(full, tmp_path / "full")
+    config = json.loads((tmp_path / "shared" / "config.json").read_text())
+    assert config["medusa_shared_lm_head"] is True and config["vocab_size"] == VOCAB
+    assert set(shared.checkpoint_state()) == {f"{h}.{l}.linear.{kind}" for h in range(3) for l in range(2)
+                                              for kind in ("weight", "bias")}
+    loaded = load_medusa(tmp_path / "shared")
+    assert loaded.shared_lm_head and (loaded.num_heads, loaded.num_layers, loaded.hidden_size) == (3, 2, HIDDEN)
+    hidden = torch.randn(5, HIDDEN)
+    with pytest.raises(RuntimeError, match="share_lm_head"):
+        loaded(hidden)
+    loaded.share_lm_head(base_head)
+    assert torch.equal(loaded(hidden), shared(hidden))
+    torch.testing.assert_close(loaded(hidden), load_medusa(tmp_path / "full")(hidden), rtol=1e-5, atol=1e-5)
+    # The target model's compute_logits works as the head too (what the engine passes).
+    loaded.share_lm_head(lambda states: states @ base_head.t(), VOCAB)
+    torch.testing.assert_close(loaded(hidden), shared(hidden), rtol=1e-5, atol=1e-5)
+    assert MedusaProposer(loaded, choices=[(0,), (0, 0)]).propose([ProposalInput(0, [1], hidden[0])])[0].tokens == \
+        [int(shared(hidden[:1])[0, 0].argmax()), int(shared(hidden[:1])[0, 1].argmax())]
+
+
+def test_shared_head_checkpoints_that_do_not_fit_fail_clearly(tmp_path):
+    heads = _random_heads(shared=True)
+    save_medusa(heads, tmp_path)
+    with pytest.raises(ValueError, match=r"\[vocab, 16\]"):
+        load_medusa(tmp_path).share_lm_head(torch.zeros(VOCAB, HIDDEN + 1))
+    state = {**heads.checkpoint_state(), "0.1.weight": torch.zeros(VOCAB, HIDDEN)}
+    save_file(state, str(tmp_path / "medusa_lm_head.safetensors"))
+    with pytest.raises(ModelLoadError, match="medusa_shared_lm_head but the weights hold vocabulary projections"):
+        load_medusa(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"medusa_shared_lm_head": "yes"}))
+    with pytest.raises(ModelLoadError, match="must be true or false"):
+        load_medusa(tmp_path)
+    (tmp_path / "config.json").write_text("{}")  # projections missing and the config does not say shared
+    save_file(_random_heads(shared=True).checkpoint_state(), str(tmp_path / "medusa_lm_head.safetensors"))
+    with pytest.raises(ModelLoadError, match="medusa_shared_lm_head"):
+        load_medusa(tmp_path)
+    with pytest.raises(ModelLoadError, match="builtin:smollm2"):
+        load_medusa("builtin:nope")
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory):
+    return build_tiny_model(tmp_path_factory.mktemp("target"), seed=5, arch="qwen2")
+
+
+def _generate(model_dir, prompts, max_tokens, spec=None, end_id=2):
+    args = {"model": str(model_dir), "dtype": "float32", "device": "cpu", "max_batch_size": 4,
+            "kv_cache_config": {"tokens_per_block": 16, "max_tokens": 4096}}
+    if spec is not None:
+        args["speculative_config"] = spec
+    engine = EmbeddedEngine(EngineConfig.from_dict(args))
+    try:
+        handles = [engine.generate_async(p, SamplingParams(max_tokens=n, end_id=end_id))
+                   for p, n in zip(prompts, max_tokens)]
+        return [h.result().outputs[0] for h in handles]
+    finally:
+        engine.shutdown()
+
+
+def test_engine_greedy_output_with_shared_heads_is_plain_greedy(tiny_model, tmp_path):
+    hidden_size = json.loads((tiny_model / "config.json").read_text())["hidden_size"]
+    torch.manual_seed(0)
+    heads = MedusaHeads(hidden_size, 0, num_heads=3, shared_lm_head=True)  # random ResBlocks, no own projection
+    with torch.no_grad():
+        for head in heads.heads:
+            head[0].linear.weight.normal_(std=0.05)
+    save_medusa(heads, tmp_path / "heads")
+    prompts, max_tokens = [[5, 6, 7, 8, 9, 10] * 4, [20, 21, 22], list(range(100, 140))], [40, 24, 32]
+    spec = {"decoding_type": "Medusa", "speculative_model_dir": str(tmp_path / "heads"),
+            "medusa_choices": [[0], [1], [0, 0], [1, 0], [0, 1], [0, 0, 0]]}
+    plain, medusa = _generate(tiny_model, prompts, max_tokens), _generate(tiny_model, prompts, max_tokens, spec)
+    assert [o.token_ids for o in medusa] == [o.token_ids for o in plain]
+    metrics = [o.request_perf_metrics for o in medusa]
+    assert sum(m.total_draft_tokens for m in metrics) > 0 and sum(m.total_accepted_draft_tokens for m in metrics) > 0
+
+
+def test_engine_refuses_shared_heads_of_another_hidden_size(tiny_model, tmp_path):
+    save_medusa(_random_heads(shared=True), tmp_path)  # hidden 16; the tiny model's is 64
+    with pytest.raises(InvalidRequestError, match="sharing the base LM head are for hidden size 16 / vocab 50, the "
+                                                  "model has 64"):
+        _generate(tiny_model, [[1, 2]], [2], {"decoding_type": "Medusa", "speculative_model_dir": str(tmp_path)})
+
+
+def test_shipped_smollm2_heads_load_with_smollm2_sizes():
+    assert resolve_heads_dir("builtin:smollm2").is_dir()
+    heads = load_medusa("builtin:smollm2")
+    assert heads.shared_lm_head and (heads.num_heads, heads.num_layers) == (3, 1)
+    assert (heads.hidden_size, heads.vocab_size) == (576, 49152)  # SmolLM2-135M; checked on the model below
+
+
+@pytest.mark.slow
+def test_shipped_smollm2_heads_keep_greedy_output_and_get_drafts_accepted(smollm2_dir):
+    from transformers import AutoTokenizer
+
+    config = json.loads((smollm2_dir / "config.json").read_text())
+    assert (config["hidden_size"], config["vocab_size"]) == (576, 49152)
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    questions = ("What is the capital of France? Answer in one sentence.",
+                 "Write three short tips for staying focused while studying.")
+    chats = [[{"role": "user", "content": text}] for text in questions]
+    prompts = [tokenizer.encode(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=False))
+               for chat in chats]
+    spec = {"decoding_type": "Medusa", "speculative_model_dir": "builtin:smollm2"}
+    plain = _generate(smollm2_dir, prompts, [32, 48], end_id=tokenizer.eos_token_id)
+    medusa = _generate(smollm2_dir, prompts, [32, 48], spec, end_id=tokenizer.eos_token_id)
+    assert [o.token_ids for o in medusa] == [o.token_ids for o in plain]
+    accepted = [o.request_perf_metrics.total_accepted_draft_tokens for o in medusa]
+    assert sum(accepted) / len(accepted) > 0, accepted  # mean accepted draft tokens per request
