@@ -21,13 +21,15 @@ from types import SimpleNamespace
 from typing import Any, Optional, Union
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from tritonllm.engine.embedded.attention import AttentionMetadata
 from tritonllm.engine.embedded.models.layers import Linear, RotaryEmbedding
 from tritonllm.engine.embedded.models.llama import LlamaDecoderLayer, WeightSlot, _layer_slots
 from tritonllm.engine.embedded.models.model_config import ModelConfig, ModelLoadError
+
+from .checkpoint_files import read_config, read_weights
 
 CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
@@ -162,8 +164,8 @@ def load_eagle(model_dir: Union[str, Path], dtype: torch.dtype = torch.float32,
                device: Union[str, torch.device] = "cpu", target: Optional[ModelConfig] = None) -> EagleDraft:
     """The EAGLE-1/2 draft in `model_dir`; with `target`, its hidden size and vocabulary must match the target's."""
     folder = Path(model_dir)
-    raw = _read_config(folder)
-    state = _read_weights(folder)
+    raw = read_config(folder, "an EAGLE", (SAFETENSORS_FILE, PICKLE_FILE))
+    state = read_weights(folder, SAFETENSORS_FILE, PICKLE_FILE, "EAGLE")
     eagle3 = sorted(key for key in state if key.startswith(_EAGLE3_KEYS))
     if eagle3:
         raise ModelLoadError(f"{folder}: an EAGLE-3 draft (tensor {eagle3[0]}); only EAGLE-1/2 drafts are supported")
@@ -197,34 +199,3 @@ def load_eagle(model_dir: Union[str, Path], dtype: torch.dtype = torch.float32,
     draft.rotary_emb.reset_frequencies(torch.device(device))  # fp32 frequencies whatever the dtype
     draft.pack_for_cpu()
     return draft
-
-
-def _read_config(folder: Path) -> dict[str, Any]:
-    path = folder / CONFIG_FILE
-    if not path.is_file():
-        raise ModelLoadError(f"{folder}: no {CONFIG_FILE} (an EAGLE checkpoint folder has config.json and "
-                             f"{SAFETENSORS_FILE} or {PICKLE_FILE})")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ModelLoadError(f"{path}: not valid JSON ({err})") from None
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{path}: must hold a JSON object")
-    return data
-
-
-def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
-    if (folder / SAFETENSORS_FILE).is_file():
-        try:
-            return load_file(str(folder / SAFETENSORS_FILE))
-        except Exception as err:  # safetensors raises its own error types
-            raise ModelLoadError(f"{folder / SAFETENSORS_FILE}: not a readable safetensors file ({err})") from None
-    if (folder / PICKLE_FILE).is_file():
-        try:  # weights_only: a checkpoint must never run code on load
-            state = torch.load(folder / PICKLE_FILE, map_location="cpu", weights_only=True)
-        except Exception as err:
-            raise ModelLoadError(f"{folder / PICKLE_FILE}: cannot read EAGLE weights ({err})") from None
-        if not isinstance(state, dict):
-            raise ModelLoadError(f"{folder / PICKLE_FILE}: does not hold a state dict")
-        return state
-    raise ModelLoadError(f"{folder}: no {SAFETENSORS_FILE} or {PICKLE_FILE}")

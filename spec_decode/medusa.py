@@ -27,11 +27,12 @@ from typing import Callable, Optional, Sequence, Union
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 from torch import nn
 
 from tritonllm.engine.embedded.models.model_config import ModelLoadError
 
+from .checkpoint_files import read_config, read_weights
 from .config import Choices
 from .proposer import ProposalInput, StatelessProposer, draft_budget
 from .tree import DraftTree, TreeTemplate, default_choices
@@ -157,11 +158,11 @@ def load_medusa(model_dir: Union[str, Path], dtype: torch.dtype = torch.float32,
                 device: Union[str, torch.device] = "cpu") -> MedusaHeads:
     """Heads from a checkpoint folder (or `builtin:NAME`). Shared-LM-head heads still need `share_lm_head`."""
     folder = resolve_heads_dir(model_dir)
-    config = _read_config(folder)
+    config = read_config(folder, "a Medusa", (SAFETENSORS_FILE, PICKLE_FILE))
     shared = config.get(SHARED_KEY, False)
     if not isinstance(shared, bool):
         raise ModelLoadError(f"{folder / CONFIG_FILE}: {SHARED_KEY} must be true or false, got {shared!r}")
-    state = _strip_prefix(_read_weights(folder))
+    state = _strip_prefix(read_weights(folder, SAFETENSORS_FILE, PICKLE_FILE, "Medusa"))
     num_heads, num_layers = _shape_from_keys(state, folder, shared)
     if config.get("medusa_num_heads") not in (None, num_heads):
         log.warning("%s: config.json says %s heads but the weights hold %d; using %d", folder,
@@ -180,31 +181,6 @@ def load_medusa(model_dir: Union[str, Path], dtype: torch.dtype = torch.float32,
                                  f"expected {list(tensor.shape)}")
     heads.load_state_dict({f"heads.{key}": state[key] for key in expected})
     return heads.to(device=device, dtype=dtype).eval()
-
-
-def _read_config(folder: Path) -> dict:
-    path = folder / CONFIG_FILE
-    if not path.is_file():
-        raise ModelLoadError(f"{folder}: no {CONFIG_FILE} (a Medusa checkpoint folder has config.json and "
-                             f"{SAFETENSORS_FILE} or {PICKLE_FILE})")
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise ModelLoadError(f"{path}: not valid JSON ({err})") from None
-
-
-def _read_weights(folder: Path) -> dict[str, torch.Tensor]:
-    if (folder / SAFETENSORS_FILE).is_file():
-        try:
-            return load_file(str(folder / SAFETENSORS_FILE))
-        except Exception as err:  # safetensors raises its own error types
-            raise ModelLoadError(f"{folder / SAFETENSORS_FILE}: not a readable safetensors file ({err})") from None
-    if (folder / PICKLE_FILE).is_file():
-        try:  # weights_only: a checkpoint must never run code on load
-            return torch.load(folder / PICKLE_FILE, map_location="cpu", weights_only=True)
-        except Exception as err:
-            raise ModelLoadError(f"{folder / PICKLE_FILE}: cannot read Medusa weights ({err})") from None
-    raise ModelLoadError(f"{folder}: no {SAFETENSORS_FILE} or {PICKLE_FILE}")
 
 
 def _strip_prefix(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -25,6 +25,11 @@ def spec_server(tiny_model, tmp_path_factory):
     with (repo / "tensorrt_llm" / "1" / "model.yaml").open("a") as yaml_file:
         yaml_file.write(f"\nspeculative_config:\n  decoding_type: DraftTarget\n  max_draft_len: 3\n"
                         f"  speculative_model_dir: {tiny_model}\n")
+    yield from serve(repo, work)
+
+
+def serve(repo, work):
+    """A live server on `repo` for the fixture's lifetime."""
     triton = TritonServer(repo, Ports.free(), log_file=work / "tritonserver.log")
     triton.start(timeout=180)
     try:
@@ -85,12 +90,7 @@ def lookahead_server(tiny_model, tmp_path_factory):
     repo = build_repo(tiny_model, work / "repo", streaming=True, max_seq_len=MAX_SEQ_LEN,
                       parameters={"decoding_mode": "lookahead", "lookahead_window_size": "3",
                                   "lookahead_ngram_size": "3", "lookahead_verification_set_size": "3"})
-    triton = TritonServer(repo, Ports.free(), log_file=work / "tritonserver.log")
-    triton.start(timeout=180)
-    try:
-        yield e2e_clients.LiveServer(triton, work / "tritonserver.log", MAX_SEQ_LEN)
-    finally:
-        triton.stop()
+    yield from serve(repo, work)
 
 
 def lookahead_inputs(window, ngram, verification):
