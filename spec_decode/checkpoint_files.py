@@ -3,13 +3,13 @@ one weights file, safetensors preferred over a pickled state dict. Every failure
 file and what was wrong with it."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file
 
+from tritonllm.engine.embedded.loader import read_json_object
 from tritonllm.engine.embedded.models.model_config import ModelLoadError
 
 CONFIG_FILE = "config.json"
@@ -21,13 +21,7 @@ def read_config(folder: Path, kind: str, weight_files: tuple[str, str]) -> dict[
     if not path.is_file():
         raise ModelLoadError(f"{folder}: no {CONFIG_FILE} ({kind} checkpoint folder has {CONFIG_FILE} and "
                              f"{weight_files[0]} or {weight_files[1]})")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ModelLoadError(f"{path}: not valid JSON ({err})") from None
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{path}: must hold a JSON object")
-    return data
+    return read_json_object(path, CONFIG_FILE)
 
 
 def read_weights(folder: Path, safetensors_file: str, pickle_file: str, kind: str) -> dict[str, torch.Tensor]:

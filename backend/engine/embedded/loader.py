@@ -16,7 +16,8 @@ from tqdm import tqdm
 from .models.llama import LlamaForCausalLM, WeightSlot
 from .models.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelLoadError
 
-__all__ = ["ModelLoadError", "ModelConfig", "SUPPORTED_ARCHITECTURES", "load_model", "read_model_config"]
+__all__ = ["ModelLoadError", "ModelConfig", "SUPPORTED_ARCHITECTURES", "load_model", "read_json_object",
+           "read_model_config"]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -26,12 +27,12 @@ _HARMLESS_EXTRA = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
 def read_model_config(model_dir: Union[str, Path]) -> ModelConfig:
     model_dir = Path(model_dir)
-    config = ModelConfig.from_dict(_read_json(model_dir / "config.json", "config.json"),
+    config = ModelConfig.from_dict(read_json_object(model_dir / "config.json", "config.json"),
                                    source=str(model_dir / "config.json"))
     # generation_config.json's end tokens are the ones generation stops on (Llama 3 lists several there).
     generation_file = model_dir / "generation_config.json"
     if generation_file.is_file():
-        eos = _read_json(generation_file, "generation_config.json").get("eos_token_id")
+        eos = read_json_object(generation_file, "generation_config.json").get("eos_token_id")
         if eos is not None:
             config.eos_token_id = eos
     return config
@@ -61,7 +62,7 @@ def weight_files(model_dir: Path) -> list[Path]:
         found = sorted(p.name for p in model_dir.glob("*.bin")) if model_dir.is_dir() else []
         hint = f" (found {', '.join(found)}: only safetensors weights are supported)" if found else ""
         raise ModelLoadError(f"{model_dir}: no weight file, expected {SINGLE_FILE} or {INDEX_FILE}{hint}")
-    weight_map = _read_json(index_path, INDEX_FILE).get("weight_map")
+    weight_map = read_json_object(index_path, INDEX_FILE).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise ModelLoadError(f"{index_path}: has no 'weight_map'")
     shards = [model_dir / name for name in sorted(set(weight_map.values()))]
@@ -71,7 +72,9 @@ def weight_files(model_dir: Path) -> list[Path]:
     return shards
 
 
-def _read_json(path: Path, what: str) -> dict[str, Any]:
+def read_json_object(path: Path, what: str) -> dict[str, Any]:
+    """The JSON object in `path` (`what` names it in errors); ModelLoadError when missing, unreadable or not an
+    object."""
     if not path.is_file():
         raise ModelLoadError(f"{path}: {what} not found")
     try:
