@@ -280,24 +280,16 @@ def test_lookahead_decoding_mode_needs_all_three_sizes(model_dir):
         load(model_dir, decoding_mode="lookahead", lookahead_window_size="3", lookahead_verification_set_size="2")
 
 
-def test_medusa_decoding_mode_takes_its_choices_and_the_heads_from_model_yaml(model_dir):
-    write_yaml(model_dir, {"speculative_config": {"decoding_type": "Medusa", "speculative_model_dir": "/heads"}})
-    settings = load(model_dir, decoding_mode="medusa", medusa_choices="{0}, {0, 0}, {1}")
-    assert settings.engine.speculative_config == {"decoding_type": "Medusa", "speculative_model_dir": "/heads",
-                                                  "medusa_choices": "{0}, {0, 0}, {1}"}
+@pytest.mark.parametrize("mode", ["medusa", "eagle"])
+def test_medusa_and_eagle_decoding_modes_take_their_choices_and_the_folder_from_model_yaml(model_dir, mode):
+    kind = mode.capitalize()
+    write_yaml(model_dir, {"speculative_config": {"decoding_type": kind, "speculative_model_dir": "/heads"}})
+    settings = load(model_dir, decoding_mode=mode, **{f"{mode}_choices": "{0}, {0, 0}, {1}"})
+    assert settings.engine.speculative_config == {"decoding_type": kind, "speculative_model_dir": "/heads",
+                                                  f"{mode}_choices": "{0}, {0, 0}, {1}"}
     assert settings.engine.speculative_settings().max_total_draft_tokens == 3
     with pytest.raises(ConfigError, match="speculative_model_dir"):
-        load(_empty(model_dir), decoding_mode="medusa")  # no speculative_config in model.yaml: no heads
-
-
-def test_eagle_decoding_mode_takes_its_choices_and_the_draft_layer_from_model_yaml(model_dir):
-    write_yaml(model_dir, {"speculative_config": {"decoding_type": "Eagle", "speculative_model_dir": "/eagle"}})
-    settings = load(model_dir, decoding_mode="eagle", eagle_choices="{0}, {0, 0}, {1}")
-    assert settings.engine.speculative_config == {"decoding_type": "Eagle", "speculative_model_dir": "/eagle",
-                                                  "eagle_choices": "{0}, {0, 0}, {1}"}
-    assert settings.engine.speculative_settings().max_total_draft_tokens == 3
-    with pytest.raises(ConfigError, match="speculative_model_dir"):
-        load(_empty(model_dir), decoding_mode="eagle")
+        load(_empty(model_dir), decoding_mode=mode)  # no speculative_config in model.yaml: no heads / layer
 
 
 def _empty(model_dir: Path) -> Path:
