@@ -104,15 +104,30 @@ class RequestHandle:
 class EmbeddedEngine:
     def __init__(self, config: EngineConfig):
         self.config = config
-        self.core = EngineCore(config)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._handles: dict[int, RequestHandle] = {}
         self._ids = itertools.count(1)
         self._ids_lock = threading.Lock()
         self._stopped = threading.Event()
-        self._stats = self.core.stats()
-        self._thread = threading.Thread(target=self._loop, name="tritonllm-engine", daemon=True)
+        # The engine thread builds the core (weights, KV cache) as well as stepping it, so that all heavy tensor
+        # work stays on one thread: on CPU a second thread's OpenMP pool makes every parallel region of the
+        # other wait for sleeping workers (a small matmul took 3.4x as long, see docs/benchmarks.md).
+        built: "queue.SimpleQueue[Optional[BaseException]]" = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, args=(built,), name="tritonllm-engine", daemon=True)
         self._thread.start()
+        error = built.get()
+        if error is not None:
+            raise error
+
+    def _run(self, built: queue.SimpleQueue) -> None:
+        try:
+            self.core = EngineCore(self.config)
+            self._stats = self.core.stats()
+        except BaseException as exc:  # handed to the constructor, which raises it on the caller's thread
+            built.put(exc)
+            return
+        built.put(None)
+        self._loop()
 
     # -- public API -------------------------------------------------------------------------------------------
 
