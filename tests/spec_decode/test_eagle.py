@@ -15,15 +15,16 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from tritonllm.engine.config import EngineConfig
 from tritonllm.engine.embedded.eagle_proposer import EagleProposer
-from tritonllm.engine.embedded.engine import EmbeddedEngine
 from tritonllm.engine.embedded.loader import load_model
 from tritonllm.engine.embedded.models.model_config import ModelLoadError
 from tritonllm.engine.types import InvalidRequestError, SamplingParams
 from tritonllm.model_files.tiny import build_tiny_model
 from tritonllm.spec_decode.eagle import load_eagle, random_eagle, save_eagle
 from tritonllm.spec_decode.proposer import ProposalInput
+
+from .test_engine_spec import assert_all_blocks_free as assert_target_blocks_free
+from .test_engine_spec import make_engine as spec_engine
 
 BLOCK = 4
 PROMPTS = [[5, 6, 7, 8, 9, 10] * 4, [20, 21, 22], list(range(100, 160)), [300, 301, 302, 303, 304, 305, 306]]
@@ -45,12 +46,8 @@ def eagles(tmp_path_factory, targets):
 
 
 def make_engine(model_dir, spec=None, **overrides):
-    args = {"model": str(model_dir), "dtype": "float32", "device": DEVICE, "max_batch_size": 8,
-            "kv_cache_config": {"tokens_per_block": BLOCK, "max_tokens": 4096}}
-    args.update(overrides)
-    if spec is not None:
-        args["speculative_config"] = spec
-    return EmbeddedEngine(EngineConfig.from_dict(args))
+    """test_engine_spec's engine on the test device (TRITONLLM_TEST_DEVICE)."""
+    return spec_engine(model_dir, spec, **{"device": DEVICE, **overrides})
 
 
 def eagle_spec(eagle_dir, tree=False, **extra):
@@ -76,11 +73,8 @@ def run_batch(engine, prompts=PROMPTS, join_late=False):
 
 
 def assert_all_blocks_free(engine):
-    stats = engine.wait_idle()
-    assert stats.num_free_blocks == stats.num_total_blocks
-    proposer = engine.core.speculator.method.proposer
-    assert proposer.blocks.num_free_blocks == proposer.blocks.num_blocks  # the draft layer's own cache
-    assert not proposer.shadows
+    assert_target_blocks_free(engine)  # the target's cache and the draft layer's own
+    assert not engine.core.speculator.method.proposer.shadows
 
 
 @pytest.fixture(scope="module")
