@@ -7,6 +7,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .block_manager import blocks_for
+
 
 @dataclass
 class AttentionMetadata:
@@ -43,6 +45,34 @@ def build_decode_mask(context_lens: list[int], block_size: int, num_blocks: int,
     if dtype is None:
         return visible
     return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+
+
+def step_metadata(slots: list[int], block_tables: list[list[int]], query_starts: list[int], query_lens: list[int],
+                  context_lens: list[int], block_size: int, tail_masks: list, device,
+                  dtype: torch.dtype) -> AttentionMetadata:
+    """The metadata of one step from per-sequence lists: block tables are cut / padded to the step's widest
+    context, tail masks kept only if some sequence has one, and the decode mask built when every query is one
+    token (`dtype`: the queries' dtype, see build_decode_mask)."""
+    max_blocks = max(blocks_for(context, block_size) for context in context_lens)
+    tables = [(table[:max_blocks] + [0] * max_blocks)[:max_blocks] for table in block_tables]
+    attn = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
+        block_tables=torch.tensor(tables, dtype=torch.long, device=device), query_starts=query_starts,
+        query_lens=query_lens, context_lens=context_lens, block_size=block_size,
+        tail_masks=tail_masks if any(m is not None for m in tail_masks) else None)
+    if all(n == 1 for n in query_lens):
+        attn.decode_mask = build_decode_mask(context_lens, block_size, max_blocks, device, dtype)
+    return attn
+
+
+def zero_blocks(caches, block_ids: list[int]) -> None:
+    """Zero whole blocks of every cache tensor in `caches`: attention reads whole blocks (masking the tail), so a
+    block handed out must never hold NaN/Inf garbage."""
+    if not block_ids:
+        return
+    index = torch.tensor(block_ids, dtype=torch.long, device=caches[0].device)
+    for cache in caches:
+        cache.index_fill_(0, index, 0)
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

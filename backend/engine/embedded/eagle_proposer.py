@@ -26,8 +26,8 @@ from tritonllm.spec_decode.proposer import ProposalInput, draft_budget
 from tritonllm.spec_decode.tree import DraftTree, TreeTemplate
 
 from ..types import SamplingParams
-from .attention import AttentionMetadata, build_decode_mask
-from .block_manager import BlockManager, blocks_for
+from .attention import step_metadata, zero_blocks
+from .block_manager import BlockManager
 from .sequence import Sequence
 from .spec_methods import ProposerMethod
 
@@ -281,7 +281,7 @@ class EagleProposer:
 
     def _forward(self, rows: list["_Rows"]) -> list[torch.Tensor]:
         """One draft-layer forward over every sequence's rows; returns each one's output rows."""
-        self._zero(self.blocks.take_newly_allocated())
+        zero_blocks(self.kv_cache, self.blocks.take_newly_allocated())
         ids, positions, slots, starts, lens, contexts, masks = [], [], [], [], [], [], []
         bs = self.block_size
         for row in rows:
@@ -293,23 +293,12 @@ class EagleProposer:
             lens.append(len(row.tokens))
             contexts.append(row.first_slot + len(row.tokens))
             masks.append(row.mask)
-        max_blocks = max(blocks_for(n, bs) for n in contexts)
-        tables = [(r.plan.shadow.slots.block_table + [0] * max_blocks)[:max_blocks] for r in rows]
-        attn = AttentionMetadata(slot_mapping=self._long(slots), block_tables=self._long(tables), query_starts=starts,
-                                 query_lens=lens, context_lens=contexts, block_size=bs,
-                                 tail_masks=masks if any(m is not None for m in masks) else None)
-        if all(n == 1 for n in lens):
-            attn.decode_mask = build_decode_mask(contexts, bs, max_blocks, self.device, self.kv_cache[0].dtype)
+        attn = step_metadata(slots, [r.plan.shadow.slots.block_table for r in rows], starts, lens, contexts, bs, masks,
+                             self.device, self.kv_cache[0].dtype)
         embeds = self.target.embed_tokens(self._long(ids))
         features = torch.cat([row.features for row in rows])
         out = self.draft(embeds, features, self._long(positions), attn, self.kv_cache)
         return [out[start:start + n] for start, n in zip(starts, lens)]
-
-    def _zero(self, blocks: list[int]) -> None:
-        if blocks:  # attention reads whole blocks: no garbage may sit in their unused slots
-            index = self._long(blocks)
-            for cache in self.kv_cache:
-                cache.index_fill_(0, index, 0)
 
     def _long(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

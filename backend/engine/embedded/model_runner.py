@@ -11,8 +11,7 @@ from typing import Optional
 
 import torch
 
-from .attention import AttentionMetadata, build_decode_mask
-from .block_manager import blocks_for
+from .attention import AttentionMetadata, step_metadata, zero_blocks
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
 
@@ -80,13 +79,7 @@ class ModelRunner:
         return self.lora.batch_for([(seq.lora, num) for seq, num in zip(batch.seqs, batch.num_new_tokens)])
 
     def zero_blocks(self, block_ids: list[int]) -> None:
-        # Attention reads whole blocks (masking the tail), so a block must never hold NaN/Inf garbage.
-        if not block_ids:
-            return
-        index = torch.tensor(block_ids, dtype=torch.long, device=self.device)
-        for k_cache, v_cache in self.kv_caches:
-            k_cache.index_fill_(0, index, 0)
-            v_cache.index_fill_(0, index, 0)
+        zero_blocks([cache for pair in self.kv_caches for cache in pair], block_ids)
 
     @torch.inference_mode()
     def copy_slots(self, sources: list[int], targets: list[int]) -> None:
@@ -129,16 +122,8 @@ class ModelRunner:
                 first_rows.append(len(logits_indices))
                 logits_indices += range(len(input_ids) - 1 - seq.num_draft_tokens, len(input_ids))
                 sampling_seqs.append(seq)
-        max_blocks = max(blocks_for(n, bs) for n in context_lens)
-        tables = [seq.block_table[:max_blocks] + [0] * (max_blocks - len(seq.block_table[:max_blocks]))
-                  for seq in batch.seqs]
-        attn = AttentionMetadata(
-            slot_mapping=self._long(slots), block_tables=self._long(tables), query_starts=query_starts,
-            query_lens=list(batch.num_new_tokens), context_lens=context_lens, block_size=bs,
-            tail_masks=tail_masks if any(m is not None for m in tail_masks) else None)
-        if all(n == 1 for n in batch.num_new_tokens):
-            attn.decode_mask = build_decode_mask(context_lens, bs, max_blocks, self.device,
-                                                 self.kv_caches[0][0].dtype)
+        attn = step_metadata(slots, [seq.block_table for seq in batch.seqs], query_starts, list(batch.num_new_tokens),
+                             context_lens, bs, tail_masks, self.device, self.kv_caches[0][0].dtype)
         return StepInputs(self._long(input_ids), self._long(positions), attn, self._long(logits_indices),
                           sampling_seqs, context_requests, first_rows)
 
