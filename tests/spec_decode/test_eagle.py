@@ -24,6 +24,7 @@ from tritonllm.spec_decode.eagle import load_eagle, random_eagle, save_eagle
 from tritonllm.spec_decode.proposer import ProposalInput
 
 from .test_engine_spec import assert_all_blocks_free as assert_target_blocks_free
+from .test_engine_spec import SETTINGS  # plain, chunked prefill with prefix reuse, preempting
 from .test_engine_spec import make_engine as spec_engine
 
 BLOCK = 4
@@ -87,15 +88,6 @@ def references(targets):
         finally:
             engine.shutdown()
     return result
-
-
-SETTINGS = {
-    "plain": {},
-    "chunked_reuse": {"enable_chunked_prefill": True, "max_num_tokens": 16,
-                      "kv_cache_config": {"tokens_per_block": BLOCK, "max_tokens": 4096, "enable_block_reuse": True}},
-    "preempting": {"scheduler_config": {"capacity_scheduler_policy": "MAX_UTILIZATION"},
-                   "kv_cache_config": {"tokens_per_block": BLOCK, "max_tokens": 160, "enable_block_reuse": False}},
-}
 
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
