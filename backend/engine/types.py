@@ -63,6 +63,9 @@ class SamplingParams:
     # Per-request lookahead window / n-gram / verification set (TensorRT-LLM's SamplingParams.lookahead_config,
     # a tritonllm.spec_decode.config.LookaheadConfig); each at most the engine's, which must run lookahead.
     lookahead_config: Optional[object] = None
+    # False: decode one token per step even when the engine speculates (the baseline `tritonllm bench spec`
+    # measures in the same engine, so both sides share one thread pool; not a Triton input).
+    speculate: bool = True
 
     @property
     def greedy(self) -> bool:

@@ -294,3 +294,19 @@ def test_per_request_lookahead_configs_mix_in_one_batch_and_stay_greedy(model_di
             plain.generate_async(PROMPTS[0], SamplingParams(max_tokens=4, lookahead_config=own[0]))
     finally:
         plain.shutdown()
+
+
+def test_a_request_can_opt_out_of_speculation_in_a_speculating_batch(model_dir, reference):
+    """`SamplingParams.speculate=False` (what `bench spec` measures its baseline with): that request decodes one
+    token per step, the others in the batch still speculate, and every output stays plain greedy."""
+    engine = make_engine(model_dir, {"decoding_type": "NGram", "max_draft_len": 4, "max_matching_ngram_size": 3})
+    try:
+        handles = [engine.generate_async(p, SamplingParams(max_tokens=n, end_id=2, speculate=i % 2 == 0))
+                   for i, (p, n) in enumerate(zip(PROMPTS, MAX_TOKENS))]
+        outputs = [h.result().outputs[0] for h in handles]
+        assert_all_blocks_free(engine)
+    finally:
+        engine.shutdown()
+    assert [o.token_ids for o in outputs] == reference
+    assert [o.request_perf_metrics.total_draft_tokens > 0 for o in outputs[:2]] == [True, False]
+    assert outputs[1].request_perf_metrics.total_accepted_draft_tokens == 0
