@@ -1,16 +1,20 @@
 """`tritonllm bench spec`: batch-1 greedy decode speed with speculative decoding against the same engine without
 it, in one run, on input-grounded prompts (rewrite a given text), where prompt lookup and lookahead find drafts.
 
-Both engines run every prompt in turn (plain, then speculative, prompt by prompt, so machine noise hits both
-alike). Decode speed counts the tokens after the first over the time from the first token to the last (prefill
-left out). Mean accepted length: tokens committed per decode step of the speculative engine."""
+One engine runs every prompt twice in turn: once with speculation switched off for the request
+(`SamplingParams.speculate=False`), then with it, prompt by prompt, so machine noise hits both alike and both
+run on the same thread and thread pool (two engines in one process would each own an OpenMP pool, and on a
+small machine the pools slow each other down). Decode speed counts the tokens after the first over the time
+from the first token to the last (prefill left out). Mean accepted length: tokens committed per decode step of
+the speculative requests."""
 from __future__ import annotations
 
-from importlib import resources
+from dataclasses import replace
 
 from tritonllm.bench_report import progress, report
 
-TASK = "Rewrite the following text in your own words, keeping every step and detail:\n\n"
+from .distill import BENCH_TASK as TASK, bench_texts, chat_ids
+
 METHODS = {
     "ngram": lambda a: {"decoding_type": "NGram", "max_draft_len": a.draft_len, "max_matching_ngram_size": 3},
     "lookahead": lambda a: {"decoding_type": "Lookahead", "max_window_size": 4, "max_ngram_size": 4,
@@ -35,18 +39,17 @@ def add_arguments(parser) -> None:
 
 
 def grounded_texts(count: int) -> list[str]:
-    """The longest paragraphs of the English text shipped with tritonllm.spec_decode."""
-    text = resources.files("tritonllm.spec_decode").joinpath("data/medusa_training.txt").read_text(encoding="utf-8")
-    paragraphs = sorted((p.strip() for p in text.split("\n\n") if len(p) > 300), key=len, reverse=True)
-    return paragraphs[:count]
+    """The first `count` texts shipped for this benchmark (data/bench_texts.txt; never used to train heads)."""
+    from tritonllm.engine.config import ConfigError
+
+    texts = bench_texts()
+    if count > len(texts):
+        raise ConfigError(f"--prompts {count}: only {len(texts)} benchmark texts are shipped")
+    return texts[:count]
 
 
 def prompt_ids(tokenizer, text: str) -> list[int]:
-    message = [{"role": "user", "content": TASK + text}]
-    if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(message, add_generation_prompt=True, tokenize=False)
-        return tokenizer.encode(text, add_special_tokens=False)
-    return tokenizer.encode(TASK + text)
+    return chat_ids(tokenizer, TASK + text)
 
 
 def timed_request(engine, ids: list[int], params) -> dict:
@@ -82,22 +85,21 @@ def main(args) -> int:
     if spec.get("speculative_model_dir", "") is None:
         raise ConfigError(f"--spec-model-dir is required for --method {args.method}")
     overrides = dict(dtype=args.dtype, device=args.device, max_batch_size=args.max_batch_size or 1)
-    plain = create_engine(build_engine_config(args.model, args.config, speculative_config={}, **overrides))
-    fast = create_engine(build_engine_config(args.model, args.config, speculative_config=spec, **overrides))
+    engine = create_engine(build_engine_config(args.model, args.config, speculative_config=spec, **overrides))
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    params = SamplingParams(max_tokens=args.max_tokens, end_id=tokenizer.eos_token_id)
+    params = {"plain": SamplingParams(max_tokens=args.max_tokens, end_id=tokenizer.eos_token_id, speculate=False),
+              "spec": SamplingParams(max_tokens=args.max_tokens, end_id=tokenizer.eos_token_id)}
     prompts = [prompt_ids(tokenizer, text) for text in grounded_texts(args.prompts)]
     try:
-        for engine in (plain, fast):  # warm-up
-            engine.generate(prompts[0][:32], SamplingParams(max_tokens=8))
+        for side in params.values():  # warm-up
+            engine.generate(prompts[0][:32], replace(side, max_tokens=8))
         runs = {"plain": [], "spec": []}
         for number, ids in enumerate(prompts, 1):
-            runs["plain"].append(timed_request(plain, ids, params))
-            runs["spec"].append(timed_request(fast, ids, params))
+            for side in ("plain", "spec"):
+                runs[side].append(timed_request(engine, ids, params[side]))
             progress(f"prompt {number}/{len(prompts)}: {len(ids)} tokens in, {len(runs['spec'][-1]['tokens'])} out")
     finally:
-        plain.shutdown()
-        fast.shutdown()
+        engine.shutdown()
     result = {"method": spec.get("decoding_type"), "speculative_config": spec, "prompts": len(prompts),
               "max_tokens": args.max_tokens, "threads": torch.get_num_threads(),
               "identical_outputs": all(a["tokens"] == b["tokens"] for a, b in zip(runs["plain"], runs["spec"])),

@@ -23,6 +23,21 @@ def add_spec_command(sub) -> None:
     train.add_argument("--text", help="UTF-8 training text (default: the English text shipped with tritonllm)")
     train.add_argument("--distill-tokens", type=int, default=0,
                        help="also train on about this many tokens of the model's own greedy continuations")
+    train.add_argument("--distill-prompts", type=int, default=0,
+                       help="train on the model's own greedy answers to about this many chat requests (rewrite, "
+                            "summarise, explain ... the shipped texts and topics) instead of on the text; accuracy "
+                            "is then measured on its answers to the `bench spec` requests, never trained on")
+    train.add_argument("--distill-max-tokens", type=int, default=256, help="longest self-distilled answer")
+    train.add_argument("--distill-batch", type=int, default=16, help="requests per generate call")
+    train.add_argument("--distill-rounds", type=int, default=1,
+                       help="answers per request: the first greedy, the others sampled at --distill-temperature "
+                            "(the targets stay the model's greedy choices)")
+    train.add_argument("--distill-temperature", type=float, default=0.7)
+    train.add_argument("--validation-share", type=float, default=0.05,
+                       help="with --distill-prompts: share of the topics kept out of training; the heads kept are "
+                            "the checkpoint (every --eval-every steps) that does best on them")
+    train.add_argument("--eval-every", type=int, default=100)
+    train.add_argument("--device", default="cpu", help="where to train: cpu, cuda, cuda:1 ...")
     train.add_argument("--share-lm-head", action=argparse.BooleanOptionalAction, default=True,
                        help="heads use the model's own LM head (frozen; only the ResBlocks train; a few MB, our "
                             "medusa_shared_lm_head format extension); --no-share-lm-head gives each head its own "
@@ -52,27 +67,38 @@ def run_spec_command(args) -> int:
 
     from .train_medusa import TrainSettings, train_medusa
 
-    for name in ("heads", "layers", "steps", "batch"):
+    for name in ("heads", "layers", "steps", "batch", "distill_max_tokens", "distill_batch", "distill_rounds",
+                 "eval_every"):
         if getattr(args, name) < 1:
-            raise ConfigError(f"--{name} must be >= 1, got {getattr(args, name)}")
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.distill_prompts < 0 or args.distill_tokens < 0:
+        raise ConfigError("--distill-prompts and --distill-tokens must be >= 0")
+    if not 0 <= args.validation_share < 1 or args.distill_temperature <= 0:
+        raise ConfigError("--validation-share must be in [0, 1) and --distill-temperature > 0")
     if not 0 <= args.held_out < 1:
         raise ConfigError(f"--held-out must be in [0, 1), got {args.held_out}")
     text = Path(args.text).read_text(encoding="utf-8") if args.text else None
     settings = TrainSettings(num_heads=args.heads, num_layers=args.layers, steps=args.steps,
                              batch_positions=args.batch, learning_rate=args.lr, distill_tokens=args.distill_tokens,
                              seed=args.seed, save_dtype=getattr(torch, args.save_dtype), progress=True,
-                             share_lm_head=args.share_lm_head, held_out=args.held_out)
+                             share_lm_head=args.share_lm_head, held_out=args.held_out,
+                             distill_prompts=args.distill_prompts, distill_max_tokens=args.distill_max_tokens,
+                             distill_batch=args.distill_batch, device=args.device,
+                             distill_rounds=args.distill_rounds, distill_temperature=args.distill_temperature,
+                             validation_share=args.validation_share, eval_every=args.eval_every)
     report = train_medusa(args.model, args.out, settings, text)
     summary = {"out": str(report.out_dir), "tokens": report.num_tokens, "first_loss": round(report.first_loss, 4),
                "last_loss": round(report.last_loss, 4), "head_accuracy": [round(a, 4) for a in report.head_accuracy],
                "train_accuracy": [round(a, 4) for a in report.train_accuracy],
                "held_out_tokens": report.held_out_tokens, "shared_lm_head": args.share_lm_head,
+               "best_step": report.best_step,
+               "validation_accuracy": [round(a, 4) for a in report.validation_accuracy or []],
                "seconds": round(report.seconds, 1)}
     if args.json:
         print(json.dumps(summary))
     else:
         accuracy = ", ".join(f"head {h}: {a:.1%}" for h, a in enumerate(report.head_accuracy))
-        where = f"on {report.held_out_tokens} held-out tokens" if report.held_out_tokens else "on the training text"
+        where = f"on {report.held_out_tokens} held-out tokens" if report.held_out_tokens else "on the training data"
         print(f"Medusa heads saved to {report.out_dir} ({report.num_tokens} training tokens, loss "
               f"{report.first_loss:.3f} -> {report.last_loss:.3f}, top-1 agreement with the model {where}: "
               f"{accuracy}, {report.seconds:.0f} s)")

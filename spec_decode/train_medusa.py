@@ -12,6 +12,11 @@
    With `share_lm_head=False` each head gets its own copy of the LM head and trains it too (at a tenth of the
    learning rate), in the standard Medusa format (one vocab x hidden matrix per head).
 4. The end of the text (`held_out`, 10%) is kept out of training; top-1 accuracy per head is measured on it.
+
+With `distill_prompts` the data is the model's own greedy answers to chat requests instead (distill.py: rewrite,
+summarise, explain ... the shipped texts and topics), trained on from the last prompt token on, and accuracy is
+measured on the answers to the requests `tritonllm bench spec` makes, whose texts are never trained on. That is
+the data the shipped SmolLM2 heads come from (trained on a GPU with `--device cuda`; docs/benchmarks.md).
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+from . import distill
 from .medusa import MedusaHeads, save_medusa
 
 log = logging.getLogger("tritonllm.spec_decode")
@@ -48,6 +54,15 @@ class TrainSettings:
     progress: bool = True
     share_lm_head: bool = True
     held_out: float = 0.1  # fraction of the text (its end) kept out of training to measure accuracy on
+    distill_prompts: int = 0  # > 0: train on the model's answers to about this many chat requests (distill.py)
+    distill_max_tokens: int = 256  # longest answer
+    distill_batch: int = 16  # requests per generate call
+    forward_batch: int = 8  # sequences per frozen forward
+    distill_rounds: int = 1  # answers per request: one greedy, the others sampled at distill_temperature
+    distill_temperature: float = 0.7
+    validation_share: float = 0.05  # chat data: topics kept apart to pick the best checkpoint on
+    eval_every: int = 100  # steps between validation checks (chat data)
+    device: str = "cpu"
 
 
 PROJECTION_LR_SCALE = 0.1  # own vocabulary projections (share_lm_head=False) train at this fraction of the lr
@@ -65,6 +80,8 @@ class TrainReport:
     train_accuracy: list[float]  # the same on the training positions
     held_out_tokens: int  # 0: the text was too short to hold some out; head_accuracy is on the training data
     seconds: float
+    best_step: Optional[int] = None  # chat data: the step whose heads were kept (best on validation)
+    validation_accuracy: Optional[list[float]] = None
 
 
 def default_text() -> str:
@@ -75,32 +92,67 @@ def train_medusa(model_dir: Union[str, Path], out_dir: Union[str, Path], setting
                  text: Optional[str] = None) -> TrainReport:
     started = time.monotonic()
     torch.manual_seed(settings.seed)
-    tokenizer, base = _load_base(model_dir)
-    token_ids, held_ids = _split(tokenizer(text if text is not None else default_text())["input_ids"],
-                                 settings.held_out)
-    if settings.distill_tokens:
-        token_ids += _distill(base, token_ids, settings)
-    states, targets = _dataset(*_base_outputs(base, _windows(token_ids, settings.window), settings.progress),
-                               settings.num_heads)
-    if held_ids:
-        held_states, held_targets = _dataset(*_base_outputs(base, _windows(held_ids, settings.window), False),
-                                             settings.num_heads)
+    tokenizer, base = _load_base(model_dir, settings.device)
+    validation = None
+    if settings.distill_prompts:
+        (states, targets), (held_states, held_targets), validation, num_tokens, held_tokens = _chat_data(
+            base, tokenizer, settings, text)
     else:
-        log.warning("the training text is too short to hold %d tokens out; accuracy is measured on the training data",
-                    MIN_HELD_OUT_TOKENS)
-        held_states, held_targets = states, targets
+        (states, targets), (held_states, held_targets), num_tokens, held_tokens = _text_data(
+            base, tokenizer, settings, text)
     lm_head = base.get_output_embeddings().weight.detach()
     heads = MedusaHeads(lm_head.shape[1], lm_head.shape[0], settings.num_heads, settings.num_layers,
-                        shared_lm_head=settings.share_lm_head)
+                        shared_lm_head=settings.share_lm_head).to(lm_head.device)
     if settings.share_lm_head:
         heads.share_lm_head(lm_head)
     else:
         heads.copy_lm_head(lm_head)
-    losses = _train(heads, states, targets, settings)
+    losses, best_step = _train(heads, states, targets, settings, validation)
     accuracy, train_accuracy = head_accuracy(heads, held_states, held_targets), head_accuracy(heads, states, targets)
-    save_medusa(heads, out_dir, base_model=str(model_dir), dtype=settings.save_dtype)
-    return TrainReport(Path(out_dir), len(token_ids), losses[0], losses[-1], accuracy, train_accuracy, len(held_ids),
-                       time.monotonic() - started)
+    validation_accuracy = head_accuracy(heads, *validation) if validation and len(validation[0]) else None
+    save_medusa(heads.cpu(), out_dir, base_model=str(model_dir), dtype=settings.save_dtype)
+    return TrainReport(Path(out_dir), num_tokens, losses[0], losses[-1], accuracy, train_accuracy, held_tokens,
+                       time.monotonic() - started, best_step, validation_accuracy)
+
+
+def _text_data(base, tokenizer, settings: TrainSettings, text: Optional[str]):
+    """Windows of the text (plus greedy continuations); accuracy on the text's held-out end."""
+    token_ids, held_ids = _split(tokenizer(text if text is not None else default_text())["input_ids"],
+                                 settings.held_out)
+    if settings.distill_tokens:
+        token_ids += _distill(base, token_ids, settings)
+    train = _dataset(*_base_outputs(base, _windows(token_ids, settings.window), settings.progress),
+                     settings.num_heads)
+    if not held_ids:
+        log.warning("the training text is too short to hold %d tokens out; accuracy is measured on the training data",
+                    MIN_HELD_OUT_TOKENS)
+        return train, train, len(token_ids), 0
+    held = _dataset(*_base_outputs(base, _windows(held_ids, settings.window), False), settings.num_heads)
+    return train, held, len(token_ids), len(held_ids)
+
+
+def _chat_data(base, tokenizer, settings: TrainSettings, text: Optional[str]):
+    """The model's answers to chat requests (some topics kept for validation); accuracy on its answers to the
+    bench's requests."""
+    texts = distill.paragraphs(text if text is not None else default_text(), distill.MIN_TEXT_CHARS)
+    train, validation = distill.chat_sequences(
+        base, tokenizer, texts, settings.distill_prompts, settings.distill_max_tokens, settings.distill_batch,
+        settings.seed, settings.progress, settings.distill_rounds, settings.distill_temperature,
+        settings.validation_share)
+    held = distill.held_out_sequences(base, tokenizer, settings.distill_max_tokens, settings.distill_batch)
+    return (_answers_dataset(base, train, settings, settings.progress),
+            _answers_dataset(base, held, settings, False),
+            _answers_dataset(base, validation, settings, False) if validation else None,
+            sum(len(ids) for ids, _ in train), sum(len(ids) - start for ids, start in held))
+
+
+def _answers_dataset(base, sequences: list[distill.Distilled], settings: TrainSettings, progress: bool):
+    """Positions from each prompt's last token on (where decoding happens), with their per-head targets."""
+    hidden, choices = _base_outputs(base, [torch.tensor(ids) for ids, _ in sequences], progress,
+                                    settings.forward_batch)
+    starts = [start - 1 for _, start in sequences]
+    return _dataset([h[s:] for h, s in zip(hidden, starts)], [c[s:] for c, s in zip(choices, starts)],
+                    settings.num_heads)
 
 
 def _split(token_ids: list[int], held_out: float) -> tuple[list[int], list[int]]:
@@ -111,11 +163,14 @@ def _split(token_ids: list[int], held_out: float) -> tuple[list[int], list[int]]
     return list(token_ids[:-count]), list(token_ids[-count:])
 
 
-def _load_base(model_dir):
+def _load_base(model_dir, device: str = "cpu"):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if str(device).startswith("cuda"):
+        torch.backends.cuda.matmul.allow_tf32 = False  # the targets are fp32 greedy choices, as the engine makes
+        torch.backends.cudnn.allow_tf32 = False
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()
     base.requires_grad_(False)
     return tokenizer, base
 
@@ -128,13 +183,25 @@ def _windows(token_ids: list[int], window: int) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def _base_outputs(base, windows: list[torch.Tensor], progress: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per window: final-norm hidden states [n, hidden] and the base model's greedy choices [n]."""
+def _base_outputs(base, windows: list[torch.Tensor], progress: bool,
+                  batch: int = 1) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Per window: final-norm hidden states [n, hidden] and the base model's greedy choices [n] (`batch`
+    windows per forward, right-padded)."""
+    device = next(base.parameters()).device
     hidden, choices = [], []
-    for ids in tqdm(windows, desc="Base model forward", unit="window", disable=not progress):
-        states = base.model(ids[None]).last_hidden_state[0]
-        hidden.append(states)
-        choices.append(base.get_output_embeddings()(states).argmax(dim=-1))
+    for first in tqdm(range(0, len(windows), batch), desc="Base model forward", unit="batch",
+                      disable=not progress):
+        chunk = windows[first:first + batch]
+        width = max(len(ids) for ids in chunk)
+        ids = torch.zeros(len(chunk), width, dtype=torch.long)
+        mask = torch.zeros(len(chunk), width, dtype=torch.long)
+        for row, window in enumerate(chunk):
+            ids[row, :len(window)], mask[row, :len(window)] = window, 1
+        states = base.model(input_ids=ids.to(device), attention_mask=mask.to(device)).last_hidden_state
+        best = base.get_output_embeddings()(states).argmax(dim=-1)
+        for row, window in enumerate(chunk):
+            hidden.append(states[row, :len(window)])
+            choices.append(best[row, :len(window)])
     return hidden, choices
 
 
@@ -151,18 +218,11 @@ def _distill(base, token_ids: list[int], settings: TrainSettings) -> list[int]:
     batches = [group[i:i + DISTILL_BATCH] for group in groups for i in range(0, len(group), DISTILL_BATCH)]
     with tqdm(total=len(snippets), desc="Self-distillation", unit="prompt", disable=not settings.progress) as bar:
         for batch in batches:
-            out = base.generate(torch.tensor(batch), max_new_tokens=64, do_sample=False, pad_token_id=0)
+            out = base.generate(torch.tensor(batch, device=next(base.parameters()).device), max_new_tokens=64, do_sample=False, pad_token_id=0)
             for row in out.tolist():  # a row that ended early is padded with 0s after its end token: cut them
-                extra += row[:len(batch[0]) + _generated_length(row[len(batch[0]):], base)]
+                extra += row[:len(batch[0]) + distill.answer_length(row[len(batch[0]):], base)]
             bar.update(len(batch))
     return extra
-
-
-def _generated_length(generated: list[int], base) -> int:
-    """Tokens up to and including the first end token (all of them if none)."""
-    eos = base.generation_config.eos_token_id
-    ends = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    return next((i + 1 for i, token in enumerate(generated) if token in ends), len(generated))
 
 
 IGNORE = -100
@@ -173,7 +233,7 @@ def _dataset(hidden, choices, num_heads: int) -> tuple[torch.Tensor, torch.Tenso
     same window, IGNORE where the window ends first)."""
     targets = []
     for window_choices in choices:
-        rows = torch.full((len(window_choices), num_heads), IGNORE, dtype=torch.long)
+        rows = torch.full((len(window_choices), num_heads), IGNORE, dtype=torch.long, device=window_choices.device)
         for h in range(min(num_heads, len(window_choices) - 1)):
             rows[:len(window_choices) - h - 1, h] = window_choices[h + 1:]
         targets.append(rows)
@@ -191,7 +251,9 @@ def _loss(heads: MedusaHeads, states: torch.Tensor, targets: torch.Tensor) -> to
     return total
 
 
-def _train(heads: MedusaHeads, states: torch.Tensor, targets: torch.Tensor, settings: TrainSettings) -> list[float]:
+def _train(heads: MedusaHeads, states: torch.Tensor, targets: torch.Tensor, settings: TrainSettings,
+           validation=None) -> tuple[list[float], Optional[int]]:
+    """Returns the losses and, with validation data, the step whose heads were kept (the best on it)."""
     projections = [p for projection in heads.projections() for p in projection.parameters()]
     blocks = [p for p in heads.parameters() if all(p is not q for q in projections)]
     groups = [{"params": blocks, "lr": settings.learning_rate}]
@@ -200,10 +262,12 @@ def _train(heads: MedusaHeads, states: torch.Tensor, targets: torch.Tensor, sett
     optimizer = torch.optim.AdamW(groups, lr=settings.learning_rate, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, max(1, settings.steps))
     generator = torch.Generator().manual_seed(settings.seed)
-    losses = []
-    bar = tqdm(range(settings.steps), desc="Training Medusa heads", unit="step", disable=not settings.progress)
-    for _ in bar:
+    losses, best = [], _Best(heads, validation)
+    bar = tqdm(range(1, settings.steps + 1), desc="Training Medusa heads", unit="step",
+               disable=not settings.progress)
+    for step in bar:
         rows = torch.randint(len(states), (min(settings.batch_positions, len(states)),), generator=generator)
+        rows = rows.to(states.device)
         loss = _loss(heads, states[rows], targets[rows])
         optimizer.zero_grad()
         loss.backward()
@@ -211,13 +275,41 @@ def _train(heads: MedusaHeads, states: torch.Tensor, targets: torch.Tensor, sett
         schedule.step()
         losses.append(float(loss.detach()))
         bar.set_postfix(loss=f"{losses[-1]:.3f}")
-    return losses or [float("nan")]
+        if step % settings.eval_every == 0 or step == settings.steps:
+            best.check(step)
+    return losses or [float("nan")], best.restore()
+
+
+class _Best:
+    """Keeps the heads that score best on validation data: the expected run of accepted guesses along a chain,
+    acc0 + acc0*acc1 + ... (a path stops at its first miss)."""
+
+    def __init__(self, heads: MedusaHeads, validation):
+        self.heads, self.validation = heads, validation if validation and len(validation[0]) else None
+        self.score, self.step, self.state = -1.0, None, None
+
+    def check(self, step: int) -> None:
+        if self.validation is None:
+            return
+        score, run = 0.0, 1.0
+        for accuracy in head_accuracy(self.heads, *self.validation):
+            run *= accuracy
+            score += run
+        if score > self.score:
+            self.score, self.step = score, step
+            self.state = {k: v.detach().clone() for k, v in self.heads.state_dict().items()}
+        log.info("step %d: validation score %.4f (best %.4f at step %d)", step, score, self.score, self.step)
+
+    def restore(self) -> Optional[int]:
+        if self.state is not None:
+            self.heads.load_state_dict(self.state)
+        return self.step
 
 
 @torch.no_grad()
 def head_accuracy(heads: MedusaHeads, states: torch.Tensor, targets: torch.Tensor) -> list[float]:
     """Per head, how often its top-1 equals the base model's choice it is meant to guess."""
-    guesses = torch.cat([heads(chunk).argmax(dim=-1) for chunk in states.split(256)])  # [N, heads]
+    guesses = torch.cat([heads(chunk).argmax(dim=-1) for chunk in states.split(1024)])  # [N, heads]
     accuracy = []
     for h in range(heads.num_heads):
         valid = targets[:, h] != IGNORE

@@ -1,0 +1,144 @@
+"""Self-distillation data for Medusa heads: the base model's own greedy answers to chat requests built from what
+the package ships, so the heads learn how this model answers (which is what speculative decoding must guess),
+not how a person wrote some text.
+
+The requests: the model first writes a paragraph on each shipped topic (data/distill_topics.txt); then it is
+asked to rewrite, summarise, explain or list the points of those paragraphs and of the shipped training text's
+paragraphs, and to answer questions on the topics. The texts `tritonllm bench spec` rewrites
+(data/bench_texts.txt) are never used for training: `held_out_sequences` turns them into the bench's own
+requests, to measure the heads on."""
+from __future__ import annotations
+
+import random
+from importlib import resources
+from typing import Optional, Sequence
+
+import torch
+from tqdm import tqdm
+
+TOPICS_FILE = "data/distill_topics.txt"
+BENCH_TEXTS_FILE = "data/bench_texts.txt"
+BENCH_TASK = "Rewrite the following text in your own words, keeping every step and detail:\n\n"
+TEXT_TASKS = (BENCH_TASK,
+              "Summarise the following text in a few sentences:\n\n",
+              "Explain the following text to a ten-year-old:\n\n",
+              "List the main points of the following text:\n\n",
+              "Rewrite the following text as a short story:\n\n",
+              "Rewrite the following text in simpler words:\n\n",
+              "Turn the following text into a numbered list of steps or facts:\n\n",
+              "Write a title and a one-paragraph summary for the following text:\n\n")
+TOPIC_TASKS = ("What should I know about {topic}? Answer in detail.",
+               "Give me five practical tips about {topic}.",
+               "Explain {topic} step by step.",
+               "Write a short story about {topic}.",
+               "Write an email to a friend about {topic}.",
+               "What are common mistakes people make with {topic}, and how can they be avoided?")
+PARAGRAPH_TASK = "Write a paragraph of about one hundred words about {topic}."
+MIN_TEXT_CHARS = 150  # shorter paragraphs (one-line questions) make poor texts to rewrite
+
+
+def shipped_lines(name: str) -> str:
+    return resources.files("tritonllm.spec_decode").joinpath(name).read_text(encoding="utf-8")
+
+
+def paragraphs(text: str, min_chars: int = 0) -> list[str]:
+    return [p.strip() for p in text.split("\n\n") if len(p.strip()) >= max(1, min_chars)]
+
+
+def bench_texts() -> list[str]:
+    """The texts `tritonllm bench spec` asks the model to rewrite, longest first; kept out of training."""
+    return paragraphs(shipped_lines(BENCH_TEXTS_FILE))
+
+
+def topics() -> list[str]:
+    return [line.strip() for line in shipped_lines(TOPICS_FILE).splitlines() if line.strip()]
+
+
+def chat_ids(tokenizer, content: str) -> list[int]:
+    """One user message as the model's chat template lays it out (plain text for models without one)."""
+    if getattr(tokenizer, "chat_template", None):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": content}], add_generation_prompt=True,
+                                             tokenize=False)
+        return tokenizer.encode(text, add_special_tokens=False)
+    return tokenizer.encode(content)
+
+
+# A training sequence: the prompt's and the answer's token ids, and where the answer starts.
+Distilled = tuple[list[int], int]
+
+
+def chat_sequences(base, tokenizer, texts: Sequence[str], count: int, max_new_tokens: int, batch: int,
+                   seed: int = 0, progress: bool = True, rounds: int = 1, temperature: float = 0.7,
+                   validation_share: float = 0.0) -> tuple[list[Distilled], list[Distilled]]:
+    """About `count` requests answered by `base`: first its paragraphs on the shipped topics (as many as a
+    third of `count`), then tasks on those paragraphs and on `texts`, and questions on the topics. Each request
+    is answered greedily, and `rounds - 1` more times sampled at `temperature` (more varied text; the heads'
+    targets stay the greedy choices at every position). Returns (training, validation): the requests about
+    `validation_share` of the topics are kept apart, so validation measures unseen content."""
+    rng = random.Random(seed)
+    subjects = topics()
+    rng.shuffle(subjects)
+    subjects = subjects[:max(1, count // 3)]
+    written = greedy_answers(base, tokenizer, [chat_ids(tokenizer, PARAGRAPH_TASK.format(topic=t)) for t in subjects],
+                             max_new_tokens, batch, progress, "Self-distillation (paragraphs)")
+    own_texts = [tokenizer.decode(ids[start:], skip_special_tokens=True).strip() for ids, start in written]
+    num_validation = round(len(subjects) * validation_share)
+    parts = []
+    for part in (slice(num_validation, None), slice(0, num_validation)):
+        part_texts = (list(texts) if part.start else []) + own_texts[part]
+        requests = [task + text for text in part_texts if len(text) >= MIN_TEXT_CHARS for task in TEXT_TASKS]
+        requests += [task.format(topic=topic) for topic in subjects[part] for task in TOPIC_TASKS]
+        rng.shuffle(requests)
+        parts.append((written[part], requests))
+    budget = max(0, count - len(written))
+    parts[0] = (parts[0][0], parts[0][1][:budget - min(budget, len(parts[1][1]))])
+    results = []
+    for part_written, requests in parts:
+        prompts = [chat_ids(tokenizer, r) for r in requests]
+        answers = list(part_written)
+        for round_ in range(rounds):
+            answers += greedy_answers(base, tokenizer, prompts, max_new_tokens, batch, progress,
+                                      f"Self-distillation (tasks, round {round_ + 1}/{rounds})",
+                                      temperature=temperature if round_ else 0.0, seed=seed + round_)
+        results.append(answers)
+    return results[0], results[1]
+
+
+def held_out_sequences(base, tokenizer, max_new_tokens: int, batch: int) -> list[Distilled]:
+    """The bench's own requests (rewrite each bench text), answered greedily: what accuracy is measured on."""
+    prompts = [chat_ids(tokenizer, BENCH_TASK + text) for text in bench_texts()]
+    return greedy_answers(base, tokenizer, prompts, max_new_tokens, batch, False, "")
+
+
+@torch.no_grad()
+def greedy_answers(base, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch: int, progress: bool,
+                   desc: str, temperature: float = 0.0, seed: int = 0) -> list[Distilled]:
+    """Greedy answers (sampled at `temperature` when it is > 0), `batch` prompts per generate call (similar
+    lengths together, left-padded); each answer ends at its first end token."""
+    torch.manual_seed(seed)
+    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
+        dict(do_sample=False)
+    device = next(base.parameters()).device
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    results: list[Optional[Distilled]] = [None] * len(prompts)
+    with tqdm(total=len(prompts), desc=desc, unit="prompt", disable=not progress) as bar:
+        for first in range(0, len(order), batch):
+            chunk = order[first:first + batch]
+            width = max(len(prompts[i]) for i in chunk)
+            ids = torch.tensor([[pad] * (width - len(prompts[i])) + prompts[i] for i in chunk], device=device)
+            mask = torch.tensor([[0] * (width - len(prompts[i])) + [1] * len(prompts[i]) for i in chunk],
+                                device=device)
+            out = base.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+                                pad_token_id=pad, **sampling)
+            for i, row in zip(chunk, out[:, width:].tolist()):
+                results[i] = (prompts[i] + row[:answer_length(row, base)], len(prompts[i]))
+            bar.update(len(chunk))
+    return [r for r in results if r is not None]
+
+
+def answer_length(generated: list[int], base) -> int:
+    """Tokens up to and including the first end token (all of them if none)."""
+    eos = base.generation_config.eos_token_id
+    ends = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return next((i + 1 for i, token in enumerate(generated) if token in ends), len(generated))

@@ -1,0 +1,79 @@
+"""Self-distillation for Medusa heads: the bench's texts stay out of training, batched (left-padded) greedy answers
+equal one-at-a-time greedy answers, validation topics are kept apart, and training on chat data keeps the heads
+that do best on validation."""
+import pytest
+import torch
+
+from tritonllm.engine.config import ConfigError
+from tritonllm.model_files.tiny import build_tiny_model
+from tritonllm.spec_decode import distill
+from tritonllm.spec_decode.bench import grounded_texts
+from tritonllm.spec_decode.medusa import load_medusa
+from tritonllm.spec_decode.train_medusa import TrainSettings, default_text, train_medusa
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=7)
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    return model_dir, AutoTokenizer.from_pretrained(str(model_dir)), base
+
+
+def test_bench_texts_are_never_training_text():
+    training = default_text()
+    texts = distill.bench_texts()
+    assert len(texts) >= 4 and grounded_texts(4) == texts[:4]
+    for text in texts:
+        assert text not in training and text[:60] not in training
+    with pytest.raises(ConfigError, match="--prompts"):
+        grounded_texts(len(texts) + 1)
+
+
+def test_batched_greedy_answers_equal_answers_one_at_a_time(tiny):
+    _, tokenizer, base = tiny
+    prompts = [distill.chat_ids(tokenizer, text) for text in ("Hi", "Tell me about the sea and the boats on it.",
+                                                               "Bread")]
+    batched = distill.greedy_answers(base, tokenizer, prompts, 10, batch=3, progress=False, desc="")
+    for prompt, (ids, start) in zip(prompts, batched):
+        alone = base.generate(torch.tensor([prompt]), max_new_tokens=10, do_sample=False, pad_token_id=0)[0]
+        answer = alone[len(prompt):].tolist()
+        assert start == len(prompt) and ids[:start] == prompt
+        assert ids[start:] == answer[:distill.answer_length(answer, base)]
+
+
+def test_chat_sequences_keep_validation_topics_apart_and_sample_extra_rounds(tiny):
+    _, tokenizer, base = tiny
+    train, validation = distill.chat_sequences(base, tokenizer, ["A text about zebrafish. " * 10], count=24,
+                                               max_new_tokens=8, batch=8, progress=False, rounds=2,
+                                               validation_share=0.25)
+    assert train and validation
+    prompts = lambda sequences: {tuple(ids[:start]) for ids, start in sequences}  # noqa: E731
+    assert not prompts(train) & prompts(validation)
+    assert all(0 < start < len(ids) <= start + 8 for ids, start in train + validation)
+    # Requests answered twice: greedy, then sampled; the same prompts appear in both rounds.
+    requests = [ids[:start] for ids, start in train]
+    assert any(requests.count(prompt) == 2 for prompt in requests)
+    assert not any("zebrafish" in tokenizer.decode(ids) for ids, _ in validation)  # shipped texts train only
+
+
+def test_training_on_chat_data_keeps_the_best_validated_heads(tiny, tmp_path):
+    model_dir, _, _ = tiny
+    settings = TrainSettings(num_heads=2, steps=6, batch_positions=64, learning_rate=1e-2, progress=False,
+                             distill_prompts=12, distill_max_tokens=8, distill_batch=6, validation_share=0.3,
+                             eval_every=2)
+    report = train_medusa(model_dir, tmp_path / "heads", settings)
+    assert report.best_step in (2, 4, 6) and len(report.validation_accuracy) == 2
+    assert 0 < report.held_out_tokens <= len(distill.bench_texts()) * 8  # the bench's requests, answered
+    assert load_medusa(tmp_path / "heads").num_heads == 2
+
+
+def test_cli_refuses_bad_distillation_settings(tiny, tmp_path, capsys):
+    from tritonllm.cli import main
+
+    model_dir, _, _ = tiny
+    for flag, value in (("--distill-rounds", "0"), ("--validation-share", "1.5"), ("--distill-prompts", "-1")):
+        assert main(["spec", "train-medusa", "--model", str(model_dir), "--out", str(tmp_path / "h"), flag,
+                     value]) == 2
+        assert flag.split("-")[-1] in capsys.readouterr().err
