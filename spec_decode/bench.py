@@ -17,8 +17,10 @@ from .distill import BENCH_TASK as TASK, bench_texts, chat_ids
 
 METHODS = {
     "ngram": lambda a: {"decoding_type": "NGram", "max_draft_len": a.draft_len, "max_matching_ngram_size": 3},
-    "lookahead": lambda a: {"decoding_type": "Lookahead", "max_window_size": 4, "max_ngram_size": 4,
-                            "max_verification_set_size": 4},
+    # A one-token window and two candidates: the fastest measured on a 2-core CPU (docs/benchmarks.md), where
+    # every extra token in the verification step costs compute.
+    "lookahead": lambda a: {"decoding_type": "Lookahead", "max_window_size": 1, "max_ngram_size": 5,
+                            "max_verification_set_size": 2},
     "drafttarget": lambda a: {"decoding_type": "DraftTarget", "max_draft_len": a.draft_len,
                               "speculative_model_dir": a.spec_model_dir},
     "medusa": lambda a: {"decoding_type": "Medusa", "speculative_model_dir": a.spec_model_dir},

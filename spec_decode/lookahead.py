@@ -22,35 +22,69 @@ from .acceptance import Verdict, greedy_accept
 from .config import LookaheadConfig
 from .tree import DraftTree
 
+POOL_PER_KEY = 8  # n-grams kept per key token; the G whose context fits best are verified
+
 # forward(context_tokens, new_tokens, new_positions, mask [T, T] over the new tokens) -> logits [T, vocab]
 TreeForward = Callable[[Sequence[int], Sequence[int], Sequence[int], torch.Tensor], torch.Tensor]
 
 
 class NGramPool:
-    """Continuations ((N-1)-grams) by key token, at most `max_per_key` per key, least recently added dropped."""
+    """Continuations ((N-1)-grams) by key token, at most `max_per_key` per key, least recently added dropped.
+    Each remembers the tokens just before its key where it was seen (`CONTEXT` of them, none for the window's
+    n-grams): `candidates` puts those whose context matches the text before the root first."""
+
+    CONTEXT = 2
 
     def __init__(self, ngram_size: int, max_per_key: int):
         self.ngram_size = ngram_size
         self.max_per_key = max_per_key
-        self._grams: dict[int, OrderedDict[tuple[int, ...], None]] = {}
+        self._grams: dict[int, OrderedDict[tuple[int, ...], tuple[int, ...]]] = {}
 
-    def add(self, key: int, continuation: Sequence[int]) -> None:
+    def add(self, key: int, continuation: Sequence[int], before: Sequence[int] = ()) -> None:
         grams = self._grams.setdefault(int(key), OrderedDict())
         gram = tuple(int(t) for t in continuation)
         grams.pop(gram, None)
-        grams[gram] = None
+        grams[gram] = tuple(int(t) for t in before[-self.CONTEXT:])
         while len(grams) > self.max_per_key:
             grams.popitem(last=False)
 
-    def add_from(self, tokens: Sequence[int]) -> None:
-        """Every complete n-gram of `tokens` (the prompt, or newly committed text)."""
+    def add_from(self, tokens: Sequence[int], first: int = 0) -> None:
+        """Every complete n-gram of `tokens` starting at `first` or later (the prompt, or newly committed
+        text), with the tokens before each."""
         size = self.ngram_size
-        for start in range(len(tokens) - size + 1):
-            self.add(tokens[start], tokens[start + 1:start + size])
+        for start in range(first, len(tokens) - size + 1):
+            self.add(tokens[start], tokens[start + 1:start + size], tokens[max(0, start - self.CONTEXT):start])
 
-    def candidates(self, key: int) -> list[tuple[int, ...]]:
-        """Most recently added first."""
-        return list(reversed(self._grams.get(int(key), ())))
+    def candidates(self, key: int, before: Sequence[int] = ()) -> list[tuple[int, ...]]:
+        """Those whose remembered context matches the end of `before` longest first; then most recently
+        added first."""
+        return [gram for gram, _ in self.ranked(key, before)]
+
+    def ranked(self, key: int, before: Sequence[int] = ()) -> list[tuple[tuple[int, ...], int]]:
+        """(continuation, how many tokens of its context match the end of `before`), best first."""
+        grams = [(gram, _common_suffix(context, before) if before else 0)
+                 for gram, context in reversed(self._grams.get(int(key), {}).items())]
+        return sorted(grams, key=lambda item: -item[1])  # stable: recency breaks ties
+
+    def extend(self, text: Sequence[int], path: list[int], room: int) -> list[int]:
+        """`path` (which follows `text`) continued by the n-gram whose context fully matches its own end, and
+        so on, up to `room` tokens: a stretch of copied text is proposed whole, not N - 1 tokens at a time."""
+        path = path[:room]
+        text = list(text) + path
+        while len(path) < room:
+            ranked = self.ranked(text[-1], text[-1 - self.CONTEXT:-1])
+            if not ranked or ranked[0][1] < self.CONTEXT:
+                break
+            more = list(ranked[0][0][:room - len(path)])
+            path, text = path + more, text + more
+        return path
+
+
+def _common_suffix(a: Sequence[int], b: Sequence[int]) -> int:
+    count = 0
+    while count < min(len(a), len(b)) and a[-1 - count] == b[-1 - count]:
+        count += 1
+    return count
 
 
 @dataclass
@@ -86,7 +120,7 @@ class LookaheadDecoder:
     def new_state(self, history: Sequence[int]) -> LookaheadState:
         """Level 0 starts as tokens drawn from the history (as the reference does from the prompt)."""
         c = self.config
-        state = LookaheadState(NGramPool(c.max_ngram_size, c.max_verification_set_size))
+        state = LookaheadState(NGramPool(c.max_ngram_size, max(c.max_verification_set_size, POOL_PER_KEY)))
         state.levels = [[self._random.choice(list(history)) for _ in range(c.max_window_size)]]
         self.observe(state, history)
         return state
@@ -95,12 +129,13 @@ class LookaheadDecoder:
         """Pool the n-grams of committed tokens not seen yet (prompt lookup for free)."""
         if not self.pool_from_history:
             return
-        start = max(0, state.num_pooled - self.config.max_ngram_size + 1)
-        state.pool.add_from(history[start:])
+        state.pool.add_from(history, max(0, state.num_pooled - self.config.max_ngram_size + 1))
         state.num_pooled = len(history)
 
-    def build_step(self, state: LookaheadState, root: int, max_draft: Optional[int] = None) -> LookaheadStep:
-        tree = self.verification_tree(state.pool, root, max_draft)
+    def build_step(self, state: LookaheadState, root: int, max_draft: Optional[int] = None,
+                   before: Sequence[int] = ()) -> LookaheadStep:
+        """`before`: the committed tokens before the root (their end ranks the pool's candidates)."""
+        tree = self.verification_tree(state.pool, root, max_draft, before)
         window = state.levels
         size = 1 + len(tree) + len(window) * len(window[0])
         mask = torch.zeros(size, size, dtype=torch.bool)
@@ -111,17 +146,26 @@ class LookaheadDecoder:
         tokens = [root] + tree.tokens + [t for level in window for t in level]
         return LookaheadStep(tokens, offsets, mask, tree, window_start, len(window), len(window[0]))
 
-    def verification_tree(self, pool: NGramPool, root: int, max_draft: Optional[int] = None) -> DraftTree:
-        """A trie of the pooled continuations for `root` (shared prefixes verified once)."""
+    def verification_tree(self, pool: NGramPool, root: int, max_draft: Optional[int] = None,
+                          before: Sequence[int] = ()) -> DraftTree:
+        """A trie of the G best pooled continuations for `root` (shared prefixes verified once), at most
+        G * (N - 1) tokens. A candidate whose context matches the text before the root fully is extended along
+        the pool while that budget lasts (a copied stretch is verified in one step), leaving less for the rest."""
+        c = self.config
+        budget = c.max_verification_set_size * (c.max_ngram_size - 1)
+        budget = budget if max_draft is None else min(budget, max_draft)
         tokens: list[int] = []
         parents: list[int] = []
         index: dict[tuple[int, int], int] = {}
-        for gram in pool.candidates(root):
+        for gram, score in pool.ranked(root, before)[:c.max_verification_set_size]:
+            path = list(gram)
+            if before and score == pool.CONTEXT:
+                path = pool.extend(list(before) + [root], path, budget - len(tokens))
             node = -1
-            for token in gram:
+            for token in path:
                 child = index.get((node, token))
                 if child is None:
-                    if max_draft is not None and len(tokens) >= max_draft:
+                    if len(tokens) >= budget:
                         break
                     child = len(tokens)
                     tokens.append(token)
@@ -186,7 +230,7 @@ def lookahead_generate(forward: TreeForward, prompt: Sequence[int], max_new_toke
     state = decoder.new_state(prompt)
     context, root, output, forwards = list(prompt[:-1]), int(prompt[-1]), [], 0
     while len(output) < max_new_tokens:
-        step = decoder.build_step(state, root)
+        step = decoder.build_step(state, root, before=context[-NGramPool.CONTEXT:])
         positions = [len(context) + offset for offset in step.position_offsets]
         argmax = forward(context, step.tokens, positions, step.mask).argmax(dim=-1).tolist()
         forwards += 1

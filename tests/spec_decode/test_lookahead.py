@@ -18,6 +18,31 @@ def test_pool_keeps_the_most_recent_continuations_per_key():
     assert pool.candidates(9) == []
 
 
+def test_candidates_whose_context_matches_the_text_before_the_root_come_first():
+    pool = NGramPool(ngram_size=3, max_per_key=8)
+    pool.add_from([7, 8, 1, 2, 3, 9, 9, 1, 4, 5, 6, 6, 1, 5, 5])  # key 1 after (7, 8), (9, 9), (6, 6)
+    assert pool.candidates(1) == [(5, 5), (4, 5), (2, 3)]  # no context given: most recent first
+    assert pool.candidates(1, before=[0, 7, 8]) == [(2, 3), (5, 5), (4, 5)]  # two tokens match
+    assert pool.candidates(1, before=[3, 9]) == [(4, 5), (5, 5), (2, 3)]  # one token matches
+    # The pool keeps more n-grams per key than the verification set; the best G are verified.
+    decoder = LookaheadDecoder(LookaheadConfig(max_window_size=1, max_ngram_size=3, max_verification_set_size=1))
+    state = decoder.new_state([7, 8, 1, 2, 3, 9, 9, 1, 4, 5, 6, 6, 1, 5, 5])
+    assert len(state.pool.candidates(1)) == 3
+    assert decoder.build_step(state, root=1, before=[7, 8]).tree.tokens == [2, 3]
+    assert decoder.build_step(state, root=1).tree.tokens == [5, 5]
+
+
+def test_a_fully_matching_candidate_is_extended_along_the_pool_within_the_budget():
+    decoder = LookaheadDecoder(LookaheadConfig(max_window_size=1, max_ngram_size=3, max_verification_set_size=2))
+    state = decoder.new_state([1, 2, 3, 4, 5, 6, 7, 8, 9])  # budget: G * (N - 1) = 4 tokens
+    # 3 follows (1, 2) as it did in the text: its continuation (4, 5) goes on with 5's own, (6, 7).
+    assert decoder.build_step(state, root=3, before=[1, 2]).tree.tokens == [4, 5, 6, 7]
+    # Context only partly matching, or not given: the n-gram alone.
+    assert decoder.build_step(state, root=3, before=[9, 2]).tree.tokens == [4, 5]
+    assert decoder.build_step(state, root=3).tree.tokens == [4, 5]
+    assert decoder.build_step(state, root=3, max_draft=3, before=[1, 2]).tree.tokens == [4, 5, 6]
+
+
 def test_verification_tree_merges_shared_prefixes():
     decoder = LookaheadDecoder(LookaheadConfig(max_window_size=2, max_ngram_size=4, max_verification_set_size=3))
     pool = NGramPool(4, 3)

@@ -98,7 +98,7 @@ class LookaheadMethod:
             decoder = self._decoder(config)
             state = decoder.new_state(history)
             self.states[item.seq_id] = (decoder, state)
-        step = decoder.build_step(state, history[-1], item.max_draft_tokens)
+        step = decoder.build_step(state, history[-1], item.max_draft_tokens, before=history[-3:-1])
         if len(step.tokens) - 1 > (item.max_draft_tokens or 0) + 1:  # the window would pass the KV reservation
             return None
         nodes = len(step.tree)
