@@ -29,6 +29,9 @@ class AttentionMetadata:
     # Speculative drafts: per sequence, None (causal) or a [n, n] bool mask over its last n query tokens (the root
     # and its draft tree); those tokens see the whole context before them and, among themselves, only this mask.
     tail_masks: list[torch.Tensor | None] | None = None
+    # Other steps: per sequence, its additive mask [1, 1, q_len, ctx_len] (None: a whole prompt, causal over its
+    # own keys), built once per step rather than in every layer.
+    sequence_masks: list[torch.Tensor | None] | None = None
 
     @property
     def is_decode_only(self) -> bool:
@@ -62,7 +65,25 @@ def step_metadata(slots: list[int], block_tables: list[list[int]], query_starts:
         tail_masks=tail_masks if any(m is not None for m in tail_masks) else None)
     if all(n == 1 for n in query_lens):
         attn.decode_mask = build_decode_mask(context_lens, block_size, max_blocks, device, dtype)
+    else:
+        masks = attn.tail_masks or [None] * len(query_lens)
+        attn.sequence_masks = [None if q_len == ctx_len and tail is None else
+                               sequence_mask(q_len, ctx_len, tail, device, dtype)
+                               for q_len, ctx_len, tail in zip(query_lens, context_lens, masks)]
     return attn
+
+
+def sequence_mask(q_len: int, ctx_len: int, tail_mask: torch.Tensor | None, device,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """[1, 1, q_len, ctx_len] additive mask of a sequence's queries (its last q_len positions) over its context:
+    causal, except that the last `len(tail_mask)` queries see each other only where `tail_mask` says."""
+    query_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)
+    visible = torch.arange(ctx_len, device=device)[None, :] <= query_pos[:, None]
+    if tail_mask is not None:  # the tail rows already see all columns before the tail (causal)
+        tail = tail_mask.shape[0]
+        visible[q_len - tail:, ctx_len - tail:] = tail_mask.to(device)
+    mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+    return mask[None, None]
 
 
 def zero_blocks(caches, block_ids: list[int]) -> None:
@@ -92,14 +113,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
         return _decode_attention(q, k_cache, v_cache, meta, scale)
     out = torch.empty_like(q)
     tail_masks = meta.tail_masks or [None] * len(meta.query_starts)
-    for start, q_len, ctx_len, table, tail_mask in zip(meta.query_starts, meta.query_lens, meta.context_lens,
-                                                       meta.block_tables, tail_masks):
+    masks = meta.sequence_masks or [None] * len(meta.query_starts)
+    for start, q_len, ctx_len, table, tail_mask, mask in zip(meta.query_starts, meta.query_lens, meta.context_lens,
+                                                             meta.block_tables, tail_masks, masks):
         rows = slice(start, start + q_len)
         if q_len == ctx_len and tail_mask is None:  # a whole prompt: its own keys, causal, nothing to gather
             out[rows] = _causal_attention(q[rows], k[rows], v[rows], scale)
         else:
-            out[rows] = _sequence_attention(q[rows], k_cache, v_cache, table, ctx_len, meta.block_size, scale,
-                                            tail_mask)
+            if mask is None:  # metadata not made by step_metadata
+                mask = sequence_mask(q_len, ctx_len, tail_mask, q.device, q.dtype)
+            out[rows] = _sequence_attention(q[rows], k_cache, v_cache, table, ctx_len, meta.block_size, scale, mask)
     return out
 
 
@@ -119,18 +142,14 @@ def _gather(cache: torch.Tensor, table: torch.Tensor, length: int, block_size: i
     return _gather_blocks(cache, table[:num_blocks]).flatten(0, 1)[:length]
 
 
-def _sequence_attention(q, k_cache, v_cache, table, ctx_len, block_size, scale, tail_mask=None):
-    keys = _gather(k_cache, table, ctx_len, block_size).transpose(0, 1)  # [kv_heads, ctx, d]
-    values = _gather(v_cache, table, ctx_len, block_size).transpose(0, 1)
-    q_len = q.shape[0]
-    query_pos = torch.arange(ctx_len - q_len, ctx_len, device=q.device)
-    mask = torch.arange(ctx_len, device=q.device)[None, :] <= query_pos[:, None]
-    if tail_mask is not None:  # the tail rows already see all columns before the tail (causal)
-        tail = tail_mask.shape[0]
-        mask[q_len - tail:, ctx_len - tail:] = tail_mask.to(q.device)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), keys, values, attn_mask=mask, scale=scale,
+def _sequence_attention(q, k_cache, v_cache, table, ctx_len, block_size, scale, mask):
+    """Batched 4-D SDPA with an additive mask, which CPU PyTorch runs in its flash kernel (a bool mask on 3-D
+    inputs took the slower math path)."""
+    keys = _gather(k_cache, table, ctx_len, block_size).transpose(0, 1)[None]  # [1, kv_heads, ctx, d]
+    values = _gather(v_cache, table, ctx_len, block_size).transpose(0, 1)[None]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=mask, scale=scale,
                                          enable_gqa=True)
-    return out.transpose(0, 1)
+    return out[0].transpose(0, 1)
 
 
 def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale):
