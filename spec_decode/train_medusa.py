@@ -93,13 +93,9 @@ def train_medusa(model_dir: Union[str, Path], out_dir: Union[str, Path], setting
     started = time.monotonic()
     torch.manual_seed(settings.seed)
     tokenizer, base = _load_base(model_dir, settings.device)
-    validation = None
-    if settings.distill_prompts:
-        (states, targets), (held_states, held_targets), validation, num_tokens, held_tokens = _chat_data(
-            base, tokenizer, settings, text)
-    else:
-        (states, targets), (held_states, held_targets), num_tokens, held_tokens = _text_data(
-            base, tokenizer, settings, text)
+    make_data = _chat_data if settings.distill_prompts else _text_data
+    (states, targets), (held_states, held_targets), validation, num_tokens, held_tokens = make_data(
+        base, tokenizer, settings, text)
     lm_head = base.get_output_embeddings().weight.detach()
     heads = MedusaHeads(lm_head.shape[1], lm_head.shape[0], settings.num_heads, settings.num_layers,
                         shared_lm_head=settings.share_lm_head).to(lm_head.device)
@@ -116,7 +112,7 @@ def train_medusa(model_dir: Union[str, Path], out_dir: Union[str, Path], setting
 
 
 def _text_data(base, tokenizer, settings: TrainSettings, text: Optional[str]):
-    """Windows of the text (plus greedy continuations); accuracy on the text's held-out end."""
+    """Windows of the text (plus greedy continuations); accuracy on the text's held-out end; no validation."""
     token_ids, held_ids = _split(tokenizer(text if text is not None else default_text())["input_ids"],
                                  settings.held_out)
     if settings.distill_tokens:
@@ -126,9 +122,9 @@ def _text_data(base, tokenizer, settings: TrainSettings, text: Optional[str]):
     if not held_ids:
         log.warning("the training text is too short to hold %d tokens out; accuracy is measured on the training data",
                     MIN_HELD_OUT_TOKENS)
-        return train, train, len(token_ids), 0
+        return train, train, None, len(token_ids), 0
     held = _dataset(*_base_outputs(base, _windows(held_ids, settings.window), False), settings.num_heads)
-    return train, held, len(token_ids), len(held_ids)
+    return train, held, None, len(token_ids), len(held_ids)
 
 
 def _chat_data(base, tokenizer, settings: TrainSettings, text: Optional[str]):
