@@ -82,26 +82,27 @@ def chat_sequences(base, tokenizer, texts: Sequence[str], count: int, max_new_to
     written = greedy_answers(base, tokenizer, [chat_ids(tokenizer, PARAGRAPH_TASK.format(topic=t)) for t in subjects],
                              max_new_tokens, batch, progress, "Self-distillation (paragraphs)")
     own_texts = [tokenizer.decode(ids[start:], skip_special_tokens=True).strip() for ids, start in written]
-    num_validation = round(len(subjects) * validation_share)
-    parts = []
-    for part in (slice(num_validation, None), slice(0, num_validation)):
-        part_texts = (list(texts) if part.start else []) + own_texts[part]
-        requests = [task + text for text in part_texts if len(text) >= MIN_TEXT_CHARS for task in TEXT_TASKS]
-        requests += [task.format(topic=topic) for topic in subjects[part] for task in TOPIC_TASKS]
-        rng.shuffle(requests)
-        parts.append((written[part], requests))
-    budget = max(0, count - len(written))
-    parts[0] = (parts[0][0], parts[0][1][:budget - min(budget, len(parts[1][1]))])
-    results = []
-    for part_written, requests in parts:
+    held = round(len(subjects) * validation_share)
+    train_requests = _requests(list(texts) + own_texts[held:], subjects[held:], rng)
+    validation_requests = _requests(own_texts[:held], subjects[:held], rng)
+    train_requests = train_requests[:max(0, count - len(written) - len(validation_requests))]
+
+    def answered(requests: list[str]) -> list[Distilled]:
         prompts = [chat_ids(tokenizer, r) for r in requests]
-        answers = list(part_written)
-        for round_ in range(rounds):
-            answers += greedy_answers(base, tokenizer, prompts, max_new_tokens, batch, progress,
-                                      f"Self-distillation (tasks, round {round_ + 1}/{rounds})",
-                                      temperature=temperature if round_ else 0.0, seed=seed + round_)
-        results.append(answers)
-    return results[0], results[1]
+        return [answer for round_ in range(rounds) for answer in greedy_answers(
+            base, tokenizer, prompts, max_new_tokens, batch, progress,
+            f"Self-distillation (tasks, round {round_ + 1}/{rounds})", temperature=temperature if round_ else 0.0,
+            seed=seed + round_)]
+
+    return written[held:] + answered(train_requests), written[:held] + answered(validation_requests)
+
+
+def _requests(texts: Sequence[str], subjects: Sequence[str], rng: random.Random) -> list[str]:
+    """Every text task on every long enough text and every topic task on every subject, shuffled."""
+    requests = [task + text for text in texts if len(text) >= MIN_TEXT_CHARS for task in TEXT_TASKS]
+    requests += [task.format(topic=topic) for topic in subjects for task in TOPIC_TASKS]
+    rng.shuffle(requests)
+    return requests
 
 
 def held_out_sequences(base, tokenizer, max_new_tokens: int, batch: int) -> list[Distilled]:

@@ -56,6 +56,10 @@ def test_chat_sequences_keep_validation_topics_apart_and_sample_extra_rounds(tin
     requests = [ids[:start] for ids, start in train]
     assert any(requests.count(prompt) == 2 for prompt in requests)
     assert not any("zebrafish" in tokenizer.decode(ids) for ids, _ in validation)  # shipped texts train only
+    # Without validation nothing is kept apart: `count` answers (a third of them paragraphs), all for training.
+    train, validation = distill.chat_sequences(base, tokenizer, ["A text about zebrafish. " * 10], count=12,
+                                               max_new_tokens=4, batch=8, progress=False)
+    assert not validation and len(train) == 12
 
 
 def test_training_on_chat_data_keeps_the_best_validated_heads(tiny, tmp_path):
