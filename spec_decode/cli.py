@@ -19,7 +19,7 @@ def add_spec_command(sub) -> None:
     train.add_argument("--layers", type=int, default=1, help="ResBlocks per head")
     train.add_argument("--steps", type=int, default=200, help="optimizer steps")
     train.add_argument("--batch", type=int, default=256, help="positions per step")
-    train.add_argument("--lr", type=float, default=1e-3)
+    train.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate (cosine decay over --steps)")
     train.add_argument("--text", help="UTF-8 training text (default: the English text shipped with tritonllm)")
     train.add_argument("--distill-tokens", type=int, default=0,
                        help="also train on about this many tokens of the model's own greedy continuations")
@@ -32,11 +32,12 @@ def add_spec_command(sub) -> None:
     train.add_argument("--distill-rounds", type=int, default=1,
                        help="answers per request: the first greedy, the others sampled at --distill-temperature "
                             "(the targets stay the model's greedy choices)")
-    train.add_argument("--distill-temperature", type=float, default=0.7)
+    train.add_argument("--distill-temperature", type=float, default=0.7,
+                       help="sampling temperature of the extra --distill-rounds answers")
     train.add_argument("--validation-share", type=float, default=0.05,
                        help="with --distill-prompts: share of the topics kept out of training; the heads kept are "
                             "the checkpoint (every --eval-every steps) that does best on them")
-    train.add_argument("--eval-every", type=int, default=100)
+    train.add_argument("--eval-every", type=int, default=100, help="steps between validation checks")
     train.add_argument("--device", default="cpu", help="where to train: cpu, cuda, cuda:1 ...")
     train.add_argument("--share-lm-head", action=argparse.BooleanOptionalAction, default=True,
                        help="heads use the model's own LM head (frozen; only the ResBlocks train; a few MB, our "
@@ -44,8 +45,8 @@ def add_spec_command(sub) -> None:
                             "trained copy, in the standard Medusa format (vocab x hidden per head)")
     train.add_argument("--held-out", type=float, default=0.1,
                        help="fraction of the text (its end) kept out of training; accuracy is measured on it")
-    train.add_argument("--save-dtype", choices=_DTYPES, default="float32")
-    train.add_argument("--seed", type=int, default=0)
+    train.add_argument("--save-dtype", choices=_DTYPES, default="float32", help="dtype of the saved weights")
+    train.add_argument("--seed", type=int, default=0, help="seeds the initial heads, batches and distillation")
     train.add_argument("--json", action="store_true",
                        help="print the training report as one JSON line (progress bars stay on stderr)")
 
