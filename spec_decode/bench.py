@@ -31,7 +31,8 @@ METHODS = {
 
 def add_arguments(parser) -> None:
     parser.add_argument("--method", choices=sorted(METHODS), default="ngram",
-                        help="when --config has no speculative_config")
+                        help="when --config has no speculative_config (ngram: max_matching_ngram_size 3; "
+                             "lookahead: W=1, N=5, G=2; the others need --spec-model-dir)")
     parser.add_argument("--draft-len", type=int, default=6, help="max_draft_len for ngram / drafttarget / eagle")
     parser.add_argument("--spec-model-dir",
                         help="draft model, Medusa heads or EAGLE draft folder (drafttarget, medusa, eagle)")
