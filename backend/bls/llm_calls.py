@@ -55,7 +55,7 @@ class GrpcTransport:
 class GrpcCall:
     def __init__(self, transport: GrpcTransport, inputs: Mapping[str, np.ndarray], request_id: str):
         self.transport = transport
-        self.cancelled = False
+        self.cancelled = self.completed = False
         # One request on its own stream, so that cancelling the stream cancels exactly this request.
         self.stream = transport.stub.ModelStreamInfer(iter([infer_request(transport.model, inputs, request_id)]))
 
@@ -70,6 +70,8 @@ class GrpcCall:
                     raise InnerModelError(self.transport.model, message.error_message,
                                           is_input_error="input '" in message.error_message)
                 response = LlmResponse(decode_outputs(message.infer_response), is_final(message.infer_response))
+                if response.final:
+                    self._finish()
                 yield response
                 if response.final:
                     return
@@ -79,11 +81,22 @@ class GrpcCall:
             raise InnerModelError(self.transport.model, f"gRPC call to {self.transport.url} failed: "
                                   f"{error.code().name}: {error.details()}", is_input_error=False) from None
         finally:
-            self.stream.cancel()  # ends the stream on our side too; nothing once it has completed
+            if not self.completed:
+                self.stream.cancel()  # ends the stream on our side too
+
+    def _finish(self) -> None:
+        """After the final response, read the stream to its end: the server closes it once the request is done.
+        Cancelling a stream that has just delivered its final response races the server's own completion, and
+        tritonserver (2.5x) can then wait forever for a cancellation callback, keeping the model from unloading
+        at shutdown (its stub process is left orphaned)."""
+        for _ in self.stream:
+            pass
+        self.completed = True
 
     def cancel(self) -> None:
         self.cancelled = True
-        self.stream.cancel()
+        if not self.completed:
+            self.stream.cancel()
 
 
 def infer_request(model: str, inputs: Mapping[str, np.ndarray], request_id: str):
