@@ -62,7 +62,7 @@ class NGramPool:
 
     def ranked(self, key: int, before: Sequence[int] = ()) -> list[tuple[tuple[int, ...], int]]:
         """(continuation, how many tokens of its context match the end of `before`), best first."""
-        grams = [(gram, _common_suffix(context, before) if before else 0)
+        grams = [(gram, _common_suffix(context, before))
                  for gram, context in reversed(self._grams.get(int(key), {}).items())]
         return sorted(grams, key=lambda item: -item[1])  # stable: recency breaks ties
 

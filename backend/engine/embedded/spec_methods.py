@@ -10,6 +10,7 @@ from typing import Optional, Sequence as Seq
 
 import torch
 
+from tritonllm.spec_decode.lookahead import NGramPool
 from tritonllm.spec_decode.proposer import ProposalInput
 from tritonllm.spec_decode.tree import DraftTree
 
@@ -98,7 +99,7 @@ class LookaheadMethod:
             decoder = self._decoder(config)
             state = decoder.new_state(history)
             self.states[item.seq_id] = (decoder, state)
-        step = decoder.build_step(state, history[-1], item.max_draft_tokens, before=history[-3:-1])
+        step = decoder.build_step(state, history[-1], item.max_draft_tokens, before=history[-1 - NGramPool.CONTEXT:-1])
         if len(step.tokens) - 1 > (item.max_draft_tokens or 0) + 1:  # the window would pass the KV reservation
             return None
         nodes = len(step.tree)
