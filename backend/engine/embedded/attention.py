@@ -45,9 +45,12 @@ def build_decode_mask(context_lens: list[int], block_size: int, num_blocks: int,
     lens = torch.tensor(context_lens, device=device)
     positions = torch.arange(num_blocks * block_size, device=device)
     visible = (positions[None, :] < lens[:, None])[:, None, None, :]
-    if dtype is None:
-        return visible
-    return torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+    return visible if dtype is None else _additive(visible, dtype)
+
+
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """0 where `visible`, -inf elsewhere: the mask form SDPA adds as it is."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
 
 
 def step_metadata(slots: list[int], block_tables: list[list[int]], query_starts: list[int], query_lens: list[int],
@@ -82,8 +85,7 @@ def sequence_mask(q_len: int, ctx_len: int, tail_mask: torch.Tensor | None, devi
     if tail_mask is not None:  # the tail rows already see all columns before the tail (causal)
         tail = tail_mask.shape[0]
         visible[q_len - tail:, ctx_len - tail:] = tail_mask.to(device)
-    mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
-    return mask[None, None]
+    return _additive(visible, dtype)[None, None]
 
 
 def zero_blocks(caches, block_ids: list[int]) -> None:
