@@ -29,9 +29,8 @@ from tritonllm.engine.embedded.models.layers import Linear, RotaryEmbedding
 from tritonllm.engine.embedded.models.llama import LlamaDecoderLayer, WeightSlot, _layer_slots
 from tritonllm.engine.embedded.models.model_config import ModelConfig, ModelLoadError
 
-from .checkpoint_files import read_config, read_weights
+from .checkpoint_files import CONFIG_FILE, read_config, read_weights
 
-CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
 PICKLE_FILE = "pytorch_model.bin"
 LAYER_PREFIX = "layers.0."

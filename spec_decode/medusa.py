@@ -32,14 +32,13 @@ from torch import nn
 
 from tritonllm.engine.embedded.models.model_config import ModelLoadError
 
-from .checkpoint_files import read_config, read_weights
+from .checkpoint_files import CONFIG_FILE, read_config, read_weights
 from .config import Choices
 from .proposer import ProposalInput, StatelessProposer, draft_budget
 from .tree import DraftTree, TreeTemplate, default_choices
 
 log = logging.getLogger("tritonllm.spec_decode")
 
-CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "medusa_lm_head.safetensors"
 PICKLE_FILE = "medusa_lm_head.pt"
 SHARED_KEY = "medusa_shared_lm_head"  # our config.json extension, see the module docstring
@@ -95,12 +94,12 @@ class MedusaHeads(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> logits [N, heads, vocab]."""
+        out = torch.stack([head(hidden) for head in self.heads], dim=1)  # logits, or [N, heads, hidden] if shared
         if not self.shared_lm_head:
-            return torch.stack([head(hidden) for head in self.heads], dim=1)
+            return out
         if self._lm_head is None:
             raise RuntimeError("Medusa heads sharing the base LM head need it first (MedusaHeads.share_lm_head)")
-        states = torch.stack([head(hidden) for head in self.heads], dim=1)  # [N, heads, hidden]
-        logits = self._lm_head(states.reshape(-1, self.hidden_size))  # every head in one matmul
+        logits = self._lm_head(out.reshape(-1, self.hidden_size))  # every head in one matmul
         return logits.view(hidden.shape[0], self.num_heads, -1)
 
     @torch.inference_mode()
