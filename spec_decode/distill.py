@@ -116,9 +116,10 @@ def greedy_answers(base, tokenizer, prompts: list[list[int]], max_new_tokens: in
                    desc: str, temperature: float = 0.0, seed: int = 0) -> list[Distilled]:
     """Greedy answers (sampled at `temperature` when it is > 0), `batch` prompts per generate call (similar
     lengths together, left-padded); each answer ends at its first end token."""
-    torch.manual_seed(seed)
-    sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0) if temperature > 0 else \
-        dict(do_sample=False)
+    sampling = dict(do_sample=False)
+    if temperature > 0:
+        torch.manual_seed(seed)
+        sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)
     device = next(base.parameters()).device
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))

@@ -67,7 +67,7 @@ class TrainSettings:
 
 PROJECTION_LR_SCALE = 0.1  # own vocabulary projections (share_lm_head=False) train at this fraction of the lr
 MIN_HELD_OUT_TOKENS = 16
-DISTILL_BATCH = 16  # self-distillation snippets per generate call
+DISTILL_BATCH = 16  # text-continuation snippets per generate call
 
 
 @dataclass
@@ -105,7 +105,7 @@ def train_medusa(model_dir: Union[str, Path], out_dir: Union[str, Path], setting
         heads.copy_lm_head(lm_head)
     losses, best_step = _train(heads, states, targets, settings, validation)
     accuracy, train_accuracy = head_accuracy(heads, held_states, held_targets), head_accuracy(heads, states, targets)
-    validation_accuracy = head_accuracy(heads, *validation) if validation and len(validation[0]) else None
+    validation_accuracy = head_accuracy(heads, *validation) if validation else None
     save_medusa(heads.cpu(), out_dir, base_model=str(model_dir), dtype=settings.save_dtype)
     return TrainReport(Path(out_dir), num_tokens, losses[0], losses[-1], accuracy, train_accuracy, held_tokens,
                        time.monotonic() - started, best_step, validation_accuracy)
@@ -116,7 +116,7 @@ def _text_data(base, tokenizer, settings: TrainSettings, text: Optional[str]):
     token_ids, held_ids = _split(tokenizer(text if text is not None else default_text())["input_ids"],
                                  settings.held_out)
     if settings.distill_tokens:
-        token_ids += _distill(base, token_ids, settings)
+        token_ids += _distill(base, tokenizer, token_ids, settings)
     train = _dataset(*_base_outputs(base, _windows(token_ids, settings.window), settings.progress),
                      settings.num_heads)
     if not held_ids:
@@ -201,24 +201,16 @@ def _base_outputs(base, windows: list[torch.Tensor], progress: bool,
     return hidden, choices
 
 
-@torch.no_grad()
-def _distill(base, token_ids: list[int], settings: TrainSettings) -> list[int]:
-    """Greedy continuations (64 tokens each) of 32-token snippets spread over the text, 16 snippets per batch (all
-    the same length, so no padding)."""
+def _distill(base, tokenizer, token_ids: list[int], settings: TrainSettings) -> list[int]:
+    """Greedy continuations (64 tokens each, up to an end token) of 32-token snippets spread over the text,
+    DISTILL_BATCH snippets per generate call; each snippet and its continuation, one after the other."""
     prompts_needed = math.ceil(settings.distill_tokens / 64)
     stride = max(1, (len(token_ids) - 32) // prompts_needed)
-    extra: list[int] = []
     starts = list(range(0, max(1, len(token_ids) - 32), stride))[:prompts_needed]
     snippets = [token_ids[start:start + 32] for start in starts]
-    groups = [[s for s in snippets if len(s) == length] for length in sorted({len(s) for s in snippets})]
-    batches = [group[i:i + DISTILL_BATCH] for group in groups for i in range(0, len(group), DISTILL_BATCH)]
-    with tqdm(total=len(snippets), desc="Self-distillation", unit="prompt", disable=not settings.progress) as bar:
-        for batch in batches:
-            out = base.generate(torch.tensor(batch, device=next(base.parameters()).device), max_new_tokens=64, do_sample=False, pad_token_id=0)
-            for row in out.tolist():  # a row that ended early is padded with 0s after its end token: cut them
-                extra += row[:len(batch[0]) + distill.answer_length(row[len(batch[0]):], base)]
-            bar.update(len(batch))
-    return extra
+    answers = distill.greedy_answers(base, tokenizer, snippets, 64, DISTILL_BATCH, settings.progress,
+                                     "Self-distillation")
+    return [token for ids, _ in answers for token in ids]
 
 
 IGNORE = -100
@@ -281,7 +273,7 @@ class _Best:
     acc0 + acc0*acc1 + ... (a path stops at its first miss)."""
 
     def __init__(self, heads: MedusaHeads, validation):
-        self.heads, self.validation = heads, validation if validation and len(validation[0]) else None
+        self.heads, self.validation = heads, validation
         self.score, self.step, self.state = -1.0, None, None
 
     def check(self, step: int) -> None:
