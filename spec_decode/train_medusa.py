@@ -33,6 +33,8 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from . import distill
+from .checkpoint_files import frequent_tokens
+from .frozen_base import base_outputs, load_base
 from .medusa import MedusaHeads, save_medusa
 
 log = logging.getLogger("tritonllm.spec_decode")
@@ -63,6 +65,7 @@ class TrainSettings:
     validation_share: float = 0.05  # chat data: topics kept apart to pick the best checkpoint on
     eval_every: int = 100  # steps between validation checks (chat data)
     device: str = "cpu"
+    draft_vocab: int = 0  # > 0: save the most frequent greedy choices as the heads' draft vocabulary
 
 
 PROJECTION_LR_SCALE = 0.1  # own vocabulary projections (share_lm_head=False) train at this fraction of the lr
@@ -92,7 +95,7 @@ def train_medusa(model_dir: Union[str, Path], out_dir: Union[str, Path], setting
                  text: Optional[str] = None) -> TrainReport:
     started = time.monotonic()
     torch.manual_seed(settings.seed)
-    tokenizer, base = _load_base(model_dir, settings.device)
+    tokenizer, base = load_base(model_dir, settings.device)
     make_data = _chat_data if settings.distill_prompts else _text_data
     (states, targets), (held_states, held_targets), validation, num_tokens, held_tokens = make_data(
         base, tokenizer, settings, text)
@@ -106,7 +109,11 @@ def train_medusa(model_dir: Union[str, Path], out_dir: Union[str, Path], setting
     losses, best_step = _train(heads, states, targets, settings, validation)
     accuracy, train_accuracy = head_accuracy(heads, held_states, held_targets), head_accuracy(heads, states, targets)
     validation_accuracy = head_accuracy(heads, *validation) if validation else None
-    save_medusa(heads.cpu(), out_dir, base_model=str(model_dir), dtype=settings.save_dtype)
+    vocab = None
+    if settings.draft_vocab:
+        valid = targets[targets != IGNORE]
+        vocab = frequent_tokens(torch.bincount(valid.cpu(), minlength=lm_head.shape[0]), settings.draft_vocab)
+    save_medusa(heads.cpu(), out_dir, base_model=str(model_dir), dtype=settings.save_dtype, draft_vocab=vocab)
     return TrainReport(Path(out_dir), num_tokens, losses[0], losses[-1], accuracy, train_accuracy, held_tokens,
                        time.monotonic() - started, best_step, validation_accuracy)
 
@@ -117,13 +124,13 @@ def _text_data(base, tokenizer, settings: TrainSettings, text: Optional[str]):
                                  settings.held_out)
     if settings.distill_tokens:
         token_ids += _distill(base, tokenizer, token_ids, settings)
-    train = _dataset(*_base_outputs(base, _windows(token_ids, settings.window), settings.progress),
+    train = _dataset(*base_outputs(base, _windows(token_ids, settings.window), settings.progress),
                      settings.num_heads)
     if not held_ids:
         log.warning("the training text is too short to hold %d tokens out; accuracy is measured on the training data",
                     MIN_HELD_OUT_TOKENS)
         return train, train, None, len(token_ids), 0
-    held = _dataset(*_base_outputs(base, _windows(held_ids, settings.window), False), settings.num_heads)
+    held = _dataset(*base_outputs(base, _windows(held_ids, settings.window), False), settings.num_heads)
     return train, held, None, len(token_ids), len(held_ids)
 
 
@@ -144,7 +151,7 @@ def _chat_data(base, tokenizer, settings: TrainSettings, text: Optional[str]):
 
 def _answers_dataset(base, sequences: list[distill.Distilled], settings: TrainSettings, progress: bool):
     """Positions from each prompt's last token on (where decoding happens), with their per-head targets."""
-    hidden, choices = _base_outputs(base, [torch.tensor(ids) for ids, _ in sequences], progress,
+    hidden, choices = base_outputs(base, [torch.tensor(ids) for ids, _ in sequences], progress,
                                     settings.forward_batch)
     starts = [start - 1 for _, start in sequences]
     return _dataset([h[s:] for h, s in zip(hidden, starts)], [c[s:] for c, s in zip(choices, starts)],
@@ -159,46 +166,11 @@ def _split(token_ids: list[int], held_out: float) -> tuple[list[int], list[int]]
     return list(token_ids[:-count]), list(token_ids[-count:])
 
 
-def _load_base(model_dir, device: str = "cpu"):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if str(device).startswith("cuda"):
-        torch.backends.cuda.matmul.allow_tf32 = False  # the targets are fp32 greedy choices, as the engine makes
-        torch.backends.cudnn.allow_tf32 = False
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()
-    base.requires_grad_(False)
-    return tokenizer, base
-
-
 def _windows(token_ids: list[int], window: int) -> list[torch.Tensor]:
     if len(token_ids) < 8:
         raise ValueError(f"the training text has only {len(token_ids)} tokens")
     return [torch.tensor(token_ids[start:start + window]) for start in range(0, len(token_ids), window)
             if len(token_ids[start:start + window]) >= 8]
-
-
-@torch.no_grad()
-def _base_outputs(base, windows: list[torch.Tensor], progress: bool,
-                  batch: int = 1) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Per window: final-norm hidden states [n, hidden] and the base model's greedy choices [n] (`batch`
-    windows per forward, right-padded)."""
-    device = next(base.parameters()).device
-    hidden, choices = [], []
-    for first in tqdm(range(0, len(windows), batch), desc="Base model forward", unit="batch",
-                      disable=not progress):
-        chunk = windows[first:first + batch]
-        width = max(len(ids) for ids in chunk)
-        ids = torch.zeros(len(chunk), width, dtype=torch.long)
-        mask = torch.zeros(len(chunk), width, dtype=torch.long)
-        for row, window in enumerate(chunk):
-            ids[row, :len(window)], mask[row, :len(window)] = window, 1
-        states = base.model(input_ids=ids.to(device), attention_mask=mask.to(device)).last_hidden_state
-        best = base.get_output_embeddings()(states).argmax(dim=-1)
-        for row, window in enumerate(chunk):
-            hidden.append(states[row, :len(window)])
-            choices.append(best[row, :len(window)])
-    return hidden, choices
 
 
 def _distill(base, tokenizer, token_ids: list[int], settings: TrainSettings) -> list[int]:
