@@ -1,5 +1,6 @@
 """`tritonllm bench spec`: batch-1 greedy decode speed with speculative decoding against the same engine without
-it, in one run, on input-grounded prompts (rewrite a given text), where prompt lookup and lookahead find drafts.
+it, in one run, on input-grounded prompts (`--task rewrite`: rewrite a given text, where prompt lookup and
+lookahead find drafts) or open-ended ones (`--task chat`: questions on topics no shipped training data covers).
 
 One engine runs every prompt twice in turn: once with speculation switched off for the request
 (`SamplingParams.speculate=False`), then with it, prompt by prompt, so machine noise hits both alike and both
@@ -13,7 +14,7 @@ from dataclasses import replace
 
 from tritonllm.bench_report import progress, report
 
-from .distill import BENCH_TASK as TASK, bench_texts, chat_ids
+from .distill import BENCH_TASK as TASK, bench_requests, bench_texts, chat_ids
 
 METHODS = {
     "ngram": lambda a: {"decoding_type": "NGram", "max_draft_len": a.draft_len, "max_matching_ngram_size": 3},
@@ -36,7 +37,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--draft-len", type=int, default=6, help="max_draft_len for ngram / drafttarget / eagle")
     parser.add_argument("--spec-model-dir",
                         help="draft model, Medusa heads or EAGLE draft folder (drafttarget, medusa, eagle)")
-    parser.add_argument("--prompts", type=int, default=4, help="texts to rewrite, one request at a time")
+    parser.add_argument("--task", choices=("rewrite", "chat"), default="rewrite",
+                        help="rewrite: rewrite a shipped text (input-grounded); chat: answer a question on a topic "
+                             "(open-ended); neither is in any training data")
+    parser.add_argument("--prompts", type=int, default=4, help="requests, one at a time")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--json", action="store_true")
 
@@ -92,7 +96,10 @@ def main(args) -> int:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     params = {"plain": SamplingParams(max_tokens=args.max_tokens, end_id=tokenizer.eos_token_id, speculate=False),
               "spec": SamplingParams(max_tokens=args.max_tokens, end_id=tokenizer.eos_token_id)}
-    prompts = [prompt_ids(tokenizer, text) for text in grounded_texts(args.prompts)]
+    try:
+        prompts = [chat_ids(tokenizer, request) for request in bench_requests(args.task, args.prompts)]
+    except ValueError as error:
+        raise ConfigError(f"--prompts {args.prompts}: {error}") from None
     try:
         for side in params.values():  # warm-up
             engine.generate(prompts[0][:32], replace(side, max_tokens=8))
@@ -103,7 +110,8 @@ def main(args) -> int:
             progress(f"prompt {number}/{len(prompts)}: {len(ids)} tokens in, {len(runs['spec'][-1]['tokens'])} out")
     finally:
         engine.shutdown()
-    result = {"method": spec.get("decoding_type"), "speculative_config": spec, "prompts": len(prompts),
+    result = {"method": spec.get("decoding_type"), "speculative_config": spec, "task": args.task,
+              "prompts": len(prompts),
               "max_tokens": args.max_tokens, "threads": torch.get_num_threads(),
               "identical_outputs": all(a["tokens"] == b["tokens"] for a, b in zip(runs["plain"], runs["spec"])),
               "plain": summarise(runs["plain"]), "spec": summarise(runs["spec"])}

@@ -5,8 +5,8 @@ not how a person wrote some text.
 The requests: the model first writes a paragraph on each shipped topic (data/distill_topics.txt); then it is
 asked to rewrite, summarise, explain or list the points of those paragraphs and of the shipped training text's
 paragraphs, and to answer questions on the topics. The texts `tritonllm bench spec` rewrites
-(data/bench_texts.txt) are never used for training: `held_out_sequences` turns them into the bench's own
-requests, to measure the heads on."""
+(data/bench_texts.txt) and the topics of its chat requests (data/bench_topics.txt) are never used for training:
+`held_out_sequences` turns the texts into the bench's own requests, to measure the heads on."""
 from __future__ import annotations
 
 import random
@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 TOPICS_FILE = "data/distill_topics.txt"
 BENCH_TEXTS_FILE = "data/bench_texts.txt"
+BENCH_TOPICS_FILE = "data/bench_topics.txt"  # the chat bench's topics: none of them is in TOPICS_FILE
 BENCH_TASK = "Rewrite the following text in your own words, keeping every step and detail:\n\n"
 TEXT_TASKS = (BENCH_TASK,
               "Summarise the following text in a few sentences:\n\n",
@@ -50,8 +51,25 @@ def bench_texts() -> list[str]:
     return paragraphs(shipped_lines(BENCH_TEXTS_FILE))
 
 
+def bench_requests(task: str, count: int) -> list[str]:
+    """The first `count` requests of `tritonllm bench spec --task`: `rewrite` a shipped bench text (input-grounded),
+    or `chat` about a bench topic (open-ended). Neither is ever trained on."""
+    if task == "rewrite":
+        pool = [BENCH_TASK + text for text in bench_texts()]
+    else:
+        subjects = _lines(BENCH_TOPICS_FILE)
+        pool = [TOPIC_TASKS[i % len(TOPIC_TASKS)].format(topic=topic) for i, topic in enumerate(subjects)]
+    if count > len(pool):
+        raise ValueError(f"only {len(pool)} {task} requests are shipped for the benchmark, {count} asked for")
+    return pool[:count]
+
+
+def _lines(name: str) -> list[str]:
+    return [line.strip() for line in shipped_lines(name).splitlines() if line.strip()]
+
+
 def topics() -> list[str]:
-    return [line.strip() for line in shipped_lines(TOPICS_FILE).splitlines() if line.strip()]
+    return _lines(TOPICS_FILE)
 
 
 def chat_ids(tokenizer, content: str) -> list[int]:

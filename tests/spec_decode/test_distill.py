@@ -1,4 +1,4 @@
-"""Self-distillation for Medusa heads: the bench's texts stay out of training, batched (left-padded) greedy answers
+"""Self-distillation for Medusa heads: the bench's texts and chat topics stay out of training, batched (left-padded) greedy answers
 equal one-at-a-time greedy answers, validation topics are kept apart, and training on chat data keeps the heads
 that do best on validation."""
 import pytest
@@ -29,6 +29,18 @@ def test_bench_texts_are_never_training_text():
         assert text not in training and text[:60] not in training
     with pytest.raises(ConfigError, match="--prompts"):
         grounded_texts(len(texts) + 1)
+
+
+def test_chat_bench_topics_are_in_no_training_data():
+    training, topics = default_text().lower(), [t.lower() for t in distill.topics()]
+    requests = distill.bench_requests("chat", 8)
+    for topic in distill.shipped_lines(distill.BENCH_TOPICS_FILE).splitlines():
+        assert topic.lower() not in training and all(topic.lower() not in t and t not in topic.lower()
+                                                      for t in topics)
+        assert any(topic in request for request in requests)
+    assert distill.bench_requests("rewrite", 2) == [distill.BENCH_TASK + t for t in distill.bench_texts()[:2]]
+    with pytest.raises(ValueError, match="only 8 chat requests"):
+        distill.bench_requests("chat", 9)
 
 
 def test_batched_greedy_answers_equal_answers_one_at_a_time(tiny):
