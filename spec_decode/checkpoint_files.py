@@ -3,8 +3,9 @@ one weights file, safetensors preferred over a pickled state dict. Every failure
 file and what was wrong with it."""
 from __future__ import annotations
 
+from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Optional, Union
 
 import torch
 from safetensors.torch import load_file
@@ -13,6 +14,21 @@ from tritonllm.engine.embedded.loader import read_json_object
 from tritonllm.engine.embedded.models.model_config import ModelLoadError
 
 CONFIG_FILE = "config.json"
+BUILTIN_PREFIX = "builtin:"
+DRAFT_VOCAB_KEY = "draft_vocab"  # our extension: the token ids a draft may propose (see eagle.py, medusa.py)
+
+
+def resolve_folder(model_dir: Union[str, Path], builtin: dict[str, str], kind: str) -> Path:
+    """The folder a `speculative_model_dir` names: a path, or `builtin:NAME` for one shipped in this package
+    (`builtin` maps NAME to its folder under spec_decode/data; `kind` ("Medusa heads") words the error)."""
+    text = str(model_dir)
+    if not text.startswith(BUILTIN_PREFIX):
+        return Path(model_dir)
+    name = text[len(BUILTIN_PREFIX):]
+    if name not in builtin:
+        raise ModelLoadError(f"no built-in {kind} named {name!r} (built in: "
+                             f"{', '.join(BUILTIN_PREFIX + known for known in builtin)})")
+    return Path(str(resources.files("tritonllm.spec_decode").joinpath("data", builtin[name])))
 
 
 def read_config(folder: Path, kind: str, weight_files: tuple[str, str]) -> dict[str, Any]:
@@ -40,3 +56,27 @@ def read_weights(folder: Path, safetensors_file: str, pickle_file: str, kind: st
             raise ModelLoadError(f"{folder / pickle_file}: does not hold a state dict")
         return state
     raise ModelLoadError(f"{folder}: no {safetensors_file} or {pickle_file}")
+
+
+def read_draft_vocab(state: dict[str, torch.Tensor], vocab_size: int, folder: Path, kind: str) -> Optional[torch.Tensor]:
+    """`state`'s draft vocabulary (removed from it), sorted; None without one. The ids must be distinct and, with
+    `vocab_size` > 0, inside the vocabulary."""
+    ids = state.pop(DRAFT_VOCAB_KEY, None)
+    if ids is None:
+        return None
+    where = f"{folder}: {kind} tensor {DRAFT_VOCAB_KEY}"
+    if ids.dim() != 1 or ids.numel() == 0 or ids.dtype.is_floating_point:
+        raise ModelLoadError(f"{where} must be a non-empty 1-D tensor of token ids, got shape {list(ids.shape)} "
+                             f"of {ids.dtype}")
+    ids = ids.to(torch.long)
+    if int(ids.min()) < 0 or (vocab_size > 0 and int(ids.max()) >= vocab_size):
+        raise ModelLoadError(f"{where} holds ids outside the vocabulary [0, {vocab_size})")
+    if len(torch.unique(ids)) != len(ids):
+        raise ModelLoadError(f"{where} repeats token ids")
+    return torch.sort(ids).values
+
+
+def frequent_tokens(counts: torch.Tensor, size: int) -> torch.Tensor:
+    """The `size` ids with the highest `counts` ([vocab]; ties to the lower id), sorted: a draft vocabulary."""
+    order = sorted(range(len(counts)), key=lambda token: (-int(counts[token]), token))
+    return torch.tensor(sorted(order[:size]), dtype=torch.long)

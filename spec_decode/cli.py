@@ -23,30 +23,73 @@ def add_spec_command(sub) -> None:
     train.add_argument("--text", help="UTF-8 training text (default: the English text shipped with tritonllm)")
     train.add_argument("--distill-tokens", type=int, default=0,
                        help="also train on about this many tokens of the model's own greedy continuations")
-    train.add_argument("--distill-prompts", type=int, default=0,
-                       help="train on the model's own greedy answers to about this many chat requests (rewrite, "
-                            "summarise, explain ... the shipped texts and topics) instead of on the text; accuracy "
-                            "is then measured on its answers to the `bench spec` requests, never trained on")
-    train.add_argument("--distill-max-tokens", type=int, default=256, help="longest self-distilled answer")
-    train.add_argument("--distill-batch", type=int, default=16, help="requests per generate call")
-    train.add_argument("--distill-rounds", type=int, default=1,
-                       help="answers per request: the first greedy, the others sampled at --distill-temperature "
-                            "(the targets stay the model's greedy choices)")
-    train.add_argument("--distill-temperature", type=float, default=0.7,
-                       help="sampling temperature of the extra --distill-rounds answers")
-    train.add_argument("--validation-share", type=float, default=0.05,
-                       help="with --distill-prompts: share of the topics kept out of training; the heads kept are "
-                            "the checkpoint (every --eval-every steps) that does best on them")
-    train.add_argument("--eval-every", type=int, default=100, help="steps between validation checks")
+    _distill_arguments(train)
     train.add_argument("--device", default="cpu", help="where to train: cpu, cuda, cuda:1 ...")
     train.add_argument("--share-lm-head", action=argparse.BooleanOptionalAction, default=True,
                        help="heads use the model's own LM head (frozen; only the ResBlocks train; a few MB, our "
                             "medusa_shared_lm_head format extension); --no-share-lm-head gives each head its own "
                             "trained copy, in the standard Medusa format (vocab x hidden per head)")
+    train.add_argument("--draft-vocab", type=int, default=0,
+                       help="save the N tokens the model chooses most often as the heads' draft vocabulary "
+                            "(guessing among them alone makes the heads cheaper; our format extension); 0: all")
     train.add_argument("--held-out", type=float, default=0.1,
                        help="fraction of the text (its end) kept out of training; accuracy is measured on it")
     train.add_argument("--save-dtype", choices=_DTYPES, default="float32", help="dtype of the saved weights")
     train.add_argument("--seed", type=int, default=0, help="seeds the initial heads, batches and distillation")
+    train.add_argument("--json", action="store_true",
+                       help="print the training report as one JSON line (progress bars stay on stderr)")
+    _add_train_eagle(kinds)
+
+
+def _distill_arguments(parser, prompts: bool = True) -> None:
+    """Self-distillation flags shared by train-medusa and train-eagle (train-eagle words --distill-prompts
+    itself)."""
+    if prompts:
+        parser.add_argument("--distill-prompts", type=int, default=0,
+                            help="train on the model's own greedy answers to about this many chat requests "
+                                 "(rewrite, summarise, explain ... the shipped texts and topics) instead of on the "
+                                 "text; accuracy is then measured on its answers to the `bench spec` requests, "
+                                 "never trained on")
+    parser.add_argument("--distill-max-tokens", type=int, default=256, help="longest self-distilled answer")
+    parser.add_argument("--distill-batch", type=int, default=16, help="requests per generate call")
+    parser.add_argument("--distill-rounds", type=int, default=1,
+                        help="answers per request: the first greedy, the others sampled at --distill-temperature "
+                             "(the targets stay the model's greedy choices)")
+    parser.add_argument("--distill-temperature", type=float, default=0.7,
+                        help="sampling temperature of the extra --distill-rounds answers")
+    parser.add_argument("--validation-share", type=float, default=0.05,
+                        help="with --distill-prompts: share of the topics kept out of training; the weights kept "
+                             "are the checkpoint (every --eval-every steps) that does best on them")
+    parser.add_argument("--eval-every", type=int, default=100, help="steps between validation checks")
+
+
+def _add_train_eagle(kinds) -> None:
+    train = kinds.add_parser("train-eagle", help="train an EAGLE-1/2 draft layer for a model on its own answers "
+                                                 "(base frozen; meant for a GPU) and save it in the EAGLE format")
+    train.add_argument("--model", required=True, help="Hugging Face model folder")
+    train.add_argument("--out", required=True, help="folder for config.json + model.safetensors")
+    train.add_argument("--steps", type=int, default=200, help="optimizer steps")
+    train.add_argument("--batch", type=int, default=8, help="sequences per step")
+    train.add_argument("--lr", type=float, default=5e-4, help="AdamW learning rate (warm-up, then cosine decay)")
+    train.add_argument("--passes", type=int, default=3,
+                       help="training-time test depth: pass k feeds each position the draft's own pass k-1 "
+                            "output, as drafting k deep does")
+    train.add_argument("--token-weight", type=float, default=0.1,
+                       help="weight of the LM-head cross-entropy beside the feature regression")
+    train.add_argument("--feature-noise", type=float, default=0.05,
+                       help="uniform noise on the input features, in units of their standard deviation")
+    train.add_argument("--draft-vocab", type=int, default=0,
+                       help="save the N tokens the model chooses most often as the draft vocabulary (drafting "
+                            "from them alone makes each draft step cheaper; our format extension); 0: all")
+    train.add_argument("--text", help="UTF-8 text whose paragraphs the requests are about (default: the shipped one)")
+    train.add_argument("--distill-prompts", type=int, default=64,
+                       help="train on the model's own answers to about this many chat requests (rewrite, "
+                            "summarise, explain ... the shipped texts and topics); accuracy is measured on its "
+                            "answers to the `bench spec` requests, never trained on")
+    _distill_arguments(train, prompts=False)
+    train.add_argument("--device", default="cpu", help="where to train: cpu, cuda, cuda:1 ...")
+    train.add_argument("--save-dtype", choices=_DTYPES, default="float32", help="dtype of the saved weights")
+    train.add_argument("--seed", type=int, default=0, help="seeds the initial draft, batches and distillation")
     train.add_argument("--json", action="store_true",
                        help="print the training report as one JSON line (progress bars stay on stderr)")
 
@@ -62,20 +105,31 @@ def add_bench_command(kinds, engine_arguments) -> None:
 
 
 def run_spec_command(args) -> int:
+    if args.spec_command == "train-eagle":
+        return _run_train_eagle(args)
+    return _run_train_medusa(args)
+
+
+def _check_common(args, positive: tuple[str, ...]) -> None:
+    from tritonllm.engine.config import ConfigError
+
+    for name in positive + ("steps", "batch", "distill_max_tokens", "distill_batch", "distill_rounds", "eval_every"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not 0 <= args.validation_share < 1 or args.distill_temperature <= 0:
+        raise ConfigError("--validation-share must be in [0, 1) and --distill-temperature > 0")
+
+
+def _run_train_medusa(args) -> int:
     import torch
 
     from tritonllm.engine.config import ConfigError
 
     from .train_medusa import TrainSettings, train_medusa
 
-    for name in ("heads", "layers", "steps", "batch", "distill_max_tokens", "distill_batch", "distill_rounds",
-                 "eval_every"):
-        if getattr(args, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.distill_prompts < 0 or args.distill_tokens < 0:
-        raise ConfigError("--distill-prompts and --distill-tokens must be >= 0")
-    if not 0 <= args.validation_share < 1 or args.distill_temperature <= 0:
-        raise ConfigError("--validation-share must be in [0, 1) and --distill-temperature > 0")
+    _check_common(args, ("heads", "layers"))
+    if args.distill_prompts < 0 or args.distill_tokens < 0 or args.draft_vocab < 0:
+        raise ConfigError("--distill-prompts, --distill-tokens and --draft-vocab must be >= 0")
     if not 0 <= args.held_out < 1:
         raise ConfigError(f"--held-out must be in [0, 1), got {args.held_out}")
     text = Path(args.text).read_text(encoding="utf-8") if args.text else None
@@ -86,7 +140,8 @@ def run_spec_command(args) -> int:
                              distill_prompts=args.distill_prompts, distill_max_tokens=args.distill_max_tokens,
                              distill_batch=args.distill_batch, device=args.device,
                              distill_rounds=args.distill_rounds, distill_temperature=args.distill_temperature,
-                             validation_share=args.validation_share, eval_every=args.eval_every)
+                             validation_share=args.validation_share, eval_every=args.eval_every,
+                             draft_vocab=args.draft_vocab)
     report = train_medusa(args.model, args.out, settings, text)
     summary = {"out": str(report.out_dir), "tokens": report.num_tokens, "first_loss": round(report.first_loss, 4),
                "last_loss": round(report.last_loss, 4), "head_accuracy": [round(a, 4) for a in report.head_accuracy],
@@ -103,4 +158,37 @@ def run_spec_command(args) -> int:
         print(f"Medusa heads saved to {report.out_dir} ({report.num_tokens} training tokens, loss "
               f"{report.first_loss:.3f} -> {report.last_loss:.3f}, top-1 agreement with the model {where}: "
               f"{accuracy}, {report.seconds:.0f} s)")
+    return 0
+
+
+def _run_train_eagle(args) -> int:
+    import torch
+
+    from tritonllm.engine.config import ConfigError
+
+    from .train_eagle import EagleTrainSettings, train_eagle
+
+    _check_common(args, ("passes", "distill_prompts"))
+    if args.draft_vocab < 0 or args.token_weight < 0 or args.feature_noise < 0:
+        raise ConfigError("--draft-vocab, --token-weight and --feature-noise must be >= 0")
+    text = Path(args.text).read_text(encoding="utf-8") if args.text else None
+    settings = EagleTrainSettings(
+        steps=args.steps, batch_sequences=args.batch, learning_rate=args.lr, passes=args.passes,
+        token_weight=args.token_weight, feature_noise=args.feature_noise, draft_vocab=args.draft_vocab,
+        distill_prompts=args.distill_prompts, distill_max_tokens=args.distill_max_tokens,
+        distill_batch=args.distill_batch, distill_rounds=args.distill_rounds,
+        distill_temperature=args.distill_temperature, validation_share=args.validation_share,
+        eval_every=args.eval_every, seed=args.seed, device=args.device, save_dtype=getattr(torch, args.save_dtype))
+    report = train_eagle(args.model, args.out, settings, text)
+    summary = {"out": str(report.out_dir), "tokens": report.num_tokens, "first_loss": round(report.first_loss, 4),
+               "last_loss": round(report.last_loss, 4), "depth_accuracy": [round(a, 4) for a in report.accuracy],
+               "validation_accuracy": [round(a, 4) for a in report.validation_accuracy or []],
+               "best_step": report.best_step, "draft_vocab": report.draft_vocab, "seconds": round(report.seconds, 1)}
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        accuracy = ", ".join(f"depth {k}: {a:.1%}" for k, a in enumerate(report.accuracy, 1))
+        print(f"EAGLE draft saved to {report.out_dir} ({report.num_tokens} training tokens, loss "
+              f"{report.first_loss:.3f} -> {report.last_loss:.3f}, top-1 agreement with the model on the bench's "
+              f"requests: {accuracy}, {report.seconds:.0f} s)")
     return 0

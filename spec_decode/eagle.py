@@ -11,7 +11,16 @@ A checkpoint folder holds `config.json` (Hugging Face Llama style, `num_hidden_l
 `fc.bias`, `layers.0.self_attn.{q,k,v,o}_proj.weight` (q/k/v biases with `qkv_bias`),
 `layers.0.mlp.{gate,up,down}_proj.weight`, `layers.0.post_attention_layernorm.weight`, and optionally
 `embed_tokens.weight`, which is ignored (the target's embedding is used). EAGLE-3 drafts (`midlayer.*`, `d2t`) are
-a different format and are refused with a message saying so."""
+a different format and are refused with a message saying so.
+
+Our extension to the format: a `draft_vocab` tensor (sorted, distinct target token ids; `draft_vocab_size` in
+config.json says how many) restricts drafting to those tokens, so each draft step's LM head multiplies only their
+rows of the target's (`tritonllm spec train-eagle --draft-vocab`). Drafts are proposals, so the target's output
+stays exactly what it would be; a token outside the vocabulary is just never drafted. Other EAGLE implementations
+do not know the key.
+
+`speculative_model_dir: builtin:smollm2` names the draft shipped for SmolLM2-135M-Instruct (spec_decode/data/
+smollm2-eagle, trained with `tritonllm spec train-eagle`; docs/benchmarks.md)."""
 from __future__ import annotations
 
 import json
@@ -29,7 +38,8 @@ from tritonllm.engine.embedded.models.layers import Linear, RotaryEmbedding
 from tritonllm.engine.embedded.models.llama import LlamaDecoderLayer, WeightSlot, _layer_slots
 from tritonllm.engine.embedded.models.model_config import ModelConfig, ModelLoadError
 
-from .checkpoint_files import CONFIG_FILE, read_config, read_weights
+from .checkpoint_files import (CONFIG_FILE, DRAFT_VOCAB_KEY, read_config, read_draft_vocab, read_weights,
+                               resolve_folder)
 
 SAFETENSORS_FILE = "model.safetensors"
 PICKLE_FILE = "pytorch_model.bin"
@@ -37,6 +47,7 @@ LAYER_PREFIX = "layers.0."
 # Tensors an EAGLE-1/2 folder may hold that the draft does not use.
 _IGNORED = ("embed_tokens.weight",)
 _EAGLE3_KEYS = ("midlayer.", "d2t", "t2d")
+BUILTIN_DRAFTS = {"smollm2": "smollm2-eagle"}  # builtin:NAME -> folder under spec_decode/data
 
 
 class EagleDraft(nn.Module):
@@ -53,6 +64,8 @@ class EagleDraft(nn.Module):
         self.layer = LlamaDecoderLayer(config)
         self.layer.input_layernorm = nn.Identity()
         self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim)
+        # Target token ids the draft may propose (None: all); a buffer, so it moves with the draft.
+        self.register_buffer("draft_vocab", None, persistent=False)
 
     @property
     def hidden_size(self) -> int:
@@ -125,16 +138,22 @@ def parse_eagle_config(raw: dict[str, Any], source: str) -> tuple[ModelConfig, b
 # ---- checkpoint folder ----------------------------------------------------------------------------------------
 
 def save_eagle(draft: EagleDraft, out_dir: Union[str, Path], config: dict[str, Any],
-               dtype: torch.dtype = torch.float32, pickle: bool = False) -> Path:
-    """Write `config.json` and the weights (`model.safetensors`, or `pytorch_model.bin` with `pickle`)."""
+               dtype: torch.dtype = torch.float32, pickle: bool = False,
+               draft_vocab: Optional[torch.Tensor] = None) -> Path:
+    """Write `config.json` and the weights (`model.safetensors`, or `pytorch_model.bin` with `pickle`), with
+    `draft_vocab` (token ids) if given."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state = {key: value.to(dtype) for key, value in draft.checkpoint_state().items()}
+    if draft_vocab is not None:
+        state[DRAFT_VOCAB_KEY] = draft_vocab.to(torch.long).contiguous()
+        config = dict(config, draft_vocab_size=len(draft_vocab))
     if pickle:
         torch.save(state, out / PICKLE_FILE)
     else:
         save_file(state, str(out / SAFETENSORS_FILE), metadata={"format": "pt"})
-    config = dict(config, num_hidden_layers=1, bias=draft.bias)
+    config = {key: value for key, value in config.items() if key != "dtype"}  # the target's; ours is below
+    config.update(num_hidden_layers=1, bias=draft.bias, torch_dtype=str(dtype).removeprefix("torch."))
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return out
 
@@ -161,14 +180,16 @@ def random_eagle(target_dir: Union[str, Path], out_dir: Union[str, Path], seed: 
 
 def load_eagle(model_dir: Union[str, Path], dtype: torch.dtype = torch.float32,
                device: Union[str, torch.device] = "cpu", target: Optional[ModelConfig] = None) -> EagleDraft:
-    """The EAGLE-1/2 draft in `model_dir`; with `target`, its hidden size and vocabulary must match the target's."""
-    folder = Path(model_dir)
+    """The EAGLE-1/2 draft in `model_dir` (or `builtin:NAME`, a draft shipped here); with `target`, its hidden size
+    and vocabulary must match the target's."""
+    folder = resolve_folder(model_dir, BUILTIN_DRAFTS, "EAGLE drafts")
     raw = read_config(folder, "an EAGLE", (SAFETENSORS_FILE, PICKLE_FILE))
     state = read_weights(folder, SAFETENSORS_FILE, PICKLE_FILE, "EAGLE")
     eagle3 = sorted(key for key in state if key.startswith(_EAGLE3_KEYS))
     if eagle3:
         raise ModelLoadError(f"{folder}: an EAGLE-3 draft (tensor {eagle3[0]}); only EAGLE-1/2 drafts are supported")
     config, bias = parse_eagle_config(raw, str(folder / CONFIG_FILE))
+    vocab = read_draft_vocab(state, config.vocab_size, folder, "EAGLE")
     if target is not None:
         if config.hidden_size != target.hidden_size:
             raise ModelLoadError(f"{folder}: the draft's hidden_size is {config.hidden_size}, the target's "
@@ -194,7 +215,9 @@ def load_eagle(model_dir: Union[str, Path], dtype: torch.dtype = torch.float32,
     if embed is not None and target is not None and tuple(embed.shape) != (target.vocab_size, target.hidden_size):
         raise ModelLoadError(f"{folder}: EAGLE tensor embed_tokens.weight has shape {list(embed.shape)}, the "
                              f"target's embedding is {[target.vocab_size, target.hidden_size]}")
+    draft.draft_vocab = vocab
     draft = draft.to(device=device, dtype=dtype).eval()
     draft.rotary_emb.reset_frequencies(torch.device(device))  # fp32 frequencies whatever the dtype
     draft.pack_for_cpu()
     return draft
+

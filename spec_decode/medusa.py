@@ -14,6 +14,10 @@ come from one matmul over [N * heads, hidden], and the checkpoint is a few MB in
 Other Medusa implementations do not know the key; `tritonllm spec train-medusa --no-share-lm-head` writes the
 standard format.
 
+A second extension: a `draft_vocab` tensor (sorted, distinct token ids; `draft_vocab_size` in config.json) limits
+the guesses to those tokens, so the heads' vocabulary products cover only their rows (`train-medusa --draft-vocab`;
+the guesses are proposals, the target's output is the same either way).
+
 `speculative_model_dir: builtin:NAME` names heads shipped in this package (spec_decode/data/NAME-medusa; see
 BUILTIN_HEADS), e.g. `builtin:smollm2` for SmolLM2-135M-Instruct."""
 from __future__ import annotations
@@ -21,7 +25,6 @@ from __future__ import annotations
 import json
 import logging
 import re
-from importlib import resources
 from pathlib import Path
 from typing import Callable, Optional, Sequence, Union
 
@@ -32,7 +35,8 @@ from torch import nn
 
 from tritonllm.engine.embedded.models.model_config import ModelLoadError
 
-from .checkpoint_files import CONFIG_FILE, read_config, read_weights
+from .checkpoint_files import (CONFIG_FILE, DRAFT_VOCAB_KEY, read_config, read_draft_vocab, read_weights,
+                               resolve_folder)
 from .config import Choices
 from .proposer import ProposalInput, StatelessProposer, draft_budget
 from .tree import DraftTree, TreeTemplate, default_choices
@@ -42,7 +46,6 @@ log = logging.getLogger("tritonllm.spec_decode")
 SAFETENSORS_FILE = "medusa_lm_head.safetensors"
 PICKLE_FILE = "medusa_lm_head.pt"
 SHARED_KEY = "medusa_shared_lm_head"  # our config.json extension, see the module docstring
-BUILTIN_PREFIX = "builtin:"
 BUILTIN_HEADS = {"smollm2": "smollm2-medusa"}  # builtin:NAME -> folder under spec_decode/data
 _KEY = re.compile(r"^(\d+)\.(\d+)\.(linear\.weight|linear\.bias|weight)$")
 
@@ -71,6 +74,8 @@ class MedusaHeads(nn.Module):
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
         self.num_heads, self.num_layers = num_heads, num_layers
         self.shared_lm_head = shared_lm_head
+        # Token ids the logits' columns stand for (None: all); a buffer, so it moves with the heads.
+        self.register_buffer("draft_vocab", None, persistent=False)
         self._lm_head: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
         self.heads = nn.ModuleList(
             nn.Sequential(*[ResBlock(hidden_size) for _ in range(num_layers)],
@@ -105,7 +110,18 @@ class MedusaHeads(nn.Module):
     @torch.inference_mode()
     def top_k(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
         """hidden: [N, hidden] -> token ids [N, heads, k], best first."""
-        return self(hidden).topk(k, dim=-1).indices
+        indices = self(hidden).topk(k, dim=-1).indices
+        return indices if self.draft_vocab is None else self.draft_vocab[indices]
+
+    def restrict_vocab(self, vocab: torch.Tensor) -> None:
+        """Guess only tokens of `vocab` (sorted ids): own projections keep just those rows; heads sharing the base
+        LM head need a `share_lm_head` function giving logits over `vocab` alone."""
+        if not self.shared_lm_head:
+            with torch.no_grad():
+                for projection in self.projections():
+                    rows = vocab.to(projection.weight.device)
+                    projection.weight = nn.Parameter(projection.weight.index_select(0, rows))
+        self.draft_vocab = vocab
 
     def checkpoint_state(self) -> dict[str, torch.Tensor]:
         """State dict under the Medusa format's key names."""
@@ -127,30 +143,28 @@ class MedusaHeads(nn.Module):
 # ---- checkpoint folder ----------------------------------------------------------------------------------------
 
 def save_medusa(heads: MedusaHeads, out_dir: Union[str, Path], base_model: str = "",
-                dtype: torch.dtype = torch.float32) -> Path:
+                dtype: torch.dtype = torch.float32, draft_vocab: Optional[torch.Tensor] = None) -> Path:
+    """Full-vocabulary heads, with `draft_vocab` (token ids) saved beside them if given."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     state = {key: value.to(dtype) for key, value in heads.checkpoint_state().items()}
+    if draft_vocab is not None:
+        state[DRAFT_VOCAB_KEY] = draft_vocab.to(torch.long).contiguous()
     save_file(state, str(out / SAFETENSORS_FILE), metadata={"format": "pt"})
     config = {"medusa_num_heads": heads.num_heads, "medusa_num_layers": heads.num_layers,
               "base_model_name_or_path": base_model, "hidden_size": heads.hidden_size,
               "vocab_size": heads.vocab_size}
     if heads.shared_lm_head:
         config[SHARED_KEY] = True
+    if draft_vocab is not None:
+        config["draft_vocab_size"] = len(draft_vocab)
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return out
 
 
 def resolve_heads_dir(model_dir: Union[str, Path]) -> Path:
     """The folder for a `speculative_model_dir` value: a path, or `builtin:NAME` for heads shipped here."""
-    text = str(model_dir)
-    if not text.startswith(BUILTIN_PREFIX):
-        return Path(model_dir)
-    name = text[len(BUILTIN_PREFIX):]
-    if name not in BUILTIN_HEADS:
-        raise ModelLoadError(f"no built-in Medusa heads named {name!r} (built in: "
-                             f"{', '.join(BUILTIN_PREFIX + known for known in BUILTIN_HEADS)})")
-    return Path(str(resources.files("tritonllm.spec_decode").joinpath("data", BUILTIN_HEADS[name])))
+    return resolve_folder(model_dir, BUILTIN_HEADS, "Medusa heads")
 
 
 def load_medusa(model_dir: Union[str, Path], dtype: torch.dtype = torch.float32,
@@ -161,7 +175,9 @@ def load_medusa(model_dir: Union[str, Path], dtype: torch.dtype = torch.float32,
     shared = config.get(SHARED_KEY, False)
     if not isinstance(shared, bool):
         raise ModelLoadError(f"{folder / CONFIG_FILE}: {SHARED_KEY} must be true or false, got {shared!r}")
-    state = _strip_prefix(read_weights(folder, SAFETENSORS_FILE, PICKLE_FILE, "Medusa"))
+    state = read_weights(folder, SAFETENSORS_FILE, PICKLE_FILE, "Medusa")
+    vocab = read_draft_vocab(state, 0, folder, "Medusa")  # ids checked against the vocabulary below
+    state = _strip_prefix(state)
     num_heads, num_layers = _shape_from_keys(state, folder, shared)
     if config.get("medusa_num_heads") not in (None, num_heads):
         log.warning("%s: config.json says %s heads but the weights hold %d; using %d", folder,
@@ -179,6 +195,11 @@ def load_medusa(model_dir: Union[str, Path], dtype: torch.dtype = torch.float32,
             raise ModelLoadError(f"{folder}: Medusa tensor {key} has shape {list(state[key].shape)}, "
                                  f"expected {list(tensor.shape)}")
     heads.load_state_dict({f"heads.{key}": state[key] for key in expected})
+    if vocab is not None:
+        if vocab_size and int(vocab.max()) >= vocab_size:
+            raise ModelLoadError(f"{folder}: Medusa tensor {DRAFT_VOCAB_KEY} holds ids outside the vocabulary "
+                                 f"[0, {vocab_size})")
+        heads.restrict_vocab(vocab)
     return heads.to(device=device, dtype=dtype).eval()
 
 

@@ -28,6 +28,7 @@ from tritonllm.spec_decode.tree import DraftTree, TreeTemplate
 from ..types import SamplingParams
 from .attention import step_metadata, zero_blocks
 from .block_manager import BlockManager
+from .draft_head import DraftHead
 from .sequence import Sequence
 from .spec_methods import ProposerMethod
 
@@ -106,6 +107,7 @@ class EagleProposer:
                  total_tokens: Optional[int] = None):
         self.draft = draft
         self.target = target  # the target model: its embedding and LM head
+        self.head = DraftHead(target, draft.draft_vocab)
         paths = [tuple(p) for p in choices] if choices else [(0,) * depth for depth in range(1, max_draft_len + 1)]
         self.template = TreeTemplate.from_choices(paths)
         self.max_nodes = len(self.template.paths)
@@ -271,13 +273,13 @@ class EagleProposer:
         return new_outputs
 
     def _log_top_k(self, hidden: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
-        logits = self.target.compute_logits(hidden)
+        logits = self.head.logits(hidden)
         values, indices = torch.log_softmax(logits, dim=-1).topk(min(k, logits.shape[-1]), dim=-1)
-        return values.tolist(), indices.tolist()
+        return values.tolist(), self.head.token_ids(indices).tolist()
 
     def _top_k(self, hidden: torch.Tensor) -> list[list[int]]:
-        logits = self.target.compute_logits(hidden)
-        return logits.topk(min(self.template.max_rank, logits.shape[-1]), dim=-1).indices.tolist()
+        logits = self.head.logits(hidden)
+        return self.head.token_ids(logits.topk(min(self.template.max_rank, logits.shape[-1]), dim=-1).indices).tolist()
 
     def _forward(self, rows: list["_Rows"]) -> list[torch.Tensor]:
         """One draft-layer forward over every sequence's rows; returns each one's output rows."""

@@ -156,19 +156,22 @@ def _medusa_proposer(spec_config, core):
     from tritonllm.engine.types import InvalidRequestError
     from tritonllm.spec_decode.medusa import MedusaProposer, load_medusa
 
+    from .draft_head import DraftHead
     from .models.model_config import ModelLoadError
 
     try:
         heads = load_medusa(spec_config.speculative_model_dir, core.dtype, core.device)
         mc = core.model_config
+        if heads.draft_vocab is not None and int(heads.draft_vocab.max()) >= mc.vocab_size:
+            raise ModelLoadError(f"the heads' draft_vocab holds token ids past the model's vocabulary ({mc.vocab_size})")
         if heads.shared_lm_head:
             # The heads' ResBlocks feed the target's own output head (prepacked on CPU): one matmul for all heads.
             if heads.hidden_size != mc.hidden_size or heads.vocab_size not in (0, mc.vocab_size):
                 raise ModelLoadError(f"heads sharing the base LM head are for hidden size {heads.hidden_size} / "
                                      f"vocab {heads.vocab_size or '?'}, the model has {mc.hidden_size} / "
                                      f"{mc.vocab_size}")
-            heads.share_lm_head(core.model.compute_logits, mc.vocab_size)
-        elif (heads.hidden_size, heads.vocab_size) != (mc.hidden_size, mc.vocab_size):
+            heads.share_lm_head(DraftHead(core.model, heads.draft_vocab).logits, mc.vocab_size)
+        elif (heads.hidden_size, heads.vocab_size) != (mc.hidden_size, mc.vocab_size):  # own projections
             raise ModelLoadError(f"heads are for hidden size {heads.hidden_size} / vocab {heads.vocab_size}, the "
                                  f"model has {mc.hidden_size} / {mc.vocab_size}")
         return MedusaProposer(heads, spec_config.medusa_choices, spec_config.max_draft_len)

@@ -1,0 +1,338 @@
+"""Trains an EAGLE-1/2 draft layer for a Hugging Face model (the base frozen) on the model's own answers, and saves
+it in the EAGLE checkpoint format (eagle.py).
+
+Data: the same self-distillation as Medusa's `--distill-prompts` (distill.py): the base model's answers to chat
+requests about the shipped texts and topics, some topics kept apart for validation; accuracy is reported on its
+answers to the requests `tritonllm bench spec` makes, which are never trained on.
+
+Model: `EagleDraft`, the engine's own module, run densely here (causal attention over whole sequences) instead of
+over the paged cache. At row j the draft sees (token j+1, feature j), the feature being the target's final-norm
+hidden state, and must output feature j+1: smooth-L1 on the feature plus `token_weight` times the cross-entropy
+of the target's LM head on it against the target's distribution at j+1 (EAGLE-1's objective).
+
+Training-time test (`passes` > 1): pass k gives row j its own pass k-1 output as the feature, at position j+k-1,
+with token j+k; it attends to pass 1's keys up to row j and to its earlier passes' keys of row j alone. That is
+what drafting k deep sees in the engine (the stable KV built from the target's features, then the draft's own
+nodes), so the deeper drafts learn from the features they will really get. Tokens stay the true ones: a deeper
+draft only counts once the shallower ones were right.
+
+The draft starts from small random weights behind an fc that passes the feature through (a copy of the target's
+last layer was tried: its activations are far larger than a final-norm feature and the loss started huge).
+
+Draft vocabulary (`draft_vocab` > 0, our extension of the format, see eagle.py): the most frequent greedy choices
+of the training answers are saved with the draft, and the engine drafts from those tokens alone, so each draft
+step's LM head costs a fraction of the full vocabulary's."""
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from tritonllm.engine.embedded.models.layers import apply_rotary
+
+from . import distill
+from .checkpoint_files import frequent_tokens
+from .eagle import EagleDraft, eagle_config_for, parse_eagle_config, save_eagle
+from .frozen_base import base_outputs, load_base
+from .train_medusa import default_text
+
+log = logging.getLogger("tritonllm.spec_decode")
+
+
+@dataclass
+class EagleTrainSettings:
+    steps: int = 200
+    batch_sequences: int = 8
+    learning_rate: float = 5e-4
+    passes: int = 3  # training-time test depth
+    token_weight: float = 0.1
+    feature_noise: float = 0.05  # uniform noise on pass 1's input features, times their standard deviation
+    draft_vocab: int = 0  # > 0: save the most frequent greedy choices as the draft vocabulary
+    distill_prompts: int = 64
+    distill_max_tokens: int = 256
+    distill_batch: int = 16
+    distill_rounds: int = 1
+    distill_temperature: float = 0.7
+    validation_share: float = 0.05
+    forward_batch: int = 8
+    eval_every: int = 100
+    seed: int = 0
+    device: str = "cpu"
+    save_dtype: torch.dtype = torch.float32
+    progress: bool = True
+
+
+@dataclass
+class EagleTrainReport:
+    out_dir: Path
+    num_tokens: int
+    first_loss: float
+    last_loss: float
+    accuracy: list[float]  # per depth, top-1 agreement with the target's greedy choice, on the bench's requests
+    validation_accuracy: Optional[list[float]]
+    best_step: Optional[int]
+    draft_vocab: int
+    seconds: float
+
+
+@dataclass
+class Target:
+    """The frozen target's token embedding and LM head, which the draft borrows."""
+    embed: torch.Tensor  # [vocab, H]
+    lm_head: torch.Tensor  # [vocab, H]
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden @ self.lm_head.t()
+
+
+@dataclass
+class _Data:
+    """Sequences padded to one width: ids, features and the first row of each whose loss counts."""
+    ids: torch.Tensor  # [S, N] (0-padded)
+    features: torch.Tensor  # [S, N, H]
+    lengths: torch.Tensor  # [S]
+    first_rows: torch.Tensor  # [S]: rows before it are prompt rows no draft starts from
+
+    def batch(self, rows: torch.Tensor) -> "_Data":
+        width = int(self.lengths[rows].max())
+        return _Data(self.ids[rows, :width], self.features[rows, :width], self.lengths[rows], self.first_rows[rows])
+
+
+def train_eagle(model_dir: Union[str, Path], out_dir: Union[str, Path], settings: EagleTrainSettings,
+                text: Optional[str] = None) -> EagleTrainReport:
+    started = time.monotonic()
+    torch.manual_seed(settings.seed)
+    tokenizer, base = load_base(model_dir, settings.device)
+    train, validation, held = _chat_data(base, tokenizer, settings, text)
+    config = eagle_config_for(json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8")))
+    draft = _initial_draft(config).to(settings.device)
+    target = Target(base.get_input_embeddings().weight.detach(), base.get_output_embeddings().weight.detach())
+    with _tf32(settings.device):  # the draft's own maths; the targets above were computed in full fp32
+        losses, best_step = _train(draft, target, train, validation, settings)
+    accuracy = depth_accuracy(draft, target, held, settings.passes)
+    validation_accuracy = depth_accuracy(draft, target, validation, settings.passes) if validation else None
+    vocab = frequent_choices(train, target, settings.draft_vocab) if settings.draft_vocab else None
+    save_eagle(draft.cpu(), out_dir, config, dtype=settings.save_dtype, draft_vocab=vocab)
+    return EagleTrainReport(Path(out_dir), int(train.lengths.sum()), losses[0], losses[-1], accuracy,
+                            validation_accuracy, best_step, 0 if vocab is None else len(vocab),
+                            time.monotonic() - started)
+
+
+@contextmanager
+def _tf32(device: str):
+    """TF32 matmuls on CUDA while the block runs (several times faster for the LM-head products of training)."""
+    before = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = str(device).startswith("cuda")
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = before
+
+
+def _chat_data(base, tokenizer, settings: EagleTrainSettings, text: Optional[str]):
+    texts = distill.paragraphs(text if text is not None else default_text(), distill.MIN_TEXT_CHARS)
+    train, validation = distill.chat_sequences(
+        base, tokenizer, texts, settings.distill_prompts, settings.distill_max_tokens, settings.distill_batch,
+        settings.seed, settings.progress, settings.distill_rounds, settings.distill_temperature,
+        settings.validation_share)
+    held = distill.held_out_sequences(base, tokenizer, settings.distill_max_tokens, settings.distill_batch)
+    return (_padded(base, train, settings, settings.progress),
+            _padded(base, validation, settings, False) if validation else None,
+            _padded(base, held, settings, False))
+
+
+def _padded(base, sequences: list[distill.Distilled], settings: EagleTrainSettings, progress: bool) -> _Data:
+    features, _ = base_outputs(base, [torch.tensor(ids) for ids, _ in sequences], progress, settings.forward_batch)
+    width = max(len(ids) for ids, _ in sequences)
+    device = features[0].device
+    ids = torch.zeros(len(sequences), width, dtype=torch.long, device=device)
+    padded = torch.zeros(len(sequences), width, features[0].shape[-1], device=device)
+    for row, ((tokens, _), states) in enumerate(zip(sequences, features)):
+        ids[row, :len(tokens)] = torch.tensor(tokens, device=device)
+        padded[row, :len(tokens)] = states
+    lengths = torch.tensor([len(ids) for ids, _ in sequences], device=device)
+    # A draft starts at a root r >= the prompt's last token; its pass-1 row is r - 1.
+    first_rows = torch.tensor([max(0, start - 2) for _, start in sequences], device=device)
+    return _Data(ids, padded, lengths, first_rows)
+
+
+def _initial_draft(config: dict) -> EagleDraft:
+    """Small random projections behind an fc that passes the feature on: the draft starts out repeating the
+    target's guess at its row (its output is about its input feature) and learns to look one token further."""
+    layer_config, bias = parse_eagle_config(config, "config.json")
+    draft = EagleDraft(layer_config, bias)
+    hidden = layer_config.hidden_size
+    with torch.no_grad():
+        for name, param in draft.named_parameters():
+            if name.endswith("layernorm.weight"):
+                param.fill_(1.0)
+            elif param.dim() == 1:
+                param.zero_()
+            else:
+                param.normal_(0.0, 0.02 / math.sqrt(param.shape[1] / hidden))
+        draft.fc.weight[:, hidden:] += torch.eye(hidden)
+    draft.rotary_emb.reset_frequencies(torch.device("cpu"))
+    return draft
+
+
+# ---- the draft, densely, pass by pass -------------------------------------------------------------------------
+
+def dense_passes(draft: EagleDraft, embed: torch.Tensor, ids: torch.Tensor, features: torch.Tensor,
+                 passes: int) -> list[torch.Tensor]:
+    """The draft's outputs [B, N, H] for passes 1..`passes` (see the module docstring); rows whose token
+    j + k lies past the width get token 0 (their losses are masked)."""
+    batch, width = ids.shape
+    attn = draft.layer.self_attn
+    keys, values, outputs = [], [], []
+    feature = features
+    for k in range(1, passes + 1):
+        tokens = F.pad(ids[:, k:], (0, k))[:, :width]
+        x = draft.fc(torch.cat((F.embedding(tokens, embed), feature), dim=-1))
+        positions = torch.arange(width, device=ids.device) + (k - 1)
+        cos, sin = draft.rotary_emb(positions, x.dtype)
+        qkv = attn.qkv_proj(x)
+        q, key, value = qkv.split(attn.split_sizes, dim=-1)
+        q = apply_rotary(q.view(batch, width, attn.num_heads, attn.head_dim), cos, sin)
+        keys.append(apply_rotary(key.view(batch, width, attn.num_kv_heads, attn.head_dim), cos, sin))
+        values.append(value.view(batch, width, attn.num_kv_heads, attn.head_dim))
+        mask = _pass_mask(width, k, x.device, x.dtype)
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), torch.cat(keys, 1).transpose(1, 2),
+                                             torch.cat(values, 1).transpose(1, 2), attn_mask=mask,
+                                             scale=attn.scale, enable_gqa=True)
+        hidden = x + attn.o_proj(out.transpose(1, 2).reshape(batch, width, -1))
+        hidden = hidden + draft.layer.mlp(draft.layer.post_attention_layernorm(hidden))
+        outputs.append(hidden)
+        feature = hidden
+    return outputs
+
+
+def _pass_mask(width: int, k: int, device, dtype) -> torch.Tensor:
+    """[N, k*N] additive: pass 1's keys causally, each later pass's key of the same row only."""
+    rows = torch.arange(width, device=device)
+    visible = [rows[None, :] <= rows[:, None]] + [rows[None, :] == rows[:, None]] * (k - 1)
+    allowed = torch.cat(visible, dim=1)
+    return torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, float("-inf"))
+
+
+def _valid(data: _Data, k: int) -> torch.Tensor:
+    """[B, N]: rows whose pass-k target (row j + k) exists and where a draft may start."""
+    rows = torch.arange(data.ids.shape[1], device=data.ids.device)[None, :]
+    return (rows + k < data.lengths[:, None]) & (rows >= data.first_rows[:, None])
+
+
+def _shifted(tensor: torch.Tensor, k: int) -> torch.Tensor:
+    """tensor[:, j + k] at row j, zero-padded past the end."""
+    pad = (0, 0, 0, k) if tensor.dim() == 3 else (0, k)
+    return F.pad(tensor[:, k:], pad)
+
+
+def _loss(draft: EagleDraft, target: Target, data: _Data, settings: EagleTrainSettings,
+          noise_scale: float) -> torch.Tensor:
+    features = data.features
+    if settings.feature_noise:
+        features = features + (torch.rand_like(features) * 2 - 1) * settings.feature_noise * noise_scale
+    total = features.new_zeros(())
+    for k, out in enumerate(dense_passes(draft, target.embed, data.ids, features, settings.passes), 1):
+        valid = _valid(data, k)
+        if not valid.any():
+            continue
+        predicted, wanted = out[valid], _shifted(data.features, k)[valid]
+        with torch.no_grad():
+            wanted_probs = torch.softmax(target.logits(wanted), dim=-1)
+        token_loss = -(wanted_probs * torch.log_softmax(target.logits(predicted), dim=-1)).sum(-1).mean()
+        feature_loss = F.smooth_l1_loss(predicted, wanted)
+        total = total + 0.8 ** (k - 1) * (feature_loss + settings.token_weight * token_loss)
+    return total
+
+
+def _train(draft: EagleDraft, target: Target, data: _Data, validation: Optional[_Data],
+           settings: EagleTrainSettings) -> tuple[list[float], Optional[int]]:
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=settings.learning_rate, weight_decay=0.0)
+    warmup = max(1, settings.steps // 20)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup) * 0.5 * (
+        1 + math.cos(math.pi * min(1.0, step / max(1, settings.steps)))))
+    generator = torch.Generator().manual_seed(settings.seed)
+    noise_scale = float(data.features[data.features.abs().sum(-1) > 0].std())
+    best = _Best(draft, target, validation, settings.passes)
+    losses = []
+    bar = tqdm(range(1, settings.steps + 1), desc="Training the EAGLE draft", unit="step",
+               disable=not settings.progress)
+    for step in bar:
+        rows = torch.randint(len(data.ids), (min(settings.batch_sequences, len(data.ids)),), generator=generator)
+        loss = _loss(draft, target, data.batch(rows.to(data.ids.device)), settings, noise_scale)
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+        optimizer.step()
+        schedule.step()
+        losses.append(float(loss.detach()))
+        bar.set_postfix(loss=f"{losses[-1]:.3f}")
+        if step % settings.eval_every == 0 or step == settings.steps:
+            best.check(step)
+    return losses or [float("nan")], best.restore()
+
+
+class _Best:
+    """Keeps the draft that scores best on validation data: the expected accepted run a1 + a1*a2 + ..."""
+
+    def __init__(self, draft: EagleDraft, target: Target, validation: Optional[_Data], passes: int):
+        self.draft, self.target, self.validation, self.passes = draft, target, validation, passes
+        self.score, self.step, self.state = -1.0, None, None
+
+    def check(self, step: int) -> None:
+        if self.validation is None:
+            return
+        score = chain_score(depth_accuracy(self.draft, self.target, self.validation, self.passes))
+        if score > self.score:
+            self.score, self.step = score, step
+            self.state = {k: v.detach().clone() for k, v in self.draft.state_dict().items()}
+        log.info("step %d: validation score %.4f (best %.4f at step %d)", step, score, self.score, self.step)
+
+    def restore(self) -> Optional[int]:
+        if self.state is not None:
+            self.draft.load_state_dict(self.state)
+        return self.step
+
+
+def chain_score(accuracy: list[float]) -> float:
+    score, run = 0.0, 1.0
+    for value in accuracy:
+        run *= value
+        score += run
+    return score
+
+
+@torch.no_grad()
+def depth_accuracy(draft: EagleDraft, target: Target, data: _Data, passes: int,
+                   batch: int = 16) -> list[float]:
+    """Per depth k, how often the draft's top-1 at pass k is the target's greedy choice (true tokens before)."""
+    hits, counts = [0] * passes, [0] * passes
+    for first in range(0, len(data.ids), batch):
+        chunk = data.batch(torch.arange(first, min(first + batch, len(data.ids)), device=data.ids.device))
+        for k, out in enumerate(dense_passes(draft, target.embed, chunk.ids, chunk.features, passes), 1):
+            valid = _valid(chunk, k)
+            guess = target.logits(out[valid]).argmax(-1)
+            truth = target.logits(_shifted(chunk.features, k)[valid]).argmax(-1)
+            hits[k - 1] += int((guess == truth).sum())
+            counts[k - 1] += int(valid.sum())
+    return [hit / count if count else 0.0 for hit, count in zip(hits, counts)]
+
+
+@torch.no_grad()
+def frequent_choices(data: _Data, target: Target, size: int) -> torch.Tensor:
+    """The `size` tokens the target chooses most often over the training rows (sorted ids)."""
+    counts = torch.zeros(target.lm_head.shape[0], dtype=torch.long)
+    for first in range(0, len(data.ids), 16):
+        chunk = data.batch(torch.arange(first, min(first + 16, len(data.ids)), device=data.ids.device))
+        choices = target.logits(chunk.features[_valid(chunk, 0)]).argmax(-1)
+        counts += torch.bincount(choices.cpu(), minlength=len(counts))
+    return frequent_tokens(counts, size)
