@@ -239,7 +239,7 @@ def test_engine_refuses_shared_heads_of_another_hidden_size(tiny_model, tmp_path
 def test_shipped_smollm2_heads_load_with_smollm2_sizes():
     assert resolve_heads_dir("builtin:smollm2").is_dir()
     heads = load_medusa("builtin:smollm2")
-    assert heads.shared_lm_head and (heads.num_heads, heads.num_layers) == (4, 1)
+    assert heads.shared_lm_head and (heads.num_heads, heads.num_layers) == (4, 2) and len(heads.draft_vocab) == 8192
     assert (heads.hidden_size, heads.vocab_size) == (576, 49152)  # SmolLM2-135M; checked on the model below
 
 
