@@ -23,7 +23,8 @@ def add_spec_command(sub) -> None:
     train.add_argument("--text", help="UTF-8 training text (default: the English text shipped with tritonllm)")
     train.add_argument("--distill-tokens", type=int, default=0,
                        help="also train on about this many tokens of the model's own greedy continuations")
-    _distill_arguments(train)
+    _distill_arguments(train, 0, " instead of on the text; accuracy is then measured on its answers to the "
+                                 "`bench spec` requests, never trained on")
     train.add_argument("--device", default="cpu", help="where to train: cpu, cuda, cuda:1 ...")
     train.add_argument("--share-lm-head", action=argparse.BooleanOptionalAction, default=True,
                        help="heads use the model's own LM head (frozen; only the ResBlocks train; a few MB, our "
@@ -34,22 +35,15 @@ def add_spec_command(sub) -> None:
                             "(guessing among them alone makes the heads cheaper; our format extension); 0: all")
     train.add_argument("--held-out", type=float, default=0.1,
                        help="fraction of the text (its end) kept out of training; accuracy is measured on it")
-    train.add_argument("--save-dtype", choices=_DTYPES, default="float32", help="dtype of the saved weights")
-    train.add_argument("--seed", type=int, default=0, help="seeds the initial heads, batches and distillation")
-    train.add_argument("--json", action="store_true",
-                       help="print the training report as one JSON line (progress bars stay on stderr)")
+    _output_arguments(train, "heads")
     _add_train_eagle(kinds)
 
 
-def _distill_arguments(parser, prompts: bool = True) -> None:
-    """Self-distillation flags shared by train-medusa and train-eagle (train-eagle words --distill-prompts
-    itself)."""
-    if prompts:
-        parser.add_argument("--distill-prompts", type=int, default=0,
-                            help="train on the model's own greedy answers to about this many chat requests "
-                                 "(rewrite, summarise, explain ... the shipped texts and topics) instead of on the "
-                                 "text; accuracy is then measured on its answers to the `bench spec` requests, "
-                                 "never trained on")
+def _distill_arguments(parser, prompts_default: int, prompts_help: str) -> None:
+    """Self-distillation flags shared by train-medusa and train-eagle."""
+    parser.add_argument("--distill-prompts", type=int, default=prompts_default,
+                        help="train on the model's own greedy answers to about this many chat requests (rewrite, "
+                             "summarise, explain ... the shipped texts and topics)" + prompts_help)
     parser.add_argument("--distill-max-tokens", type=int, default=256, help="longest self-distilled answer")
     parser.add_argument("--distill-batch", type=int, default=16, help="requests per generate call")
     parser.add_argument("--distill-rounds", type=int, default=1,
@@ -61,6 +55,13 @@ def _distill_arguments(parser, prompts: bool = True) -> None:
                         help="with --distill-prompts: share of the topics kept out of training; the weights kept "
                              "are the checkpoint (every --eval-every steps) that does best on them")
     parser.add_argument("--eval-every", type=int, default=100, help="steps between validation checks")
+
+
+def _output_arguments(parser, what: str) -> None:
+    parser.add_argument("--save-dtype", choices=_DTYPES, default="float32", help="dtype of the saved weights")
+    parser.add_argument("--seed", type=int, default=0, help=f"seeds the initial {what}, batches and distillation")
+    parser.add_argument("--json", action="store_true",
+                        help="print the training report as one JSON line (progress bars stay on stderr)")
 
 
 def _add_train_eagle(kinds) -> None:
@@ -82,16 +83,10 @@ def _add_train_eagle(kinds) -> None:
                        help="save the N tokens the model chooses most often as the draft vocabulary (drafting "
                             "from them alone makes each draft step cheaper; our format extension); 0: all")
     train.add_argument("--text", help="UTF-8 text whose paragraphs the requests are about (default: the shipped one)")
-    train.add_argument("--distill-prompts", type=int, default=64,
-                       help="train on the model's own answers to about this many chat requests (rewrite, "
-                            "summarise, explain ... the shipped texts and topics); accuracy is measured on its "
-                            "answers to the `bench spec` requests, never trained on")
-    _distill_arguments(train, prompts=False)
+    _distill_arguments(train, 64, "; accuracy is measured on its answers to the `bench spec` requests, never "
+                                  "trained on")
     train.add_argument("--device", default="cpu", help="where to train: cpu, cuda, cuda:1 ...")
-    train.add_argument("--save-dtype", choices=_DTYPES, default="float32", help="dtype of the saved weights")
-    train.add_argument("--seed", type=int, default=0, help="seeds the initial draft, batches and distillation")
-    train.add_argument("--json", action="store_true",
-                       help="print the training report as one JSON line (progress bars stay on stderr)")
+    _output_arguments(train, "draft")
 
 
 def add_bench_command(kinds, engine_arguments) -> None:

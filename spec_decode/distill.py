@@ -115,6 +115,16 @@ def chat_sequences(base, tokenizer, texts: Sequence[str], count: int, max_new_to
     return written[held:] + answered(train_requests), written[:held] + answered(validation_requests)
 
 
+def distilled_sets(base, tokenizer, text: str, settings) -> tuple[list[Distilled], list[Distilled], list[Distilled]]:
+    """(training, validation, held out) for a trainer: `chat_sequences` on the paragraphs of `text`, as the
+    settings' distill_* fields, seed, progress and validation_share say, and the bench's requests answered."""
+    train, validation = chat_sequences(
+        base, tokenizer, paragraphs(text, MIN_TEXT_CHARS), settings.distill_prompts, settings.distill_max_tokens,
+        settings.distill_batch, settings.seed, settings.progress, settings.distill_rounds,
+        settings.distill_temperature, settings.validation_share)
+    return train, validation, held_out_sequences(base, tokenizer, settings.distill_max_tokens, settings.distill_batch)
+
+
 def _requests(texts: Sequence[str], subjects: Sequence[str], rng: random.Random) -> list[str]:
     """Every text task on every long enough text and every topic task on every subject, shuffled."""
     requests = [task + text for text in texts if len(text) >= MIN_TEXT_CHARS for task in TEXT_TASKS]

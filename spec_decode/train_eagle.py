@@ -25,7 +25,6 @@ step's LM head costs a fraction of the full vocabulary's."""
 from __future__ import annotations
 
 import json
-import logging
 import math
 import time
 from contextlib import contextmanager
@@ -35,7 +34,6 @@ from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from tritonllm.engine.embedded.models.layers import apply_rotary
 
@@ -43,10 +41,8 @@ from . import distill
 from .checkpoint_files import frequent_tokens
 from .eagle import EagleDraft, eagle_config_for, parse_eagle_config, save_eagle
 from .frozen_base import base_outputs, load_base
+from .training_loop import BestCheckpoint, chain_score, run_steps
 from .train_medusa import default_text
-
-log = logging.getLogger("tritonllm.spec_decode")
-
 
 @dataclass
 class EagleTrainSettings:
@@ -139,12 +135,8 @@ def _tf32(device: str):
 
 
 def _chat_data(base, tokenizer, settings: EagleTrainSettings, text: Optional[str]):
-    texts = distill.paragraphs(text if text is not None else default_text(), distill.MIN_TEXT_CHARS)
-    train, validation = distill.chat_sequences(
-        base, tokenizer, texts, settings.distill_prompts, settings.distill_max_tokens, settings.distill_batch,
-        settings.seed, settings.progress, settings.distill_rounds, settings.distill_temperature,
-        settings.validation_share)
-    held = distill.held_out_sequences(base, tokenizer, settings.distill_max_tokens, settings.distill_batch)
+    train, validation, held = distill.distilled_sets(base, tokenizer, text if text is not None else default_text(),
+                                                     settings)
     return (_padded(base, train, settings, settings.progress),
             _padded(base, validation, settings, False) if validation else None,
             _padded(base, held, settings, False))
@@ -262,53 +254,15 @@ def _train(draft: EagleDraft, target: Target, data: _Data, validation: Optional[
         1 + math.cos(math.pi * min(1.0, step / max(1, settings.steps)))))
     generator = torch.Generator().manual_seed(settings.seed)
     noise_scale = float(data.features[data.features.abs().sum(-1) > 0].std())
-    best = _Best(draft, target, validation, settings.passes)
-    losses = []
-    bar = tqdm(range(1, settings.steps + 1), desc="Training the EAGLE draft", unit="step",
-               disable=not settings.progress)
-    for step in bar:
+
+    def batch_loss() -> torch.Tensor:
         rows = torch.randint(len(data.ids), (min(settings.batch_sequences, len(data.ids)),), generator=generator)
-        loss = _loss(draft, target, data.batch(rows.to(data.ids.device)), settings, noise_scale)
-        optimizer.zero_grad()
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
-        optimizer.step()
-        schedule.step()
-        losses.append(float(loss.detach()))
-        bar.set_postfix(loss=f"{losses[-1]:.3f}")
-        if step % settings.eval_every == 0 or step == settings.steps:
-            best.check(step)
-    return losses or [float("nan")], best.restore()
+        return _loss(draft, target, data.batch(rows.to(data.ids.device)), settings, noise_scale)
 
-
-class _Best:
-    """Keeps the draft that scores best on validation data: the expected accepted run a1 + a1*a2 + ..."""
-
-    def __init__(self, draft: EagleDraft, target: Target, validation: Optional[_Data], passes: int):
-        self.draft, self.target, self.validation, self.passes = draft, target, validation, passes
-        self.score, self.step, self.state = -1.0, None, None
-
-    def check(self, step: int) -> None:
-        if self.validation is None:
-            return
-        score = chain_score(depth_accuracy(self.draft, self.target, self.validation, self.passes))
-        if score > self.score:
-            self.score, self.step = score, step
-            self.state = {k: v.detach().clone() for k, v in self.draft.state_dict().items()}
-        log.info("step %d: validation score %.4f (best %.4f at step %d)", step, score, self.score, self.step)
-
-    def restore(self) -> Optional[int]:
-        if self.state is not None:
-            self.draft.load_state_dict(self.state)
-        return self.step
-
-
-def chain_score(accuracy: list[float]) -> float:
-    score, run = 0.0, 1.0
-    for value in accuracy:
-        run *= value
-        score += run
-    return score
+    best = BestCheckpoint(draft, None if validation is None else
+                          lambda: chain_score(depth_accuracy(draft, target, validation, settings.passes)))
+    return run_steps(batch_loss, optimizer, schedule, settings.steps, settings.eval_every, best,
+                     "Training the EAGLE draft", settings.progress, clip=(list(draft.parameters()), 1.0))
 
 
 @torch.no_grad()

@@ -30,12 +30,12 @@ from typing import Optional, Union
 
 import torch
 import torch.nn.functional as F
-from tqdm import tqdm
 
 from . import distill
 from .checkpoint_files import frequent_tokens
 from .frozen_base import base_outputs, load_base
 from .medusa import MedusaHeads, save_medusa
+from .training_loop import BestCheckpoint, chain_score, run_steps
 
 log = logging.getLogger("tritonllm.spec_decode")
 
@@ -137,12 +137,8 @@ def _text_data(base, tokenizer, settings: TrainSettings, text: Optional[str]):
 def _chat_data(base, tokenizer, settings: TrainSettings, text: Optional[str]):
     """The model's answers to chat requests (some topics kept for validation); accuracy on its answers to the
     bench's requests."""
-    texts = distill.paragraphs(text if text is not None else default_text(), distill.MIN_TEXT_CHARS)
-    train, validation = distill.chat_sequences(
-        base, tokenizer, texts, settings.distill_prompts, settings.distill_max_tokens, settings.distill_batch,
-        settings.seed, settings.progress, settings.distill_rounds, settings.distill_temperature,
-        settings.validation_share)
-    held = distill.held_out_sequences(base, tokenizer, settings.distill_max_tokens, settings.distill_batch)
+    train, validation, held = distill.distilled_sets(base, tokenizer, text if text is not None else default_text(),
+                                                     settings)
     return (_answers_dataset(base, train, settings, settings.progress),
             _answers_dataset(base, held, settings, False),
             _answers_dataset(base, validation, settings, False) if validation else None,
@@ -222,48 +218,16 @@ def _train(heads: MedusaHeads, states: torch.Tensor, targets: torch.Tensor, sett
     optimizer = torch.optim.AdamW(groups, lr=settings.learning_rate, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, max(1, settings.steps))
     generator = torch.Generator().manual_seed(settings.seed)
-    losses, best = [], _Best(heads, validation)
-    bar = tqdm(range(1, settings.steps + 1), desc="Training Medusa heads", unit="step",
-               disable=not settings.progress)
-    for step in bar:
+
+    def batch_loss() -> torch.Tensor:
         rows = torch.randint(len(states), (min(settings.batch_positions, len(states)),), generator=generator)
         rows = rows.to(states.device)
-        loss = _loss(heads, states[rows], targets[rows])
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-        losses.append(float(loss.detach()))
-        bar.set_postfix(loss=f"{losses[-1]:.3f}")
-        if step % settings.eval_every == 0 or step == settings.steps:
-            best.check(step)
-    return losses or [float("nan")], best.restore()
+        return _loss(heads, states[rows], targets[rows])
 
-
-class _Best:
-    """Keeps the heads that score best on validation data: the expected run of accepted guesses along a chain,
-    acc0 + acc0*acc1 + ... (a path stops at its first miss)."""
-
-    def __init__(self, heads: MedusaHeads, validation):
-        self.heads, self.validation = heads, validation
-        self.score, self.step, self.state = -1.0, None, None
-
-    def check(self, step: int) -> None:
-        if self.validation is None:
-            return
-        score, run = 0.0, 1.0
-        for accuracy in head_accuracy(self.heads, *self.validation):
-            run *= accuracy
-            score += run
-        if score > self.score:
-            self.score, self.step = score, step
-            self.state = {k: v.detach().clone() for k, v in self.heads.state_dict().items()}
-        log.info("step %d: validation score %.4f (best %.4f at step %d)", step, score, self.score, self.step)
-
-    def restore(self) -> Optional[int]:
-        if self.state is not None:
-            self.heads.load_state_dict(self.state)
-        return self.step
+    best = BestCheckpoint(heads, None if validation is None else
+                          lambda: chain_score(head_accuracy(heads, *validation)))
+    return run_steps(batch_loss, optimizer, schedule, settings.steps, settings.eval_every, best,
+                     "Training Medusa heads", settings.progress)
 
 
 @torch.no_grad()
