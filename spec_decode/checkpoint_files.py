@@ -58,7 +58,8 @@ def read_weights(folder: Path, safetensors_file: str, pickle_file: str, kind: st
     raise ModelLoadError(f"{folder}: no {safetensors_file} or {pickle_file}")
 
 
-def read_draft_vocab(state: dict[str, torch.Tensor], vocab_size: int, folder: Path, kind: str) -> Optional[torch.Tensor]:
+def read_draft_vocab(state: dict[str, torch.Tensor], vocab_size: int, folder: Path,
+                     kind: str) -> Optional[torch.Tensor]:
     """`state`'s draft vocabulary (removed from it), sorted; None without one. The ids must be distinct and, with
     `vocab_size` > 0, inside the vocabulary."""
     ids = state.pop(DRAFT_VOCAB_KEY, None)

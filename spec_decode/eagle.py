@@ -220,4 +220,3 @@ def load_eagle(model_dir: Union[str, Path], dtype: torch.dtype = torch.float32,
     draft.rotary_emb.reset_frequencies(torch.device(device))  # fp32 frequencies whatever the dtype
     draft.pack_for_cpu()
     return draft
-

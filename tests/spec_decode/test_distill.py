@@ -1,6 +1,6 @@
-"""Self-distillation for Medusa heads: the bench's texts and chat topics stay out of training, batched (left-padded) greedy answers
-equal one-at-a-time greedy answers, validation topics are kept apart, and training on chat data keeps the heads
-that do best on validation."""
+"""Self-distillation for Medusa heads: the bench's texts and chat topics stay out of training, batched
+(left-padded) greedy answers equal one-at-a-time greedy answers, validation topics are kept apart, and training on
+chat data keeps the heads that do best on validation."""
 import pytest
 import torch
 

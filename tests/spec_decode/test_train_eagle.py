@@ -194,7 +194,8 @@ def test_shipped_smollm2_draft_keeps_greedy_output_and_gets_drafts_accepted(smol
             engine.shutdown()
     assert [o.token_ids for o in outputs["eagle"]] == [o.token_ids for o in outputs["plain"]]
     metrics = [o.request_perf_metrics for o in outputs["eagle"]]
-    accepted, drafted = (sum(m.total_accepted_draft_tokens for m in metrics), sum(m.total_draft_tokens for m in metrics))
+    accepted = sum(m.total_accepted_draft_tokens for m in metrics)
+    drafted = sum(m.total_draft_tokens for m in metrics)
     assert accepted > 0.2 * drafted  # a trained draft: well above chance on questions it never saw
 
 

@@ -279,7 +279,8 @@ class EagleProposer:
 
     def _top_k(self, hidden: torch.Tensor) -> list[list[int]]:
         logits = self.head.logits(hidden)
-        return self.head.token_ids(logits.topk(min(self.template.max_rank, logits.shape[-1]), dim=-1).indices).tolist()
+        indices = logits.topk(min(self.template.max_rank, logits.shape[-1]), dim=-1).indices
+        return self.head.token_ids(indices).tolist()
 
     def _forward(self, rows: list["_Rows"]) -> list[torch.Tensor]:
         """One draft-layer forward over every sequence's rows; returns each one's output rows."""

@@ -163,7 +163,8 @@ def _medusa_proposer(spec_config, core):
         heads = load_medusa(spec_config.speculative_model_dir, core.dtype, core.device)
         mc = core.model_config
         if heads.draft_vocab is not None and int(heads.draft_vocab.max()) >= mc.vocab_size:
-            raise ModelLoadError(f"the heads' draft_vocab holds token ids past the model's vocabulary ({mc.vocab_size})")
+            raise ModelLoadError(f"the heads' draft_vocab holds token ids past the model's vocabulary "
+                                 f"({mc.vocab_size})")
         if heads.shared_lm_head:
             # The heads' ResBlocks feed the target's own output head (prepacked on CPU): one matmul for all heads.
             if heads.hidden_size != mc.hidden_size or heads.vocab_size not in (0, mc.vocab_size):
