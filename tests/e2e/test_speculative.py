@@ -1,6 +1,7 @@
-"""Speculative decoding through the real tritonserver: a repository whose model.yaml has a speculative_config gives
-the plain repository's greedy tokens for concurrent requests of mixed lengths and reports draft counts; a plain
-repository verifies a request's own draft_input_ids."""
+"""Speculative decoding through the real tritonserver: a repository whose model.yaml has a speculative_config
+(DraftTarget, NGram, Medusa, Eagle; untrained heads and draft layers where they need weights) gives the plain
+repository's greedy tokens for concurrent requests of mixed lengths and reports draft counts; lookahead takes the
+TensorRT-LLM backend's parameters; a plain repository verifies a request's own draft_input_ids."""
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -120,3 +121,54 @@ def test_per_request_lookahead_inputs_need_an_instance_running_lookahead(server,
     reply = server.stream_infer("tensorrt_llm", e2e_clients.direct_request(
         prompt, 4, tokenizer.end_id, **lookahead_inputs(2, 2, 2)))
     assert reply.error is not None and "needs the model instance's lookahead decoding" in str(reply.error)
+
+
+def _medusa_heads(model_dir, out):
+    import json
+
+    import torch
+
+    from tritonllm.spec_decode.medusa import MedusaHeads, save_medusa
+
+    torch.manual_seed(0)
+    heads = MedusaHeads(json.loads((model_dir / "config.json").read_text())["hidden_size"], 0, num_heads=3,
+                        shared_lm_head=True)
+    for head in heads.heads:
+        torch.nn.init.normal_(head[0].linear.weight, std=0.05)
+    return save_medusa(heads, out)
+
+
+def _method_config(method, model_dir, work):
+    """The model.yaml lines of a speculative method, with untrained weights where it needs any."""
+    from tritonllm.spec_decode.eagle import random_eagle
+
+    if method == "NGram":
+        return "  decoding_type: NGram\n  max_draft_len: 4\n  max_matching_ngram_size: 2\n"
+    if method == "Medusa":
+        return (f"  decoding_type: Medusa\n  speculative_model_dir: {_medusa_heads(model_dir, work / 'heads')}\n"
+                "  medusa_choices: [[0], [1], [0, 0], [0, 0, 0]]\n")
+    return (f"  decoding_type: Eagle\n  max_draft_len: 3\n  speculative_model_dir: "
+            f"{random_eagle(model_dir, work / 'eagle', seed=1)}\n  eagle_choices: [[0], [1], [0, 0], [0, 1]]\n")
+
+
+@pytest.fixture(scope="module", params=["NGram", "Medusa", "Eagle"])
+def method_server(request, tiny_model, tmp_path_factory):
+    work = tmp_path_factory.mktemp(request.param.lower())
+    repo = build_repo(tiny_model, work / "repo", streaming=True, max_seq_len=MAX_SEQ_LEN)
+    with (repo / "tensorrt_llm" / "1" / "model.yaml").open("a") as yaml_file:
+        yaml_file.write("\nspeculative_config:\n" + _method_config(request.param, tiny_model, work))
+    for server in serve(repo, work):
+        yield request.param, server
+
+
+def test_every_engine_method_keeps_greedy_tokens_through_the_server(server, method_server, tokenizer):
+    method, spec_server = method_server
+    prompts = [tokenizer.encode(text, add_special_tokens=True) for text in PROMPTS]
+    lengths = [24, 9, 31, 16]
+    want = [e2e_clients.greedy_token_ids(server, ids, n, tokenizer.end_id) for ids, n in zip(prompts, lengths)]
+    with ThreadPoolExecutor(len(prompts)) as pool:
+        got = list(pool.map(lambda args: perf_reply(spec_server, *args, tokenizer.end_id), zip(prompts, lengths)))
+    assert [tokens for tokens, _ in got] == want, method
+    assert sum(counts["total_draft_tokens"] for _, counts in got) > 0, method
+    gauges = spec_server.wait_engine_idle()
+    assert gauges[("nv_trt_llm_kv_cache_block_metrics", "free")] == gauges[("nv_trt_llm_kv_cache_block_metrics", "max")]
