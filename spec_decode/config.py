@@ -90,9 +90,14 @@ class MedusaConfig(SpeculativeConfig):
     speculative_model_dir: str = ""
     medusa_choices: Optional[Choices] = None
     num_medusa_heads: Optional[int] = None
+    # Our extension: tree nodes whose path probability under the heads (the product of their softmax probabilities
+    # along the path) is below this are not verified that step; 0 verifies the whole tree, as TensorRT-LLM does.
+    min_path_probability: float = 0.0
 
     def validate(self) -> None:
         _require(bool(self.speculative_model_dir), "speculative_model_dir", "is required for Medusa (the heads)")
+        _require(0.0 <= self.min_path_probability < 1.0, "min_path_probability",
+                 f"must be in [0, 1), got {self.min_path_probability}")
         if self.num_medusa_heads is not None:
             _require(self.num_medusa_heads >= 1, "num_medusa_heads", f"must be >= 1, got {self.num_medusa_heads}")
         if self.medusa_choices is not None:
@@ -221,6 +226,10 @@ def _coerce(key: str, value: Any, field: dataclasses.Field) -> Any:
         if not isinstance(value, bool):
             raise SpecConfigError(f"{PREFIX}.{key} must be true or false, got {value!r}")
         return value
+    if annotation.startswith("float"):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise SpecConfigError(f"{PREFIX}.{key} must be a number, got {value!r}")
+        return float(value)
     if "int" in annotation:
         if isinstance(value, bool) or not isinstance(value, int):
             raise SpecConfigError(f"{PREFIX}.{key} must be an integer, got {value!r}")

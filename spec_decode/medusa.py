@@ -110,8 +110,15 @@ class MedusaHeads(nn.Module):
     @torch.inference_mode()
     def top_k(self, hidden: torch.Tensor, k: int) -> torch.Tensor:
         """hidden: [N, hidden] -> token ids [N, heads, k], best first."""
-        indices = self(hidden).topk(k, dim=-1).indices
-        return indices if self.draft_vocab is None else self.draft_vocab[indices]
+        return self.top_k_with_probabilities(hidden, k)[0]
+
+    @torch.inference_mode()
+    def top_k_with_probabilities(self, hidden: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """hidden: [N, hidden] -> (token ids, their softmax probabilities under each head), each [N, heads, k]."""
+        logits = self(hidden).float()
+        values, indices = logits.topk(k, dim=-1)
+        probabilities = torch.exp(values - torch.logsumexp(logits, dim=-1, keepdim=True))
+        return (indices if self.draft_vocab is None else self.draft_vocab[indices]), probabilities
 
     def restrict_vocab(self, vocab: torch.Tensor) -> None:
         """Guess only tokens of `vocab` (sorted ids): own projections keep just those rows; heads sharing the base
@@ -241,7 +248,8 @@ def _shape_from_keys(state: dict[str, torch.Tensor], folder: Path, shared: bool 
 class MedusaProposer(StatelessProposer):
     """Fills the `medusa_choices` tree (or a default one) from each head's top-k on the target's hidden state."""
 
-    def __init__(self, heads: MedusaHeads, choices: Optional[Choices] = None, max_draft_tokens: int = 0):
+    def __init__(self, heads: MedusaHeads, choices: Optional[Choices] = None, max_draft_tokens: int = 0,
+                 min_path_probability: float = 0.0):
         choices = choices or default_choices(heads.num_heads, num_nodes=4 * heads.num_heads)
         self.template = TreeTemplate.from_choices(choices)
         if self.template.depth > heads.num_heads:
@@ -249,6 +257,7 @@ class MedusaProposer(StatelessProposer):
                                  f"{heads.num_heads} heads")
         self.heads = heads
         self.max_draft_tokens = max_draft_tokens or len(self.template.paths)
+        self.min_path_probability = min_path_probability
 
     def propose(self, batch: Sequence[ProposalInput]) -> list[DraftTree]:
         missing = [item.seq_id for item in batch if item.hidden_state is None]
@@ -258,6 +267,7 @@ class MedusaProposer(StatelessProposer):
             return []
         weight = next(self.heads.parameters())
         hidden = torch.stack([item.hidden_state for item in batch]).to(weight.device, weight.dtype)
-        candidates = self.heads.top_k(hidden, self.template.max_rank).tolist()  # one batched head pass
-        return [self.template.fill(per_head).truncated(draft_budget(self.max_draft_tokens, item))
-                for per_head, item in zip(candidates, batch)]
+        candidates, probabilities = self.heads.top_k_with_probabilities(hidden, self.template.max_rank)  # one pass
+        return [self.template.fill(per_head, chances, self.min_path_probability).truncated(
+                    draft_budget(self.max_draft_tokens, item))
+                for per_head, chances, item in zip(candidates.tolist(), probabilities.tolist(), batch)]

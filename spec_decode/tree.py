@@ -109,12 +109,27 @@ class TreeTemplate:
         """How many candidates per depth the tree needs (top-k)."""
         return max(max(path) for path in self.paths) + 1
 
-    def fill(self, candidates: Sequence[Sequence[int]]) -> DraftTree:
-        """`candidates[d][r]`: the rank-r token for depth d+1 (e.g. Medusa head d's top-k)."""
+    def fill(self, candidates: Sequence[Sequence[int]], probabilities: Optional[Sequence[Sequence[float]]] = None,
+             min_path_probability: float = 0.0) -> DraftTree:
+        """`candidates[d][r]`: the rank-r token for depth d+1 (e.g. Medusa head d's top-k). With `probabilities`
+        (the same layout), nodes whose path probability (the product along the path) is below
+        `min_path_probability` are left out; a child is never likelier than its parent, so the rest is a tree."""
         if len(candidates) < self.depth:
             raise ValueError(f"the tree is {self.depth} deep but only {len(candidates)} depths have candidates")
         tokens = [int(candidates[len(path) - 1][path[-1]]) for path in self.paths]
-        return DraftTree(tokens, list(self.parents))
+        if probabilities is None or min_path_probability <= 0:
+            return DraftTree(tokens, list(self.parents))
+        kept: dict[int, int] = {}  # template node -> index in the pruned tree
+        path_probability: list[float] = []
+        pruned = DraftTree()
+        for node, (path, parent) in enumerate(zip(self.paths, self.parents)):
+            likelihood = (1.0 if parent < 0 else path_probability[parent]) * probabilities[len(path) - 1][path[-1]]
+            path_probability.append(likelihood)
+            if likelihood >= min_path_probability and (parent < 0 or parent in kept):
+                kept[node] = len(pruned.tokens)
+                pruned.tokens.append(tokens[node])
+                pruned.parents.append(-1 if parent < 0 else kept[parent])
+        return pruned
 
 
 def default_choices(depth: int, num_nodes: int, top_k: int = 4, decay: float = 0.5) -> Choices:

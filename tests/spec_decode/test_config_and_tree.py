@@ -54,6 +54,10 @@ def test_each_decoding_type_parses_into_its_config():
     ({"decoding_type": "Eagle", "speculative_model_dir": "/e", "eagle_choices": "[[0]]", "use_dynamic_tree": True},
      r"speculative_config\.eagle_choices and use_dynamic_tree exclude each other"),
     ({"decoding_type": "DraftTarget", "max_draft_len": 3}, r"speculative_config\.speculative_model_dir is required"),
+    ({"decoding_type": "Medusa", "speculative_model_dir": "/h", "min_path_probability": 1.5},
+     r"speculative_config\.min_path_probability must be in \[0, 1\)"),
+    ({"decoding_type": "Medusa", "speculative_model_dir": "/h", "min_path_probability": "high"},
+     r"speculative_config\.min_path_probability must be a number"),
 ])
 def test_bad_configs_name_the_key(raw, message):
     with pytest.raises(SpecConfigError, match=message):
@@ -90,6 +94,21 @@ def test_template_orders_parents_first_and_fills_from_ranked_candidates():
     assert tree.depths == [1, 1, 2, 2, 2]
     with pytest.raises(ValueError, match="2 deep but only 1"):
         template.fill([[1, 2]])
+
+
+def test_fill_leaves_out_nodes_whose_path_probability_is_below_the_threshold():
+    template = TreeTemplate.from_choices(parse_choices("{0}, {1}, {0, 0}, {0, 1}, {1, 0}, {0, 0, 0}"))
+    candidates = [[10, 11], [20, 21], [30, 31]]
+    probabilities = [[0.6, 0.3], [0.5, 0.4], [0.2, 0.1]]
+    # paths: (0) .6, (1) .3, (0,0) .3, (0,1) .24, (1,0) .15, (0,0,0) .06
+    pruned = template.fill(candidates, probabilities, 0.25)
+    assert (pruned.tokens, pruned.parents) == ([10, 11, 20], [-1, -1, 0])
+    assert template.fill(candidates, probabilities, 0.7).tokens == []  # nothing likely enough: no draft
+    whole = template.fill(candidates, probabilities, 0.0)
+    assert whole.tokens == template.fill(candidates).tokens and len(whole) == 6
+    medusa = parse_speculative_config({"decoding_type": "Medusa", "speculative_model_dir": "/h",
+                                       "min_path_probability": 0.2})
+    assert medusa.min_path_probability == 0.2
 
 
 def test_tree_attention_mask_is_root_plus_ancestors():

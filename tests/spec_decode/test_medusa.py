@@ -261,3 +261,20 @@ def test_shipped_smollm2_heads_keep_greedy_output_and_get_drafts_accepted(smollm
     assert [o.token_ids for o in medusa] == [o.token_ids for o in plain]
     accepted = [o.request_perf_metrics.total_accepted_draft_tokens for o in medusa]
     assert sum(accepted) / len(accepted) > 0, accepted  # mean accepted draft tokens per request
+
+
+def test_pruning_unlikely_tree_nodes_drafts_fewer_tokens_and_keeps_greedy_output(tiny_model, tmp_path):
+    hidden_size = json.loads((tiny_model / "config.json").read_text())["hidden_size"]
+    torch.manual_seed(0)
+    heads = MedusaHeads(hidden_size, 0, num_heads=3, shared_lm_head=True)
+    save_medusa(heads, tmp_path / "heads")
+    prompts, max_tokens = [[5, 6, 7, 8, 9, 10] * 4, [20, 21, 22], list(range(100, 140))], [40, 24, 32]
+    spec = {"decoding_type": "Medusa", "speculative_model_dir": str(tmp_path / "heads"),
+            "medusa_choices": [[0], [1], [0, 0], [1, 0], [0, 1], [0, 0, 0]]}
+    plain = [o.token_ids for o in _generate(tiny_model, prompts, max_tokens)]
+    drafted = {}
+    for threshold in (0.0, 0.002):
+        outputs = _generate(tiny_model, prompts, max_tokens, {**spec, "min_path_probability": threshold})
+        assert [o.token_ids for o in outputs] == plain
+        drafted[threshold] = sum(o.request_perf_metrics.total_draft_tokens for o in outputs)
+    assert 0 < drafted[0.002] < drafted[0.0]

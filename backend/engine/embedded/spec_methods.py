@@ -175,7 +175,8 @@ def _medusa_proposer(spec_config, core):
         elif (heads.hidden_size, heads.vocab_size) != (mc.hidden_size, mc.vocab_size):  # own projections
             raise ModelLoadError(f"heads are for hidden size {heads.hidden_size} / vocab {heads.vocab_size}, the "
                                  f"model has {mc.hidden_size} / {mc.vocab_size}")
-        return MedusaProposer(heads, spec_config.medusa_choices, spec_config.max_draft_len)
+        return MedusaProposer(heads, spec_config.medusa_choices, spec_config.max_draft_len,
+                              spec_config.min_path_probability)
     except ModelLoadError as exc:
         raise InvalidRequestError(f"speculative_config.speculative_model_dir: {exc}") from None
 
