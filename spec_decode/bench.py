@@ -24,30 +24,19 @@ METHODS = {
                             "max_verification_set_size": 2},
     "drafttarget": lambda a: {"decoding_type": "DraftTarget", "max_draft_len": a.draft_len,
                               "speculative_model_dir": a.spec_model_dir},
+    # The heads' default tree, pruned each step to the nodes the heads give a path probability of at least 0.15:
+    # the fastest measured on the 2-core CPU of docs/benchmarks.md, where every verified token costs compute.
     "medusa": lambda a: {"decoding_type": "Medusa", "speculative_model_dir": a.spec_model_dir,
-                         "medusa_choices": _small_tree(a.spec_model_dir)},
+                         "min_path_probability": 0.15},
     "eagle": lambda a: {"decoding_type": "Eagle", "max_draft_len": a.draft_len,
                         "speculative_model_dir": a.spec_model_dir},
 }
 
 
-# Head 0's top two, heads 1 and 2 along the best path: the fastest tree measured on the 2-core CPU of
-# docs/benchmarks.md, where every verified token costs compute.
-SMALL_MEDUSA_TREE = [[0], [0, 0], [1], [0, 0, 0]]
-
-
-def _small_tree(heads_dir) -> list[list[int]]:
-    """SMALL_MEDUSA_TREE, cut to the depth the heads reach."""
-    from .medusa import load_medusa
-
-    depth = load_medusa(heads_dir).num_heads if heads_dir else len(max(SMALL_MEDUSA_TREE, key=len))
-    return [path for path in SMALL_MEDUSA_TREE if len(path) <= depth]
-
-
 def add_arguments(parser) -> None:
     parser.add_argument("--method", choices=sorted(METHODS), default="ngram",
                         help="when --config has no speculative_config (ngram: max_matching_ngram_size 3; "
-                             "lookahead: W=1, N=5, G=2; medusa: a 4-node tree; the others need --spec-model-dir, "
+                             "lookahead: W=1, N=5, G=2; medusa: min_path_probability 0.15; the others need --spec-model-dir, "
                              "builtin:smollm2 for SmolLM2's shipped Medusa heads or EAGLE draft)")
     parser.add_argument("--draft-len", type=int, default=6, help="max_draft_len for ngram / drafttarget / eagle")
     parser.add_argument("--spec-model-dir",

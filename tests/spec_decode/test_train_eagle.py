@@ -5,7 +5,7 @@ deep computes: the committed rows' keys, then the draft's own nodes); a short CL
 draft the engine loads, and greedy output with it is plain greedy output. A draft vocabulary restricts what is
 drafted to its tokens (the top-k come from its rows alone), leaves greedy output exact, and bad ones are refused
 naming the tensor. The shipped SmolLM2 draft loads (and, slow, keeps greedy output with drafts accepted), and
-`bench spec --method medusa` verifies its small tree cut to the heads' depth."""
+`bench spec --method medusa` prunes the heads' default tree."""
 import json
 
 import pytest
@@ -199,11 +199,11 @@ def test_shipped_smollm2_draft_keeps_greedy_output_and_gets_drafts_accepted(smol
     assert accepted > 0.2 * drafted  # a trained draft: well above chance on questions it never saw
 
 
-def test_bench_spec_medusa_uses_the_small_tree_cut_to_the_heads_depth_on_the_chat_task(target, tmp_path, capsys):
+def test_bench_spec_medusa_prunes_the_heads_default_tree_on_the_chat_task(target, tmp_path, capsys):
     hidden_size = json.loads((target / "config.json").read_text())["hidden_size"]
     save_medusa(MedusaHeads(hidden_size, 0, num_heads=2, shared_lm_head=True), tmp_path)
     assert main(["bench", "spec", "--model", str(target), "--method", "medusa", "--spec-model-dir", str(tmp_path),
                  "--task", "chat", "--prompts", "1", "--max-tokens", "8", "--json"]) == 0
     result = json.loads([line for line in capsys.readouterr().out.splitlines() if line.startswith("{")][-1])
     assert result["task"] == "chat" and result["identical_outputs"]
-    assert result["speculative_config"]["medusa_choices"] == [[0], [0, 0], [1]]
+    assert result["speculative_config"]["min_path_probability"] == 0.15
