@@ -44,6 +44,7 @@ from .frozen_base import base_outputs, load_base
 from .training_loop import BestCheckpoint, chain_score, run_steps
 from .train_medusa import default_text
 
+
 @dataclass
 class EagleTrainSettings:
     steps: int = 200
@@ -143,15 +144,17 @@ def _chat_data(base, tokenizer, settings: EagleTrainSettings, text: Optional[str
 
 
 def _padded(base, sequences: list[distill.Distilled], settings: EagleTrainSettings, progress: bool) -> _Data:
+    """Every sequence's ids and target features, padded to the longest (all held on the training device: ~2.3 KB
+    per token for SmolLM2, so GPU-sized for large runs)."""
     features, _ = base_outputs(base, [torch.tensor(ids) for ids, _ in sequences], progress, settings.forward_batch)
-    width = max(len(ids) for ids, _ in sequences)
+    width = max(len(tokens) for tokens, _ in sequences)
     device = features[0].device
     ids = torch.zeros(len(sequences), width, dtype=torch.long, device=device)
     padded = torch.zeros(len(sequences), width, features[0].shape[-1], device=device)
     for row, ((tokens, _), states) in enumerate(zip(sequences, features)):
         ids[row, :len(tokens)] = torch.tensor(tokens, device=device)
         padded[row, :len(tokens)] = states
-    lengths = torch.tensor([len(ids) for ids, _ in sequences], device=device)
+    lengths = torch.tensor([len(tokens) for tokens, _ in sequences], device=device)
     # A draft starts at a root r >= the prompt's last token; its pass-1 row is r - 1.
     first_rows = torch.tensor([max(0, start - 2) for _, start in sequences], device=device)
     return _Data(ids, padded, lengths, first_rows)
