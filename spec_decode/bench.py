@@ -14,7 +14,7 @@ from dataclasses import replace
 
 from tritonllm.bench_report import progress, report
 
-from .distill import BENCH_TASK as TASK, bench_requests, bench_texts, chat_ids
+from .distill import BENCH_TASK as TASK, bench_requests, bench_texts, chat_ids, first_shipped
 
 METHODS = {
     "ngram": lambda a: {"decoding_type": "NGram", "max_draft_len": a.draft_len, "max_matching_ngram_size": 3},
@@ -36,8 +36,8 @@ METHODS = {
 def add_arguments(parser) -> None:
     parser.add_argument("--method", choices=sorted(METHODS), default="ngram",
                         help="when --config has no speculative_config (ngram: max_matching_ngram_size 3; "
-                             "lookahead: W=1, N=5, G=2; medusa: min_path_probability 0.15; the others need --spec-model-dir, "
-                             "builtin:smollm2 for SmolLM2's shipped Medusa heads or EAGLE draft)")
+                             "lookahead: W=1, N=5, G=2; medusa: min_path_probability 0.15; the others need "
+                             "--spec-model-dir, builtin:smollm2 for SmolLM2's shipped Medusa heads or EAGLE draft)")
     parser.add_argument("--draft-len", type=int, default=6, help="max_draft_len for ngram / drafttarget / eagle")
     parser.add_argument("--spec-model-dir",
                         help="draft model, Medusa heads or EAGLE draft folder (drafttarget, medusa, eagle)")
@@ -51,12 +51,7 @@ def add_arguments(parser) -> None:
 
 def grounded_texts(count: int) -> list[str]:
     """The first `count` texts shipped for this benchmark (data/bench_texts.txt; never used to train heads)."""
-    from tritonllm.engine.config import ConfigError
-
-    texts = bench_texts()
-    if count > len(texts):
-        raise ConfigError(f"--prompts {count}: only {len(texts)} benchmark texts are shipped")
-    return texts[:count]
+    return first_shipped(bench_texts(), count, "benchmark texts")
 
 
 def prompt_ids(tokenizer, text: str) -> list[int]:
@@ -100,10 +95,7 @@ def main(args) -> int:
     tokenizer = AutoTokenizer.from_pretrained(args.model)
     params = {"plain": SamplingParams(max_tokens=args.max_tokens, end_id=tokenizer.eos_token_id, speculate=False),
               "spec": SamplingParams(max_tokens=args.max_tokens, end_id=tokenizer.eos_token_id)}
-    try:
-        prompts = [chat_ids(tokenizer, request) for request in bench_requests(args.task, args.prompts)]
-    except ValueError as error:
-        raise ConfigError(f"--prompts {args.prompts}: {error}") from None
+    prompts = [chat_ids(tokenizer, request) for request in bench_requests(args.task, args.prompts)]
     try:
         for side in params.values():  # warm-up
             engine.generate(prompts[0][:32], replace(side, max_tokens=8))
@@ -115,8 +107,7 @@ def main(args) -> int:
     finally:
         engine.shutdown()
     result = {"method": spec.get("decoding_type"), "speculative_config": spec, "task": args.task,
-              "prompts": len(prompts),
-              "max_tokens": args.max_tokens, "threads": torch.get_num_threads(),
+              "prompts": len(prompts), "max_tokens": args.max_tokens, "threads": torch.get_num_threads(),
               "identical_outputs": all(a["tokens"] == b["tokens"] for a, b in zip(runs["plain"], runs["spec"])),
               "plain": summarise(runs["plain"]), "spec": summarise(runs["spec"])}
     result["speedup"] = round(result["spec"]["tok_s"] / result["plain"]["tok_s"], 3)

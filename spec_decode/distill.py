@@ -59,9 +59,16 @@ def bench_requests(task: str, count: int) -> list[str]:
     else:
         subjects = _lines(BENCH_TOPICS_FILE)
         pool = [TOPIC_TASKS[i % len(TOPIC_TASKS)].format(topic=topic) for i, topic in enumerate(subjects)]
+    return first_shipped(pool, count, f"{task} requests")
+
+
+def first_shipped(pool: Sequence[str], count: int, what: str) -> list[str]:
+    """The first `count` of the benchmark's shipped `pool`; a ConfigError naming --prompts if it holds fewer."""
+    from tritonllm.engine.config import ConfigError
+
     if count > len(pool):
-        raise ValueError(f"only {len(pool)} {task} requests are shipped for the benchmark, {count} asked for")
-    return pool[:count]
+        raise ConfigError(f"--prompts {count}: only {len(pool)} {what} are shipped for the benchmark")
+    return list(pool[:count])
 
 
 def _lines(name: str) -> list[str]:
