@@ -93,15 +93,18 @@ class Target:
 
 @dataclass
 class _Data:
-    """Sequences padded to one width: ids, features and the first row of each whose loss counts."""
+    """Sequences padded to one width: ids, the target's features and greedy choices, and the first row of each
+    whose loss counts."""
     ids: torch.Tensor  # [S, N] (0-padded)
     features: torch.Tensor  # [S, N, H]
+    choices: torch.Tensor  # [S, N]: the target's greedy token after each row (fp32, as the engine decodes)
     lengths: torch.Tensor  # [S]
     first_rows: torch.Tensor  # [S]: rows before it are prompt rows no draft starts from
 
     def batch(self, rows: torch.Tensor) -> "_Data":
         width = int(self.lengths[rows].max())
-        return _Data(self.ids[rows, :width], self.features[rows, :width], self.lengths[rows], self.first_rows[rows])
+        return _Data(self.ids[rows, :width], self.features[rows, :width], self.choices[rows, :width],
+                     self.lengths[rows], self.first_rows[rows])
 
 
 def train_eagle(model_dir: Union[str, Path], out_dir: Union[str, Path], settings: EagleTrainSettings,
@@ -146,18 +149,21 @@ def _chat_data(base, tokenizer, settings: EagleTrainSettings, text: Optional[str
 def _padded(base, sequences: list[distill.Distilled], settings: EagleTrainSettings, progress: bool) -> _Data:
     """Every sequence's ids and target features, padded to the longest (all held on the training device: ~2.3 KB
     per token for SmolLM2, so GPU-sized for large runs)."""
-    features, _ = base_outputs(base, [torch.tensor(ids) for ids, _ in sequences], progress, settings.forward_batch)
+    features, choices = base_outputs(base, [torch.tensor(ids) for ids, _ in sequences], progress,
+                                     settings.forward_batch)
     width = max(len(tokens) for tokens, _ in sequences)
     device = features[0].device
     ids = torch.zeros(len(sequences), width, dtype=torch.long, device=device)
     padded = torch.zeros(len(sequences), width, features[0].shape[-1], device=device)
-    for row, ((tokens, _), states) in enumerate(zip(sequences, features)):
+    greedy = torch.zeros(len(sequences), width, dtype=torch.long, device=device)
+    for row, ((tokens, _), states, chosen) in enumerate(zip(sequences, features, choices)):
         ids[row, :len(tokens)] = torch.tensor(tokens, device=device)
         padded[row, :len(tokens)] = states
+        greedy[row, :len(tokens)] = chosen
     lengths = torch.tensor([len(tokens) for tokens, _ in sequences], device=device)
     # A draft starts at a root r >= the prompt's last token; its pass-1 row is r - 1.
     first_rows = torch.tensor([max(0, start - 2) for _, start in sequences], device=device)
-    return _Data(ids, padded, lengths, first_rows)
+    return _Data(ids, padded, greedy, lengths, first_rows)
 
 
 def _initial_draft(config: dict) -> EagleDraft:
@@ -278,18 +284,12 @@ def depth_accuracy(draft: EagleDraft, target: Target, data: _Data, passes: int,
         for k, out in enumerate(dense_passes(draft, target.embed, chunk.ids, chunk.features, passes), 1):
             valid = _valid(chunk, k)
             guess = target.logits(out[valid]).argmax(-1)
-            truth = target.logits(_shifted(chunk.features, k)[valid]).argmax(-1)
-            hits[k - 1] += int((guess == truth).sum())
+            hits[k - 1] += int((guess == _shifted(chunk.choices, k)[valid]).sum())
             counts[k - 1] += int(valid.sum())
     return [hit / count if count else 0.0 for hit, count in zip(hits, counts)]
 
 
-@torch.no_grad()
 def frequent_choices(data: _Data, target: Target, size: int) -> torch.Tensor:
     """The `size` tokens the target chooses most often over the training rows (sorted ids)."""
-    counts = torch.zeros(target.lm_head.shape[0], dtype=torch.long)
-    for first in range(0, len(data.ids), 16):
-        chunk = data.batch(torch.arange(first, min(first + 16, len(data.ids)), device=data.ids.device))
-        choices = target.logits(chunk.features[_valid(chunk, 0)]).argmax(-1)
-        counts += torch.bincount(choices.cpu(), minlength=len(counts))
-    return frequent_tokens(counts, size)
+    chosen = data.choices[_valid(data, 0)].cpu()
+    return frequent_tokens(torch.bincount(chosen, minlength=target.lm_head.shape[0]), size)
