@@ -207,3 +207,4 @@ def test_bench_spec_medusa_prunes_the_heads_default_tree_on_the_chat_task(target
     result = json.loads([line for line in capsys.readouterr().out.splitlines() if line.startswith("{")][-1])
     assert result["task"] == "chat" and result["identical_outputs"]
     assert result["speculative_config"]["min_path_probability"] == 0.15
+    assert len(result["per_prompt"]) == 1 and result["per_prompt"][0]["output_tokens"] > 0
