@@ -29,8 +29,8 @@ class AttentionMetadata:
     # Speculative drafts: per sequence, None (causal) or a [n, n] bool mask over its last n query tokens (the root
     # and its draft tree); those tokens see the whole context before them and, among themselves, only this mask.
     tail_masks: list[torch.Tensor | None] | None = None
-    # Other steps: per sequence, its additive mask [1, 1, q_len, ctx_len] (None: a whole prompt, causal over its
-    # own keys), built once per step rather than in every layer.
+    # Other steps: per sequence, its additive mask [1, 1, q_len, whole blocks of ctx_len] (None: a whole prompt,
+    # causal over its own keys), built once per step rather than in every layer.
     sequence_masks: list[torch.Tensor | None] | None = None
 
     @property
@@ -71,20 +71,23 @@ def step_metadata(slots: list[int], block_tables: list[list[int]], query_starts:
     else:
         masks = attn.tail_masks or [None] * len(query_lens)
         attn.sequence_masks = [None if q_len == ctx_len and tail is None else
-                               sequence_mask(q_len, ctx_len, tail, device, dtype)
+                               sequence_mask(q_len, ctx_len, tail, device, dtype, block_size)
                                for q_len, ctx_len, tail in zip(query_lens, context_lens, masks)]
     return attn
 
 
-def sequence_mask(q_len: int, ctx_len: int, tail_mask: torch.Tensor | None, device,
-                  dtype: torch.dtype) -> torch.Tensor:
-    """[1, 1, q_len, ctx_len] additive mask of a sequence's queries (its last q_len positions) over its context:
-    causal, except that the last `len(tail_mask)` queries see each other only where `tail_mask` says."""
+def sequence_mask(q_len: int, ctx_len: int, tail_mask: torch.Tensor | None, device, dtype: torch.dtype,
+                  block_size: int) -> torch.Tensor:
+    """[1, 1, q_len, whole blocks of ctx_len] additive mask of a sequence's queries (its last q_len positions) over
+    its context: causal, except that the last `len(tail_mask)` queries see each other only where `tail_mask` says.
+    Attention reads whole blocks, so the key length changes once a block rather than every step: CUDA's cuDNN
+    attention builds a plan for every new shape (about 40 ms in bf16 on an H200, docs/benchmarks.md)."""
+    width = blocks_for(ctx_len, block_size) * block_size
     query_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)
-    visible = torch.arange(ctx_len, device=device)[None, :] <= query_pos[:, None]
+    visible = torch.arange(width, device=device)[None, :] <= query_pos[:, None]
     if tail_mask is not None:  # the tail rows already see all columns before the tail (causal)
         tail = tail_mask.shape[0]
-        visible[q_len - tail:, ctx_len - tail:] = tail_mask.to(device)
+        visible[q_len - tail:, ctx_len - tail:ctx_len] = tail_mask.to(device)
     return _additive(visible, dtype)[None, None]
 
 
@@ -123,7 +126,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: 
             out[rows] = _causal_attention(q[rows], k[rows], v[rows], scale)
         else:
             if mask is None:  # metadata not made by step_metadata
-                mask = sequence_mask(q_len, ctx_len, tail_mask, q.device, q.dtype)
+                mask = sequence_mask(q_len, ctx_len, tail_mask, q.device, q.dtype, meta.block_size)
             out[rows] = _sequence_attention(q[rows], k_cache, v_cache, table, ctx_len, meta.block_size, scale, mask)
     return out
 
@@ -140,14 +143,14 @@ def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor
 
 
 def _gather(cache: torch.Tensor, table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
-    num_blocks = (length + block_size - 1) // block_size
-    return _gather_blocks(cache, table[:num_blocks]).flatten(0, 1)[:length]
+    """The whole blocks holding a sequence's first `length` positions (the mask hides the tail)."""
+    return _gather_blocks(cache, table[:blocks_for(length, block_size)]).flatten(0, 1)
 
 
 def _sequence_attention(q, k_cache, v_cache, table, ctx_len, block_size, scale, mask):
     """Batched 4-D SDPA with an additive mask, which CPU PyTorch runs in its flash kernel (a bool mask on 3-D
     inputs took the slower math path)."""
-    keys = _gather(k_cache, table, ctx_len, block_size).transpose(0, 1)[None]  # [1, kv_heads, ctx, d]
+    keys = _gather(k_cache, table, ctx_len, block_size).transpose(0, 1)[None]  # [1, kv_heads, whole blocks, d]
     values = _gather(v_cache, table, ctx_len, block_size).transpose(0, 1)[None]
     out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=mask, scale=scale,
                                          enable_gqa=True)
