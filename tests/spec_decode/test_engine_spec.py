@@ -1,6 +1,10 @@
 """Speculative decoding inside the embedded engine: every method gives the plain greedy tokens in batches mixing
 lengths, with chunked prefill, prefix reuse and preemption; drafts are counted per request; every KV block is
-free afterwards; external draft tokens (draft_input_ids) are verified in one target step."""
+free afterwards; external draft tokens (draft_input_ids) are verified in one target step.
+
+TRITONLLM_TEST_DEVICE=cuda runs the engines on the GPU (the CPU is the default)."""
+import os
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -10,6 +14,8 @@ from tritonllm.engine.embedded.engine import EmbeddedEngine
 from tritonllm.engine.types import InvalidRequestError, SamplingParams
 from tritonllm.model_files.tiny import build_tiny_model
 from tritonllm.spec_decode.medusa import MedusaHeads, save_medusa
+
+DEVICE = os.environ.get("TRITONLLM_TEST_DEVICE", "cpu")
 
 BLOCK = 4
 # Lengths mixed on purpose: one prompt shorter than a block, one over several blocks, one repetitive.
@@ -64,7 +70,7 @@ SETTINGS = {
 
 
 def make_engine(model_dir, spec=None, **overrides):
-    args = {"model": str(model_dir), "dtype": "float32", "device": "cpu", "max_batch_size": 8,
+    args = {"model": str(model_dir), "dtype": "float32", "device": DEVICE, "max_batch_size": 8,
             "kv_cache_config": {"tokens_per_block": BLOCK, "max_tokens": 4096}}
     args.update(overrides)
     if spec is not None:

@@ -2,8 +2,11 @@
 file named, the proposer fills the choices tree from each head's top-k, and a short train-medusa run on a tiny
 model produces loadable heads that agree with the model more than fresh ones. Heads sharing the base LM head (our
 `medusa_shared_lm_head` extension) give the logits of full heads holding copies of it, keep greedy output exact in
-the engine, and the SmolLM2 heads shipped in the package (`builtin:smollm2`) load and draft accepted tokens."""
+the engine, and the SmolLM2 heads shipped in the package (`builtin:smollm2`) load and draft accepted tokens.
+
+TRITONLLM_TEST_DEVICE=cuda runs the engines on the GPU (the CPU is the default)."""
 import json
+import os
 
 import pytest
 import torch
@@ -17,6 +20,8 @@ from tritonllm.model_files.tiny import build_tiny_model
 from tritonllm.spec_decode.medusa import MedusaHeads, MedusaProposer, load_medusa, resolve_heads_dir, save_medusa
 from tritonllm.spec_decode.proposer import ProposalInput
 from tritonllm.spec_decode.train_medusa import TrainSettings, train_medusa
+
+DEVICE = os.environ.get("TRITONLLM_TEST_DEVICE", "cpu")
 
 HIDDEN, VOCAB = 16, 50
 
@@ -199,7 +204,7 @@ def tiny_model(tmp_path_factory):
 
 
 def _generate(model_dir, prompts, max_tokens, spec=None, end_id=2):
-    args = {"model": str(model_dir), "dtype": "float32", "device": "cpu", "max_batch_size": 4,
+    args = {"model": str(model_dir), "dtype": "float32", "device": DEVICE, "max_batch_size": 4,
             "kv_cache_config": {"tokens_per_block": 16, "max_tokens": 4096}}
     if spec is not None:
         args["speculative_config"] = spec
