@@ -35,7 +35,7 @@ from torch import nn
 
 from tritonllm.engine.embedded.attention import AttentionMetadata
 from tritonllm.engine.embedded.models.layers import Linear, RotaryEmbedding
-from tritonllm.engine.embedded.models.llama import LlamaDecoderLayer, WeightSlot, _layer_slots
+from tritonllm.engine.embedded.models.llama import LlamaDecoderLayer, WeightSlot, layer_slots
 from tritonllm.engine.embedded.models.model_config import ModelConfig, ModelLoadError
 
 from .checkpoint_files import (CONFIG_FILE, DRAFT_VOCAB_KEY, read_config, read_draft_vocab, read_weights,
@@ -87,7 +87,7 @@ class EagleDraft(nn.Module):
         layer = self.layer
         view = SimpleNamespace(input_layernorm=SimpleNamespace(weight=torch.empty(0)), self_attn=layer.self_attn,
                                mlp=layer.mlp, post_attention_layernorm=layer.post_attention_layernorm)
-        layer = _layer_slots(LAYER_PREFIX, view)
+        layer = layer_slots(LAYER_PREFIX, view)
         layer.pop(LAYER_PREFIX + "input_layernorm.weight")
         slots.update(layer)
         return slots

@@ -129,7 +129,7 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is not None:
             slots["lm_head.weight"] = _whole(self.lm_head.weight)
         for i, layer in enumerate(self.layers):
-            slots.update(_layer_slots(f"model.layers.{i}.", layer))
+            slots.update(layer_slots(f"model.layers.{i}.", layer))
         return slots
 
 
@@ -143,7 +143,8 @@ def _stacked(param: nn.Parameter, sizes: list[int]) -> list[WeightSlot]:
     return [WeightSlot(param, start, (size, *param.shape[1:])) for start, size in zip(starts, sizes)]
 
 
-def _layer_slots(prefix: str, layer: LlamaDecoderLayer) -> dict[str, WeightSlot]:
+def layer_slots(prefix: str, layer: LlamaDecoderLayer) -> dict[str, WeightSlot]:
+    """Where each checkpoint tensor of one decoder layer (names under `prefix`) goes; EAGLE's draft layer too."""
     attn, mlp = layer.self_attn, layer.mlp
     slots = {
         prefix + "input_layernorm.weight": _whole(layer.input_layernorm.weight),
