@@ -58,6 +58,9 @@ def _distill_arguments(parser, prompts_default: int, prompts_help: str) -> None:
 
 
 def _output_arguments(parser, what: str) -> None:
+    parser.add_argument("--time-limit", type=float, default=0.0,
+                        help="stop the optimizer steps this many seconds after the command started (distillation "
+                             "included) and save the best weights so far; 0: no limit")
     parser.add_argument("--save-dtype", choices=_DTYPES, default="float32", help="dtype of the saved weights")
     parser.add_argument("--seed", type=int, default=0, help=f"seeds the initial {what}, batches and distillation")
     parser.add_argument("--json", action="store_true",
@@ -113,6 +116,8 @@ def _check_common(args, positive: tuple[str, ...]) -> None:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 0 <= args.validation_share < 1 or args.distill_temperature <= 0:
         raise ConfigError("--validation-share must be in [0, 1) and --distill-temperature > 0")
+    if args.time_limit < 0:
+        raise ConfigError(f"--time-limit must be >= 0 seconds, got {args.time_limit}")
 
 
 def _run_train_medusa(args) -> int:
@@ -136,7 +141,7 @@ def _run_train_medusa(args) -> int:
                              distill_batch=args.distill_batch, device=args.device,
                              distill_rounds=args.distill_rounds, distill_temperature=args.distill_temperature,
                              validation_share=args.validation_share, eval_every=args.eval_every,
-                             draft_vocab=args.draft_vocab)
+                             draft_vocab=args.draft_vocab, time_limit=args.time_limit)
     report = train_medusa(args.model, args.out, settings, text)
     summary = {"out": str(report.out_dir), "tokens": report.num_tokens, "first_loss": round(report.first_loss, 4),
                "last_loss": round(report.last_loss, 4), "head_accuracy": [round(a, 4) for a in report.head_accuracy],
@@ -173,7 +178,8 @@ def _run_train_eagle(args) -> int:
         distill_prompts=args.distill_prompts, distill_max_tokens=args.distill_max_tokens,
         distill_batch=args.distill_batch, distill_rounds=args.distill_rounds,
         distill_temperature=args.distill_temperature, validation_share=args.validation_share,
-        eval_every=args.eval_every, seed=args.seed, device=args.device, save_dtype=getattr(torch, args.save_dtype))
+        eval_every=args.eval_every, seed=args.seed, device=args.device, save_dtype=getattr(torch, args.save_dtype),
+        time_limit=args.time_limit)
     report = train_eagle(args.model, args.out, settings, text)
     summary = {"out": str(report.out_dir), "tokens": report.num_tokens, "first_loss": round(report.first_loss, 4),
                "last_loss": round(report.last_loss, 4), "depth_accuracy": [round(a, 4) for a in report.accuracy],

@@ -41,7 +41,7 @@ from . import distill
 from .checkpoint_files import frequent_tokens
 from .eagle import EagleDraft, eagle_config_for, parse_eagle_config, save_eagle
 from .frozen_base import base_outputs, load_base
-from .training_loop import BestCheckpoint, chain_score, run_steps
+from .training_loop import BestCheckpoint, chain_score, deadline, run_steps
 from .train_medusa import default_text
 
 
@@ -66,6 +66,7 @@ class EagleTrainSettings:
     device: str = "cpu"
     save_dtype: torch.dtype = torch.float32
     progress: bool = True
+    time_limit: float = 0.0  # > 0: stop the steps this many seconds after the start (training_loop.run_steps)
 
 
 @dataclass
@@ -117,7 +118,8 @@ def train_eagle(model_dir: Union[str, Path], out_dir: Union[str, Path], settings
     draft = _initial_draft(config).to(settings.device)
     target = Target(base.get_input_embeddings().weight.detach(), base.get_output_embeddings().weight.detach())
     with _tf32(settings.device):  # the draft's own maths; the targets above were computed in full fp32
-        losses, best_step = _train(draft, target, train, validation, settings)
+        losses, best_step = _train(draft, target, train, validation, settings,
+                                   deadline(started, settings.time_limit))
     accuracy = depth_accuracy(draft, target, held, settings.passes)
     validation_accuracy = depth_accuracy(draft, target, validation, settings.passes) if validation else None
     vocab = frequent_choices(train, target, settings.draft_vocab) if settings.draft_vocab else None
@@ -256,7 +258,7 @@ def _loss(draft: EagleDraft, target: Target, data: _Data, settings: EagleTrainSe
 
 
 def _train(draft: EagleDraft, target: Target, data: _Data, validation: Optional[_Data],
-           settings: EagleTrainSettings) -> tuple[list[float], Optional[int]]:
+           settings: EagleTrainSettings, deadline: Optional[float] = None) -> tuple[list[float], Optional[int]]:
     optimizer = torch.optim.AdamW(draft.parameters(), lr=settings.learning_rate, weight_decay=0.0)
     warmup = max(1, settings.steps // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup) * 0.5 * (
@@ -271,7 +273,8 @@ def _train(draft: EagleDraft, target: Target, data: _Data, validation: Optional[
     best = BestCheckpoint(draft, None if validation is None else
                           lambda: chain_score(depth_accuracy(draft, target, validation, settings.passes)))
     return run_steps(batch_loss, optimizer, schedule, settings.steps, settings.eval_every, best,
-                     "Training the EAGLE draft", settings.progress, clip=(list(draft.parameters()), 1.0))
+                     "Training the EAGLE draft", settings.progress, clip=(list(draft.parameters()), 1.0),
+                     deadline=deadline)
 
 
 @torch.no_grad()

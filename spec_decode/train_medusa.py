@@ -35,7 +35,7 @@ from . import distill
 from .checkpoint_files import frequent_tokens
 from .frozen_base import base_outputs, load_base
 from .medusa import MedusaHeads, save_medusa
-from .training_loop import BestCheckpoint, chain_score, run_steps
+from .training_loop import BestCheckpoint, chain_score, deadline, run_steps
 
 log = logging.getLogger("tritonllm.spec_decode")
 
@@ -66,6 +66,7 @@ class TrainSettings:
     eval_every: int = 100  # steps between validation checks (chat data)
     device: str = "cpu"
     draft_vocab: int = 0  # > 0: save the most frequent greedy choices as the heads' draft vocabulary
+    time_limit: float = 0.0  # > 0: stop the steps this many seconds after the start (training_loop.run_steps)
 
 
 PROJECTION_LR_SCALE = 0.1  # own vocabulary projections (share_lm_head=False) train at this fraction of the lr
@@ -106,7 +107,7 @@ def train_medusa(model_dir: Union[str, Path], out_dir: Union[str, Path], setting
         heads.share_lm_head(lm_head)
     else:
         heads.copy_lm_head(lm_head)
-    losses, best_step = _train(heads, states, targets, settings, validation)
+    losses, best_step = _train(heads, states, targets, settings, validation, deadline(started, settings.time_limit))
     accuracy, train_accuracy = head_accuracy(heads, held_states, held_targets), head_accuracy(heads, states, targets)
     validation_accuracy = head_accuracy(heads, *validation) if validation else None
     vocab = None
@@ -208,7 +209,7 @@ def _loss(heads: MedusaHeads, states: torch.Tensor, targets: torch.Tensor) -> to
 
 
 def _train(heads: MedusaHeads, states: torch.Tensor, targets: torch.Tensor, settings: TrainSettings,
-           validation=None) -> tuple[list[float], Optional[int]]:
+           validation=None, deadline: Optional[float] = None) -> tuple[list[float], Optional[int]]:
     """Returns the losses and, with validation data, the step whose heads were kept (the best on it)."""
     projections = [p for projection in heads.projections() for p in projection.parameters()]
     blocks = [p for p in heads.parameters() if all(p is not q for q in projections)]
@@ -227,7 +228,7 @@ def _train(heads: MedusaHeads, states: torch.Tensor, targets: torch.Tensor, sett
     best = BestCheckpoint(heads, None if validation is None else
                           lambda: chain_score(head_accuracy(heads, *validation)))
     return run_steps(batch_loss, optimizer, schedule, settings.steps, settings.eval_every, best,
-                     "Training Medusa heads", settings.progress)
+                     "Training Medusa heads", settings.progress, deadline=deadline)
 
 
 @torch.no_grad()

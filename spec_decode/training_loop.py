@@ -3,6 +3,7 @@ weights that score best on validation data."""
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -44,14 +45,27 @@ class BestCheckpoint:
         return self.step
 
 
+def deadline(started: float, time_limit: float) -> Optional[float]:
+    """The `time.monotonic()` value at which training stops, `time_limit` seconds after `started`; None: no limit."""
+    return started + time_limit if time_limit > 0 else None
+
+
 def run_steps(batch_loss: Callable[[], torch.Tensor], optimizer: torch.optim.Optimizer, schedule, steps: int,
               eval_every: int, best: BestCheckpoint, desc: str, progress: bool,
-              clip: Optional[tuple[list[nn.Parameter], float]] = None) -> tuple[list[float], Optional[int]]:
+              clip: Optional[tuple[list[nn.Parameter], float]] = None,
+              deadline: Optional[float] = None) -> tuple[list[float], Optional[int]]:
     """`steps` optimizer steps on `batch_loss()` (a fresh batch each call), checking `best` every `eval_every`
-    steps and at the end; returns the losses and the step whose weights were kept."""
+    steps and at the end; returns the losses and the step whose weights were kept. Past `deadline` (a
+    `time.monotonic()` value) the steps stop early, after a last check."""
     losses = []
     bar = tqdm(range(1, steps + 1), desc=desc, unit="step", disable=not progress)
     for step in bar:
+        out_of_time = deadline is not None and time.monotonic() >= deadline
+        if out_of_time:
+            log.warning("time limit reached after %d of %d steps; keeping the best weights so far", step - 1, steps)
+            if step > 1 and (step - 1) % eval_every:
+                best.check(step - 1)
+            break
         loss = batch_loss()
         optimizer.zero_grad()
         loss.backward()
