@@ -8,8 +8,6 @@ finishes, the sender thread hands its final output to `on_finished` (the per-req
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -18,6 +16,7 @@ from .llm_request import EngineRow, convert_request, is_stop_request
 from .llm_responses import beam_tensors, merge_batch, sequence_tensors
 from .pb import InputError, error_response, pb_utils, send_final, send_response
 from .request_metrics import report_finished
+from .sender_loop import SenderLoop
 
 log = logging.getLogger("tritonllm.tensorrt_llm")
 
@@ -38,21 +37,18 @@ class TritonRequestState:
     closed: bool = False
 
 
-class LLMRequestServer:
+class LLMRequestServer(SenderLoop):
+    """`active`: engine request id -> TritonRequestState (one state per row's engine request)."""
+
     def __init__(self, engine, decoupled: bool, exclude_input_in_output: bool, cancellation_check_ms: int,
                  on_finished: Optional[Callable[[RequestOutput], None]] = None):
+        super().__init__(cancellation_check_ms, "tritonllm-sender")
         self.engine = engine
         self.on_finished = on_finished
         self.decoupled = decoupled
         self.exclude_input_in_output = exclude_input_in_output
-        self.check_period = max(cancellation_check_ms, 1) / 1000
-        self.events: queue.SimpleQueue = queue.SimpleQueue()
-        self.active: dict[int, TritonRequestState] = {}  # engine request id -> state
         self.by_triton_id: dict[str, list[TritonRequestState]] = {}
-        self.lock = threading.Lock()
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._send_loop, name="tritonllm-sender", daemon=True)
-        self.thread.start()
+        self.start_sending()
 
     # -- called from execute() --------------------------------------------------------------------------------
 
@@ -104,27 +100,16 @@ class LLMRequestServer:
 
     # -- sender thread ----------------------------------------------------------------------------------------
 
-    def _send_loop(self) -> None:
-        while not (self.stopping.is_set() and not self.active):
-            try:
-                state, row, item = self.events.get(timeout=self.check_period)
-            except queue.Empty:
-                self._poll_cancellation()
-                continue
-            try:
-                self._on_output(state, row, item)
-            except Exception:  # never let one request's failure stop the sender for the others
-                log.exception("failed to send a response for request %r", state.triton_id)
-                self._close(state, error_response("internal error while sending the response"))
-            self._poll_cancellation()
+    def _on_event(self, event: tuple) -> None:
+        self._on_output(*event)
 
-    def _poll_cancellation(self) -> None:
-        with self.lock:
-            states = {id(s): s for s in self.active.values()}.values()
-        for state in states:
-            if not state.cancelled and state.sender.is_cancelled():
-                log.info("client cancelled request %r: aborting it", state.triton_id)
-                self._cancel(state)
+    def _fail(self, event: tuple) -> None:
+        log.exception("failed to send a response for request %r", event[0].triton_id)
+        self._close(event[0], error_response("internal error while sending the response"))
+
+    def _on_client_gone(self, state: TritonRequestState) -> None:
+        log.info("client cancelled request %r: aborting it", state.triton_id)
+        self._cancel(state)
 
     def _on_output(self, state: TritonRequestState, row: int, item) -> None:
         if state.closed:
@@ -216,16 +201,9 @@ class LLMRequestServer:
     def shutdown(self, timeout: float = 3.0) -> None:
         """Abort what is still running, let the sender answer it, then stop. Bounded well under tritonserver's
         exit timeout: a model still finalizing then would be left behind as an orphaned stub process."""
-        with self.lock:
-            states = {id(s): s for s in self.active.values()}.values()
-        for state in states:
+        for state in self.live_states():
             self._cancel(state)
-        self.stopping.set()
-        self.thread.join(timeout)
+        self.stop_sending(timeout)
         if self.thread.is_alive():
             log.warning("%d request(s) still unanswered at shutdown: %s", len(self.active),
                         sorted({s.triton_id for s in self.active.values()}))
-
-    @property
-    def num_active(self) -> int:
-        return len(self.active)

@@ -10,8 +10,6 @@ every sequence's text has reached a stop string the engine request is aborted to
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
@@ -21,6 +19,7 @@ from .llmapi_responses import SequenceResult, error_response, inference_response
 from .llmapi_text import SequenceText
 from .pb import InputError, send_final, send_response
 from .request_metrics import report_finished
+from .sender_loop import SenderLoop
 
 log = logging.getLogger("tritonllm.llmapi")
 
@@ -36,20 +35,17 @@ class RequestState:
     closed: bool = False
 
 
-class LLMAPIServer:
+class LLMAPIServer(SenderLoop):
+    """`active`: engine request id -> RequestState."""
+
     def __init__(self, engine: Any, tokenizer: Any, decoupled: bool, cancellation_check_ms: int = 100,
                  on_finished: Optional[Callable[[RequestOutput], None]] = None):
+        super().__init__(cancellation_check_ms, "tritonllm-llmapi-sender")
         self.engine = engine
         self.tokenizer = tokenizer
         self.decoupled = decoupled
         self.on_finished = on_finished
-        self.check_period = max(cancellation_check_ms, 1) / 1000
-        self.events: queue.SimpleQueue = queue.SimpleQueue()
-        self.active: dict[int, RequestState] = {}  # engine request id -> state
-        self.lock = threading.Lock()
-        self.stopping = threading.Event()
-        self.thread = threading.Thread(target=self._send_loop, name="tritonllm-llmapi-sender", daemon=True)
-        self.thread.start()
+        self.start_sending()
 
     # -- called from execute() --------------------------------------------------------------------------------
 
@@ -71,28 +67,17 @@ class LLMAPIServer:
 
     # -- sender thread ----------------------------------------------------------------------------------------
 
-    def _send_loop(self) -> None:
-        while not (self.stopping.is_set() and not self.active):
-            try:
-                state, item = self.events.get(timeout=self.check_period)
-            except queue.Empty:
-                self._poll_cancellation()
-                continue
-            try:
-                self._on_output(state, item)
-            except Exception:  # never let one request's failure stop the sender for the others
-                log.exception("failed to answer an LLM-API request")
-                self._close(state, error_response("internal error while sending the response", "INTERNAL"))
-            self._poll_cancellation()
+    def _on_event(self, event: tuple) -> None:
+        self._on_output(*event)
 
-    def _poll_cancellation(self) -> None:
-        with self.lock:
-            states = list(self.active.values())
-        for state in states:
-            if not state.cancelled and state.sender.is_cancelled():
-                log.info("client cancelled an LLM-API request: aborting engine request %s", state.engine_id)
-                state.cancelled = True
-                self.engine.abort(state.engine_id)
+    def _fail(self, event: tuple) -> None:
+        log.exception("failed to answer an LLM-API request")
+        self._close(event[0], error_response("internal error while sending the response", "INTERNAL"))
+
+    def _on_client_gone(self, state: RequestState) -> None:
+        log.info("client cancelled an LLM-API request: aborting engine request %s", state.engine_id)
+        state.cancelled = True
+        self.engine.abort(state.engine_id)
 
     def _on_output(self, state: RequestState, item: Any) -> None:
         if isinstance(item, BaseException):
@@ -154,10 +139,7 @@ class LLMAPIServer:
 
     def shutdown(self, timeout: float = 10.0) -> None:
         """Abort what is still running, let the sender answer it, then stop."""
-        with self.lock:
-            states = list(self.active.values())
-        for state in states:
+        for state in self.live_states():
             state.cancelled = True
             self.engine.abort(state.engine_id)
-        self.stopping.set()
-        self.thread.join(timeout)
+        self.stop_sending(timeout)
