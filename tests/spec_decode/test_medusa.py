@@ -123,12 +123,17 @@ def test_short_training_run_on_a_tiny_model_gives_loadable_heads_that_learned(tm
         assert report.head_accuracy[h] > fresh.head_accuracy[h]  # held out: this tiny random model is hard
 
 
-def test_cli_train_medusa_writes_heads_and_reports_json(tmp_path, capsys):
-    from tritonllm.cli import main
-
+def _tiny_model_and_text(tmp_path):
     model_dir = build_tiny_model(tmp_path / "tiny", seed=5)
     text_file = tmp_path / "text.txt"
     text_file.write_text("A small text about boats and harbours, and the sea between them. " * 10)
+    return model_dir, text_file
+
+
+def test_cli_train_medusa_writes_heads_and_reports_json(tmp_path, capsys):
+    from tritonllm.cli import main
+
+    model_dir, text_file = _tiny_model_and_text(tmp_path)
     out = tmp_path / "heads"
     assert main(["spec", "train-medusa", "--model", str(model_dir), "--out", str(out), "--heads", "2",
                  "--steps", "3", "--batch", "32", "--text", str(text_file), "--json"]) == 0
@@ -145,6 +150,18 @@ def test_cli_train_medusa_writes_heads_and_reports_json(tmp_path, capsys):
     assert not heads.shared_lm_head and heads.vocab_size == json.loads((model_dir / "config.json").read_text())[
         "vocab_size"]
     assert "medusa_shared_lm_head" not in json.loads((full / "config.json").read_text())
+
+
+def test_cli_train_medusa_stops_at_its_time_limit_and_still_saves_heads(tmp_path, capsys):
+    from tritonllm.cli import main
+
+    model_dir, text_file = _tiny_model_and_text(tmp_path)
+    out = tmp_path / "heads"
+    assert main(["spec", "train-medusa", "--model", str(model_dir), "--out", str(out), "--heads", "2",
+                 "--steps", "1000000", "--batch", "32", "--text", str(text_file), "--time-limit", "3",
+                 "--json"]) == 0  # a million steps would take hours
+    report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert report["seconds"] < 60 and load_medusa(out).num_heads == 2
     assert main(["spec", "train-medusa", "--model", str(model_dir), "--out", str(out), "--steps", "0"]) == 2
 
 
