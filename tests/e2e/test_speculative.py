@@ -1,7 +1,8 @@
 """Speculative decoding through the real tritonserver: a repository whose model.yaml has a speculative_config
 (DraftTarget, NGram, Medusa, Eagle; untrained heads and draft layers where they need weights) gives the plain
 repository's greedy tokens for concurrent requests of mixed lengths and reports draft counts; lookahead takes the
-TensorRT-LLM backend's parameters; a plain repository verifies a request's own draft_input_ids."""
+TensorRT-LLM backend's parameters; a plain repository verifies a request's own draft_input_ids; and SmolLM2 with its
+shipped Medusa heads gives the plain engine's greedy tokens."""
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -171,4 +172,39 @@ def test_every_engine_method_keeps_greedy_tokens_through_the_server(server, meth
     assert [tokens for tokens, _ in got] == want, method
     assert sum(counts["total_draft_tokens"] for _, counts in got) > 0, method
     gauges = spec_server.wait_engine_idle()
+    assert gauges[("nv_trt_llm_kv_cache_block_metrics", "free")] == gauges[("nv_trt_llm_kv_cache_block_metrics", "max")]
+
+
+@pytest.mark.slow
+def test_smollm2_with_its_shipped_medusa_heads_keeps_the_plain_greedy_tokens(smollm2_dir, tmp_path_factory):
+    """The demo model with the Medusa heads trained for it (`builtin:smollm2`, the bench's pruned tree) through
+    the server: concurrent chat requests of mixed lengths give the plain engine's greedy tokens, drafts accepted."""
+    from transformers import AutoTokenizer
+
+    from tritonllm.engine import create_engine
+    from tritonllm.engine.config import EngineConfig
+    from tritonllm.engine.types import SamplingParams
+    from tritonllm.spec_decode.distill import bench_requests, chat_ids
+
+    tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
+    prompts = [chat_ids(tokenizer, request) for request in bench_requests("chat", 3)]
+    lengths = [40, 12, 28]
+    plain = create_engine(EngineConfig.from_dict({"model": str(smollm2_dir), "dtype": "float32", "device": "cpu"}))
+    try:
+        want = [plain.generate(ids, SamplingParams(max_tokens=n, end_id=tokenizer.eos_token_id)).outputs[0].token_ids
+                for ids, n in zip(prompts, lengths)]
+    finally:
+        plain.shutdown()
+    work = tmp_path_factory.mktemp("smollm2_medusa")
+    repo = build_repo(smollm2_dir, work / "repo", streaming=True, max_seq_len=MAX_SEQ_LEN)
+    with (repo / "tensorrt_llm" / "1" / "model.yaml").open("a") as yaml_file:
+        yaml_file.write("\nspeculative_config:\n  decoding_type: Medusa\n  speculative_model_dir: builtin:smollm2\n"
+                        "  min_path_probability: 0.15\n")
+    for spec_server in serve(repo, work):
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(lambda args: perf_reply(spec_server, *args, tokenizer.eos_token_id),
+                                zip(prompts, lengths)))
+        gauges = spec_server.wait_engine_idle()
+    assert [tokens for tokens, _ in got] == want
+    assert sum(counts["total_accepted_draft_tokens"] for _, counts in got) > 0
     assert gauges[("nv_trt_llm_kv_cache_block_metrics", "free")] == gauges[("nv_trt_llm_kv_cache_block_metrics", "max")]
