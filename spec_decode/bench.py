@@ -18,19 +18,26 @@ from tritonllm.bench_report import progress, report
 
 from .distill import BENCH_TASK as TASK, bench_requests, bench_texts, chat_ids, first_shipped
 
+
+def _draft_len(args, default: int) -> int:
+    return default if args.draft_len is None else args.draft_len
+
+
 METHODS = {
-    "ngram": lambda a: {"decoding_type": "NGram", "max_draft_len": a.draft_len, "max_matching_ngram_size": 3},
+    "ngram": lambda a: {"decoding_type": "NGram", "max_draft_len": _draft_len(a, 6), "max_matching_ngram_size": 3},
     # A one-token window and two candidates: the fastest measured on a 2-core CPU (docs/benchmarks.md), where
     # every extra token in the verification step costs compute.
     "lookahead": lambda a: {"decoding_type": "Lookahead", "max_window_size": 1, "max_ngram_size": 5,
                             "max_verification_set_size": 2},
-    "drafttarget": lambda a: {"decoding_type": "DraftTarget", "max_draft_len": a.draft_len,
+    "drafttarget": lambda a: {"decoding_type": "DraftTarget", "max_draft_len": _draft_len(a, 6),
                               "speculative_model_dir": a.spec_model_dir},
     # The heads' default tree, pruned each step to the nodes the heads give a path probability of at least 0.15:
     # the fastest measured on the 2-core CPU of docs/benchmarks.md, where every verified token costs compute.
     "medusa": lambda a: {"decoding_type": "Medusa", "speculative_model_dir": a.spec_model_dir,
                          "min_path_probability": 0.15},
-    "eagle": lambda a: {"decoding_type": "Eagle", "max_draft_len": a.draft_len,
+    # A chain of two: each EAGLE draft pass reads the draft layer and its head, so on the 2-core CPU of
+    # docs/benchmarks.md two beat three (and six) on the median prompt.
+    "eagle": lambda a: {"decoding_type": "Eagle", "max_draft_len": _draft_len(a, 2),
                         "speculative_model_dir": a.spec_model_dir},
 }
 
@@ -40,7 +47,8 @@ def add_arguments(parser) -> None:
                         help="when --config has no speculative_config (ngram: max_matching_ngram_size 3; "
                              "lookahead: W=1, N=5, G=2; medusa: min_path_probability 0.15; the others need "
                              "--spec-model-dir, builtin:smollm2 for SmolLM2's shipped Medusa heads or EAGLE draft)")
-    parser.add_argument("--draft-len", type=int, default=6, help="max_draft_len for ngram / drafttarget / eagle")
+    parser.add_argument("--draft-len", type=int,
+                        help="max_draft_len for ngram / drafttarget (default 6) / eagle (default 2)")
     parser.add_argument("--spec-model-dir",
                         help="draft model, Medusa heads or EAGLE draft folder (drafttarget, medusa, eagle)")
     parser.add_argument("--task", choices=("rewrite", "chat"), default="rewrite",

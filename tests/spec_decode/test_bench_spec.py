@@ -1,5 +1,5 @@
 """`tritonllm bench spec`'s figures from timed runs: the overall ratio, and each prompt's own with their median
-(one answer that repeats itself can carry a small run's overall ratio)."""
+(one answer that repeats itself can carry a small run's overall ratio), and the methods' default settings."""
 from types import SimpleNamespace
 
 from tritonllm.spec_decode.bench import bench_result, per_prompt
@@ -33,3 +33,13 @@ def test_an_answer_that_ends_at_its_first_token_has_no_speedup_and_breaks_nothin
                           {"plain": [_run(1, 0.0, 0)], "spec": [_run(1, 0.0, 0)]})
     assert result["speedup"] is None and result["median_prompt_speedup"] is None
     assert result["identical_outputs"]
+
+
+def test_method_defaults_and_an_explicit_draft_len():
+    from tritonllm.spec_decode.bench import METHODS
+
+    default = SimpleNamespace(draft_len=None, spec_model_dir="builtin:smollm2")
+    assert METHODS["eagle"](default)["max_draft_len"] == 2  # the fastest chain on the 2-core CPU
+    assert METHODS["ngram"](default)["max_draft_len"] == 6
+    assert METHODS["eagle"](SimpleNamespace(draft_len=3, spec_model_dir="x"))["max_draft_len"] == 3
+    assert METHODS["medusa"](default)["min_path_probability"] == 0.15
