@@ -90,9 +90,29 @@ def _optional_llm_kwargs(config: EngineConfig) -> dict[str, Any]:
     optional = {"tokenizer": config.tokenizer, "max_seq_len": config.max_seq_len, "backend": config.backend,
                 "lora_config": config.lora_config, "speculative_config": config.speculative_config}
     kwargs = {key: value for key, value in optional.items() if value is not None}
+    if config.speculative_config is not None:
+        _check_speculative_config(config.speculative_config)
     if config.enable_lora:
         kwargs["enable_lora"] = True
     return kwargs
+
+
+# speculative_config keys only the embedded engine knows (TensorRT-LLM's decoding configs refuse unknown keys).
+EMBEDDED_SPEC_KEYS = ("min_path_probability",)
+
+
+def _check_speculative_config(spec: dict[str, Any]) -> None:
+    """Refuse, naming the key, what only the embedded engine can do: our extension keys, and the drafters shipped
+    in this package (`builtin:NAME`, saved with our checkpoint-format extensions)."""
+    ours = [key for key in EMBEDDED_SPEC_KEYS if key in spec]
+    if ours:
+        raise ConfigError(f"speculative_config.{ours[0]} is an extension of the embedded engine; TensorRT-LLM has "
+                          "no such setting (remove it, or use engine: embedded)")
+    folder = str(spec.get("speculative_model_dir") or "")
+    if folder.startswith("builtin:"):
+        raise ConfigError(f"speculative_config.speculative_model_dir={folder}: the drafters shipped with tritonllm "
+                          "use its own checkpoint-format extensions, which TensorRT-LLM cannot load (use engine: "
+                          "embedded, or a Medusa / EAGLE checkpoint in the standard format)")
 
 
 def _with_passthrough(kwargs: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:

@@ -113,6 +113,17 @@ def test_llm_kwargs_passes_lora_and_speculative_settings(fake):
     assert kwargs["speculative_config"] == {"decoding_type": "NGram", "max_draft_len": 4}
 
 
+@pytest.mark.parametrize("spec, message", [
+    ({"decoding_type": "Medusa", "speculative_model_dir": "/heads", "min_path_probability": 0.1},
+     "speculative_config.min_path_probability is an extension of the embedded engine"),
+    ({"decoding_type": "Eagle", "speculative_model_dir": "builtin:smollm2"},
+     "speculative_model_dir=builtin:smollm2: the drafters shipped with tritonllm"),
+])
+def test_embedded_only_speculative_settings_are_refused_naming_the_key(fake, spec, message):
+    with pytest.raises(ConfigError, match=message):
+        adapter.llm_kwargs(EngineConfig(model="m", speculative_config=spec), fake)
+
+
 def test_llm_kwargs_refusals(fake):
     with pytest.raises(ConfigError, match="CUDA GPUs only"):
         adapter.llm_kwargs(EngineConfig(model="m", device="cpu"), fake)
