@@ -4,16 +4,15 @@ Written against the LLM API as read in NVIDIA/TensorRT-LLM (llmapi/llm.py, llmap
 executor/result.py; commits named in tests/engine/fake_tensorrt_llm.py) and tested only against a recording
 stand-in of that API: TensorRT-LLM cannot be installed on the machines this project is built on.
 
-The adapter maps our `EngineConfig` to `LLM(...)` keyword arguments (`llm_kwargs`) and our `SamplingParams` to
-`tensorrt_llm.SamplingParams` (`trtllm_sampling_params`), both pure functions. Requests run on ONE asyncio loop
-thread owned by the adapter: the library's results are asyncio-based and only async-iterable when created while a
-loop runs, so `LLM.generate_async` is called on that loop and one task per request turns each library update into
-our `RequestOutput` (streaming deltas carry only the tokens not delivered before)."""
+What goes to the library is built in trtllm_args (`llm_kwargs`, `trtllm_sampling_params`), what comes back is read in
+trtllm_outputs; both are pure functions. This module runs the requests. They run on ONE asyncio loop thread owned by
+the adapter: the library's results are asyncio-based and only async-iterable when created while a loop runs, so
+`LLM.generate_async` is called on that loop and one task per request turns each library update into our
+`RequestOutput` (streaming deltas carry only the tokens not delivered before)."""
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import datetime
 import itertools
 import json
 import logging
@@ -21,18 +20,16 @@ import threading
 from dataclasses import replace
 from typing import Any, Callable, Optional
 
-from .config import ConfigError, EngineConfig
+from .config import EngineConfig
 from .embedded.engine import EngineError, RequestHandle
 from .embedded.engine_core import EngineStats
-from .types import CompletionOutput, InvalidRequestError, RequestOutput, RequestPerfMetrics, SamplingParams
+from .trtllm_args import llm_kwargs, trtllm_sampling_params
+from .trtllm_outputs import completion_from_trtllm, engine_stats_from_iteration
+from .types import InvalidRequestError, RequestOutput, SamplingParams
 
 log = logging.getLogger("tritonllm.engine.trtllm")
 
 NOT_INSTALLED_MESSAGE = "TensorRT-LLM is not installed; use engine: embedded"
-# Strings that stand in for our token-level stop/bad words in `SamplingParams.stop` / `.bad` (see
-# `trtllm_sampling_params`). They never reach a tokenizer: `detokenize=False`, and `end_id` is set whenever they are.
-STOP_WORD_PREFIX = "\x00tritonllm-stop-word-"
-BAD_WORD_PREFIX = "\x00tritonllm-bad-word-"
 STATS_POLL_TIMEOUT_S = 0.01  # `LLM.get_stats` waits this long for queued iteration stats; stats() must not stall
 SHUTDOWN_DRAIN_TIMEOUT_S = 10.0  # how long shutdown lets aborted requests deliver their final output
 
@@ -47,224 +44,6 @@ def import_tensorrt_llm():
     except ImportError as exc:
         raise TensorRTLLMNotInstalled(NOT_INSTALLED_MESSAGE) from exc
     return tensorrt_llm
-
-
-# -- EngineConfig -> LLM(...) -------------------------------------------------------------------------------------
-
-def llm_kwargs(config: EngineConfig, trtllm: Any) -> dict[str, Any]:
-    """`LLM(**kwargs)` for `config`, built with the library's own config classes.
-
-    Not passed: `engine` and `device` (ours), and `normalize_log_probs`, which only the TensorRT-engine backend's
-    arguments know: `tensorrt_llm.LLM` is the PyTorch backend and refuses keys it does not know."""
-    if config.device == "cpu":
-        raise ConfigError("device='cpu': TensorRT-LLM runs on CUDA GPUs only; use engine: embedded for CPU")
-    kwargs: dict[str, Any] = {
-        "model": config.model,
-        "dtype": config.dtype,
-        "tensor_parallel_size": config.tensor_parallel_size,
-        "pipeline_parallel_size": config.pipeline_parallel_size,
-        "max_batch_size": config.max_batch_size,
-        "max_num_tokens": config.max_num_tokens,
-        "max_beam_width": config.max_beam_width,
-        "enable_chunked_prefill": config.enable_chunked_prefill,
-        "kv_cache_config": trtllm_kv_cache_config(config, trtllm),
-        "scheduler_config": trtllm_scheduler_config(config, trtllm),
-    }
-    kwargs.update(_optional_llm_kwargs(config))
-    return _with_passthrough(kwargs, config.extra)
-
-
-def trtllm_kv_cache_config(config: EngineConfig, trtllm: Any) -> Any:
-    kv = config.kv_cache_config
-    return trtllm.KvCacheConfig(enable_block_reuse=kv.enable_block_reuse, tokens_per_block=kv.tokens_per_block,
-                                max_tokens=kv.max_tokens, free_gpu_memory_fraction=kv.free_gpu_memory_fraction)
-
-
-def trtllm_scheduler_config(config: EngineConfig, trtllm: Any) -> Any:
-    policy = trtllm.CapacitySchedulerPolicy[config.scheduler_config.capacity_scheduler_policy]
-    return trtllm.SchedulerConfig(capacity_scheduler_policy=policy)
-
-
-def _optional_llm_kwargs(config: EngineConfig) -> dict[str, Any]:
-    """Settings passed only when set, so the library's own defaults apply otherwise."""
-    optional = {"tokenizer": config.tokenizer, "max_seq_len": config.max_seq_len, "backend": config.backend,
-                "lora_config": config.lora_config, "speculative_config": config.speculative_config}
-    kwargs = {key: value for key, value in optional.items() if value is not None}
-    if config.speculative_config is not None:
-        _check_speculative_config(config.speculative_config)
-    if config.enable_lora:
-        kwargs["enable_lora"] = True
-    return kwargs
-
-
-# speculative_config keys only the embedded engine knows (TensorRT-LLM's decoding configs refuse unknown keys).
-EMBEDDED_SPEC_KEYS = ("min_path_probability",)
-
-
-def _check_speculative_config(spec: dict[str, Any]) -> None:
-    """Refuse, naming the key, what only the embedded engine can do: our extension keys, and the drafters shipped
-    in this package (`builtin:NAME`, saved with our checkpoint-format extensions)."""
-    ours = [key for key in EMBEDDED_SPEC_KEYS if key in spec]
-    if ours:
-        raise ConfigError(f"speculative_config.{ours[0]} is an extension of the embedded engine; TensorRT-LLM has "
-                          "no such setting (remove it, or use engine: embedded)")
-    folder = str(spec.get("speculative_model_dir") or "")
-    if folder.startswith("builtin:"):
-        raise ConfigError(f"speculative_config.speculative_model_dir={folder}: the drafters shipped with tritonllm "
-                          "use its own checkpoint-format extensions, which TensorRT-LLM cannot load (use engine: "
-                          "embedded, or a Medusa / EAGLE checkpoint in the standard format)")
-
-
-def _with_passthrough(kwargs: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
-    # `extra` holds keys EngineConfig does not know; they go to LLM() unchanged and the library judges them.
-    clashes = sorted(set(extra) & set(kwargs))
-    if clashes:
-        raise ConfigError(f"engine argument(s) {clashes} given twice (as typed settings and as extra keys)")
-    return {**kwargs, **extra}
-
-
-# -- SamplingParams -> tensorrt_llm.SamplingParams ----------------------------------------------------------------
-
-def trtllm_sampling_params(params: SamplingParams, trtllm: Any) -> Any:
-    """The library's `SamplingParams` for ours.
-
-    Multi-token stop/bad words have no public token-level field (`stop`/`bad` take strings the LLM tokenizes), so
-    they go into the private `_stop_word_ids`/`_bad_word_ids` lists, which the library reads only while `stop`/`bad`
-    is set: hence one placeholder string per word. `end_id` must be set by then (see
-    `TensorRTLLMEngine._resolve_end_id`), or the library's setup would re-encode the placeholders over our ids.
-    Stop tokens stay in the output (`include_stop_str_in_output`), as the embedded engine keeps them."""
-    sampling = trtllm.SamplingParams(
-        end_id=params.end_id, pad_id=params.pad_id, max_tokens=params.max_tokens, n=params.n,
-        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=params.seed,
-        min_tokens=params.min_tokens, repetition_penalty=params.repetition_penalty,
-        presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
-        length_penalty=params.length_penalty, early_stopping=params.early_stopping,
-        stop_token_ids=list(params.stop_token_ids) if params.stop_token_ids else None,
-        embedding_bias=_embedding_bias_tensor(params.embedding_bias),
-        # Top-1 logprobs: the library returns the sampled token's logprob among them.
-        logprobs=1 if params.logprobs else None,
-        ignore_eos=params.ignore_eos, return_perf_metrics=params.return_perf_metrics,
-        # Triton's pre/postprocessing models own the text; the engine works on token ids only.
-        detokenize=False, include_stop_str_in_output=True,
-        lookahead_config=_lookahead_config(params.lookahead_config, trtllm),
-        **_beam_search_kwargs(params.beam_width), **_word_placeholders(params))
-    if params.stop_words:
-        sampling._stop_word_ids = [list(word) for word in params.stop_words]
-    if params.bad_words:
-        sampling._bad_word_ids = [list(word) for word in params.bad_words]
-    return sampling
-
-
-def _lookahead_config(config, trtllm: Any):
-    """Our per-request (W, N, G) as the executor binding the library's SamplingParams.lookahead_config takes."""
-    if config is None:
-        return None
-    binding = trtllm.bindings.executor.LookaheadDecodingConfig
-    return binding(config.max_window_size, config.max_ngram_size, config.max_verification_set_size)
-
-
-def _embedding_bias_tensor(bias: Optional[list[float]]):
-    if bias is None:
-        return None
-    import torch
-
-    return torch.tensor(bias, dtype=torch.float32)  # the library expects a float32 [vocab_size] tensor
-
-
-def _beam_search_kwargs(beam_width: int) -> dict[str, Any]:
-    # The LLM API spells beam search as use_beam_search + best_of (the beam width); n beams are returned.
-    return {"use_beam_search": True, "best_of": beam_width} if beam_width > 1 else {}
-
-
-def _word_placeholders(params: SamplingParams) -> dict[str, list[str]]:
-    placeholders = {}
-    if params.stop_words:
-        placeholders["stop"] = [f"{STOP_WORD_PREFIX}{i}" for i in range(len(params.stop_words))]
-    if params.bad_words:
-        placeholders["bad"] = [f"{BAD_WORD_PREFIX}{i}" for i in range(len(params.bad_words))]
-    return placeholders
-
-
-# -- library outputs -> ours --------------------------------------------------------------------------------------
-
-def completion_from_trtllm(output: Any, diff_start: int, stop_words: Optional[list[list[int]]],
-                           end_id: Optional[int]) -> CompletionOutput:
-    """Our `CompletionOutput` for one of the library's, copied (the library mutates its objects in place)."""
-    token_ids = list(output.token_ids or [])
-    logprobs = sampled_logprobs(output.logprobs, token_ids)
-    cumulative = output.cumulative_logprob if output.cumulative_logprob is not None else sum(logprobs)
-    return CompletionOutput(
-        index=output.index, token_ids=token_ids, logprobs=logprobs, cumulative_logprob=float(cumulative),
-        finish_reason=output.finish_reason,
-        stop_reason=stop_reason_from_trtllm(output.stop_reason, output.finish_reason, stop_words, end_id),
-        request_perf_metrics=perf_metrics_from_trtllm(getattr(output, "request_perf_metrics", None)),
-        _diff_start=min(diff_start, len(token_ids)))
-
-
-def sampled_logprobs(logprobs: Any, token_ids: list[int]) -> list[float]:
-    """One float per token. Depending on backend the library gives floats or, per position, a dict
-    {token_id: Logprob} of the top tokens plus the sampled one."""
-    values = []
-    for position, entry in enumerate(logprobs or []):
-        if isinstance(entry, dict):
-            token = token_ids[position] if position < len(token_ids) else None
-            entry = entry.get(token, float("nan"))
-        values.append(float(getattr(entry, "logprob", entry)))
-    return values
-
-
-def stop_reason_from_trtllm(reason: Any, finish_reason: Optional[str], stop_words: Optional[list[list[int]]],
-                            end_id: Optional[int]):
-    """Our stop_reason: the word's token ids for a stop word, the end id when the end token stopped it."""
-    if isinstance(reason, str) and reason.startswith(STOP_WORD_PREFIX) and stop_words:
-        return list(stop_words[int(reason[len(STOP_WORD_PREFIX):])])
-    if reason is None and finish_reason == "stop":
-        return end_id  # the library leaves stop_reason empty when the end token finished the sequence
-    return reason
-
-
-def perf_metrics_from_trtllm(metrics: Any) -> RequestPerfMetrics:
-    """The library's per-request metrics (timings as steady-clock timedeltas) in our fields (ns). Preemptions and
-    prefill steps are not reported by the library: they stay 0."""
-    if metrics is None:
-        return RequestPerfMetrics()
-    timing = getattr(metrics, "timing_metrics", None)
-    kv = getattr(metrics, "kv_cache_metrics", None)
-    spec = getattr(metrics, "speculative_decoding", None)
-    return RequestPerfMetrics(
-        arrival_time_ns=_timedelta_ns(getattr(timing, "arrival_time", None)),
-        first_scheduled_time_ns=_timedelta_ns(getattr(timing, "first_scheduled_time", None)),
-        first_token_time_ns=_timedelta_ns(getattr(timing, "first_token_time", None)),
-        last_token_time_ns=_timedelta_ns(getattr(timing, "last_token_time", None)),
-        kv_cache_alloc_new_blocks=int(getattr(kv, "num_new_allocated_blocks", 0) or 0),
-        kv_cache_reused_blocks=int(getattr(kv, "num_reused_blocks", 0) or 0),
-        kv_cache_alloc_total_blocks=int(getattr(kv, "num_total_allocated_blocks", 0) or 0),
-        total_draft_tokens=int(getattr(spec, "total_draft_tokens", 0) or 0),
-        total_accepted_draft_tokens=int(getattr(spec, "total_accepted_draft_tokens", 0) or 0))
-
-
-def _timedelta_ns(value: Optional[datetime.timedelta]) -> int:
-    if value is None:
-        return 0
-    # Integer arithmetic: total_seconds() would round at microsecond resolution for large steady-clock values.
-    return (value.days * 86_400 + value.seconds) * 1_000_000_000 + value.microseconds * 1_000
-
-
-def engine_stats_from_iteration(latest: Optional[dict], config: EngineConfig, in_flight: int) -> EngineStats:
-    """EngineStats from the newest iteration-stats record of `LLM.get_stats` (None when there is none: the
-    PyTorch backend records them only with `enable_iter_perf_stats: true`). Without a record the KV numbers are 0
-    and every in-flight request counts as running. Records come only from iterations, so when idle the KV numbers
-    are those of the last iteration that ran."""
-    latest = latest or {}
-    kv = latest.get("kvCacheStats", {})
-    running = latest.get("numActiveRequests", in_flight) if in_flight else 0
-    waiting = latest.get("numQueuedRequests", 0) if in_flight else 0
-    return EngineStats(
-        num_total_blocks=int(kv.get("maxNumBlocks", 0)), num_free_blocks=int(kv.get("freeNumBlocks", 0)),
-        tokens_per_block=int(kv.get("tokensPerBlock", config.kv_cache_config.tokens_per_block)),
-        num_running=int(running), num_waiting=int(waiting), num_steps=int(latest.get("iter", 0)),
-        max_seq_len=config.max_seq_len or 0, max_batch_size=config.max_batch_size,
-        max_num_tokens=config.max_num_tokens)
 
 
 # -- the request handle -------------------------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import torch
 
 from tritonllm.engine import create_engine
 from tritonllm.engine import trtllm as adapter
+from tritonllm.engine import trtllm_args, trtllm_outputs
 from tritonllm.engine.config import ConfigError, EngineConfig
 from tritonllm.engine.embedded.engine import EngineError
 from tritonllm.engine.types import InvalidRequestError, SamplingParams
@@ -95,7 +96,7 @@ def test_llm_kwargs_maps_every_engine_setting(fake):
 
 
 def test_llm_kwargs_leaves_unset_settings_to_the_library(fake):
-    kwargs = adapter.llm_kwargs(EngineConfig(model="m", engine="tensorrt_llm"), fake)
+    kwargs = trtllm_args.llm_kwargs(EngineConfig(model="m", engine="tensorrt_llm"), fake)
     assert set(kwargs) == {"model", "dtype", "tensor_parallel_size", "pipeline_parallel_size", "max_batch_size",
                            "max_num_tokens", "max_beam_width", "enable_chunked_prefill", "kv_cache_config",
                            "scheduler_config"}
@@ -107,7 +108,7 @@ def test_llm_kwargs_leaves_unset_settings_to_the_library(fake):
 def test_llm_kwargs_passes_lora_and_speculative_settings(fake):
     config = EngineConfig(model="m", enable_lora=True, lora_config={"lora_dir": ["a"]},
                           speculative_config={"decoding_type": "NGram", "max_draft_len": 4})
-    kwargs = adapter.llm_kwargs(config, fake)
+    kwargs = trtllm_args.llm_kwargs(config, fake)
     assert kwargs["enable_lora"] is True
     assert kwargs["lora_config"] == {"lora_dir": ["a"]}
     assert kwargs["speculative_config"] == {"decoding_type": "NGram", "max_draft_len": 4}
@@ -121,14 +122,14 @@ def test_llm_kwargs_passes_lora_and_speculative_settings(fake):
 ])
 def test_embedded_only_speculative_settings_are_refused_naming_the_key(fake, spec, message):
     with pytest.raises(ConfigError, match=message):
-        adapter.llm_kwargs(EngineConfig(model="m", speculative_config=spec), fake)
+        trtllm_args.llm_kwargs(EngineConfig(model="m", speculative_config=spec), fake)
 
 
 def test_llm_kwargs_refusals(fake):
     with pytest.raises(ConfigError, match="CUDA GPUs only"):
-        adapter.llm_kwargs(EngineConfig(model="m", device="cpu"), fake)
+        trtllm_args.llm_kwargs(EngineConfig(model="m", device="cpu"), fake)
     with pytest.raises(ConfigError, match="given twice"):
-        adapter.llm_kwargs(EngineConfig(model="m", extra={"max_batch_size": 3}), fake)
+        trtllm_args.llm_kwargs(EngineConfig(model="m", extra={"max_batch_size": 3}), fake)
 
 
 def test_an_unknown_extra_key_reaches_the_library_which_refuses_it(fake):
@@ -145,7 +146,7 @@ def test_sampling_params_maps_every_field(fake):
         repetition_penalty=1.1, presence_penalty=0.2, frequency_penalty=0.3, stop_token_ids=[7, 8],
         stop_words=[[11, 12], [13]], bad_words=[[21], [22, 23, 24]], embedding_bias=[0.0, -1.5, 2.0],
         logprobs=True, ignore_eos=True, length_penalty=0.8, early_stopping=1, return_perf_metrics=True)
-    theirs = adapter.trtllm_sampling_params(ours, fake)
+    theirs = trtllm_args.trtllm_sampling_params(ours, fake)
     assert isinstance(theirs, fake.SamplingParams)
     expected = {"max_tokens": 20, "end_id": 2, "pad_id": 0, "n": 2, "best_of": 2, "use_beam_search": False,
                 "temperature": 0.7, "top_k": 40, "top_p": 0.9, "seed": 1234, "min_tokens": 3,
@@ -161,18 +162,18 @@ def test_sampling_params_maps_every_field(fake):
     assert theirs._get_bad_words() == [[21], [22, 23, 24]]
     reasons = [reason for reason, _ in theirs._get_stop_reasons_and_words()]
     assert reasons[:2] == [7, 8]
-    assert [adapter.stop_reason_from_trtllm(r, "stop", ours.stop_words, 2) for r in reasons[2:]] == [[11, 12], [13]]
+    assert [trtllm_outputs.stop_reason_from_trtllm(r, "stop", ours.stop_words, 2) for r in reasons[2:]] == [[11, 12], [13]]
 
 
 def test_sampling_params_defaults_leave_the_library_defaults(fake):
-    theirs = adapter.trtllm_sampling_params(SamplingParams(max_tokens=5), fake)
+    theirs = trtllm_args.trtllm_sampling_params(SamplingParams(max_tokens=5), fake)
     assert theirs.end_id is None and theirs.stop is None and theirs.bad is None
     assert theirs.logprobs is None and theirs.embedding_bias is None and theirs.stop_token_ids is None
     assert theirs._get_stop_words() == [] and theirs._get_bad_words() == []
 
 
 def test_sampling_params_beam_width_becomes_beam_search(fake):
-    theirs = adapter.trtllm_sampling_params(SamplingParams(max_tokens=5, end_id=2, beam_width=3), fake)
+    theirs = trtllm_args.trtllm_sampling_params(SamplingParams(max_tokens=5, end_id=2, beam_width=3), fake)
     assert theirs.use_beam_search is True and theirs.best_of == 3 and theirs.n == 1
 
 
@@ -193,7 +194,7 @@ def test_stop_words_survive_the_library_setup_when_end_id_is_unset(engine, fake)
     assert sent._get_stop_words() == [[11, 12]]
     assert sent._get_bad_words() == [[21, 22]]
     # Had end_id stayed unset, the library's setup would have replaced our ids with the placeholder's encoding.
-    unsafe = adapter.trtllm_sampling_params(ours, fake)
+    unsafe = trtllm_args.trtllm_sampling_params(ours, fake)
     engine.llm._prepare_sampling_params(unsafe)
     assert unsafe._get_stop_words() != [[11, 12]]
 
@@ -298,7 +299,7 @@ def test_every_request_is_submitted_on_the_one_loop_thread(engine):
 def test_stop_reasons_come_back_in_our_terms(engine, fake):
     stop_words = [[3, 4], [9, 10]]
     engine.llm.scripts.append([fake.Update([5, 9, 10], finish_reason="stop",
-                                           stop_reason=f"{adapter.STOP_WORD_PREFIX}1")])
+                                           stop_reason=f"{trtllm_args.STOP_WORD_PREFIX}1")])
     final = engine.generate_async([1], params(stop_words=stop_words)).result(WAIT)
     assert final.outputs[0].stop_reason == [9, 10]
     engine.llm.scripts.append([fake.Update([5, 7], finish_reason="stop", stop_reason=7)])
@@ -448,6 +449,6 @@ def test_sampling_params_lookahead_config_becomes_the_executor_binding(fake):
 
     ours = SamplingParams(max_tokens=5, lookahead_config=LookaheadConfig(max_window_size=3, max_ngram_size=4,
                                                                          max_verification_set_size=2))
-    theirs = adapter.trtllm_sampling_params(ours, fake)
+    theirs = trtllm_args.trtllm_sampling_params(ours, fake)
     assert theirs.lookahead_config == fake.bindings.executor.LookaheadDecodingConfig(3, 4, 2)
-    assert adapter.trtllm_sampling_params(SamplingParams(max_tokens=5), fake).lookahead_config is None
+    assert trtllm_args.trtllm_sampling_params(SamplingParams(max_tokens=5), fake).lookahead_config is None
