@@ -45,8 +45,9 @@ METHODS = {
 def add_arguments(parser) -> None:
     parser.add_argument("--method", choices=sorted(METHODS), default="ngram",
                         help="when --config has no speculative_config (ngram: max_matching_ngram_size 3; "
-                             "lookahead: W=1, N=5, G=2; medusa: min_path_probability 0.15; the others need "
-                             "--spec-model-dir, builtin:smollm2 for SmolLM2's shipped Medusa heads or EAGLE draft)")
+                             "lookahead: W=1, N=5, G=2; medusa: min_path_probability 0.15; drafttarget, medusa and "
+                             "eagle need --spec-model-dir, builtin:smollm2 for SmolLM2's shipped Medusa heads or "
+                             "EAGLE draft)")
     parser.add_argument("--draft-len", type=int,
                         help="max_draft_len for ngram / drafttarget (default 6) / eagle (default 2)")
     parser.add_argument("--spec-model-dir",
