@@ -258,7 +258,7 @@ def _loss(draft: EagleDraft, target: Target, data: _Data, settings: EagleTrainSe
 
 
 def _train(draft: EagleDraft, target: Target, data: _Data, validation: Optional[_Data],
-           settings: EagleTrainSettings, deadline: Optional[float] = None) -> tuple[list[float], Optional[int]]:
+           settings: EagleTrainSettings, stop_at: Optional[float] = None) -> tuple[list[float], Optional[int]]:
     optimizer = torch.optim.AdamW(draft.parameters(), lr=settings.learning_rate, weight_decay=0.0)
     warmup = max(1, settings.steps // 20)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup) * 0.5 * (
@@ -274,7 +274,7 @@ def _train(draft: EagleDraft, target: Target, data: _Data, validation: Optional[
                           lambda: chain_score(depth_accuracy(draft, target, validation, settings.passes)))
     return run_steps(batch_loss, optimizer, schedule, settings.steps, settings.eval_every, best,
                      "Training the EAGLE draft", settings.progress, clip=(list(draft.parameters()), 1.0),
-                     deadline=deadline)
+                     stop_at=stop_at)
 
 
 @torch.no_grad()

@@ -209,7 +209,7 @@ def _loss(heads: MedusaHeads, states: torch.Tensor, targets: torch.Tensor) -> to
 
 
 def _train(heads: MedusaHeads, states: torch.Tensor, targets: torch.Tensor, settings: TrainSettings,
-           validation=None, deadline: Optional[float] = None) -> tuple[list[float], Optional[int]]:
+           validation=None, stop_at: Optional[float] = None) -> tuple[list[float], Optional[int]]:
     """Returns the losses and, with validation data, the step whose heads were kept (the best on it)."""
     projections = [p for projection in heads.projections() for p in projection.parameters()]
     blocks = [p for p in heads.parameters() if all(p is not q for q in projections)]
@@ -228,7 +228,7 @@ def _train(heads: MedusaHeads, states: torch.Tensor, targets: torch.Tensor, sett
     best = BestCheckpoint(heads, None if validation is None else
                           lambda: chain_score(head_accuracy(heads, *validation)))
     return run_steps(batch_loss, optimizer, schedule, settings.steps, settings.eval_every, best,
-                     "Training Medusa heads", settings.progress, deadline=deadline)
+                     "Training Medusa heads", settings.progress, stop_at=stop_at)
 
 
 @torch.no_grad()

@@ -53,15 +53,14 @@ def deadline(started: float, time_limit: float) -> Optional[float]:
 def run_steps(batch_loss: Callable[[], torch.Tensor], optimizer: torch.optim.Optimizer, schedule, steps: int,
               eval_every: int, best: BestCheckpoint, desc: str, progress: bool,
               clip: Optional[tuple[list[nn.Parameter], float]] = None,
-              deadline: Optional[float] = None) -> tuple[list[float], Optional[int]]:
+              stop_at: Optional[float] = None) -> tuple[list[float], Optional[int]]:
     """`steps` optimizer steps on `batch_loss()` (a fresh batch each call), checking `best` every `eval_every`
-    steps and at the end; returns the losses and the step whose weights were kept. Past `deadline` (a
-    `time.monotonic()` value) the steps stop early, after a last check."""
+    steps and at the end; returns the losses and the step whose weights were kept. Past `stop_at` (a
+    `time.monotonic()` value, see `deadline`) the steps stop early, after a last check."""
     losses = []
     bar = tqdm(range(1, steps + 1), desc=desc, unit="step", disable=not progress)
     for step in bar:
-        out_of_time = deadline is not None and time.monotonic() >= deadline
-        if out_of_time:
+        if stop_at is not None and time.monotonic() >= stop_at:
             log.warning("time limit reached after %d of %d steps; keeping the best weights so far", step - 1, steps)
             if step > 1 and (step - 1) % eval_every:
                 best.check(step - 1)

@@ -45,7 +45,7 @@ def test_a_deadline_stops_the_steps_and_keeps_a_last_checked_state(monkeypatch, 
     weight, optimizer, schedule, best, batch_loss, checked = _setup()
     with caplog.at_level(logging.WARNING, logger="tritonllm.spec_decode"):
         losses, kept = run_steps(batch_loss, optimizer, schedule, steps=100, eval_every=4, best=best, desc="t",
-                                 progress=False, deadline=5.5)
+                                 progress=False, stop_at=5.5)
     assert len(losses) == 5  # the clock reads 1..5 before steps 1..5, then 6 >= 5.5
     assert kept == 5 and len(checked) == 2  # the check at step 4 and a last one at step 5
     assert "time limit reached after 5 of 100 steps" in caplog.text
