@@ -16,7 +16,7 @@ from dataclasses import replace
 
 from tritonllm.bench_report import progress, report
 
-from .distill import BENCH_TASK as TASK, bench_requests, bench_texts, chat_ids, first_shipped
+from .distill import bench_requests, chat_ids
 
 
 def _draft_len(args, default: int) -> int:
@@ -58,15 +58,6 @@ def add_arguments(parser) -> None:
     parser.add_argument("--prompts", type=int, default=4, help="requests, one at a time")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--json", action="store_true")
-
-
-def grounded_texts(count: int) -> list[str]:
-    """The first `count` texts shipped for this benchmark (data/bench_texts.txt; never used to train heads)."""
-    return first_shipped(bench_texts(), count, "benchmark texts")
-
-
-def prompt_ids(tokenizer, text: str) -> list[int]:
-    return chat_ids(tokenizer, TASK + text)
 
 
 def timed_request(engine, ids: list[int], params) -> dict:

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from tritonllm.bench_report import progress, report
 
-from .bench import TASK, grounded_texts
+from .distill import bench_requests
 
 
 def add_arguments(parser) -> None:
@@ -42,7 +42,7 @@ def measure(args, work: Path) -> dict:
 
     repo = build_repo(args.model, work / "repo", streaming=True, max_batch_size=2, max_seq_len=2048,
                       draft_model_dir=args.draft_model, overwrite=True)
-    texts = [TASK + text for text in grounded_texts(args.prompts)]
+    texts = bench_requests("rewrite", args.prompts)  # rewrite a shipped text: input-grounded
     base = {"max_tokens": args.max_tokens, "bad_words": "", "stop_words": "", "temperature": 0.0,
             "exclude_input_in_output": True, "return_perf_metrics": True}
     plain_s = spec_s = 0.0

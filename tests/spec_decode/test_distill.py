@@ -7,7 +7,6 @@ import torch
 from tritonllm.engine.config import ConfigError
 from tritonllm.model_files.tiny import build_tiny_model
 from tritonllm.spec_decode import distill
-from tritonllm.spec_decode.bench import grounded_texts
 from tritonllm.spec_decode.medusa import load_medusa
 from tritonllm.spec_decode.train_medusa import TrainSettings, default_text, train_medusa
 
@@ -24,11 +23,11 @@ def tiny(tmp_path_factory):
 def test_bench_texts_are_never_training_text():
     training = default_text()
     texts = distill.bench_texts()
-    assert len(texts) >= 4 and grounded_texts(4) == texts[:4]
+    assert len(texts) >= 4 and distill.bench_requests("rewrite", 4) == [distill.BENCH_TASK + t for t in texts[:4]]
     for text in texts:
         assert text not in training and text[:60] not in training
     with pytest.raises(ConfigError, match="--prompts"):
-        grounded_texts(len(texts) + 1)
+        distill.bench_requests("rewrite", len(texts) + 1)
 
 
 def test_chat_bench_topics_are_in_no_training_data():

@@ -223,10 +223,10 @@ def test_smollm2_greedy_output_is_plain_greedy_for_every_method(smollm2_dir, tmp
     one and a mid-length one. Medusa heads are random (ResBlocks) over copies of the model's LM head."""
     from transformers import AutoTokenizer
 
-    from tritonllm.spec_decode.bench import grounded_texts, prompt_ids
+    from tritonllm.spec_decode.distill import bench_requests, chat_ids
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
-    prompts = [prompt_ids(tokenizer, grounded_texts(1)[0]), tokenizer.encode("Hello"),
+    prompts = [chat_ids(tokenizer, bench_requests("rewrite", 1)[0]), tokenizer.encode("Hello"),
                tokenizer.encode("Write a short list of fruits and their colours:")]
     embedding = load_file(str(smollm2_dir / "model.safetensors"))["model.embed_tokens.weight"].float()
     heads = MedusaHeads(embedding.shape[1], embedding.shape[0], num_heads=2)
