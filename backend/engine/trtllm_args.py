@@ -69,12 +69,14 @@ EMBEDDED_SPEC_KEYS = ("min_path_probability",)
 def _check_speculative_config(spec: dict[str, Any]) -> None:
     """Refuse, naming the key, what only the embedded engine can do: our extension keys, and the drafters shipped
     in this package (`builtin:NAME`, saved with our checkpoint-format extensions)."""
+    from tritonllm.spec_decode.checkpoint_files import BUILTIN_PREFIX
+
     ours = [key for key in EMBEDDED_SPEC_KEYS if key in spec]
     if ours:
         raise ConfigError(f"speculative_config.{ours[0]} is an extension of the embedded engine; TensorRT-LLM has "
                           "no such setting (remove it, or use engine: embedded)")
     folder = str(spec.get("speculative_model_dir") or "")
-    if folder.startswith("builtin:"):
+    if folder.startswith(BUILTIN_PREFIX):
         raise ConfigError(f"speculative_config.speculative_model_dir={folder}: the drafters shipped with tritonllm "
                           "use its own checkpoint-format extensions, which TensorRT-LLM cannot load (use engine: "
                           "embedded, or a Medusa / EAGLE checkpoint in the standard format)")
