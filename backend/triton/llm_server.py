@@ -100,9 +100,6 @@ class LLMRequestServer(SenderLoop):
 
     # -- sender thread ----------------------------------------------------------------------------------------
 
-    def _on_event(self, event: tuple) -> None:
-        self._on_output(*event)
-
     def _fail(self, event: tuple) -> None:
         log.exception("failed to send a response for request %r", event[0].triton_id)
         self._close(event[0], error_response("internal error while sending the response"))

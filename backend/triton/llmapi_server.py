@@ -67,9 +67,6 @@ class LLMAPIServer(SenderLoop):
 
     # -- sender thread ----------------------------------------------------------------------------------------
 
-    def _on_event(self, event: tuple) -> None:
-        self._on_output(*event)
-
     def _fail(self, event: tuple) -> None:
         log.exception("failed to answer an LLM-API request")
         self._close(event[0], error_response("internal error while sending the response", "INTERNAL"))

@@ -14,7 +14,7 @@ from typing import Any
 class SenderLoop:
     """Subclasses register their request states in `active` (engine request id -> state, under `lock`; each state
     has `sender` and `cancelled`) and say how to answer an event, to fail one, and what to do when a client has
-    gone away."""
+    gone away. Events are tuples that start with the request's state; `_on_output(*event)` answers one."""
 
     def __init__(self, cancellation_check_ms: int, thread_name: str):
         self.check_period = max(cancellation_check_ms, 1) / 1000
@@ -28,12 +28,12 @@ class SenderLoop:
         """Called once the subclass is fully built: the thread uses its attributes."""
         self.thread.start()
 
-    def _on_event(self, event: tuple) -> None:
+    def _on_output(self, state: Any, *update: Any) -> None:
         raise NotImplementedError
 
     def _fail(self, event: tuple) -> None:
         """Log (`log.exception`: this runs in the except block) and answer the event's request with an error after
-        `_on_event` raised."""
+        `_on_output` raised."""
         raise NotImplementedError
 
     def _on_client_gone(self, state: Any) -> None:
@@ -47,7 +47,7 @@ class SenderLoop:
                 self._poll_cancellation()
                 continue
             try:
-                self._on_event(event)
+                self._on_output(*event)
             except Exception:  # never let one request's failure stop the sender for the others
                 self._fail(event)
             self._poll_cancellation()

@@ -14,8 +14,7 @@ class Recorder(SenderLoop):
         self.done = threading.Event()
         self.start_sending()
 
-    def _on_event(self, event):
-        state, value = event
+    def _on_output(self, state, value):
         if value == "boom":
             raise RuntimeError("cannot answer")
         self.answered.append(value)
