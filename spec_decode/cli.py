@@ -51,6 +51,10 @@ def _distill_arguments(parser, prompts_default: int, prompts_help: str) -> None:
                              "(the targets stay the model's greedy choices)")
     parser.add_argument("--distill-temperature", type=float, default=0.7,
                         help="sampling temperature of the extra --distill-rounds answers")
+    parser.add_argument("--distill-own-requests", type=int, default=0,
+                        help="with --distill-prompts: also answer this many requests the model writes itself "
+                             "(sampled user messages: far more subjects than the shipped topics; those naming a "
+                             "chat bench topic are dropped), for training only")
     parser.add_argument("--validation-share", type=float, default=0.05,
                         help="with --distill-prompts: share of the topics kept out of training; the weights kept "
                              "are the checkpoint (every --eval-every steps) that does best on them")
@@ -128,8 +132,8 @@ def _run_train_medusa(args) -> int:
     from .train_medusa import TrainSettings, train_medusa
 
     _check_common(args, ("heads", "layers"))
-    if args.distill_prompts < 0 or args.distill_tokens < 0 or args.draft_vocab < 0:
-        raise ConfigError("--distill-prompts, --distill-tokens and --draft-vocab must be >= 0")
+    if min(args.distill_prompts, args.distill_tokens, args.draft_vocab, args.distill_own_requests) < 0:
+        raise ConfigError("--distill-prompts, --distill-tokens, --distill-own-requests and --draft-vocab must be >= 0")
     if not 0 <= args.held_out < 1:
         raise ConfigError(f"--held-out must be in [0, 1), got {args.held_out}")
     text = Path(args.text).read_text(encoding="utf-8") if args.text else None
@@ -140,6 +144,7 @@ def _run_train_medusa(args) -> int:
                              distill_prompts=args.distill_prompts, distill_max_tokens=args.distill_max_tokens,
                              distill_batch=args.distill_batch, device=args.device,
                              distill_rounds=args.distill_rounds, distill_temperature=args.distill_temperature,
+                             distill_own_requests=args.distill_own_requests,
                              validation_share=args.validation_share, eval_every=args.eval_every,
                              draft_vocab=args.draft_vocab, time_limit=args.time_limit)
     report = train_medusa(args.model, args.out, settings, text)
@@ -177,8 +182,8 @@ def _run_train_eagle(args) -> int:
         token_weight=args.token_weight, feature_noise=args.feature_noise, draft_vocab=args.draft_vocab,
         distill_prompts=args.distill_prompts, distill_max_tokens=args.distill_max_tokens,
         distill_batch=args.distill_batch, distill_rounds=args.distill_rounds,
-        distill_temperature=args.distill_temperature, validation_share=args.validation_share,
-        eval_every=args.eval_every, seed=args.seed, device=args.device, save_dtype=getattr(torch, args.save_dtype),
+        distill_temperature=args.distill_temperature, distill_own_requests=args.distill_own_requests,
+        validation_share=args.validation_share, eval_every=args.eval_every, seed=args.seed, device=args.device, save_dtype=getattr(torch, args.save_dtype),
         time_limit=args.time_limit)
     report = train_eagle(args.model, args.out, settings, text)
     summary = {"out": str(report.out_dir), "tokens": report.num_tokens, "first_loss": round(report.first_loss, 4),

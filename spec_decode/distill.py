@@ -4,17 +4,24 @@ not how a person wrote some text.
 
 The requests: the model first writes a paragraph on each shipped topic (data/distill_topics.txt); then it is
 asked to rewrite, summarise, explain or list the points of those paragraphs and of the shipped training text's
-paragraphs, and to answer questions on the topics. The texts `tritonllm bench spec` rewrites
-(data/bench_texts.txt) and the topics of its chat requests (data/bench_topics.txt) are never used for training:
-`held_out_sequences` turns the texts into the bench's own requests, to measure the heads on."""
+paragraphs, and to answer questions on the topics. Optionally the model also writes requests itself
+(`self_written_requests`: sampled user messages), which cover far more subjects than the shipped topics. The
+texts `tritonllm bench spec` rewrites (data/bench_texts.txt) and the topics of its chat requests
+(data/bench_topics.txt) are never used for training: `held_out_sequences` turns the texts into the bench's own
+requests, to measure the heads on, and self-written requests naming a bench topic are dropped."""
 from __future__ import annotations
 
+import logging
 import random
+import re
+from functools import lru_cache
 from importlib import resources
 from typing import Optional, Sequence
 
 import torch
 from tqdm import tqdm
+
+log = logging.getLogger("tritonllm.spec_decode")
 
 TOPICS_FILE = "data/distill_topics.txt"
 BENCH_TEXTS_FILE = "data/bench_texts.txt"
@@ -94,9 +101,10 @@ Distilled = tuple[list[int], int]
 
 def chat_sequences(base, tokenizer, texts: Sequence[str], count: int, max_new_tokens: int, batch: int,
                    seed: int = 0, progress: bool = True, rounds: int = 1, temperature: float = 0.7,
-                   validation_share: float = 0.0) -> tuple[list[Distilled], list[Distilled]]:
+                   validation_share: float = 0.0, own_requests: int = 0) -> tuple[list[Distilled], list[Distilled]]:
     """About `count` requests answered by `base`: first its paragraphs on the shipped topics (as many as a
-    third of `count`), then tasks on those paragraphs and on `texts`, and questions on the topics. Each request
+    third of `count`), then tasks on those paragraphs and on `texts`, and questions on the topics, plus
+    `own_requests` requests the model writes itself (`self_written_requests`, training only). Each request
     is answered greedily, and `rounds - 1` more times sampled at `temperature` (more varied text; the heads'
     targets stay the greedy choices at every position). Returns (training, validation): the requests about
     `validation_share` of the topics are kept apart, so validation measures unseen content."""
@@ -111,6 +119,8 @@ def chat_sequences(base, tokenizer, texts: Sequence[str], count: int, max_new_to
     train_requests = _requests(list(texts) + own_texts[held:], subjects[held:], rng)
     validation_requests = _requests(own_texts[:held], subjects[:held], rng)
     train_requests = train_requests[:max(0, count - len(written) - len(validation_requests))]
+    if own_requests:
+        train_requests += self_written_requests(base, tokenizer, own_requests, batch, seed, progress)
 
     def answered(requests: list[str]) -> list[Distilled]:
         prompts = [chat_ids(tokenizer, r) for r in requests]
@@ -122,13 +132,59 @@ def chat_sequences(base, tokenizer, texts: Sequence[str], count: int, max_new_to
     return written[held:] + answered(train_requests), written[:held] + answered(validation_requests)
 
 
+OWN_REQUEST_TOKENS = 64  # longest self-written request
+OWN_REQUEST_TEMPERATURE = 0.9  # at 1.0 a small model's requests drift into word salad more often
+
+
+def self_written_requests(base, tokenizer, count: int, batch: int, seed: int = 0,
+                          progress: bool = True) -> list[str]:
+    """Up to `count` distinct requests written by `base` itself: the chat template up to a user message's text,
+    continued by sampling until the message ends. They cover far more subjects than the shipped topics. Requests
+    with a word of the chat bench's topics (`bench_topic_stems`) are dropped, so the bench stays unseen."""
+    from tritonllm.engine.config import ConfigError
+
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError("--distill-own-requests needs a model whose tokenizer has a chat template")
+    marker = "\x00"
+    layout = tokenizer.apply_chat_template([{"role": "user", "content": marker}], tokenize=False)
+    prefix = tokenizer.encode(layout[:layout.index(marker)], add_special_tokens=False)
+    written = greedy_answers(base, tokenizer, [prefix] * count, OWN_REQUEST_TOKENS, batch, progress,
+                             "Self-distillation (the model's own requests)", temperature=OWN_REQUEST_TEMPERATURE,
+                             seed=seed + 1000)
+    requests = {}
+    for ids, start in written:
+        text = tokenizer.decode(ids[start:], skip_special_tokens=True).strip()
+        if len(set(re.findall(r"[a-z]+", text.lower()))) >= 4 and not names_bench_topic(text):
+            requests.setdefault(text, None)
+    log.info("self-written requests: %d distinct of %d kept (short, repeated or naming a bench topic: dropped)",
+             len(requests), count)
+    return list(requests)
+
+
+def names_bench_topic(text: str) -> bool:
+    """Whether a word of `text` starts like a distinctive word of a chat bench topic (`bench_topic_stems`)."""
+    stems = bench_topic_stems()
+    return any(word.startswith(stems) for word in re.findall(r"[a-z]+", text.lower()))
+
+
+GENERIC_TOPIC_WORDS = {"the", "for", "and", "home", "making", "building", "training", "learning", "planning"}
+
+
+@lru_cache(maxsize=1)
+def bench_topic_stems() -> tuple[str, ...]:
+    """The first five letters of the chat bench's topics' distinctive words ("knitt", "guita", "sky" ...): a
+    word starting with one names a bench topic (knitting, knitted, guitars ...)."""
+    words = {word for topic in _lines(BENCH_TOPICS_FILE) for word in re.findall(r"[a-z]+", topic.lower())}
+    return tuple(sorted({word[:5] for word in words if len(word) >= 3 and word not in GENERIC_TOPIC_WORDS}))
+
+
 def distilled_sets(base, tokenizer, text: str, settings) -> tuple[list[Distilled], list[Distilled], list[Distilled]]:
     """(training, validation, held out) for a trainer: `chat_sequences` on the paragraphs of `text`, as the
     settings' distill_* fields, seed, progress and validation_share say, and the bench's requests answered."""
     train, validation = chat_sequences(
         base, tokenizer, paragraphs(text, MIN_TEXT_CHARS), settings.distill_prompts, settings.distill_max_tokens,
         settings.distill_batch, settings.seed, settings.progress, settings.distill_rounds,
-        settings.distill_temperature, settings.validation_share)
+        settings.distill_temperature, settings.validation_share, settings.distill_own_requests)
     return train, validation, held_out_sequences(base, tokenizer, settings.distill_max_tokens, settings.distill_batch)
 
 

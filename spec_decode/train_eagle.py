@@ -59,6 +59,7 @@ class EagleTrainSettings:
     distill_batch: int = 16
     distill_rounds: int = 1
     distill_temperature: float = 0.7
+    distill_own_requests: int = 0  # > 0: also this many requests the model writes itself (distill.py)
     validation_share: float = 0.05
     forward_batch: int = 8
     eval_every: int = 100

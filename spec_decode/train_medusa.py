@@ -9,6 +9,7 @@
 3. Each head starts as the identity ResBlock in front of the base LM head, so a fresh head is already a sensible
    guesser. By default the heads share that head (frozen, see medusa.py's `medusa_shared_lm_head`): only the
    ResBlocks train, all heads' logits come from one matmul, and the checkpoint holds the ResBlocks alone (a few MB).
+   With a draft vocabulary (`draft_vocab`, the most frequent targets) shared heads train over its columns alone.
    With `share_lm_head=False` each head gets its own copy of the LM head and trains it too (at a tenth of the
    learning rate), in the standard Medusa format (one vocab x hidden matrix per head).
 4. The end of the text (`held_out`, 10%) is kept out of training; top-1 accuracy per head is measured on it.
@@ -62,6 +63,7 @@ class TrainSettings:
     forward_batch: int = 8  # sequences per frozen forward
     distill_rounds: int = 1  # answers per request: one greedy, the others sampled at distill_temperature
     distill_temperature: float = 0.7
+    distill_own_requests: int = 0  # > 0: also this many requests the model writes itself (distill.py)
     validation_share: float = 0.05  # chat data: topics kept apart to pick the best checkpoint on
     eval_every: int = 100  # steps between validation checks (chat data)
     device: str = "cpu"
@@ -103,17 +105,23 @@ def train_medusa(model_dir: Union[str, Path], out_dir: Union[str, Path], setting
     lm_head = base.get_output_embeddings().weight.detach()
     heads = MedusaHeads(lm_head.shape[1], lm_head.shape[0], settings.num_heads, settings.num_layers,
                         shared_lm_head=settings.share_lm_head).to(lm_head.device)
-    if settings.share_lm_head:
+    vocab = None
+    if settings.draft_vocab:
+        valid = targets[targets != IGNORE]
+        vocab = frequent_tokens(torch.bincount(valid.cpu(), minlength=lm_head.shape[0]), settings.draft_vocab)
+    if settings.share_lm_head and vocab is not None:
+        # The heads will only ever guess draft-vocabulary tokens, so they train over those columns alone: the
+        # same softmax they are used with, and the logits cost a fraction.
+        columns = lm_head[vocab.to(lm_head.device)]
+        heads.share_lm_head(lambda hidden: F.linear(hidden, columns), lm_head.shape[0])
+        heads.restrict_vocab(vocab.to(lm_head.device))
+    elif settings.share_lm_head:
         heads.share_lm_head(lm_head)
     else:
         heads.copy_lm_head(lm_head)
     losses, best_step = _train(heads, states, targets, settings, validation, deadline(started, settings.time_limit))
     accuracy, train_accuracy = head_accuracy(heads, held_states, held_targets), head_accuracy(heads, states, targets)
     validation_accuracy = head_accuracy(heads, *validation) if validation else None
-    vocab = None
-    if settings.draft_vocab:
-        valid = targets[targets != IGNORE]
-        vocab = frequent_tokens(torch.bincount(valid.cpu(), minlength=lm_head.shape[0]), settings.draft_vocab)
     save_medusa(heads.cpu(), out_dir, base_model=str(model_dir), dtype=settings.save_dtype, draft_vocab=vocab)
     return TrainReport(Path(out_dir), num_tokens, losses[0], losses[-1], accuracy, train_accuracy, held_tokens,
                        time.monotonic() - started, best_step, validation_accuracy)
@@ -197,7 +205,18 @@ def _dataset(hidden, choices, num_heads: int) -> tuple[torch.Tensor, torch.Tenso
     return torch.cat(hidden), torch.cat(targets)
 
 
+def logit_columns(targets: torch.Tensor, vocab: Optional[torch.Tensor], vocab_size: int) -> torch.Tensor:
+    """Targets (token ids) as the heads' logit columns: the same ids without a draft vocabulary, else each id's
+    place in `vocab`, IGNORE for ids outside it (no column can guess them)."""
+    if vocab is None:
+        return targets
+    column = torch.full((vocab_size + 1,), IGNORE, dtype=torch.long, device=targets.device)
+    column[vocab.to(targets.device)] = torch.arange(len(vocab), device=targets.device)
+    return column[targets.where(targets != IGNORE, vocab_size)]
+
+
 def _loss(heads: MedusaHeads, states: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """targets: logit columns (`logit_columns`)."""
     logits = heads(states)  # [N, heads, vocab]; one matmul for all heads when they share the LM head
     total = states.new_zeros(())
     for h in range(heads.num_heads):
@@ -219,11 +238,12 @@ def _train(heads: MedusaHeads, states: torch.Tensor, targets: torch.Tensor, sett
     optimizer = torch.optim.AdamW(groups, lr=settings.learning_rate, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, max(1, settings.steps))
     generator = torch.Generator().manual_seed(settings.seed)
+    columns = logit_columns(targets, heads.draft_vocab, heads.vocab_size)
 
     def batch_loss() -> torch.Tensor:
         rows = torch.randint(len(states), (min(settings.batch_positions, len(states)),), generator=generator)
         rows = rows.to(states.device)
-        return _loss(heads, states[rows], targets[rows])
+        return _loss(heads, states[rows], columns[rows])
 
     best = BestCheckpoint(heads, None if validation is None else
                           lambda: chain_score(head_accuracy(heads, *validation)))
@@ -235,6 +255,8 @@ def _train(heads: MedusaHeads, states: torch.Tensor, targets: torch.Tensor, sett
 def head_accuracy(heads: MedusaHeads, states: torch.Tensor, targets: torch.Tensor) -> list[float]:
     """Per head, how often its top-1 equals the base model's choice it is meant to guess."""
     guesses = torch.cat([heads(chunk).argmax(dim=-1) for chunk in states.split(1024)])  # [N, heads]
+    if heads.draft_vocab is not None:  # columns -> token ids
+        guesses = heads.draft_vocab[guesses]
     accuracy = []
     for h in range(heads.num_heads):
         valid = targets[:, h] != IGNORE

@@ -88,7 +88,40 @@ def test_cli_refuses_bad_distillation_settings(tiny, tmp_path, capsys):
     from tritonllm.cli import main
 
     model_dir, _, _ = tiny
-    for flag, value in (("--distill-rounds", "0"), ("--validation-share", "1.5"), ("--distill-prompts", "-1")):
+    for flag, value in (("--distill-rounds", "0"), ("--validation-share", "1.5"), ("--distill-prompts", "-1"),
+                        ("--distill-own-requests", "-2")):
         assert main(["spec", "train-medusa", "--model", str(model_dir), "--out", str(tmp_path / "h"), flag,
                      value]) == 2
         assert flag.split("-")[-1] in capsys.readouterr().err
+
+
+def test_bench_topic_filter_catches_every_chat_bench_request_and_few_training_requests():
+    assert all(distill.names_bench_topic(request) for request in distill.bench_requests("chat", 8))
+    assert distill.names_bench_topic("How do I knit mittens for my guitars?")
+    training_topics = distill.topics()
+    assert sum(distill.names_bench_topic(topic) for topic in training_topics) <= len(training_topics) // 20
+    assert not distill.names_bench_topic("Give me five practical tips about baking bread.")
+
+
+def test_self_written_requests_are_distinct_and_train_only(tiny):
+    _, tokenizer, base = tiny
+    requests = distill.self_written_requests(base, tokenizer, 24, batch=12, progress=False)
+    assert requests and len(set(requests)) == len(requests)
+    assert not any(distill.names_bench_topic(r) for r in requests)
+    train, validation = distill.chat_sequences(base, tokenizer, [], count=12, max_new_tokens=4, batch=12,
+                                               progress=False, validation_share=0.25)
+    more, same = distill.chat_sequences(base, tokenizer, [], count=12, max_new_tokens=4, batch=12, progress=False,
+                                        validation_share=0.25, own_requests=24)
+    assert len(more) == len(train) + len(requests) and same == validation
+    own = {tuple(distill.chat_ids(tokenizer, r)) for r in requests}
+    assert own <= {tuple(ids[:start]) for ids, start in more}
+
+
+def test_self_written_requests_need_a_chat_template(tiny):
+    _, tokenizer, base = tiny
+
+    class NoTemplate:
+        chat_template = None
+
+    with pytest.raises(ConfigError, match="--distill-own-requests.*chat template"):
+        distill.self_written_requests(base, NoTemplate(), 4, batch=4, progress=False)

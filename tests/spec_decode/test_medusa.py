@@ -7,10 +7,13 @@ the engine, and the SmolLM2 heads shipped in the package (`builtin:smollm2`) loa
 TRITONLLM_TEST_DEVICE=cuda runs the engines on the GPU (the CPU is the default)."""
 import json
 import os
+from dataclasses import replace
 
 import pytest
 import torch
+import torch.nn.functional as F
 from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
 
 from tritonllm.engine.config import EngineConfig
 from tritonllm.engine.embedded.engine import EmbeddedEngine
@@ -19,7 +22,7 @@ from tritonllm.engine.types import InvalidRequestError, SamplingParams
 from tritonllm.model_files.tiny import build_tiny_model
 from tritonllm.spec_decode.medusa import MedusaHeads, MedusaProposer, load_medusa, resolve_heads_dir, save_medusa
 from tritonllm.spec_decode.proposer import ProposalInput
-from tritonllm.spec_decode.train_medusa import TrainSettings, train_medusa
+from tritonllm.spec_decode.train_medusa import IGNORE, TrainSettings, logit_columns, train_medusa
 
 DEVICE = os.environ.get("TRITONLLM_TEST_DEVICE", "cpu")
 
@@ -121,6 +124,33 @@ def test_short_training_run_on_a_tiny_model_gives_loadable_heads_that_learned(tm
     for h in range(2):
         assert report.train_accuracy[h] > fresh.train_accuracy[h] + 0.1
         assert report.head_accuracy[h] > fresh.head_accuracy[h]  # held out: this tiny random model is hard
+
+
+def test_logit_columns_place_targets_in_the_draft_vocabulary():
+    targets = torch.tensor([[3, 9], [IGNORE, 4], [7, IGNORE]])
+    assert torch.equal(logit_columns(targets, None, 10), targets)
+    assert logit_columns(targets, torch.tensor([3, 4, 9]), 10).tolist() == [[0, 2], [IGNORE, 1], [IGNORE, IGNORE]]
+
+
+def test_heads_trained_over_a_draft_vocabulary_guess_only_its_tokens_and_learn(tmp_path):
+    model_dir = build_tiny_model(tmp_path / "tiny", seed=4)
+    text = "Every morning the baker opens the shop, lights the oven and sells warm bread to the village. " * 30
+    settings = TrainSettings(num_heads=2, steps=100, batch_positions=128, window=64, learning_rate=3e-2,
+                             progress=False, draft_vocab=64)
+    report = train_medusa(model_dir, tmp_path / "heads", settings, text)
+    heads = load_medusa(tmp_path / "heads")
+    assert len(heads.draft_vocab) == 64 and heads.vocab_size == json.loads((model_dir / "config.json").read_text())[
+        "vocab_size"]
+    assert report.last_loss < 0.6 * report.first_loss
+    # Accuracy is in token ids, through the vocabulary; fresh heads guess the next token instead.
+    fresh = train_medusa(model_dir, tmp_path / "fresh", replace(settings, steps=0), text)
+    for h in range(2):
+        assert report.train_accuracy[h] > fresh.train_accuracy[h] + 0.1
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    weight = base.get_output_embeddings().weight.detach()
+    heads.share_lm_head(lambda hidden: F.linear(hidden, weight[heads.draft_vocab]), weight.shape[0])
+    guesses, _ = heads.top_k_with_probabilities(torch.randn(5, weight.shape[1]), 3)
+    assert set(guesses.flatten().tolist()) <= set(heads.draft_vocab.tolist())
 
 
 def _tiny_model_and_text(tmp_path):
