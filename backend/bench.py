@@ -66,12 +66,25 @@ def run_hf(model, tokenizer, requests: list[BenchRequest], batch_size: int) -> f
 
 
 
+def check_arguments(args) -> None:
+    """A ConfigError naming the flag for request mixes that cannot be drawn."""
+    from .engine.config import ConfigError
+
+    for name in ("prompt", "output"):
+        low, high = getattr(args, f"min_{name}"), getattr(args, f"max_{name}")
+        if not 1 <= low <= high:
+            raise ConfigError(f"--min-{name} {low} / --max-{name} {high}: need 1 <= min <= max")
+    if args.requests < 1 or args.hf_batch_size < 1:
+        raise ConfigError(f"--requests {args.requests} / --hf-batch-size {args.hf_batch_size}: both must be >= 1")
+
+
 def main(args) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from .engine import create_engine
 
+    check_arguments(args)
     config = build_engine_config(args.model, args.config, dtype=args.dtype, device=args.device,
                                  max_batch_size=args.max_batch_size)
     tokenizer = AutoTokenizer.from_pretrained(args.model)

@@ -65,3 +65,10 @@ def test_bad_values_are_one_clear_line(tiny, capsys):
     assert "top_p must be in (0, 1], got 1.5" in capsys.readouterr().err
     assert main(["generate", "--model", str(tiny.parent), "--prompt", "hi"]) == 2
     assert "config.json" in capsys.readouterr().err
+
+
+def test_bench_engine_refuses_an_empty_length_range(tiny, capsys):
+    assert main(["bench", "engine", "--model", str(tiny), "--max-output", "8"]) == 2  # --min-output is 16
+    assert "--min-output 16 / --max-output 8: need 1 <= min <= max" in capsys.readouterr().err
+    assert main(["bench", "engine", "--model", str(tiny), "--requests", "0"]) == 2
+    assert "--requests 0" in capsys.readouterr().err
