@@ -1,10 +1,11 @@
 """Paged attention over a sequence's cached context (chunked prefill, speculative trees) equals dense attention
-computed directly, and reads whole blocks: the key length SDPA sees changes once a block, not every step (CUDA's
-cuDNN attention builds a plan for every new shape)."""
+computed directly, and reads whole blocks: the key length SDPA sees changes once a block, not every step. Engines on CUDA turn
+cuDNN attention off (it builds a plan for every new shape)."""
 import pytest
 import torch
 
 from tritonllm.engine.embedded.attention import paged_attention, sequence_mask, step_metadata
+from tritonllm.engine.embedded.device import avoid_cudnn_attention
 
 HEADS, KV_HEADS, DIM, BLOCK = 4, 2, 8, 4
 
@@ -48,3 +49,15 @@ def test_masks_cover_whole_blocks_and_hide_the_unwritten_tail():
     assert (mask[0, 0, 2, :10] == 0).all() and torch.isinf(mask[0, 0, 0, 8:]).all()
     widths = {sequence_mask(2, ctx, None, "cpu", torch.float32, BLOCK).shape[-1] for ctx in range(5, 9)}
     assert widths == {8}  # four steps, one shape
+
+
+def test_cuda_engines_turn_cudnn_attention_off_and_cpu_ones_leave_it():
+    enabled = torch.backends.cuda.cudnn_sdp_enabled()
+    try:
+        torch.backends.cuda.enable_cudnn_sdp(True)
+        avoid_cudnn_attention(torch.device("cpu"))
+        assert torch.backends.cuda.cudnn_sdp_enabled()
+        avoid_cudnn_attention(torch.device("cuda"))
+        assert not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_cudnn_sdp(enabled)

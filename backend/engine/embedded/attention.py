@@ -80,8 +80,8 @@ def sequence_mask(q_len: int, ctx_len: int, tail_mask: torch.Tensor | None, devi
                   block_size: int) -> torch.Tensor:
     """[1, 1, q_len, whole blocks of ctx_len] additive mask of a sequence's queries (its last q_len positions) over
     its context: causal, except that the last `len(tail_mask)` queries see each other only where `tail_mask` says.
-    Attention reads whole blocks, so the key length changes once a block rather than every step: CUDA's cuDNN
-    attention builds a plan for every new shape (about 40 ms in bf16 on an H200, docs/benchmarks.md)."""
+    Attention reads whole blocks, so the key length changes once a block rather than every step: fewer shapes for
+    the kernels (CUDA's cuDNN attention, which the engine turns off, built a plan for every new one)."""
     width = blocks_for(ctx_len, block_size) * block_size
     query_pos = torch.arange(ctx_len - q_len, ctx_len, device=device)
     visible = torch.arange(width, device=device)[None, :] <= query_pos[:, None]

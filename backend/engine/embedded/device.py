@@ -1,9 +1,13 @@
 """Where the embedded engine runs, in which dtype, and how many tokens of KV cache it can afford."""
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from ..config import ConfigError, EngineConfig
+
+log = logging.getLogger("tritonllm.engine")
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
@@ -25,6 +29,16 @@ def resolve_dtype(requested: str, model_dtype: str | None, device: torch.device)
         return torch.float32
     name = (model_dtype or "bfloat16").replace("torch.", "")
     return _DTYPES.get(name, torch.bfloat16)
+
+
+def avoid_cudnn_attention(device: torch.device) -> None:
+    """On CUDA, turn off SDPA's cuDNN backend for this process. cuDNN builds an execution plan for every new shape
+    (60-700 ms each on an H200 in bf16, docs/benchmarks.md), and the engine's attention shapes change with the batch
+    size, every KV block a context grows and every chunk or prefix-hit suffix; the flash and memory-efficient kernels
+    that take over need no plan. Global, as PyTorch's backend switches are: the engine owns its process."""
+    if device.type == "cuda" and torch.backends.cuda.cudnn_sdp_enabled():
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        log.info("cuDNN attention off for this process: it builds a plan for every new shape")
 
 
 def available_memory_bytes(device: torch.device) -> int:

@@ -15,7 +15,7 @@ from ..types import CompletionOutput, InvalidRequestError, RequestOutput, Sampli
 from .beam_requests import BeamRequests, beam_snapshot
 from .beam_search import BeamSearch
 from .block_manager import BlockManager, blocks_for
-from .device import resolve_device, resolve_dtype, kv_cache_token_budget
+from .device import avoid_cudnn_attention, kv_cache_token_budget, resolve_device, resolve_dtype
 from .loader import load_model, read_model_config
 from .model_runner import ModelRunner
 from .sampler import sample
@@ -67,6 +67,7 @@ class EngineCore:
             raise InvalidRequestError("the embedded engine cannot honour: " + "; ".join(problems))
         self.config = config
         self.device = resolve_device(config.device)
+        avoid_cudnn_attention(self.device)
         self.dtype = resolve_dtype(config.dtype, read_model_config(config.model).torch_dtype, self.device)
         self.model, self.model_config = load_model(config.model, self.dtype, self.device)
         self.max_seq_len = self._max_seq_len()
