@@ -109,22 +109,27 @@ def train_medusa(model_dir: Union[str, Path], out_dir: Union[str, Path], setting
     if settings.draft_vocab:
         valid = targets[targets != IGNORE]
         vocab = frequent_tokens(torch.bincount(valid.cpu(), minlength=lm_head.shape[0]), settings.draft_vocab)
-    if settings.share_lm_head and vocab is not None:
-        # The heads will only ever guess draft-vocabulary tokens, so they train over those columns alone: the
-        # same softmax they are used with, and the logits cost a fraction.
-        columns = lm_head[vocab.to(lm_head.device)]
-        heads.share_lm_head(lambda hidden: F.linear(hidden, columns), lm_head.shape[0])
-        heads.restrict_vocab(vocab.to(lm_head.device))
-    elif settings.share_lm_head:
-        heads.share_lm_head(lm_head)
-    else:
-        heads.copy_lm_head(lm_head)
+    _attach_lm_head(heads, lm_head, vocab)
     losses, best_step = _train(heads, states, targets, settings, validation, deadline(started, settings.time_limit))
     accuracy, train_accuracy = head_accuracy(heads, held_states, held_targets), head_accuracy(heads, states, targets)
     validation_accuracy = head_accuracy(heads, *validation) if validation else None
     save_medusa(heads.cpu(), out_dir, base_model=str(model_dir), dtype=settings.save_dtype, draft_vocab=vocab)
     return TrainReport(Path(out_dir), num_tokens, losses[0], losses[-1], accuracy, train_accuracy, held_tokens,
                        time.monotonic() - started, best_step, validation_accuracy)
+
+
+def _attach_lm_head(heads: MedusaHeads, lm_head: torch.Tensor, vocab: Optional[torch.Tensor]) -> None:
+    """Shared heads get the base LM head, or with a draft vocabulary its columns alone: they will only ever guess
+    those tokens, so they train with the softmax they are used with, and the logits cost a fraction. Heads with
+    their own projections start from copies of it (their draft vocabulary is only saved)."""
+    if not heads.shared_lm_head:
+        heads.copy_lm_head(lm_head)
+    elif vocab is None:
+        heads.share_lm_head(lm_head)
+    else:
+        columns = lm_head[vocab.to(lm_head.device)]
+        heads.share_lm_head(lambda hidden: F.linear(hidden, columns), lm_head.shape[0])
+        heads.restrict_vocab(vocab.to(lm_head.device))
 
 
 def _text_data(base, tokenizer, settings: TrainSettings, text: Optional[str]):
