@@ -5,6 +5,8 @@ import argparse
 import logging
 import sys
 
+from .cli_types import count
+
 
 def _model_commands(sub) -> None:
     model = sub.add_parser("model", help="make or fetch model folders (Hugging Face format)")
@@ -47,28 +49,28 @@ def _bench_commands(sub) -> None:
     kinds = bench.add_subparsers(dest="bench_command", required=True)
     engine = kinds.add_parser("engine", help="embedded engine vs Hugging Face generate, same requests")
     _engine_arguments(engine)
-    engine.add_argument("--requests", type=int, default=16, help="concurrent requests")
-    engine.add_argument("--min-prompt", type=int, default=16)
-    engine.add_argument("--max-prompt", type=int, default=256)
-    engine.add_argument("--min-output", type=int, default=16)
-    engine.add_argument("--max-output", type=int, default=128)
-    engine.add_argument("--hf-batch-size", type=int, default=8, help="static batch size for HF generate")
+    engine.add_argument("--requests", type=count, default=16, help="concurrent requests")
+    engine.add_argument("--min-prompt", type=count, default=16)
+    engine.add_argument("--max-prompt", type=count, default=256)
+    engine.add_argument("--min-output", type=count, default=16)
+    engine.add_argument("--max-output", type=count, default=128)
+    engine.add_argument("--hf-batch-size", type=count, default=8, help="static batch size for HF generate")
     engine.add_argument("--seed", type=int, default=0, help="seed of the request mix")
     engine.add_argument("--json", action="store_true")
     chunked = kinds.add_parser("chunked", help="p99 inter-token latency of running streams while a long prompt "
                                                "arrives, chunked prefill off vs on")
     _engine_arguments(chunked)
-    chunked.add_argument("--streams", type=int, default=8, help="streams decoding when the long prompt arrives")
-    chunked.add_argument("--stream-tokens", type=int, default=64, help="tokens each stream generates")
-    chunked.add_argument("--long-prompt", type=int, default=2000, help="tokens of the prompt that arrives")
-    chunked.add_argument("--chunk", type=int, default=256, help="max_num_tokens (the chunk) with chunking on")
+    chunked.add_argument("--streams", type=count, default=8, help="streams decoding when the long prompt arrives")
+    chunked.add_argument("--stream-tokens", type=count, default=64, help="tokens each stream generates")
+    chunked.add_argument("--long-prompt", type=count, default=2000, help="tokens of the prompt that arrives")
+    chunked.add_argument("--chunk", type=count, default=256, help="max_num_tokens (the chunk) with chunking on")
     chunked.add_argument("--seed", type=int, default=0)
     chunked.add_argument("--json", action="store_true")
     reuse = kinds.add_parser("reuse", help="time to first token of requests sharing a system prompt, "
                                            "KV reuse off vs on")
     _engine_arguments(reuse)
-    reuse.add_argument("--requests", type=int, default=16)
-    reuse.add_argument("--system-prompt", type=int, default=1000, help="tokens of the shared system prompt")
+    reuse.add_argument("--requests", type=count, default=16)
+    reuse.add_argument("--system-prompt", type=count, default=1000, help="tokens of the shared system prompt")
     reuse.add_argument("--seed", type=int, default=0)
     reuse.add_argument("--json", action="store_true")
     from tritonllm.lora.cli import add_bench_command as add_lora_bench

@@ -4,6 +4,8 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
+from tritonllm.cli_types import count
+
 
 def add_lora_command(sub) -> None:
     lora = sub.add_parser("lora", help="LoRA adapters: convert a PEFT folder to TensorRT-LLM's request tensors")
@@ -27,11 +29,11 @@ def add_bench_command(kinds, engine_arguments) -> None:
     bench = kinds.add_parser("lora", help="throughput with N adapters mixed in one batch vs the base model alone, "
                                           "same requests")
     engine_arguments(bench)
-    bench.add_argument("--adapters", type=int, default=4, help="random adapters, assigned to requests in turn")
-    bench.add_argument("--rank", type=int, default=16)
-    bench.add_argument("--requests", type=int, default=16)
-    bench.add_argument("--prompt", type=int, default=64, help="prompt tokens per request")
-    bench.add_argument("--output", type=int, default=64, help="output tokens per request")
+    bench.add_argument("--adapters", type=count, default=4, help="random adapters, assigned to requests in turn")
+    bench.add_argument("--rank", type=count, default=16)
+    bench.add_argument("--requests", type=count, default=16)
+    bench.add_argument("--prompt", type=count, default=64, help="prompt tokens per request")
+    bench.add_argument("--output", type=count, default=64, help="output tokens per request")
     bench.add_argument("--seed", type=int, default=0)
     bench.add_argument("--json", action="store_true")
 

@@ -15,6 +15,7 @@ import statistics
 from dataclasses import replace
 
 from tritonllm.bench_report import progress, report
+from tritonllm.cli_types import count
 
 from .distill import bench_requests, chat_ids
 
@@ -48,15 +49,15 @@ def add_arguments(parser) -> None:
                              "lookahead: W=1, N=5, G=2; medusa: min_path_probability 0.15; drafttarget, medusa and "
                              "eagle need --spec-model-dir, builtin:smollm2 for SmolLM2's shipped Medusa heads or "
                              "EAGLE draft)")
-    parser.add_argument("--draft-len", type=int,
+    parser.add_argument("--draft-len", type=count,
                         help="max_draft_len for ngram / drafttarget (default 6) / eagle (default 2)")
     parser.add_argument("--spec-model-dir",
                         help="draft model, Medusa heads or EAGLE draft folder (drafttarget, medusa, eagle)")
     parser.add_argument("--task", choices=("rewrite", "chat"), default="rewrite",
                         help="rewrite: rewrite a shipped text (input-grounded); chat: answer a question on a topic "
                              "(open-ended); neither is in any training data")
-    parser.add_argument("--prompts", type=int, default=4, help="requests, one at a time")
-    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--prompts", type=count, default=4, help="requests, one at a time")
+    parser.add_argument("--max-tokens", type=count, default=128)
     parser.add_argument("--json", action="store_true")
 
 

@@ -14,6 +14,7 @@ import urllib.request
 from pathlib import Path
 
 from tritonllm.bench_report import progress, report
+from tritonllm.cli_types import count
 
 from .distill import bench_requests
 
@@ -21,9 +22,9 @@ from .distill import bench_requests
 def add_arguments(parser) -> None:
     parser.add_argument("--model", required=True, help="target Hugging Face model folder")
     parser.add_argument("--draft-model", required=True, help="draft model folder (the target's tokenizer)")
-    parser.add_argument("--num-draft-tokens", type=int, default=4, help="draft tokens per round")
-    parser.add_argument("--prompts", type=int, default=3, help="texts to rewrite, one request at a time")
-    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--num-draft-tokens", type=count, default=4, help="draft tokens per round")
+    parser.add_argument("--prompts", type=count, default=3, help="texts to rewrite, one request at a time")
+    parser.add_argument("--max-tokens", type=count, default=64)
     parser.add_argument("--json", action="store_true")
 
 

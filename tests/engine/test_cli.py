@@ -69,6 +69,19 @@ def test_bad_values_are_one_clear_line(tiny, capsys):
 
 def test_bench_engine_refuses_an_empty_length_range(tiny, capsys):
     assert main(["bench", "engine", "--model", str(tiny), "--max-output", "8"]) == 2  # --min-output is 16
-    assert "--min-output 16 / --max-output 8: need 1 <= min <= max" in capsys.readouterr().err
-    assert main(["bench", "engine", "--model", str(tiny), "--requests", "0"]) == 2
-    assert "--requests 0" in capsys.readouterr().err
+    assert "--min-output 16 / --max-output 8: need min <= max" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, shown", [
+    (["bench", "engine", "--requests", "0"], "0"),
+    (["bench", "chunked", "--streams", "0"], "0"),
+    (["bench", "reuse", "--system-prompt", "-5"], "-5"),
+    (["bench", "spec", "--prompts", "0"], "0"),
+    (["bench", "lora", "--requests", "x"], "'x'"),
+    (["bench", "bls-spec", "--draft-model", "D", "--max-tokens", "0"], "0"),
+])
+def test_bench_counts_below_one_are_refused_before_anything_loads(argv, shown, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv + ["--model", "no-such-folder"])
+    assert exit_info.value.code == 2
+    assert f"argument {argv[-2]}: must be an integer >= 1, got {shown}" in capsys.readouterr().err
