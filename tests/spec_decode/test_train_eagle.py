@@ -74,8 +74,8 @@ def test_dense_passes_equal_the_paged_draft_layer_drafting_k_deep(target, tmp_pa
 def test_cli_trains_a_draft_that_keeps_greedy_output_exact(target, plain_outputs, tmp_path, capsys):
     out = tmp_path / "draft"
     assert main(["spec", "train-eagle", "--model", str(target), "--out", str(out), "--steps", "6", "--batch", "4",
-                 "--distill-prompts", "12", "--distill-max-tokens", "24", "--eval-every", "3", "--draft-vocab",
-                 "40", "--json"]) == 0
+                 "--distill-prompts", "12", "--distill-own-requests", "6", "--distill-max-tokens", "24",
+                 "--eval-every", "3", "--draft-vocab", "40", "--json"]) == 0
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["draft_vocab"] == 40 and len(report["depth_accuracy"]) == 3 and report["tokens"] > 0
     assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == 40
