@@ -8,7 +8,8 @@ run on the same thread and thread pool (two engines in one process would each ow
 small machine the pools slow each other down). Decode speed counts the tokens after the first over the time
 from the first token to the last (prefill left out). Mean accepted length: tokens committed per decode step of
 the speculative requests. Per-prompt figures come too: one answer that repeats itself can carry a small run's
-overall ratio, and the median prompt's ratio shows it."""
+overall ratio, and the median prompt's ratio shows it. `--rounds N` goes through the prompts N times and pools
+every figure over the rounds."""
 from __future__ import annotations
 
 import statistics
@@ -57,6 +58,9 @@ def add_arguments(parser) -> None:
                         help="rewrite: rewrite a shipped text (input-grounded); chat: answer a question on a topic "
                              "(open-ended); neither is in any training data")
     parser.add_argument("--prompts", type=count, default=4, help="requests, one at a time")
+    parser.add_argument("--rounds", type=count, default=1,
+                        help="run every prompt this many times (each time plain, then speculative); all figures "
+                             "pool the rounds, per prompt too: more rounds steady the ratios on a noisy machine")
     parser.add_argument("--max-tokens", type=count, default=128)
     parser.add_argument("--json", action="store_true")
 
@@ -83,12 +87,13 @@ def summarise(runs: list[dict]) -> dict:
 
 
 def per_prompt(plain: list[dict], spec: list[dict], prompts: list[list[int]]) -> list[dict]:
-    """Each prompt's own figures, in prompt order (speedup None where an answer had no decode step)."""
+    """Each prompt's own figures, in prompt order, over all its rounds (the runs are round after round of the
+    prompts in order); speedup None where an answer had no decode step."""
     rows = []
-    for ids, base, fast in zip(prompts, plain, spec):
-        base_s, fast_s = summarise([base]), summarise([fast])
+    for i, ids in enumerate(prompts):
+        base_s, fast_s = summarise(plain[i::len(prompts)]), summarise(spec[i::len(prompts)])
         timed = base_s["tok_s"] and fast_s["tok_s"]
-        rows.append({"prompt_tokens": len(ids), "output_tokens": len(fast["tokens"]),
+        rows.append({"prompt_tokens": len(ids), "output_tokens": len(spec[i]["tokens"]),
                      "speedup": round(fast_s["tok_s"] / base_s["tok_s"], 3) if timed else None,
                      "mean_accepted_length": fast_s["mean_accepted_length"]})
     return rows
@@ -98,7 +103,8 @@ def bench_result(spec: dict, args, prompts: list[list[int]], runs: dict) -> dict
     import torch
 
     result = {"method": spec.get("decoding_type"), "speculative_config": spec, "task": args.task,
-              "prompts": len(prompts), "max_tokens": args.max_tokens, "threads": torch.get_num_threads(),
+              "prompts": len(prompts), "rounds": len(runs["spec"]) // len(prompts), "max_tokens": args.max_tokens,
+              "threads": torch.get_num_threads(),
               "identical_outputs": all(a["tokens"] == b["tokens"] for a, b in zip(runs["plain"], runs["spec"])),
               "plain": summarise(runs["plain"]), "spec": summarise(runs["spec"])}
     timed = result["plain"]["tok_s"] and result["spec"]["tok_s"]
@@ -130,12 +136,14 @@ def main(args) -> int:
         for side in params.values():  # warm-up
             engine.generate(prompts[0][:32], replace(side, max_tokens=8))
         runs = {"plain": [], "spec": []}
-        for number, ids in enumerate(prompts, 1):
-            for side in ("plain", "spec"):
-                runs[side].append(timed_request(engine, ids, params[side]))
-            row = per_prompt(runs["plain"][-1:], runs["spec"][-1:], [ids])[0]
-            progress(f"prompt {number}/{len(prompts)}: {len(ids)} tokens in, {row['output_tokens']} out, "
-                     f"{row['speedup']}x, mean accepted length {row['mean_accepted_length']}")
+        for round_ in range(1, args.rounds + 1):
+            for number, ids in enumerate(prompts, 1):
+                for side in ("plain", "spec"):
+                    runs[side].append(timed_request(engine, ids, params[side]))
+                row = per_prompt(runs["plain"][-1:], runs["spec"][-1:], [ids])[0]
+                progress(f"round {round_}/{args.rounds}, prompt {number}/{len(prompts)}: {len(ids)} tokens in, "
+                         f"{row['output_tokens']} out, {row['speedup']}x, mean accepted length "
+                         f"{row['mean_accepted_length']}")
     finally:
         engine.shutdown()
     result = bench_result(spec, args, prompts, runs)

@@ -35,6 +35,17 @@ def test_an_answer_that_ends_at_its_first_token_has_no_speedup_and_breaks_nothin
     assert result["identical_outputs"]
 
 
+def test_rounds_pool_each_prompts_runs():
+    # Two rounds of two prompts: prompt 0's runs are entries 0 and 2, prompt 1's entries 1 and 3.
+    runs = {"plain": [_run(9, 1.0, 8), _run(5, 1.0, 4), _run(9, 3.0, 8), _run(5, 1.0, 4)],
+            "spec": [_run(9, 1.0, 4), _run(5, 0.5, 2), _run(9, 1.0, 4), _run(5, 0.5, 2)]}
+    result = bench_result({"decoding_type": "Medusa"}, ARGS, PROMPTS[:2], runs)
+    assert result["rounds"] == 2
+    assert [row["speedup"] for row in result["per_prompt"]] == [2.0, 2.0]  # 16 tokens in 4 s, then in 2 s
+    assert [row["mean_accepted_length"] for row in result["per_prompt"]] == [2.0, 2.0]
+    assert result["speedup"] == 2.0 and result["median_prompt_speedup"] == 2.0
+
+
 def test_method_defaults_and_an_explicit_draft_len():
     from tritonllm.spec_decode.bench import METHODS
 
