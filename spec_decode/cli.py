@@ -122,6 +122,8 @@ def _check_common(args, positive: tuple[str, ...]) -> None:
         raise ConfigError("--validation-share must be in [0, 1) and --distill-temperature > 0")
     if args.time_limit < 0:
         raise ConfigError(f"--time-limit must be >= 0 seconds, got {args.time_limit}")
+    if args.distill_own_requests < 0:
+        raise ConfigError(f"--distill-own-requests must be >= 0, got {args.distill_own_requests}")
 
 
 def _run_train_medusa(args) -> int:
@@ -132,8 +134,8 @@ def _run_train_medusa(args) -> int:
     from .train_medusa import TrainSettings, train_medusa
 
     _check_common(args, ("heads", "layers"))
-    if min(args.distill_prompts, args.distill_tokens, args.draft_vocab, args.distill_own_requests) < 0:
-        raise ConfigError("--distill-prompts, --distill-tokens, --distill-own-requests and --draft-vocab must be >= 0")
+    if args.distill_prompts < 0 or args.distill_tokens < 0 or args.draft_vocab < 0:
+        raise ConfigError("--distill-prompts, --distill-tokens and --draft-vocab must be >= 0")
     if not 0 <= args.held_out < 1:
         raise ConfigError(f"--held-out must be in [0, 1), got {args.held_out}")
     text = Path(args.text).read_text(encoding="utf-8") if args.text else None
@@ -183,8 +185,8 @@ def _run_train_eagle(args) -> int:
         distill_prompts=args.distill_prompts, distill_max_tokens=args.distill_max_tokens,
         distill_batch=args.distill_batch, distill_rounds=args.distill_rounds,
         distill_temperature=args.distill_temperature, distill_own_requests=args.distill_own_requests,
-        validation_share=args.validation_share, eval_every=args.eval_every, seed=args.seed, device=args.device, save_dtype=getattr(torch, args.save_dtype),
-        time_limit=args.time_limit)
+        validation_share=args.validation_share, eval_every=args.eval_every, seed=args.seed, device=args.device,
+        save_dtype=getattr(torch, args.save_dtype), time_limit=args.time_limit)
     report = train_eagle(args.model, args.out, settings, text)
     summary = {"out": str(report.out_dir), "tokens": report.num_tokens, "first_loss": round(report.first_loss, 4),
                "last_loss": round(report.last_loss, 4), "depth_accuracy": [round(a, 4) for a in report.accuracy],

@@ -93,6 +93,9 @@ def test_cli_refuses_bad_distillation_settings(tiny, tmp_path, capsys):
         assert main(["spec", "train-medusa", "--model", str(model_dir), "--out", str(tmp_path / "h"), flag,
                      value]) == 2
         assert flag.split("-")[-1] in capsys.readouterr().err
+    assert main(["spec", "train-eagle", "--model", str(model_dir), "--out", str(tmp_path / "e"),
+                 "--distill-own-requests", "-2"]) == 2  # the distillation flags are checked alike for both trainers
+    assert "--distill-own-requests must be >= 0, got -2" in capsys.readouterr().err
 
 
 def test_bench_topic_filter_catches_every_chat_bench_request_and_few_training_requests():
