@@ -127,9 +127,10 @@ def _attach_lm_head(heads: MedusaHeads, lm_head: torch.Tensor, vocab: Optional[t
     elif vocab is None:
         heads.share_lm_head(lm_head)
     else:
-        columns = lm_head[vocab.to(lm_head.device)]
+        vocab = vocab.to(lm_head.device)
+        columns = lm_head[vocab]
         heads.share_lm_head(lambda hidden: F.linear(hidden, columns), lm_head.shape[0])
-        heads.restrict_vocab(vocab.to(lm_head.device))
+        heads.restrict_vocab(vocab)
 
 
 def _text_data(base, tokenizer, settings: TrainSettings, text: Optional[str]):
