@@ -151,3 +151,39 @@ def test_preemption_takes_the_lowest_priority_first():
     assert scheduler.running == [high, low]
     batch = run_step(scheduler)  # both need a third block: the low-priority one gives its blocks back
     assert batch.preempted == [low] and batch.seqs == [high]
+
+
+def decoding_with_drafts(num_seqs, draft_len, max_num_tokens, window=()):
+    """A scheduler whose `num_seqs` sequences have their prompts computed and each a draft chain of `draft_len`."""
+    from tritonllm.engine.embedded.spec_methods import StepDraft
+    from tritonllm.spec_decode.tree import DraftTree
+
+    scheduler = Scheduler(BlockManager(num_blocks=64, block_size=4), max_batch_size=8, max_num_tokens=max_num_tokens,
+                          enable_chunked_prefill=False, guaranteed_no_evict=False)
+    seqs = [make_seq(i, 2, max_tokens=16) for i in range(num_seqs)]
+    for seq in seqs:
+        scheduler.add(seq)
+    run_step(scheduler)  # prefill; each has one known, uncomputed token now
+    for seq in seqs:
+        seq.draft = StepDraft(DraftTree.chain(range(100, 100 + draft_len)), window=list(window))
+    return scheduler, seqs
+
+
+def test_a_draft_over_the_budget_is_cut_to_what_is_left():
+    scheduler, (seq,) = decoding_with_drafts(1, draft_len=6, max_num_tokens=4)
+    batch = scheduler.schedule()
+    assert batch.num_new_tokens == [4] and seq.draft.tree.tokens == [100, 101, 102]
+
+
+def test_drafts_leave_every_later_running_sequence_its_token():
+    scheduler, (a, b, c) = decoding_with_drafts(3, draft_len=6, max_num_tokens=8)
+    batch = scheduler.schedule()
+    # a keeps 5 draft tokens (1 + 5), leaving one token each for b and c, whose drafts go
+    assert batch.seqs == [a, b, c] and batch.num_new_tokens == [6, 1, 1]
+    assert len(a.draft.tree) == 5 and b.draft is None and c.draft is None
+
+
+def test_a_lookahead_draft_that_does_not_fit_is_dropped_not_cut():
+    scheduler, (seq,) = decoding_with_drafts(1, draft_len=2, max_num_tokens=4, window=[7, 8])
+    batch = scheduler.schedule()
+    assert batch.num_new_tokens == [1] and seq.draft is None

@@ -1,7 +1,8 @@
 """Fills one token budget per step (vLLM v1's rule): every scheduled sequence's computed tokens catch up with its
 known tokens. Running sequences go first (a decode is one token, a chunked prefill a slice of its prompt), then
 waiting ones are admitted by priority (request `priority`, higher first), then arrival order, while the batch, the
-token budget and the KV cache allow.
+token budget and the KV cache allow. A decode's speculative draft rides along in the budget that is left once
+every later running sequence has its token: cut to its first nodes, or dropped where it cannot be cut.
 
 When blocks run out, the most recently admitted running sequence of the lowest priority is preempted: its blocks
 are freed and it goes back to the front of the queue to be recomputed. With GUARANTEED_NO_EVICT a sequence is admitted only when blocks
@@ -88,10 +89,13 @@ class Scheduler:
                                                                  s.request_id, s.index)))
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
-        for seq in list(self.running):
-            if seq.status is not SequenceStatus.RUNNING or budget <= 0:
+        running = [seq for seq in self.running if seq.status is SequenceStatus.RUNNING]
+        for position, seq in enumerate(running):
+            if budget <= 0 or seq.status is not SequenceStatus.RUNNING:  # preempted for an earlier one
                 continue
-            num_tokens = self._tokens_to_schedule(seq, budget, first=batch.is_empty)
+            # A draft is an optional extra: it may not take the one token each later running sequence needs.
+            num_tokens = self._tokens_to_schedule(seq, budget, first=batch.is_empty,
+                                                  draft_budget=budget - (len(running) - position - 1))
             if num_tokens == 0:
                 continue
             if not self._grow_or_preempt(seq, seq.num_computed_tokens + num_tokens, batch):
@@ -142,10 +146,12 @@ class Scheduler:
             batch.add(seq, num_tokens)
             budget -= num_tokens
 
-    def _tokens_to_schedule(self, seq: Sequence, budget: int, first: bool, computed: int | None = None) -> int:
+    def _tokens_to_schedule(self, seq: Sequence, budget: int, first: bool, computed: int | None = None,
+                            draft_budget: int | None = None) -> int:
         known = seq.num_tokens - (seq.num_computed_tokens if computed is None else computed)
-        if seq.draft is not None and known + seq.num_draft_tokens > budget:
-            seq.draft = None  # a speculative draft is an optional extra: dropped rather than chunked
+        room = (budget if draft_budget is None else min(budget, draft_budget)) - known
+        if seq.draft is not None and seq.num_draft_tokens > room:
+            seq.draft = seq.draft.truncated(room)  # cut to the room left, or None where it cannot be cut
         wanted = known + seq.num_draft_tokens
         if wanted <= budget:
             return wanted

@@ -5,7 +5,7 @@ Built on tritonllm.spec_decode: n-gram, Medusa and the draft model are plain `Pr
 as they are); lookahead adds its window tokens to the draft; external draft tokens come with the request."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Sequence as Seq
 
 import torch
@@ -41,6 +41,14 @@ class StepDraft:
     @property
     def position_offsets(self) -> list[int]:
         return self.offsets if self.offsets is not None else self.tree.position_offsets()
+
+    def truncated(self, max_tokens: int) -> Optional["StepDraft"]:
+        """The draft cut to its first `max_tokens` tree nodes (a step short of token budget), or None where nothing
+        would be left or it cannot be cut: lookahead's window and mask belong together, and an external draft is
+        verified whole (a later step feeds it again)."""
+        if max_tokens < 1 or self.window or self.mask is not None or self.offsets is not None or self.external:
+            return None
+        return replace(self, tree=self.tree.truncated(max_tokens))
 
     def attention_mask(self) -> Optional[torch.Tensor]:
         """None where causal attention is right (a chain without a window)."""
