@@ -9,6 +9,8 @@ from typing import Any, Optional
 
 import yaml
 
+from .graph_settings import DEFAULT as GRAPH_DEFAULT
+
 
 class ConfigError(ValueError):
     """An engine argument with a bad value or an unknown key; the message names it."""
@@ -71,6 +73,8 @@ class EngineConfig:
     enable_lora: bool = False
     lora_config: Optional[dict] = None
     speculative_config: Optional[dict] = None
+    # CUDA graphs for decode-only steps; None: none (see graph_settings.py, also for the default).
+    cuda_graph_config: Optional[dict] = field(default_factory=lambda: dict(GRAPH_DEFAULT))
     normalize_log_probs: bool = True
     # Keys passed through untouched to TensorRT-LLM (the embedded engine refuses them).
     extra: dict = field(default_factory=dict)
@@ -113,6 +117,7 @@ class EngineConfig:
         self.scheduler_config.validate()
         self.lora_settings()
         self.speculative_settings()
+        self.cuda_graph_settings()
 
     def speculative_settings(self):
         """`speculative_config` typed and checked (tritonllm.spec_decode.config), or None without one."""
@@ -121,6 +126,15 @@ class EngineConfig:
         from tritonllm.spec_decode.config import parse_speculative_config
 
         return parse_speculative_config(self.speculative_config)
+
+    def cuda_graph_settings(self):
+        """`cuda_graph_config` typed and checked (graph_settings.CudaGraphSettings), or None when graphs are off."""
+        from .graph_settings import GraphSettingsError, parse_cuda_graph_config
+
+        try:
+            return parse_cuda_graph_config(self.cuda_graph_config)
+        except GraphSettingsError as exc:
+            raise ConfigError(str(exc)) from None
 
     def lora_settings(self):
         """`lora_config` typed and checked (tritonllm.lora.settings.LoraSettings), or None when LoRA is off.

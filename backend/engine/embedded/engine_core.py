@@ -15,6 +15,7 @@ from ..types import CompletionOutput, InvalidRequestError, RequestOutput, Sampli
 from .beam_requests import BeamRequests, beam_snapshot
 from .beam_search import BeamSearch
 from .block_manager import BlockManager, blocks_for
+from .cuda_graphs import DecodeGraphs, graphs_supported
 from .device import avoid_cudnn_attention, kv_cache_token_budget, resolve_device, resolve_dtype
 from .loader import load_model, read_model_config
 from .model_runner import ModelRunner
@@ -81,8 +82,17 @@ class EngineCore:
             guaranteed_no_evict=config.scheduler_config.capacity_scheduler_policy == "GUARANTEED_NO_EVICT",
             max_loras=self.lora.settings.max_loras if self.lora else None)
         mc = self.model_config
-        self.runner = ModelRunner(self.model, mc.num_layers, mc.num_kv_heads, mc.head_dim, num_blocks, block_size,
-                                  self.dtype, self.device)
+        graph_settings = config.cuda_graph_settings() if graphs_supported(self.device) else None
+        # With graphs, one block more than the block manager hands out: padding rows write their K/V there.
+        self.runner = ModelRunner(self.model, mc.num_layers, mc.num_kv_heads, mc.head_dim,
+                                  num_blocks + (graph_settings is not None), block_size, self.dtype, self.device)
+        if graph_settings is not None:
+            self.runner.graphs = DecodeGraphs(self.model, self.runner.kv_caches, graph_settings, config.max_batch_size,
+                                              block_size, blocks_for(self.max_seq_len, block_size),
+                                              scratch_block=num_blocks, device=self.device)
+            log.info("CUDA graphs for decode-only steps of batch sizes %s%s (each captured on first use)",
+                     ", ".join(map(str, graph_settings.batch_sizes)),
+                     ", smaller batches padded up" if graph_settings.enable_padding else "")
         self.runner.lora = self.lora
         self.speculator = Speculator(self, config.speculative_settings())
         self.beams = BeamRequests(self)

@@ -51,6 +51,7 @@ class ModelRunner:
         self.device = device
         self.lora = None  # tritonllm.lora.runtime.LoraRuntime when LoRA is enabled
         self.keep_all_hidden = False  # return every computed position's hidden state (StepOutput.all_hidden)
+        self.graphs = None  # cuda_graphs.DecodeGraphs when decode steps replay CUDA graphs
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         # Blocks are zeroed when first handed out (see `zero_blocks`), so the cache can start uninitialised.
         self.kv_caches = [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
@@ -61,7 +62,12 @@ class ModelRunner:
         """Runs the step; returns next-token logits for the sampling sequences (and stores context logits)."""
         self.zero_blocks(new_blocks)
         inputs = self.prepare(batch)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches, self._lora_batch(batch))
+        lora = self._lora_batch(batch)
+        hidden = None
+        if self.graphs is not None and lora is None and not self.keep_all_hidden:
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.attn)
+        if hidden is None:
+            hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches, lora)
         sampled = hidden[inputs.logits_indices]
         logits = self.model.compute_logits(sampled).float()
         for seq, indices in inputs.context_requests:

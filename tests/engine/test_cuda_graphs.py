@@ -1,0 +1,151 @@
+"""CUDA graphs for decode-only steps: `cuda_graph_config` parsing, and engine output with graphs equal to without.
+
+On a CPU (the default) the capture is replaced by eager runs of the very forward a graph would hold, over the same
+static, padded inputs: that checks the padding rows, the scratch block and the widths; TRITONLLM_TEST_DEVICE=cuda
+captures and replays real graphs."""
+import os
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from tritonllm.engine.config import ConfigError, EngineConfig
+from tritonllm.engine.embedded import cuda_graphs, engine_core
+from tritonllm.engine.embedded.engine import EmbeddedEngine
+from tritonllm.engine.graph_settings import CudaGraphSettings, default_batch_sizes, parse_cuda_graph_config
+from tritonllm.engine.types import SamplingParams
+from tritonllm.model_files.tiny import build_tiny_model
+
+DEVICE = os.environ.get("TRITONLLM_TEST_DEVICE", "cpu")
+PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog, and then", "Once upon a time, in a small village",
+           "Caf\u00e9 cr\u00e8me", "In the beginning the engineers wrote a scheduler. It admitted requests as they"]
+MAX_TOKENS = [70, 12, 30, 5, 22]  # the batch shrinks as answers end: 5, 4, 3, 2, 1 rows
+
+
+def test_the_engine_pads_by_default_and_tensorrt_llm_keeps_its_own_default():
+    from tritonllm.engine.trtllm_args import _optional_llm_kwargs
+
+    default = EngineConfig.from_dict({"model": "m"})
+    assert default.cuda_graph_settings().enable_padding
+    assert "cuda_graph_config" not in _optional_llm_kwargs(default)
+    for value in (None, {"batch_sizes": [1, 2]}):
+        config = EngineConfig.from_dict({"model": "m", "cuda_graph_config": value})
+        assert _optional_llm_kwargs(config)["cuda_graph_config"] == value
+
+
+def test_defaults_follow_tensorrt_llm():
+    assert parse_cuda_graph_config({}).batch_sizes == (*range(1, 32), 32, 64, 128)
+    assert parse_cuda_graph_config({"enable_padding": True}).batch_sizes == (1, 2, 4, *range(8, 129, 8))
+    assert parse_cuda_graph_config({"max_batch_size": 40}).batch_sizes == (*range(1, 33), 40)
+    assert default_batch_sizes(1000, padding=False)[-4:] == (128, 256, 512, 1000)
+    assert parse_cuda_graph_config({"batch_sizes": [8, 2, 2], "max_batch_size": 8}).batch_sizes == (2, 8)
+    assert parse_cuda_graph_config(None) is None
+
+
+def test_a_batch_runs_in_its_own_size_or_padded_to_the_next():
+    exact, padded = CudaGraphSettings((2, 8)), CudaGraphSettings((2, 8), enable_padding=True)
+    assert [exact.graph_batch_size(n) for n in (1, 2, 3, 8, 9)] == [None, 2, None, 8, None]
+    assert [padded.graph_batch_size(n) for n in (1, 2, 3, 8, 9)] == [2, 2, 8, 8, None]
+
+
+@pytest.mark.parametrize("value, named", [
+    ([1, 2], "must be a mapping or null"),
+    ({"batch_size": [1]}, "unknown key(s) ['batch_size']"),
+    ({"batch_sizes": []}, "batch_sizes must be a non-empty list"),
+    ({"batch_sizes": [0, 2]}, "batch_sizes must be a non-empty list"),
+    ({"batch_sizes": [1, 4], "max_batch_size": 8}, "max_batch_size=8 must equal the largest"),
+    ({"max_batch_size": -1}, "max_batch_size must be an integer >= 0"),
+    ({"enable_padding": "yes"}, "enable_padding must be true or false"),
+])
+def test_bad_settings_name_the_key(value, named):
+    with pytest.raises(ConfigError, match="cuda_graph_config") as error:
+        EngineConfig.from_dict({"model": "m", "cuda_graph_config": value})
+    assert named in str(error.value)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    model_dir = build_tiny_model(tmp_path_factory.mktemp("graphs"), seed=3)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    return model_dir, [tokenizer.encode(p) for p in PROMPTS], tokenizer.eos_token_id
+
+
+@pytest.fixture
+def graphs_here(monkeypatch):
+    """Graphs on this test device: real ones on CUDA, eager stand-ins elsewhere."""
+    if DEVICE != "cuda":
+        def eager_capture(forward, pool):
+            output = forward()
+            return (lambda: output.copy_(forward())), output
+
+        monkeypatch.setattr(engine_core, "graphs_supported", lambda device: True)
+        monkeypatch.setattr(cuda_graphs, "capture", eager_capture)
+
+
+def run(model_dir, prompts, eos, graphs):
+    engine = EmbeddedEngine(EngineConfig.from_dict({
+        "model": str(model_dir), "dtype": "float32", "device": DEVICE, "max_batch_size": 8,
+        "kv_cache_config": {"tokens_per_block": 4, "max_tokens": 1024}, "cuda_graph_config": graphs}))
+    try:
+        handles = [engine.generate_async(ids, SamplingParams(max_tokens=n, end_id=eos))
+                   for ids, n in zip(prompts, MAX_TOKENS)]
+        outputs = [h.result().outputs[0].token_ids for h in handles]
+        stats = engine.wait_idle()
+        assert stats.num_free_blocks == stats.num_total_blocks
+        return outputs, engine.core.runner.graphs
+    finally:
+        engine.shutdown()
+
+
+def test_padded_graphs_give_the_eager_tokens(tiny, graphs_here):
+    model_dir, prompts, eos = tiny
+    expected, no_graphs = run(model_dir, prompts, eos, None)
+    assert no_graphs is None
+    outputs, graphs = run(model_dir, prompts, eos, {"batch_sizes": [1, 2, 4, 8], "enable_padding": True})
+    assert outputs == expected
+    sizes = {batch for batch, _ in graphs.graphs}
+    widths = {width for _, width in graphs.graphs}
+    assert 8 in sizes and 4 in sizes  # 5 rows padded to 8, 3 to 4
+    assert len(widths) > 1 and all(width & (width - 1) == 0 for width in widths)  # powers of two, growing
+    assert graphs.replays > 30
+
+
+def test_without_padding_only_the_listed_sizes_use_graphs(tiny, graphs_here):
+    model_dir, prompts, eos = tiny
+    expected, _ = run(model_dir, prompts, eos, None)
+    outputs, graphs = run(model_dir, prompts, eos, {"batch_sizes": [2]})
+    assert outputs == expected
+    assert {batch for batch, _ in graphs.graphs} == {2} and graphs.replays > 0
+
+
+def test_padding_rows_write_only_the_scratch_block(tiny, graphs_here):
+    model_dir, prompts, eos = tiny
+    engine = EmbeddedEngine(EngineConfig.from_dict({
+        "model": str(model_dir), "dtype": "float32", "device": DEVICE,
+        "kv_cache_config": {"tokens_per_block": 4, "max_tokens": 64}, "cuda_graph_config": {}}))
+    try:
+        core = engine.core
+        assert len(core.runner.kv_caches[0][0]) == core.block_manager.num_blocks + 1
+        assert core.runner.graphs.scratch_slot == core.block_manager.num_blocks * 4
+    finally:
+        engine.shutdown()
+
+
+def decode_metadata(slots, tables, context_lens, block_size=4):
+    from tritonllm.engine.embedded.attention import step_metadata
+
+    return step_metadata(slots, tables, list(range(len(slots))), [1] * len(slots), context_lens, block_size,
+                         [None] * len(slots), "cpu", torch.float32)
+
+
+def test_loading_fewer_rows_turns_the_rest_back_into_padding_rows():
+    graph = cuda_graphs._Graph(batch=4, width=4, block_size=4, scratch_slot=40, dtype=torch.float32, device="cpu")
+    wide = decode_metadata([13, 22, 7], [[1, 2, 3, 3], [4, 5, 5, 5], [6, 1, 1, 1]], [14, 11, 8])
+    graph.load(torch.tensor([5, 6, 7]), torch.tensor([13, 10, 7]), wide)
+    assert graph.slots.tolist() == [13, 22, 7, 40]
+    narrow = decode_metadata([9], [[2, 3]], [6])  # the long ones ended: two blocks wide now
+    graph.load(torch.tensor([8]), torch.tensor([5]), narrow)
+    assert graph.slots.tolist() == [9, 40, 40, 40]  # the rows of the ended ones write nowhere that matters
+    assert graph.tables[0, :2].tolist() == [2, 3]
+    visible = (graph.mask[0, 0, 0] == 0).nonzero().flatten().tolist()
+    assert visible == list(range(6))  # not the wider mask of the step before
