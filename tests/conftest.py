@@ -7,3 +7,21 @@ def smollm2_dir():
     from tritonllm.model_files.smollm2 import smollm2_cached_dir
 
     return smollm2_cached_dir()
+
+
+@pytest.fixture
+def graphs_on_this_device(monkeypatch):
+    """CUDA graphs in engines made by the test: real ones under TRITONLLM_TEST_DEVICE=cuda; elsewhere eager runs of
+    the very forward a graph would hold, over the same static, padded inputs (narrow KV widths, so they vary)."""
+    import os
+
+    from tritonllm.engine.embedded import cuda_graphs, engine_core
+
+    if os.environ.get("TRITONLLM_TEST_DEVICE", "cpu") != "cuda":
+        def eager_capture(forward, pool):
+            output = forward()
+            return (lambda: output.copy_(forward())), output
+
+        monkeypatch.setattr(engine_core, "graphs_supported", lambda device: True)
+        monkeypatch.setattr(cuda_graphs, "capture", eager_capture)
+    monkeypatch.setattr(cuda_graphs, "MIN_GRAPH_TOKENS", 16)

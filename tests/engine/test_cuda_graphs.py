@@ -10,7 +10,7 @@ import torch
 from transformers import AutoTokenizer
 
 from tritonllm.engine.config import ConfigError, EngineConfig
-from tritonllm.engine.embedded import cuda_graphs, engine_core
+from tritonllm.engine.embedded import cuda_graphs
 from tritonllm.engine.embedded.engine import EmbeddedEngine
 from tritonllm.engine.graph_settings import CudaGraphSettings, default_batch_sizes, parse_cuda_graph_config
 from tritonllm.engine.types import SamplingParams
@@ -70,18 +70,6 @@ def tiny(tmp_path_factory):
     return model_dir, [tokenizer.encode(p) for p in PROMPTS], tokenizer.eos_token_id
 
 
-@pytest.fixture
-def graphs_here(monkeypatch):
-    """Graphs on this test device: real ones on CUDA, eager stand-ins elsewhere."""
-    if DEVICE != "cuda":
-        def eager_capture(forward, pool):
-            output = forward()
-            return (lambda: output.copy_(forward())), output
-
-        monkeypatch.setattr(engine_core, "graphs_supported", lambda device: True)
-        monkeypatch.setattr(cuda_graphs, "capture", eager_capture)
-
-
 def run(model_dir, prompts, eos, graphs):
     engine = EmbeddedEngine(EngineConfig.from_dict({
         "model": str(model_dir), "dtype": "float32", "device": DEVICE, "max_batch_size": 8,
@@ -97,28 +85,28 @@ def run(model_dir, prompts, eos, graphs):
         engine.shutdown()
 
 
-def test_padded_graphs_give_the_eager_tokens(tiny, graphs_here):
+def test_padded_graphs_give_the_eager_tokens(tiny, graphs_on_this_device):
     model_dir, prompts, eos = tiny
     expected, no_graphs = run(model_dir, prompts, eos, None)
     assert no_graphs is None
     outputs, graphs = run(model_dir, prompts, eos, {"batch_sizes": [1, 2, 4, 8], "enable_padding": True})
     assert outputs == expected
-    sizes = {batch for batch, _ in graphs.graphs}
-    widths = {width for _, width in graphs.graphs}
+    sizes = {batch for batch, _, _ in graphs.graphs}
+    widths = {width for _, _, width in graphs.graphs}
     assert 8 in sizes and 4 in sizes  # 5 rows padded to 8, 3 to 4
     assert len(widths) > 1 and all(width & (width - 1) == 0 for width in widths)  # powers of two, growing
     assert graphs.replays > 30
 
 
-def test_without_padding_only_the_listed_sizes_use_graphs(tiny, graphs_here):
+def test_without_padding_only_the_listed_sizes_use_graphs(tiny, graphs_on_this_device):
     model_dir, prompts, eos = tiny
     expected, _ = run(model_dir, prompts, eos, None)
     outputs, graphs = run(model_dir, prompts, eos, {"batch_sizes": [2]})
     assert outputs == expected
-    assert {batch for batch, _ in graphs.graphs} == {2} and graphs.replays > 0
+    assert {batch for batch, _, _ in graphs.graphs} == {2} and graphs.replays > 0
 
 
-def test_padding_rows_write_only_the_scratch_block(tiny, graphs_here):
+def test_padding_rows_write_only_the_scratch_block(tiny, graphs_on_this_device):
     model_dir, prompts, eos = tiny
     engine = EmbeddedEngine(EngineConfig.from_dict({
         "model": str(model_dir), "dtype": "float32", "device": DEVICE,
@@ -139,13 +127,31 @@ def decode_metadata(slots, tables, context_lens, block_size=4):
 
 
 def test_loading_fewer_rows_turns_the_rest_back_into_padding_rows():
-    graph = cuda_graphs._Graph(batch=4, width=4, block_size=4, scratch_slot=40, dtype=torch.float32, device="cpu")
-    wide = decode_metadata([13, 22, 7], [[1, 2, 3, 3], [4, 5, 5, 5], [6, 1, 1, 1]], [14, 11, 8])
-    graph.load(torch.tensor([5, 6, 7]), torch.tensor([13, 10, 7]), wide)
+    graph = cuda_graphs._Graph(seqs=4, rows=1, width=4, block_size=4, scratch_slot=40, dtype=torch.float32,
+                               device="cpu")
+
+    def load(ids, positions, meta):
+        where = torch.from_numpy(cuda_graphs.placement(meta, 1))
+        graph.load(torch.tensor(ids), torch.tensor(positions), meta, where, cuda_graphs.visible_keys(meta, 1, 16))
+
+    load([5, 6, 7], [13, 10, 7], decode_metadata([13, 22, 7], [[1, 2, 3, 3], [4, 5, 5, 5], [6, 1, 1, 1]],
+                                                 [14, 11, 8]))
     assert graph.slots.tolist() == [13, 22, 7, 40]
-    narrow = decode_metadata([9], [[2, 3]], [6])  # the long ones ended: two blocks wide now
-    graph.load(torch.tensor([8]), torch.tensor([5]), narrow)
+    load([8], [5], decode_metadata([9], [[2, 3]], [6]))  # the long ones ended: two blocks wide now
     assert graph.slots.tolist() == [9, 40, 40, 40]  # the rows of the ended ones write nowhere that matters
     assert graph.tables[0, :2].tolist() == [2, 3]
-    visible = (graph.mask[0, 0, 0] == 0).nonzero().flatten().tolist()
-    assert visible == list(range(6))  # not the wider mask of the step before
+    assert (graph.mask[0, 0, 0] == 0).nonzero().flatten().tolist() == list(range(6))  # not the wider mask before
+
+
+def test_a_draft_tree_is_padded_to_its_rows_with_its_own_mask():
+    from tritonllm.engine.embedded.attention import step_metadata
+
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # root and two siblings
+    meta = step_metadata([9, 10, 11, 3], [[0, 2, 1, 1], [5]], [0, 3], [3, 1], [12, 4], 4, [tree, None], "cpu",
+                         torch.float32)
+    assert cuda_graphs.placement(meta, 4).tolist() == [0, 1, 2, 4]
+    visible = cuda_graphs.visible_keys(meta, 4, 16)
+    assert visible[0, 0].nonzero().flatten().tolist() == list(range(10))  # the root: context and itself
+    assert visible[0, 2].nonzero().flatten().tolist() == [*range(10), 11]  # a sibling: the root and itself
+    assert visible[0, 3].nonzero().flatten().tolist() == [0]  # a padding row
+    assert visible[1, 0].nonzero().flatten().tolist() == [0, 1, 2, 3]

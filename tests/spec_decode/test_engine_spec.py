@@ -316,3 +316,17 @@ def test_a_request_can_opt_out_of_speculation_in_a_speculating_batch(model_dir, 
     assert [o.token_ids for o in outputs] == reference
     assert [o.request_perf_metrics.total_draft_tokens > 0 for o in outputs[:2]] == [True, False]
     assert outputs[1].request_perf_metrics.total_accepted_draft_tokens == 0
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_same", "medusa", "lookahead"])
+def test_verification_steps_in_cuda_graphs_stay_plain_greedy(model_dir, other_draft_dir, medusa_dir, reference,
+                                                              method, graphs_on_this_device):
+    spec = methods(model_dir, other_draft_dir, medusa_dir)[method]
+    engine = make_engine(model_dir, spec, cuda_graph_config={"batch_sizes": [1, 2, 4, 8], "enable_padding": True})
+    try:
+        assert [o.token_ids for o in run_batch(engine)] == reference
+        shapes = engine.core.runner.graphs.graphs
+        assert any(rows > 1 for _, rows, _ in shapes)  # roots with their drafts, padded to a power of two
+        assert_all_blocks_free(engine)
+    finally:
+        engine.shutdown()

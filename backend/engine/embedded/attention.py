@@ -24,8 +24,9 @@ class AttentionMetadata:
     query_lens: list[int]
     context_lens: list[int]
     block_size: int
-    # Decode-only steps (every query_len == 1) use one batched kernel; built once per step by the runner.
-    decode_mask: torch.Tensor | None = None  # [S, 1, 1, max_context], bool or additive (build_decode_mask)
+    # Steps where every sequence has the same number of query rows Q use one batched kernel: decode-only steps
+    # (Q = 1, mask built once per step by the runner) and CUDA graphs (cuda_graphs.py pads every sequence to Q).
+    decode_mask: torch.Tensor | None = None  # [S, 1, Q, max_context], bool or additive (build_decode_mask)
     # Speculative drafts: per sequence, None (causal) or a [n, n] bool mask over its last n query tokens (the root
     # and its draft tree); those tokens see the whole context before them and, among themselves, only this mask.
     tail_masks: list[torch.Tensor | None] | None = None
@@ -158,9 +159,11 @@ def _sequence_attention(q, k_cache, v_cache, table, ctx_len, block_size, scale, 
 
 
 def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale):
+    """Every sequence's Q rows (consecutive in q) at once over its gathered blocks."""
     tables = meta.block_tables
     keys = _gather_blocks(k_cache, tables).flatten(1, 2).transpose(1, 2)  # [S, kv_heads, max_ctx, d]
     values = _gather_blocks(v_cache, tables).flatten(1, 2).transpose(1, 2)
-    out = F.scaled_dot_product_attention(q[:, :, None, :], keys, values, attn_mask=meta.decode_mask, scale=scale,
+    queries = q.view(tables.shape[0], -1, *q.shape[1:]).transpose(1, 2)  # [S, heads, Q, d]
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.decode_mask, scale=scale,
                                          enable_gqa=True)
-    return out[:, :, 0, :]
+    return out.transpose(1, 2).reshape(q.shape)

@@ -1,19 +1,22 @@
-"""CUDA graphs for decode-only steps (`cuda_graph_config`, as in TensorRT-LLM's PyTorch backend).
+"""CUDA graphs for decode steps (`cuda_graph_config`, as in TensorRT-LLM's PyTorch backend).
 
 A decode step of a small model on a GPU is bound by kernel launches and Python, not by the GPU: the forward is
 hundreds of small kernels. Replaying it as one captured graph removes that cost. A graph needs fixed shapes, so
-there is one per (batch size, KV blocks a row) pair: batch sizes come from the settings (a batch runs in the graph
-of its exact size, or with `enable_padding` of the next larger one), block widths are rounded up to a power of two
-(attention masks the extra blocks). Graphs are captured the first time their shape comes up, and share one memory
-pool. Padding rows write their K/V into a scratch block that belongs to no sequence.
+one is captured, on first use, per (sequences, query rows a sequence, KV blocks a sequence): sequences come from
+the settings (a batch runs in the graph of its exact size, or with `enable_padding` of the next larger one); rows
+are rounded up to a power of two, so speculative steps (a root and its draft tree) run in graphs too, padded; block
+widths are rounded up to a power of two of at least MIN_GRAPH_TOKENS (attention masks the extra keys). Graphs share
+one memory pool. Padding rows write their K/V into a scratch block that belongs to no sequence.
 
-Only plain decode steps use graphs: steps with prompt tokens, speculative drafts or LoRA adapters run eagerly."""
+Steps with LoRA adapters, with more than MAX_GRAPH_ROWS new tokens in a sequence (prompts), or that must keep
+every hidden state (Eagle) run eagerly."""
 from __future__ import annotations
 
 import logging
 import time
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 
 from tritonllm.engine.graph_settings import CudaGraphSettings
@@ -22,6 +25,8 @@ from .attention import AttentionMetadata
 
 log = logging.getLogger(__name__)
 
+MIN_GRAPH_TOKENS = 1024  # the narrowest KV a graph reads a sequence: fewer shapes, and a GPU gathers it cheaply
+MAX_GRAPH_ROWS = 32  # the most new tokens of one sequence a graph takes (a root and its draft tree)
 WARMUP_RUNS = 2  # eager runs on a side stream before capture (lets lazy initialisation happen outside the graph)
 
 
@@ -45,35 +50,63 @@ def capture(forward: Callable[[], torch.Tensor], pool) -> tuple[Callable[[], Non
 
 
 class _Graph:
-    """One captured forward: `batch` rows, `width` KV blocks a row, with static inputs it reads on every replay."""
+    """One captured forward over `seqs` x `rows` query rows and `width` KV blocks a sequence, with the static inputs
+    it reads on every replay (row r of sequence s is flat row s * rows + r)."""
 
-    def __init__(self, batch: int, width: int, block_size: int, scratch_slot: int, dtype, device):
+    def __init__(self, seqs: int, rows: int, width: int, block_size: int, scratch_slot: int, dtype, device):
         long = dict(dtype=torch.long, device=device)
+        self.rows = rows
         self.scratch_slot = scratch_slot
-        self.input_ids = torch.zeros(batch, **long)
-        self.positions = torch.zeros(batch, **long)
-        self.slots = torch.full((batch,), scratch_slot, **long)  # every row a padding row until loaded
-        self.tables = torch.zeros(batch, width, **long)
-        self.mask = torch.full((batch, 1, 1, width * block_size), float("-inf"), dtype=dtype, device=device)
+        self.input_ids = torch.zeros(seqs * rows, **long)
+        self.positions = torch.zeros(seqs * rows, **long)
+        self.slots = torch.full((seqs * rows,), scratch_slot, **long)  # every row a padding row until loaded
+        self.tables = torch.zeros(seqs, width, **long)
+        self.mask = torch.full((seqs, 1, rows, width * block_size), float("-inf"), dtype=dtype, device=device)
         self.mask[..., 0] = 0  # a padding row sees one key, so its softmax stays finite
         self.attn = AttentionMetadata(slot_mapping=self.slots, block_tables=self.tables,
-                                      query_starts=list(range(batch)), query_lens=[1] * batch,
-                                      context_lens=[1] * batch, block_size=block_size, decode_mask=self.mask)
+                                      query_starts=list(range(0, seqs * rows, rows)), query_lens=[rows] * seqs,
+                                      context_lens=[1] * seqs, block_size=block_size, decode_mask=self.mask)
         self.replay: Optional[Callable[[], None]] = None
         self.hidden: Optional[torch.Tensor] = None
 
-    def load(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> None:
-        """This step's rows first; the rest become padding rows again (their slots point at the scratch block;
-        stale block ids and masks of earlier steps stay, valid and harmless)."""
-        rows, columns = len(input_ids), attn.block_tables.shape[1]
-        self.input_ids[:rows].copy_(input_ids)
-        self.positions[:rows].copy_(positions)
-        self.slots[:rows].copy_(attn.slot_mapping)
-        self.slots[rows:].fill_(self.scratch_slot)
-        self.tables[:rows, :columns].copy_(attn.block_tables)
-        width = attn.decode_mask.shape[-1]
-        self.mask[:rows, ..., :width].copy_(attn.decode_mask)
-        self.mask[:rows, ..., width:].fill_(float("-inf"))
+    def load(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+             placement: torch.Tensor, visible: torch.Tensor) -> None:
+        """This step's rows at their `placement`; every other row becomes a padding row (its slot the scratch
+        block's; stale ids, block ids and masks of earlier steps stay, valid and harmless)."""
+        self.slots.fill_(self.scratch_slot)
+        self.slots.index_copy_(0, placement, attn.slot_mapping)
+        self.input_ids.index_copy_(0, placement, input_ids)
+        self.positions.index_copy_(0, placement, positions)
+        seqs, columns = attn.block_tables.shape
+        self.tables[:seqs, :columns].copy_(attn.block_tables)
+        mask = self.mask[:seqs, 0]
+        mask.fill_(float("-inf"))
+        mask.masked_fill_(visible.to(mask.device), 0.0)
+
+
+def visible_keys(attn: AttentionMetadata, rows: int, width: int) -> torch.Tensor:
+    """[S, rows, width] bool: the keys each padded query row sees. Row r < q of a sequence with q new tokens is
+    causal over its context (its draft tree's rows see the tree's mask among themselves); padding rows see key 0."""
+    queries, contexts = np.array(attn.query_lens)[:, None], np.array(attn.context_lens)[:, None]
+    row = np.arange(rows)[None, :]
+    newest = np.where(row < queries, contexts - queries + row, 0)  # [S, rows]: the last key a row sees
+    visible = np.arange(width)[None, None, :] <= newest[:, :, None]
+    for seq, tail in enumerate(attn.tail_masks or ()):
+        if tail is not None:
+            size, query, context = tail.shape[0], attn.query_lens[seq], attn.context_lens[seq]
+            visible[seq, query - size:query, context - size:context] = tail.cpu().numpy()
+    return torch.from_numpy(visible)
+
+
+def placement(attn: AttentionMetadata, rows: int) -> np.ndarray:
+    """Each flat query row's row in a graph of `rows` rows a sequence."""
+    lens = np.array(attn.query_lens)
+    shift = np.arange(len(lens)) * rows - np.array(attn.query_starts)
+    return np.repeat(shift, lens) + np.arange(lens.sum())
+
+
+def _power_of_two(value: int) -> int:
+    return 1 << max(0, value - 1).bit_length()
 
 
 class DecodeGraphs:
@@ -85,37 +118,39 @@ class DecodeGraphs:
         self.max_batch_size = max_batch_size
         self.block_size = block_size
         self.max_width = max_blocks_per_seq
+        self.min_width = min(max_blocks_per_seq, max(1, MIN_GRAPH_TOKENS // block_size))
         self.scratch_slot = scratch_block * block_size
         self.device = device
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
-        self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.graphs: dict[tuple[int, int, int], _Graph] = {}
         self.replays = 0
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> Optional[torch.Tensor]:
-        """Final-norm hidden states [rows, hidden] from a graph, or None where no graph applies (run eagerly)."""
-        rows = len(input_ids)
-        if not attn.is_decode_only or rows > self.max_batch_size:
+        """Final-norm hidden states [tokens, hidden] from a graph, or None where no graph applies (run eagerly)."""
+        longest = max(attn.query_lens)
+        if longest > MAX_GRAPH_ROWS or len(attn.query_lens) > self.max_batch_size:
             return None
-        batch = self.settings.graph_batch_size(rows)
-        if batch is None:
+        seqs = self.settings.graph_batch_size(len(attn.query_lens))
+        if seqs is None:
             return None
-        graph = self._graph(batch, self._width(attn.block_tables.shape[1]))
-        graph.load(input_ids, positions, attn)
+        rows = _power_of_two(longest)
+        width = min(self.max_width, max(self.min_width, _power_of_two(attn.block_tables.shape[1])))
+        graph = self._graph(seqs, rows, width)
+        where = torch.from_numpy(placement(attn, rows)).to(self.device)
+        graph.load(input_ids, positions, attn, where, visible_keys(attn, rows, width * self.block_size))
         graph.replay()
         self.replays += 1
-        return graph.hidden[:rows]
+        return graph.hidden.index_select(0, where)
 
-    def _width(self, blocks: int) -> int:
-        return min(self.max_width, 1 << max(0, blocks - 1).bit_length())
-
-    def _graph(self, batch: int, width: int) -> _Graph:
-        graph = self.graphs.get((batch, width))
+    def _graph(self, seqs: int, rows: int, width: int) -> _Graph:
+        graph = self.graphs.get((seqs, rows, width))
         if graph is None:
             started = time.perf_counter()
-            graph = _Graph(batch, width, self.block_size, self.scratch_slot, self.kv_caches[0][0].dtype, self.device)
+            graph = _Graph(seqs, rows, width, self.block_size, self.scratch_slot, self.kv_caches[0][0].dtype,
+                           self.device)
             graph.replay, graph.hidden = capture(
                 lambda: self.model(graph.input_ids, graph.positions, graph.attn, self.kv_caches), self.pool)
-            self.graphs[(batch, width)] = graph
-            log.debug("captured a CUDA graph for decode batches of %d, up to %d cached tokens a row (%.0f ms)",
-                      batch, width * self.block_size, (time.perf_counter() - started) * 1e3)
+            self.graphs[(seqs, rows, width)] = graph
+            log.debug("captured a CUDA graph for %d sequences x %d rows, up to %d cached tokens a sequence (%.0f ms)",
+                      seqs, rows, width * self.block_size, (time.perf_counter() - started) * 1e3)
         return graph
