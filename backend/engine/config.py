@@ -9,8 +9,6 @@ from typing import Any, Optional
 
 import yaml
 
-from .graph_settings import DEFAULT as GRAPH_DEFAULT
-
 
 class ConfigError(ValueError):
     """An engine argument with a bad value or an unknown key; the message names it."""
@@ -73,8 +71,8 @@ class EngineConfig:
     enable_lora: bool = False
     lora_config: Optional[dict] = None
     speculative_config: Optional[dict] = None
-    # CUDA graphs for decode-only steps; None: none (see graph_settings.py, also for the default).
-    cuda_graph_config: Optional[dict] = field(default_factory=lambda: dict(GRAPH_DEFAULT))
+    # CUDA graphs for decode steps ({}: the defaults; None: none; see graph_settings.py).
+    cuda_graph_config: Optional[dict] = field(default_factory=dict)
     normalize_log_probs: bool = True
     # Keys passed through untouched to TensorRT-LLM (the embedded engine refuses them).
     extra: dict = field(default_factory=dict)

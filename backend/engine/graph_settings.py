@@ -3,16 +3,16 @@
 Keys as in TensorRT-LLM: `batch_sizes` (the sizes that get a graph), `max_batch_size` (without `batch_sizes`: sizes
 are generated up to it, 128 by default; with them it must equal their largest) and `enable_padding` (a batch runs
 in the graph of the next larger size; without it only batches of exactly a listed size use graphs). None turns
-graphs off. Left out, the embedded engine pads (`DEFAULT`), where TensorRT-LLM does not: it captures each graph on
-first use, and without padding a batch that shrinks request by request meets a new shape at every size (measured in
-docs/benchmarks.md: unpadded, a short mixed workload spent more on captures than the graphs saved)."""
+graphs off. One default differs: the embedded engine pads unless told `enable_padding: false` (TensorRT-LLM does
+not): it captures each graph on first use, and without padding a batch that shrinks request by request meets a new
+shape at every size (docs/benchmarks.md: unpadded, a short mixed workload spent more on captures than graphs saved).
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any, Optional
 
 DEFAULT_MAX_BATCH_SIZE = 128
-DEFAULT = {"enable_padding": True}  # the embedded engine's default `cuda_graph_config`
 KEYS = ("batch_sizes", "max_batch_size", "enable_padding")
 
 
@@ -40,7 +40,7 @@ def parse_cuda_graph_config(value: Any) -> Optional[CudaGraphSettings]:
     unknown = sorted(set(value) - set(KEYS))
     if unknown:
         raise GraphSettingsError(f"cuda_graph_config: unknown key(s) {unknown}; known: {list(KEYS)}")
-    padding = value.get("enable_padding", False)
+    padding = value.get("enable_padding", True)
     if not isinstance(padding, bool):
         raise GraphSettingsError(f"cuda_graph_config.enable_padding must be true or false, got {padding!r}")
     limit = value.get("max_batch_size", 0)

@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from .config import ConfigError, EngineConfig
-from .graph_settings import DEFAULT as GRAPH_DEFAULT
 from .types import SamplingParams
 
 # Strings that stand in for our token-level stop/bad words in `SamplingParams.stop` / `.bad` (see
@@ -60,7 +59,7 @@ def _optional_llm_kwargs(config: EngineConfig) -> dict[str, Any]:
         _check_speculative_config(config.speculative_config)
     if config.enable_lora:
         kwargs["enable_lora"] = True
-    if config.cuda_graph_config != GRAPH_DEFAULT:  # set: as given (None turns graphs off there too)
+    if config.cuda_graph_config != {}:  # set: as given (None turns graphs off there too); unset: the library's
         kwargs["cuda_graph_config"] = config.cuda_graph_config
     return kwargs
 

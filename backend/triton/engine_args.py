@@ -33,7 +33,7 @@ LOOKAHEAD_PARAMETERS = {"lookahead_window_size": "max_window_size", "lookahead_n
 ACCEPTED_PARAMETERS = (
     "FORCE_CPU_ONLY_INPUT_TENSORS", "executor_worker_path", "gpu_device_ids", "iter_stats_max_iterations",
     "request_stats_max_iterations", "kv_cache_onboard_blocks", "cross_kv_cache_fraction", "multi_block_mode",
-    "cuda_graph_mode", "cuda_graph_cache_size", "enable_context_fmha_fp32_acc", "lora_cache_optimal_adapter_size",
+    "cuda_graph_cache_size", "enable_context_fmha_fp32_acc", "lora_cache_optimal_adapter_size",
     "lora_cache_max_adapter_size", "lora_cache_gpu_memory_fraction", "lora_cache_host_memory_bytes",
     "lookahead_window_size", "lookahead_ngram_size", "lookahead_verification_set_size", "medusa_choices",
     "eagle_choices", "xgrammar_tokenizer_info_path", "gpt_model_type", "decoding_mode", "max_attention_window_size",
@@ -44,7 +44,7 @@ ENGINE_PARAMETERS = (
     "gpt_model_path", "tokenizer_dir", "max_beam_width", "max_tokens_in_paged_kv_cache",
     "kv_cache_free_gpu_mem_fraction", "enable_kv_cache_reuse", "enable_chunked_context", "batch_scheduler_policy",
     "normalize_log_probs", "engine", "dtype", "device", "max_num_tokens", "max_seq_len", "max_batch_size",
-    "lora_prefetch_dir",
+    "lora_prefetch_dir", "cuda_graph_mode",
 )
 TRITON_PARAMETERS = ("exclude_input_in_output", "cancellation_check_period_ms", "stats_check_period_ms")
 # Set at all, these ask for something not built; the value does not matter.
@@ -127,6 +127,9 @@ def engine_overrides(params: Parameters) -> dict[str, Any]:
         out["scheduler_config"] = {"capacity_scheduler_policy": SCHEDULER_POLICY_NAMES[policy]}
     _put(out, "lora_config", lora_overrides(params))
     _put(out, "speculative_config", speculative_overrides(params))
+    graphs = params.bool("cuda_graph_mode")
+    if graphs is not None:  # off, or on (with model.yaml's cuda_graph_config, if it has one)
+        out["cuda_graph_config"] = {} if graphs else None
     return out
 
 
@@ -244,7 +247,7 @@ def check_attention_window(params: Parameters) -> None:
 
 def check_accepted_parameters(params: Parameters) -> None:
     """Type-check parameters we accept without acting on them."""
-    for name in ("multi_block_mode", "cuda_graph_mode", "enable_context_fmha_fp32_acc", "kv_cache_onboard_blocks"):
+    for name in ("multi_block_mode", "enable_context_fmha_fp32_acc", "kv_cache_onboard_blocks"):
         params.bool(name)
     for name in ("cuda_graph_cache_size", "iter_stats_max_iterations", "request_stats_max_iterations",
                  "lora_cache_optimal_adapter_size", "lora_cache_max_adapter_size", "lora_cache_host_memory_bytes"):

@@ -22,7 +22,7 @@ PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog, and then", "On
 MAX_TOKENS = [70, 12, 30, 5, 22]  # the batch shrinks as answers end: 5, 4, 3, 2, 1 rows
 
 
-def test_the_engine_pads_by_default_and_tensorrt_llm_keeps_its_own_default():
+def test_the_engine_pads_unless_told_not_to_and_tensorrt_llm_keeps_its_own_default():
     from tritonllm.engine.trtllm_args import _optional_llm_kwargs
 
     default = EngineConfig.from_dict({"model": "m"})
@@ -33,10 +33,11 @@ def test_the_engine_pads_by_default_and_tensorrt_llm_keeps_its_own_default():
         assert _optional_llm_kwargs(config)["cuda_graph_config"] == value
 
 
-def test_defaults_follow_tensorrt_llm():
-    assert parse_cuda_graph_config({}).batch_sizes == (*range(1, 32), 32, 64, 128)
-    assert parse_cuda_graph_config({"enable_padding": True}).batch_sizes == (1, 2, 4, *range(8, 129, 8))
-    assert parse_cuda_graph_config({"max_batch_size": 40}).batch_sizes == (*range(1, 33), 40)
+def test_sizes_follow_tensorrt_llm():
+    assert parse_cuda_graph_config({}).batch_sizes == (1, 2, 4, *range(8, 129, 8))
+    assert parse_cuda_graph_config({"enable_padding": False}).batch_sizes == (*range(1, 32), 32, 64, 128)
+    assert parse_cuda_graph_config({"max_batch_size": 40, "enable_padding": False}).batch_sizes == (
+        *range(1, 33), 40)
     assert default_batch_sizes(1000, padding=False)[-4:] == (128, 256, 512, 1000)
     assert parse_cuda_graph_config({"batch_sizes": [8, 2, 2], "max_batch_size": 8}).batch_sizes == (2, 8)
     assert parse_cuda_graph_config(None) is None
@@ -101,7 +102,7 @@ def test_padded_graphs_give_the_eager_tokens(tiny, graphs_on_this_device):
 def test_without_padding_only_the_listed_sizes_use_graphs(tiny, graphs_on_this_device):
     model_dir, prompts, eos = tiny
     expected, _ = run(model_dir, prompts, eos, None)
-    outputs, graphs = run(model_dir, prompts, eos, {"batch_sizes": [2]})
+    outputs, graphs = run(model_dir, prompts, eos, {"batch_sizes": [2], "enable_padding": False})
     assert outputs == expected
     assert {batch for batch, _, _ in graphs.graphs} == {2} and graphs.replays > 0
 

@@ -296,3 +296,15 @@ def _empty(model_dir: Path) -> Path:
     other = model_dir / "no_yaml"
     (other / "1").mkdir(parents=True)
     return other
+
+
+def test_cuda_graph_mode_switches_graphs_keeping_model_yaml_settings(model_dir):
+    assert load(model_dir).engine.cuda_graph_config == {}  # unset: the engine's default graphs
+    assert load(model_dir, cuda_graph_mode="false").engine.cuda_graph_config is None
+    write_yaml(model_dir, {"cuda_graph_config": {"batch_sizes": [1, 4]}})
+    assert load(model_dir, cuda_graph_mode="true").engine.cuda_graph_config == {"batch_sizes": [1, 4]}
+    write_yaml(model_dir, {"cuda_graph_config": None})
+    assert load(model_dir).engine.cuda_graph_config is None
+    assert load(model_dir, cuda_graph_mode="true").engine.cuda_graph_config == {}
+    with pytest.raises(ParameterError, match="cuda_graph_mode"):
+        load(model_dir, cuda_graph_mode="sometimes")
