@@ -156,3 +156,17 @@ def test_a_draft_tree_is_padded_to_its_rows_with_its_own_mask():
     assert visible[0, 2].nonzero().flatten().tolist() == [*range(10), 11]  # a sibling: the root and itself
     assert visible[0, 3].nonzero().flatten().tolist() == [0]  # a padding row
     assert visible[1, 0].nonzero().flatten().tolist() == [0, 1, 2, 3]
+
+
+def test_a_step_that_padding_would_swell_runs_eagerly():
+    from tritonllm.engine.embedded.attention import step_metadata
+
+    graphs = cuda_graphs.DecodeGraphs(model=None, kv_caches=[], settings=parse_cuda_graph_config({}),
+                                      max_batch_size=128, block_size=4, max_blocks_per_seq=64, scratch_block=99,
+                                      device=torch.device("cpu"))
+    decodes, prompt = 64, 20  # every decode would be padded to the prompt's 32 rows: 2,304 rows for 84 tokens
+    lens = [1] * decodes + [prompt]
+    meta = step_metadata(list(range(sum(lens))), [[0]] * (decodes + 1), [*range(decodes), decodes], lens,
+                         [3] * decodes + [prompt], 4, [None] * (decodes + 1), "cpu", torch.float32)
+    tokens = torch.zeros(sum(lens), dtype=torch.long)
+    assert graphs.run(tokens, tokens, meta) is None and not graphs.graphs

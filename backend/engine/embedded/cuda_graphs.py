@@ -8,8 +8,8 @@ are rounded up to a power of two, so speculative steps (a root and its draft tre
 widths are rounded up to a power of two of at least MIN_GRAPH_TOKENS (attention masks the extra keys). Graphs share
 one memory pool. Padding rows write their K/V into a scratch block that belongs to no sequence.
 
-Steps with LoRA adapters, with more than MAX_GRAPH_ROWS new tokens in a sequence (prompts), or that must keep
-every hidden state (Eagle) run eagerly."""
+Steps with LoRA adapters, with more than MAX_GRAPH_ROWS new tokens in a sequence (prompts), that padding would
+swell (MAX_PADDING) or that must keep every hidden state (Eagle) run eagerly."""
 from __future__ import annotations
 
 import logging
@@ -27,6 +27,10 @@ log = logging.getLogger(__name__)
 
 MIN_GRAPH_TOKENS = 1024  # the narrowest KV a graph reads a sequence: fewer shapes, and a GPU gathers it cheaply
 MAX_GRAPH_ROWS = 32  # the most new tokens of one sequence a graph takes (a root and its draft tree)
+# Padding must not multiply the work: a graph runs a step only if its rows are at most MAX_PADDING times the step's
+# tokens, or SMALL_GRAPH_ROWS (one short prompt among many decodes pads every decode to the prompt's length).
+MAX_PADDING = 4
+SMALL_GRAPH_ROWS = 256
 WARMUP_RUNS = 2  # eager runs on a side stream before capture (lets lazy initialisation happen outside the graph)
 
 
@@ -134,6 +138,8 @@ class DecodeGraphs:
         if seqs is None:
             return None
         rows = _power_of_two(longest)
+        if seqs * rows > max(MAX_PADDING * len(input_ids), SMALL_GRAPH_ROWS):
+            return None
         width = min(self.max_width, max(self.min_width, _power_of_two(attn.block_tables.shape[1])))
         graph = self._graph(seqs, rows, width)
         where = torch.from_numpy(placement(attn, rows)).to(self.device)
