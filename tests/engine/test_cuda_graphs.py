@@ -161,9 +161,8 @@ def test_a_draft_tree_is_padded_to_its_rows_with_its_own_mask():
 def test_a_step_that_padding_would_swell_runs_eagerly():
     from tritonllm.engine.embedded.attention import step_metadata
 
-    graphs = cuda_graphs.DecodeGraphs(model=None, kv_caches=[], settings=parse_cuda_graph_config({}),
-                                      max_batch_size=128, block_size=4, max_blocks_per_seq=64, scratch_block=99,
-                                      device=torch.device("cpu"))
+    graphs = cuda_graphs.DecodeGraphs(model=None, kv_caches=[], settings=parse_cuda_graph_config({}), block_size=4,
+                                      max_blocks_per_seq=64, scratch_block=99, device=torch.device("cpu"))
     decodes, prompt = 64, 20  # every decode would be padded to the prompt's 32 rows: 2,304 rows for 84 tokens
     lens = [1] * decodes + [prompt]
     meta = step_metadata(list(range(sum(lens))), [[0]] * (decodes + 1), [*range(decodes), decodes], lens,

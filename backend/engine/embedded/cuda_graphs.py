@@ -59,7 +59,6 @@ class _Graph:
 
     def __init__(self, seqs: int, rows: int, width: int, block_size: int, scratch_slot: int, dtype, device):
         long = dict(dtype=torch.long, device=device)
-        self.rows = rows
         self.scratch_slot = scratch_slot
         self.input_ids = torch.zeros(seqs * rows, **long)
         self.positions = torch.zeros(seqs * rows, **long)
@@ -114,12 +113,11 @@ def _power_of_two(value: int) -> int:
 
 
 class DecodeGraphs:
-    def __init__(self, model: torch.nn.Module, kv_caches: list, settings: CudaGraphSettings, max_batch_size: int,
-                 block_size: int, max_blocks_per_seq: int, scratch_block: int, device: torch.device):
+    def __init__(self, model: torch.nn.Module, kv_caches: list, settings: CudaGraphSettings, block_size: int,
+                 max_blocks_per_seq: int, scratch_block: int, device: torch.device):
         self.model = model
         self.kv_caches = kv_caches
         self.settings = settings
-        self.max_batch_size = max_batch_size
         self.block_size = block_size
         self.max_width = max_blocks_per_seq
         self.min_width = min(max_blocks_per_seq, max(1, MIN_GRAPH_TOKENS // block_size))
@@ -132,7 +130,7 @@ class DecodeGraphs:
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> Optional[torch.Tensor]:
         """Final-norm hidden states [tokens, hidden] from a graph, or None where no graph applies (run eagerly)."""
         longest = max(attn.query_lens)
-        if longest > MAX_GRAPH_ROWS or len(attn.query_lens) > self.max_batch_size:
+        if longest > MAX_GRAPH_ROWS:
             return None
         seqs = self.settings.graph_batch_size(len(attn.query_lens))
         if seqs is None:

@@ -87,10 +87,10 @@ class EngineCore:
         self.runner = ModelRunner(self.model, mc.num_layers, mc.num_kv_heads, mc.head_dim,
                                   num_blocks + (graph_settings is not None), block_size, self.dtype, self.device)
         if graph_settings is not None:
-            self.runner.graphs = DecodeGraphs(self.model, self.runner.kv_caches, graph_settings, config.max_batch_size,
-                                              block_size, blocks_for(self.max_seq_len, block_size),
-                                              scratch_block=num_blocks, device=self.device)
-            log.info("CUDA graphs for decode-only steps of batch sizes %s%s (each captured on first use)",
+            self.runner.graphs = DecodeGraphs(self.model, self.runner.kv_caches, graph_settings, block_size,
+                                              blocks_for(self.max_seq_len, block_size), scratch_block=num_blocks,
+                                              device=self.device)
+            log.info("CUDA graphs for decode and verification steps of batch sizes %s%s (each captured on first use)",
                      ", ".join(map(str, graph_settings.batch_sizes)),
                      ", smaller batches padded up" if graph_settings.enable_padding else "")
         self.runner.lora = self.lora
