@@ -79,7 +79,7 @@ class EngineConfig:
 
     @classmethod
     def from_dict(cls, args: dict[str, Any]) -> "EngineConfig":
-        args = dict(args)
+        args = _legacy_cuda_graph_switch(dict(args))
         nested = {"kv_cache_config": KvCacheConfig, "scheduler_config": SchedulerConfig}
         known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         values: dict[str, Any] = {"extra": {}}
@@ -158,6 +158,22 @@ class EngineConfig:
             problems.append(f"speculative_config with max_beam_width={self.max_beam_width} (speculative decoding "
                             "does not combine with beam search)")
         return problems
+
+
+def _legacy_cuda_graph_switch(args: dict[str, Any]) -> dict[str, Any]:
+    """`pytorch_backend_config: {use_cuda_graph: BOOL}` (older TensorRT-LLM, as the backend's LLM-API model.yaml
+    ships it) as today's `cuda_graph_config`; a `pytorch_backend_config` with other keys stays as it is."""
+    legacy = args.get("pytorch_backend_config")
+    if not isinstance(legacy, dict) or set(legacy) != {"use_cuda_graph"}:
+        return args
+    switch = legacy["use_cuda_graph"]
+    if not isinstance(switch, bool):
+        raise ConfigError(f"pytorch_backend_config.use_cuda_graph must be true or false, got {switch!r}")
+    if "cuda_graph_config" in args:
+        raise ConfigError("give either cuda_graph_config or pytorch_backend_config.use_cuda_graph, not both")
+    args.pop("pytorch_backend_config")
+    args["cuda_graph_config"] = {} if switch else None
+    return args
 
 
 def _build_nested(key: str, kind: type, value: Any) -> Any:

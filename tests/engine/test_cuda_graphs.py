@@ -33,6 +33,17 @@ def test_the_engine_pads_unless_told_not_to_and_tensorrt_llm_keeps_its_own_defau
         assert _optional_llm_kwargs(config)["cuda_graph_config"] == value
 
 
+def test_the_older_use_cuda_graph_switch_still_works():
+    for switch, expected in ((False, None), (True, {})):
+        config = EngineConfig.from_dict({"model": "m", "pytorch_backend_config": {"use_cuda_graph": switch}})
+        assert config.cuda_graph_config == expected and not config.extra
+    with pytest.raises(ConfigError, match="not both"):
+        EngineConfig.from_dict({"model": "m", "cuda_graph_config": {},
+                                "pytorch_backend_config": {"use_cuda_graph": True}})
+    with pytest.raises(ConfigError, match="use_cuda_graph must be true or false"):
+        EngineConfig.from_dict({"model": "m", "pytorch_backend_config": {"use_cuda_graph": "no"}})
+
+
 def test_sizes_follow_tensorrt_llm():
     assert parse_cuda_graph_config({}).batch_sizes == (1, 2, 4, *range(8, 129, 8))
     assert parse_cuda_graph_config({"enable_padding": False}).batch_sizes == (*range(1, 32), 32, 64, 128)

@@ -116,7 +116,7 @@ def test_llm_config_path_picks_another_file(fake_model, tmp_path, monkeypatch):
 def test_keys_the_embedded_engine_cannot_honour_fail_the_build(fake_model, tmp_path):
     with pytest.raises(RepoError, match="cannot honour: pytorch_backend_config"):
         build_llmapi_repo(fake_model, tmp_path / "repo", engine="embedded",
-                          engine_args={"pytorch_backend_config": {"use_cuda_graph": False}})
+                          engine_args={"pytorch_backend_config": {"enable_overlap_scheduler": True}})
     with pytest.raises(RepoError, match="unknown key"):
         build_llmapi_repo(fake_model, tmp_path / "repo", engine_args={"kv_cache_config.colour": "blue"})
     assert not (tmp_path / "repo" / "tensorrt_llm").exists()
