@@ -110,6 +110,19 @@ def test_padded_graphs_give_the_eager_tokens(tiny, graphs_on_this_device):
     assert graphs.replays > 30
 
 
+def test_a_failed_capture_leaves_the_engine_running_eagerly(tiny, graphs_on_this_device, monkeypatch, caplog):
+    model_dir, prompts, eos = tiny
+    expected, _ = run(model_dir, prompts, eos, None)
+
+    def failing_capture(forward, pool):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(cuda_graphs, "capture", failing_capture)
+    outputs, graphs = run(model_dir, prompts, eos, {})
+    assert outputs == expected and graphs.failed and not graphs.graphs and graphs.replays == 0
+    assert "decode steps run without graphs from now on" in caplog.text
+
+
 def test_without_padding_only_the_listed_sizes_use_graphs(tiny, graphs_on_this_device):
     model_dir, prompts, eos = tiny
     expected, _ = run(model_dir, prompts, eos, None)

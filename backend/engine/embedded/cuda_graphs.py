@@ -126,11 +126,12 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
         self.graphs: dict[tuple[int, int, int], _Graph] = {}
         self.replays = 0
+        self.failed = False  # a capture failed: every step runs eagerly from then on
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> Optional[torch.Tensor]:
         """Final-norm hidden states [tokens, hidden] from a graph, or None where no graph applies (run eagerly)."""
         longest = max(attn.query_lens)
-        if longest > MAX_GRAPH_ROWS:
+        if longest > MAX_GRAPH_ROWS or self.failed:
             return None
         seqs = self.settings.graph_batch_size(len(attn.query_lens))
         if seqs is None:
@@ -140,20 +141,29 @@ class DecodeGraphs:
             return None
         width = min(self.max_width, max(self.min_width, _power_of_two(attn.block_tables.shape[1])))
         graph = self._graph(seqs, rows, width)
+        if graph is None:
+            return None
         where = torch.from_numpy(placement(attn, rows)).to(self.device)
         graph.load(input_ids, positions, attn, where, visible_keys(attn, rows, width * self.block_size))
         graph.replay()
         self.replays += 1
         return graph.hidden.index_select(0, where)
 
-    def _graph(self, seqs: int, rows: int, width: int) -> _Graph:
+    def _graph(self, seqs: int, rows: int, width: int) -> Optional[_Graph]:
+        """The graph of this shape, captured now if it is new; None if capturing fails (graphs are then given up
+        for good, and the engine runs eagerly as it would without them)."""
         graph = self.graphs.get((seqs, rows, width))
         if graph is None:
             started = time.perf_counter()
             graph = _Graph(seqs, rows, width, self.block_size, self.scratch_slot, self.kv_caches[0][0].dtype,
                            self.device)
-            graph.replay, graph.hidden = capture(
-                lambda: self.model(graph.input_ids, graph.positions, graph.attn, self.kv_caches), self.pool)
+            try:
+                graph.replay, graph.hidden = capture(
+                    lambda: self.model(graph.input_ids, graph.positions, graph.attn, self.kv_caches), self.pool)
+            except RuntimeError as error:
+                log.warning("capturing a CUDA graph failed (%s); decode steps run without graphs from now on", error)
+                self.failed = True
+                return None
             self.graphs[(seqs, rows, width)] = graph
             log.debug("captured a CUDA graph for %d sequences x %d rows, up to %d cached tokens a sequence (%.0f ms)",
                       seqs, rows, width * self.block_size, (time.perf_counter() - started) * 1e3)
