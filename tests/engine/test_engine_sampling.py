@@ -152,3 +152,22 @@ def test_unsupported_settings_fail_at_start(tmp_path):
             "decoding_type": "Eagle3", "speculative_model_dir": str(model_dir)}}))
     with pytest.raises(InvalidRequestError, match="unknown_key"):
         EmbeddedEngine(EngineConfig.from_dict({"model": str(model_dir), "unknown_key": 3}))
+
+
+def test_a_draft_trees_greedy_rows_are_chosen_at_once_as_row_by_row():
+    import torch
+
+    from tritonllm.engine.embedded.sampler import plain_greedy_choices, sample
+    from tritonllm.engine.embedded.sequence import Sequence
+
+    logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))
+
+    def seq(**params):
+        return Sequence(0, 0, 0, [1, 2, 3], SamplingParams(max_tokens=8, **params))
+
+    plain = seq()
+    expected = [sample(logits[row:row + 1].clone(), [plain]) for row in range(5)]
+    assert plain_greedy_choices(plain, logits) == [(tokens[0], logprobs[0]) for tokens, logprobs in expected]
+    # Rows a processor changes (or will, as tokens are committed along the tree) are left to `sample`.
+    for params in ({"repetition_penalty": 1.2}, {"bad_words": [[4]]}, {"min_tokens": 2}, {"temperature": 0.7}):
+        assert plain_greedy_choices(seq(**params), logits) is None

@@ -6,6 +6,8 @@ generator (so a seeded sequence gives the same tokens whatever else is in the ba
 of the processed logits (after temperature, before top-k/top-p truncation)."""
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from .sequence import Sequence
@@ -30,6 +32,26 @@ def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[
             tokens[row] = _draw(logits[row], seq)
     logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
     return tokens.tolist(), logprobs.tolist()
+
+
+@torch.inference_mode()
+def plain_greedy_choices(seq: Sequence, logits: torch.Tensor) -> Optional[list[tuple[int, float]]]:
+    """(token, log-prob) of every row at once, as `sample` would choose them row by row, for a greedy sequence
+    whose rows no logit processor changes (none is set, and min_tokens is already reached); None otherwise. One
+    device round trip for a whole draft tree instead of two a row."""
+    params = seq.params
+    if not params.greedy or not _processors_idle(seq):
+        return None
+    tokens = logits.argmax(dim=-1)
+    logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
+    return list(zip(tokens.tolist(), logprobs.tolist()))
+
+
+def _processors_idle(seq: Sequence) -> bool:
+    """Whether `_process_row` leaves this sequence's rows as they are, now and after more tokens."""
+    params = seq.params
+    return (params.embedding_bias is None and not params.bad_words and not _has_penalty(params)
+            and not (params.min_tokens and len(seq.output_token_ids) < params.min_tokens))
 
 
 @torch.inference_mode()

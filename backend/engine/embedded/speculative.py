@@ -2,7 +2,7 @@
 
 Drafts are kept on the side (`Sequence.draft`), not appended as provisional tokens: the sequence's known tokens
 stay the committed ones, so prefix hashing, stop rules and preemption never see a draft. The scheduler adds the
-draft's tokens to the step's query (budget and KV blocks count them; a draft that does not fit is dropped), the
+draft's tokens to the step's query (budget and KV blocks count them; a draft that does not fit is cut or dropped), the
 runner feeds them after the root (the last committed token) and returns logits at the root and every draft token.
 
 Verification walks the tree from the root: each row is turned into a token exactly as a plain decode step would
@@ -24,7 +24,7 @@ from tritonllm.spec_decode.acceptance import accept_or_resample
 from tritonllm.spec_decode.proposer import ProposalInput
 
 from .model_runner import StepOutput
-from .sampler import sample, sampling_probs
+from .sampler import plain_greedy_choices, sample, sampling_probs
 from .sequence import Sequence, SequenceStatus
 from .spec_methods import StepDraft, build_method, external_draft
 
@@ -141,11 +141,12 @@ class Speculator:
         for i, (token, parent) in enumerate(zip(tree.tokens, tree.parents)):
             children.setdefault((parent, token), i)  # a duplicate sibling is never reached first
         accepted, node = [], -1
+        choices = plain_greedy_choices(seq, logits)
         while True:
             row = node + 1
             if seq.params.return_generation_logits:
                 seq.generation_logits.append(raw[row].cpu())
-            token, logprob = self._choose(seq, tree, node, logits[row:row + 1])
+            token, logprob = choices[row] if choices else self._choose(seq, tree, node, logits[row:row + 1])
             commit(seq, token, logprob)
             child = children.get((node, token))
             if seq.is_finished or child is None:
