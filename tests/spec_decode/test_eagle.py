@@ -106,8 +106,20 @@ def test_greedy_output_is_plain_greedy(targets, eagles, references, arch, tree, 
             again = run_batch(engine)  # prompts now come from the prefix cache: the draft sees a shorter context
             assert [o.token_ids for o in again] == references[arch]
             assert sum(o.request_perf_metrics.kv_cache_reused_blocks for o in again) > 0
-            # (16-token steps: drafts of the sequences scheduled last do not fit and are dropped)
+            # (16-token steps: drafts of the sequences scheduled last do not fit and are cut or dropped)
             assert sum(o.request_perf_metrics.total_draft_tokens > 0 for o in again) >= 2
+        assert_all_blocks_free(engine)
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
+def test_target_steps_in_cuda_graphs_stay_plain_greedy(targets, eagles, references, tree, graphs_on_this_device):
+    engine = make_engine(targets["llama"], eagle_spec(eagles["llama"], tree),
+                         cuda_graph_config={"batch_sizes": [1, 2, 4], "enable_padding": True})
+    try:
+        assert [o.token_ids for o in run_batch(engine)] == references["llama"]
+        assert any(rows > 1 for _, rows, _ in engine.core.runner.graphs.graphs)  # verification in graphs
         assert_all_blocks_free(engine)
     finally:
         engine.shutdown()

@@ -8,8 +8,8 @@ are rounded up to a power of two, so speculative steps (a root and its draft tre
 widths are rounded up to a power of two of at least MIN_GRAPH_TOKENS (attention masks the extra keys). Graphs share
 one memory pool. Padding rows write their K/V into a scratch block that belongs to no sequence.
 
-Steps with LoRA adapters, with more than MAX_GRAPH_ROWS new tokens in a sequence (prompts), that padding would
-swell (MAX_PADDING) or that must keep every hidden state (Eagle) run eagerly."""
+Steps with LoRA adapters, with more than MAX_GRAPH_ROWS new tokens in a sequence (prompts) or that padding would
+swell (MAX_PADDING) run eagerly."""
 from __future__ import annotations
 
 import logging

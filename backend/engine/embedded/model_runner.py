@@ -64,7 +64,7 @@ class ModelRunner:
         inputs = self.prepare(batch)
         lora = self._lora_batch(batch)
         hidden = None
-        if self.graphs is not None and lora is None and not self.keep_all_hidden:
+        if self.graphs is not None and lora is None:
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.attn)
         if hidden is None:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches, lora)
