@@ -55,11 +55,11 @@ def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def step_metadata(slots: list[int], block_tables: list[list[int]], query_starts: list[int], query_lens: list[int],
-                  context_lens: list[int], block_size: int, tail_masks: list, device,
-                  dtype: torch.dtype) -> AttentionMetadata:
+                  context_lens: list[int], block_size: int, tail_masks: list, device, dtype: torch.dtype,
+                  masks: bool = True) -> AttentionMetadata:
     """The metadata of one step from per-sequence lists: block tables are cut / padded to the step's widest
-    context, tail masks kept only if some sequence has one, and the decode mask built when every query is one
-    token (`dtype`: the queries' dtype, see build_decode_mask)."""
+    context, tail masks kept only if some sequence has one, and (unless `masks` is False: a CUDA graph builds its
+    own) the step's attention masks (`attach_masks`)."""
     max_blocks = max(blocks_for(context, block_size) for context in context_lens)
     tables = [(table[:max_blocks] + [0] * max_blocks)[:max_blocks] for table in block_tables]
     attn = AttentionMetadata(
@@ -67,14 +67,22 @@ def step_metadata(slots: list[int], block_tables: list[list[int]], query_starts:
         block_tables=torch.tensor(tables, dtype=torch.long, device=device), query_starts=query_starts,
         query_lens=query_lens, context_lens=context_lens, block_size=block_size,
         tail_masks=tail_masks if any(m is not None for m in tail_masks) else None)
-    if all(n == 1 for n in query_lens):
-        attn.decode_mask = build_decode_mask(context_lens, block_size, max_blocks, device, dtype)
-    else:
-        masks = attn.tail_masks or [None] * len(query_lens)
-        attn.sequence_masks = [None if q_len == ctx_len and tail is None else
-                               sequence_mask(q_len, ctx_len, tail, device, dtype, block_size)
-                               for q_len, ctx_len, tail in zip(query_lens, context_lens, masks)]
+    if masks:
+        attach_masks(attn, device, dtype)
     return attn
+
+
+def attach_masks(attn: AttentionMetadata, device, dtype: torch.dtype) -> None:
+    """The masks every layer of an eager forward uses, built once: the decode mask when every query is one token
+    (`dtype`: the queries' dtype, see build_decode_mask), else each sequence's own."""
+    if all(n == 1 for n in attn.query_lens):
+        attn.decode_mask = build_decode_mask(attn.context_lens, attn.block_size, attn.block_tables.shape[1], device,
+                                             dtype)
+    else:
+        tails = attn.tail_masks or [None] * len(attn.query_lens)
+        attn.sequence_masks = [None if q_len == ctx_len and tail is None else
+                               sequence_mask(q_len, ctx_len, tail, device, dtype, attn.block_size)
+                               for q_len, ctx_len, tail in zip(attn.query_lens, attn.context_lens, tails)]
 
 
 def sequence_mask(q_len: int, ctx_len: int, tail_mask: torch.Tensor | None, device, dtype: torch.dtype,

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from .attention import AttentionMetadata, step_metadata, zero_blocks
+from .attention import AttentionMetadata, attach_masks, step_metadata, zero_blocks
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
 
@@ -61,11 +61,13 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch, new_blocks: list[int]) -> StepOutput:
         """Runs the step; returns next-token logits for the sampling sequences (and stores context logits)."""
         self.zero_blocks(new_blocks)
-        inputs = self.prepare(batch)
+        inputs = self.prepare(batch, masks=self.graphs is None)
         lora = self._lora_batch(batch)
         hidden = None
-        if self.graphs is not None and lora is None:
-            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.attn)
+        if self.graphs is not None:  # a graph builds its own masks; an eager forward after all needs the step's
+            hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.attn) if lora is None else None
+            if hidden is None:
+                attach_masks(inputs.attn, self.device, self.kv_caches[0][0].dtype)
         if hidden is None:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches, lora)
         sampled = hidden[inputs.logits_indices]
@@ -102,7 +104,8 @@ class ModelRunner:
             k_cache[target].copy_(k_cache[source])
             v_cache[target].copy_(v_cache[source])
 
-    def prepare(self, batch: ScheduledBatch) -> StepInputs:
+    def prepare(self, batch: ScheduledBatch, masks: bool = True) -> StepInputs:
+        """The step's flat inputs; `masks` False leaves the attention masks out (see attention.step_metadata)."""
         input_ids, positions, slots = [], [], []
         query_starts, context_lens, logits_indices, sampling_seqs, context_requests = [], [], [], [], []
         first_rows, tail_masks = [], []
@@ -129,7 +132,7 @@ class ModelRunner:
                 logits_indices += range(len(input_ids) - 1 - seq.num_draft_tokens, len(input_ids))
                 sampling_seqs.append(seq)
         attn = step_metadata(slots, [seq.block_table for seq in batch.seqs], query_starts, list(batch.num_new_tokens),
-                             context_lens, bs, tail_masks, self.device, self.kv_caches[0][0].dtype)
+                             context_lens, bs, tail_masks, self.device, self.kv_caches[0][0].dtype, masks)
         return StepInputs(self._long(input_ids), self._long(positions), attn, self._long(logits_indices),
                           sampling_seqs, context_requests, first_rows)
 
