@@ -1,7 +1,8 @@
 """Random traffic (tests/traffic.py: requests joining mid-flight, streaming, client aborts, refused requests, stop
 words, sampled and opted-out requests) through engines that speculate with each method, under chunked prefill with
 prefix reuse or a KV cache small enough to preempt: every greedy answer equals the request's plain answer alone,
-and every KV block (the draft model's and the Eagle layer's too) is free afterwards."""
+and every KV block (the draft model's and the Eagle layer's too) is free afterwards. Also with decode and
+verification steps in CUDA graphs (on CPU, eager runs of the padded forward a graph would hold)."""
 import pytest
 
 from tritonllm.spec_decode.eagle import random_eagle
@@ -20,7 +21,7 @@ def eagle_dir(tmp_path_factory, model_dir):  # noqa: F811
 
 @pytest.fixture(scope="module")
 def solo(model_dir):  # noqa: F811
-    engine = make_engine(model_dir, max_beam_width=2)
+    engine = make_engine(model_dir, max_beam_width=2, cuda_graph_config=None)  # eager: the plain reference
     yield engine
     engine.shutdown()
 
@@ -33,18 +34,28 @@ def speculative_config(method, model_dir, other_draft_dir, medusa_dir, eagle_dir
                               "max_total_draft_tokens": 5}}.get(method)
 
 
-@pytest.mark.parametrize("method, setting, seed", [
-    ("none", "preempting", 1), ("none", "chunked_reuse", 2), ("ngram", "chunked_reuse", 3),
-    ("draft_other", "preempting", 4), ("medusa", "preempting", 5), ("lookahead", "chunked_reuse", 6),
-    ("eagle_tree", "preempting", 7), ("eagle_dynamic", "chunked_reuse", 8)])
+CASES = [("none", "preempting", 1), ("none", "chunked_reuse", 2), ("ngram", "chunked_reuse", 3),
+         ("draft_other", "preempting", 4), ("medusa", "preempting", 5), ("lookahead", "chunked_reuse", 6),
+         ("eagle_tree", "preempting", 7), ("eagle_dynamic", "chunked_reuse", 8)]
+GRAPH_CASES = [("none", "chunked_reuse", 21), ("medusa", "preempting", 22), ("lookahead", "chunked_reuse", 23),
+               ("eagle_tree", "preempting", 24)]
+
+
+@pytest.mark.parametrize("method, setting, seed, graphs", [(*case, False) for case in CASES] +
+                         [(*case, True) for case in GRAPH_CASES])
 def test_random_traffic_keeps_every_greedy_answer(model_dir, other_draft_dir, medusa_dir, eagle_dir, solo,  # noqa: F811
-                                                  method, setting, seed):
+                                                  request, method, setting, seed, graphs):
+    if graphs:
+        request.getfixturevalue("graphs_on_this_device")
     spec = speculative_config(method, model_dir, other_draft_dir, medusa_dir, eagle_dir)
     traffic = random_traffic(seed, count=40, vocab=VOCAB, beams=spec is None)
-    engine = make_engine(model_dir, spec, max_beam_width=1 if spec else 2, **SETTINGS[setting])
+    engine = make_engine(model_dir, spec, max_beam_width=1 if spec else 2, **SETTINGS[setting],
+                         **({} if graphs else {"cuda_graph_config": None}))
     try:
         results = send(engine, traffic)
         assert_all_blocks_free(engine)
+        runner = engine.core.runner
+        assert runner.graphs.replays > 0 if graphs else runner.graphs is None
     finally:
         engine.shutdown()
     assert len(results) > 30 and any(aborted for aborted, _ in results.values())
