@@ -125,6 +125,8 @@ class EagleConfig(SpeculativeConfig):
     greedy_sampling: bool = True
     eagle3: bool = False
     total_draft_tokens: Optional[int] = None  # TensorRT-LLM's max_total_draft_tokens for the dynamic tree
+    # EAGLE-3: the target layers whose outputs feed the draft (None: the draft's config, else its default)
+    eagle3_layers_to_capture: Optional[tuple[int, ...]] = None
 
     def validate(self) -> None:
         super().validate()
@@ -214,6 +216,14 @@ def _field_values(kind: type, raw: dict[str, Any]) -> dict[str, Any]:
     return values
 
 
+def _layer_ids(key: str, value: Any) -> tuple[int, ...]:
+    """Distinct layer indices >= 0, ascending (a YAML list or set)."""
+    ids = list(value) if isinstance(value, (list, tuple, set)) else None
+    if not ids or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids) or len(set(ids)) < len(ids):
+        raise SpecConfigError(f"{PREFIX}.{key} must be a non-empty list of distinct layer indices >= 0, got {value!r}")
+    return tuple(sorted(ids))
+
+
 def _coerce(key: str, value: Any, field: dataclasses.Field) -> Any:
     annotation = str(field.type)
     if value is None:
@@ -230,6 +240,8 @@ def _coerce(key: str, value: Any, field: dataclasses.Field) -> Any:
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise SpecConfigError(f"{PREFIX}.{key} must be a number, got {value!r}")
         return float(value)
+    if "tuple[int" in annotation:
+        return _layer_ids(key, value)
     if "int" in annotation:
         if isinstance(value, bool) or not isinstance(value, int):
             raise SpecConfigError(f"{PREFIX}.{key} must be an integer, got {value!r}")

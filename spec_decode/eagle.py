@@ -11,7 +11,8 @@ A checkpoint folder holds `config.json` (Hugging Face Llama style, `num_hidden_l
 `fc.bias`, `layers.0.self_attn.{q,k,v,o}_proj.weight` (q/k/v biases with `qkv_bias`),
 `layers.0.mlp.{gate,up,down}_proj.weight`, `layers.0.post_attention_layernorm.weight`, and optionally
 `embed_tokens.weight`, which is ignored (the target's embedding is used). EAGLE-3 drafts (`midlayer.*`, `d2t`) are
-a different format and are refused with a message saying so.
+a different format, loaded by tritonllm.spec_decode.eagle3 (`decoding_type: Eagle3`); given here they are refused
+with a message saying so.
 
 Our extension to the format: a `draft_vocab` tensor (sorted, distinct target token ids; `draft_vocab_size` in
 config.json says how many) restricts drafting to those tokens, so each draft step's LM head multiplies only their
@@ -34,6 +35,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from tritonllm.engine.embedded.attention import AttentionMetadata
+from tritonllm.engine.embedded.draft_head import DraftHead
 from tritonllm.engine.embedded.models.layers import Linear, RotaryEmbedding
 from tritonllm.engine.embedded.models.llama import LlamaDecoderLayer, WeightSlot, layer_slots
 from tritonllm.engine.embedded.models.model_config import ModelConfig, ModelLoadError
@@ -77,6 +79,10 @@ class EagleDraft(nn.Module):
         hidden = self.fc(torch.cat((embeds, features.to(embeds.dtype)), dim=-1))
         cos, sin = self.rotary_emb(positions, hidden.dtype)
         return self.layer(hidden, cos, sin, attn, kv_cache)
+
+    def make_head(self, target) -> DraftHead:
+        """The head drafts are scored with: the target's, cut to the draft vocabulary if there is one."""
+        return DraftHead(target, self.draft_vocab)
 
     def checkpoint_slots(self) -> dict[str, WeightSlot]:
         """Every tensor an EAGLE-1/2 checkpoint must hold, by its name there."""
@@ -187,7 +193,8 @@ def load_eagle(model_dir: Union[str, Path], dtype: torch.dtype = torch.float32,
     state = read_weights(folder, SAFETENSORS_FILE, PICKLE_FILE, "EAGLE")
     eagle3 = sorted(key for key in state if key.startswith(_EAGLE3_KEYS))
     if eagle3:
-        raise ModelLoadError(f"{folder}: an EAGLE-3 draft (tensor {eagle3[0]}); only EAGLE-1/2 drafts are supported")
+        raise ModelLoadError(f"{folder}: an EAGLE-3 draft (tensor {eagle3[0]}); decoding_type Eagle loads only "
+                             f"EAGLE-1/2 drafts: use decoding_type: Eagle3 for it")
     config, bias = parse_eagle_config(raw, str(folder / CONFIG_FILE))
     vocab = read_draft_vocab(state, config.vocab_size, folder, "EAGLE")
     if target is not None:

@@ -373,7 +373,7 @@ def test_engine_errors_name_the_key(targets, eagles, tmp_path):
         make_engine(targets["llama"], eagle_spec(tmp_path))
     with pytest.raises(InvalidRequestError, match="speculative_model_dir: .*the draft's vocab_size is"):
         make_engine(targets["llama"], eagle_spec(_other_size_eagle(eagles["llama"], tmp_path)))
-    with pytest.raises(InvalidRequestError, match="EAGLE-3 drafts are not built"):
+    with pytest.raises(InvalidRequestError, match="an EAGLE-1/2 draft .*use decoding_type Eagle for it"):
         make_engine(targets["llama"], {"decoding_type": "Eagle3", "speculative_model_dir": str(eagles["llama"])})
 
 

@@ -13,6 +13,7 @@ from tritonllm.engine.config import ConfigError, EngineConfig
 from tritonllm.engine.embedded.engine import EmbeddedEngine
 from tritonllm.engine.types import InvalidRequestError, SamplingParams
 from tritonllm.model_files.tiny import build_tiny_model
+from tritonllm.spec_decode.eagle3 import random_eagle3
 from tritonllm.spec_decode.medusa import MedusaHeads, save_medusa
 
 DEVICE = os.environ.get("TRITONLLM_TEST_DEVICE", "cpu")
@@ -220,7 +221,8 @@ def test_configuration_errors_name_the_key(model_dir, other_draft_dir, tmp_path)
 @pytest.mark.slow
 def test_smollm2_greedy_output_is_plain_greedy_for_every_method(smollm2_dir, tmp_path):
     """The real model, batches mixing lengths: an input-grounded prompt (n-gram and lookahead find drafts), a short
-    one and a mid-length one. Medusa heads are random (ResBlocks) over copies of the model's LM head."""
+    one and a mid-length one. Medusa heads are random (ResBlocks) over copies of the model's LM head; the EAGLE-3
+    draft is random and reads the default layers (1, 14, 26 of 30)."""
     from transformers import AutoTokenizer
 
     from tritonllm.spec_decode.distill import bench_requests, chat_ids
@@ -232,10 +234,12 @@ def test_smollm2_greedy_output_is_plain_greedy_for_every_method(smollm2_dir, tmp
     heads = MedusaHeads(embedding.shape[1], embedding.shape[0], num_heads=2)
     heads.copy_lm_head(embedding)
     medusa = save_medusa(heads, tmp_path / "medusa")
+    eagle3 = random_eagle3(smollm2_dir, tmp_path / "eagle3", seed=1, draft_vocab_size=4096)  # layers 1, 14, 26
     specs = [{"decoding_type": "NGram", "max_draft_len": 4},
              {"decoding_type": "Lookahead", "max_window_size": 3, "max_ngram_size": 3, "max_verification_set_size": 3},
              {"decoding_type": "DraftTarget", "max_draft_len": 3, "speculative_model_dir": str(smollm2_dir)},
-             {"decoding_type": "Medusa", "speculative_model_dir": str(medusa), "medusa_choices": [[0], [1], [0, 0]]}]
+             {"decoding_type": "Medusa", "speculative_model_dir": str(medusa), "medusa_choices": [[0], [1], [0, 0]]},
+             {"decoding_type": "Eagle3", "speculative_model_dir": str(eagle3), "eagle_choices": [[0], [1], [0, 0]]}]
     results = []
     for spec in [None] + specs:
         engine = make_engine(smollm2_dir, spec, kv_cache_config={"tokens_per_block": 16, "max_tokens": 4096})

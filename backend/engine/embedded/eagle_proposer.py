@@ -1,5 +1,6 @@
-"""EAGLE-1/2 speculation: the draft layer (tritonllm.spec_decode.eagle) with its own one-layer paged KV cache,
-fed with the target's final-norm hidden states.
+"""EAGLE speculation: the draft layer (tritonllm.spec_decode.eagle, or .eagle3) with its own one-layer paged KV
+cache, fed with the target's final-norm hidden states (EAGLE-1/2) or the outputs of some of its layers (EAGLE-3,
+whose draft maps them through its `fc` and scores drafts with its own head).
 
 Each target sequence has a shadow here whose KV slot k holds draft position `first_position + k`; draft position
 j is computed from (token j + 1, the target's hidden state at j). The engine hands over the hidden state of every
@@ -28,7 +29,6 @@ from tritonllm.spec_decode.tree import DraftTree, TreeTemplate
 from ..types import SamplingParams
 from .attention import step_metadata, zero_blocks
 from .block_manager import BlockManager
-from .draft_head import DraftHead
 from .sequence import Sequence
 from .spec_methods import ProposerMethod
 
@@ -107,7 +107,7 @@ class EagleProposer:
                  total_tokens: Optional[int] = None):
         self.draft = draft
         self.target = target  # the target model: its embedding and LM head
-        self.head = DraftHead(target, draft.draft_vocab)
+        self.head = draft.make_head(target)  # the target's LM head (EAGLE-1/2) or the draft's own (EAGLE-3)
         paths = [tuple(p) for p in choices] if choices else [(0,) * depth for depth in range(1, max_draft_len + 1)]
         self.template = TreeTemplate.from_choices(paths)
         self.max_nodes = len(self.template.paths)

@@ -31,11 +31,13 @@ class StepInputs:
 @dataclass
 class StepOutput:
     logits: torch.Tensor  # [rows, vocab] fp32: one row per sampling sequence, 1 + draft tokens with a draft
-    hidden: torch.Tensor  # [rows, hidden]: the final-norm hidden states of the same rows
+    # [rows, hidden]: the final-norm hidden states of the same rows (for EAGLE-3: the target's captured layers)
+    hidden: torch.Tensor
     seqs: list[Sequence]  # the sampling sequences
     first_rows: list[int]  # each one's first row
     # Only when the runner's `keep_all_hidden` is set (Eagle): for every scheduled sequence, the position of its
-    # first computed token and the final-norm hidden states of its computed known tokens (drafts left out).
+    # first computed token and the final-norm hidden states (EAGLE-3: captured layers) of its computed known tokens
+    # (drafts left out).
     all_hidden: Optional[list[tuple[Sequence, int, torch.Tensor]]] = None
 
     def rows_of(self, index: int) -> slice:
@@ -70,15 +72,24 @@ class ModelRunner:
                 attach_masks(inputs.attn, self.device, self.kv_caches[0][0].dtype)
         if hidden is None:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches, lora)
-        sampled = hidden[inputs.logits_indices]
-        logits = self.model.compute_logits(sampled).float()
+        hidden, features = self._split(hidden)
+        logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
         for seq, indices in inputs.context_requests:
             seq.context_logits.append(self.model.compute_logits(hidden[self._long(indices)]).float().cpu())
         all_hidden = None
         if self.keep_all_hidden:
-            all_hidden = [(seq, seq.num_computed_tokens, hidden[start:start + num - seq.num_draft_tokens])
+            all_hidden = [(seq, seq.num_computed_tokens, features[start:start + num - seq.num_draft_tokens])
                           for seq, num, start in zip(batch.seqs, batch.num_new_tokens, inputs.attn.query_starts)]
-        return StepOutput(logits, sampled, inputs.sampling_seqs, inputs.first_rows, all_hidden)
+        return StepOutput(logits, features[inputs.logits_indices], inputs.sampling_seqs, inputs.first_rows,
+                          all_hidden)
+
+    def _split(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(final-norm hidden states, what drafters read): the same tensor, unless the model also returned the
+        outputs of its `capture_layers` after them (EAGLE-3 drafts read those)."""
+        width = self.model.config.hidden_size
+        if hidden.shape[-1] == width:
+            return hidden, hidden
+        return hidden[:, :width], hidden[:, width:]
 
     def _lora_batch(self, batch: ScheduledBatch):
         """The step's multi-LoRA view (each sequence's tokens with its adapter), or None without adapters."""

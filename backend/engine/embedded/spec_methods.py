@@ -190,25 +190,35 @@ def _medusa_proposer(spec_config, core):
 
 
 def _eagle_method(spec_config, core):
-    """EAGLE-1/2: the draft layer of `speculative_model_dir` on the target's dtype and device, with as many KV
-    slots as the target's cache (one layer's worth)."""
+    """EAGLE-1/2 or EAGLE-3 (decoding_type Eagle3): the draft layer of `speculative_model_dir` on the target's dtype
+    and device, with as many KV slots as the target's cache (one layer's worth). An EAGLE-3 draft reads the outputs
+    of some target layers, which the target then returns with its final hidden states."""
     from tritonllm.engine.types import InvalidRequestError
-    from tritonllm.spec_decode.eagle import load_eagle
 
     from .eagle_proposer import EagleMethod, EagleProposer
     from .models.model_config import ModelLoadError
 
-    where = "speculative_config"
-    if spec_config.eagle3:
-        raise InvalidRequestError(f"{where}.decoding_type=Eagle3: EAGLE-3 drafts are not built in the embedded "
-                                  "engine (EAGLE-1/2 drafts are)")
     try:
-        draft = load_eagle(spec_config.speculative_model_dir, core.dtype, core.device, target=core.model_config)
+        draft = _load_eagle_draft(spec_config, core)
     except ModelLoadError as exc:
-        raise InvalidRequestError(f"{where}.speculative_model_dir: {exc}") from None
+        raise InvalidRequestError(f"speculative_config.speculative_model_dir: {exc}") from None
+    if spec_config.eagle3:
+        core.model.capture_layers = tuple(draft.capture_layers)
     manager = core.block_manager
     dynamic = spec_config.use_dynamic_tree  # EAGLE-2's tree, else a chain or the static eagle_choices tree
     return EagleMethod(EagleProposer(draft, core.model, spec_config.max_draft_len, spec_config.eagle_choices,
                                      manager.num_blocks, manager.block_size, core.dtype, core.device,
                                      dynamic_top_k=spec_config.dynamic_tree_max_topK if dynamic else None,
                                      total_tokens=spec_config.max_total_draft_tokens if dynamic else None))
+
+
+def _load_eagle_draft(spec_config, core):
+    from tritonllm.spec_decode.eagle import load_eagle
+    from tritonllm.spec_decode.eagle3 import load_eagle3
+
+    folder = spec_config.speculative_model_dir
+    if not spec_config.eagle3:
+        return load_eagle(folder, core.dtype, core.device, target=core.model_config)
+    return load_eagle3(folder, core.dtype, core.device, target=core.model_config,
+                       target_num_layers=core.model_config.num_layers,
+                       capture_layers=spec_config.eagle3_layers_to_capture)

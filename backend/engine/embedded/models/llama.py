@@ -86,6 +86,8 @@ class LlamaForCausalLM(nn.Module):
         # Tied models reuse the embedding matrix as the output projection.
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
         self.packed_head: torch.Tensor | None = None
+        # Layers whose outputs `forward` also returns (EAGLE-3 drafts read them), in ascending order.
+        self.capture_layers: tuple[int, ...] = ()
 
     def pack_for_cpu(self) -> None:
         """Prepack every projection and the output head for CPU matmuls (fp32 on CPU only; see cpu_gemm). Costs a
@@ -101,15 +103,20 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
                 kv_caches: list[KVCache], lora=None) -> torch.Tensor:
-        """input_ids, positions: [T]; kv_caches: one (k, v) per layer. Returns final-norm hidden states [T, hidden].
-        `lora`: the step's multi-LoRA view (tritonllm.lora.layers.LoraBatch), or None for the base model."""
+        """input_ids, positions: [T]; kv_caches: one (k, v) per layer. Returns final-norm hidden states [T, hidden],
+        followed along the last dimension by the outputs of `capture_layers` if any ([T, hidden * (1 + layers)]: one
+        tensor, so that a CUDA graph's output holds them too). `lora`: the step's multi-LoRA view
+        (tritonllm.lora.layers.LoraBatch), or None for the base model."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
         hidden = self.embed_tokens(input_ids)
         cos, sin = self.rotary_emb(positions, hidden.dtype)
+        captured = []
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
             hidden = layer(hidden, cos, sin, attn, kv_cache, None if lora is None else lora.layer(index))
-        return self.norm(hidden)
+            if index in self.capture_layers:
+                captured.append(hidden)
+        return torch.cat([self.norm(hidden)] + captured, dim=-1) if captured else self.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> fp32 logits [N, vocab]."""
