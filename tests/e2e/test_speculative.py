@@ -1,5 +1,5 @@
 """Speculative decoding through the real tritonserver: a repository whose model.yaml has a speculative_config
-(DraftTarget, NGram, Medusa, Eagle; untrained heads and draft layers where they need weights) gives the plain
+(DraftTarget, NGram, Medusa, Eagle, Eagle3; untrained heads and draft layers where they need weights) gives the plain
 repository's greedy tokens for concurrent requests of mixed lengths and reports draft counts; lookahead takes the
 TensorRT-LLM backend's parameters; a plain repository verifies a request's own draft_input_ids; and SmolLM2 with its
 shipped Medusa heads gives the plain engine's greedy tokens."""
@@ -142,17 +142,21 @@ def _medusa_heads(model_dir, out):
 def _method_config(method, model_dir, work):
     """The model.yaml lines of a speculative method, with untrained weights where it needs any."""
     from tritonllm.spec_decode.eagle import random_eagle
+    from tritonllm.spec_decode.eagle3 import random_eagle3
 
     if method == "NGram":
         return "  decoding_type: NGram\n  max_draft_len: 4\n  max_matching_ngram_size: 2\n"
     if method == "Medusa":
         return (f"  decoding_type: Medusa\n  speculative_model_dir: {_medusa_heads(model_dir, work / 'heads')}\n"
                 "  medusa_choices: [[0], [1], [0, 0], [0, 0, 0]]\n")
+    if method == "Eagle3":  # the tiny model's two layers (EAGLE-3's default layers need more)
+        draft = random_eagle3(model_dir, work / "eagle3", seed=1, capture_layers=[0, 1])
+        return f"  decoding_type: Eagle3\n  max_draft_len: 3\n  speculative_model_dir: {draft}\n"
     return (f"  decoding_type: Eagle\n  max_draft_len: 3\n  speculative_model_dir: "
             f"{random_eagle(model_dir, work / 'eagle', seed=1)}\n  eagle_choices: [[0], [1], [0, 0], [0, 1]]\n")
 
 
-@pytest.fixture(scope="module", params=["NGram", "Medusa", "Eagle"])
+@pytest.fixture(scope="module", params=["NGram", "Medusa", "Eagle", "Eagle3"])
 def method_server(request, tiny_model, tmp_path_factory):
     work = tmp_path_factory.mktemp(request.param.lower())
     repo = build_repo(tiny_model, work / "repo", streaming=True, max_seq_len=MAX_SEQ_LEN)
