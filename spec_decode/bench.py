@@ -41,19 +41,22 @@ METHODS = {
     # docs/benchmarks.md two beat three (and six) on the median prompt.
     "eagle": lambda a: {"decoding_type": "Eagle", "max_draft_len": _draft_len(a, 2),
                         "speculative_model_dir": a.spec_model_dir},
+    "eagle3": lambda a: {"decoding_type": "Eagle3", "max_draft_len": _draft_len(a, 2),
+                         "speculative_model_dir": a.spec_model_dir},
 }
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("--method", choices=sorted(METHODS), default="ngram",
                         help="when --config has no speculative_config (ngram: max_matching_ngram_size 3; "
-                             "lookahead: W=1, N=5, G=2; medusa: min_path_probability 0.15; drafttarget, medusa and "
-                             "eagle need --spec-model-dir, builtin:smollm2 for SmolLM2's shipped Medusa heads or "
+                             "lookahead: W=1, N=5, G=2; medusa: min_path_probability 0.15; drafttarget, medusa, eagle "
+                             "and eagle3 need --spec-model-dir, builtin:smollm2 for SmolLM2's shipped Medusa heads or "
                              "EAGLE draft)")
     parser.add_argument("--draft-len", type=count,
-                        help="max_draft_len for ngram / drafttarget (default 6) / eagle (default 2)")
+                        help="max_draft_len for ngram / drafttarget (default 6) / eagle, eagle3 (default 2)")
     parser.add_argument("--spec-model-dir",
-                        help="draft model, Medusa heads or EAGLE draft folder (drafttarget, medusa, eagle)")
+                        help="draft model, Medusa heads or EAGLE / EAGLE-3 draft folder (drafttarget, medusa, eagle, "
+                             "eagle3)")
     parser.add_argument("--task", choices=("rewrite", "chat"), default="rewrite",
                         help="rewrite: rewrite a shipped text (input-grounded); chat: answer a question on a topic "
                              "(open-ended); neither is in any training data")

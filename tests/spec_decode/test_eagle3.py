@@ -3,6 +3,8 @@ reads, equal to transformers' hidden states; greedy output with an EAGLE-3 draft
 chunked prefill with prefix reuse, preemption, requests joining mid-flight; CUDA graphs) equals plain greedy output,
 with drafts counted and every KV block free afterwards; configurations that cannot work fail naming the key.
 TRITONLLM_TEST_DEVICE=cuda runs the engines on the GPU (the CPU is the default)."""
+import json
+
 import pytest
 import torch
 
@@ -219,3 +221,13 @@ def test_configuration_errors_name_the_key(targets, drafts, tmp_path):
     with pytest.raises(InvalidRequestError, match="layer"):
         make_engine(targets["llama"], eagle3_spec(drafts["llama"], eagle3_layers_to_capture=[0, 5]))
 
+
+
+def test_bench_spec_runs_with_eagle3(targets, drafts, capsys):
+    from tritonllm.cli import main as cli_main
+
+    assert cli_main(["bench", "spec", "--model", str(targets["llama"]), "--method", "eagle3", "--spec-model-dir",
+                     str(drafts["llama"]), "--prompts", "1", "--max-tokens", "8", "--json"]) == 0
+    result = json.loads([line for line in capsys.readouterr().out.splitlines() if line.startswith("{")][-1])
+    assert result["method"] == "Eagle3" and result["identical_outputs"]
+    assert result["speculative_config"]["max_draft_len"] == 2
