@@ -1,5 +1,6 @@
 """EAGLE-3 drafts in the engine (`decoding_type: Eagle3`): the target returns the outputs of the layers the draft
-reads, equal to transformers' hidden states; greedy output with an EAGLE-3 draft (chain, static and dynamic trees;
+reads, equal to transformers' hidden states; the proposer's drafts, and those the engine proposes from the target's
+captured layers, are a dense reference's; greedy output with an EAGLE-3 draft (chain, static and dynamic trees;
 chunked prefill with prefix reuse, preemption, requests joining mid-flight; CUDA graphs) equals plain greedy output,
 with drafts counted and every KV block free afterwards; configurations that cannot work fail naming the key.
 TRITONLLM_TEST_DEVICE=cuda runs the engines on the GPU (the CPU is the default)."""
@@ -7,7 +8,6 @@ import json
 
 import pytest
 import torch
-
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
