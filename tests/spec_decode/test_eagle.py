@@ -1,11 +1,11 @@
 """EAGLE-1/2 drafts: the checkpoint format round-trips (safetensors and .bin), bad folders fail naming the tensor or
 setting, the proposer's drafts are the draft layer's own argmax / top-k (against a dense reference of the layer;
-EAGLE-2's dynamic tree too), and through the engine greedy output with Eagle equals plain greedy output (chains,
-static and dynamic trees, tiny Llama and Qwen2, chunked prefill with prefix reuse, preemption, requests joining
-mid-flight, aborts), with drafts counted per request and every KV block (the target's and the draft layer's) free
-afterwards. A target whose next token depends
-only on the current one, with a draft layer that computes the same function, gets every top-1 draft accepted.
-TRITONLLM_TEST_DEVICE=cuda runs the engine and the proposer on the GPU (the CPU is the default)."""
+EAGLE-2's dynamic tree too), and through the engine greedy output with Eagle, and with EAGLE-3 drafts (the rest of
+their tests: test_eagle3.py), equals plain greedy output (chains, static and dynamic trees, tiny Llama and Qwen2,
+chunked prefill with prefix reuse, preemption, requests joining mid-flight, CUDA graphs, aborts), with drafts
+counted per request and every KV block (the target's and the draft layer's) free afterwards. A target whose next
+token depends only on the current one, with a draft layer that computes the same function, gets every top-1 draft
+accepted. TRITONLLM_TEST_DEVICE=cuda runs the engine and the proposer on the GPU (the CPU is the default)."""
 import json
 import os
 import shutil
@@ -21,6 +21,7 @@ from tritonllm.engine.embedded.models.model_config import ModelLoadError
 from tritonllm.engine.types import InvalidRequestError, SamplingParams
 from tritonllm.model_files.tiny import build_tiny_model
 from tritonllm.spec_decode.eagle import load_eagle, random_eagle, save_eagle
+from tritonllm.spec_decode.eagle3 import random_eagle3
 from tritonllm.spec_decode.proposer import ProposalInput
 
 from .test_engine_spec import assert_all_blocks_free as assert_target_blocks_free
@@ -46,14 +47,23 @@ def eagles(tmp_path_factory, targets):
             for arch, target in targets.items()}
 
 
+@pytest.fixture(scope="module")
+def eagle3s(tmp_path_factory, targets):
+    """EAGLE-3 drafts reading both of the tiny targets' layers (EAGLE-3's default layers need more)."""
+    return {arch: random_eagle3(target, tmp_path_factory.mktemp(f"eagle3_{arch}"), seed=1, draft_vocab_size=400,
+                                capture_layers=[0, 1])
+            for arch, target in targets.items()}
+
+
 def make_engine(model_dir, spec=None, **overrides):
     """test_engine_spec's engine on the test device (TRITONLLM_TEST_DEVICE)."""
     return spec_engine(model_dir, spec, **{"device": DEVICE, **overrides})
 
 
-def eagle_spec(eagle_dir, tree=False, **extra):
-    """A chain (tree False), the static TREE (True) or EAGLE-2's dynamic tree ("dynamic")."""
-    spec = {"decoding_type": "Eagle", "speculative_model_dir": str(eagle_dir), "max_draft_len": 3, **extra}
+def eagle_spec(eagle_dir, tree=False, version="Eagle", **extra):
+    """A chain (tree False), the static TREE (True) or EAGLE-2's dynamic tree ("dynamic"); `version` Eagle3 for an
+    EAGLE-3 draft."""
+    spec = {"decoding_type": version, "speculative_model_dir": str(eagle_dir), "max_draft_len": 3, **extra}
     if tree == "dynamic":
         spec.update(use_dynamic_tree=True, dynamic_tree_max_topK=2, max_total_draft_tokens=5)
     elif tree:
@@ -93,8 +103,10 @@ def references(targets):
 @pytest.mark.parametrize("setting", list(SETTINGS))
 @pytest.mark.parametrize("tree", [False, True, "dynamic"], ids=["chain", "tree", "dynamic"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_greedy_output_is_plain_greedy(targets, eagles, references, arch, tree, setting):
-    engine = make_engine(targets[arch], eagle_spec(eagles[arch], tree), **SETTINGS[setting])
+@pytest.mark.parametrize("version", ["Eagle", "Eagle3"])
+def test_greedy_output_is_plain_greedy(targets, eagles, eagle3s, references, version, arch, tree, setting):
+    drafts = eagles if version == "Eagle" else eagle3s
+    engine = make_engine(targets[arch], eagle_spec(drafts[arch], tree, version), **SETTINGS[setting])
     try:
         outputs = run_batch(engine, join_late=setting == "plain")
         assert [o.token_ids for o in outputs] == references[arch]
@@ -114,8 +126,11 @@ def test_greedy_output_is_plain_greedy(targets, eagles, references, arch, tree, 
 
 
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
-def test_target_steps_in_cuda_graphs_stay_plain_greedy(targets, eagles, references, tree, graphs_on_this_device):
-    engine = make_engine(targets["llama"], eagle_spec(eagles["llama"], tree),
+@pytest.mark.parametrize("version", ["Eagle", "Eagle3"])
+def test_target_steps_in_cuda_graphs_stay_plain_greedy(targets, eagles, eagle3s, references, version, tree,
+                                                       graphs_on_this_device):
+    drafts = eagles if version == "Eagle" else eagle3s
+    engine = make_engine(targets["llama"], eagle_spec(drafts["llama"], tree, version),
                          cuda_graph_config={"batch_sizes": [1, 2, 4], "enable_padding": True})
     try:
         assert [o.token_ids for o in run_batch(engine)] == references["llama"]

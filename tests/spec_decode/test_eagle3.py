@@ -1,8 +1,8 @@
 """EAGLE-3 drafts in the engine (`decoding_type: Eagle3`): the target returns the outputs of the layers the draft
 reads, equal to transformers' hidden states; the proposer's drafts, and those the engine proposes from the target's
-captured layers, are a dense reference's; greedy output with an EAGLE-3 draft (chain, static and dynamic trees;
-chunked prefill with prefix reuse, preemption, requests joining mid-flight; CUDA graphs) equals plain greedy output,
-with drafts counted and every KV block free afterwards; configurations that cannot work fail naming the key.
+captured layers, are a dense reference's; a draft over the whole vocabulary keeps greedy output too (the greedy
+tests of chains and trees under every scheduler setting and in CUDA graphs are test_eagle.py's, for both versions);
+configurations that cannot work fail naming the key.
 TRITONLLM_TEST_DEVICE=cuda runs the engines on the GPU (the CPU is the default)."""
 import json
 
@@ -15,49 +15,15 @@ from tritonllm.engine.embedded.attention import step_metadata
 from tritonllm.engine.embedded.eagle_proposer import EagleProposer
 from tritonllm.engine.embedded.loader import load_model
 from tritonllm.engine.types import InvalidRequestError
-from tritonllm.model_files.tiny import build_tiny_model
 from tritonllm.spec_decode.eagle import random_eagle
 from tritonllm.spec_decode.eagle3 import load_eagle3, random_eagle3
 from tritonllm.spec_decode.proposer import ProposalInput
 
-from .test_eagle import DEVICE, SETTINGS, TREE, assert_all_blocks_free, make_engine, run_batch
+from .test_eagle import DEVICE, TREE, eagle_spec, make_engine, run_batch
+from .test_eagle import eagle3s, references, targets  # noqa: F401 (fixtures)
 from .test_eagle3_format import dense_layer, rms_norm
 
-CAPTURE = [0, 1]  # the tiny targets have two layers: EAGLE-3's default (1, L//2 - 1, L - 4) does not fit them
-
-
-@pytest.fixture(scope="module")
-def targets(tmp_path_factory):
-    return {arch: build_tiny_model(tmp_path_factory.mktemp(f"target3_{arch}"), seed=5, arch=arch)
-            for arch in ("llama", "qwen2")}
-
-
-@pytest.fixture(scope="module")
-def drafts(tmp_path_factory, targets):
-    return {arch: random_eagle3(target, tmp_path_factory.mktemp(f"eagle3_{arch}"), seed=1, draft_vocab_size=400,
-                                capture_layers=CAPTURE)
-            for arch, target in targets.items()}
-
-
-@pytest.fixture(scope="module")
-def references(targets):
-    result = {}
-    for arch, target in targets.items():
-        engine = make_engine(target)
-        try:
-            result[arch] = [o.token_ids for o in run_batch(engine)]
-        finally:
-            engine.shutdown()
-    return result
-
-
-def eagle3_spec(draft_dir, tree=False, **extra):
-    spec = {"decoding_type": "Eagle3", "speculative_model_dir": str(draft_dir), "max_draft_len": 3, **extra}
-    if tree == "dynamic":
-        spec.update(use_dynamic_tree=True, dynamic_tree_max_topK=2, max_total_draft_tokens=5)
-    elif tree:
-        spec["eagle_choices"] = TREE
-    return spec
+CAPTURE = [0, 1]  # the layers test_eagle's EAGLE-3 drafts read: EAGLE-3's default (1, L//2 - 1, L - 4) needs more
 
 
 def test_captured_layers_are_the_layer_outputs_transformers_returns(targets):
@@ -108,11 +74,11 @@ def reference_tokens(state, target, tokens, features, first, paths):
 
 
 @pytest.mark.parametrize("choices", [None, TREE], ids=["chain", "tree"])
-def test_drafts_are_the_draft_layers_own_top_k(targets, drafts, choices):
+def test_drafts_are_the_draft_layers_own_top_k(targets, eagle3s, choices):
     torch.manual_seed(0)
     target, target_config = load_model(targets["llama"], torch.float32, DEVICE)
-    draft = load_eagle3(drafts["llama"], torch.float32, DEVICE, target_config, target_config.num_layers)
-    state = load_file(str(drafts["llama"] / "model.safetensors"))
+    draft = load_eagle3(eagle3s["llama"], torch.float32, DEVICE, target_config, target_config.num_layers)
+    state = load_file(str(eagle3s["llama"] / "model.safetensors"))
     proposer = EagleProposer(draft, target, 3, choices, num_blocks=64, block_size=4, dtype=torch.float32,
                              device=torch.device(DEVICE))
     tokens = [int(t) for t in torch.randint(3, 900, (30,))]
@@ -128,11 +94,11 @@ def test_drafts_are_the_draft_layers_own_top_k(targets, drafts, choices):
     assert proposer.blocks.num_free_blocks == proposer.blocks.num_blocks
 
 
-def test_the_engine_feeds_the_draft_the_targets_captured_layers(targets, drafts):
+def test_the_engine_feeds_the_draft_the_targets_captured_layers(targets, eagle3s):
     """Every draft the engine proposed equals the dense reference fed with the target's captured layers computed
     over the whole sequence at once (the engine computed them step by step, chunk by chunk)."""
     proposed = []
-    engine = make_engine(targets["llama"], eagle3_spec(drafts["llama"]), max_num_tokens=16,
+    engine = make_engine(targets["llama"], eagle_spec(eagle3s["llama"], version="Eagle3"), max_num_tokens=16,
                          enable_chunked_prefill=True)
     try:
         proposer = engine.core.speculator.method.proposer
@@ -150,7 +116,7 @@ def test_the_engine_feeds_the_draft_the_targets_captured_layers(targets, drafts)
     assert len(proposed) > 5 and len(output.token_ids) > 5
     target, config = load_model(targets["llama"], torch.float32, torch.device("cpu"))
     target.capture_layers = tuple(CAPTURE)
-    state = load_file(str(drafts["llama"] / "model.safetensors"))
+    state = load_file(str(eagle3s["llama"] / "model.safetensors"))
     paths = [(0,), (0, 0), (0, 0, 0)]
     for tokens, drafted in proposed:
         features = captured_layers(target, config, tokens[:-1])
@@ -169,28 +135,9 @@ def captured_layers(target, config, ids):
         return target(torch.tensor(ids), torch.arange(len(ids)), attn, caches)[:, config.hidden_size:]
 
 
-@pytest.mark.parametrize("setting", list(SETTINGS))
-@pytest.mark.parametrize("tree", [False, True, "dynamic"], ids=["chain", "tree", "dynamic"])
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_greedy_output_is_plain_greedy(targets, drafts, references, arch, tree, setting):
-    if arch == "qwen2" and setting != "plain":
-        pytest.skip("one architecture is enough for the scheduler settings")
-    engine = make_engine(targets[arch], eagle3_spec(drafts[arch], tree), **SETTINGS[setting])
-    try:
-        outputs = run_batch(engine, join_late=setting == "plain")
-        assert [o.token_ids for o in outputs] == references[arch]
-        metrics = [o.request_perf_metrics for o in outputs]
-        assert sum(m.total_draft_tokens > 0 for m in metrics) >= 2
-        if setting == "preempting":
-            assert sum(m.num_preemptions for m in metrics) > 0
-        assert_all_blocks_free(engine)
-    finally:
-        engine.shutdown()
-
-
 def test_a_draft_over_the_whole_vocabulary_is_plain_greedy_too(targets, references, tmp_path):
     draft = random_eagle3(targets["llama"], tmp_path / "full_vocab", seed=3, capture_layers=CAPTURE)
-    engine = make_engine(targets["llama"], eagle3_spec(draft))
+    engine = make_engine(targets["llama"], eagle_spec(draft, version="Eagle3"))
     try:
         outputs = run_batch(engine)
         assert [o.token_ids for o in outputs] == references["llama"]
@@ -199,35 +146,23 @@ def test_a_draft_over_the_whole_vocabulary_is_plain_greedy_too(targets, referenc
         engine.shutdown()
 
 
-@pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
-def test_target_steps_in_cuda_graphs_stay_plain_greedy(targets, drafts, references, tree, graphs_on_this_device):
-    engine = make_engine(targets["llama"], eagle3_spec(drafts["llama"], tree),
-                         cuda_graph_config={"batch_sizes": [1, 2, 4], "enable_padding": True})
-    try:
-        assert [o.token_ids for o in run_batch(engine)] == references["llama"]
-        assert any(rows > 1 for _, rows, _ in engine.core.runner.graphs.graphs)  # verification in graphs
-        assert_all_blocks_free(engine)
-    finally:
-        engine.shutdown()
-
-
-def test_configuration_errors_name_the_key(targets, drafts, tmp_path):
+def test_configuration_errors_name_the_key(targets, eagle3s, tmp_path):
     eagle1 = random_eagle(targets["llama"], tmp_path / "eagle1", seed=1)
     with pytest.raises(InvalidRequestError, match="speculative_model_dir.*decoding_type.*Eagle"):
-        make_engine(targets["llama"], eagle3_spec(eagle1))
+        make_engine(targets["llama"], eagle_spec(eagle1, version="Eagle3"))
     with pytest.raises(InvalidRequestError, match="speculative_model_dir.*Eagle3"):
-        make_engine(targets["llama"], {"decoding_type": "Eagle", "speculative_model_dir": str(drafts["llama"]),
+        make_engine(targets["llama"], {"decoding_type": "Eagle", "speculative_model_dir": str(eagle3s["llama"]),
                                        "max_draft_len": 3})
     with pytest.raises(InvalidRequestError, match="layer"):
-        make_engine(targets["llama"], eagle3_spec(drafts["llama"], eagle3_layers_to_capture=[0, 5]))
+        make_engine(targets["llama"], eagle_spec(eagle3s["llama"], version="Eagle3", eagle3_layers_to_capture=[0, 5]))
 
 
 
-def test_bench_spec_runs_with_eagle3(targets, drafts, capsys):
+def test_bench_spec_runs_with_eagle3(targets, eagle3s, capsys):
     from tritonllm.cli import main as cli_main
 
     assert cli_main(["bench", "spec", "--model", str(targets["llama"]), "--method", "eagle3", "--spec-model-dir",
-                     str(drafts["llama"]), "--prompts", "1", "--max-tokens", "8", "--json"]) == 0
+                     str(eagle3s["llama"]), "--prompts", "1", "--max-tokens", "8", "--json"]) == 0
     result = json.loads([line for line in capsys.readouterr().out.splitlines() if line.startswith("{")][-1])
     assert result["method"] == "Eagle3" and result["identical_outputs"]
     assert result["speculative_config"]["max_draft_len"] == 2

@@ -12,19 +12,14 @@ from safetensors.torch import load_file, save_file
 
 from tritonllm.engine.embedded.attention import step_metadata
 from tritonllm.engine.embedded.models.model_config import ModelConfig, ModelLoadError
-from tritonllm.model_files.tiny import build_tiny_model
 from tritonllm.spec_decode.eagle import load_eagle, random_eagle
 from tritonllm.spec_decode.eagle3 import load_eagle3, random_eagle3, save_eagle3
+
+from .test_eagle import targets  # noqa: F401 (fixture: the tiny Llama and Qwen2 targets)
 
 BLOCK = 4
 TWO_LAYERS = (0, 1)
 DEEP_LAYERS = 8
-
-
-@pytest.fixture(scope="module")
-def targets(tmp_path_factory):
-    return {arch: build_tiny_model(tmp_path_factory.mktemp(f"target_{arch}"), seed=5, arch=arch)
-            for arch in ("llama", "qwen2")}
 
 
 @pytest.fixture(scope="module")
