@@ -72,8 +72,9 @@ def _output_arguments(parser, what: str) -> None:
 
 
 def _add_train_eagle(kinds) -> None:
-    train = kinds.add_parser("train-eagle", help="train an EAGLE-1/2 draft layer for a model on its own answers "
-                                                 "(base frozen; meant for a GPU) and save it in the EAGLE format")
+    train = kinds.add_parser("train-eagle", help="train an EAGLE-1/2 draft layer (or, with --eagle3, an EAGLE-3 "
+                                                 "one) for a model on its own answers (base frozen; meant for a "
+                                                 "GPU) and save it in the EAGLE (EAGLE-3) format")
     train.add_argument("--model", required=True, help="Hugging Face model folder")
     train.add_argument("--out", required=True, help="folder for config.json + model.safetensors")
     train.add_argument("--steps", type=int, default=200, help="optimizer steps")
@@ -83,17 +84,34 @@ def _add_train_eagle(kinds) -> None:
                        help="training-time test depth: pass k feeds each position the draft's own pass k-1 "
                             "output, as drafting k deep does")
     train.add_argument("--token-weight", type=float, default=0.1,
-                       help="weight of the LM-head cross-entropy beside the feature regression")
+                       help="weight of the LM-head cross-entropy beside the feature regression (not with --eagle3)")
     train.add_argument("--feature-noise", type=float, default=0.05,
                        help="uniform noise on the input features, in units of their standard deviation")
     train.add_argument("--draft-vocab", type=int, default=0,
                        help="save the N tokens the model chooses most often as the draft vocabulary (drafting "
-                            "from them alone makes each draft step cheaper; our format extension); 0: all")
+                            "from them alone makes each draft step cheaper; our format extension, EAGLE-3's own "
+                            "d2t with --eagle3); 0: all")
+    _eagle3_arguments(train)
     train.add_argument("--text", help="UTF-8 text whose paragraphs the requests are about (default: the shipped one)")
     _distill_arguments(train, 64, "; accuracy is measured on its answers to the `bench spec` requests, never "
                                   "trained on")
     train.add_argument("--device", default="cpu", help="where to train: cpu, cuda, cuda:1 ...")
     _output_arguments(train, "draft")
+
+
+def _eagle3_arguments(parser) -> None:
+    parser.add_argument("--eagle3", action="store_true",
+                        help="train an EAGLE-3 draft instead (run it with speculative_config decoding_type Eagle3): "
+                             "it reads the outputs of the --capture-layers target layers side by side, squeezed by "
+                             "its fc, has its own head over the --draft-vocab tokens (all by default; started from "
+                             "the model's LM-head rows and final norm) and learns from that head's cross-entropy "
+                             "against the model's greedy choices alone (no feature regression, no --token-weight); "
+                             "the --passes, validation and output flags work as for EAGLE-1/2")
+    parser.add_argument("--capture-layers", type=int, nargs="+", metavar="LAYER",
+                        help="with --eagle3: the target layers (0-based) whose outputs the draft reads, at least two "
+                             "distinct ones, each below the last layer (transformers shows the last layer's output "
+                             "only after the final norm); saved as eagle_aux_hidden_state_layer_ids (each + 1); "
+                             "default: EAGLE-3's 1, L/2-1 and L-4 for a model of L layers (e.g. 1 14 26 for 30)")
 
 
 def add_bench_command(kinds, engine_arguments) -> None:
@@ -174,29 +192,38 @@ def _run_train_eagle(args) -> int:
     from tritonllm.engine.config import ConfigError
 
     from .train_eagle import EagleTrainSettings, train_eagle
+    from .train_eagle3 import Eagle3TrainSettings, train_eagle3
 
     _check_common(args, ("passes", "distill_prompts"))
     if args.draft_vocab < 0 or args.token_weight < 0 or args.feature_noise < 0:
         raise ConfigError("--draft-vocab, --token-weight and --feature-noise must be >= 0")
+    if args.capture_layers is not None and not args.eagle3:
+        raise ConfigError("--capture-layers is for EAGLE-3 drafts: add --eagle3")
     text = Path(args.text).read_text(encoding="utf-8") if args.text else None
-    settings = EagleTrainSettings(
+    settings_type, train = (Eagle3TrainSettings, train_eagle3) if args.eagle3 else (EagleTrainSettings, train_eagle)
+    layers = tuple(args.capture_layers) if args.capture_layers else None
+    eagle3 = {"capture_layers": layers} if args.eagle3 else {}
+    settings = settings_type(
         steps=args.steps, batch_sequences=args.batch, learning_rate=args.lr, passes=args.passes,
         token_weight=args.token_weight, feature_noise=args.feature_noise, draft_vocab=args.draft_vocab,
         distill_prompts=args.distill_prompts, distill_max_tokens=args.distill_max_tokens,
         distill_batch=args.distill_batch, distill_rounds=args.distill_rounds,
         distill_temperature=args.distill_temperature, distill_own_requests=args.distill_own_requests,
         validation_share=args.validation_share, eval_every=args.eval_every, seed=args.seed, device=args.device,
-        save_dtype=getattr(torch, args.save_dtype), time_limit=args.time_limit)
-    report = train_eagle(args.model, args.out, settings, text)
+        save_dtype=getattr(torch, args.save_dtype), time_limit=args.time_limit, **eagle3)
+    report = train(args.model, args.out, settings, text)
     summary = {"out": str(report.out_dir), "tokens": report.num_tokens, "first_loss": round(report.first_loss, 4),
                "last_loss": round(report.last_loss, 4), "depth_accuracy": [round(a, 4) for a in report.accuracy],
                "validation_accuracy": [round(a, 4) for a in report.validation_accuracy or []],
                "best_step": report.best_step, "draft_vocab": report.draft_vocab, "seconds": round(report.seconds, 1)}
+    if args.eagle3:
+        summary.update(eagle3=True, capture_layers=report.capture_layers)
     if args.json:
         print(json.dumps(summary))
     else:
         accuracy = ", ".join(f"depth {k}: {a:.1%}" for k, a in enumerate(report.accuracy, 1))
-        print(f"EAGLE draft saved to {report.out_dir} ({report.num_tokens} training tokens, loss "
-              f"{report.first_loss:.3f} -> {report.last_loss:.3f}, top-1 agreement with the model on the bench's "
-              f"requests: {accuracy}, {report.seconds:.0f} s)")
+        layers = f", capture layers {report.capture_layers}" if args.eagle3 else ""
+        print(f"{'EAGLE-3' if args.eagle3 else 'EAGLE'} draft saved to {report.out_dir} ({report.num_tokens} "
+              f"training tokens{layers}, loss {report.first_loss:.3f} -> {report.last_loss:.3f}, top-1 agreement "
+              f"with the model on the bench's requests: {accuracy}, {report.seconds:.0f} s)")
     return 0

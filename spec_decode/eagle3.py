@@ -12,7 +12,7 @@ A checkpoint folder holds `config.json` (Llama style, `num_hidden_layers: 1`, `d
 inputs are captured, i.e. the outputs of the layers before them; TensorRT-LLM's `eagle3_layers_to_capture` and
 `capture_layers` here name the layers whose outputs are captured) and `model.safetensors` or `pytorch_model.bin`
 with `fc.weight`, `midlayer.*`, `norm.weight`, `lm_head.weight` and `d2t`; `t2d` and `embed_tokens.weight` are
-ignored (the target's embedding is used). There is no trainer for EAGLE-3 drafts here and none is shipped."""
+ignored (the target's embedding is used). train_eagle3.py trains them; none is shipped."""
 from __future__ import annotations
 
 import json

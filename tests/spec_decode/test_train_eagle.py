@@ -81,7 +81,12 @@ def test_cli_trains_a_draft_that_keeps_greedy_output_exact(target, plain_outputs
     assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == 40
     draft = load_eagle(out)
     assert draft.draft_vocab.tolist() == sorted(set(draft.draft_vocab.tolist())) and len(draft.draft_vocab) == 40
-    engine = make_engine(target, eagle_spec(out, tree=True))
+    assert_plain_greedy_with_drafts(target, eagle_spec(out, tree=True), plain_outputs)
+
+
+def assert_plain_greedy_with_drafts(target, spec, plain_outputs):
+    """With `spec` the engine drafts, and its greedy output is still `plain_outputs`."""
+    engine = make_engine(target, spec)
     try:
         outputs = run_batch(engine)
         assert [o.token_ids for o in outputs] == plain_outputs
