@@ -77,6 +77,23 @@ def read_draft_vocab(state: dict[str, torch.Tensor], vocab_size: int, folder: Pa
     return torch.sort(ids).values
 
 
+def copy_weights(slots: dict[str, Any], state: dict[str, torch.Tensor], folder: Path, kind: str,
+                 ignored: tuple[str, ...] = (), hints: Optional[dict[str, str]] = None) -> None:
+    """Copy `state` into `slots` (WeightSlot by checkpoint name): every slot's tensor must be there with its shape,
+    and any other tensor must be `ignored` (or a rotary `inv_freq` buffer, which some exporters save); `hints` adds
+    words to the error for a missing key, and `kind` ("EAGLE") words the errors."""
+    for key in state:
+        if key not in slots and key not in ignored and not key.endswith("rotary_emb.inv_freq"):
+            raise ModelLoadError(f"{folder}: unexpected tensor {key} in the {kind} weights")
+    for key, slot in slots.items():
+        if key not in state:
+            raise ModelLoadError(f"{folder}: {kind} weights lack {key}{(hints or {}).get(key, '')}")
+        if tuple(state[key].shape) != slot.shape:
+            raise ModelLoadError(f"{folder}: {kind} tensor {key} has shape {list(state[key].shape)}, expected "
+                                 f"{list(slot.shape)}")
+        slot.copy_(state[key].float())
+
+
 def frequent_tokens(counts: torch.Tensor, size: int) -> torch.Tensor:
     """The `size` ids with the highest `counts` ([vocab]; ties to the lower id), sorted: a draft vocabulary."""
     order = sorted(range(len(counts)), key=lambda token: (-int(counts[token]), token))

@@ -40,8 +40,8 @@ from tritonllm.engine.embedded.models.layers import Linear, RotaryEmbedding
 from tritonllm.engine.embedded.models.llama import LlamaDecoderLayer, WeightSlot, layer_slots
 from tritonllm.engine.embedded.models.model_config import ModelConfig, ModelLoadError
 
-from .checkpoint_files import (CONFIG_FILE, DRAFT_VOCAB_KEY, read_config, read_draft_vocab, read_weights,
-                               resolve_folder)
+from .checkpoint_files import (CONFIG_FILE, DRAFT_VOCAB_KEY, copy_weights, read_config, read_draft_vocab,
+                               read_weights, resolve_folder)
 
 SAFETENSORS_FILE = "model.safetensors"
 PICKLE_FILE = "pytorch_model.bin"
@@ -148,18 +148,25 @@ def save_eagle(draft: EagleDraft, out_dir: Union[str, Path], config: dict[str, A
                draft_vocab: Optional[torch.Tensor] = None) -> Path:
     """Write `config.json` and the weights (`model.safetensors`, or `pytorch_model.bin` with `pickle`), with
     `draft_vocab` (token ids) if given."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     state = {key: value.to(dtype) for key, value in draft.checkpoint_state().items()}
     if draft_vocab is not None:
         state[DRAFT_VOCAB_KEY] = draft_vocab.to(torch.long).contiguous()
         config = dict(config, draft_vocab_size=len(draft_vocab))
+    return write_draft_folder(out_dir, state, dict(config, bias=draft.bias), dtype, pickle)
+
+
+def write_draft_folder(out_dir: Union[str, Path], state: dict[str, torch.Tensor], config: dict[str, Any],
+                       dtype: torch.dtype, pickle: bool) -> Path:
+    """An EAGLE (or EAGLE-3) folder: the weights (`model.safetensors`, or `pytorch_model.bin` with `pickle`) and
+    `config.json`, one layer in `dtype`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     if pickle:
         torch.save(state, out / PICKLE_FILE)
     else:
         save_file(state, str(out / SAFETENSORS_FILE), metadata={"format": "pt"})
     config = {key: value for key, value in config.items() if key != "dtype"}  # the target's; ours is below
-    config.update(num_hidden_layers=1, bias=draft.bias, torch_dtype=str(dtype).removeprefix("torch."))
+    config.update(num_hidden_layers=1, torch_dtype=str(dtype).removeprefix("torch."))
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return out
 
@@ -205,19 +212,8 @@ def load_eagle(model_dir: Union[str, Path], dtype: torch.dtype = torch.float32,
             raise ModelLoadError(f"{folder}: the draft's vocab_size is {config.vocab_size}, the target's "
                                  f"{target.vocab_size}")
     draft = EagleDraft(config, bias)
-    slots = draft.checkpoint_slots()
-    for key in state:
-        if key not in slots and key not in _IGNORED and not key.endswith("rotary_emb.inv_freq"):
-            raise ModelLoadError(f"{folder}: unexpected tensor {key} in the EAGLE weights")
-    for key, slot in slots.items():
-        if key not in state:
-            hint = " (config.json says bias is true, the default; set \"bias\": false for an fc without bias)" \
-                if key == "fc.bias" else ""
-            raise ModelLoadError(f"{folder}: EAGLE weights lack {key}{hint}")
-        if tuple(state[key].shape) != slot.shape:
-            raise ModelLoadError(f"{folder}: EAGLE tensor {key} has shape {list(state[key].shape)}, expected "
-                                 f"{list(slot.shape)}")
-        slot.copy_(state[key].float())
+    copy_weights(draft.checkpoint_slots(), state, folder, "EAGLE", _IGNORED, hints={
+        "fc.bias": " (config.json says bias is true, the default; set \"bias\": false for an fc without bias)"})
     embed = state.get("embed_tokens.weight")
     if embed is not None and target is not None and tuple(embed.shape) != (target.vocab_size, target.hidden_size):
         raise ModelLoadError(f"{folder}: EAGLE tensor embed_tokens.weight has shape {list(embed.shape)}, the "

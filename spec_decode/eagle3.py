@@ -21,7 +21,6 @@ from pathlib import Path
 from typing import Any, Optional, Sequence, Union
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
 from tritonllm.engine.embedded.attention import AttentionMetadata
@@ -29,8 +28,8 @@ from tritonllm.engine.embedded.models.layers import GatedMLP, Linear, RMSNorm, R
 from tritonllm.engine.embedded.models.llama import LlamaAttention, WeightSlot, layer_slots
 from tritonllm.engine.embedded.models.model_config import ModelConfig, ModelLoadError
 
-from .checkpoint_files import CONFIG_FILE, read_config, read_weights, resolve_folder
-from .eagle import PICKLE_FILE, SAFETENSORS_FILE
+from .checkpoint_files import CONFIG_FILE, copy_weights, read_config, read_weights, resolve_folder
+from .eagle import PICKLE_FILE, SAFETENSORS_FILE, write_draft_folder
 
 LAYER_PREFIX = "midlayer."
 D2T_KEY = "d2t"
@@ -189,19 +188,10 @@ def save_eagle3(draft: Eagle3Draft, out_dir: Union[str, Path], config: dict[str,
                 dtype: torch.dtype = torch.float32, pickle: bool = False) -> Path:
     """Write `config.json` and the weights (`model.safetensors`, or `pytorch_model.bin` with `pickle`); d2t stays
     int64 whatever `dtype`."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     state = {key: value.to(dtype) if value.is_floating_point() else value
              for key, value in draft.checkpoint_state().items()}
-    if pickle:
-        torch.save(state, out / PICKLE_FILE)
-    else:
-        save_file(state, str(out / SAFETENSORS_FILE), metadata={"format": "pt"})
-    config = {key: value for key, value in config.items() if key != "dtype"}  # the target's; ours is below
-    config.update(num_hidden_layers=1, draft_vocab_size=len(draft.draft_to_target),
-                  torch_dtype=str(dtype).removeprefix("torch."))
-    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    return out
+    return write_draft_folder(out_dir, state, dict(config, draft_vocab_size=len(draft.draft_to_target)), dtype,
+                              pickle)
 
 
 def random_eagle3(target_dir: Union[str, Path], out_dir: Union[str, Path], seed: int = 0,
@@ -245,7 +235,7 @@ def load_eagle3(model_dir: Union[str, Path], dtype: torch.dtype, device: Union[s
         capture_layers = _outputs_before(raw, folder)
     layers = resolve_capture_layers(capture_layers, target_num_layers, str(folder))
     draft = Eagle3Draft(config, draft_vocab_size, layers, len(layers) * target.hidden_size)
-    _copy_weights(draft, state, folder)
+    copy_weights(draft.checkpoint_slots(), state, folder, "EAGLE-3", (D2T_KEY,) + _IGNORED)
     draft.draft_to_target = _draft_to_target(state.get(D2T_KEY), draft_vocab_size, config.vocab_size, folder)
     draft = draft.to(device=device, dtype=dtype).eval()
     draft.rotary_emb.reset_frequencies(torch.device(device))  # fp32 frequencies whatever the dtype
@@ -273,20 +263,6 @@ def _check_target(folder: Path, raw: dict[str, Any], config: ModelConfig, target
     for name, ours, theirs in sizes:
         if ours != theirs:
             raise ModelLoadError(f"{folder}: the draft's {name} is {ours}, the target's {theirs}")
-
-
-def _copy_weights(draft: Eagle3Draft, state: dict[str, torch.Tensor], folder: Path) -> None:
-    slots = draft.checkpoint_slots()
-    for key in state:
-        if key not in slots and key != D2T_KEY and key not in _IGNORED and not key.endswith("rotary_emb.inv_freq"):
-            raise ModelLoadError(f"{folder}: unexpected tensor {key} in the EAGLE-3 weights")
-    for key, slot in slots.items():
-        if key not in state:
-            raise ModelLoadError(f"{folder}: EAGLE-3 weights lack {key}")
-        if tuple(state[key].shape) != slot.shape:
-            raise ModelLoadError(f"{folder}: EAGLE-3 tensor {key} has shape {list(state[key].shape)}, expected "
-                                 f"{list(slot.shape)}")
-        slot.copy_(state[key].float())
 
 
 def _draft_to_target(d2t: Optional[torch.Tensor], draft_vocab_size: int, vocab_size: int,
