@@ -51,7 +51,7 @@ def _processors_idle(seq: Sequence) -> bool:
     """Whether `_process_row` leaves this sequence's rows as they are, now and after more tokens."""
     params = seq.params
     return (params.embedding_bias is None and not params.bad_words and not _has_penalty(params)
-            and not (params.min_tokens and len(seq.output_token_ids) < params.min_tokens))
+            and not _min_tokens_pending(seq))
 
 
 @torch.inference_mode()
@@ -70,10 +70,15 @@ def _process_row(row: torch.Tensor, seq: Sequence) -> None:
         row += torch.as_tensor(params.embedding_bias, dtype=row.dtype, device=row.device)[: row.shape[0]]
     if params.bad_words:
         _ban(row, banned_by_words(seq.all_token_ids(), params.bad_words))
-    if params.min_tokens and len(seq.output_token_ids) < params.min_tokens:
+    if _min_tokens_pending(seq):
         _ban(row, end_tokens(seq))
     if _has_penalty(params):
         _apply_penalties(row, seq)
+
+
+def _min_tokens_pending(seq: Sequence) -> bool:
+    """Whether the sequence is still short of its min_tokens (its end tokens are banned until then)."""
+    return bool(seq.params.min_tokens) and len(seq.output_token_ids) < seq.params.min_tokens
 
 
 def _ban(row: torch.Tensor, token_ids) -> None:
