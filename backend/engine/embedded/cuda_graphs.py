@@ -129,7 +129,8 @@ class DecodeGraphs:
         self.failed = False  # a capture failed: every step runs eagerly from then on
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> Optional[torch.Tensor]:
-        """Final-norm hidden states [tokens, hidden] from a graph, or None where no graph applies (run eagerly)."""
+        """The model's output rows (final-norm hidden states, and any captured layers) from a graph, or None where
+        no graph applies (run eagerly)."""
         longest = max(attn.query_lens)
         if longest > MAX_GRAPH_ROWS or self.failed:
             return None
