@@ -2,17 +2,38 @@
 
 Both sides decode greedily and ignore the end token, so every request produces exactly its requested number of
 tokens; throughput counts those requested tokens over wall time (prefill included). Hugging Face runs the requests
-as static batches (left-padded, each batch runs until its longest request is done); the engine gets them all at once."""
+as static batches (left-padded, each batch runs until its longest request is done); the engine gets them all at once.
+
+Workloads: `default` cuts prompts from the text the package ships; `nano` is nano-vllm's benchmark (256 requests,
+prompts of random token ids, prompt and output lengths uniform in [100, 1024]). With `--load-format dummy` both
+sides run random weights built from config.json alone (a `tritonllm model shape` folder needs nothing else), so the
+benchmark reruns on any GPU without downloading weights. `--profile` runs the engine's workload once more under
+torch.profiler and reports where the device time went."""
 from __future__ import annotations
 
+import gc
 import random
+import resource
 import time
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, field
 from importlib import resources
+from pathlib import Path
+from typing import Any, Optional
 
 from .bench_report import progress, report
 from .engine.types import SamplingParams
 from .generate import build_engine_config
+
+MIX_FLAGS = ("requests", "min_prompt", "max_prompt", "min_output", "max_output")
+DEFAULT_MIX = dict(requests=16, min_prompt=16, max_prompt=256, min_output=16, max_output=128)
+NANO_MIX = dict(requests=256, min_prompt=100, max_prompt=1024, min_output=100, max_output=1024)
+# Without these the engine's defaults (a batch of 64) would cap nano's 256 requests submitted at once.
+NANO_ENGINE_DEFAULTS = dict(max_batch_size=256, max_seq_len=4096)
+NANO_TOKEN_ID_LIMIT = 10000  # nano-vllm draws prompt ids below this
+WARMUP_REQUESTS = 2  # the engine's warm-up without --warmup
+TOP_KERNELS = 15
+HF_DUMMY_SEED = 0
 
 
 @dataclass
@@ -20,6 +41,17 @@ class BenchRequest:
     prompt_ids: list[int]
     output_len: int
 
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    requests: int
+    prompt_range: tuple[int, int]
+    output_range: tuple[int, int]
+    engine_defaults: dict = field(default_factory=dict)  # engine settings used where neither flag nor config sets one
+
+
+# ---- workloads ----
 
 def make_requests(tokenizer, count: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
                   seed: int) -> list[BenchRequest]:
@@ -37,6 +69,67 @@ def make_requests(tokenizer, count: int, prompt_range: tuple[int, int], output_r
     return requests
 
 
+def make_nano_requests(vocab_size: int, seed: int = 0, count: int = NANO_MIX["requests"],
+                       prompt_range: tuple[int, int] = (NANO_MIX["min_prompt"], NANO_MIX["max_prompt"]),
+                       output_range: tuple[int, int] = (NANO_MIX["min_output"], NANO_MIX["max_output"]),
+                       ) -> list[BenchRequest]:
+    """nano-vllm's mix: prompts of random ids below min(10000, vocab), lengths uniform in the ranges (inclusive);
+    all prompts are drawn first, then all output lengths, as nano-vllm does."""
+    rng = random.Random(seed)
+    id_limit = min(NANO_TOKEN_ID_LIMIT, vocab_size)
+    prompts = [[rng.randrange(id_limit) for _ in range(rng.randint(*prompt_range))] for _ in range(count)]
+    return [BenchRequest(prompt, rng.randint(*output_range)) for prompt in prompts]
+
+
+def resolve_workload(args) -> Workload:
+    """The workload the flags ask for; a ConfigError naming the flag for a length range that is empty, or for a
+    request-mix flag given with --workload nano (whose mix is fixed)."""
+    from .engine.config import ConfigError
+
+    if args.workload == "nano":
+        given = [flag for flag in MIX_FLAGS if getattr(args, flag) is not None]
+        if given:
+            raise ConfigError(f"--workload nano fixes the request mix (256 requests, prompt and output lengths "
+                              f"100-1024): leave out {', '.join(_flag(name) for name in given)}")
+        mix, defaults = NANO_MIX, NANO_ENGINE_DEFAULTS
+    else:
+        mix = {name: DEFAULT_MIX[name] if getattr(args, name) is None else getattr(args, name) for name in MIX_FLAGS}
+        defaults = {}
+    for name in ("prompt", "output"):  # each is >= 1 already (cli_types.count)
+        low, high = mix[f"min_{name}"], mix[f"max_{name}"]
+        if low > high:
+            raise ConfigError(f"--min-{name} {low} / --max-{name} {high}: need min <= max")
+    return Workload(args.workload, mix["requests"], (mix["min_prompt"], mix["max_prompt"]),
+                    (mix["min_output"], mix["max_output"]), dict(defaults))
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def engine_config(args, workload: Workload):
+    """model.yaml (read once) < the workload's defaults where it sets nothing < the command's flags."""
+    from .engine.config import load_yaml_args
+
+    yaml_args = load_yaml_args(args.config) if args.config else {}
+    yaml_args.pop("model", None)  # --model names the folder
+    defaults = {key: value for key, value in workload.engine_defaults.items() if yaml_args.get(key) is None}
+    flags = dict(dtype=args.dtype, device=args.device, max_batch_size=args.max_batch_size,
+                 load_format=args.load_format)
+    given = {key: value for key, value in flags.items() if value is not None}
+    return build_engine_config(args.model, None, **{**defaults, **yaml_args, **given})
+
+
+def workload_requests(workload: Workload, config, tokenizer, seed: int) -> list[BenchRequest]:
+    if workload.name == "nano":
+        from .engine.embedded.loader import read_model_config
+
+        return make_nano_requests(read_model_config(config.model).vocab_size, seed)
+    return make_requests(tokenizer, workload.requests, workload.prompt_range, workload.output_range, seed)
+
+
+# ---- the engine side ----
+
 def run_engine(engine, requests: list[BenchRequest]) -> float:
     start = time.perf_counter()
     handles = [engine.generate_async(r.prompt_ids, SamplingParams(max_tokens=r.output_len, ignore_eos=True))
@@ -48,67 +141,262 @@ def run_engine(engine, requests: list[BenchRequest]) -> float:
     return time.perf_counter() - start
 
 
+def engine_facts(engine, config) -> dict[str, Any]:
+    """What the engine ran with, for the result: the settings that move its speed."""
+    import torch
+
+    core = engine.core
+    return {"dtype": str(core.dtype).replace("torch.", ""), "device": str(core.device),
+            "threads": torch.get_num_threads(), "attn_backend": _attn_backend(config, core.device),
+            "cuda_graphs": getattr(core.runner, "graphs", None) is not None,
+            "max_batch_size": config.max_batch_size, "max_seq_len": core.max_seq_len,
+            "disable_overlap_scheduler": config.disable_overlap_scheduler}
+
+
+def _attn_backend(config, device) -> str:
+    """The backend that runs (TRTLLM, the default, picks one per device); as configured where it cannot be told."""
+    try:
+        from .engine.embedded.attention import resolve_backend
+    except ImportError:
+        return config.attn_backend
+    return resolve_backend(config.attn_backend, device)
+
+
+def bench_engine(config, requests: list[BenchRequest], args) -> dict[str, Any]:
+    """Warm-up, the timed run and, with --profile, a profiled run; the engine's part of the result."""
+    from .engine import create_engine
+
+    started = time.perf_counter()
+    engine = create_engine(config)
+    try:
+        facts = engine_facts(engine, config)
+        device = engine.core.device
+        progress(f"engine ready in {time.perf_counter() - started:.1f}s ({facts['device']}, {facts['dtype']}, "
+                 f"attention {facts['attn_backend']}, CUDA graphs {'on' if facts['cuda_graphs'] else 'off'})")
+        warmup = requests if args.warmup else requests[:WARMUP_REQUESTS]
+        progress(f"engine warm-up: {len(warmup)} requests")
+        run_engine(engine, warmup)
+        reset_peak_memory(device)
+        steps_before = engine.wait_idle().num_steps
+        progress("timing the engine")
+        seconds = run_engine(engine, requests)
+        result = {**facts, "engine_s": round(seconds, 3), "engine_steps": engine.wait_idle().num_steps - steps_before,
+                  "peak_memory_bytes": peak_memory_bytes(device)}
+        if args.profile or args.profile_trace:
+            result.update(profile_engine(engine, requests, device, args.profile_trace))
+        return result
+    finally:
+        engine.shutdown()
+
+
+# ---- memory ----
+
+def reset_peak_memory(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def peak_memory_bytes(device) -> int:
+    """CUDA: the allocator's peak since the last reset. CPU: the process's peak resident set (no reset exists)."""
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux counts KiB
+
+
+def release_device_memory(device) -> None:
+    """Give the engine's weights and KV cache back before Hugging Face loads (an 8B model twice may not fit)."""
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+# ---- profiling ----
+
+def profile_engine(engine, requests: list[BenchRequest], device, trace_path: Optional[str]) -> dict[str, Any]:
+    """The workload once more under torch.profiler: top kernels (on CPU: top ops) and, on CUDA, the share of the
+    profiled wall time in which some kernel ran. Whatever the profiler cannot give is reported, not raised."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    options, note = _all_threads_option()
+    progress("profiling one more engine run")
+    with warnings.catch_warnings():
+        # Said by some torch versions on entry; this profiler runs one cycle, so there is nothing to accumulate.
+        warnings.filterwarnings("ignore", message=".*Profiler clears events.*")
+        with profile(activities=activities, **options) as prof:
+            seconds = run_engine(engine, requests)
+    result: dict[str, Any] = {"profile_s": round(seconds, 3)}
+    if note:
+        result["profile_note"] = note
+    if trace_path:
+        _export_trace(prof, trace_path, result)
+    try:
+        result.update(_profile_summary(prof, device, seconds))
+    except Exception as err:  # profiler internals differ between torch versions
+        result["profile_error"] = f"{type(err).__name__}: {err}"
+        progress(f"profile summary unavailable: {result['profile_error']}")
+    return result
+
+
+def _all_threads_option() -> tuple[dict, Optional[str]]:
+    """The engine steps on its own thread, which the profiler records only when told to profile all threads."""
+    try:
+        from torch.profiler import _ExperimentalConfig
+
+        return {"experimental_config": _ExperimentalConfig(profile_all_threads=True)}, None
+    except (ImportError, TypeError):
+        return {}, "this torch cannot profile all threads: CPU ops of the engine thread are missing"
+
+
+def _export_trace(prof, trace_path: str, result: dict) -> None:
+    try:
+        prof.export_chrome_trace(str(Path(trace_path)))
+        progress(f"chrome trace written to {trace_path}")
+    except Exception as err:
+        result["profile_trace_error"] = f"{type(err).__name__}: {err}"
+
+
+def _profile_summary(prof, device, seconds: float) -> dict[str, Any]:
+    if device.type != "cuda":
+        top = _top_cpu_ops(prof)
+        _print_top(top, "ops by self CPU time")
+        return {"profile_top_kernels": top}
+    kernels = device_kernels(prof.events())
+    busy = busy_share([(k.time_range.start, k.time_range.end) for k in kernels], seconds * 1e6)
+    top = top_kernels([(k.name, k.time_range.end - k.time_range.start) for k in kernels])
+    _print_top(top, f"kernels by total GPU time (GPU busy {busy:.1%} of the profiled {seconds:.1f}s)")
+    return {"gpu_busy_share": round(busy, 4), "profile_top_kernels": top}
+
+
+def device_kernels(events) -> list:
+    """The GPU kernels among the profiler's events (copies and memsets left out)."""
+    from torch.autograd import DeviceType
+
+    return [e for e in events if getattr(e, "device_type", None) == DeviceType.CUDA
+            and not e.name.startswith(("Memcpy", "Memset"))]
+
+
+def busy_share(intervals: list[tuple[float, float]], wall_us: float) -> float:
+    """The union of [start, end) intervals over the wall time: concurrent kernels count once."""
+    covered, reach = 0.0, float("-inf")
+    for start, end in sorted(intervals):
+        if end > reach:
+            covered += end - max(start, reach)
+            reach = end
+    return covered / wall_us if wall_us > 0 else 0.0
+
+
+def top_kernels(timed: list[tuple[str, float]], limit: int = TOP_KERNELS) -> list[dict[str, Any]]:
+    """(name, duration in us) pairs summed by name, the largest totals first."""
+    totals: dict[str, list[float]] = {}
+    for name, duration in timed:
+        entry = totals.setdefault(name, [0, 0.0])
+        entry[0] += 1
+        entry[1] += duration
+    ranked = sorted(totals.items(), key=lambda item: -item[1][1])[:limit]
+    return [{"name": name, "calls": calls, "total_ms": round(total / 1e3, 3), "mean_us": round(total / calls, 2)}
+            for name, (calls, total) in ranked]
+
+
+def _top_cpu_ops(prof) -> list[dict[str, Any]]:
+    averages = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:TOP_KERNELS]
+    return [{"name": a.key, "calls": a.count, "total_ms": round(a.self_cpu_time_total / 1e3, 3),
+             "mean_us": round(a.self_cpu_time_total / max(a.count, 1), 2)} for a in averages]
+
+
+def _print_top(top: list[dict[str, Any]], title: str) -> None:
+    progress(f"top {len(top)} {title}:")
+    progress(f"{'total ms':>11} {'calls':>8} {'mean us':>10}  name")
+    for row in top:
+        progress(f"{row['total_ms']:>11.1f} {row['calls']:>8} {row['mean_us']:>10.1f}  {row['name'][:100]}")
+
+
+# ---- the Hugging Face side ----
+
+def load_hf_model(model_dir: str, load_format: str, dtype, device):
+    """The folder's weights, or (dummy) transformers' own random initialisation built on the device itself."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    if load_format == "dummy":
+        torch.manual_seed(HF_DUMMY_SEED)
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model_dir), dtype=dtype)
+        return model.eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+
+
 def run_hf(model, tokenizer, requests: list[BenchRequest], batch_size: int) -> float:
     import torch
 
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    device = model.device
     start = time.perf_counter()
     for first in range(0, len(requests), batch_size):
         batch = requests[first:first + batch_size]
         width = max(len(r.prompt_ids) for r in batch)
-        ids = torch.tensor([[pad] * (width - len(r.prompt_ids)) + r.prompt_ids for r in batch])
-        mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in batch])
+        # Inputs on the model's device: from the CPU, transformers warns and every step pays a copy.
+        ids = torch.tensor([[pad] * (width - len(r.prompt_ids)) + r.prompt_ids for r in batch], device=device)
+        mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in batch],
+                            device=device)
         new_tokens = max(r.output_len for r in batch)
         with torch.inference_mode():
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                            do_sample=False, pad_token_id=pad)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
     return time.perf_counter() - start
 
 
+def bench_hf(args, load_format: str, requests: list[BenchRequest], tokenizer, dtype, device) -> dict[str, Any]:
+    """Warm-up (the whole workload with --warmup, else one full batch: the size it is timed at), then the timed
+    pass; Hugging Face's part of the result."""
+    progress(f"loading Hugging Face ({str(dtype).replace('torch.', '')}, {load_format} weights)")
+    model = load_hf_model(args.model, load_format, dtype, device)
+    warmup = requests if args.warmup else requests[:args.hf_batch_size]
+    progress(f"Hugging Face warm-up: {len(warmup)} requests")
+    run_hf(model, tokenizer, warmup, args.hf_batch_size)
+    reset_peak_memory(device)
+    progress(f"timing Hugging Face generate in static batches of {args.hf_batch_size}")
+    seconds = run_hf(model, tokenizer, requests, args.hf_batch_size)
+    result = {"hf_s": round(seconds, 3), "hf_batch_size": args.hf_batch_size}
+    if device.type == "cuda":
+        result["hf_peak_memory_bytes"] = peak_memory_bytes(device)
+    return result
 
-def check_arguments(args) -> None:
-    """A ConfigError naming the flags of a length range that is empty."""
-    from .engine.config import ConfigError
 
-    for name in ("prompt", "output"):  # each is >= 1 already (cli_types.count)
-        low, high = getattr(args, f"min_{name}"), getattr(args, f"max_{name}")
-        if low > high:
-            raise ConfigError(f"--min-{name} {low} / --max-{name} {high}: need min <= max")
-
+# ---- the command ----
 
 def main(args) -> int:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
-    from .engine import create_engine
-
-    check_arguments(args)
-    config = build_engine_config(args.model, args.config, dtype=args.dtype, device=args.device,
-                                 max_batch_size=args.max_batch_size)
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-    requests = make_requests(tokenizer, args.requests, (args.min_prompt, args.max_prompt),
-                             (args.min_output, args.max_output), args.seed)
+    workload = resolve_workload(args)
+    config = engine_config(args, workload)
+    needs_tokenizer = workload.name == "default" or args.baseline == "hf"
+    tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or args.model) if needs_tokenizer else None
+    requests = workload_requests(workload, config, tokenizer, args.seed)
     total_tokens = sum(r.output_len for r in requests)
-    progress(f"{len(requests)} requests, {total_tokens} output tokens; starting the engine")
-    engine = create_engine(config)
-    dtype = engine.core.dtype
-    try:
-        run_engine(engine, requests[:2])  # warm-up
-        progress("timing the engine")
-        engine_s = run_engine(engine, requests)
-    finally:
-        engine.shutdown()
-    progress(f"engine: {engine_s:.1f}s; loading Hugging Face ({dtype})")
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(engine.core.device).eval()
-    run_hf(model, tokenizer, requests[:2], args.hf_batch_size)
-    progress(f"timing Hugging Face generate in static batches of {args.hf_batch_size}")
-    hf_s = run_hf(model, tokenizer, requests, args.hf_batch_size)
-    result = {"requests": len(requests), "output_tokens": total_tokens, "dtype": str(dtype).replace("torch.", ""),
-              "device": str(engine.core.device), "threads": torch.get_num_threads(),
-              "engine_s": round(engine_s, 3), "hf_s": round(hf_s, 3),
-              "engine_tok_s": round(total_tokens / engine_s, 2), "hf_tok_s": round(total_tokens / hf_s, 2),
-              "hf_batch_size": args.hf_batch_size}
-    result["ratio"] = round(result["engine_tok_s"] / result["hf_tok_s"], 3)
-    report(result, args.json, f"embedded engine: {result['engine_tok_s']} tok/s   HF generate: "
-                              f"{result['hf_tok_s']} tok/s   ratio {result['ratio']}x")
+    progress(f"{workload.name} workload: {len(requests)} requests, {sum(len(r.prompt_ids) for r in requests)} "
+             f"prompt and {total_tokens} output tokens; starting the engine ({config.load_format} weights)")
+    result = {"requests": len(requests), "output_tokens": total_tokens, "workload": workload.name,
+              "load_format": config.load_format, "warmup": args.warmup, "baseline": args.baseline,
+              **bench_engine(config, requests, args)}
+    result["engine_tok_s"] = round(total_tokens / result["engine_s"], 2)
+    summary = f"embedded engine: {result['engine_tok_s']} tok/s"
+    if args.baseline == "hf":
+        device = torch.device(result["device"])
+        release_device_memory(device)
+        result.update(bench_hf(args, config.load_format, requests, tokenizer, getattr(torch, result["dtype"]),
+                               device))
+        result["hf_tok_s"] = round(total_tokens / result["hf_s"], 2)
+        result["ratio"] = round(result["engine_tok_s"] / result["hf_tok_s"], 3)
+        summary += f"   HF generate: {result['hf_tok_s']} tok/s   ratio {result['ratio']}x"
+    report(result, args.json, summary)
     return 0

