@@ -1,5 +1,11 @@
 """Shared fixtures: model folders built or fetched once per session."""
-import pytest
+import os
+
+# Triton kernels run on CPU tensors through Triton's interpreter, which must be chosen before triton is imported.
+if os.environ.get("TRITONLLM_TEST_DEVICE", "cpu") != "cuda":
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
 
 
 @pytest.fixture(scope="session")

@@ -18,6 +18,10 @@ ENGINE_CHOICES = ("auto", "embedded", "tensorrt_llm")
 DTYPE_CHOICES = ("auto", "float32", "float16", "bfloat16")
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 SCHEDULER_POLICIES = ("GUARANTEED_NO_EVICT", "MAX_UTILIZATION")
+# TensorRT-LLM's `attn_backend` values. TRTLLM (its default) means, in the embedded engine, its fastest backend for
+# the device: TRITON on CUDA, VANILLA elsewhere. FLASHINFER is refused by the embedded engine (not built in).
+ATTN_BACKENDS = ("TRTLLM", "TRITON", "VANILLA", "FLASHINFER")
+LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights from config.json alone (TensorRT-LLM's LoadFormat.DUMMY)
 
 
 @dataclass
@@ -74,6 +78,10 @@ class EngineConfig:
     # CUDA graphs for decode steps ({}: the defaults; None: none; see graph_settings.py).
     cuda_graph_config: Optional[dict] = field(default_factory=dict)
     normalize_log_probs: bool = True
+    attn_backend: str = "TRTLLM"
+    # TensorRT-LLM's overlap scheduler: the host prepares step N+1 while the GPU runs step N.
+    disable_overlap_scheduler: bool = False
+    load_format: str = "auto"
     # Keys passed through untouched to TensorRT-LLM (the embedded engine refuses them).
     extra: dict = field(default_factory=dict)
 
@@ -111,11 +119,23 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
         if self.max_seq_len is not None and (not isinstance(self.max_seq_len, int) or self.max_seq_len < 2):
             raise ConfigError(f"max_seq_len must be an integer >= 2, got {self.max_seq_len!r}")
+        self._validate_choices()
         self.kv_cache_config.validate()
         self.scheduler_config.validate()
         self.lora_settings()
         self.speculative_settings()
         self.cuda_graph_settings()
+
+    def _validate_choices(self) -> None:
+        """`attn_backend` and `load_format`, normalised as TensorRT-LLM reads them (any case)."""
+        for name, choices, normal in (("attn_backend", ATTN_BACKENDS, str.upper),
+                                      ("load_format", LOAD_FORMATS, str.lower)):
+            value = getattr(self, name)
+            if not isinstance(value, str) or normal(value) not in choices:
+                raise ConfigError(f"{name} must be one of {choices}, got {value!r}")
+            setattr(self, name, normal(value))
+        if not isinstance(self.disable_overlap_scheduler, bool):
+            raise ConfigError(f"disable_overlap_scheduler must be true or false, got {self.disable_overlap_scheduler!r}")
 
     def speculative_settings(self):
         """`speculative_config` typed and checked (tritonllm.spec_decode.config), or None without one."""
@@ -126,11 +146,12 @@ class EngineConfig:
         return parse_speculative_config(self.speculative_config)
 
     def cuda_graph_settings(self):
-        """`cuda_graph_config` typed and checked (graph_settings.CudaGraphSettings), or None when graphs are off."""
+        """`cuda_graph_config` typed and checked (graph_settings.CudaGraphSettings), or None when graphs are off;
+        by default graphs cover batches up to `max_batch_size` (graph_settings says why)."""
         from .graph_settings import GraphSettingsError, parse_cuda_graph_config
 
         try:
-            return parse_cuda_graph_config(self.cuda_graph_config)
+            return parse_cuda_graph_config(self.cuda_graph_config, self.max_batch_size)
         except GraphSettingsError as exc:
             raise ConfigError(str(exc)) from None
 
@@ -153,6 +174,9 @@ class EngineConfig:
         problems = [f"{k}={v!r} (unknown to the embedded engine)" for k, v in self.extra.items()]
         if self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1:
             problems.append("tensor/pipeline parallelism (the embedded engine runs on one device)")
+        if self.attn_backend == "FLASHINFER":
+            problems.append("attn_backend='FLASHINFER' (FlashInfer is not built into the embedded engine; its "
+                            "paged-attention kernels are attn_backend: TRITON, the default on CUDA)")
         spec = self.speculative_settings()
         if spec is not None and self.max_beam_width > 1:
             problems.append(f"speculative_config with max_beam_width={self.max_beam_width} (speculative decoding "

@@ -59,6 +59,13 @@ def _optional_llm_kwargs(config: EngineConfig) -> dict[str, Any]:
         _check_speculative_config(config.speculative_config)
     if config.enable_lora:
         kwargs["enable_lora"] = True
+    # Our defaults are TensorRT-LLM's: passed only when changed. Its validator reads load_format by name.
+    if config.attn_backend != "TRTLLM":
+        kwargs["attn_backend"] = config.attn_backend
+    if config.disable_overlap_scheduler:
+        kwargs["disable_overlap_scheduler"] = True
+    if config.load_format != "auto":
+        kwargs["load_format"] = config.load_format
     if config.cuda_graph_config != {}:  # set: as given (None turns graphs off there too); unset: the library's
         kwargs["cuda_graph_config"] = config.cuda_graph_config
     return kwargs

@@ -50,6 +50,14 @@ def test_sizes_follow_tensorrt_llm():
     assert parse_cuda_graph_config({"max_batch_size": 40, "enable_padding": False}).batch_sizes == (
         *range(1, 33), 40)
     assert default_batch_sizes(1000, padding=False)[-4:] == (128, 256, 512, 1000)
+    assert default_batch_sizes(256, padding=True)[-4:] == (120, 128, 192, 256)
+
+
+def test_graphs_cover_the_engines_own_batch_size_unless_told_otherwise():
+    assert EngineConfig.from_dict({"model": "m", "max_batch_size": 256}).cuda_graph_settings().batch_sizes[-1] == 256
+    assert EngineConfig.from_dict({"model": "m", "max_batch_size": 32}).cuda_graph_settings().batch_sizes[-1] == 32
+    told = {"model": "m", "max_batch_size": 256, "cuda_graph_config": {"max_batch_size": 64}}
+    assert EngineConfig.from_dict(told).cuda_graph_settings().batch_sizes[-1] == 64
     assert parse_cuda_graph_config({"batch_sizes": [8, 2, 2], "max_batch_size": 8}).batch_sizes == (2, 8)
     assert parse_cuda_graph_config(None) is None
 
@@ -82,10 +90,11 @@ def tiny(tmp_path_factory):
     return model_dir, [tokenizer.encode(p) for p in PROMPTS], tokenizer.eos_token_id
 
 
-def run(model_dir, prompts, eos, graphs):
+def run(model_dir, prompts, eos, graphs, attn_backend="VANILLA"):
     engine = EmbeddedEngine(EngineConfig.from_dict({
-        "model": str(model_dir), "dtype": "float32", "device": DEVICE, "max_batch_size": 8,
-        "kv_cache_config": {"tokens_per_block": 4, "max_tokens": 1024}, "cuda_graph_config": graphs}))
+        "model": str(model_dir), "dtype": "float32", "device": DEVICE, "max_batch_size": 8, "max_seq_len": 256,
+        "kv_cache_config": {"tokens_per_block": 4, "max_tokens": 1024}, "cuda_graph_config": graphs,
+        "attn_backend": attn_backend}))
     try:
         handles = [engine.generate_async(ids, SamplingParams(max_tokens=n, end_id=eos))
                    for ids, n in zip(prompts, MAX_TOKENS)]
@@ -97,16 +106,21 @@ def run(model_dir, prompts, eos, graphs):
         engine.shutdown()
 
 
-def test_padded_graphs_give_the_eager_tokens(tiny, graphs_on_this_device):
+@pytest.mark.parametrize("attn_backend", ["VANILLA", "TRITON"])
+def test_padded_graphs_give_the_eager_tokens(tiny, graphs_on_this_device, attn_backend):
     model_dir, prompts, eos = tiny
     expected, no_graphs = run(model_dir, prompts, eos, None)
     assert no_graphs is None
-    outputs, graphs = run(model_dir, prompts, eos, {"batch_sizes": [1, 2, 4, 8], "enable_padding": True})
+    outputs, graphs = run(model_dir, prompts, eos, {"batch_sizes": [1, 2, 4, 8], "enable_padding": True},
+                          attn_backend)
     assert outputs == expected
     sizes = {batch for batch, _, _ in graphs.graphs}
     widths = {width for _, _, width in graphs.graphs}
     assert 8 in sizes and 4 in sizes  # 5 rows padded to 8, 3 to 4
-    assert len(widths) > 1 and all(width & (width - 1) == 0 for width in widths)  # powers of two, growing
+    if attn_backend == "VANILLA":  # masked attention reads the whole width: powers of two, growing
+        assert len(widths) > 1 and all(width & (width - 1) == 0 for width in widths)
+    else:  # the kernels read each sequence up to its length: one width, the longest a sequence can have
+        assert widths == {graphs.max_width}
     assert graphs.replays > 30
 
 

@@ -86,7 +86,7 @@ class BlockManager:
         """Hash the blocks `seq` has completely computed since the last call, so later sequences can reuse them."""
         if not self.enable_reuse:
             return
-        full = min(seq.num_computed_tokens, seq.num_tokens) // self.block_size
+        full = min(seq.num_computed_tokens, seq.num_known_tokens) // self.block_size
         tokens = None
         while len(seq.block_hashes) < full:
             index = len(seq.block_hashes)

@@ -22,6 +22,7 @@ import torch
 from tritonllm.engine.graph_settings import CudaGraphSettings
 
 from .attention import AttentionMetadata
+from .host_arrays import HostArrays
 
 log = logging.getLogger(__name__)
 
@@ -87,6 +88,81 @@ class _Graph:
         mask.masked_fill_(visible.to(mask.device), 0.0)
 
 
+class _KernelGraph:
+    """The Triton backend's graph over `seqs` x `rows` query rows: no masks; the kernels read each sequence's length,
+    block table and (rows > 1) query count and draft tree from static buffers. Every sequence's block table is as
+    wide as the longest sequence's can be (the kernels read only up to its length), so one graph serves all
+    lengths. Padding sequences have length 1 and no queries; padding rows come out as zeros."""
+
+    def __init__(self, seqs: int, rows: int, max_width: int, block_size: int, scratch_slot: int, kernels, device):
+        from .attention.triton_backend import KernelMetadata
+
+        long, int32 = dict(dtype=torch.long, device=device), dict(dtype=torch.int32, device=device)
+        self.scratch_slot, self.rows = scratch_slot, rows
+        self.input_ids = torch.zeros(seqs * rows, **long)
+        self.positions = torch.zeros(seqs * rows, **long)
+        self.slots = torch.full((seqs * rows,), scratch_slot, **long)
+        self.tables = torch.zeros(seqs, max_width, **int32)
+        self.seq_lens = torch.ones(seqs, **int32)
+        kernel = KernelMetadata(self.slots, self.tables, self.seq_lens, max_width * block_size, decode=rows == 1)
+        if rows > 1:
+            self._add_query_buffers(kernel, seqs, rows, kernels, device)
+        self.attn = AttentionMetadata(slot_mapping=self.slots, block_tables=self.tables,
+                                      query_starts=list(range(0, seqs * rows, rows)), query_lens=[rows] * seqs,
+                                      context_lens=[1] * seqs, block_size=block_size, kernel=kernel)
+        self.replay: Optional[Callable[[], None]] = None
+        self.hidden: Optional[torch.Tensor] = None
+
+    def _add_query_buffers(self, kernel, seqs: int, rows: int, kernels, device) -> None:
+        from .attention.triton_kernels import TreeMasks, prefill_tiles
+
+        int32 = dict(dtype=torch.int32, device=device)
+        self.query_lens = torch.zeros(seqs, **int32)
+        self.tree_lens = torch.zeros(seqs, **int32)
+        self.tree_masks = torch.zeros(seqs * rows * rows, dtype=torch.bool, device=device)
+        tile_seqs, tile_starts = prefill_tiles([rows] * seqs, kernels.num_heads, kernels.num_kv_heads,
+                                               tokens_per_seq=rows)
+        kernel.query_starts = torch.arange(0, seqs * rows, rows, **int32)
+        kernel.query_lens = self.query_lens
+        kernel.tiles = (torch.from_numpy(tile_seqs).to(device), torch.from_numpy(tile_starts).to(device))
+        kernel.tree = TreeMasks(self.tree_lens, torch.arange(0, seqs * rows * rows, rows * rows, **int32),
+                                self.tree_masks)
+
+    def load(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+             placement: torch.Tensor) -> None:
+        """This step's rows at their `placement`; the other rows and sequences become padding."""
+        self.slots.fill_(self.scratch_slot)
+        self.slots.index_copy_(0, placement, attn.slot_mapping)
+        self.input_ids.index_copy_(0, placement, input_ids)
+        self.positions.index_copy_(0, placement, positions)
+        seqs, columns = attn.block_tables.shape
+        self.tables[:seqs, :columns].copy_(attn.block_tables)
+        self.seq_lens.fill_(1)
+        self.seq_lens[:seqs].copy_(attn.kernel.seq_lens)
+        if self.rows > 1:
+            self.query_lens.zero_()
+            self.query_lens[:seqs].copy_(attn.kernel.query_lens)
+            self._load_trees(attn, seqs)
+
+    def _load_trees(self, attn: AttentionMetadata, seqs: int) -> None:
+        self.tree_lens.zero_()
+        if not attn.tail_masks:
+            return
+        rows = self.rows
+        lens = np.zeros(seqs, dtype=np.int64)
+        masks = np.zeros((seqs, rows * rows), dtype=bool)  # each tree's [n, n] mask row-major from its start
+        for seq, tail in enumerate(attn.tail_masks):
+            if tail is not None:
+                lens[seq] = size = tail.shape[0]
+                masks[seq, :size * size] = tail.reshape(-1).cpu().numpy()
+        host = HostArrays()
+        host.add("lens", lens, int32=True)
+        host.add("masks", masks)
+        arrays = host.upload(self.tree_lens.device)
+        self.tree_lens[:seqs].copy_(arrays["lens"])
+        self.tree_masks[:seqs * rows * rows].copy_(arrays["masks"].reshape(-1))
+
+
 def visible_keys(attn: AttentionMetadata, rows: int, width: int) -> torch.Tensor:
     """[S, rows, width] bool: the keys each padded query row sees. Row r < q of a sequence with q new tokens is
     causal over its context (its draft tree's rows see the tree's mask among themselves); padding rows see key 0."""
@@ -108,14 +184,22 @@ def placement(attn: AttentionMetadata, rows: int) -> np.ndarray:
     return np.repeat(shift, lens) + np.arange(lens.sum())
 
 
+def placement_on(attn: AttentionMetadata, rows: int, device: torch.device) -> torch.Tensor:
+    """`placement` as a device tensor; a decode step's rows stay where they are (no copy to make)."""
+    if rows == 1:
+        return torch.arange(len(attn.query_lens), device=device)
+    return HostArrays.one(placement(attn, rows), device)
+
+
 def _power_of_two(value: int) -> int:
     return 1 << max(0, value - 1).bit_length()
 
 
 class DecodeGraphs:
     def __init__(self, model: torch.nn.Module, kv_caches: list, settings: CudaGraphSettings, block_size: int,
-                 max_blocks_per_seq: int, scratch_block: int, device: torch.device):
+                 max_blocks_per_seq: int, scratch_block: int, device: torch.device, kernels=None):
         self.model = model
+        self.kernels = kernels  # attention.triton_backend.TritonAttention, or None: the portable backend's graphs
         self.kv_caches = kv_caches
         self.settings = settings
         self.block_size = block_size
@@ -140,15 +224,30 @@ class DecodeGraphs:
         rows = _power_of_two(longest)
         if seqs * rows > max(MAX_PADDING * len(input_ids), SMALL_GRAPH_ROWS):
             return None
-        width = min(self.max_width, max(self.min_width, _power_of_two(attn.block_tables.shape[1])))
+        width = self._width(attn)
         graph = self._graph(seqs, rows, width)
         if graph is None:
             return None
-        where = torch.from_numpy(placement(attn, rows)).to(self.device)
-        graph.load(input_ids, positions, attn, where, visible_keys(attn, rows, width * self.block_size))
+        where = placement_on(attn, rows, self.device)
+        if self.kernels is None:
+            graph.load(input_ids, positions, attn, where, visible_keys(attn, rows, width * self.block_size))
+        else:
+            graph.load(input_ids, positions, attn, where)
         graph.replay()
         self.replays += 1
         return graph.hidden.index_select(0, where)
+
+    def _width(self, attn: AttentionMetadata) -> int:
+        """KV blocks a sequence in the graph: kernels take the widest table (they read only up to each length);
+        masked attention reads the whole width, so it is the step's rounded up (fewer keys, more graphs)."""
+        if self.kernels is not None:
+            return self.max_width
+        return min(self.max_width, max(self.min_width, _power_of_two(attn.block_tables.shape[1])))
+
+    def _new_graph(self, seqs: int, rows: int, width: int):
+        if self.kernels is not None:
+            return _KernelGraph(seqs, rows, width, self.block_size, self.scratch_slot, self.kernels, self.device)
+        return _Graph(seqs, rows, width, self.block_size, self.scratch_slot, self.kv_caches[0][0].dtype, self.device)
 
     def _graph(self, seqs: int, rows: int, width: int) -> Optional[_Graph]:
         """The graph of this shape, captured now if it is new; None if capturing fails (graphs are then given up
@@ -156,8 +255,7 @@ class DecodeGraphs:
         graph = self.graphs.get((seqs, rows, width))
         if graph is None:
             started = time.perf_counter()
-            graph = _Graph(seqs, rows, width, self.block_size, self.scratch_slot, self.kv_caches[0][0].dtype,
-                           self.device)
+            graph = self._new_graph(seqs, rows, width)
             try:
                 graph.replay, graph.hidden = capture(
                     lambda: self.model(graph.input_ids, graph.positions, graph.attn, self.kv_caches), self.pool)

@@ -53,12 +53,14 @@ def available_memory_bytes(device: torch.device) -> int:
 
 
 def kv_cache_token_budget(config: EngineConfig, model_config, dtype: torch.dtype, device: torch.device,
-                          max_seq_len: int) -> int:
+                          max_seq_len: int, reserved_bytes: int = 0) -> int:
     """`kv_cache_config.max_tokens` if given; else the free-memory fraction (of GPU memory, or of available host
-    memory on CPU), capped at what `max_batch_size` sequences of `max_seq_len` tokens can use."""
+    memory on CPU) of what is free once `reserved_bytes` (activations, CUDA graphs: memory_profile.py) are set
+    aside, capped at what `max_batch_size` sequences of `max_seq_len` tokens can use."""
     kv = config.kv_cache_config
     if kv.max_tokens is not None:
         return kv.max_tokens
     per_token = model_config.kv_bytes_per_token(dtype)
-    affordable = int(available_memory_bytes(device) * kv.free_gpu_memory_fraction) // per_token
+    free = max(0, available_memory_bytes(device) - reserved_bytes)
+    affordable = int(free * kv.free_gpu_memory_fraction) // per_token
     return max(kv.tokens_per_block, min(affordable, config.max_batch_size * max_seq_len))

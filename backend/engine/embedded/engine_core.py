@@ -12,14 +12,17 @@ import torch
 
 from ..config import EngineConfig
 from ..types import CompletionOutput, InvalidRequestError, RequestOutput, SamplingParams
+from .attention import resolve_backend
+from .attention.triton_backend import TritonAttention
 from .beam_requests import BeamRequests, beam_snapshot
 from .beam_search import BeamSearch
 from .block_manager import BlockManager, blocks_for
 from .cuda_graphs import DecodeGraphs, graphs_supported
 from .device import avoid_cudnn_attention, kv_cache_token_budget, resolve_device, resolve_dtype
 from .loader import load_model, read_model_config
+from .memory_profile import activation_bytes
 from .model_runner import ModelRunner
-from .sampler import sample
+from .sampler import SampledTokens, sample, sample_on_device
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .speculative import Speculator
@@ -69,27 +72,30 @@ class EngineCore:
         self.config = config
         self.device = resolve_device(config.device)
         avoid_cudnn_attention(self.device)
+        self.attn_backend = resolve_backend(config.attn_backend, self.device)
         self.dtype = resolve_dtype(config.dtype, read_model_config(config.model).torch_dtype, self.device)
-        self.model, self.model_config = load_model(config.model, self.dtype, self.device)
+        self.model, self.model_config = load_model(config.model, self.dtype, self.device, config.load_format)
         self.max_seq_len = self._max_seq_len()
+        mc = self.model_config
         block_size = config.kv_cache_config.tokens_per_block
-        budget = kv_cache_token_budget(config, self.model_config, self.dtype, self.device, self.max_seq_len)
-        num_blocks = max(1, budget // block_size)
+        kernels = TritonAttention(mc.num_heads, mc.num_kv_heads, block_size, self.device) \
+            if self.attn_backend == "TRITON" else None
+        graph_settings = config.cuda_graph_settings() if graphs_supported(self.device) else None
+        num_blocks = self._num_kv_blocks(kernels, graph_settings is not None)
         self.block_manager = BlockManager(num_blocks, block_size, config.kv_cache_config.enable_block_reuse)
         self.lora = _lora_runtime(config, self.model_config, self.dtype, self.device)
         self.scheduler = Scheduler(
             self.block_manager, config.max_batch_size, config.max_num_tokens, config.enable_chunked_prefill,
             guaranteed_no_evict=config.scheduler_config.capacity_scheduler_policy == "GUARANTEED_NO_EVICT",
             max_loras=self.lora.settings.max_loras if self.lora else None)
-        mc = self.model_config
-        graph_settings = config.cuda_graph_settings() if graphs_supported(self.device) else None
         # With graphs, one block more than the block manager hands out: padding rows write their K/V there.
         self.runner = ModelRunner(self.model, mc.num_layers, mc.num_kv_heads, mc.head_dim,
                                   num_blocks + (graph_settings is not None), block_size, self.dtype, self.device)
+        self.runner.kernels = kernels
         if graph_settings is not None:
             self.runner.graphs = DecodeGraphs(self.model, self.runner.kv_caches, graph_settings, block_size,
                                               blocks_for(self.max_seq_len, block_size), scratch_block=num_blocks,
-                                              device=self.device)
+                                              device=self.device, kernels=kernels)
             log.info("CUDA graphs for decode and verification steps of batch sizes %s%s (each captured on first use)",
                      ", ".join(map(str, graph_settings.batch_sizes)),
                      ", smaller batches padded up" if graph_settings.enable_padding else "")
@@ -97,12 +103,31 @@ class EngineCore:
         self.speculator = Speculator(self, config.speculative_settings())
         self.beams = BeamRequests(self)
         self.requests: dict[int, EngineRequest] = {}
+        self.overlap = overlap_wanted(config, self.device)
+        self.num_host_bound = 0  # live requests whose steps need their latest tokens on the host (no overlap)
+        self._pending: Optional[SampledTokens] = None  # the last overlapped step's tokens, not applied yet
         self.num_steps = 0
+        self.num_overlapped_steps = 0
         self.last_context_tokens = 0
         self._seq_ids = itertools.count()
-        log.info("embedded engine ready: %s on %s (%s), %d KV blocks x %d tokens, max_seq_len %d, "
-                 "max_batch_size %d, max_num_tokens %d", config.model, self.device, self.dtype, num_blocks,
-                 block_size, self.max_seq_len, config.max_batch_size, config.max_num_tokens)
+        log.info("embedded engine ready: %s on %s (%s), %s attention, %d KV blocks x %d tokens, max_seq_len %d, "
+                 "max_batch_size %d, max_num_tokens %d", config.model, self.device, self.dtype, self.attn_backend,
+                 num_blocks, block_size, self.max_seq_len, config.max_batch_size, config.max_num_tokens)
+
+    def _num_kv_blocks(self, kernels, graphs: bool) -> int:
+        """KV blocks for the memory left once the activations of a full step (and, with CUDA graphs, their pool) are
+        set aside: measured by one forward at max_num_tokens (memory_profile.py; CUDA only)."""
+        config, block_size = self.config, self.config.kv_cache_config.tokens_per_block
+        activations = activation_bytes(self.model, self.model_config, self.dtype, self.device,
+                                       config.max_num_tokens, self.max_seq_len, config.max_batch_size, block_size,
+                                       kernels)
+        reserved = activations * (2 if graphs else 1)
+        budget = kv_cache_token_budget(config, self.model_config, self.dtype, self.device, self.max_seq_len,
+                                       reserved)
+        if reserved:
+            log.info("%.2f GiB set aside for activations%s before sizing the KV cache", reserved / 2 ** 30,
+                     " and CUDA graphs" if graphs else "")
+        return max(1, budget // block_size)
 
     def new_seq_id(self) -> int:
         return next(self._seq_ids)
@@ -184,6 +209,7 @@ class EngineCore:
             request.seqs.append(seq)
             self.scheduler.add(seq)
         self.requests[request_id] = request
+        self.num_host_bound += needs_host_tokens(params)
         return request
 
     def _acquire_lora(self, ref) -> Optional[object]:
@@ -200,6 +226,7 @@ class EngineCore:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        self.num_host_bound -= needs_host_tokens(request.params)
         if request.lora is not None:
             self.lora.release(request.lora)
         for seq in request.seqs:
@@ -211,16 +238,35 @@ class EngineCore:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._pending is not None
 
     # -- stepping ---------------------------------------------------------------------------------------------
 
     def step(self) -> list[EngineRequest]:
         """Run one step; returns the requests that produced tokens or finished in it."""
+        if self._overlapping():
+            return list(self._overlapped_step().values())
+        updated = self._resolve_pending()  # leaving overlap: the last overlapped step's tokens first
         self.speculator.propose(self.scheduler.running)
         batch = self.scheduler.schedule()
         if batch.is_empty:
-            return []
+            return list(updated.values())
+        self._note_scheduled(batch)
+        out = self.runner.execute(batch, self.block_manager.take_newly_allocated())
+        self.speculator.observe(out)
+        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
+            seq.num_computed_tokens += num_new - seq.num_draft_tokens  # drafts count once accepted
+            self.block_manager.register_full_blocks(seq, seq.cache_key)
+        updated.update(self._plain_tokens(out) if out.seqs else {})
+        for index, seq in enumerate(out.seqs):
+            if seq.draft is not None:
+                updated[seq.request_id] = self.requests[seq.request_id]
+                self.speculator.verify(out, index, self._append_token)
+        self.num_steps += 1
+        return list(updated.values())
+
+    def _note_scheduled(self, batch) -> None:
+        """Per-request metrics of a scheduled step, and how many prompt tokens it computes."""
         now = time.time_ns()
         self.last_context_tokens = 0
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
@@ -229,18 +275,53 @@ class EngineCore:
             if seq.num_computed_tokens < len(seq.prompt_token_ids):
                 seq.metrics.prefill_steps += 1
                 self.last_context_tokens += min(num_new, len(seq.prompt_token_ids) - seq.num_computed_tokens)
-        out = self.runner.execute(batch, self.block_manager.take_newly_allocated())
-        self.speculator.observe(out)
+
+    # -- the overlap scheduler (TensorRT-LLM's; `disable_overlap_scheduler`) ------------------------------------
+
+    def _overlapping(self) -> bool:
+        """Whether this step may run ahead of the last one's tokens: overlap on, no speculation, and no request
+        whose next step needs its latest tokens on the host (overlap.needs_host_tokens)."""
+        return self.overlap and self.speculator.method is None and self.num_host_bound == 0
+
+    def _overlapped_step(self) -> dict[int, EngineRequest]:
+        """Schedule and launch this step while the last step's tokens are still on their way to the host: decoding
+        sequences read their input token on the device. Then apply the last step's tokens (finish rules included:
+        a sequence that ended there has computed one token too many here, which is dropped)."""
+        batch = self.scheduler.schedule()
+        if batch.is_empty:  # every running sequence awaits its last token
+            return self._resolve_pending()
+        self._note_scheduled(batch)
+        last = self._pending.tokens if self._pending is not None else None
+        out = self.runner.execute(batch, self.block_manager.take_newly_allocated(), last)
+        sampled = SampledTokens(out.seqs, *sample_on_device(out.logits, out.seqs))
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
-            seq.num_computed_tokens += num_new - seq.num_draft_tokens  # drafts count once accepted
+            seq.num_computed_tokens += num_new
+        for row, seq in enumerate(out.seqs):
+            seq.pending_tokens += 1
+            seq.pending_row = row
+            seq.final_pending = (len(seq.output_token_ids) + seq.pending_tokens >= seq.params.max_tokens
+                                 or seq.num_tokens >= self.max_seq_len)
+        updated = self._resolve_pending()
+        for seq in batch.seqs:
             self.block_manager.register_full_blocks(seq, seq.cache_key)
-        updated = self._plain_tokens(out) if out.seqs else {}
-        for index, seq in enumerate(out.seqs):
-            if seq.draft is not None:
-                updated[seq.request_id] = self.requests[seq.request_id]
-                self.speculator.verify(out, index, self._append_token)
+        self._pending = sampled
         self.num_steps += 1
-        return list(updated.values())
+        self.num_overlapped_steps += 1
+        return updated
+
+    def _resolve_pending(self) -> dict[int, EngineRequest]:
+        """Apply the tokens of the last overlapped step (waiting for their copy to the host)."""
+        if self._pending is None:
+            return {}
+        pending, self._pending = self._pending, None
+        updated = {}
+        for seq, token, logprob in zip(pending.seqs, *pending.host()):
+            seq.pending_tokens -= 1
+            if seq.is_finished:  # ended (or aborted) while this token was computed
+                continue
+            updated[seq.request_id] = self.requests[seq.request_id]
+            self._append_token(seq, token, logprob)
+        return updated
 
     def _plain_tokens(self, out) -> dict[int, EngineRequest]:
         """Sample the sequences without a draft (one logits row each)."""
@@ -296,7 +377,7 @@ class EngineCore:
         stop = _matched_stop(seq)
         if stop is not None:
             self.finish_sequence(seq, "stop", stop)
-        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= self.max_seq_len:
+        elif len(seq.output_token_ids) >= params.max_tokens or seq.num_known_tokens >= self.max_seq_len:
             self.finish_sequence(seq, "length")
 
     def finish_sequence(self, seq: Sequence, reason: str, stop_reason=None) -> None:
@@ -306,11 +387,13 @@ class EngineCore:
         request = self.requests[seq.request_id]
         if request.finished:
             del self.requests[seq.request_id]
+            self.num_host_bound -= needs_host_tokens(request.params)
             if request.lora is not None:
                 self.lora.release(request.lora)
 
     def fail_all(self) -> list[EngineRequest]:
         """Drop every request (after an engine error); their blocks are freed."""
+        self._pending = None
         failed = list(self.requests.values())
         for request in failed:
             self.abort_request(request.request_id)
@@ -349,6 +432,22 @@ def snapshot(request: EngineRequest, mark_delivered: bool) -> RequestOutput:
     context_logits = torch.cat(first.context_logits) if first.context_logits else None
     return RequestOutput(request.request_id, request.prompt_token_ids, outputs, finished=request.finished,
                          context_logits=context_logits)
+
+
+def overlap_wanted(config: EngineConfig, device: torch.device) -> bool:
+    """The overlap scheduler runs unless `disable_overlap_scheduler`, on CUDA: there the host prepares a step while
+    the GPU runs the last; on CPU the forward runs on the host anyway, so overlapping would only cost the extra
+    token a sequence computes after its end."""
+    return not config.disable_overlap_scheduler and device.type == "cuda"
+
+
+def needs_host_tokens(params: SamplingParams) -> bool:
+    """Whether a request's next step depends on its latest tokens on the host (logit processors, beams, external
+    drafts, lookahead, logits to return), so that steps must not run ahead of them."""
+    return bool(params.beam_width > 1 or params.embedding_bias is not None or params.bad_words
+                or params.min_tokens or params.repetition_penalty not in (None, 1.0) or params.presence_penalty
+                or params.frequency_penalty or params.draft_tokens or params.lookahead_config is not None
+                or params.return_context_logits or params.return_generation_logits)
 
 
 def _matched_stop(seq: Sequence):

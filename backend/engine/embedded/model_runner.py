@@ -1,9 +1,5 @@
-"""Owns the model and its paged KV cache; turns a scheduled batch into flat tensors and returns next-token logits
-for the sequences whose every known token is now computed.
-
-A sequence with a speculative draft (`seq.draft`) also feeds the draft's tokens after its last known token (the
-root): draft token i goes to the KV slot of position root + 1 + i and is rotated for position root + its offset,
-and logits come back for the root and every draft token."""
+"""Owns the model and its paged KV cache; runs a scheduled batch (as flat inputs: step_inputs.py) and returns
+next-token logits for the sequences whose every known token is now computed."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -11,21 +7,10 @@ from typing import Optional
 
 import torch
 
-from .attention import AttentionMetadata, attach_masks, step_metadata, zero_blocks
+from .attention import attach_masks, zero_blocks
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
-
-
-@dataclass
-class StepInputs:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    attn: AttentionMetadata
-    logits_indices: torch.Tensor
-    sampling_seqs: list[Sequence]
-    # Sequences that asked for context logits, with the flat indices of their prompt tokens in this step.
-    context_requests: list[tuple[Sequence, list[int]]]
-    first_rows: list[int]  # each sampling sequence's first row among the logits rows
+from .step_inputs import StepInputs, step_inputs
 
 
 @dataclass
@@ -54,21 +39,25 @@ class ModelRunner:
         self.lora = None  # tritonllm.lora.runtime.LoraRuntime when LoRA is enabled
         self.keep_all_hidden = False  # return every computed position's hidden state (StepOutput.all_hidden)
         self.graphs = None  # cuda_graphs.DecodeGraphs when decode steps replay CUDA graphs
+        self.kernels = None  # attention.triton_backend.TritonAttention with attn_backend TRITON; None: portable
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         # Blocks are zeroed when first handed out (see `zero_blocks`), so the cache can start uninitialised.
         self.kv_caches = [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
                           for _ in range(num_layers)]
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, new_blocks: list[int]) -> StepOutput:
-        """Runs the step; returns next-token logits for the sampling sequences (and stores context logits)."""
+    def execute(self, batch: ScheduledBatch, new_blocks: list[int],
+                last_tokens: Optional[torch.Tensor] = None) -> StepOutput:
+        """Runs the step; returns next-token logits for the sampling sequences (and stores context logits).
+        `last_tokens`: the previous step's sampled tokens on the device, where sequences with a pending token
+        (overlap scheduler) find their input at their `pending_row`."""
         self.zero_blocks(new_blocks)
-        inputs = self.prepare(batch, masks=self.graphs is None)
+        inputs = self.prepare(batch, masks=self.graphs is None, last_tokens=last_tokens)
         lora = self._lora_batch(batch)
         hidden = None
         if self.graphs is not None:  # a graph builds its own masks; an eager forward after all needs the step's
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.attn) if lora is None else None
-            if hidden is None:
+            if hidden is None and self.kernels is None:
                 attach_masks(inputs.attn, self.device, self.kv_caches[0][0].dtype)
         if hidden is None:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches, lora)
@@ -115,37 +104,12 @@ class ModelRunner:
             k_cache[target].copy_(k_cache[source])
             v_cache[target].copy_(v_cache[source])
 
-    def prepare(self, batch: ScheduledBatch, masks: bool = True) -> StepInputs:
-        """The step's flat inputs; `masks` False leaves the attention masks out (see attention.step_metadata)."""
-        input_ids, positions, slots = [], [], []
-        query_starts, context_lens, logits_indices, sampling_seqs, context_requests = [], [], [], [], []
-        first_rows, tail_masks = [], []
-        bs = self.block_size
-        for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
-            start, end = seq.num_computed_tokens, seq.num_computed_tokens + num_new
-            known_end = end - seq.num_draft_tokens
-            query_starts.append(len(input_ids))
-            input_ids += seq.tokens_between(start, known_end)
-            positions += range(start, known_end)
-            if seq.draft is not None:  # after the root (position known_end - 1), in slots known_end .. end - 1
-                input_ids += seq.draft.tokens
-                positions += [known_end - 1 + offset for offset in seq.draft.position_offsets[1:]]
-            table = seq.block_table
-            slots += [table[p // bs] * bs + p % bs for p in range(start, end)]
-            context_lens.append(end)
-            tail_masks.append(None if seq.draft is None else seq.draft.attention_mask())
-            prompt_end = min(end, len(seq.prompt_token_ids))
-            if seq.params.return_context_logits and start < prompt_end:
-                first = query_starts[-1]
-                context_requests.append((seq, list(range(first, first + prompt_end - start))))
-            if known_end == seq.num_tokens:
-                first_rows.append(len(logits_indices))
-                logits_indices += range(len(input_ids) - 1 - seq.num_draft_tokens, len(input_ids))
-                sampling_seqs.append(seq)
-        attn = step_metadata(slots, [seq.block_table for seq in batch.seqs], query_starts, list(batch.num_new_tokens),
-                             context_lens, bs, tail_masks, self.device, self.kv_caches[0][0].dtype, masks)
-        return StepInputs(self._long(input_ids), self._long(positions), attn, self._long(logits_indices),
-                          sampling_seqs, context_requests, first_rows)
+    def prepare(self, batch: ScheduledBatch, masks: bool = True,
+                last_tokens: Optional[torch.Tensor] = None) -> StepInputs:
+        """The step's flat inputs (step_inputs.py); `masks` False leaves the portable backend's attention masks
+        out. A pending token's input comes from `last_tokens`."""
+        return step_inputs(batch, self.block_size, self.device, self.kv_caches[0][0].dtype, masks, self.kernels,
+                           last_tokens)
 
     def _long(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -1,8 +1,9 @@
 """Turns each sequence's next-token logits into a token and its log-probability.
 
 Order of the logit processors: embedding bias, bad words, min_tokens (end and stop tokens banned), repetition /
-presence / frequency penalties; then greedy argmax, or temperature, top-k, top-p and a draw from the sequence's own
-generator (so a seeded sequence gives the same tokens whatever else is in the batch). Log-probs are the log-softmax
+presence / frequency penalties; then greedy argmax, or temperature, top-k, top-p and a draw (a seeded sequence from
+its own generator, so that it gives the same tokens whatever else is in the batch; the others together on the
+device). Log-probs are the log-softmax
 of the processed logits (after temperature, before top-k/top-p truncation)."""
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from typing import Optional
 
 import torch
 
+from .host_arrays import HostArrays
 from .sequence import Sequence
 
 NEG_INF = float("-inf")
@@ -17,21 +19,93 @@ NEG_INF = float("-inf")
 
 @torch.inference_mode()
 def sample(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[list[int], list[float]]:
-    """logits: [N, vocab] float32, one row per sequence. Returns the chosen tokens and their log-probs."""
+    """logits: [N, vocab] float32, one row per sequence. Returns the chosen tokens and their log-probs, brought
+    back from the device in one copy."""
+    return SampledTokens(seqs, *sample_on_device(logits, seqs)).host()
+
+
+class SampledTokens:
+    """A step's sampled tokens and log-probs: on the device (the next step's inputs can read them there), and on
+    their way to the host in one copy that does not block it until `host()` is called."""
+
+    def __init__(self, seqs: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor):
+        self.seqs = seqs
+        self.tokens = tokens
+        # Token ids are exact in float32 (vocabularies stay far below 2^24): one copy for both.
+        both = torch.stack((tokens.to(logprobs.dtype), logprobs))
+        self.event = None
+        if both.device.type == "cuda":
+            self._host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
+            self._host.copy_(both, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self._host = both
+
+    def host(self) -> tuple[list[int], list[float]]:
+        if self.event is not None:
+            self.event.synchronize()
+        return [int(token) for token in self._host[0].tolist()], self._host[1].tolist()
+
+
+@torch.inference_mode()
+def sample_on_device(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens [N] (int64) and their log-probs [N], on the logits' device, batched: greedy rows take the argmax,
+    unseeded sampled rows draw together from the device's generator; a seeded row draws from its own generator
+    (the same tokens whatever else is in the batch)."""
     for row, seq in enumerate(seqs):
-        _process_row(logits[row], seq)
-    greedy_rows = [i for i, seq in enumerate(seqs) if seq.params.greedy]
-    tokens = torch.empty(len(seqs), dtype=torch.long, device=logits.device)
-    if greedy_rows:
-        index = torch.tensor(greedy_rows, device=logits.device)
-        tokens[index] = logits[index].argmax(dim=-1)
-    for row, seq in enumerate(seqs):
-        if not seq.params.greedy:
-            temperature = seq.params.temperature if seq.params.temperature is not None else 1.0
-            logits[row] /= temperature
-            tokens[row] = _draw(logits[row], seq)
+        if not _processors_idle(seq):
+            _process_row(logits[row], seq)
+    sampled = [row for row, seq in enumerate(seqs) if not seq.params.greedy]
+    tokens = logits.argmax(dim=-1)
+    if sampled:
+        logits = _scaled(logits, seqs)
+        _draw_rows(logits, tokens, seqs, sampled)
     logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
-    return tokens.tolist(), logprobs.tolist()
+    return tokens, logprobs
+
+
+def _scaled(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
+    """Each sampled row divided by its temperature (greedy rows unchanged)."""
+    temperatures = [1.0 if seq.params.greedy or seq.params.temperature is None else seq.params.temperature
+                    for seq in seqs]
+    if all(t == 1.0 for t in temperatures):
+        return logits
+    divisors = torch.tensor(temperatures, dtype=logits.dtype)
+    if logits.device.type == "cuda":
+        divisors = divisors.pin_memory().to(logits.device, non_blocking=True)
+    return logits / divisors[:, None]
+
+
+def _draw_rows(logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence], rows: list[int]) -> None:
+    """Draw the sampled `rows` into `tokens`: seeded ones one by one from their own generators, the others at
+    once (top-k / top-p per row, then an exponential race on the device)."""
+    seeded = [row for row in rows if seqs[row].params.seed is not None]
+    free = [row for row in rows if seqs[row].params.seed is None]
+    for row in seeded:
+        tokens[row] = _draw(logits[row], seqs[row])
+    if free:
+        index = HostArrays.one(free, logits.device) if len(free) < len(seqs) else None
+        chosen = logits if index is None else logits.index_select(0, index)
+        filtered = torch.stack([_filtered(chosen[i], seqs[row].params) for i, row in enumerate(free)]) \
+            if any(_truncates(seqs[row].params) for row in free) else chosen
+        drawn = _race(filtered)
+        if index is None:
+            tokens.copy_(drawn)
+        else:
+            tokens.index_copy_(0, index, drawn)
+
+
+def _truncates(params) -> bool:
+    return bool(params.top_k) or (params.top_p is not None and params.top_p < 1.0)
+
+
+def _race(logits: torch.Tensor) -> torch.Tensor:
+    """One draw per row from softmax(logits): the argmax of probabilities over exponential noise (the same
+    distribution as a multinomial draw, without leaving the device)."""
+    probs = torch.softmax(logits, dim=-1)
+    noise = torch.empty_like(probs).exponential_()
+    return (probs / noise).argmax(dim=-1)
 
 
 @torch.inference_mode()
@@ -144,7 +218,7 @@ def _filtered(row: torch.Tensor, params) -> torch.Tensor:
     if params.top_k:
         k = min(params.top_k, filtered.shape[0])
         threshold = torch.topk(filtered, k).values[-1]
-        filtered[filtered < threshold] = NEG_INF
+        filtered.masked_fill_(filtered < threshold, NEG_INF)
     if params.top_p is not None and params.top_p < 1.0:
         filtered = _top_p(filtered, params.top_p)
     return filtered
@@ -155,5 +229,5 @@ def _top_p(row: torch.Tensor, top_p: float) -> torch.Tensor:
     cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
     # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it already does.
     drop = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= top_p
-    sorted_logits[drop] = NEG_INF
+    sorted_logits.masked_fill_(drop, NEG_INF)
     return torch.full_like(row, NEG_INF).scatter(0, order, sorted_logits)

@@ -69,7 +69,7 @@ class Scheduler:
         budget = self._schedule_running(batch, self.max_num_tokens)
         if not batch.preempted:
             self._admit_waiting(batch, budget)
-        if batch.is_empty and self.waiting and self.running:
+        if batch.is_empty and self.waiting and self.running and not any(s.pending_tokens for s in self.running):
             self._requeue_stalled()
             self._admit_waiting(batch, self.max_num_tokens)
         return batch
@@ -91,7 +91,8 @@ class Scheduler:
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         running = [seq for seq in self.running if seq.status is SequenceStatus.RUNNING]
         for position, seq in enumerate(running):
-            if budget <= 0 or seq.status is not SequenceStatus.RUNNING:  # preempted for an earlier one
+            # Preempted for an earlier one, or its last token is sampled and on its way (overlap scheduler).
+            if budget <= 0 or seq.status is not SequenceStatus.RUNNING or seq.final_pending:
                 continue
             # A draft is an optional extra: it may not take the one token each later running sequence needs.
             num_tokens = self._tokens_to_schedule(seq, budget, first=batch.is_empty,
@@ -130,6 +131,8 @@ class Scheduler:
         manager = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.max_batch_size:
             seq = self.waiting[0]
+            if seq.pending_tokens:  # preempted before its last sampled token reached the host: wait for it
+                break
             # Context logits need every prompt position computed, so such a request reuses nothing.
             reusable = not seq.block_table and not seq.params.return_context_logits
             matched = manager.match_prefix(seq, seq.cache_key) if reusable else []

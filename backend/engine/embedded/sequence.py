@@ -50,12 +50,22 @@ class Sequence:
     # This step's speculative draft (speculative.StepDraft): fed after the last token, never counted as known
     # tokens; the tokens the target accepts are appended to the output like sampled ones.
     draft: Optional[object] = None
+    # Overlap scheduler: tokens sampled on the device whose values the host has not read yet (counted in
+    # num_tokens), this sequence's row among the last step's sampled tokens, and whether that token is its last.
+    pending_tokens: int = 0
+    pending_row: int = -1
+    final_pending: bool = False
 
     def __post_init__(self) -> None:
         self.metrics.arrival_time_ns = self.metrics.arrival_time_ns or time.time_ns()  # a fork keeps its parent's
 
     @property
     def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids) + self.pending_tokens
+
+    @property
+    def num_known_tokens(self) -> int:
+        """Tokens whose values the host holds (all but the pending ones)."""
         return len(self.prompt_token_ids) + len(self.output_token_ids)
 
     @property

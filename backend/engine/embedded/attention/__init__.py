@@ -1,0 +1,37 @@
+"""Paged attention behind one backend choice (`attn_backend`): the portable PyTorch path (portable.py) and the
+Triton kernels that read the KV blocks in place (triton_backend.py). The model calls `paged_attention`; the step's
+metadata says which backend runs it."""
+from __future__ import annotations
+
+import torch
+
+from .metadata import (AttentionMetadata, add_step_arrays, attach_masks, build_decode_mask, metadata_from,
+                       sequence_mask, step_metadata)
+from .portable import portable_attention, write_kv, zero_blocks
+
+__all__ = ["AttentionMetadata", "add_step_arrays", "attach_masks", "build_decode_mask", "metadata_from",
+           "paged_attention", "sequence_mask", "step_metadata", "write_kv", "zero_blocks"]
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] (this step's, written into the caches first);
+    caches: [blocks, block_size, kv_heads, head_dim]. Returns [T, heads, head_dim]."""
+    if meta.kernel is not None:
+        return meta.kernel.attend(q, k, v, k_cache, v_cache, scale)
+    return portable_attention(q, k, v, k_cache, v_cache, meta, scale)
+
+
+def resolve_backend(requested: str, device: torch.device) -> str:
+    """TRITON or VANILLA for `attn_backend` (validated, upper case): TRTLLM, TensorRT-LLM's default, picks TRITON
+    where its kernels run (CUDA with triton installed) and VANILLA elsewhere; TRITON where they cannot run is a
+    ConfigError that says why."""
+    from ...config import ConfigError
+    from .triton_backend import triton_usable
+
+    problem = triton_usable(device)
+    if requested == "TRTLLM":
+        return "TRITON" if problem is None and device.type == "cuda" else "VANILLA"
+    if requested == "TRITON" and problem is not None:
+        raise ConfigError(f"attn_backend='TRITON': {problem}")
+    return requested

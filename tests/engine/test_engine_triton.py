@@ -1,0 +1,55 @@
+"""The engine with `attn_backend: TRITON` (the paged kernels of attention/triton_kernels.py; on CPU through Triton's
+interpreter, on CUDA compiled): greedy output equal to Hugging Face's in fp32 on the tiny models (MHA with head
+16, GQA, Qwen3's head 24), whole prompts, chunked prefill and preemption; random traffic (prefix reuse, chunks,
+preemption, aborts, beams) and speculative draft trees equal to the portable engine's answers, eagerly and in CUDA
+graphs (on CPU, eager runs of the padded forward a graph would hold)."""
+import pytest
+
+from ..spec_decode.test_engine_spec import SETTINGS, assert_all_blocks_free, make_engine as make_spec_engine
+from ..spec_decode.test_engine_spec import medusa_dir, model_dir, other_draft_dir, methods  # noqa: F401
+from ..traffic import mismatches, random_traffic, send
+from .test_engine_parity import greedy, make_engine, tiny  # noqa: F401 (fixture)
+
+TRITON = {"attn_backend": "TRITON"}
+
+
+def test_prompts_together_and_chunked_match_hf(tiny):  # noqa: F811
+    model_dir, tokenizer, prompt_ids, expected = tiny
+    for overrides in ({}, {"enable_chunked_prefill": True, "max_num_tokens": 8}):
+        engine = make_engine(model_dir, **TRITON, **overrides)
+        try:
+            assert engine.core.runner.kernels is not None
+            handles = [engine.generate_async(ids, greedy(tokenizer)) for ids in prompt_ids]
+            assert [h.result().outputs[0].token_ids for h in handles] == expected
+            engine.wait_idle()
+        finally:
+            engine.shutdown()
+
+
+@pytest.fixture(scope="module")
+def solo(model_dir):  # noqa: F811
+    engine = make_spec_engine(model_dir, max_beam_width=2, cuda_graph_config=None, attn_backend="VANILLA")
+    yield engine
+    engine.shutdown()
+
+
+# Few cases, short contexts: the interpreter runs each kernel program in Python.
+@pytest.mark.parametrize("method, setting, seed, graphs", [
+    (None, "chunked_reuse", 41, False), (None, "preempting", 42, True), ("medusa", "preempting", 43, True)])
+def test_traffic_and_draft_trees_keep_the_portable_answers(model_dir, other_draft_dir, medusa_dir, solo,  # noqa
+                                                          request, method, setting, seed, graphs):
+    if graphs:
+        request.getfixturevalue("graphs_on_this_device")
+    spec = methods(model_dir, other_draft_dir, medusa_dir)[method] if method else None
+    traffic = random_traffic(seed, count=16, vocab=400, beams=spec is None)
+    engine = make_spec_engine(model_dir, spec, max_beam_width=1 if spec else 2, max_seq_len=128, **TRITON,
+                              **SETTINGS[setting],
+                              **({} if graphs else {"cuda_graph_config": None}))
+    try:
+        results = send(engine, traffic)
+        assert_all_blocks_free(engine)
+        if graphs:
+            assert engine.core.runner.graphs.replays > 0
+    finally:
+        engine.shutdown()
+    assert mismatches(solo, traffic, results) == []
