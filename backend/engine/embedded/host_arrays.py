@@ -33,20 +33,34 @@ class HostArrays:
         parts = self._long + self._int32
         if not parts:
             return {}
-        packed = torch.from_numpy(np.concatenate([array.reshape(-1) for _, array in parts]))
+        packed = torch.from_numpy(np.concatenate([_padded(array) for _, array in parts]))
         if device.type == "cuda":
             packed = packed.pin_memory().to(device, non_blocking=True)
-        split = sum(array.size for _, array in self._long)
+        split = sum(_padded_size(array) for _, array in self._long)
         views = _views(packed[:split], self._long)
         views.update(_views(packed[split:].to(torch.int32), self._int32))
         return views
+
+
+# Every array starts on a multiple of ALIGN elements (16 bytes at least): Triton compiles a kernel variant per
+# pointer alignment, and arrays at arbitrary offsets would make new variants appear mid-run.
+ALIGN = 4
+
+
+def _padded_size(array: np.ndarray) -> int:
+    return -(-array.size // ALIGN) * ALIGN
+
+
+def _padded(array: np.ndarray) -> np.ndarray:
+    flat = array.reshape(-1)
+    return np.pad(flat, (0, _padded_size(array) - flat.size))
 
 
 def _views(flat: torch.Tensor, parts: list[tuple[str, np.ndarray]]) -> dict[str, torch.Tensor]:
     views, offset = {}, 0
     for name, array in parts:
         views[name] = flat[offset:offset + array.size].view(array.shape)
-        offset += array.size
+        offset += _padded_size(array)
     return views
 
 

@@ -96,7 +96,15 @@ def _online_softmax(scores, v, m, l, acc, IEEE: tl.constexpr):
 # Decode
 # ----------------------------------------------------------------------------------------------------------------
 
-@triton.jit
+# Arguments that change from step to step are not specialised on (Triton compiles a variant per value of 1, per
+# multiple of 16 and per 16-byte alignment of a pointer): the step's metadata are views into one uploaded buffer
+# at varying offsets, and table widths and counts vary, so specialising recompiled kernels mid-run (a second each).
+_STEP_ARGS = ["block_tables", "seq_lens", "stride_table"]
+_PREFILL_STEP_ARGS = _STEP_ARGS + ["query_starts", "query_lens", "tile_seqs", "tile_starts", "tree_lens",
+                                   "tree_starts", "tree_masks", "num_seqs", "num_rows"]
+
+
+@triton.jit(do_not_specialize=_STEP_ARGS)
 def _decode_split_kernel(q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse, scale_log2,
                          num_heads, stride_qs, stride_qh, stride_os, stride_oh,
                          stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_table,
@@ -174,11 +182,13 @@ def _decode_merge_kernel(part_out, part_lse, out, num_heads, stride_os, stride_o
 def decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int) -> int:
     """How many key ranges each (sequence, KV head) of a decode step is split into: enough programs to cover
     DECODE_TARGET_PROGRAMS (4 per H200 SM), each range at least MIN_SPLIT_KEYS of max_seq_len keys, at most
-    MAX_DECODE_SPLITS; 1 once num_seqs * num_kv_heads fills the target alone. Host ints only, so a CUDA graph's
+    MAX_DECODE_SPLITS; 1 once num_seqs * num_kv_heads fills the target alone; rounded down to a power of two (the
+    count is a compile-time constant: few values, few compiled variants). Host ints only, so a CUDA graph's
     launches are the same on every replay."""
     wanted = triton.cdiv(DECODE_TARGET_PROGRAMS, max(1, num_seqs * num_kv_heads))
     by_length = triton.cdiv(max(1, max_seq_len), MIN_SPLIT_KEYS)
-    return max(1, min(wanted, by_length, MAX_DECODE_SPLITS))
+    splits = max(1, min(wanted, by_length, MAX_DECODE_SPLITS))
+    return 1 << (splits.bit_length() - 1)
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
@@ -300,7 +310,7 @@ def _prefill_tile(queries, k_cache, v_cache, table_row, start, end, kv_head, tok
     return _online_softmax(scores, v, m, l, acc, IEEE)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=_PREFILL_STEP_ARGS)
 def _prefill_kernel(q, k_cache, v_cache, out, block_tables, query_starts, query_lens, seq_lens,
                     tile_seqs, tile_starts, tree_lens, tree_starts, tree_masks, num_seqs, num_rows, scale_log2,
                     stride_qt, stride_qh, stride_ot, stride_oh,
