@@ -60,6 +60,9 @@ def _optional_llm_kwargs(config: EngineConfig) -> dict[str, Any]:
     if config.enable_lora:
         kwargs["enable_lora"] = True
     # Our defaults are TensorRT-LLM's: passed only when changed. Its validator reads load_format by name.
+    if config.attn_backend == "TRITON":
+        raise ConfigError("attn_backend='TRITON' names the embedded engine's kernels; TensorRT-LLM takes TRTLLM, "
+                          "FLASHINFER or VANILLA (or use engine: embedded)")
     if config.attn_backend != "TRTLLM":
         kwargs["attn_backend"] = config.attn_backend
     if config.disable_overlap_scheduler:

@@ -44,7 +44,7 @@ ENGINE_PARAMETERS = (
     "gpt_model_path", "tokenizer_dir", "max_beam_width", "max_tokens_in_paged_kv_cache",
     "kv_cache_free_gpu_mem_fraction", "enable_kv_cache_reuse", "enable_chunked_context", "batch_scheduler_policy",
     "normalize_log_probs", "engine", "dtype", "device", "max_num_tokens", "max_seq_len", "max_batch_size",
-    "lora_prefetch_dir", "cuda_graph_mode",
+    "lora_prefetch_dir", "cuda_graph_mode", "attn_backend", "disable_overlap_scheduler",
 )
 TRITON_PARAMETERS = ("exclude_input_in_output", "cancellation_check_period_ms", "stats_check_period_ms")
 # Set at all, these ask for something not built; the value does not matter.
@@ -117,6 +117,8 @@ def engine_overrides(params: Parameters) -> dict[str, Any]:
     _put(out, "max_beam_width", beam_width(params))
     _put(out, "enable_chunked_prefill", params.bool("enable_chunked_context"))
     _put(out, "normalize_log_probs", params.bool("normalize_log_probs"))
+    _put(out, "attn_backend", params.str("attn_backend"))  # checked (any case) by EngineConfig, naming the key
+    _put(out, "disable_overlap_scheduler", params.bool("disable_overlap_scheduler"))
     kv_cache = {}
     _put(kv_cache, "max_tokens", params.int("max_tokens_in_paged_kv_cache", minimum=1))
     _put(kv_cache, "free_gpu_memory_fraction", memory_fraction(params, "kv_cache_free_gpu_mem_fraction"))

@@ -53,3 +53,23 @@ def test_traffic_and_draft_trees_keep_the_portable_answers(model_dir, other_draf
     finally:
         engine.shutdown()
     assert mismatches(solo, traffic, results) == []
+
+
+def test_attn_backend_is_checked_and_resolved_per_device(monkeypatch):
+    import torch
+
+    from tritonllm.engine.config import ConfigError, EngineConfig
+    from tritonllm.engine.embedded.attention import resolve_backend
+
+    assert EngineConfig.from_dict({"model": "m", "attn_backend": "triton"}).attn_backend == "TRITON"
+    with pytest.raises(ConfigError, match="attn_backend must be one of"):
+        EngineConfig.from_dict({"model": "m", "attn_backend": "fast"})
+    with pytest.raises(ConfigError, match="load_format must be one of"):
+        EngineConfig.from_dict({"model": "m", "load_format": "random"})
+    assert any("FLASHINFER" in p for p in EngineConfig.from_dict({"model": "m", "attn_backend": "FLASHINFER"})
+               .embedded_unsupported())
+    assert resolve_backend("TRTLLM", torch.device("cpu")) == "VANILLA"  # the CPU's fastest is the portable path
+    assert resolve_backend("VANILLA", torch.device("cuda")) == "VANILLA"
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ConfigError, match="TRITON.*CUDA device"):
+        resolve_backend("TRITON", torch.device("cpu"))

@@ -452,3 +452,17 @@ def test_sampling_params_lookahead_config_becomes_the_executor_binding(fake):
     theirs = trtllm_args.trtllm_sampling_params(ours, fake)
     assert theirs.lookahead_config == fake.bindings.executor.LookaheadDecodingConfig(3, 4, 2)
     assert trtllm_args.trtllm_sampling_params(SamplingParams(max_tokens=5), fake).lookahead_config is None
+
+
+def test_attention_backend_and_overlap_switch_pass_through_only_when_set():
+    from tritonllm.engine.config import ConfigError, EngineConfig
+    from tritonllm.engine.trtllm_args import _optional_llm_kwargs
+
+    default = _optional_llm_kwargs(EngineConfig.from_dict({"model": "m"}))
+    assert not {"attn_backend", "disable_overlap_scheduler", "load_format"} & set(default)
+    chosen = _optional_llm_kwargs(EngineConfig.from_dict({"model": "m", "attn_backend": "flashinfer",
+                                                          "disable_overlap_scheduler": True, "load_format": "DUMMY"}))
+    assert (chosen["attn_backend"], chosen["disable_overlap_scheduler"], chosen["load_format"]) == \
+        ("FLASHINFER", True, "dummy")
+    with pytest.raises(ConfigError, match="TRITON"):
+        _optional_llm_kwargs(EngineConfig.from_dict({"model": "m", "attn_backend": "TRITON"}))

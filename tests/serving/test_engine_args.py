@@ -298,6 +298,14 @@ def _empty(model_dir: Path) -> Path:
     return other
 
 
+def test_attention_backend_and_overlap_scheduler_parameters_reach_the_engine(model_dir):
+    engine = load(model_dir, attn_backend="vanilla", disable_overlap_scheduler="true").engine
+    assert (engine.attn_backend, engine.disable_overlap_scheduler) == ("VANILLA", True)
+    assert (load(model_dir).engine.attn_backend, load(model_dir).engine.disable_overlap_scheduler) == ("TRTLLM", False)
+    with pytest.raises(Exception, match="attn_backend"):
+        load(model_dir, attn_backend="FAST")
+
+
 def test_cuda_graph_mode_switches_graphs_keeping_model_yaml_settings(model_dir):
     assert load(model_dir).engine.cuda_graph_config == {}  # unset: the engine's default graphs
     assert load(model_dir, cuda_graph_mode="false").engine.cuda_graph_config is None
