@@ -77,12 +77,7 @@ class _Graph:
              placement: torch.Tensor, visible: torch.Tensor) -> None:
         """This step's rows at their `placement`; every other row becomes a padding row (its slot the scratch
         block's; stale ids, block ids and masks of earlier steps stay, valid and harmless)."""
-        self.slots.fill_(self.scratch_slot)
-        self.slots.index_copy_(0, placement, attn.slot_mapping)
-        self.input_ids.index_copy_(0, placement, input_ids)
-        self.positions.index_copy_(0, placement, positions)
-        seqs, columns = attn.block_tables.shape
-        self.tables[:seqs, :columns].copy_(attn.block_tables)
+        seqs = _load_rows(self, input_ids, positions, attn, placement)
         mask = self.mask[:seqs, 0]
         mask.fill_(float("-inf"))
         mask.masked_fill_(visible.to(mask.device), 0.0)
@@ -131,12 +126,7 @@ class _KernelGraph:
     def load(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
              placement: torch.Tensor) -> None:
         """This step's rows at their `placement`; the other rows and sequences become padding."""
-        self.slots.fill_(self.scratch_slot)
-        self.slots.index_copy_(0, placement, attn.slot_mapping)
-        self.input_ids.index_copy_(0, placement, input_ids)
-        self.positions.index_copy_(0, placement, positions)
-        seqs, columns = attn.block_tables.shape
-        self.tables[:seqs, :columns].copy_(attn.block_tables)
+        seqs = _load_rows(self, input_ids, positions, attn, placement)
         self.seq_lens.fill_(1)
         self.seq_lens[:seqs].copy_(attn.kernel.seq_lens)
         if self.rows > 1:
@@ -161,6 +151,19 @@ class _KernelGraph:
         arrays = host.upload(self.tree_lens.device)
         self.tree_lens[:seqs].copy_(arrays["lens"])
         self.tree_masks[:seqs * rows * rows].copy_(arrays["masks"].reshape(-1))
+
+
+def _load_rows(graph, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
+               placement: torch.Tensor) -> int:
+    """Either graph's ids, positions, slots (padding rows: the scratch slot) and block tables for this step;
+    returns its number of sequences."""
+    graph.slots.fill_(graph.scratch_slot)
+    graph.slots.index_copy_(0, placement, attn.slot_mapping)
+    graph.input_ids.index_copy_(0, placement, input_ids)
+    graph.positions.index_copy_(0, placement, positions)
+    seqs, columns = attn.block_tables.shape
+    graph.tables[:seqs, :columns].copy_(attn.block_tables)
+    return seqs
 
 
 def visible_keys(attn: AttentionMetadata, rows: int, width: int) -> torch.Tensor:
