@@ -280,7 +280,7 @@ class EngineCore:
 
     def _overlapping(self) -> bool:
         """Whether this step may run ahead of the last one's tokens: overlap on, no speculation, and no request
-        whose next step needs its latest tokens on the host (overlap.needs_host_tokens)."""
+        whose next step needs its latest tokens on the host (needs_host_tokens)."""
         return self.overlap and self.speculator.method is None and self.num_host_bound == 0
 
     def _overlapped_step(self) -> dict[int, EngineRequest]:

@@ -11,7 +11,6 @@ import os
 from dataclasses import dataclass
 from typing import Optional
 
-import numpy as np
 import torch
 
 from .portable import write_kv
@@ -65,7 +64,7 @@ class TritonAttention:
     def add_arrays(self, host, query_starts: list[int], query_lens: list[int], context_lens: list[int],
                    tail_masks: list) -> None:
         """Put what the kernels need besides the block tables into the step's HostArrays (one upload)."""
-        from .triton_kernels import prefill_tiles
+        from .triton_kernels import prefill_tiles, tree_mask_arrays
 
         host.add("seq_lens", context_lens, int32=True)
         if self._is_decode(query_lens, tail_masks):
@@ -76,7 +75,7 @@ class TritonAttention:
         host.add("tile_seqs", tile_seqs, int32=True)
         host.add("tile_starts", tile_starts, int32=True)
         if any(mask is not None for mask in tail_masks):
-            lens, starts, flat = flatten_tree_masks(tail_masks)
+            lens, starts, flat = tree_mask_arrays(tail_masks)
             host.add("tree_lens", lens, int32=True)
             host.add("tree_starts", starts, int32=True)
             host.add("tree_masks", flat, int32=True)
@@ -96,21 +95,6 @@ class TritonAttention:
     @staticmethod
     def _is_decode(query_lens: list[int], tail_masks: list) -> bool:
         return all(n == 1 for n in query_lens) and all(mask is None for mask in tail_masks)
-
-
-def flatten_tree_masks(tail_masks: list) -> tuple[list[int], list[int], np.ndarray]:
-    """Per sequence the tree's size and start in one flat array of every tree's row-major mask (the kernels'
-    TreeMasks layout); sequences without a tree have size 0."""
-    lens, starts, parts, offset = [], [], [], 0
-    for mask in tail_masks:
-        size = 0 if mask is None else mask.shape[0]
-        lens.append(size)
-        starts.append(offset)
-        if size:
-            parts.append(mask.reshape(-1).cpu().numpy().astype(np.int64))
-            offset += size * size
-    flat = np.concatenate(parts) if parts else np.zeros(1, dtype=np.int64)
-    return lens, starts, flat
 
 
 def _tree(lens: torch.Tensor, starts: torch.Tensor, flat: torch.Tensor):

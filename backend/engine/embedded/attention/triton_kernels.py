@@ -241,19 +241,24 @@ class TreeMasks:
     masks: torch.Tensor  # flat uint8 (or bool)
 
 
-def tree_masks(per_seq_masks: list[torch.Tensor | None], device) -> TreeMasks:
-    """TreeMasks from each sequence's [n, n] bool mask (None: no tree), built on the host and copied in one
-    transfer. The portable path's `AttentionMetadata.tail_masks` are exactly these per-sequence masks."""
-    num_seqs = len(per_seq_masks)
+def tree_mask_arrays(per_seq_masks: list[torch.Tensor | None]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The TreeMasks layout on the host, from each sequence's [n, n] bool mask (None: no tree): lens and starts
+    (int32) and the flat masks (uint8, one spare byte at the end so the kernel always gets a real pointer). The
+    portable path's `AttentionMetadata.tail_masks` are exactly these per-sequence masks."""
     flat = [np.zeros(0, np.uint8) if m is None else m.detach().to("cpu", torch.bool).numpy().reshape(-1)
             for m in per_seq_masks]
     lens = np.array([0 if m is None else m.shape[0] for m in per_seq_masks], np.int32)
     sizes = np.array([f.size for f in flat], np.int64)
     starts = (np.cumsum(sizes) - sizes).astype(np.int32)
-    # One uint8 buffer: lens and starts as int32 (8 bytes a sequence, aligned at 0), then the masks (at least one
-    # byte, so the kernel always gets a real pointer).
+    return lens, starts, np.concatenate(flat + [np.zeros(1, np.uint8)]).astype(np.uint8)
+
+
+def tree_masks(per_seq_masks: list[torch.Tensor | None], device) -> TreeMasks:
+    """TreeMasks from each sequence's [n, n] bool mask (tree_mask_arrays), copied in one transfer."""
+    num_seqs = len(per_seq_masks)
+    lens, starts, body = tree_mask_arrays(per_seq_masks)
+    # One uint8 buffer: lens and starts as int32 (8 bytes a sequence, aligned at 0), then the masks.
     header = np.concatenate([lens, starts]).view(np.uint8)
-    body = np.concatenate(flat + [np.zeros(1, np.uint8)]).astype(np.uint8)
     buffer = torch.from_numpy(np.concatenate([header, body])).to(device)
     ints = buffer[:header.size].view(torch.int32)
     return TreeMasks(lens=ints[:num_seqs], starts=ints[num_seqs:], masks=buffer[header.size:])
