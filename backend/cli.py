@@ -105,7 +105,8 @@ def _bench_engine_arguments(engine) -> None:
                              "--config's load_format, else auto")
     engine.add_argument("--warmup", action="store_true",
                         help="one full untimed pass of the workload on each side before its timed pass (default: "
-                             "2 requests on the engine, one full batch on Hugging Face)")
+                             "2 requests on the engine, one full batch on Hugging Face); the engine's warm-up "
+                             "prompts are shifted by one token id, so the timed pass finds no cached prefix")
     engine.add_argument("--baseline", choices=["hf", "none"], default="hf",
                         help="hf: also time Hugging Face generate and report the ratio (default); none: the engine "
                              "alone")
