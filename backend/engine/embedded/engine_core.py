@@ -43,7 +43,10 @@ class EngineRequest:
 
     @property
     def finished(self) -> bool:
-        return all(seq.is_finished for seq in self.seqs)
+        seqs = self.seqs
+        if len(seqs) == 1:  # the common case, asked for every token
+            return seqs[0].is_finished
+        return all(seq.is_finished for seq in seqs)
 
 
 @dataclass
@@ -455,9 +458,11 @@ def _matched_stop(seq: Sequence):
     last = seq.output_token_ids[-1]
     if params.stop_token_ids and last in params.stop_token_ids:
         return last
+    if not params.stop_words:
+        return None
     tokens = seq.all_token_ids()
-    for word in params.stop_words or ():
-        if tokens[-len(word):] == word and len(seq.output_token_ids) >= 1:
+    for word in params.stop_words:
+        if tokens[-len(word):] == word:
             return list(word)
     return None
 

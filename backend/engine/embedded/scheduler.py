@@ -94,9 +94,11 @@ class Scheduler:
             # Preempted for an earlier one, or its last token is sampled and on its way (overlap scheduler).
             if budget <= 0 or seq.status is not SequenceStatus.RUNNING or seq.final_pending:
                 continue
-            # A draft is an optional extra: it may not take the one token each later running sequence needs.
-            num_tokens = self._tokens_to_schedule(seq, budget, first=batch.is_empty,
-                                                  draft_budget=budget - (len(running) - position - 1))
+            if seq.draft is None and seq.num_tokens - seq.num_computed_tokens == 1:
+                num_tokens = 1  # a plain decode, the common case: its one token
+            else:  # a draft is an optional extra: it may not take the one token each later running one needs
+                num_tokens = self._tokens_to_schedule(seq, budget, first=batch.is_empty,
+                                                      draft_budget=budget - (len(running) - position - 1))
             if num_tokens == 0:
                 continue
             if not self._grow_or_preempt(seq, seq.num_computed_tokens + num_tokens, batch):
