@@ -13,12 +13,23 @@ from .test_engine_parity import greedy, make_engine, tiny  # noqa: F401 (fixture
 TRITON = {"attn_backend": "TRITON"}
 
 
-def test_prompts_together_and_chunked_match_hf(tiny):  # noqa: F811
+@pytest.mark.parametrize("fused", [False, True])
+def test_prompts_together_and_chunked_match_hf(tiny, monkeypatch, request, fused):  # noqa: F811
+    """fused: the norms, rotary and gated activations as fused_ops kernels too (the default on CUDA; on CPU
+    Llama's MHA and Qwen3's head norms and head size 24 suffice, the interpreter being slow)."""
+    import torch
+
+    from tritonllm.engine.embedded import engine_core
+
+    if fused and "qwen2" in request.node.name and not torch.cuda.is_available():
+        pytest.skip("fused kernels on CPU: Llama and Qwen3 cover them")
+    monkeypatch.setattr(engine_core, "fused_kernels_wanted", lambda backend, device: fused)
     model_dir, tokenizer, prompt_ids, expected = tiny
     for overrides in ({}, {"enable_chunked_prefill": True, "max_num_tokens": 8}):
         engine = make_engine(model_dir, **TRITON, **overrides)
         try:
             assert engine.core.runner.kernels is not None
+            assert engine.core.model.layers[0].mlp.fused is fused
             handles = [engine.generate_async(ids, greedy(tokenizer)) for ids in prompt_ids]
             assert [h.result().outputs[0].token_ids for h in handles] == expected
             engine.wait_idle()

@@ -212,6 +212,24 @@ def test_int64_metadata_and_strided_queries():
     assert_close(out, step.reference())
 
 
+@pytest.mark.parametrize("dtype, kv_heads, head_dim", [(torch.float32, 2, 16), (torch.bfloat16, 3, 24),
+                                                       (torch.bfloat16, 8, 128)])
+def test_store_kv_equals_write_kv(dtype, kv_heads, head_dim):
+    """The one-launch store puts exactly what write_kv puts where it puts it, from views of a fused qkv row, and
+    nothing anywhere else (padding rows aim at a scratch slot, as in CUDA graphs)."""
+    gen = torch.Generator().manual_seed(7)
+    tokens, blocks, block_size = 5, 6, 4
+    qkv = torch.randn(tokens, 4 + 2 * kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+    k, v = qkv[:, 4:4 + kv_heads], qkv[:, 4 + kv_heads:]
+    slots = torch.tensor([3, 17, 4, 22, 23], device=DEVICE)
+    caches = [torch.randn(blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
+              for _ in range(2)]
+    expected = [cache.clone() for cache in caches]
+    write_kv(k, v, *expected, slots)
+    tk.store_kv(k, v, *caches, slots)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
+
+
 def test_graph_tiles_are_static_and_cover_reserved_rows():
     tokens = tk.tokens_per_tile(16, 2)  # groups of 8 heads: 16 tokens a tile
     assert tokens == 16 and tk.tokens_per_tile(4, 4) == 128 and tk.tokens_per_tile(4, 2) == 64

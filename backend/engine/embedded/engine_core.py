@@ -22,6 +22,7 @@ from .device import avoid_cudnn_attention, kv_cache_token_budget, resolve_device
 from .loader import load_model, read_model_config
 from .memory_profile import activation_bytes
 from .model_runner import ModelRunner
+from .models.layers import use_fused_kernels
 from .sampler import SampledTokens, sample, sample_on_device
 from .scheduler import Scheduler
 from .sequence import Sequence
@@ -81,8 +82,11 @@ class EngineCore:
         self.max_seq_len = self._max_seq_len()
         mc = self.model_config
         block_size = config.kv_cache_config.tokens_per_block
-        kernels = TritonAttention(mc.num_heads, mc.num_kv_heads, block_size, self.device) \
-            if self.attn_backend == "TRITON" else None
+        kernels = None
+        if self.attn_backend == "TRITON":
+            kernels = TritonAttention(mc.num_heads, mc.num_kv_heads, block_size, self.device)
+        if fused_kernels_wanted(self.attn_backend, self.device):
+            use_fused_kernels(self.model)
         graph_settings = config.cuda_graph_settings() if graphs_supported(self.device) else None
         num_blocks = self._num_kv_blocks(kernels, graph_settings is not None)
         self.block_manager = BlockManager(num_blocks, block_size, config.kv_cache_config.enable_block_reuse)
@@ -442,6 +446,12 @@ def overlap_wanted(config: EngineConfig, device: torch.device) -> bool:
     the GPU runs the last; on CPU the forward runs on the host anyway, so overlapping would only cost the extra
     token a sequence computes after its end."""
     return not config.disable_overlap_scheduler and device.type == "cuda"
+
+
+def fused_kernels_wanted(attn_backend: str, device: torch.device) -> bool:
+    """The norms, rotary embeddings and gated activations as fused Triton kernels: with the Triton attention
+    backend on CUDA (where they save launches; in the CPU interpreter they would only cost time)."""
+    return attn_backend == "TRITON" and device.type == "cuda"
 
 
 def needs_host_tokens(params: SamplingParams) -> bool:

@@ -61,8 +61,13 @@ def sample_on_device(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.
     if sampled:
         logits = _scaled(logits, seqs)
         _draw_rows(logits, tokens, seqs, sampled)
-    logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
-    return tokens, logprobs
+    return tokens, chosen_logprobs(logits, tokens)
+
+
+def chosen_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """log_softmax(logits)[row, tokens[row]] for each row, without writing the whole log-softmax (a vocabulary-wide
+    tensor a row)."""
+    return logits.gather(1, tokens[:, None])[:, 0] - torch.logsumexp(logits, dim=-1)
 
 
 def _scaled(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
@@ -117,8 +122,7 @@ def plain_greedy_choices(seq: Sequence, logits: torch.Tensor) -> Optional[list[t
     if not params.greedy or not _processors_idle(seq):
         return None
     tokens = logits.argmax(dim=-1)
-    logprobs = torch.log_softmax(logits, dim=-1).gather(1, tokens[:, None])[:, 0]
-    return list(zip(tokens.tolist(), logprobs.tolist()))
+    return list(zip(tokens.tolist(), chosen_logprobs(logits, tokens).tolist()))
 
 
 def _processors_idle(seq: Sequence) -> bool:

@@ -13,7 +13,6 @@ from typing import Optional
 
 import torch
 
-from .portable import write_kv
 
 
 def triton_usable(device: torch.device) -> Optional[str]:
@@ -44,7 +43,7 @@ class KernelMetadata:
     def attend(self, q, k, v, k_cache, v_cache, scale: float) -> torch.Tensor:
         from . import triton_kernels as kernels
 
-        write_kv(k, v, k_cache, v_cache, self.slot_mapping)
+        kernels.store_kv(k, v, k_cache, v_cache, self.slot_mapping)
         if self.decode:
             return kernels.decode_attention(q, k_cache, v_cache, self.block_tables, self.seq_lens, scale,
                                             self.max_seq_len)

@@ -41,13 +41,35 @@ class Embedding(nn.Module):
         return F.embedding(ids, self.weight)
 
 
+def use_fused_kernels(model: nn.Module) -> None:
+    """Run the norms, rotary embeddings and gated activations of `model` as the Triton kernels of fused_ops.py
+    (one launch each instead of several small ones; the same values up to rounding). Needs Triton's runtime:
+    CUDA, or its interpreter on CPU."""
+    for module in model.modules():
+        if hasattr(type(module), "fused"):  # the modules that have a fused path declare it
+            module.fused = True
+
+
 class RMSNorm(nn.Module):
+    fused = False  # see use_fused_kernels
+
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        """norm(x); with `residual`: (norm(x + residual), x + residual), the sum in x's dtype."""
+        if self.fused and x.dim() == 2 and x.stride(-1) == 1:
+            from . import fused_ops
+
+            return fused_ops.rms_norm(x, self.weight, self.eps, residual)
+        if residual is None:
+            return self._norm(x)
+        total = x + residual
+        return self._norm(total), total
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # one fused kernel; the same values as the steps below
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in fp32, then scale in the model's dtype, so low-precision runs round where HF's do.
@@ -81,6 +103,16 @@ class RotaryEmbedding(nn.Module):
         return cos.to(dtype), sin.to(dtype)
 
 
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool) -> torch.Tensor:
+    """apply_rotary; fused: in place, in one kernel (x [T, heads, head_dim] may be a view of a wider tensor)."""
+    if fused and x.stride(-1) == 1:
+        from . import fused_ops
+
+        return fused_ops.rotary_inplace(x, cos, sin)
+    return apply_rotary(x, cos, sin)
+
+
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, heads, head_dim]; cos, sin: [T, head_dim]."""
     half = x.shape[-1] // 2
@@ -90,6 +122,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
+    fused = False  # see use_fused_kernels
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool):
         super().__init__()
@@ -102,7 +135,12 @@ class GatedMLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if lora is not None:
             lora.apply("gate_up", x, gate_up)
-        gate, up = gate_up.split(self.intermediate_size, dim=-1)
-        hidden = F.silu(gate) * up
+        if self.fused and gate_up.dim() == 2:
+            from . import fused_ops
+
+            hidden = fused_ops.silu_and_mul(gate_up)
+        else:
+            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            hidden = F.silu(gate) * up
         out = self.down_proj(hidden)
         return out if lora is None else lora.apply("down", hidden, out)

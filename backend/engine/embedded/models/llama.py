@@ -11,7 +11,7 @@ from torch import nn
 
 from ..attention import AttentionMetadata, paged_attention
 from .cpu_gemm import pack_weight, packed_linear
-from .layers import Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding, apply_rotary
+from .layers import Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding, rotate
 from .model_config import ModelConfig
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -31,6 +31,8 @@ class WeightSlot:
 
 
 class LlamaAttention(nn.Module):
+    fused = False  # rotary embedding in place, in one kernel (layers.use_fused_kernels)
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.num_heads = config.num_heads
@@ -56,7 +58,7 @@ class LlamaAttention(nn.Module):
             q, k = q_and_k.split([self.num_heads, self.num_kv_heads], dim=1)
             q_and_k = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         # Queries and keys rotate in one go (fewer small ops per layer, which count on CPU).
-        q, k = apply_rotary(q_and_k, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        q, k = rotate(q_and_k, cos, sin, self.fused).split([self.num_heads, self.num_kv_heads], dim=1)
         out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], attn, self.scale).reshape(tokens, -1)
         projected = self.o_proj(out)
         return projected if lora is None else lora.apply("o", out, projected)
@@ -71,8 +73,21 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
 
     def forward(self, hidden, cos, sin, attn: AttentionMetadata, kv_cache: KVCache, lora=None) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), cos, sin, attn, kv_cache, lora)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden), lora)
+        """The layer's output: its input plus the attention's and the MLP's."""
+        mlp_out, residual = self.deferred(hidden, None, cos, sin, attn, kv_cache, lora)
+        return residual + mlp_out
+
+    def deferred(self, delta, residual, cos, sin, attn: AttentionMetadata, kv_cache: KVCache, lora=None):
+        """The layer on the input `delta + residual` (`delta` alone if residual is None), each residual add folded
+        into the norm after it: returns (the MLP's output, input + the attention's), whose sum is the layer's
+        output, for the next layer's (or the final) norm to add."""
+        if residual is None:
+            normed, residual = self.input_layernorm(delta), delta
+        else:
+            normed, residual = self.input_layernorm(delta, residual=residual)
+        attended = self.self_attn(normed, cos, sin, attn, kv_cache, lora)
+        normed, residual = self.post_attention_layernorm(attended, residual=residual)
+        return self.mlp(normed, lora), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -109,14 +124,16 @@ class LlamaForCausalLM(nn.Module):
         (tritonllm.lora.layers.LoraBatch), or None for the base model."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
-        hidden = self.embed_tokens(input_ids)
+        hidden, residual = self.embed_tokens(input_ids), None
         cos, sin = self.rotary_emb(positions, hidden.dtype)
         captured = []
         for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
-            hidden = layer(hidden, cos, sin, attn, kv_cache, None if lora is None else lora.layer(index))
+            hidden, residual = layer.deferred(hidden, residual, cos, sin, attn, kv_cache,
+                                              None if lora is None else lora.layer(index))
             if index in self.capture_layers:
-                captured.append(hidden)
-        return torch.cat([self.norm(hidden)] + captured, dim=-1) if captured else self.norm(hidden)
+                captured.append(residual + hidden)
+        normed = self.norm(hidden) if residual is None else self.norm(hidden, residual=residual)[0]
+        return torch.cat([normed] + captured, dim=-1) if captured else normed
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> fp32 logits [N, vocab]."""

@@ -1,0 +1,198 @@
+"""Fused Triton kernels for the elementwise steps of a decoder layer: RMSNorm (with the residual add folded in),
+rotary embedding in place, and SiLU-gated multiply. At batch 1 a decode step on a large GPU is bound by how many
+tiny kernels it launches, not by their work; each of these replaces a handful of PyTorch ops with one launch. They
+compute what layers.py computes (RMSNorm, apply_rotary, F.silu(gate) * up), in fp32, and round where it does or,
+for rotary and SiLU, once at the end.
+
+Layouts: 2-D (rotary: 3-D) tensors whose last dimension is contiguous; rows may be any stride apart (column slices
+of a fused matmul's output). fp32, bf16 and fp16.
+
+Every launch is CUDA-graph capturable: grids and constexprs depend on shapes only, outputs come from torch.empty,
+nothing syncs with the host. The token count only sets the grid (one program a row), never a kernel argument, so a
+new token count compiles nothing.
+
+On CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1 before triton is imported). Its bfloat16
+arithmetic is wrong; these kernels never do any: every loaded value is converted to fp32 first, on every device
+(nothing here wants low-precision math on the GPU, so unlike triton_kernels they need no UPCAST switch). Its fp32 ->
+bf16 cast truncates where a GPU (and torch) rounds to nearest even, so there (ROUND_BF16) the kernels round the
+bits by hand before casting, and give the GPU's results on CPU too.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+MAX_NORM_BLOCK = 65536  # a row of rms_norm lives in one program's registers
+ROTARY_BLOCK = 1024  # (head, pair) elements a rotary program rotates at most
+SILU_BLOCK = 1024  # output columns a silu_and_mul program writes
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Kernels
+# ----------------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _to(h, dtype: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """fp32 h rounded to nearest even in dtype. ROUND_BF16 (the interpreter, bf16): round the bits here, since its
+    cast truncates (the cast of a value bf16 holds exactly is then exact)."""
+    if ROUND_BF16:
+        bits = h.to(tl.int32, bitcast=True)
+        h = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    return h.to(dtype)
+
+
+@triton.jit
+def _rms_norm_kernel(x, residual, weight, out, sum_out, eps, num_cols, stride_x, stride_r, stride_o, stride_s,
+                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """Program (row): out = weight * round(h * rsqrt(mean(h^2) + eps)), h = x (+ residual, rounded and stored to
+    sum_out), rounding to out's dtype (a no-op in fp32) and the product rounded once."""
+    dtype = out.dtype.element_ty
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    ok = cols < num_cols
+    h = tl.load(x + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    if HAS_RESIDUAL:
+        h += tl.load(residual + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
+        rounded = _to(h, dtype, ROUND_BF16)
+        tl.store(sum_out + row * stride_s + cols, rounded, mask=ok)
+        h = rounded.to(tl.float32)
+    rstd = tl.rsqrt(tl.sum(h * h, 0) / num_cols + eps)
+    normed = _to(h * rstd, dtype, ROUND_BF16).to(tl.float32)
+    w = tl.load(weight + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out + row * stride_o + cols, _to(normed * w, dtype, ROUND_BF16), mask=ok)
+
+
+@triton.jit
+def _rotary_kernel(x, cos, sin, num_heads, stride_xt, stride_xh, stride_ct, stride_st,
+                   HALF: tl.constexpr, HALF_P: tl.constexpr, BLOCK_H: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """Program (token, head block): rotates pairs (i, i + HALF) of BLOCK_H heads in place, in fp32."""
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, HALF_P)
+    d_ok = d < HALF
+    cos_row = cos + token * stride_ct + d
+    sin_row = sin + token * stride_st + d
+    cos1 = tl.load(cos_row, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    cos2 = tl.load(cos_row + HALF, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    sin1 = tl.load(sin_row, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    sin2 = tl.load(sin_row + HALF, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    ok = (head < num_heads)[:, None] & d_ok[None, :]
+    first = x + token * stride_xt + head[:, None] * stride_xh + d[None, :]
+    x1 = tl.load(first, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(first + HALF, mask=ok, other=0.0).to(tl.float32)
+    tl.store(first, _to(x1 * cos1 - x2 * sin1, x.dtype.element_ty, ROUND_BF16), mask=ok)
+    tl.store(first + HALF, _to(x2 * cos2 + x1 * sin2, x.dtype.element_ty, ROUND_BF16), mask=ok)
+
+
+@triton.jit
+def _silu_and_mul_kernel(gate_up, out, size, stride_in, stride_out, BLOCK: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """Program (row, column block): out = silu(gate) * up in fp32, gate and up the two halves of the row."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < size
+    gate = tl.load(gate_up + row * stride_in + cols, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(gate_up + row * stride_in + size + cols, mask=ok, other=0.0).to(tl.float32)
+    result = gate / (1.0 + tl.exp(-gate)) * up
+    tl.store(out + row * stride_out + cols, _to(result, out.dtype.element_ty, ROUND_BF16), mask=ok)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Launchers
+# ----------------------------------------------------------------------------------------------------------------
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
+             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """layers.RMSNorm over the rows of x [T, N] with weight [N] (x's dtype). With residual (x's shape and dtype):
+    s = x + residual, rounded to x's dtype as torch's add rounds; returns (rms_norm(s), s), s a new tensor (x and
+    residual are left as they are). Outputs are contiguous."""
+    _check_rows("x", x)
+    num_rows, num_cols = x.shape
+    if weight.shape != (num_cols,) or weight.dtype != x.dtype or weight.device != x.device:
+        raise ValueError(f"weight {tuple(weight.shape)} {weight.dtype} on {weight.device} does not fit x "
+                         f"{tuple(x.shape)} {x.dtype} on {x.device} (wanted [{num_cols}], the same dtype and device)")
+    if num_cols == 0:
+        raise ValueError("x has no columns to normalise")
+    if weight.stride(0) != 1 and num_cols > 1:
+        raise ValueError("weight must be contiguous")
+    block = triton.next_power_of_2(num_cols)
+    if block > MAX_NORM_BLOCK:
+        raise ValueError(f"rows of {num_cols} are too long for one program (at most {MAX_NORM_BLOCK})")
+    out = torch.empty((num_rows, num_cols), dtype=x.dtype, device=x.device)
+    if residual is None:
+        sums, residual_arg = out, x  # unused (HAS_RESIDUAL off)
+    else:
+        _check_rows("residual", residual)
+        if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
+            raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} on {residual.device} does not "
+                             f"match x {tuple(x.shape)} {x.dtype} on {x.device}")
+        sums, residual_arg = torch.empty_like(out), residual
+    if num_rows:
+        _rms_norm_kernel[(num_rows,)](
+            x, residual_arg, weight, out, sums, eps, num_cols, x.stride(0), residual_arg.stride(0), out.stride(0),
+            sums.stride(0), HAS_RESIDUAL=residual is not None, BLOCK=block, ROUND_BF16=_round_bf16(x),
+            num_warps=4 if block < 2048 else 8 if block < 8192 else 16)
+    return out if residual is None else (out, sums)
+
+
+def rotary_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """layers.apply_rotary, in place: x [T, H, D] (last dim contiguous, token and head strides free: a view into a
+    fused qkv output works), cos and sin [T, D] (last dim contiguous). Computed in fp32, rounded once to x's dtype.
+    Returns x."""
+    if x.dim() != 3:
+        raise ValueError(f"x must be [tokens, heads, head_dim], got shape {tuple(x.shape)}")
+    num_tokens, num_heads, head_dim = x.shape
+    if x.dtype not in DTYPES:
+        raise ValueError(f"x has dtype {x.dtype}; supported: {', '.join(map(str, DTYPES))}")
+    if x.stride(2) != 1:
+        raise ValueError("x needs a contiguous last (head_dim) dimension")
+    if head_dim % 2:
+        raise ValueError(f"head_dim {head_dim} is odd: rotary rotates pairs (i, i + head_dim / 2)")
+    for name, table in (("cos", cos), ("sin", sin)):
+        if table.shape != (num_tokens, head_dim) or table.device != x.device or not table.is_floating_point():
+            raise ValueError(f"{name} {tuple(table.shape)} {table.dtype} on {table.device} does not fit x "
+                             f"{tuple(x.shape)} on {x.device} (wanted a float [{num_tokens}, {head_dim}])")
+        if table.stride(1) != 1:
+            raise ValueError(f"{name} needs a contiguous last dimension")
+    if num_tokens == 0 or num_heads == 0 or head_dim == 0:
+        return x
+    half = head_dim // 2
+    half_p = triton.next_power_of_2(half)
+    block_h = max(1, min(triton.next_power_of_2(num_heads), ROTARY_BLOCK // half_p))
+    _rotary_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
+        x, cos, sin, num_heads, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
+        HALF=half, HALF_P=half_p, BLOCK_H=block_h, ROUND_BF16=_round_bf16(x), num_warps=4)
+    return x
+
+
+def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2I] (last dim contiguous) -> silu(gate) * up [T, I], gate and up = gate_up.split(I, -1);
+    computed in fp32, rounded once. The output is contiguous."""
+    _check_rows("gate_up", gate_up)
+    num_rows, width = gate_up.shape
+    if width % 2:
+        raise ValueError(f"gate_up has {width} columns, not two equal halves")
+    size = width // 2
+    out = torch.empty((num_rows, size), dtype=gate_up.dtype, device=gate_up.device)
+    if num_rows and size:
+        block = min(SILU_BLOCK, triton.next_power_of_2(size))
+        _silu_and_mul_kernel[(num_rows, triton.cdiv(size, block))](
+            gate_up, out, size, gate_up.stride(0), out.stride(0), BLOCK=block, ROUND_BF16=_round_bf16(gate_up),
+            num_warps=4)
+    return out
+
+
+def _check_rows(name: str, t: torch.Tensor) -> None:
+    """A 2-D tensor of a supported dtype whose last dimension is contiguous."""
+    if t.dim() != 2:
+        raise ValueError(f"{name} must be 2-D [rows, columns], got shape {tuple(t.shape)}")
+    if t.dtype not in DTYPES:
+        raise ValueError(f"{name} has dtype {t.dtype}; supported: {', '.join(map(str, DTYPES))}")
+    if t.stride(1) != 1 and t.shape[1] > 1:
+        raise ValueError(f"{name} needs a contiguous last dimension (strides {t.stride()})")
+
+
+def _round_bf16(t: torch.Tensor) -> bool:
+    """Whether the kernels must round to bf16 by hand: bf16 off CUDA, where Triton's interpreter runs them."""
+    return t.dtype == torch.bfloat16 and t.device.type != "cuda"
