@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine run (the `device` tool): puts the working tree's package on PYTHONPATH (the machine has torch,
 # triton and transformers but no venv of ours), then runs what the arguments name, each logged under $OUT.
-#   bash ci/gpu_session.sh tests|bench-quick|bench|profile ...
+#   bash ci/gpu_session.sh kernels|fused|parity|features|bench-quick|bench-qwen3|profile|profile-1 ...
 # Used by hand for the GPU figures in docs/benchmarks.md; CI never runs it (no GPU there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -40,6 +40,9 @@ for what in "$@"; do
   echo "=== $what ($(date +%T))"
   case $what in
     kernels) run_tests tests/engine/test_triton_attention.py ;;
+    fused) run_tests tests/engine/test_fused_ops.py ;;
+    features) run_tests tests/engine/test_beam_search.py tests/lora/test_engine_lora.py tests/spec_decode/test_engine_spec.py \
+                -m "not slow" ;;
     parity) run_tests tests/engine/test_engine_parity.py tests/engine/test_cuda_graphs.py tests/engine/test_sampler_batch.py \
               tests/engine/test_engine_triton.py tests/engine/test_overlap.py -m "not slow" ;;
     bench-quick)
@@ -49,6 +52,8 @@ for what in "$@"; do
       bench "qwen2.5 nano" --model "$q" --workload nano --warmup --baseline none ;;
     bench-qwen3)
       bench "qwen3 nano" --model "$(shape qwen3-0.6b)" --workload nano --warmup --baseline none ;;
+    profile-1)
+      bench "qwen2.5 1x128/128 profile" --model "$(shape qwen2.5-0.5b)" --requests 1 --min-prompt 128 --max-prompt 128 --min-output 128 --max-output 128 --warmup --baseline none --profile ;;
     profile)
       bench "qwen2.5 256x128/128 profile" --model "$(shape qwen2.5-0.5b)" --requests 256 --min-prompt 128 --max-prompt 128 --min-output 128 --max-output 128 --max-batch-size 256 --baseline none --profile ;;
     *) echo "unknown step $what" >&2 ;;
