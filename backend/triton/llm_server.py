@@ -3,11 +3,13 @@
 `execute` only converts and submits (it returns at once). Engine outputs arrive through callbacks on the engine's
 thread and are queued; one sender thread turns them into Triton responses and, every
 `cancellation_check_period_ms`, asks Triton whether any client went away (then aborts its engine requests, which
-frees their KV blocks). A `stop=true` request with the same request id aborts them too. When an engine request
+frees their KV blocks). A `stop=true` request with the same request id aborts them too; one that comes before its
+request is held for STOP_HOLD_S and stops the request if it arrives by then. When an engine request
 finishes, the sender thread hands its final output to `on_finished` (the per-request metrics)."""
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
@@ -19,6 +21,7 @@ from .request_metrics import report_finished
 from .sender_loop import SenderLoop
 
 log = logging.getLogger("tritonllm.tensorrt_llm")
+STOP_HOLD_S = 2.0  # how long a `stop` waits for a request id not seen yet
 
 
 @dataclass(eq=False)
@@ -48,6 +51,9 @@ class LLMRequestServer(SenderLoop):
         self.decoupled = decoupled
         self.exclude_input_in_output = exclude_input_in_output
         self.by_triton_id: dict[str, list[TritonRequestState]] = {}
+        # `stop` for an id no running request has yet (it may be on its way): id -> when the hold ends.
+        self.held_stops: dict[str, float] = {}
+        self.recently_closed: dict[str, float] = {}  # ids of requests that ended lately -> when that is forgotten
         self.start_sending()
 
     # -- called from execute() --------------------------------------------------------------------------------
@@ -57,7 +63,8 @@ class LLMRequestServer(SenderLoop):
         try:
             if is_stop_request(request):
                 self._stop(request.request_id())
-                send_final(sender, None)
+                # One-response mode must send a response; the flag alone is what a stream's end is.
+                send_final(sender, None if self.decoupled else pb_utils().InferenceResponse(output_tensors=[]))
                 return
             rows = convert_request(request, self.exclude_input_in_output, self.decoupled)
             if not self.decoupled and any(row.params.n > 1 and row.params.beam_width == 1 for row in rows):
@@ -84,14 +91,37 @@ class LLMRequestServer(SenderLoop):
                 raise
             if state.triton_id:
                 self.by_triton_id.setdefault(state.triton_id, []).append(state)
+            stopped = bool(state.triton_id) and self._take_held_stop(state.triton_id)
+        if stopped:
+            log.info("request %r arrived after its stop: cancelling it", state.triton_id)
+            self._cancel(state)
 
     def _stop(self, triton_id: str) -> None:
         if not triton_id:
             raise InputError("input 'stop': a request id must be provided for request cancellation")
         with self.lock:
             states = list(self.by_triton_id.get(triton_id, []))
+            self._expire_held_stops()
+            # Not here yet: a request with this id arriving soon is stopped. One that just ended (a stop that
+            # raced its end) holds nothing, so that the next request reusing the id runs.
+            hold = not states and triton_id not in self.recently_closed
+            if hold:
+                self.held_stops[triton_id] = time.monotonic() + STOP_HOLD_S
+        if hold:
+            log.info("stop for request %r, which is not running: held for %.0f s", triton_id, STOP_HOLD_S)
         for state in states:
             self._cancel(state)
+
+    def _take_held_stop(self, triton_id: str) -> bool:
+        """Whether a held `stop` awaits this id (under `lock`); it is used up."""
+        self._expire_held_stops()
+        return self.held_stops.pop(triton_id, None) is not None
+
+    def _expire_held_stops(self) -> None:
+        now = time.monotonic()
+        for table in (self.held_stops, self.recently_closed):
+            for triton_id in [i for i, deadline in table.items() if deadline < now]:
+                del table[triton_id]
 
     def _cancel(self, state: TritonRequestState) -> None:
         state.cancelled = True
@@ -188,6 +218,9 @@ class LLMRequestServer(SenderLoop):
         with self.lock:
             for engine_id in state.engine_ids:
                 self.active.pop(engine_id, None)
+            if state.triton_id:
+                self._expire_held_stops()  # keeps both tables to the last STOP_HOLD_S seconds' ids
+                self.recently_closed[state.triton_id] = time.monotonic() + STOP_HOLD_S
             if state.triton_id in self.by_triton_id:
                 remaining = [s for s in self.by_triton_id[state.triton_id] if s is not state]
                 if remaining:

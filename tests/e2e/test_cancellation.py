@@ -65,6 +65,19 @@ def test_stop_request_with_the_same_request_id(server, long_request):
     assert_engine_stopped_early(server, before)
 
 
+def test_stop_request_before_its_request_is_held_and_stops_it(server, long_request):
+    """A `stop` that overtakes its request (sent first) is held briefly: the request arriving next is cancelled."""
+    inputs, before = long_request
+    stop_reply = server.stream_infer("tensorrt_llm", clients.stop_request(), request_id="overtaken")
+    assert stop_reply.error is None and stop_reply.finished
+    reply = server.stream_infer("tensorrt_llm", inputs, request_id="overtaken", timeout=30)
+    assert reply.error is not None and "cancelled" in reply.error
+    assert len(reply.results) < EARLY
+    after = server.wait_engine_idle(timeout=10)
+    assert clients.engine_is_idle(after), f"the engine did not free its blocks or requests: {after}"
+    assert after[ITERATIONS] - before[ITERATIONS] < EARLY  # often 0: cancelled before its first step
+
+
 def test_stop_request_without_a_request_id_is_an_error(server):
     reply = server.stream_infer("tensorrt_llm", clients.stop_request())
     assert reply.error is not None and "request id" in reply.error

@@ -104,3 +104,32 @@ def test_cancelling_a_bls_request_stops_its_engine_request(plain_server):
     steps = after[("nv_trt_llm_general_metrics", "iteration_counter")] - \
         before[("nv_trt_llm_general_metrics", "iteration_counter")]
     assert steps < max_tokens // 2, f"the engine ran {steps} steps of {max_tokens}: the request was not stopped"
+
+
+def test_stop_request_answers_and_stops_the_running_request(plain_server, tokenizer):
+    """One-response mode: the `stop` request gets its one (empty) response, no error, and the request it names
+    ends early, cancelled."""
+    before = plain_server.wait_engine_idle()
+    client = grpcclient.InferenceServerClient(plain_server.triton.grpc_url)
+    prompt_ids = tokenizer.encode(PROMPTS[1], add_special_tokens=True)
+    max_tokens = plain_server.max_seq_len - len(prompt_ids) - 1
+    outcome = {}
+    try:
+        client.async_infer("tensorrt_llm", clients.grpc_inputs(clients.direct_request(
+            prompt_ids, max_tokens, tokenizer.end_id)), request_id="stop-me",
+            callback=lambda result, error: outcome.update(result=result, error=error))
+        deadline = time.monotonic() + 30
+        while plain_server.metrics().get(("nv_trt_llm_request_metrics", "active")) != 1:
+            assert time.monotonic() < deadline, "the request never reached the engine"
+            time.sleep(0.02)
+        client.infer("tensorrt_llm", clients.grpc_inputs(clients.stop_request()), request_id="stop-me")
+        while "error" not in outcome:
+            assert time.monotonic() < deadline + 30, "the stopped request never answered"
+            time.sleep(0.02)
+    finally:
+        client.close()
+    assert outcome["error"] is not None and "cancelled" in str(outcome["error"])
+    after = plain_server.wait_engine_idle(timeout=20)
+    steps = after[("nv_trt_llm_general_metrics", "iteration_counter")] - \
+        before[("nv_trt_llm_general_metrics", "iteration_counter")]
+    assert clients.engine_is_idle(after) and steps < max_tokens // 2, (steps, after)
