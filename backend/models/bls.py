@@ -9,10 +9,12 @@ from ..bls.config import BlsConfig
 from ..bls.llm_calls import ExecTransport, GrpcTransport
 from ..bls.server import BlsServer
 from ..triton.logging_bridge import route_logs_to_triton
+from ..triton.parent_watch import exit_with_parent
 
 
 class TritonPythonModel:
     def initialize(self, args):
+        exit_with_parent()
         route_logs_to_triton()
         config = BlsConfig.from_model_config(json.loads(args["model_config"]))
         transport = _transport(config, config.llm_model_name)

@@ -14,6 +14,7 @@ from ..triton.engine_model import EngineBackedModel
 from ..triton.llmapi_config import load_llmapi_settings, load_llmapi_tokenizer, model_yaml_path, read_triton_config
 from ..triton.llmapi_server import LLMAPIServer
 from ..triton.logging_bridge import route_logs_to_triton
+from ..triton.parent_watch import exit_with_parent
 from ..triton.pb import pb_utils
 
 
@@ -26,6 +27,7 @@ class TritonPythonModel(EngineBackedModel):
         return auto_complete_model_config
 
     def initialize(self, args):
+        exit_with_parent()
         route_logs_to_triton()
         log = logging.getLogger("tritonllm.llmapi")
         model_config = json.loads(args["model_config"])

@@ -16,6 +16,7 @@ import numpy as np
 from tritonllm import tokenizer as tok
 from tritonllm.triton import pb
 from tritonllm.triton.params import Parameters
+from tritonllm.triton.parent_watch import exit_with_parent
 
 PREFIX_PADDING = -1  # PREFIX_IDS rows are left-padded with -1 to a common width
 
@@ -107,6 +108,7 @@ class Postprocessor:
 
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
+        exit_with_parent()
         params = Parameters.from_model_config(json.loads(args["model_config"]))
         config = PostprocessingConfig.from_parameters(params)
         tokenizer = tok.load_tokenizer_for_model(config.tokenizer_dir, params.model_name)

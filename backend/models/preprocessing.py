@@ -15,6 +15,7 @@ import numpy as np
 from tritonllm import tokenizer as tok
 from tritonllm.triton import pb
 from tritonllm.triton.params import Parameters
+from tritonllm.triton.parent_watch import exit_with_parent
 
 UNSUPPORTED_INPUTS = {
     "DECODER_QUERY": "encoder-decoder models are not supported",
@@ -130,6 +131,7 @@ class Preprocessor:
 
 class TritonPythonModel:
     def initialize(self, args: dict) -> None:
+        exit_with_parent()
         params = Parameters.from_model_config(json.loads(args["model_config"]))
         config = PreprocessingConfig.from_parameters(params)
         tokenizer = tok.load_tokenizer_for_model(config.tokenizer_dir, params.model_name)

@@ -10,10 +10,12 @@ from ..triton.engine_args import load_tensorrt_llm_settings
 from ..triton.engine_model import EngineBackedModel
 from ..triton.llm_server import LLMRequestServer
 from ..triton.logging_bridge import route_logs_to_triton
+from ..triton.parent_watch import exit_with_parent
 
 
 class TritonPythonModel(EngineBackedModel):
     def initialize(self, args):
+        exit_with_parent()
         route_logs_to_triton()
         log = logging.getLogger("tritonllm.tensorrt_llm")
         model_config = json.loads(args["model_config"])
