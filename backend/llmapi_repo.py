@@ -15,7 +15,7 @@ from typing import Any, Mapping, Optional
 import yaml
 
 from .engine import choose_engine
-from .repo import RepoError, check_build_choices, check_build_numbers, check_model_dir, template_dir
+from .repo import RepoError, block_bytecode, check_build_choices, check_build_numbers, check_model_dir, template_dir
 from .triton.llmapi_config import load_llmapi_settings
 
 MODEL_NAME = "tensorrt_llm"
@@ -95,6 +95,7 @@ def write_llmapi_repo(out: Path, model_yaml: Mapping[str, Any]) -> Path:
     try:
         model = staging / MODEL_NAME
         shutil.copytree(llmapi_template(), model, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+        block_bytecode(model)
         (model / "1" / "model.yaml").write_text(YAML_HEADER + yaml.safe_dump(dict(model_yaml), sort_keys=False))
         check_loadable(model / "1")
         if (out / MODEL_NAME).exists():

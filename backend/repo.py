@@ -128,6 +128,7 @@ def add_draft_model(repo: Path, target_dir: str, draft_dir: str) -> None:
     if target.exists():
         shutil.rmtree(target)
     shutil.copytree(repo / "tensorrt_llm", target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    block_bytecode(target)
     config = target / "config.pbtxt"
     text = config.read_text().replace('name: "tensorrt_llm"', f'name: "{DRAFT_MODEL_NAME}"', 1)
     for key in ("gpt_model_path", "tokenizer_dir"):
@@ -165,9 +166,27 @@ def write_repo(template: Path, out_dir: Path, values: Mapping[str, str], *, over
     return out_dir
 
 
+def block_bytecode(model: Path) -> None:
+    """Keep Python from writing bytecode into the model's version folder: the Python backend's stub runs in
+    isolated mode (PYTHONDONTWRITEBYTECODE is ignored) and would write `1/__pycache__/` on import, which Triton
+    takes for a changed model and reloads. A plain file of that name makes Python skip the write (it cannot
+    create the folder) and changes nothing at load."""
+    version = model / "1"
+    if not (version / "model.py").exists():
+        return
+    blocker = version / BYTECODE_BLOCKER
+    if blocker.is_dir():
+        shutil.rmtree(blocker)
+    blocker.write_text("")
+
+
+BYTECODE_BLOCKER = "__pycache__"
+
+
 def stage_model(source: Path, target: Path, values: Mapping[str, str]) -> None:
     shutil.copytree(source, target, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     (target / "1").mkdir(exist_ok=True)  # Triton needs a version folder, even an empty one (the ensemble)
+    block_bytecode(target)
     config = target / "config.pbtxt"
     text = config.read_text()
     missing = sorted(structural_placeholders(text) - set(values))
