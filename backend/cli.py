@@ -152,7 +152,11 @@ def _repo_commands(sub) -> None:
 
 
 def _serve_command(sub) -> None:
-    serve = sub.add_parser("serve", help="start tritonserver (from the nvidia-pytriton wheel) on a repository")
+    serve = sub.add_parser("serve", help="start tritonserver (from the nvidia-pytriton wheel) on a repository",
+                           description="Start tritonserver on a repository and keep it serving: if a model's "
+                           "process dies, tritonserver is killed (its clients' connections close) and started "
+                           "again; after 5 restarts in 10 minutes serve exits with code 1. Ctrl-C or SIGTERM "
+                           "stops it within tritonserver's exit timeout plus 5 s (docs/faults.md).")
     source = serve.add_mutually_exclusive_group(required=True)
     source.add_argument("--model", help="model folder: a repository is built for it")
     source.add_argument("--repo", help="an existing model repository")

@@ -48,6 +48,8 @@ def prepare_python_stub(home: Path) -> None:
 
 def server_environment() -> dict[str, str]:
     env = dict(os.environ)
+    # The stubs would write 1/__pycache__ into the model folders, which Triton then takes for changed models.
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     libdir = sysconfig.get_config_var("LIBDIR") or ""
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, env.get("LD_LIBRARY_PATH", "")) if p)
@@ -71,12 +73,16 @@ class Ports:
         return cls(free_port(), free_port(), free_port())
 
 
+STOP_GRACE_S = 5  # past tritonserver's own exit timeout, before its process group is killed
+
+
 class TritonServer:
     """A running tritonserver process; use as a context manager or call start()/stop()."""
 
     def __init__(self, repo: str | Path, ports: Optional[Ports] = None, log_file: Optional[Path] = None,
-                 log_verbose: int = 0, exit_timeout_secs: int = 10):
+                 log_verbose: int = 0, exit_timeout_secs: int = 10, explicit_model_control: bool = False):
         self.repo = Path(repo).resolve()
+        self.explicit_model_control = explicit_model_control  # every model loaded, then loadable and unloadable
         self.ports = ports or Ports()
         self.log_file = log_file
         self.log_verbose = log_verbose
@@ -96,13 +102,15 @@ class TritonServer:
         return [str(home / "bin" / "tritonserver"), "--model-repository", str(self.repo),
                 "--backend-directory", str(home / "backends"), f"--http-port={self.ports.http}",
                 f"--grpc-port={self.ports.grpc}", f"--metrics-port={self.ports.metrics}",
-                f"--exit-timeout-secs={self.exit_timeout_secs}", f"--log-verbose={self.log_verbose}"]
+                f"--exit-timeout-secs={self.exit_timeout_secs}", f"--log-verbose={self.log_verbose}"] + \
+            (["--model-control-mode=explicit", "--load-model=*"] if self.explicit_model_control else [])
 
     def start(self, timeout: float = 300.0) -> "TritonServer":
         prepare_python_stub(triton_home())
         output = open(self.log_file, "ab") if self.log_file else None
+        # Its own process group: the stubs it starts join it, so that kill() ends them all at once.
         self.process = subprocess.Popen(self.command(), env=server_environment(), stdout=output,
-                                        stderr=subprocess.STDOUT if output else None)
+                                        stderr=subprocess.STDOUT if output else None, start_new_session=True)
         self.wait_ready(timeout)
         return self
 
@@ -125,15 +133,32 @@ class TritonServer:
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             return False
 
-    def stop(self, timeout: float = 60.0) -> Optional[int]:
-        if self.process is None or self.process.poll() is not None:
-            return None if self.process is None else self.process.returncode
-        self.process.send_signal(signal.SIGTERM)
+    def stop(self, timeout: Optional[float] = None) -> Optional[int]:
+        """SIGTERM, then SIGKILL for the whole process group once `timeout` (default: the exit timeout plus
+        STOP_GRACE_S) has passed; any stub left behind is killed too. Returns the exit code."""
+        if self.process is None:
+            return None
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(self.exit_timeout_secs + STOP_GRACE_S if timeout is None else timeout)
+            except subprocess.TimeoutExpired:
+                self._kill_group()
+        self._kill_group()  # stubs that outlived their server
+        return self.process.wait()
+
+    def kill(self) -> Optional[int]:
+        """SIGKILL tritonserver and every stub it started; returns the exit code."""
+        if self.process is None:
+            return None
+        self._kill_group()
+        return self.process.wait()
+
+    def _kill_group(self) -> None:
         try:
-            return self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            return self.process.wait()
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass  # nothing of the group is left
 
     def __enter__(self) -> "TritonServer":
         return self.start()
@@ -189,11 +214,14 @@ def main(args) -> int:
     frontend = None
     try:
         from .openai_api.launch import start_next_to_server
+        from .supervisor import Supervisor
         frontend = start_next_to_server(args, server, repo)  # None unless --openai-port
-        while server.process.poll() is None:
-            time.sleep(1)
+        Supervisor(server).run()  # restarts tritonserver after a model process dies; returns on Ctrl-C / SIGTERM
     except KeyboardInterrupt:
         print("\n[serve] stopping tritonserver", flush=True)
+    except ServerError as exc:
+        print(f"[serve] {exc}", flush=True)
+        return 1
     finally:
         if frontend is not None:
             frontend.stop()

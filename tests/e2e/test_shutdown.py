@@ -36,3 +36,35 @@ def test_server_stops_cleanly_after_many_bls_style_stream_calls(tiny_model, tmp_
     left = subprocess.run(["pgrep", "-f", f"triton_python_backend_stub {repo}"], capture_output=True, text=True)
     assert code == 0, (tmp_path / "tritonserver.log").read_text(errors="replace")[-3000:]
     assert not left.stdout.strip()
+
+
+def test_shutdown_after_cancelled_ensemble_streams_is_bounded_and_leaves_no_stub(tiny_model, tmp_path):
+    """Triton 2.51 never completes an ensemble request whose gRPC stream the client cancelled (docs/faults.md):
+    tritonserver then runs out its exit timeout. `stop` still returns within that timeout plus its grace, and
+    kills what the server left behind."""
+    import time
+
+    import e2e_clients as clients
+    from tritonllm.server import STOP_GRACE_S
+
+    repo = build_repo(tiny_model, tmp_path / "repo", streaming=True, max_seq_len=MAX_SEQ_LEN)
+    triton = TritonServer(repo, Ports.free(), log_file=tmp_path / "tritonserver.log",
+                          exit_timeout_secs=3).start(timeout=180)
+    try:
+        live = clients.LiveServer(triton, tmp_path / "tritonserver.log", MAX_SEQ_LEN)
+        body = {"text_input": clients.strings("The lamp turned"), "max_tokens": clients.scalar(200, "int32"),
+                "stream": clients.scalar(True, "bool")}
+        for index in range(3):
+            stream = live.grpc_stream()
+            stream.send("ensemble", body, request_id=f"cancelled-{index}")
+            reply = clients.StreamReply()
+            while len(reply.results) < 2 and not reply.finished:
+                clients.add_event(reply, *stream.next_event(timeout=30))
+            stream.close(cancel=True)
+    finally:
+        started = time.monotonic()
+        triton.stop()
+        took = time.monotonic() - started
+    left = subprocess.run(["pgrep", "-f", f"triton_python_backend_stub {repo}"], capture_output=True, text=True)
+    assert took < triton.exit_timeout_secs + STOP_GRACE_S + 5, f"stop took {took:.1f}s"
+    assert not left.stdout.strip(), f"stubs left behind: {left.stdout}"
