@@ -48,8 +48,6 @@ def prepare_python_stub(home: Path) -> None:
 
 def server_environment() -> dict[str, str]:
     env = dict(os.environ)
-    # The stubs would write 1/__pycache__ into the model folders, which Triton then takes for changed models.
-    env["PYTHONDONTWRITEBYTECODE"] = "1"
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     libdir = sysconfig.get_config_var("LIBDIR") or ""
     env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (libdir, env.get("LD_LIBRARY_PATH", "")) if p)
