@@ -51,7 +51,9 @@ def build_llmapi_repo(model_dir: str | Path, out_dir: str | Path, *, streaming: 
         set_arg(args, key, value)
     out = Path(out_dir)
     check_target(out, overwrite)
-    return write_llmapi_repo(out, {**args, "triton_config": {"max_batch_size": 0, "decoupled": streaming}})
+    # triton_config.* given as engine arguments override the defaults; the load check refuses bad ones by name.
+    given = args.pop("triton_config", {})
+    return write_llmapi_repo(out, {**args, "triton_config": {"max_batch_size": 0, "decoupled": streaming, **given}})
 
 
 def set_arg(args: dict, key: str, value: Any) -> None:

@@ -145,3 +145,12 @@ def test_the_cli_builds_it_with_typed_params(fake_model, tmp_path, capsys):
     settings = load_llmapi_settings(out / "tensorrt_llm" / "1")
     assert settings.engine.max_batch_size == 4 and settings.engine.max_num_tokens == 1024
     assert settings.engine.kv_cache_config.enable_block_reuse is False and not settings.triton.decoupled
+
+
+def test_triton_config_params_are_honoured_or_refused_never_dropped(fake_model, tmp_path):
+    out = tmp_path / "repo"
+    assert cli_main(["repo", "build", "--llmapi", "--model", str(fake_model), "--out", str(out),
+                     "--param", "triton_config.decoupled=false"]) == 0
+    assert load_llmapi_settings(out / "tensorrt_llm" / "1").triton.decoupled is False
+    with pytest.raises(RepoError, match="triton_config.max_batch_size = 8 must be 0"):
+        build_llmapi_repo(fake_model, tmp_path / "other", engine_args={"triton_config.max_batch_size": 8})
