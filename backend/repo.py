@@ -27,6 +27,9 @@ PLACEHOLDER_OF_PARAMETER = {"gpt_model_path": "engine_dir", "gpt_model_type": "b
                             "encoder_model_path": "encoder_engine_dir"}
 # fill_template.py pre-fills these, so scripts written for it may leave them out.
 QUEUE_DEFAULTS = {"max_queue_size": "0", "max_queue_delay_microseconds": "0"}
+# Filled when a fill does not name them: a structural placeholder left unfilled makes the file unparseable, and
+# the backend's docs fill the BLS without this one.
+FILL_DEFAULTS = {**QUEUE_DEFAULTS, "prompt_embedding_table_data_type": "TYPE_FP16"}
 # `field: ${name}`, `field: [ ${name} ]` or `field: "${name}"` outside a parameter's string_value.
 _STRUCTURAL = re.compile(r"(\w+)\s*:\s*\[?\s*\"?\$\{(\w+)\}")
 
@@ -101,6 +104,7 @@ def build_repo(model_dir: str | Path, out_dir: str | Path, *, streaming: bool = 
     if draft is not None:
         values["tensorrt_llm_draft_model_name"] = DRAFT_MODEL_NAME
     overrides = {PLACEHOLDER_OF_PARAMETER.get(key, key): value for key, value in (parameters or {}).items()}
+    check_backend(overrides)
     values.update(overrides)
     repo = write_repo(template_dir(), Path(out_dir), {k: format_value(k, v) for k, v in values.items()},
                       overrides=set(overrides), overwrite=overwrite)
@@ -247,20 +251,32 @@ def format_value(name: str, value: Any) -> str:
 def fill_template(config_path: str | Path, substitutions: str | Mapping[str, str], in_place: bool = True) -> str:
     """TensorRT-LLM's `fill_template.py` semantics: `substitutions` is "key:value,key:value" (`\\,` and `\\:`
     escape), every key must exist as `${key}` in the file, unknown placeholders stay (safe_substitute), and
-    max_queue_size / max_queue_delay_microseconds default to 0. Returns the filled text; writes it back when
+    max_queue_size / max_queue_delay_microseconds default to 0 (prompt_embedding_table_data_type to TYPE_FP16,
+    which the backend's docs leave out for the BLS). Returns the filled text; writes it back when
     `in_place`."""
     path = Path(config_path)
     text = path.read_text()
     values = parse_substitutions(substitutions) if isinstance(substitutions, str) else dict(substitutions)
     present = placeholders(text)
+    check_backend(values)
     for key in values:
         if key not in present:
             left = ", ".join(sorted(present)) or "none"
             raise RepoError(f"key '{key}' does not exist as ${{{key}}} in {path} (placeholders left: {left})")
-    filled = Template(text).safe_substitute({**QUEUE_DEFAULTS, **values})
+    filled = Template(text).safe_substitute({**FILL_DEFAULTS, **values})
     if in_place:
         path.write_text(filled)
     return filled
+
+
+def check_backend(values: Mapping[str, Any]) -> None:
+    """`triton_backend` can only be `python`: the backend's docs fill `tensorrtllm`, TensorRT-LLM's C++ backend,
+    which is not here (Triton would fail at load: no backend library for it)."""
+    backend = values.get("triton_backend")
+    if backend is not None and str(backend).strip() != "python":
+        raise RepoError(f"triton_backend {backend!r}: these models run on Triton's Python backend (TensorRT-LLM "
+                        "through its LLM API, or the embedded engine), not TensorRT-LLM's C++ backend; use "
+                        "triton_backend:python")
 
 
 def parse_substitutions(text: str) -> dict[str, str]:

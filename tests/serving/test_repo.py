@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from tritonllm.repo import (MODEL_NAMES, RepoError, build_repo, fill_template, parse_substitutions, placeholders,
-                            template_dir, validate_repo)
+                            structural_placeholders, template_dir, validate_repo)
 
 text_format = pytest.importorskip("google.protobuf.text_format")
 model_config_pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2")
@@ -471,6 +471,33 @@ def test_fill_template_names_a_missing_key(config_file):
     with pytest.raises(RepoError, match="'decoupled_mode'.*does not exist"):
         fill_template(config_file, "triton_max_batch_size:4,decoupled_mode:true")
     assert "${triton_max_batch_size}" in config_file.read_text(), "a failed fill must not write"
+
+
+def test_triton_backend_tensorrtllm_is_refused_with_the_value_to_use(config_file, fake_model, tmp_path):
+    """The backend's docs fill triton_backend:tensorrtllm; Triton would then fail at load for want of that C++
+    backend. Refused at fill and at build, before anything is written."""
+    config_file.write_text(config_file.read_text() + 'backend: "${triton_backend}"\n')
+    with pytest.raises(RepoError, match="triton_backend 'tensorrtllm'.*use triton_backend:python"):
+        fill_template(config_file, "triton_backend:tensorrtllm,triton_max_batch_size:4")
+    assert "${triton_backend}" in config_file.read_text()
+    assert 'backend: "python"' in fill_template(config_file, "triton_backend:python", in_place=False)
+    with pytest.raises(RepoError, match="use triton_backend:python"):
+        build_repo(fake_model, tmp_path / "repo", parameters={"triton_backend": "tensorrtllm"})
+    assert not (tmp_path / "repo" / "tensorrt_llm").exists()
+
+
+def test_the_bls_filled_as_the_backends_docs_fill_it_has_no_structural_placeholder_left(tmp_path):
+    """docs/llama.md of the backend fills the BLS with these keys alone; the prompt table's data_type then takes
+    its default instead of staying a placeholder Triton cannot parse."""
+    import shutil
+
+    target = tmp_path / "tensorrt_llm_bls"
+    shutil.copytree(template_dir() / "tensorrt_llm_bls", target)
+    fill_template(target / "config.pbtxt", "triton_max_batch_size:64,decoupled_mode:False,bls_instance_count:1,"
+                  "accumulate_tokens:False,logits_datatype:TYPE_FP32")
+    text = (target / "config.pbtxt").read_text()
+    assert 'name: "prompt_embedding_table" data_type: TYPE_FP16' in text
+    assert not structural_placeholders(text), structural_placeholders(text)
 
 
 def test_fill_template_accepts_a_mapping(config_file):
