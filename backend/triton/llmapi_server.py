@@ -5,7 +5,8 @@ always streams its updates here, whatever the client asked for, so stop strings 
 Updates are queued to one sender thread, which keeps each sequence's text (SequenceText) and answers: every update
 that changes the text when the client streams, one response at the end otherwise. Every
 `cancellation_check_period_ms` it asks Triton whether a client went away and then aborts the engine request, which
-frees its KV blocks (TensorRT-LLM's llmapi model never does: contract 1.3); the client gets a CANCELLED error. When
+frees its KV blocks (TensorRT-LLM's llmapi model never does: contract 1.3); the client gets a CANCELLED error. So
+does a `stop=true` request naming a running request's id. When
 every sequence's text has reached a stop string the engine request is aborted too: the answer is complete."""
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
 from ..engine.types import CompletionOutput, InvalidRequestError, RequestOutput
+from .llm_request import is_stop_request
 from .llmapi_request import LLMAPIRequest, convert_request, name_inputs
 from .llmapi_responses import SequenceResult, error_response, inference_response
 from .llmapi_text import SequenceText
@@ -28,6 +30,7 @@ log = logging.getLogger("tritonllm.llmapi")
 class RequestState:
     sender: Any
     job: LLMAPIRequest
+    triton_id: str = ""  # the client's request id, which a `stop` request names
     texts: dict[int, SequenceText] = field(default_factory=dict)  # sequence index -> its text
     engine_id: Optional[int] = None
     last_sent: Optional[list[str]] = None  # texts of the last streamed response
@@ -45,6 +48,7 @@ class LLMAPIServer(SenderLoop):
         self.tokenizer = tokenizer
         self.decoupled = decoupled
         self.on_finished = on_finished
+        self.by_triton_id: dict[str, list[RequestState]] = {}
         self.start_sending()
 
     # -- called from execute() --------------------------------------------------------------------------------
@@ -52,7 +56,11 @@ class LLMAPIServer(SenderLoop):
     def submit(self, request: Any) -> None:
         sender = request.get_response_sender()
         try:
-            self._start(RequestState(sender, convert_request(request, self.tokenizer, self.decoupled)))
+            if is_stop_request(request):
+                self._stop(request.request_id(), sender)
+                return
+            job = convert_request(request, self.tokenizer, self.decoupled)
+            self._start(RequestState(sender, job, request.request_id() or ""))
         except InvalidRequestError as exc:  # the engine refused it; say which inputs are concerned
             send_final(sender, error_response(name_inputs(str(exc))))
         except (InputError, ValueError) as exc:
@@ -64,6 +72,21 @@ class LLMAPIServer(SenderLoop):
                                                 on_output=lambda _handle, item: self.events.put((state, item)))
             state.engine_id = handle.request_id
             self.active[handle.request_id] = state
+            if state.triton_id:
+                self.by_triton_id.setdefault(state.triton_id, []).append(state)
+
+    def _stop(self, triton_id: str, sender: Any) -> None:
+        """TensorRT-LLM's llmapi `stop`: abort the requests with this id; the stop request itself is answered with
+        CANCELLED "Request cancelled by client", as there (the stopped requests end CANCELLED too)."""
+        if not triton_id:
+            raise InputError("input 'stop': a request id must be provided for request cancellation")
+        with self.lock:
+            states = list(self.by_triton_id.get(triton_id, []))
+        for state in states:
+            log.info("stop request for %r: aborting engine request %s", triton_id, state.engine_id)
+            state.cancelled = True
+            self.engine.abort(state.engine_id)
+        send_final(sender, error_response("Request cancelled by client", "CANCELLED"))
 
     # -- sender thread ----------------------------------------------------------------------------------------
 
@@ -132,6 +155,9 @@ class LLMAPIServer(SenderLoop):
         state.closed = True
         with self.lock:  # forget it first: a sender that fails must not leave it active forever
             self.active.pop(state.engine_id, None)
+            others = [s for s in self.by_triton_id.pop(state.triton_id, []) if s is not state]
+            if others:
+                self.by_triton_id[state.triton_id] = others
         send_final(state.sender, response)
 
     def shutdown(self, timeout: float = 10.0) -> None:

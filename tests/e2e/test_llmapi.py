@@ -93,6 +93,34 @@ def test_cancelling_a_grpc_stream_aborts_the_engine_request(llmapi_server):
     assert 0 < steps < 400
 
 
+def test_a_stop_request_with_the_running_requests_id_aborts_it(llmapi_server):
+    """TensorRT-LLM's documented cancel: {"text_input": "", "stop": true} under the running request's id (here
+    over HTTP /generate, its `id` being the triton-request-id); both end CANCELLED, the KV blocks are freed."""
+    before = llmapi_server.wait_engine_idle()
+    stream = llmapi_server.grpc_stream()
+    stream.send(MODEL, inputs(sampling_param_max_tokens=llmapi_server.max_seq_len - 16, streaming=True),
+                request_id="llmapi-stop-me")
+    reply = clients.StreamReply()
+    while len(reply.results) < 3:
+        clients.add_event(reply, *stream.next_event(timeout=30))
+    status, message = llmapi_server.generate_error({"id": "llmapi-stop-me", "text_input": "", "stop": True},
+                                                   model=MODEL)
+    assert "Request cancelled by client" in message, (status, message)
+    stream.collect(reply, timeout=30)
+    stream.close()
+    assert reply.error is not None and "cancelled" in reply.error
+    after = llmapi_server.wait_engine_idle(timeout=10)
+    assert clients.engine_is_idle(after), f"the engine kept the request: {after}"
+    steps = after[("nv_trt_llm_general_metrics", "iteration_counter")] - \
+        before[("nv_trt_llm_general_metrics", "iteration_counter")]
+    assert steps < 400
+
+
+def test_a_stop_request_without_an_id_is_refused(llmapi_server):
+    status, message = llmapi_server.generate_error({"text_input": "", "stop": True}, model=MODEL)
+    assert status == 400 and "request id must be provided" in message
+
+
 @pytest.mark.parametrize("values, named", [
     (dict(sampling_param_max_tokens=0), "sampling_param_max_tokens"),
     (dict(sampling_param_top_p=0.0), "sampling_param_top_p"),

@@ -31,6 +31,7 @@ CONTRACT_INPUTS = {  # name -> (data type, dims, optional)
     "return_finish_reason": ("TYPE_BOOL", [1], True),
     "return_stop_reason": ("TYPE_BOOL", [1], True),
     "return_cumulative_logprob": ("TYPE_BOOL", [1], True),
+    "stop": ("TYPE_BOOL", [1], True),
 }
 CONTRACT_OUTPUTS = {"text_output": ("TYPE_STRING", [-1]), "finish_reason": ("TYPE_STRING", [-1]),
                     "stop_reason": ("TYPE_STRING", [-1]), "cumulative_logprob": ("TYPE_FP32", [-1])}
