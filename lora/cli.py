@@ -30,12 +30,14 @@ def add_bench_command(kinds, engine_arguments) -> None:
                                           "same requests")
     engine_arguments(bench)
     bench.add_argument("--adapters", type=count, default=4, help="random adapters, assigned to requests in turn")
-    bench.add_argument("--rank", type=count, default=16)
-    bench.add_argument("--requests", type=count, default=16)
+    bench.add_argument("--rank", type=count, default=16, help="rank of every random adapter (default 16)")
+    bench.add_argument("--requests", type=count, default=16, help="requests, all submitted at once (default 16)")
     bench.add_argument("--prompt", type=count, default=64, help="prompt tokens per request")
     bench.add_argument("--output", type=count, default=64, help="output tokens per request")
-    bench.add_argument("--seed", type=int, default=0)
-    bench.add_argument("--json", action="store_true")
+    bench.add_argument("--seed", type=int, default=0,
+                       help="seed of the prompts, cut from the shipped text (default 0; the adapters are fixed)")
+    bench.add_argument("--json", action="store_true",
+                       help="the result as one JSON object on stdout (progress stays on stderr)")
 
 
 def lora_requests_for(args, num_prompts: int) -> list[Optional[object]]:

@@ -64,8 +64,10 @@ def add_arguments(parser) -> None:
     parser.add_argument("--rounds", type=count, default=1,
                         help="run every prompt this many times (each time plain, then speculative); all figures "
                              "pool the rounds, per prompt too: more rounds steady the ratios on a noisy machine")
-    parser.add_argument("--max-tokens", type=count, default=128)
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--max-tokens", type=count, default=128,
+                        help="most tokens generated per request (default 128; the end token stops it earlier)")
+    parser.add_argument("--json", action="store_true",
+                        help="the result as one JSON object on stdout (progress stays on stderr)")
 
 
 def timed_request(engine, ids: list[int], params) -> dict:

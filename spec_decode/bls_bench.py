@@ -24,8 +24,9 @@ def add_arguments(parser) -> None:
     parser.add_argument("--draft-model", required=True, help="draft model folder (the target's tokenizer)")
     parser.add_argument("--num-draft-tokens", type=count, default=4, help="draft tokens per round")
     parser.add_argument("--prompts", type=count, default=3, help="texts to rewrite, one request at a time")
-    parser.add_argument("--max-tokens", type=count, default=64)
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--max-tokens", type=count, default=64, help="most tokens generated per request (default 64)")
+    parser.add_argument("--json", action="store_true",
+                        help="the result as one JSON object on stdout (progress stays on stderr)")
 
 
 def generate(url: str, body: dict) -> tuple[dict, float]:

@@ -16,8 +16,9 @@ def add_openai_command(sub) -> None:
     openai.add_argument("--triton-url", required=True, help="HOST:GRPC_PORT of the Triton server")
     openai.add_argument("--model-dir", required=True,
                         help="the Hugging Face model folder the repository serves (tokenizer, chat template)")
-    openai.add_argument("--host", default="0.0.0.0")
-    openai.add_argument("--port", type=int, default=DEFAULT_PORT)
+    openai.add_argument("--host", default="0.0.0.0", help="address to listen on (default 0.0.0.0: every interface)")
+    openai.add_argument("--port", type=int, default=DEFAULT_PORT,
+                        help=f"the endpoint's HTTP port (default {DEFAULT_PORT})")
     openai.add_argument("--served-model-name", help="the model name clients send (default: the folder's name)")
     openai.add_argument("--backend-model", choices=BACKEND_MODELS, default=BACKEND_MODELS[0],
                         help="the Triton model requests go to; tensorrt_llm_bls can cancel, the ensemble cannot")
@@ -37,12 +38,15 @@ def add_bench_command(kinds) -> None:
                                             "Triton's gRPC stream, same requests")
     bench.add_argument("--model", required=True, help="Hugging Face model folder")
     bench.add_argument("--requests", type=int, default=16, help="concurrent streams")
-    bench.add_argument("--prompt-tokens", type=int, default=64)
-    bench.add_argument("--output-tokens", type=int, default=128)
-    bench.add_argument("--backend-model", choices=BACKEND_MODELS, default=BACKEND_MODELS[0])
+    bench.add_argument("--prompt-tokens", type=int, default=64, help="prompt length in tokens (default 64)")
+    bench.add_argument("--output-tokens", type=int, default=128,
+                       help="tokens each stream generates, exactly (default 128)")
+    bench.add_argument("--backend-model", choices=BACKEND_MODELS, default=BACKEND_MODELS[0],
+                       help=f"the Triton model both sides stream from (default {BACKEND_MODELS[0]})")
     bench.add_argument("--work-dir", help="where the repository and logs go (default: a temporary folder)")
     bench.add_argument("--seed", type=int, default=0, help="seed of the prompt mix")
-    bench.add_argument("--json", action="store_true")
+    bench.add_argument("--json", action="store_true",
+                       help="the result as one JSON object on stdout (progress stays on stderr)")
 
 
 def config_from_args(args) -> FrontendConfig:

@@ -1,10 +1,11 @@
 """The `tritonllm` command: generate with a model.yaml, the bench scenarios' JSON, clear errors."""
+import argparse
 import json
 
 import pytest
 import yaml
 
-from tritonllm.cli import main
+from tritonllm.cli import build_parser, main
 from tritonllm.model_files.tiny import build_tiny_model
 
 LONG_PROMPT = ("Once upon a time, in a small village by the sea, there lived an old fisherman who mended his nets "
@@ -85,3 +86,19 @@ def test_bench_counts_below_one_are_refused_before_anything_loads(argv, shown, c
         main(argv + ["--model", "no-such-folder"])
     assert exit_info.value.code == 2
     assert f"argument {argv[-2]}: must be an integer >= 1, got {shown}" in capsys.readouterr().err
+
+
+def _options_without_help(parser, path: str) -> list[str]:
+    missing = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, subparser in action.choices.items():
+                missing += _options_without_help(subparser, f"{path} {name}")
+        elif action.option_strings and not isinstance(action, argparse._HelpAction) and not action.help:
+            missing.append(f"{path} {'/'.join(action.option_strings)}")
+    return missing
+
+
+def test_every_option_has_help():
+    missing = _options_without_help(build_parser(), "tritonllm")
+    assert not missing, "options without help text:\n" + "\n".join(missing)
