@@ -23,26 +23,28 @@ IN_FLIGHT = 8
 PROMPT = "The lamp turned and turned"
 
 
-@pytest.fixture(scope="module")
-def supervised(tiny_model, tmp_path_factory):
+@pytest.fixture(scope="module", params=[True, False], ids=["decoupled", "one-response"])
+def supervised(request, tiny_model, tmp_path_factory):
     work = tmp_path_factory.mktemp("supervised")
-    repo = build_repo(tiny_model, work / "repo", streaming=True, max_seq_len=MAX_SEQ_LEN)
+    repo = build_repo(tiny_model, work / "repo", streaming=request.param, max_seq_len=MAX_SEQ_LEN)
     triton = TritonServer(repo, Ports.free(), log_file=work / "tritonserver.log").start(timeout=180)
     supervisor = Supervisor(triton, start_timeout=180)
     watcher = threading.Thread(target=supervisor.run, daemon=True)
     watcher.start()
     try:
-        yield clients.LiveServer(triton, work / "tritonserver.log", MAX_SEQ_LEN), supervisor
+        yield clients.LiveServer(triton, work / "tritonserver.log", MAX_SEQ_LEN), supervisor, request.param
     finally:
         supervisor.stop.set()
         watcher.join(30)
         triton.stop()
 
 
-def long_stream(server: clients.LiveServer, tokenizer, outcome: dict, index: int) -> None:
-    """A streamed ensemble request far longer than the test; records when and how it ended."""
-    body = {"text_input": clients.strings(PROMPT), "max_tokens": clients.scalar(MAX_SEQ_LEN - 16, "int32"),
-            "stream": clients.scalar(True, "bool")}
+def long_request(server: clients.LiveServer, decoupled: bool, outcome: dict, index: int) -> None:
+    """An ensemble request far longer than the test (streamed where the repository is decoupled), on a gRPC
+    stream; records when and how it ended."""
+    body = {"text_input": clients.strings(PROMPT), "max_tokens": clients.scalar(MAX_SEQ_LEN - 16, "int32")}
+    if decoupled:
+        body["stream"] = clients.scalar(True, "bool")
     stream = server.grpc_stream()
     try:
         stream.send("ensemble", body, request_id=f"load-{index}")
@@ -57,13 +59,13 @@ def long_stream(server: clients.LiveServer, tokenizer, outcome: dict, index: int
             pass
 
 
-def test_a_killed_stub_fails_its_requests_and_the_server_serves_again(supervised, tokenizer):
-    server, supervisor = supervised
+def test_a_killed_stub_fails_its_requests_and_the_server_serves_again(supervised):
+    server, supervisor, decoupled = supervised
     tensorrt_llm = [pid for pid, model in stub_processes(server.triton.process.pid).items()
                     if model == "tensorrt_llm"]
     assert len(tensorrt_llm) == 1, stub_processes(server.triton.process.pid)
     outcome: dict = {}
-    threads = [threading.Thread(target=long_stream, args=(server, tokenizer, outcome, i)) for i in range(IN_FLIGHT)]
+    threads = [threading.Thread(target=long_request, args=(server, decoupled, outcome, i)) for i in range(IN_FLIGHT)]
     for thread in threads:
         thread.start()
     deadline = time.monotonic() + 60
