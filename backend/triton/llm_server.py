@@ -106,7 +106,7 @@ class LLMRequestServer(SenderLoop):
             # raced its end) holds nothing, so that the next request reusing the id runs.
             hold = not states and triton_id not in self.recently_closed
             if hold:
-                self.held_stops[triton_id] = time.monotonic() + STOP_HOLD_S
+                self._remember(self.held_stops, triton_id)
         if hold:
             log.info("stop for request %r, which is not running: held for %.0f s", triton_id, STOP_HOLD_S)
         for state in states:
@@ -118,10 +118,20 @@ class LLMRequestServer(SenderLoop):
         return self.held_stops.pop(triton_id, None) is not None
 
     def _expire_held_stops(self) -> None:
+        """Drop what is older than STOP_HOLD_S; both tables are in deadline order (see _remember), so this stops
+        at the first live entry."""
         now = time.monotonic()
         for table in (self.held_stops, self.recently_closed):
-            for triton_id in [i for i, deadline in table.items() if deadline < now]:
-                del table[triton_id]
+            while table:
+                oldest = next(iter(table))
+                if table[oldest] >= now:
+                    break
+                del table[oldest]
+
+    @staticmethod
+    def _remember(table: dict[str, float], triton_id: str) -> None:
+        table.pop(triton_id, None)  # re-inserted at the end: the table stays in deadline order
+        table[triton_id] = time.monotonic() + STOP_HOLD_S
 
     def _cancel(self, state: TritonRequestState) -> None:
         state.cancelled = True
@@ -220,7 +230,7 @@ class LLMRequestServer(SenderLoop):
                 self.active.pop(engine_id, None)
             if state.triton_id:
                 self._expire_held_stops()  # keeps both tables to the last STOP_HOLD_S seconds' ids
-                self.recently_closed[state.triton_id] = time.monotonic() + STOP_HOLD_S
+                self._remember(self.recently_closed, state.triton_id)
             if state.triton_id in self.by_triton_id:
                 remaining = [s for s in self.by_triton_id[state.triton_id] if s is not state]
                 if remaining:
