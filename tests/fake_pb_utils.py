@@ -102,11 +102,16 @@ class ResponseSender:
 class InferenceRequest:
     """A received request built from {input name: array-like}; strings become object arrays of bytes."""
 
-    def __init__(self, inputs: Mapping[str, Any], request_id: str = "", cancelled: bool = False):
+    def __init__(self, inputs: Mapping[str, Any], request_id: str = "", cancelled: bool = False,
+                 requested_outputs: Optional[list[str]] = None):
         self._inputs = {name: Tensor(name, _as_triton_array(value)) for name, value in inputs.items()}
         self._request_id = request_id
         self._cancelled = cancelled
+        self._requested_outputs = list(requested_outputs or [])
         self._sender = ResponseSender(self)
+
+    def requested_output_names(self) -> list[str]:
+        return self._requested_outputs
 
     def get_input_tensor_by_name(self, name: str) -> Optional[Tensor]:
         return self._inputs.get(name)

@@ -4,6 +4,8 @@ Contract: interface-contract.md section 1.4. Stateless, like the anchor's. For s
 characters or lost spaces (pain points P1, P2) the `tensorrt_llm` model may send, with each chunk of new tokens,
 the few tokens that preceded them (`PREFIX_IDS`) and whether the chunk is the last (`IS_FINAL`); the text is then
 `detokenize_delta(prefix, new tokens)`. Without `PREFIX_IDS` the tokens are decoded whole, as the anchor does.
+A request that Triton marks cancelled (its ensemble request was) is still answered, so that Triton 2.51 can
+complete the ensemble request, and its `CANCEL_KEY` stops the generation behind it (`triton.stop_channel`).
 """
 from __future__ import annotations
 
@@ -17,8 +19,10 @@ from tritonllm import tokenizer as tok
 from tritonllm.triton import pb
 from tritonllm.triton.params import Parameters
 from tritonllm.triton.parent_watch import exit_with_parent
+from tritonllm.triton.stop_channel import send_stop
 
 PREFIX_PADDING = -1  # PREFIX_IDS rows are left-padded with -1 to a common width
+STOPPED_KEYS_KEPT = 1024  # a cancelled stream's later chunks carry the same key: sent once
 
 
 @dataclass
@@ -89,6 +93,18 @@ class Postprocessor:
     def __init__(self, tokenizer: tok.LoadedTokenizer, skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.stopped_keys: dict[str, None] = {}  # insertion-ordered: the oldest is dropped first
+
+    def stop_generation(self, request: Any) -> None:
+        """Send the request's CANCEL_KEY (once) to the tensorrt_llm instance that generates its tokens."""
+        keys = pb.optional_input(request, "CANCEL_KEY")
+        for key in ([] if keys is None else {bytes(k).decode("ascii", "replace") for k in keys.reshape(-1)}):
+            if key in self.stopped_keys:
+                continue
+            self.stopped_keys[key] = None
+            if len(self.stopped_keys) > STOPPED_KEYS_KEPT:
+                del self.stopped_keys[next(iter(self.stopped_keys))]
+            send_stop(key)
 
     def texts(self, inputs: PostprocessingRequest) -> list[str]:
         """One text per (batch row, beam), flattened row-major like the anchor's OUTPUT."""
@@ -103,6 +119,8 @@ class Postprocessor:
         return texts
 
     def respond(self, request: Any) -> Any:
+        if request.is_cancelled():
+            self.stop_generation(request)
         return pb.respond("postprocessing", lambda: [pb.string_tensor("OUTPUT", self.texts(read_request(request)))])
 
 

@@ -4,7 +4,10 @@
 thread and are queued; one sender thread turns them into Triton responses and, every
 `cancellation_check_period_ms`, asks Triton whether any client went away (then aborts its engine requests, which
 frees their KV blocks). A `stop=true` request with the same request id aborts them too; one that comes before its
-request is held for STOP_HOLD_S and stops the request if it arrives by then. When an engine request
+request is held for STOP_HOLD_S and stops the request if it arrives by then. In decoupled mode a request that
+asks for `cancel_key` (the ensemble does) gets one in each response: its postprocessing step sends it back
+through the `StopChannel` when the ensemble request was cancelled, and the request then ends quietly (a bare final
+flag: an error would keep Triton 2.51 from ever completing the ensemble request). When an engine request
 finishes, the sender thread hands its final output to `on_finished` (the per-request metrics)."""
 from __future__ import annotations
 
@@ -13,15 +16,19 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+import numpy as np
+
 from ..engine.types import RequestOutput
 from .llm_request import EngineRow, convert_request, is_stop_request
 from .llm_responses import beam_tensors, merge_batch, sequence_tensors
-from .pb import InputError, error_response, pb_utils, send_final, send_response
+from .pb import InputError, error_response, output_tensor, pb_utils, send_final, send_response
 from .request_metrics import report_finished
 from .sender_loop import SenderLoop
+from .stop_channel import StopChannel
 
 log = logging.getLogger("tritonllm.tensorrt_llm")
 STOP_HOLD_S = 2.0  # how long a `stop` waits for a request id not seen yet
+CANCEL_KEY = "cancel_key"
 
 
 @dataclass(eq=False)
@@ -36,7 +43,9 @@ class TritonRequestState:
     rows_done: int = 0
     sequences_done: set = field(default_factory=set)
     final_rows: dict = field(default_factory=dict)  # non-decoupled: row -> tensors
+    cancel_token: str = ""  # set when the request asked for `cancel_key`
     cancelled: bool = False
+    quiet: bool = False  # stopped through its cancel key: ends with the final flag alone, no error
     closed: bool = False
 
 
@@ -54,6 +63,8 @@ class LLMRequestServer(SenderLoop):
         # `stop` for an id no running request has yet (it may be on its way): id -> when the hold ends.
         self.held_stops: dict[str, float] = {}
         self.recently_closed: dict[str, float] = {}  # ids of requests that ended lately -> when that is forgotten
+        self.by_cancel_token: dict[str, TritonRequestState] = {}
+        self.stop_channel = StopChannel(self._stop_by_token) if decoupled else None
         self.start_sending()
 
     # -- called from execute() --------------------------------------------------------------------------------
@@ -70,6 +81,8 @@ class LLMRequestServer(SenderLoop):
             if not self.decoupled and any(row.params.n > 1 and row.params.beam_width == 1 for row in rows):
                 raise InputError("input 'num_return_sequences' > 1 needs decoupled mode (one response per sequence)")
             state = TritonRequestState(request, sender, request.request_id(), rows)
+            if self.stop_channel is not None and _asks_for(request, CANCEL_KEY):
+                state.cancel_token = self.stop_channel.new_token()
             self._start(state)
         except (InputError, ValueError) as exc:
             send_final(sender, error_response(str(exc)))
@@ -91,6 +104,8 @@ class LLMRequestServer(SenderLoop):
                 raise
             if state.triton_id:
                 self.by_triton_id.setdefault(state.triton_id, []).append(state)
+            if state.cancel_token:
+                self.by_cancel_token[state.cancel_token] = state
             stopped = bool(state.triton_id) and self._take_held_stop(state.triton_id)
         if stopped:
             log.info("request %r arrived after its stop: cancelling it", state.triton_id)
@@ -110,6 +125,15 @@ class LLMRequestServer(SenderLoop):
         if hold:
             log.info("stop for request %r, which is not running: held for %.0f s", triton_id, STOP_HOLD_S)
         for state in states:
+            self._cancel(state)
+
+    def _stop_by_token(self, token: str) -> None:
+        """A postprocessing step of this request saw the ensemble request cancelled (stop channel thread)."""
+        with self.lock:
+            state = self.by_cancel_token.get(token)
+        if state is not None and not state.cancelled:
+            log.info("ensemble request %r cancelled by its client: stopping it", state.triton_id)
+            state.quiet = True
             self._cancel(state)
 
     def _take_held_stop(self, triton_id: str) -> bool:
@@ -160,7 +184,7 @@ class LLMRequestServer(SenderLoop):
             report_finished(self.on_finished, item, log)
         if state.cancelled:
             if state.rows_done == len(state.rows):
-                self._close(state, error_response("request was cancelled", cancelled=True))
+                self._close(state, None if state.quiet else error_response("request was cancelled", cancelled=True))
             return
         if self.decoupled:
             self._send_decoupled(state, row, item)
@@ -176,6 +200,10 @@ class LLMRequestServer(SenderLoop):
         else:
             pending = self._sequence_responses(state, row, output, options, batch_index)
         last_row = state.rows_done == len(state.rows) and output.finished
+        if state.cancel_token:
+            key = output_tensor(CANCEL_KEY, np.array([[self.stop_channel.key(state.cancel_token).encode()]],
+                                                     dtype=object))
+            pending = [tensors + [key] for tensors in pending]
         for position, tensors in enumerate(pending):
             if last_row and position == len(pending) - 1:
                 self._close(state, pb_utils().InferenceResponse(output_tensors=tensors))
@@ -228,6 +256,7 @@ class LLMRequestServer(SenderLoop):
         with self.lock:
             for engine_id in state.engine_ids:
                 self.active.pop(engine_id, None)
+            self.by_cancel_token.pop(state.cancel_token, None)
             if state.triton_id:
                 self._expire_held_stops()  # keeps both tables to the last STOP_HOLD_S seconds' ids
                 self._remember(self.recently_closed, state.triton_id)
@@ -244,6 +273,13 @@ class LLMRequestServer(SenderLoop):
         for state in self.live_states():
             self._cancel(state)
         self.stop_sending(timeout)
+        if self.stop_channel is not None:
+            self.stop_channel.close()
         if self.thread.is_alive():
             log.warning("%d request(s) still unanswered at shutdown: %s", len(self.active),
                         sorted({s.triton_id for s in self.active.values()}))
+
+
+def _asks_for(request, output: str) -> bool:
+    names = getattr(request, "requested_output_names", None)
+    return names is not None and output in names()

@@ -67,13 +67,19 @@ def bad_input(server, rng, decoupled) -> str:
 
 
 def cancelled_stream(server, rng, decoupled) -> str:
-    """A stream to tensorrt_llm whose client cancels it after a few responses (decoupled only)."""
+    """A stream to tensorrt_llm or to the ensemble whose client cancels it after a few responses (decoupled
+    only)."""
     if not decoupled:
         return ensemble_text(server, rng, decoupled)
-    inputs = clients.direct_request([5, 6, 7, 8], 400, -1, streaming=True)
+    model = rng.choice(["tensorrt_llm", "ensemble"])
+    if model == "ensemble":
+        inputs = {"text_input": clients.strings(rng.choice(PROMPTS)), "max_tokens": clients.scalar(400, "int32"),
+                  "stream": clients.scalar(True, "bool")}
+    else:
+        inputs = clients.direct_request([5, 6, 7, 8], 400, -1, streaming=True)
     stream = server.grpc_stream()
     try:
-        stream.send("tensorrt_llm", inputs)
+        stream.send(model, inputs)
         reply = clients.StreamReply()
         while len(reply.results) < rng.randint(1, 4) and not reply.finished:
             clients.add_event(reply, *stream.next_event(timeout=HANG_S))

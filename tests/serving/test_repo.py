@@ -115,12 +115,14 @@ TENSORRT_LLM_OUTPUTS = {
     "context_phase_params": ("TYPE_UINT8", [-1]), **COMMON_OUTPUTS,
     # our additions for streaming detokenization
     "detok_prefix_ids": ("TYPE_INT32", [-1, -1]), "detok_is_final": ("TYPE_BOOL", [1]),
+    "cancel_key": ("TYPE_STRING", [1]),  # ours: stops a cancelled ensemble stream's generation
 }
 POSTPROCESSING_INPUTS = inputs(
     ("TOKENS_BATCH", "TYPE_INT32", [-1, -1], REQ, False, False),
     ("SEQUENCE_LENGTH", "TYPE_INT32", [-1], REQ, False, False),
     ("PREFIX_IDS", "TYPE_INT32", [-1, -1], OPT, False, False),  # ours
     ("IS_FINAL", "TYPE_BOOL", [1], OPT, False, False),  # ours
+    ("CANCEL_KEY", "TYPE_STRING", [1], OPT, False, False),  # ours
 )
 ENSEMBLE_INPUTS = inputs(
     ("text_input", "TYPE_STRING", [1], REQ, False, False),
@@ -270,7 +272,9 @@ def test_headers_follow_the_contract(built):
     assert configs["ensemble"].platform == "ensemble"
     for name in ("preprocessing", "tensorrt_llm", "postprocessing", "tensorrt_llm_bls"):
         assert configs[name].backend == "python"
-        assert configs[name].HasField("dynamic_batching") == (name != "tensorrt_llm_bls")
+        # postprocessing departs from the anchor: its batcher's queue would fail the steps of a cancelled ensemble
+        # request, which Triton 2.51 then never completes (docs/faults.md).
+        assert configs[name].HasField("dynamic_batching") == (name in ("preprocessing", "tensorrt_llm"))
         assert [g.kind for g in configs[name].instance_group] == [model_config_pb2.ModelInstanceGroup.KIND_CPU]
     assert all(c.max_batch_size == 8 for c in configs.values())
     assert configs["tensorrt_llm"].model_transaction_policy.decoupled is True
@@ -312,6 +316,7 @@ def test_ensemble_wires_the_detokenization_tensors_and_min_length(built):
     trt, post = steps["tensorrt_llm"], steps["postprocessing"]
     assert trt.output_map["detok_prefix_ids"] == "_PREFIX_IDS" and post.input_map["PREFIX_IDS"] == "_PREFIX_IDS"
     assert trt.output_map["detok_is_final"] == "_IS_FINAL" and post.input_map["IS_FINAL"] == "_IS_FINAL"
+    assert trt.output_map["cancel_key"] == "_CANCEL_KEY" and post.input_map["CANCEL_KEY"] == "_CANCEL_KEY"
     assert trt.input_map["min_length"] == "min_length"
     assert trt.input_map["runtime_top_k"] == "top_k" and trt.input_map["streaming"] == "stream"
     assert trt.output_map["output_ids"] == "_TOKENS_BATCH" and post.input_map["TOKENS_BATCH"] == "_TOKENS_BATCH"
