@@ -68,10 +68,10 @@ def build_repo(model_dir: str | Path, out_dir: str | Path, *, streaming: bool = 
                parameters: Optional[Mapping[str, Any]] = None, overwrite: bool = False,
                draft_model_dir: Optional[str | Path] = None) -> Path:
     """Write the preprocessing, tensorrt_llm, postprocessing, ensemble and tensorrt_llm_bls models into `out_dir`,
-    every placeholder filled. `model_dir` is a Hugging Face model folder (config.json + tokenizer). `parameters` overrides any
-    placeholder by name, or by its tensorrt_llm parameter key (e.g. {"max_batch_size": 64, "gpt_model_type":
-    "inflight_batching"}); None or "" leaves a parameter unset. Other models already in `out_dir` are left
-    alone; ours are replaced only with `overwrite`. `draft_model_dir` adds a second engine model,
+    every placeholder filled. `model_dir` is a Hugging Face model folder (config.json + tokenizer). `parameters`
+    overrides any placeholder by name, or by its tensorrt_llm parameter key (e.g. {"max_batch_size": 64,
+    "gpt_model_type": "inflight_batching"}); None or "" leaves a parameter unset. Other models already in
+    `out_dir` are left alone; ours are replaced only with `overwrite`. `draft_model_dir` adds a second engine model,
     `tensorrt_llm_draft`, for the BLS draft/target loop (`num_draft_tokens`). Returns `out_dir`."""
     model = check_model_dir(model_dir)
     draft = check_draft_model(model, draft_model_dir) if draft_model_dir is not None else None

@@ -61,28 +61,6 @@ def load_tokenizer(tokenizer_dir: str) -> LoadedTokenizer:
     return _load_cached(os.path.abspath(os.path.expanduser(str(tokenizer_dir))))
 
 
-def required_tokenizer_dir(params: Any) -> str:
-    """The mandatory `tokenizer_dir` parameter of a `tritonllm.triton.params.Parameters`."""
-    from tritonllm.triton.params import ParameterError
-
-    tokenizer_dir = params.str("tokenizer_dir")
-    if tokenizer_dir is None:
-        raise ParameterError(f"{params.model_name}: parameter 'tokenizer_dir' is required "
-                             "(a local Hugging Face tokenizer directory)")
-    return tokenizer_dir
-
-
-def load_tokenizer_for_model(tokenizer_dir: str, model_name: str) -> LoadedTokenizer:
-    """`load_tokenizer`, with a load failure reported as a bad `tokenizer_dir` parameter of `model_name`."""
-    from tritonllm.triton.params import ParameterError
-
-    try:
-        return load_tokenizer(tokenizer_dir)
-    except Exception as error:
-        raise ParameterError(f"{model_name}: parameter 'tokenizer_dir' = {tokenizer_dir!r}: cannot load a "
-                             f"tokenizer ({type(error).__name__}: {error})") from error
-
-
 @functools.lru_cache(maxsize=8)
 def _load_cached(tokenizer_dir: str) -> LoadedTokenizer:
     from transformers import AutoTokenizer  # heavy import, paid only by the models that tokenize

@@ -13,7 +13,7 @@ for entry in backend/*; do ln -sfn "$PWD/$entry" "$PKG/tritonllm/$(basename "$en
 ln -sfn "$PWD/lora" "$PKG/tritonllm/lora"
 ln -sfn "$PWD/spec_decode" "$PKG/tritonllm/spec_decode"
 export PYTHONPATH="$PKG${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TOKENIZERS_PARALLELISM=false
-TRITONLLM=(python3 -c "import sys; from tritonllm.cli import main; sys.exit(main())")
+TRITONLLM=(python3 -c "import sys; from tritonllm.commands.main import main; sys.exit(main())")
 SHAPES=/tmp/shapes
 
 shape() {  # shape NAME: a config-only folder for load_format dummy

@@ -15,8 +15,8 @@ from __future__ import annotations
 import statistics
 from dataclasses import replace
 
-from tritonllm.bench_report import progress, report
-from tritonllm.cli_types import count
+from tritonllm.commands.arg_types import count
+from tritonllm.commands.bench_report import progress, report
 
 from .distill import bench_requests, chat_ids
 
@@ -123,10 +123,10 @@ def bench_result(spec: dict, args, prompts: list[list[int]], runs: dict) -> dict
 def main(args) -> int:
     from transformers import AutoTokenizer
 
+    from tritonllm.commands.generate import build_engine_config
     from tritonllm.engine import create_engine
     from tritonllm.engine.config import ConfigError, load_yaml_args
     from tritonllm.engine.types import SamplingParams
-    from tritonllm.generate import build_engine_config
 
     spec = (load_yaml_args(args.config) if args.config else {}).get("speculative_config") or METHODS[args.method](args)
     if spec.get("speculative_model_dir", "") is None:
@@ -155,5 +155,6 @@ def main(args) -> int:
     report(result, args.json, f"{result['method']}: {result['spec']['tok_s']} tok/s vs {result['plain']['tok_s']} "
                               f"tok/s without speculation ({result['speedup']}x; median prompt "
                               f"{result['median_prompt_speedup']}x), mean accepted length "
-                              f"{result['spec']['mean_accepted_length']}, outputs identical: {result['identical_outputs']}")
+                              f"{result['spec']['mean_accepted_length']}, "
+                              f"outputs identical: {result['identical_outputs']}")
     return 0

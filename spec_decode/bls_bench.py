@@ -13,8 +13,8 @@ import time
 import urllib.request
 from pathlib import Path
 
-from tritonllm.bench_report import progress, report
-from tritonllm.cli_types import count
+from tritonllm.commands.arg_types import count
+from tritonllm.commands.bench_report import progress, report
 
 from .distill import bench_requests
 

@@ -5,9 +5,9 @@ that delta, or with `accumulate_tokens` everything so far. Whole (non-streaming)
 text. Either way the text ends right after the first stop word, and nothing of the sequence is sent after it."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from .stop_words import first_stop_end, search_start
+from ..stop_strings import StopStrings
 
 
 @dataclass
@@ -18,6 +18,10 @@ class SequenceText:
     text: str = ""  # everything of the sequence sent so far
     finished: bool = False
     stopped_by_word: bool = False
+    stops: StopStrings = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self.stops = StopStrings(self.stop_words)
 
     def add_delta(self, delta: str, is_final: bool) -> str:
         """Take a streamed piece; returns what to send (the piece, or all text so far when accumulating).
@@ -26,7 +30,7 @@ class SequenceText:
             return ""
         before = len(self.text)
         self.text += delta
-        end = first_stop_end(self.text, self.stop_words, search_start(before, self.stop_words))
+        end = self.stops.first_end(self.text, self.stops.search_start(before))
         self._finish_at(end, is_final)
         return self.text if self.accumulate else self.text[before:]
 
@@ -35,7 +39,7 @@ class SequenceText:
         if self.finished:
             return ""
         self.text = text
-        self._finish_at(first_stop_end(text, self.stop_words, self.generation_start), is_final)
+        self._finish_at(self.stops.first_end(text, self.generation_start), is_final)
         return self.text
 
     def add_beams(self, texts: list[str], is_final: bool) -> list[str]:
@@ -45,7 +49,7 @@ class SequenceText:
             return []
         cut = []
         for text in texts:
-            end = first_stop_end(text, self.stop_words, self.generation_start)
+            end = self.stops.first_end(text, self.generation_start)
             cut.append(text if end is None else text[:end])
         self.finished = is_final
         return cut

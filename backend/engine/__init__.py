@@ -1,13 +1,15 @@
-"""The engine seam: one protocol (TensorRT-LLM's LLM API shape), two implementations."""
+"""The engine seam: one protocol (`seam.Engine`, TensorRT-LLM's LLM API shape), two implementations: the embedded
+PyTorch engine (embedded/) and the TensorRT-LLM adapter (trtllm.py)."""
 from __future__ import annotations
 
 import importlib.util
 
 from .config import ConfigError, EngineConfig
+from .seam import Engine, EngineError, EngineStats, RequestHandle
 from .types import CompletionOutput, InvalidRequestError, RequestOutput, SamplingParams
 
-__all__ = ["create_engine", "choose_engine", "EngineConfig", "ConfigError", "SamplingParams", "RequestOutput",
-           "CompletionOutput", "InvalidRequestError"]
+__all__ = ["create_engine", "choose_engine", "Engine", "EngineError", "EngineStats", "RequestHandle", "EngineConfig",
+           "ConfigError", "SamplingParams", "RequestOutput", "CompletionOutput", "InvalidRequestError"]
 
 
 def choose_engine(config: EngineConfig) -> str:
@@ -17,7 +19,7 @@ def choose_engine(config: EngineConfig) -> str:
     return "tensorrt_llm" if importlib.util.find_spec("tensorrt_llm") is not None else "embedded"
 
 
-def create_engine(config: EngineConfig):
+def create_engine(config: EngineConfig) -> Engine:
     """Start the engine `config` selects; it exposes generate_async / abort / stats / shutdown."""
     if choose_engine(config) == "tensorrt_llm":
         from .trtllm import TensorRTLLMEngine  # imported only when chosen: the library is large and GPU-only

@@ -135,7 +135,8 @@ class EngineConfig:
                 raise ConfigError(f"{name} must be one of {choices}, got {value!r}")
             setattr(self, name, normal(value))
         if not isinstance(self.disable_overlap_scheduler, bool):
-            raise ConfigError(f"disable_overlap_scheduler must be true or false, got {self.disable_overlap_scheduler!r}")
+            raise ConfigError("disable_overlap_scheduler must be true or false, "
+                              f"got {self.disable_overlap_scheduler!r}")
 
     def speculative_settings(self):
         """`speculative_config` typed and checked (tritonllm.spec_decode.config), or None without one."""

@@ -21,8 +21,7 @@ from dataclasses import replace
 from typing import Any, Callable, Optional
 
 from .config import EngineConfig
-from .embedded.engine import EngineError, RequestHandle
-from .embedded.engine_core import EngineStats
+from .seam import EngineError, EngineStats, RequestHandle
 from .trtllm_args import llm_kwargs, trtllm_sampling_params
 from .trtllm_outputs import completion_from_trtllm, engine_stats_from_iteration
 from .types import InvalidRequestError, RequestOutput, SamplingParams
@@ -49,7 +48,7 @@ def import_tensorrt_llm():
 # -- the request handle -------------------------------------------------------------------------------------------
 
 class TensorRTLLMRequestHandle(RequestHandle):
-    """The embedded engine's handle (iterable, async-iterable, result(), abort()), fed with library updates
+    """The seam's handle (iterable, async-iterable, result(), abort()), fed with library updates
     converted to our `RequestOutput`. It remembers, per sequence, how many tokens it delivered, so a streaming
     update's `token_ids_diff` holds only new tokens whatever the library's own diff bookkeeping does."""
 

@@ -7,10 +7,9 @@ import datetime
 from typing import Any, Optional
 
 from .config import EngineConfig
-from .embedded.engine_core import EngineStats
+from .seam import EngineStats
 from .trtllm_args import STOP_WORD_PREFIX
 from .types import CompletionOutput, RequestPerfMetrics
-
 
 # -- library outputs -> ours --------------------------------------------------------------------------------------
 

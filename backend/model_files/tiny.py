@@ -14,8 +14,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 
-from .hf_files import CHATML_TEMPLATE, portable_model_config, portable_tokenizer_config, special_tokens_map, \
-    write_json
+from .hf_files import CHATML_TEMPLATE, portable_model_config, portable_tokenizer_config, special_tokens_map, write_json
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]  # ids 0, 1, 2
 EOS_TOKEN = "<|im_end|>"

@@ -20,6 +20,7 @@ from tritonllm.triton import pb
 from tritonllm.triton.params import Parameters
 from tritonllm.triton.parent_watch import exit_with_parent
 from tritonllm.triton.stop_channel import send_stop
+from tritonllm.triton.tokenizer_param import load_tokenizer_for_model, required_tokenizer_dir
 
 PREFIX_PADDING = -1  # PREFIX_IDS rows are left-padded with -1 to a common width
 STOPPED_KEYS_KEPT = 1024  # a cancelled stream's later chunks carry the same key: sent once
@@ -32,7 +33,7 @@ class PostprocessingConfig:
 
     @classmethod
     def from_parameters(cls, params: Parameters) -> "PostprocessingConfig":
-        return cls(tok.required_tokenizer_dir(params), params.bool("skip_special_tokens", True))
+        return cls(required_tokenizer_dir(params), params.bool("skip_special_tokens", True))
 
 
 @dataclass
@@ -129,7 +130,7 @@ class TritonPythonModel:
         exit_with_parent()
         params = Parameters.from_model_config(json.loads(args["model_config"]))
         config = PostprocessingConfig.from_parameters(params)
-        tokenizer = tok.load_tokenizer_for_model(config.tokenizer_dir, params.model_name)
+        tokenizer = load_tokenizer_for_model(config.tokenizer_dir, params.model_name)
         self.postprocessor = Postprocessor(tokenizer, config.skip_special_tokens)
 
     def execute(self, requests: list) -> list:

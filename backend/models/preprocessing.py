@@ -16,6 +16,7 @@ from tritonllm import tokenizer as tok
 from tritonllm.triton import pb
 from tritonllm.triton.params import Parameters
 from tritonllm.triton.parent_watch import exit_with_parent
+from tritonllm.triton.tokenizer_param import load_tokenizer_for_model, required_tokenizer_dir
 
 UNSUPPORTED_INPUTS = {
     "DECODER_QUERY": "encoder-decoder models are not supported",
@@ -33,7 +34,7 @@ class PreprocessingConfig:
 
     @classmethod
     def from_parameters(cls, params: Parameters) -> "PreprocessingConfig":
-        return cls(tok.required_tokenizer_dir(params), params.bool("add_special_tokens", True))
+        return cls(required_tokenizer_dir(params), params.bool("add_special_tokens", True))
 
 
 @dataclass
@@ -134,7 +135,7 @@ class TritonPythonModel:
         exit_with_parent()
         params = Parameters.from_model_config(json.loads(args["model_config"]))
         config = PreprocessingConfig.from_parameters(params)
-        tokenizer = tok.load_tokenizer_for_model(config.tokenizer_dir, params.model_name)
+        tokenizer = load_tokenizer_for_model(config.tokenizer_dir, params.model_name)
         self.preprocessor = Preprocessor(tokenizer, config.add_special_tokens)
 
     def execute(self, requests: list) -> list:

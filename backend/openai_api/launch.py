@@ -39,7 +39,7 @@ class FrontendProcess:
     def __init__(self, triton_grpc_url: str, model_dir: Path, port: int, extra: Sequence[str] = (),
                  log_file: Optional[Path] = None):
         self.port = port
-        self.command = [sys.executable, "-m", "tritonllm.cli", "openai", "--triton-url", triton_grpc_url,
+        self.command = [sys.executable, "-m", "tritonllm", "openai", "--triton-url", triton_grpc_url,
                         "--model-dir", str(model_dir), "--port", str(port), *extra]
         self.log_file = log_file
         self.process: Optional[subprocess.Popen] = None

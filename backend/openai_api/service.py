@@ -12,9 +12,19 @@ from .chat import ChatTemplate
 from .config import FrontendConfig
 from .errors import ModelNotFound
 from .generation import Generation, PreparedPrompt, prepare_prompt
-from .schemas import (ChatCompletionBody, CompletionBody, GenerationRequest, chat_max_tokens, chat_messages,
-                      check_chat_fields, check_completion_fields, completion_prompts, include_usage, sampling_of,
-                      stop_strings)
+from .schemas import (
+    ChatCompletionBody,
+    CompletionBody,
+    GenerationRequest,
+    chat_max_tokens,
+    chat_messages,
+    check_chat_fields,
+    check_completion_fields,
+    completion_prompts,
+    include_usage,
+    sampling_of,
+    stop_strings,
+)
 from .triton_client import TritonClient
 
 log = logging.getLogger("tritonllm.openai")

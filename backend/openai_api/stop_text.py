@@ -7,12 +7,14 @@ runs it holds back any tail that could be the beginning of a stop string, so not
 taken back."""
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Sequence
+
+from ..stop_strings import StopStrings
 
 
 class StopTrimmer:
     def __init__(self, stops: Sequence[str]):
-        self.stops = tuple(stop for stop in stops if stop)
+        self.stops = StopStrings(stops)
         self.text = ""
         self.sent = 0  # characters of `text` already handed out
         self.stopped = False
@@ -21,14 +23,14 @@ class StopTrimmer:
         """Take the next piece; returns the text that is safe to send now."""
         if self.stopped:
             return ""
-        search_from = max(self.sent - self._longest() + 1, 0)
+        search_from = self.stops.search_start(self.sent)
         self.text += piece
-        start = self._first_stop(search_from)
-        if start is not None:
-            self.text = self.text[:start]
+        hit = self.stops.first_start(self.text, search_from)
+        if hit is not None:
+            self.text = self.text[:hit[0]]
             self.stopped = True
             return self._release(len(self.text))
-        return self._release(len(self.text) - self._held_back())
+        return self._release(len(self.text) - self.stops.held_back(self.text))
 
     def flush(self) -> str:
         """The stream ended without a stop string: whatever was held back."""
@@ -39,21 +41,3 @@ class StopTrimmer:
         out = self.text[self.sent:end]
         self.sent = end
         return out
-
-    def _longest(self) -> int:
-        return max((len(stop) for stop in self.stops), default=0)
-
-    def _first_stop(self, search_from: int) -> Optional[int]:
-        starts = [position for position in (self.text.find(stop, search_from) for stop in self.stops)
-                  if position >= 0]
-        return min(starts, default=None)
-
-    def _held_back(self) -> int:
-        """Length of the longest tail of the text that a stop string starts with."""
-        longest = 0
-        for stop in self.stops:
-            for length in range(min(len(stop) - 1, len(self.text)), longest, -1):
-                if self.text.endswith(stop[:length]):
-                    longest = length
-                    break
-        return longest

@@ -14,8 +14,14 @@ from typing import Any, Mapping, Optional
 
 import yaml
 
-from tritonllm.engine.config import (DEVICE_CHOICES, DTYPE_CHOICES, ENGINE_CHOICES, ConfigError, EngineConfig,
-                                     load_yaml_args)
+from tritonllm.engine.config import (
+    DEVICE_CHOICES,
+    DTYPE_CHOICES,
+    ENGINE_CHOICES,
+    ConfigError,
+    EngineConfig,
+    load_yaml_args,
+)
 from tritonllm.triton.params import ParameterError, Parameters
 
 ENGINE_ARGS_FILE = "model.yaml"

@@ -115,6 +115,7 @@ def _stack(arrays: list[np.ndarray], left_pad: bool) -> np.ndarray:
     width = max(a.shape[-1] for a in arrays)
     padded = []
     for array in arrays:
-        pad = [(0, 0)] * (array.ndim - 1) + [((width - array.shape[-1], 0) if left_pad else (0, width - array.shape[-1]))]
+        missing = width - array.shape[-1]
+        pad = [(0, 0)] * (array.ndim - 1) + [(missing, 0) if left_pad else (0, missing)]
         padded.append(np.pad(array, pad, constant_values=-1))
     return np.concatenate(padded, axis=0)

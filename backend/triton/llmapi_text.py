@@ -12,13 +12,14 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
+from ..stop_strings import StopStrings
 from ..tokenizer import detokenize_delta, prefix_window
 
 
 class SequenceText:
     def __init__(self, tokenizer: Any, stop: Sequence[str] = (), skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
-        self.stop = [word for word in stop if word]
+        self.stops = StopStrings(stop)
         self.skip_special_tokens = skip_special_tokens
         self.decoded = ""  # complete characters of every token seen, stop strings included
         self.stop_at: Optional[int] = None  # where the first stop string starts in `decoded`
@@ -37,17 +38,13 @@ class SequenceText:
         if new_count == 0 and not is_final:
             return
         prefix = prefix_window(token_ids, new_count)
-        searched_from = max(len(self.decoded) - max((len(word) for word in self.stop), default=0), 0)
+        searched_from = self.stops.search_start(len(self.decoded))
         self.decoded += detokenize_delta(self.tokenizer, prefix, token_ids[len(token_ids) - new_count:], is_final,
                                          self.skip_special_tokens)
         self.tokens_seen = len(token_ids)
-        self._find_stop(searched_from)
-
-    def _find_stop(self, start: int) -> None:
-        hits = [(self.decoded.find(word, start), word) for word in self.stop]
-        hits = [(position, word) for position, word in hits if position >= 0]
-        if hits:
-            self.stop_at, self.stopped_by = min(hits)  # the earliest stop string wins
+        hit = self.stops.first_start(self.decoded, searched_from)
+        if hit is not None:
+            self.stop_at, self.stopped_by = hit  # the earliest stop string wins
 
     def text(self, final: bool) -> str:
         """What a response may carry now: everything before a stop string, and, until the end, nothing that could
@@ -56,14 +53,4 @@ class SequenceText:
             return self.decoded[:self.stop_at]
         if final:
             return self.decoded
-        return self.decoded[:len(self.decoded) - self._possible_stop_start()]
-
-    def _possible_stop_start(self) -> int:
-        """Length of the longest tail of the text that is a proper prefix of a stop string."""
-        longest = 0
-        for word in self.stop:
-            for length in range(min(len(word) - 1, len(self.decoded)), longest, -1):
-                if self.decoded.endswith(word[:length]):
-                    longest = length
-                    break
-        return longest
+        return self.decoded[:len(self.decoded) - self.stops.held_back(self.decoded)]

@@ -87,7 +87,8 @@ def check_batch_size(array: np.ndarray, name: str, batch_size: int) -> None:
     """Every input of one request shares its leading (batch) dimension."""
     rows = array.shape[0] if array.ndim else 0
     if rows != batch_size:
-        raise InputError(name, f"must have batch size {batch_size} like the other inputs, got shape {list(array.shape)}")
+        raise InputError(name, f"must have batch size {batch_size} like the other inputs, "
+                               f"got shape {list(array.shape)}")
 
 
 def row_scalar(array: np.ndarray, row: int, name: str, kind: str) -> Any:

@@ -48,7 +48,7 @@ def test_bls_spec_bench_reports_equal_texts_and_the_counts(tiny_model, capsys):
     """`tritonllm bench bls-spec` on the tiny model drafting for itself: every draft token is accepted."""
     import json
 
-    from tritonllm.cli import main
+    from tritonllm.commands.main import main
 
     assert main(["bench", "bls-spec", "--model", str(tiny_model), "--draft-model", str(tiny_model),
                  "--prompts", "1", "--max-tokens", "12", "--num-draft-tokens", "3", "--json"]) == 0

@@ -15,7 +15,10 @@ from tritonllm.server import Ports, TritonServer
 
 from .conftest import MAX_SEQ_LEN
 
+pytestmark = pytest.mark.server
 CANCELLED_STREAMS = 20
+STREAMED_TOKENS = 1500  # a stream asks for many: the cancel must stop it
+UNSTREAMED_TOKENS = 100  # nothing stops those before their end (docs/faults.md): kept short
 
 
 def _call_inputs(streaming: bool) -> dict:
@@ -83,7 +86,8 @@ def test_cancelled_ensemble_streams_end_so_unload_and_shutdown_complete(tiny_mod
     log_tail = lambda: (tmp_path / "tritonserver.log").read_text(errors="replace")[-3000:]  # noqa: E731
     try:
         live = clients.LiveServer(triton, tmp_path / "tritonserver.log", MAX_SEQ_LEN)
-        body = {"text_input": clients.strings("The lamp turned"), "max_tokens": clients.scalar(1500, "int32"),
+        max_tokens = STREAMED_TOKENS if streaming else UNSTREAMED_TOKENS
+        body = {"text_input": clients.strings("The lamp turned"), "max_tokens": clients.scalar(max_tokens, "int32"),
                 "stream": clients.scalar(streaming, "bool")}
         for index in range(CANCELLED_STREAMS):
             stream = live.grpc_stream()
@@ -97,7 +101,7 @@ def test_cancelled_ensemble_streams_end_so_unload_and_shutdown_complete(tiny_mod
             stream.close(cancel=True)
         gauges = live.wait_engine_idle(timeout=60)
         assert clients.engine_is_idle(gauges), f"the cancelled generations still run or hold blocks: {gauges}"
-        if streaming:  # the stop reached the generation: none ran on to its 1500 tokens
+        if streaming:  # the stop reached the generation: none ran on to its STREAMED_TOKENS
             assert _requests_with_at_most(live, 500) == CANCELLED_STREAMS, log_tail()
         _unload(triton, "ensemble")
         deadline = time.monotonic() + 20

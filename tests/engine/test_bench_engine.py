@@ -6,8 +6,8 @@ import pytest
 import yaml
 from tokenizers import Tokenizer
 
-from tritonllm.bench import busy_share, engine_config, make_nano_requests, resolve_workload, top_kernels
-from tritonllm.cli import build_parser, main
+from tritonllm.commands.bench_engine import busy_share, engine_config, make_nano_requests, resolve_workload, top_kernels
+from tritonllm.commands.main import build_parser, main
 from tritonllm.model_files.shapes import write_shape_folder
 from tritonllm.model_files.tiny import tiny_config, trained_tokenizer_json
 

@@ -5,7 +5,7 @@ import json
 import pytest
 import yaml
 
-from tritonllm.cli import build_parser, main
+from tritonllm.commands.main import build_parser, main
 from tritonllm.model_files.tiny import build_tiny_model
 
 LONG_PROMPT = ("Once upon a time, in a small village by the sea, there lived an old fisherman who mended his nets "

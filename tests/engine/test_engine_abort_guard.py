@@ -2,7 +2,8 @@
 import pytest
 
 from tritonllm.engine.config import EngineConfig
-from tritonllm.engine.embedded.engine import EmbeddedEngine, EngineError
+from tritonllm.engine.embedded.engine import EmbeddedEngine
+from tritonllm.engine.seam import EngineError
 from tritonllm.engine.types import SamplingParams
 from tritonllm.model_files.tiny import build_tiny_model
 

@@ -8,7 +8,7 @@ import torch
 from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-from tritonllm.cli import main
+from tritonllm.commands.main import main
 from tritonllm.engine.config import EngineConfig
 from tritonllm.engine.embedded.engine import EmbeddedEngine
 from tritonllm.engine.embedded.loader import DUMMY_STD, ModelLoadError, load_model, read_model_config

@@ -18,7 +18,7 @@ from tritonllm.engine import create_engine
 from tritonllm.engine import trtllm as adapter
 from tritonllm.engine import trtllm_args, trtllm_outputs
 from tritonllm.engine.config import ConfigError, EngineConfig
-from tritonllm.engine.embedded.engine import EngineError
+from tritonllm.engine.seam import EngineError
 from tritonllm.engine.types import InvalidRequestError, SamplingParams
 
 WAIT = 5.0  # seconds any single output may take before a test fails instead of hanging

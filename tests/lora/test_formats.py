@@ -9,7 +9,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tritonllm.cli import main as cli_main
+from tritonllm.commands.main import main as cli_main
 from tritonllm.lora.modules import LoraFormatError, ModuleShapes, module_named
 from tritonllm.lora.peft_folder import read_peft_folder
 from tritonllm.lora.settings import LoraSettings, LoraSettingsError

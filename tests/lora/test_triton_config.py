@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import yaml
 
-from tritonllm.cli import main as cli_main
+from tritonllm.commands.main import main as cli_main
 from tritonllm.engine.config import ConfigError
 from tritonllm.triton.engine_args import load_tensorrt_llm_settings
 from tritonllm.triton.llm_request import convert_request

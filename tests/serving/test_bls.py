@@ -16,7 +16,6 @@ from tritonllm.bls.llm_calls import LlmCancelled, LlmResponse
 from tritonllm.bls.request import read_request
 from tritonllm.bls.sequences import SequenceText
 from tritonllm.bls.server import BlsServer
-from tritonllm.bls.stop_words import first_stop_end, search_start
 from tritonllm.triton.pb import InputError
 
 
@@ -27,21 +26,6 @@ import fake_pb_utils as fake  # registered by conftest.py
 def pb_utils(monkeypatch):
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", fake)
     return fake
-
-
-# ------------------------------------------------------------------------------------------------ stop words
-
-def test_first_stop_end_is_the_earliest_ending_word():
-    assert first_stop_end("one two three", ["three", "two"]) == len("one two")
-    assert first_stop_end("abcd", ["bcd", "bc"]) == 3  # "bc" completes before "bcd"
-    assert first_stop_end("one two", ["four", ""]) is None
-    assert first_stop_end("two two", ["two"], start=1) == len("two two")
-
-
-def test_search_start_reaches_back_one_word_length():
-    assert search_start(10, ["abc"]) == 8
-    assert search_start(1, ["abcdef"]) == 0
-    assert search_start(5, []) == 6
 
 
 @pytest.mark.parametrize("accumulate", [False, True])

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from tritonllm.engine.embedded.engine_core import EngineStats
+from tritonllm.engine.seam import EngineStats
 from tritonllm.triton.llm_metrics import FAMILIES, GAUGES, EngineMetrics, gauge_values
 from tritonllm.triton.runtime_memory import runtime_memory
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tritonllm.cli import main as cli_main
+from tritonllm.commands.main import main as cli_main
 from tritonllm.engine.config import ConfigError
 from tritonllm.llmapi_repo import build_llmapi_repo, llmapi_template
 from tritonllm.repo import RepoError, build_repo

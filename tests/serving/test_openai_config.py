@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from tritonllm.model_files.tiny import build_tiny_model
-from tritonllm.openai_api.cli import config_from_args
+from tritonllm.commands.openai import config_from_args
 from tritonllm.openai_api.config import FrontendConfig, FrontendConfigError
 from tritonllm.openai_api.launch import FrontendStartError, tokenizer_dir_of_repo
 from tritonllm.repo import build_repo
@@ -18,7 +18,7 @@ def tiny_dir(tmp_path_factory) -> Path:
 
 
 def test_defaults_from_the_command_line(tiny_dir):
-    from tritonllm.cli import build_parser
+    from tritonllm.commands.main import build_parser
 
     args = build_parser().parse_args(["openai", "--triton-url", "localhost:8001", "--model-dir", str(tiny_dir),
                                       "--lora-name", "a", "--lora-name", "b"])

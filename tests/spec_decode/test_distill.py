@@ -85,7 +85,7 @@ def test_training_on_chat_data_keeps_the_best_validated_heads(tiny, tmp_path):
 
 
 def test_cli_refuses_bad_distillation_settings(tiny, tmp_path, capsys):
-    from tritonllm.cli import main
+    from tritonllm.commands.main import main
 
     model_dir, _, _ = tiny
     for flag, value in (("--distill-rounds", "0"), ("--validation-share", "1.5"), ("--distill-prompts", "-1"),

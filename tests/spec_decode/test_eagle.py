@@ -404,7 +404,7 @@ def _other_size_eagle(eagle_dir, tmp_path):
 # ---- the command line -----------------------------------------------------------------------------------------
 
 def test_generate_json_lines_report_draft_counts(bigram, tmp_path, capsys):
-    from tritonllm.cli import main as cli_main
+    from tritonllm.commands.main import main as cli_main
 
     target, eagle_dir = bigram
     config = tmp_path / "model.yaml"
@@ -420,7 +420,7 @@ def test_generate_json_lines_report_draft_counts(bigram, tmp_path, capsys):
 
 
 def test_bench_spec_runs_with_eagle(targets, eagles, capsys):
-    from tritonllm.cli import main as cli_main
+    from tritonllm.commands.main import main as cli_main
 
     assert cli_main(["bench", "spec", "--model", str(targets["qwen2"]), "--method", "eagle", "--spec-model-dir",
                      str(eagles["qwen2"]), "--draft-len", "2", "--prompts", "1", "--max-tokens", "8", "--json"]) == 0

@@ -159,7 +159,7 @@ def test_configuration_errors_name_the_key(targets, eagle3s, tmp_path):
 
 
 def test_bench_spec_runs_with_eagle3(targets, eagle3s, capsys):
-    from tritonllm.cli import main as cli_main
+    from tritonllm.commands.main import main as cli_main
 
     assert cli_main(["bench", "spec", "--model", str(targets["llama"]), "--method", "eagle3", "--spec-model-dir",
                      str(eagle3s["llama"]), "--prompts", "1", "--max-tokens", "8", "--json"]) == 0

@@ -260,7 +260,7 @@ def test_smollm2_greedy_output_is_plain_greedy_for_every_method(smollm2_dir, tmp
 def test_generate_json_lines_report_draft_counts(model_dir, tmp_path, capsys):
     import json
 
-    from tritonllm.cli import main as cli_main
+    from tritonllm.commands.main import main as cli_main
 
     config = tmp_path / "model.yaml"
     config.write_text(f"speculative_config:\n  decoding_type: DraftTarget\n  max_draft_len: 3\n"

@@ -161,7 +161,7 @@ def _tiny_model_and_text(tmp_path):
 
 
 def test_cli_train_medusa_writes_heads_and_reports_json(tmp_path, capsys):
-    from tritonllm.cli import main
+    from tritonllm.commands.main import main
 
     model_dir, text_file = _tiny_model_and_text(tmp_path)
     out = tmp_path / "heads"
@@ -183,7 +183,7 @@ def test_cli_train_medusa_writes_heads_and_reports_json(tmp_path, capsys):
 
 
 def test_cli_train_medusa_stops_at_its_time_limit_and_still_saves_heads(tmp_path, capsys):
-    from tritonllm.cli import main
+    from tritonllm.commands.main import main
 
     model_dir, text_file = _tiny_model_and_text(tmp_path)
     out = tmp_path / "heads"

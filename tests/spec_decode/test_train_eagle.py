@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tritonllm.cli import main
+from tritonllm.commands.main import main
 from tritonllm.engine.embedded.attention import step_metadata
 from tritonllm.engine.embedded.models.model_config import ModelLoadError
 from tritonllm.engine.types import InvalidRequestError, SamplingParams

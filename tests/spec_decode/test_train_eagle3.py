@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tritonllm.cli import main
+from tritonllm.commands.main import main
 from tritonllm.engine.config import ConfigError
 from tritonllm.engine.embedded.models.model_config import ModelConfig, ModelLoadError
 from tritonllm.model_files.hf_files import write_json

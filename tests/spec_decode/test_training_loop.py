@@ -64,7 +64,7 @@ def test_deadline_is_none_without_a_limit():
 
 @pytest.mark.parametrize("command", ["train-medusa", "train-eagle"])
 def test_a_negative_time_limit_is_refused_naming_the_flag(command, tmp_path, capsys):
-    from tritonllm.cli import main
+    from tritonllm.commands.main import main
 
     assert main(["spec", command, "--model", str(tmp_path), "--out", str(tmp_path / "out"), "--time-limit", "-1"]) != 0
     assert "--time-limit must be >= 0 seconds, got -1.0" in capsys.readouterr().err

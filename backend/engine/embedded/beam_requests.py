@@ -5,24 +5,34 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING, Optional
+from typing import Callable, Optional
 
 import torch
 
 from ..types import CompletionOutput, RequestOutput
 from .beam_search import Continuation
+from .block_manager import BlockManager
+from .request import EngineRequest
 from .sampler import beam_logprobs
+from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus
-
-if TYPE_CHECKING:
-    from .engine_core import EngineCore, EngineRequest
+from .stop_rules import matched_stop
 
 
 class BeamRequests:
-    def __init__(self, core: "EngineCore"):
-        self.core = core
+    """Given the core's scheduler and block manager, how it copies a KV block, numbers a new sequence and
+    finishes one, and its max_seq_len."""
 
-    def step(self, request: "EngineRequest") -> None:
+    def __init__(self, scheduler: Scheduler, block_manager: BlockManager, copy_block: Callable[[int, int], None],
+                 new_seq_id: Callable[[], int], finish_sequence: Callable[[Sequence, str], None], max_seq_len: int):
+        self.scheduler = scheduler
+        self.block_manager = block_manager
+        self.copy_block = copy_block
+        self.new_seq_id = new_seq_id
+        self.finish_sequence = finish_sequence
+        self.max_seq_len = max_seq_len
+
+    def step(self, request: EngineRequest) -> None:
         """Every live beam of `request` has its next-token logits: rank, record finished hypotheses, move on."""
         beams = list(request.seqs)
         logits = torch.stack([request.beam_logits.pop(beam.seq_id) for beam in beams])
@@ -35,7 +45,7 @@ class BeamRequests:
             beam.metrics.last_token_time_ns = now
         if search.done:
             for beam in beams:
-                self.core.finish_sequence(beam, "stop")
+                self.finish_sequence(beam, "stop")
             return
         request.seqs = self._next_beams(beams, survivors)
 
@@ -45,14 +55,10 @@ class BeamRequests:
         params = seq.params
         if token == params.end_id and not params.ignore_eos:
             return "stop", "end_id"
-        if params.stop_token_ids and token in params.stop_token_ids:
-            return "stop", token
-        if params.stop_words:
-            tokens = seq.all_token_ids() + [token]
-            for word in params.stop_words:
-                if tokens[-len(word):] == word:
-                    return "stop", list(word)
-        if len(seq.output_token_ids) + 1 >= params.max_tokens or seq.num_tokens + 1 >= self.core.max_seq_len:
+        stop = matched_stop(params, token, lambda: seq.all_token_ids() + [token])
+        if stop is not None:
+            return "stop", stop
+        if len(seq.output_token_ids) + 1 >= params.max_tokens or seq.num_tokens + 1 >= self.max_seq_len:
             return "length", None
         return None, None
 
@@ -71,7 +77,7 @@ class BeamRequests:
         for index, parent in enumerate(beams):
             if index not in taken:
                 parent.finish("cancelled")  # a pruned beam: not part of the results
-                self.core.scheduler.remove(parent)
+                self.scheduler.remove(parent)
         for index, (child, candidate) in enumerate(zip(children, survivors)):
             child.index = index
             child.output_token_ids.append(candidate.token)
@@ -80,20 +86,19 @@ class BeamRequests:
         return children
 
     def _fork(self, parent: Sequence) -> Sequence:
-        core = self.core
-        child = Sequence(core.new_seq_id(), parent.request_id, parent.index, parent.prompt_token_ids, parent.params,
+        child = Sequence(self.new_seq_id(), parent.request_id, parent.index, parent.prompt_token_ids, parent.params,
                          output_token_ids=list(parent.output_token_ids), logprobs=list(parent.logprobs),
                          cumulative_logprob=parent.cumulative_logprob, metrics=replace(parent.metrics),
                          lora=parent.lora)
-        if parent.status is SequenceStatus.RUNNING and core.block_manager.fork(parent, child, core.runner.copy_block):
+        if parent.status is SequenceStatus.RUNNING and self.block_manager.fork(parent, child, self.copy_block):
             child.status = SequenceStatus.RUNNING
-            core.scheduler.running.append(child)
+            self.scheduler.running.append(child)
         else:  # no block for its copy (or the parent was preempted): recompute it
-            core.scheduler.waiting.appendleft(child)
+            self.scheduler.waiting.appendleft(child)
         return child
 
 
-def beam_snapshot(request: "EngineRequest") -> RequestOutput:
+def beam_snapshot(request: EngineRequest) -> RequestOutput:
     """The best `n` finished hypotheses once the search is done, else the live beams, each whole (beams change
     their earlier tokens, so a stream sends every beam in full each time)."""
     metrics = replace(request.seqs[0].metrics) if request.seqs else None

@@ -2,10 +2,9 @@
 
 One background thread owns the `EngineCore` and steps it while there is work; callers talk to it through a command
 queue. `generate_async` validates the request at once (so a bad request fails its caller only) and returns a
-`RequestHandle`: iterable (blocking) and async-iterable over `RequestOutput`s, with `abort()`."""
+`RequestHandle` (the seam's: iterable, async-iterable over `RequestOutput`s, with `abort()`)."""
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import queue
@@ -13,92 +12,12 @@ import threading
 from typing import Callable, Optional
 
 from ..config import EngineConfig
+from ..seam import EngineError, EngineStats, RequestHandle
 from ..types import LoRARequest, RequestOutput, SamplingParams
-from .engine_core import EngineCore, EngineRequest, EngineStats, snapshot
+from .engine_core import EngineCore, snapshot
+from .request import EngineRequest
 
 log = logging.getLogger("tritonllm.engine")
-_END = object()
-
-
-class EngineError(RuntimeError):
-    """The engine failed while running a request (not the request's fault)."""
-
-
-class RequestHandle:
-    """Outputs of one request: every step's update when streaming, else only the final one."""
-
-    def __init__(self, engine: "EmbeddedEngine", request_id: int, streaming: bool,
-                 on_output: Optional[Callable[["RequestHandle", object], None]] = None):
-        self.engine = engine
-        self.request_id = request_id
-        self.streaming = streaming
-        self._on_output = on_output
-        self._outputs: queue.SimpleQueue = queue.SimpleQueue()
-        self._last: Optional[RequestOutput] = None
-        self._done = False
-
-    def _put(self, item) -> None:
-        # With a callback, outputs (or the exception that ended the request) go to it, on the engine thread.
-        if self._on_output is not None:
-            self._on_output(self, item)
-        else:
-            self._outputs.put(item)
-
-    def __iter__(self):
-        return self
-
-    def __next__(self) -> RequestOutput:
-        return self._next(None)
-
-    def _next(self, timeout: Optional[float]) -> RequestOutput:
-        if self._done:
-            raise StopIteration
-        item = self._outputs.get(timeout=timeout)
-        if isinstance(item, BaseException):
-            self._done = True
-            raise item
-        if item is _END:
-            self._done = True
-            raise StopIteration
-        self._last = item
-        if item.finished:
-            self._outputs.put(_END)
-        return item
-
-    def __aiter__(self):
-        return self
-
-    async def __anext__(self) -> RequestOutput:
-        # StopIteration cannot cross a Future, so the worker thread returns the end marker instead.
-        item = await asyncio.to_thread(self._next_or_end)
-        if item is _END:
-            raise StopAsyncIteration
-        return item
-
-    def _next_or_end(self):
-        try:
-            return self._next(None)
-        except StopIteration:
-            return _END
-
-    def result(self, timeout: Optional[float] = None) -> RequestOutput:
-        """Block until the request finishes; returns its final output."""
-        while not self._done:
-            try:
-                self._next(timeout)
-            except StopIteration:
-                break
-        return self._last
-
-    async def aresult(self) -> RequestOutput:
-        return await asyncio.to_thread(self.result)
-
-    def abort(self) -> None:
-        self.engine.abort(self.request_id)
-
-    @property
-    def finished(self) -> bool:
-        return self._last is not None and self._last.finished
 
 
 class EmbeddedEngine:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Optional
 
 import torch
 
 from ..config import EngineConfig
+from ..seam import EngineStats
 from ..types import CompletionOutput, InvalidRequestError, RequestOutput, SamplingParams
 from .attention import resolve_backend
 from .attention.triton_backend import TritonAttention
@@ -23,49 +24,14 @@ from .loader import load_model, read_model_config
 from .memory_profile import activation_bytes
 from .model_runner import ModelRunner
 from .models.layers import use_fused_kernels
+from .request import EngineRequest
 from .sampler import SampledTokens, sample, sample_on_device
 from .scheduler import Scheduler
 from .sequence import Sequence
 from .speculative import Speculator
+from .stop_rules import matched_stop
 
 log = logging.getLogger("tritonllm.engine")
-
-
-@dataclass(eq=False)
-class EngineRequest:
-    request_id: int
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    seqs: list[Sequence] = field(default_factory=list)  # the live beams, for a beam search
-    beam: Optional[BeamSearch] = None
-    # Beam search: next-token logits of live beams that are computed, until every live beam is.
-    beam_logits: dict[int, torch.Tensor] = field(default_factory=dict)
-    lora: Optional[object] = None  # the pinned adapter (tritonllm.lora.cache.CachedAdapter), if any
-
-    @property
-    def finished(self) -> bool:
-        seqs = self.seqs
-        if len(seqs) == 1:  # the common case, asked for every token
-            return seqs[0].is_finished
-        return all(seq.is_finished for seq in seqs)
-
-
-@dataclass
-class EngineStats:
-    num_total_blocks: int
-    num_free_blocks: int  # unused by any request, cached prefixes included
-    tokens_per_block: int
-    num_running: int
-    num_waiting: int
-    num_steps: int
-    max_seq_len: int
-    max_batch_size: int
-    max_num_tokens: int
-    num_cached_blocks: int = 0  # free blocks that still hold a reusable prefix
-    num_reused_blocks: int = 0  # blocks taken from the prefix cache since the engine started
-    num_context_requests: int = 0  # running requests whose prompt is not fully computed yet
-    num_context_tokens: int = 0  # prompt tokens computed in the last step
-    num_paused_requests: int = 0  # preempted requests waiting to be recomputed
 
 
 class EngineCore:
@@ -108,7 +74,8 @@ class EngineCore:
                      ", smaller batches padded up" if graph_settings.enable_padding else "")
         self.runner.lora = self.lora
         self.speculator = Speculator(self, config.speculative_settings())
-        self.beams = BeamRequests(self)
+        self.beams = BeamRequests(self.scheduler, self.block_manager, self.runner.copy_block, self.new_seq_id,
+                                  self.finish_sequence, self.max_seq_len)
         self.requests: dict[int, EngineRequest] = {}
         self.overlap = overlap_wanted(config, self.device)
         self.num_host_bound = 0  # live requests whose steps need their latest tokens on the host (no overlap)
@@ -209,7 +176,8 @@ class EngineCore:
         lora = self._acquire_lora(self.prepare_lora(lora_request))
         request = EngineRequest(request_id, list(prompt_token_ids), params, lora=lora)
         if params.beam_width > 1:  # one live beam until the first step forks it
-            request.beam = BeamSearch.for_params(params, min(params.max_tokens, self.max_seq_len - len(prompt_token_ids)))
+            most_tokens = min(params.max_tokens, self.max_seq_len - len(prompt_token_ids))
+            request.beam = BeamSearch.for_params(params, most_tokens)
         for index in range(1 if request.beam else params.n):
             seq = Sequence(self.new_seq_id(), request_id, index, request.prompt_token_ids, params,
                            generator=_generator(params.seed, index), lora=lora)
@@ -381,7 +349,7 @@ class EngineCore:
         seq.output_token_ids.append(token)
         seq.logprobs.append(logprob)
         seq.cumulative_logprob += logprob
-        stop = _matched_stop(seq)
+        stop = matched_stop(params, token, seq.all_token_ids)
         if stop is not None:
             self.finish_sequence(seq, "stop", stop)
         elif len(seq.output_token_ids) >= params.max_tokens or seq.num_known_tokens >= self.max_seq_len:
@@ -461,20 +429,6 @@ def needs_host_tokens(params: SamplingParams) -> bool:
                 or params.min_tokens or params.repetition_penalty not in (None, 1.0) or params.presence_penalty
                 or params.frequency_penalty or params.draft_tokens or params.lookahead_config is not None
                 or params.return_context_logits or params.return_generation_logits)
-
-
-def _matched_stop(seq: Sequence):
-    params = seq.params
-    last = seq.output_token_ids[-1]
-    if params.stop_token_ids and last in params.stop_token_ids:
-        return last
-    if not params.stop_words:
-        return None
-    tokens = seq.all_token_ids()
-    for word in params.stop_words:
-        if tokens[-len(word):] == word:
-            return list(word)
-    return None
 
 
 def _lora_runtime(config: EngineConfig, model_config, dtype: torch.dtype, device: torch.device):

@@ -11,11 +11,11 @@ import logging
 
 import torch
 
+from ..types import SamplingParams
 from .block_manager import blocks_for
 from .model_runner import ModelRunner
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
-from ..types import SamplingParams
 
 log = logging.getLogger("tritonllm.engine")
 

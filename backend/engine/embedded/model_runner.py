@@ -42,8 +42,10 @@ class ModelRunner:
         self.kernels = None  # attention.triton_backend.TritonAttention with attn_backend TRITON; None: portable
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         # Blocks are zeroed when first handed out (see `zero_blocks`), so the cache can start uninitialised.
-        self.kv_caches = [(torch.empty(shape, dtype=dtype, device=device), torch.empty(shape, dtype=dtype, device=device))
-                          for _ in range(num_layers)]
+        def empty() -> torch.Tensor:
+            return torch.empty(shape, dtype=dtype, device=device)
+
+        self.kv_caches = [(empty(), empty()) for _ in range(num_layers)]
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch, new_blocks: list[int],

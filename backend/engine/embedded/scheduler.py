@@ -5,9 +5,9 @@ token budget and the KV cache allow. A decode's speculative draft rides along in
 every later running sequence has its token: cut to its first nodes, or dropped where it cannot be cut.
 
 When blocks run out, the most recently admitted running sequence of the lowest priority is preempted: its blocks
-are freed and it goes back to the front of the queue to be recomputed. With GUARANTEED_NO_EVICT a sequence is admitted only when blocks
-for its whole output are available on top of what the running ones may still need, so preemption does not happen;
-MAX_UTILIZATION admits as soon as the prompt fits."""
+are freed and it goes back to the front of the queue to be recomputed. With GUARANTEED_NO_EVICT a sequence is
+admitted only when blocks for its whole output are available on top of what the running ones may still need, so
+preemption does not happen; MAX_UTILIZATION admits as soon as the prompt fits."""
 from __future__ import annotations
 
 from collections import deque

@@ -5,8 +5,15 @@ from __future__ import annotations
 
 import torch
 
-from .metadata import (AttentionMetadata, add_step_arrays, attach_masks, build_decode_mask, metadata_from,
-                       sequence_mask, step_metadata)
+from .metadata import (
+    AttentionMetadata,
+    add_step_arrays,
+    attach_masks,
+    build_decode_mask,
+    metadata_from,
+    sequence_mask,
+    step_metadata,
+)
 from .portable import portable_attention, write_kv, zero_blocks
 
 __all__ = ["AttentionMetadata", "add_step_arrays", "attach_masks", "build_decode_mask", "metadata_from",

@@ -96,8 +96,8 @@ def metadata_from(arrays: dict[str, torch.Tensor], query_starts: list[int], quer
 
 
 def attach_masks(attn: AttentionMetadata, device, dtype: torch.dtype) -> None:
-    """The masks every layer of an eager forward of the portable backend uses, built once: the decode mask when every query is one token
-    (`dtype`: the queries' dtype, see build_decode_mask), else each sequence's own."""
+    """The masks every layer of an eager forward of the portable backend uses, built once: the decode mask when
+    every query is one token (`dtype`: the queries' dtype, see build_decode_mask), else each sequence's own."""
     if all(n == 1 for n in attn.query_lens):
         attn.decode_mask = build_decode_mask(attn.context_lens, attn.block_size, attn.block_tables.shape[1], device,
                                              dtype)

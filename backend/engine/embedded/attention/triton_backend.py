@@ -14,7 +14,6 @@ from typing import Optional
 import torch
 
 
-
 def triton_usable(device: torch.device) -> Optional[str]:
     """None if Triton kernels can run on `device`, else why not: CUDA with the `triton` package, or the CPU under
     Triton's interpreter (TRITON_INTERPRET=1, set before triton is imported: slow, for tests)."""

@@ -10,11 +10,10 @@ import statistics
 import threading
 import time
 
-from .bench import make_requests
-from .bench_report import progress, report
-from .engine.types import SamplingParams
-from .generate import build_engine_config
-
+from tritonllm.commands.bench_engine import make_requests
+from tritonllm.commands.bench_report import progress, report
+from tritonllm.commands.generate import build_engine_config
+from tritonllm.engine.types import SamplingParams
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -83,7 +82,7 @@ def reuse_run(engine, system: list[int], questions: list[list[int]]) -> dict:
 
 
 def _engine(args, **overrides):
-    from .engine import create_engine
+    from tritonllm.engine import create_engine
 
     config = build_engine_config(args.model, args.config, dtype=args.dtype, device=args.device,
                                  max_batch_size=args.max_batch_size, **overrides)

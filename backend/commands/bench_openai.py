@@ -16,14 +16,14 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..bench import make_requests
-from ..bench_report import progress, report
-from ..repo import build_repo
-from ..server import Ports, TritonServer, free_port
-from .generation import OUTPUTS, PreparedPrompt, backend_inputs
-from .launch import FrontendProcess
-from .schemas import GenerationRequest, Sampling
-from .triton_client import TritonClient
+from tritonllm.commands.bench_engine import make_requests
+from tritonllm.commands.bench_report import progress, report
+from tritonllm.openai_api.generation import OUTPUTS, PreparedPrompt, backend_inputs
+from tritonllm.openai_api.launch import FrontendProcess
+from tritonllm.openai_api.schemas import GenerationRequest, Sampling
+from tritonllm.openai_api.triton_client import TritonClient
+from tritonllm.repo import build_repo
+from tritonllm.server import Ports, TritonServer, free_port
 
 SERVED_NAME = "bench"
 

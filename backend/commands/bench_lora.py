@@ -11,15 +11,13 @@ import time
 
 import torch
 
-from tritonllm.bench import make_requests
-from tritonllm.bench_report import progress, report
+from tritonllm.commands.bench_engine import make_requests
+from tritonllm.commands.bench_report import progress, report
+from tritonllm.commands.generate import build_engine_config
 from tritonllm.engine.types import LoRARequest, SamplingParams
-from tritonllm.generate import build_engine_config
-
-from .adapter import LoraAdapter
-from .modules import MODULES, ModuleShapes
-from .trtllm_format import adapter_to_tensors
-
+from tritonllm.lora.adapter import LoraAdapter
+from tritonllm.lora.modules import MODULES, ModuleShapes
+from tritonllm.lora.trtllm_format import adapter_to_tensors
 
 
 def random_adapter(shapes: ModuleShapes, rank: int, seed: int) -> LoraAdapter:

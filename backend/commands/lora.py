@@ -4,7 +4,7 @@ from __future__ import annotations
 import sys
 from typing import Optional
 
-from tritonllm.cli_types import count
+from tritonllm.commands.arg_types import count
 
 
 def add_lora_command(sub) -> None:
@@ -58,8 +58,8 @@ def lora_requests_for(args, num_prompts: int) -> list[Optional[object]]:
 
 
 def main(args) -> int:
-    from .convert import convert_peft_folder
-    from .modules import LoraFormatError
+    from tritonllm.lora.convert import convert_peft_folder
+    from tritonllm.lora.modules import LoraFormatError
 
     try:
         weights, config = convert_peft_folder(args.peft_dir, args.out, args.dtype)

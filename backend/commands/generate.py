@@ -6,8 +6,8 @@ import json
 import sys
 from typing import Optional
 
-from .engine.config import EngineConfig, load_yaml_args
-from .engine.types import RequestOutput, SamplingParams
+from tritonllm.engine.config import EngineConfig, load_yaml_args
+from tritonllm.engine.types import RequestOutput, SamplingParams
 
 
 def build_engine_config(model: str, config_path: Optional[str] = None, **overrides) -> EngineConfig:
@@ -69,10 +69,9 @@ def _lora_overrides(args, loras: list) -> dict:
 def main(args) -> int:
     from transformers import AutoTokenizer
 
-    from .engine import choose_engine, create_engine
-    from .engine.embedded.loader import read_model_config
-
-    from tritonllm.lora.cli import lora_requests_for
+    from tritonllm.commands.lora import lora_requests_for
+    from tritonllm.engine import choose_engine, create_engine
+    from tritonllm.engine.embedded.loader import read_model_config
 
     loras = lora_requests_for(args, len(args.prompt))
     config = build_engine_config(args.model, args.config, dtype=args.dtype, device=args.device,

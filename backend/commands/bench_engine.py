@@ -21,9 +21,9 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Optional
 
-from .bench_report import progress, report
-from .engine.types import SamplingParams
-from .generate import build_engine_config
+from tritonllm.commands.bench_report import progress, report
+from tritonllm.commands.generate import build_engine_config
+from tritonllm.engine.types import SamplingParams
 
 MIX_FLAGS = ("requests", "min_prompt", "max_prompt", "min_output", "max_output")
 DEFAULT_MIX = dict(requests=16, min_prompt=16, max_prompt=256, min_output=16, max_output=128)
@@ -84,7 +84,7 @@ def make_nano_requests(vocab_size: int, seed: int = 0, count: int = NANO_MIX["re
 def resolve_workload(args) -> Workload:
     """The workload the flags ask for; a ConfigError naming the flag for a length range that is empty, or for a
     request-mix flag given with --workload nano (whose mix is fixed)."""
-    from .engine.config import ConfigError
+    from tritonllm.engine.config import ConfigError
 
     if args.workload == "nano":
         given = [flag for flag in MIX_FLAGS if getattr(args, flag) is not None]
@@ -95,7 +95,7 @@ def resolve_workload(args) -> Workload:
     else:
         mix = {name: DEFAULT_MIX[name] if getattr(args, name) is None else getattr(args, name) for name in MIX_FLAGS}
         defaults = {}
-    for name in ("prompt", "output"):  # each is >= 1 already (cli_types.count)
+    for name in ("prompt", "output"):  # each is >= 1 already (arg_types.count)
         low, high = mix[f"min_{name}"], mix[f"max_{name}"]
         if low > high:
             raise ConfigError(f"--min-{name} {low} / --max-{name} {high}: need min <= max")
@@ -109,7 +109,7 @@ def _flag(name: str) -> str:
 
 def engine_config(args, workload: Workload):
     """model.yaml (read once) < the workload's defaults where it sets nothing < the command's flags."""
-    from .engine.config import load_yaml_args
+    from tritonllm.engine.config import load_yaml_args
 
     yaml_args = load_yaml_args(args.config) if args.config else {}
     yaml_args.pop("model", None)  # --model names the folder
@@ -122,7 +122,7 @@ def engine_config(args, workload: Workload):
 
 def workload_requests(workload: Workload, config, tokenizer, seed: int) -> list[BenchRequest]:
     if workload.name == "nano":
-        from .engine.embedded.loader import read_model_config
+        from tritonllm.engine.embedded.loader import read_model_config
 
         return make_nano_requests(read_model_config(config.model).vocab_size, seed)
     return make_requests(tokenizer, workload.requests, workload.prompt_range, workload.output_range, seed)
@@ -156,7 +156,7 @@ def engine_facts(engine, config) -> dict[str, Any]:
 def _attn_backend(config, device) -> str:
     """The backend that runs (TRTLLM, the default, picks one per device); as configured where it cannot be told."""
     try:
-        from .engine.embedded.attention import resolve_backend
+        from tritonllm.engine.embedded.attention import resolve_backend
     except ImportError:
         return config.attn_backend
     return resolve_backend(config.attn_backend, device)
@@ -170,7 +170,7 @@ def shifted(requests: list[BenchRequest], vocab_size: int) -> list[BenchRequest]
 
 def bench_engine(config, requests: list[BenchRequest], args) -> dict[str, Any]:
     """Warm-up, the timed run and, with --profile, a profiled run; the engine's part of the result."""
-    from .engine import create_engine
+    from tritonllm.engine import create_engine
 
     started = time.perf_counter()
     engine = create_engine(config)

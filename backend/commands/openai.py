@@ -1,12 +1,12 @@
 """`tritonllm openai` (the endpoint), `serve --openai-port` and `bench openai`: argument registration and the
-endpoint's main. backend/cli.py calls the add_* functions and `main`."""
+endpoint's main. commands/main.py calls the add_* functions and `main`."""
 from __future__ import annotations
 
 import logging
 import sys
 from pathlib import Path
 
-from .config import BACKEND_MODELS, FrontendConfig, FrontendConfigError
+from tritonllm.openai_api.config import BACKEND_MODELS, FrontendConfig, FrontendConfigError
 
 DEFAULT_PORT = 9000
 
@@ -65,7 +65,7 @@ def main(args) -> int:
         return 2
     import uvicorn
 
-    from .app import create_app
+    from tritonllm.openai_api.app import create_app
 
     logging.getLogger("tritonllm.openai").info("serving %s on port %d, backend %s at %s", config.model_names,
                                                config.port, config.backend_model, config.triton_url)

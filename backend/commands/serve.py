@@ -1,0 +1,71 @@
+"""`tritonllm serve`: build (or take) a model repository, start tritonserver on it under the supervisor, and
+optionally the OpenAI-compatible front beside it; Ctrl-C or SIGTERM stops everything."""
+from __future__ import annotations
+
+import os
+import signal
+from pathlib import Path
+
+from tritonllm.openai_api.launch import start_next_to_server
+from tritonllm.server import Ports, ServerError, TritonServer
+from tritonllm.supervisor import Supervisor
+
+
+def default_work_dir() -> Path:
+    return Path(os.environ.get("TRITONLLM_CACHE", Path.home() / ".cache" / "tritonllm"))
+
+
+def curl_example(http_url: str) -> str:
+    return (f"curl -s -X POST http://{http_url}/v2/models/ensemble/generate -d "
+            "'{\"text_input\": \"The capital of France is\", \"max_tokens\": 16, "
+            "\"bad_words\": \"\", \"stop_words\": \"\"}'")
+
+
+def _repository_for(args, work_dir: Path) -> Path:
+    from tritonllm.repo import build_repo
+
+    if args.repo:
+        return Path(args.repo)
+    if args.demo:
+        from tritonllm.model_files.smollm2 import fetch_smollm2
+
+        model_dir = fetch_smollm2(work_dir / "models" / "smollm2")
+    else:
+        model_dir = Path(args.model).resolve()
+    repo = work_dir / "repos" / model_dir.name
+    print(f"[serve] building the model repository {repo} for {model_dir}", flush=True)
+    return build_repo(model_dir, repo, streaming=args.streaming, max_batch_size=args.max_batch_size, overwrite=True)
+
+
+def _stop_on_sigterm() -> None:
+    """SIGTERM (service managers, `kill`) stops the server as Ctrl-C does, so tritonserver is never orphaned."""
+    def interrupt(_signum, _frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
+def main(args) -> int:
+    _stop_on_sigterm()
+    work_dir = Path(args.work_dir) if args.work_dir else default_work_dir()
+    repo = _repository_for(args, work_dir)
+    server = TritonServer(repo, Ports(args.http_port, args.grpc_port, args.metrics_port),
+                          log_verbose=args.log_verbose)
+    print(f"[serve] starting tritonserver on {repo} (this takes a few seconds: the models import torch)", flush=True)
+    server.start()
+    print(f"[serve] ready. HTTP {server.http_url}  gRPC {server.grpc_url}  metrics localhost:{args.metrics_port}")
+    print(f"[serve] try:\n  {curl_example(server.http_url)}\n[serve] Ctrl-C stops the server.", flush=True)
+    frontend = None
+    try:
+        frontend = start_next_to_server(args, server, repo)  # None unless --openai-port
+        Supervisor(server).run()  # restarts tritonserver after a model process dies; returns on Ctrl-C / SIGTERM
+    except KeyboardInterrupt:
+        print("\n[serve] stopping tritonserver", flush=True)
+    except ServerError as exc:
+        print(f"[serve] {exc}", flush=True)
+        return 1
+    finally:
+        if frontend is not None:
+            frontend.stop()
+        code = server.stop()
+    return 0 if code in (0, None, -signal.SIGTERM) else code
