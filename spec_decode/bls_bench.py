@@ -39,8 +39,8 @@ def generate(url: str, body: dict) -> tuple[dict, float]:
 
 
 def measure(args, work: Path) -> dict:
-    from tritonllm.repo import build_repo
-    from tritonllm.server import Ports, TritonServer
+    from tritonllm.deploy.repo import build_repo
+    from tritonllm.deploy.tritonserver import Ports, TritonServer
 
     repo = build_repo(args.model, work / "repo", streaming=True, max_batch_size=2, max_seq_len=2048,
                       draft_model_dir=args.draft_model, overwrite=True)

@@ -18,12 +18,12 @@ from pathlib import Path
 
 from tritonllm.commands.bench_engine import make_requests
 from tritonllm.commands.bench_report import progress, report
+from tritonllm.deploy.frontend import FrontendProcess
+from tritonllm.deploy.repo import build_repo
+from tritonllm.deploy.tritonserver import Ports, TritonServer, free_port
 from tritonllm.openai_api.generation import OUTPUTS, PreparedPrompt, backend_inputs
-from tritonllm.openai_api.launch import FrontendProcess
 from tritonllm.openai_api.schemas import GenerationRequest, Sampling
 from tritonllm.openai_api.triton_client import TritonClient
-from tritonllm.repo import build_repo
-from tritonllm.server import Ports, TritonServer, free_port
 
 SERVED_NAME = "bench"
 

@@ -270,11 +270,11 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    from tritonllm.deploy.repo import RepoError
+    from tritonllm.deploy.tritonserver import ServerError
     from tritonllm.engine.config import ConfigError
     from tritonllm.engine.embedded.models.model_config import ModelLoadError
     from tritonllm.engine.types import InvalidRequestError
-    from tritonllm.repo import RepoError
-    from tritonllm.server import ServerError
     from tritonllm.triton.params import ParameterError
 
     try:

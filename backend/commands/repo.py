@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import yaml
 
-from tritonllm.repo import RepoError, build_repo, fill_template
+from tritonllm.deploy.repo import RepoError, build_repo, fill_template
 
 
 def _parameters(pairs: list[str]) -> dict[str, str]:
@@ -52,7 +52,7 @@ def _lora_dir(folder: str) -> str:
 
 
 def _build_llmapi(args) -> int:
-    from tritonllm.llmapi_repo import build_llmapi_repo
+    from tritonllm.deploy.llmapi_repo import build_llmapi_repo
 
     # model.yaml values are typed: "64" is a number, "true" a boolean, as YAML reads them.
     engine_args = {key: yaml.safe_load(value) for key, value in _parameters(args.param).items()}

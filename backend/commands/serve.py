@@ -6,9 +6,9 @@ import os
 import signal
 from pathlib import Path
 
-from tritonllm.openai_api.launch import start_next_to_server
-from tritonllm.server import Ports, ServerError, TritonServer
-from tritonllm.supervisor import Supervisor
+from tritonllm.deploy.frontend import start_next_to_server
+from tritonllm.deploy.supervisor import Supervisor
+from tritonllm.deploy.tritonserver import Ports, ServerError, TritonServer
 
 
 def default_work_dir() -> Path:
@@ -22,7 +22,7 @@ def curl_example(http_url: str) -> str:
 
 
 def _repository_for(args, work_dir: Path) -> Path:
-    from tritonllm.repo import build_repo
+    from tritonllm.deploy.repo import build_repo
 
     if args.repo:
         return Path(args.repo)

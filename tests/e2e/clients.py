@@ -17,7 +17,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException, np_to_triton_dtype
 
-from tritonllm.server import Ports, TritonServer
+from tritonllm.deploy.tritonserver import Ports, TritonServer
 
 
 class ServerReplyError(AssertionError):

@@ -11,9 +11,9 @@ import time
 import pytest
 
 import e2e_clients as clients
-from tritonllm.repo import build_repo
-from tritonllm.server import Ports, TritonServer
-from tritonllm.supervisor import Supervisor, stub_processes
+from tritonllm.deploy.repo import build_repo
+from tritonllm.deploy.tritonserver import Ports, TritonServer
+from tritonllm.deploy.supervisor import Supervisor, stub_processes
 
 from .conftest import MAX_SEQ_LEN
 

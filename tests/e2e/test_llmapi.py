@@ -147,8 +147,8 @@ def test_the_llmapi_model_exports_the_metrics_families(llmapi_server):
 
 
 def test_a_non_decoupled_llmapi_model_answers_once_and_refuses_streaming(tiny_model, tmp_path):
-    from tritonllm.llmapi_repo import build_llmapi_repo
-    from tritonllm.server import Ports, TritonServer
+    from tritonllm.deploy.llmapi_repo import build_llmapi_repo
+    from tritonllm.deploy.tritonserver import Ports, TritonServer
 
     repo = build_llmapi_repo(tiny_model, tmp_path / "repo", streaming=False, max_seq_len=256)
     with TritonServer(repo, Ports.free(), log_file=tmp_path / "tritonserver.log") as triton:

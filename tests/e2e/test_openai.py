@@ -14,8 +14,8 @@ openai = pytest.importorskip("openai", reason="the OpenAI endpoint tests need th
 
 import e2e_clients as clients  # noqa: E402
 
-from tritonllm.openai_api.launch import FrontendProcess  # noqa: E402
-from tritonllm.server import free_port  # noqa: E402
+from tritonllm.deploy.frontend import FrontendProcess  # noqa: E402
+from tritonllm.deploy.tritonserver import free_port  # noqa: E402
 
 pytestmark = pytest.mark.server
 

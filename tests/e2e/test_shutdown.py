@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from tritonllm.bls.llm_calls import GrpcTransport
-from tritonllm.repo import build_repo
-from tritonllm.server import Ports, TritonServer
+from tritonllm.deploy.repo import build_repo
+from tritonllm.deploy.tritonserver import Ports, TritonServer
 
 from .conftest import MAX_SEQ_LEN
 

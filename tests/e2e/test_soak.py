@@ -20,8 +20,8 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 import e2e_clients as clients
-from tritonllm.repo import build_repo
-from tritonllm.server import Ports, TritonServer
+from tritonllm.deploy.repo import build_repo
+from tritonllm.deploy.tritonserver import Ports, TritonServer
 
 from .conftest import MAX_SEQ_LEN
 

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 
 import e2e_clients
-from tritonllm.repo import build_repo
-from tritonllm.server import Ports, TritonServer
+from tritonllm.deploy.repo import build_repo
+from tritonllm.deploy.tritonserver import Ports, TritonServer
 
 pytestmark = pytest.mark.server
 

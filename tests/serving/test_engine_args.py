@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from tritonllm.engine.config import ConfigError
-from tritonllm.repo import build_repo
+from tritonllm.deploy.repo import build_repo
 from tritonllm.triton.engine_args import KNOWN_PARAMETERS, TensorrtLLMSettings, load_tensorrt_llm_settings
 from tritonllm.triton.params import ParameterError
 

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from tritonllm.engine import SamplingParams
-from tritonllm.llmapi_repo import build_llmapi_repo
+from tritonllm.deploy.llmapi_repo import build_llmapi_repo
 from tritonllm.model_files.tiny import build_tiny_model
 from tritonllm.triton.llmapi_server import LLMAPIServer
 

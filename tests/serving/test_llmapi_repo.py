@@ -8,8 +8,8 @@ import yaml
 
 from tritonllm.commands.main import main as cli_main
 from tritonllm.engine.config import ConfigError
-from tritonllm.llmapi_repo import build_llmapi_repo, llmapi_template
-from tritonllm.repo import RepoError, build_repo
+from tritonllm.deploy.llmapi_repo import build_llmapi_repo, llmapi_template
+from tritonllm.deploy.repo import RepoError, build_repo
 from tritonllm.triton.llmapi_config import load_llmapi_settings, read_triton_config
 
 text_format = pytest.importorskip("google.protobuf.text_format")

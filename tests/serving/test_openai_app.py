@@ -16,7 +16,7 @@ from tritonllm.openai_api.app import create_app  # noqa: E402
 from tritonllm.openai_api.config import FrontendConfig  # noqa: E402
 from tritonllm.openai_api.service import OpenAIService  # noqa: E402
 from tritonllm.openai_api.triton_client import StreamResponse, backend_error  # noqa: E402
-from tritonllm.server import free_port  # noqa: E402
+from tritonllm.deploy.tritonserver import free_port  # noqa: E402
 
 PIECES = ["Hello", " wor", "ld", ". The", " end"]
 

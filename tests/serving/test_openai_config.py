@@ -8,8 +8,8 @@ import pytest
 from tritonllm.model_files.tiny import build_tiny_model
 from tritonllm.commands.openai import config_from_args
 from tritonllm.openai_api.config import FrontendConfig, FrontendConfigError
-from tritonllm.openai_api.launch import FrontendStartError, tokenizer_dir_of_repo
-from tritonllm.repo import build_repo
+from tritonllm.deploy.frontend import FrontendStartError, tokenizer_dir_of_repo
+from tritonllm.deploy.repo import build_repo
 
 
 @pytest.fixture(scope="module")

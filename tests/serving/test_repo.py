@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tritonllm.repo import (MODEL_NAMES, RepoError, build_repo, fill_template, parse_substitutions, placeholders,
+from tritonllm.deploy.repo import (MODEL_NAMES, RepoError, build_repo, fill_template, parse_substitutions, placeholders,
                             structural_placeholders, template_dir, validate_repo)
 
 text_format = pytest.importorskip("google.protobuf.text_format")

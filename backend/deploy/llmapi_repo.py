@@ -14,9 +14,16 @@ from typing import Any, Mapping, Optional
 
 import yaml
 
-from .engine import choose_engine
-from .repo import RepoError, block_bytecode, check_build_choices, check_build_numbers, check_model_dir, template_dir
-from .triton.llmapi_config import load_llmapi_settings
+from tritonllm.deploy.repo import (
+    RepoError,
+    block_bytecode,
+    check_build_choices,
+    check_build_numbers,
+    check_model_dir,
+    template_dir,
+)
+from tritonllm.engine import choose_engine
+from tritonllm.triton.llmapi_config import load_llmapi_settings
 
 MODEL_NAME = "tensorrt_llm"
 ENSEMBLE_MODELS = ("preprocessing", "postprocessing", "ensemble", "tensorrt_llm_bls")

@@ -49,8 +49,8 @@ def template_dir() -> Path:
             raise RepoError(f"TRITONLLM_MODELS_DIR={named} does not hold the model templates "
                             "(no tensorrt_llm/config.pbtxt)")
         return path
-    here = Path(__file__).resolve().parent
-    for path in (here.parent / "models", here / "model_repository"):
+    package = Path(__file__).resolve().parents[1]  # the installed tritonllm (backend/ in a checkout)
+    for path in (package.parent / "models", package / "model_repository"):
         if (path / "tensorrt_llm" / "config.pbtxt").is_file():
             return path
     raise RepoError("cannot find the models/ template: set TRITONLLM_MODELS_DIR to the repository's models/ folder "

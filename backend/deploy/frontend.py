@@ -14,7 +14,7 @@ import urllib.request
 from pathlib import Path
 from typing import Optional, Sequence
 
-from ..server import ServerError
+from tritonllm.deploy.tritonserver import ServerError
 
 
 class FrontendStartError(ServerError):

@@ -15,7 +15,7 @@ from collections import deque
 from pathlib import Path
 from typing import Callable, Optional
 
-from .server import ServerError, TritonServer
+from tritonllm.deploy.tritonserver import ServerError, TritonServer
 
 log = logging.getLogger("tritonllm.serve")
 CHECK_PERIOD_S = 0.5
