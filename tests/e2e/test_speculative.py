@@ -141,8 +141,8 @@ def _medusa_heads(model_dir, out):
 
 def _method_config(method, model_dir, work):
     """The model.yaml lines of a speculative method, with untrained weights where it needs any."""
-    from tritonllm.spec_decode.eagle import random_eagle
-    from tritonllm.spec_decode.eagle3 import random_eagle3
+    from tritonllm.engine.embedded.speculation.eagle import random_eagle
+    from tritonllm.engine.embedded.speculation.eagle3 import random_eagle3
 
     if method == "NGram":
         return "  decoding_type: NGram\n  max_draft_len: 4\n  max_matching_ngram_size: 2\n"

@@ -26,7 +26,8 @@ from .models.layers import use_fused_kernels
 from .sampler import SampledTokens, sample, sample_on_device
 from .scheduler import Scheduler
 from .sequence import Sequence
-from .speculative import Speculator
+from .speculation.build import TargetParts
+from .speculation.speculator import Speculator
 
 log = logging.getLogger("tritonllm.engine")
 
@@ -107,7 +108,8 @@ class EngineCore:
                      ", ".join(map(str, graph_settings.batch_sizes)),
                      ", smaller batches padded up" if graph_settings.enable_padding else "")
         self.runner.lora = self.lora
-        self.speculator = Speculator(self, config.speculative_settings())
+        self.speculator = Speculator(TargetParts(self.model, self.model_config, self.runner, self.block_manager,
+                                                 self.dtype, self.device), config.speculative_settings())
         self.beams = BeamRequests(self)
         self.requests: dict[int, EngineRequest] = {}
         self.overlap = overlap_wanted(config, self.device)

@@ -23,10 +23,11 @@ import torch
 from tritonllm.spec_decode.acceptance import accept_or_resample
 from tritonllm.spec_decode.proposer import ProposalInput
 
-from .model_runner import StepOutput
-from .sampler import plain_greedy_choices, sample, sampling_probs
-from .sequence import Sequence, SequenceStatus
-from .spec_methods import StepDraft, build_method, external_draft
+from ..model_runner import StepOutput
+from ..sampler import plain_greedy_choices, sample, sampling_probs
+from ..sequence import Sequence, SequenceStatus
+from .build import TargetParts, build_method
+from .methods import StepDraft, external_draft
 
 log = logging.getLogger("tritonllm.engine")
 
@@ -34,21 +35,23 @@ Commit = Callable[[Sequence, int, float], None]
 
 
 class Speculator:
-    def __init__(self, core, spec_config=None):
-        self.core = core
+    """`target`: the engine's parts speculation uses (TargetParts), never the engine core itself."""
+
+    def __init__(self, target: TargetParts, spec_config=None):
+        self.target = target
         self.config = spec_config
-        self.method = build_method(spec_config, core)
+        self.method = build_method(spec_config, target)
         self.hidden: dict[int, torch.Tensor] = {}  # Medusa: the state that predicted each sequence's last token
         self.external_done: set[int] = set()  # sequences whose request's draft tokens are verified
         # Eagle: the method sees the target's hidden state of every computed position (prompts included).
         self.all_hidden = getattr(self.method, "needs_all_hidden", False)
-        core.runner.keep_all_hidden = self.all_hidden
+        target.runner.keep_all_hidden = self.all_hidden
 
     def check_lookahead(self, wanted) -> None:
         """A request's own lookahead (W, N, G) needs the engine's lookahead and must fit within it."""
         from tritonllm.spec_decode.config import LookaheadConfig
 
-        from ..types import InvalidRequestError
+        from ...types import InvalidRequestError
 
         if not isinstance(self.config, LookaheadConfig):
             raise InvalidRequestError("a per-request lookahead config (lookahead_window_size / lookahead_ngram_size /"
@@ -175,10 +178,10 @@ class Speculator:
         moves = [(root_position + 1 + node, root_position + 1 + depth) for depth, node in enumerate(accepted)
                  if node != depth]
         if moves:
-            slot = self.core.block_manager.slot_of
-            self.core.runner.copy_slots([slot(seq, src) for src, _ in moves], [slot(seq, dst) for _, dst in moves])
+            slot = self.target.block_manager.slot_of
+            self.target.runner.copy_slots([slot(seq, src) for src, _ in moves], [slot(seq, dst) for _, dst in moves])
         seq.num_computed_tokens = root_position + 1 + len(accepted)
-        self.core.block_manager.trim(seq, seq.num_tokens)
+        self.target.block_manager.trim(seq, seq.num_tokens)
 
     def release(self, seq: Sequence) -> None:
         """Forget a finished or aborted sequence."""
