@@ -18,7 +18,7 @@ from dataclasses import replace
 from tritonllm.bench_report import progress, report
 from tritonllm.cli_types import count
 
-from .distill import bench_requests, chat_ids
+from .training.distill import bench_requests, chat_ids
 
 
 def _draft_len(args, default: int) -> int:

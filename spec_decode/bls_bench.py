@@ -16,7 +16,7 @@ from pathlib import Path
 from tritonllm.bench_report import progress, report
 from tritonllm.cli_types import count
 
-from .distill import bench_requests
+from .training.distill import bench_requests
 
 
 def add_arguments(parser) -> None:

@@ -149,7 +149,7 @@ def _run_train_medusa(args) -> int:
 
     from tritonllm.engine.config import ConfigError
 
-    from .train_medusa import TrainSettings, train_medusa
+    from .training.train_medusa import TrainSettings, train_medusa
 
     _check_common(args, ("heads", "layers"))
     if args.distill_prompts < 0 or args.distill_tokens < 0 or args.draft_vocab < 0:
@@ -191,8 +191,8 @@ def _run_train_eagle(args) -> int:
 
     from tritonllm.engine.config import ConfigError
 
-    from .train_eagle import EagleTrainSettings, train_eagle
-    from .train_eagle3 import Eagle3TrainSettings, train_eagle3
+    from .training.train_eagle import EagleTrainSettings, train_eagle
+    from .training.train_eagle3 import Eagle3TrainSettings, train_eagle3
 
     _check_common(args, ("passes", "distill_prompts"))
     if args.draft_vocab < 0 or args.token_weight < 0 or args.feature_noise < 0:

@@ -188,7 +188,7 @@ def test_smollm2_with_its_shipped_medusa_heads_keeps_the_plain_greedy_tokens(smo
     from tritonllm.engine import create_engine
     from tritonllm.engine.config import EngineConfig
     from tritonllm.engine.types import SamplingParams
-    from tritonllm.spec_decode.distill import bench_requests, chat_ids
+    from tritonllm.spec_decode.training.distill import bench_requests, chat_ids
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     prompts = [chat_ids(tokenizer, request) for request in bench_requests("chat", 3)]

@@ -22,7 +22,7 @@ from tritonllm.model_files.tiny import build_tiny_model
 from tritonllm.spec_decode.checkpoint_files import CheckpointError
 from tritonllm.spec_decode.medusa import MedusaHeads, MedusaProposer, load_medusa, resolve_heads_dir, save_medusa
 from tritonllm.spec_decode.proposer import ProposalInput
-from tritonllm.spec_decode.train_medusa import IGNORE, TrainSettings, logit_columns, train_medusa
+from tritonllm.spec_decode.training.train_medusa import IGNORE, TrainSettings, logit_columns, train_medusa
 
 DEVICE = os.environ.get("TRITONLLM_TEST_DEVICE", "cpu")
 

@@ -20,7 +20,7 @@ from tritonllm.engine.types import InvalidRequestError, SamplingParams
 from tritonllm.model_files.tiny import build_tiny_model
 from tritonllm.spec_decode.checkpoint_files import CheckpointError, frequent_tokens
 from tritonllm.spec_decode.medusa import MedusaHeads, load_medusa, save_medusa
-from tritonllm.spec_decode.train_eagle import dense_passes
+from tritonllm.spec_decode.training.train_eagle import dense_passes
 
 from .test_eagle import eagle_spec, make_engine, run_batch
 
@@ -183,7 +183,7 @@ def test_shipped_smollm2_draft_loads_with_smollm2_sizes_and_its_vocabulary():
 def test_shipped_smollm2_draft_keeps_greedy_output_and_gets_drafts_accepted(smollm2_dir):
     from transformers import AutoTokenizer
 
-    from tritonllm.spec_decode.distill import bench_requests, chat_ids
+    from tritonllm.spec_decode.training.distill import bench_requests, chat_ids
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     prompts = [chat_ids(tokenizer, request) for request in bench_requests("chat", 2)]

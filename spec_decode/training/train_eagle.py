@@ -39,7 +39,7 @@ from tritonllm.engine.embedded.models.layers import apply_rotary
 from tritonllm.engine.embedded.speculation.eagle import EagleDraft, eagle_config_for, parse_eagle_config, save_eagle
 
 from . import distill
-from .checkpoint_files import frequent_tokens
+from ..checkpoint_files import frequent_tokens
 from .frozen_base import base_outputs, load_base
 from .training_loop import BestCheckpoint, chain_score, deadline, run_steps
 from .train_medusa import default_text
