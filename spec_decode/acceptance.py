@@ -1,21 +1,28 @@
-"""Verification: which draft tokens the target accepts, and the one token it adds after them.
+"""Verification: which draft tokens the target accepts, and the one token it adds after them. One rule, which the
+embedded engine (tritonllm.engine.embedded.speculation.speculator) and the tests both run.
 
-Inputs are the target's outputs at the root and at every draft node of one forward (row 0 = root, row i+1 =
-node i): argmax tokens for greedy requests, probabilities (after the request's temperature / top-k / top-p) for
-sampled ones. Every function returns `Verdict(accepted_nodes, tokens)`: the accepted node indices along one
-root-to-node path and the tokens to commit (the accepted drafts plus one target token), so a step always makes
-progress.
+`walk` goes down the draft tree from the root: at each node the target picks the next token (row 0 of a
+verification forward follows the root, row i+1 node i), which is committed; the walk goes on to the child holding
+that token while there is one. The accepted nodes are one root-to-node path, and a step always commits at least
+one token (`Verdict(accepted_nodes, tokens)`: the accepted drafts plus the target's token after them).
 
-Greedy acceptance is exact: the output equals plain greedy decoding. Sampling uses rejection sampling (Leviathan
-et al. 2023; Chen et al. 2023), which keeps the target distribution: a draft token d drawn from q is accepted with
-probability min(1, p(d)/q(d)); on rejection the token is drawn from norm(max(0, p - q)); after a fully accepted
-chain the extra token is drawn from p. Drafts without probabilities (n-gram, lookahead, argmax heads) are
-one-hot q: d is accepted with probability p(d), else drawn from p with d removed. On a tree the children of a
-node are tried in turn, each rejection removing that child's token from p (again exact for one-hot drafts)."""
+How the target picks a row's token:
+- Greedy requests: its argmax (`greedy_accept`). The output equals plain greedy decoding.
+- Sampled requests, drafts without probabilities (n-gram, lookahead, Medusa and EAGLE trees, argmax chains): a
+  token drawn from the target's distribution p, as a plain decode step draws it (the engine uses the request's own
+  sampler). The output keeps p: a draft d is accepted with probability p(d), and otherwise the token comes from p
+  without d; the children of a tree node compete alike, one draw deciding between them. That is rejection sampling
+  with a one-hot draft distribution, done in one draw.
+- Sampled requests, a chain with draft probabilities q (`DraftTree.draft_probs`, external `draft_logits`):
+  rejection sampling (Leviathan et al. 2023; Chen et al. 2023, `accept_or_resample`), which keeps p: the draft
+  d ~ q of the next node (`draft_child`) is accepted with probability min(1, p(d) / q(d)), or, with an acceptance
+  threshold, when that ratio reaches it; on rejection the token is drawn from norm(max(0, p - q)). After the last
+  draft the token is drawn from p.
+`rejection_sample` runs the sampled rule on given target probabilities."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 
@@ -32,21 +39,20 @@ class Verdict:
         return len(self.accepted_nodes)
 
 
-# ---- greedy ---------------------------------------------------------------------------------------------------
-
-def greedy_accept(tree: DraftTree, target_tokens: Sequence[int]) -> Verdict:
-    """`target_tokens[0]` is the target's argmax after the root, `target_tokens[i+1]` after node i. Follows the
-    child whose token equals the target's choice while one exists (the longest accepted path)."""
-    if len(target_tokens) != len(tree) + 1:
-        raise ValueError(f"need {len(tree) + 1} target tokens for {len(tree)} draft nodes, got {len(target_tokens)}")
+def walk(tree: DraftTree, choose: Callable[[int], int], finished: Optional[Callable[[], bool]] = None) -> Verdict:
+    """The verification walk. `choose(node)` is the target's token after `node` (-1: the root), committed by the
+    caller; the walk follows the child holding it while there is one and `finished()` (the request ended with that
+    token: end id, stop word, max_tokens) is not true."""
     children = _children_by_token(tree)
     accepted: list[int] = []
+    tokens: list[int] = []
     node = -1
     while True:
-        wanted = int(target_tokens[node + 1])
-        child = children.get((node, wanted))
-        if child is None:
-            return Verdict(accepted, [tree.tokens[i] for i in accepted] + [wanted])
+        token = choose(node)
+        tokens.append(token)
+        child = children.get((node, token))
+        if child is None or (finished is not None and finished()):
+            return Verdict(accepted, tokens)
         accepted.append(child)
         node = child
 
@@ -58,52 +64,43 @@ def _children_by_token(tree: DraftTree) -> dict[tuple[int, int], int]:
     return index
 
 
+# ---- greedy ---------------------------------------------------------------------------------------------------
+
+def greedy_accept(tree: DraftTree, target_tokens: Sequence[int]) -> Verdict:
+    """`target_tokens[0]` is the target's argmax after the root, `target_tokens[i+1]` after node i. Follows the
+    child whose token equals the target's choice while one exists (the longest accepted path)."""
+    if len(target_tokens) != len(tree) + 1:
+        raise ValueError(f"need {len(tree) + 1} target tokens for {len(tree)} draft nodes, got {len(target_tokens)}")
+    return walk(tree, lambda node: int(target_tokens[node + 1]))
+
+
 # ---- sampling -------------------------------------------------------------------------------------------------
 
-def rejection_sample_chain(draft_tokens: Sequence[int], target_probs: torch.Tensor,
-                           draft_probs: Optional[torch.Tensor], generator: torch.Generator) -> Verdict:
-    """target_probs: [k+1, vocab] (row i = after i drafts); draft_probs: [k, vocab], the distributions the drafts
-    were drawn from, or None for deterministic drafts."""
-    k = len(draft_tokens)
-    _check_rows(target_probs, k + 1, "target_probs")
-    if draft_probs is not None:
-        _check_rows(draft_probs, k, "draft_probs")
-    accepted: list[int] = []
-    for i, token in enumerate(draft_tokens):
-        p = target_probs[i]
-        q = None if draft_probs is None else draft_probs[i]
-        if _accept(p, q, int(token), generator):
-            accepted.append(i)
-            continue
-        return Verdict(accepted, list(draft_tokens[:i]) + [_draw(_residual(p, q, int(token)), generator)])
-    return Verdict(accepted, list(draft_tokens) + [_draw(target_probs[k], generator)])
+def draft_child(tree: DraftTree, node: int) -> Optional[int]:
+    """The node whose draft probabilities decide the token after `node`: the next node of a chain with draft
+    probabilities (only chains have them); None where the token is drawn from the target's distribution alone (no
+    draft probabilities, or past the last draft)."""
+    child = node + 1
+    return None if tree.draft_probs is None or child >= len(tree) else child
 
 
-def rejection_sample_tree(tree: DraftTree, target_probs: torch.Tensor, generator: torch.Generator) -> Verdict:
-    """Deterministic drafts on a tree; target_probs: [n+1, vocab], row 0 after the root, row i+1 after node i."""
-    if tree.draft_probs is not None and not tree.is_chain:
-        raise ValueError("trees with draft probabilities are not supported; verify a chain")
+def rejection_sample(tree: DraftTree, target_probs: torch.Tensor, generator: torch.Generator,
+                     threshold: Optional[float] = None) -> Verdict:
+    """The sampled rule on given probabilities: target_probs [n+1, vocab], row 0 after the root, row i+1 after
+    node i (after the request's temperature / top-k / top-p); the tree's draft_probs, if any, are q."""
     _check_rows(target_probs, len(tree) + 1, "target_probs")
-    accepted: list[int] = []
-    node = -1
-    while True:
-        p = target_probs[node + 1].clone()
-        child = _accept_one_child(tree, node, p, generator)
+    if tree.draft_probs is not None:
+        if not tree.is_chain:
+            raise ValueError("trees with draft probabilities are not supported; verify a chain")
+        _check_rows(tree.draft_probs, len(tree), "draft_probs")
+
+    def choose(node: int) -> int:
+        p, child = target_probs[node + 1], draft_child(tree, node)
         if child is None:
-            tokens = [tree.tokens[i] for i in accepted]
-            return Verdict(accepted, tokens + [_draw(p, generator)])
-        accepted.append(child)
-        node = child
+            return _draw(p, generator)
+        return accept_or_resample(p, tree.draft_probs[child], tree.tokens[child], generator, threshold)[1]
 
-
-def _accept_one_child(tree: DraftTree, node: int, p: torch.Tensor, generator: torch.Generator) -> Optional[int]:
-    """Try the children in order; each rejected child's token is removed from `p` (in place, renormalised)."""
-    for child in tree.children(node):
-        token = tree.tokens[child]
-        if _accept(p, None, token, generator):
-            return child
-        p.copy_(_residual(p, None, token))
-    return None
+    return walk(tree, choose)
 
 
 def accept_or_resample(p: torch.Tensor, q: Optional[torch.Tensor], token: int, generator: torch.Generator,

@@ -1,8 +1,10 @@
 """The small checkpoint folders speculative methods load (Medusa heads, EAGLE draft layers): a config.json and
-one weights file, safetensors preferred over a pickled state dict. Every failure is a ModelLoadError naming the
-file and what was wrong with it."""
+one weights file, safetensors preferred over a pickled state dict. Every failure is a CheckpointError naming the
+file and what was wrong with it (the engine reports it as a ModelLoadError, or as an InvalidRequestError naming
+speculative_config.speculative_model_dir, with the same message)."""
 from __future__ import annotations
 
+import json
 from importlib import resources
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -10,12 +12,13 @@ from typing import Any, Optional, Union
 import torch
 from safetensors.torch import load_file
 
-from tritonllm.engine.embedded.loader import read_json_object
-from tritonllm.engine.embedded.models.model_config import ModelLoadError
-
 CONFIG_FILE = "config.json"
 BUILTIN_PREFIX = "builtin:"
-DRAFT_VOCAB_KEY = "draft_vocab"  # our extension: the token ids a draft may propose (see eagle.py, medusa.py)
+DRAFT_VOCAB_KEY = "draft_vocab"  # our extension: the token ids a draft may propose (eagle_format.py, medusa.py)
+
+
+class CheckpointError(ValueError):
+    """A Medusa or EAGLE checkpoint folder that cannot be read; the message names the file, tensor or key."""
 
 
 def resolve_folder(model_dir: Union[str, Path], builtin: dict[str, str], kind: str) -> Path:
@@ -26,8 +29,8 @@ def resolve_folder(model_dir: Union[str, Path], builtin: dict[str, str], kind: s
         return Path(model_dir)
     name = text[len(BUILTIN_PREFIX):]
     if name not in builtin:
-        raise ModelLoadError(f"no built-in {kind} named {name!r} (built in: "
-                             f"{', '.join(BUILTIN_PREFIX + known for known in builtin)})")
+        raise CheckpointError(f"no built-in {kind} named {name!r} (built in: "
+                              f"{', '.join(BUILTIN_PREFIX + known for known in builtin)})")
     return Path(str(resources.files("tritonllm.spec_decode").joinpath("data", builtin[name])))
 
 
@@ -35,9 +38,22 @@ def read_config(folder: Path, kind: str, weight_files: tuple[str, str]) -> dict[
     """`folder`/config.json as a dict; `kind` ("a Medusa") and `weight_files` word the error for a missing file."""
     path = folder / CONFIG_FILE
     if not path.is_file():
-        raise ModelLoadError(f"{folder}: no {CONFIG_FILE} ({kind} checkpoint folder has {CONFIG_FILE} and "
-                             f"{weight_files[0]} or {weight_files[1]})")
-    return read_json_object(path, CONFIG_FILE)
+        raise CheckpointError(f"{folder}: no {CONFIG_FILE} ({kind} checkpoint folder has {CONFIG_FILE} and "
+                              f"{weight_files[0]} or {weight_files[1]})")
+    return _read_json_object(path, CONFIG_FILE)
+
+
+def _read_json_object(path: Path, what: str) -> dict[str, Any]:
+    """The JSON object in `path` (`what` names it in errors)."""
+    if not path.is_file():
+        raise CheckpointError(f"{path}: {what} not found")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path}: {what} is not valid JSON ({err})") from None
+    if not isinstance(data, dict):
+        raise CheckpointError(f"{path}: {what} must hold a JSON object")
+    return data
 
 
 def read_weights(folder: Path, safetensors_file: str, pickle_file: str, kind: str) -> dict[str, torch.Tensor]:
@@ -46,16 +62,16 @@ def read_weights(folder: Path, safetensors_file: str, pickle_file: str, kind: st
         try:
             return load_file(str(folder / safetensors_file))
         except Exception as err:  # safetensors raises its own error types
-            raise ModelLoadError(f"{folder / safetensors_file}: not a readable safetensors file ({err})") from None
+            raise CheckpointError(f"{folder / safetensors_file}: not a readable safetensors file ({err})") from None
     if (folder / pickle_file).is_file():
         try:  # weights_only: a checkpoint must never run code on load
             state = torch.load(folder / pickle_file, map_location="cpu", weights_only=True)
         except Exception as err:
-            raise ModelLoadError(f"{folder / pickle_file}: cannot read {kind} weights ({err})") from None
+            raise CheckpointError(f"{folder / pickle_file}: cannot read {kind} weights ({err})") from None
         if not isinstance(state, dict):
-            raise ModelLoadError(f"{folder / pickle_file}: does not hold a state dict")
+            raise CheckpointError(f"{folder / pickle_file}: does not hold a state dict")
         return state
-    raise ModelLoadError(f"{folder}: no {safetensors_file} or {pickle_file}")
+    raise CheckpointError(f"{folder}: no {safetensors_file} or {pickle_file}")
 
 
 def read_draft_vocab(state: dict[str, torch.Tensor], vocab_size: int, folder: Path,
@@ -67,13 +83,13 @@ def read_draft_vocab(state: dict[str, torch.Tensor], vocab_size: int, folder: Pa
         return None
     where = f"{folder}: {kind} tensor {DRAFT_VOCAB_KEY}"
     if ids.dim() != 1 or ids.numel() == 0 or ids.dtype.is_floating_point:
-        raise ModelLoadError(f"{where} must be a non-empty 1-D tensor of token ids, got shape {list(ids.shape)} "
-                             f"of {ids.dtype}")
+        raise CheckpointError(f"{where} must be a non-empty 1-D tensor of token ids, got shape {list(ids.shape)} "
+                              f"of {ids.dtype}")
     ids = ids.to(torch.long)
     if int(ids.min()) < 0 or (vocab_size > 0 and int(ids.max()) >= vocab_size):
-        raise ModelLoadError(f"{where} holds ids outside the vocabulary [0, {vocab_size})")
+        raise CheckpointError(f"{where} holds ids outside the vocabulary [0, {vocab_size})")
     if len(torch.unique(ids)) != len(ids):
-        raise ModelLoadError(f"{where} repeats token ids")
+        raise CheckpointError(f"{where} repeats token ids")
     return torch.sort(ids).values
 
 
@@ -84,13 +100,13 @@ def copy_weights(slots: dict[str, Any], state: dict[str, torch.Tensor], folder: 
     words to the error for a missing key, and `kind` ("EAGLE") words the errors."""
     for key in state:
         if key not in slots and key not in ignored and not key.endswith("rotary_emb.inv_freq"):
-            raise ModelLoadError(f"{folder}: unexpected tensor {key} in the {kind} weights")
+            raise CheckpointError(f"{folder}: unexpected tensor {key} in the {kind} weights")
     for key, slot in slots.items():
         if key not in state:
-            raise ModelLoadError(f"{folder}: {kind} weights lack {key}{(hints or {}).get(key, '')}")
+            raise CheckpointError(f"{folder}: {kind} weights lack {key}{(hints or {}).get(key, '')}")
         if tuple(state[key].shape) != slot.shape:
-            raise ModelLoadError(f"{folder}: {kind} tensor {key} has shape {list(state[key].shape)}, expected "
-                                 f"{list(slot.shape)}")
+            raise CheckpointError(f"{folder}: {kind} tensor {key} has shape {list(state[key].shape)}, expected "
+                                  f"{list(slot.shape)}")
         slot.copy_(state[key].float())
 
 

@@ -3,7 +3,7 @@ typed, validated dataclasses, and the contract's `medusa_choices` / `eagle_choic
 
 `decoding_type` picks the method: Medusa, Eagle (Eagle3 too), Lookahead, NGram or DraftTarget (Draft_Target).
 Keys keep TensorRT-LLM's names; a key the method does not know, a wrong type or an out-of-range value raises
-`SpecConfigError` naming `speculative_config.<key>`."""
+`SpecConfigError` naming `speculative_config.<key>` (the engine's config reports it as its ConfigError)."""
 from __future__ import annotations
 
 import dataclasses
@@ -12,14 +12,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
 
-from tritonllm.engine.config import ConfigError
-
 Choices = list[tuple[int, ...]]
 
 PREFIX = "speculative_config"
 
 
-class SpecConfigError(ConfigError):
+class SpecConfigError(ValueError):
     """A bad `speculative_config` (or choices string); the message names the key."""
 
 

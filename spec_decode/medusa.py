@@ -33,10 +33,15 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from torch import nn
 
-from tritonllm.engine.embedded.models.model_config import ModelLoadError
-
-from .checkpoint_files import (CONFIG_FILE, DRAFT_VOCAB_KEY, read_config, read_draft_vocab, read_weights,
-                               resolve_folder)
+from .checkpoint_files import (
+    CONFIG_FILE,
+    DRAFT_VOCAB_KEY,
+    CheckpointError,
+    read_config,
+    read_draft_vocab,
+    read_weights,
+    resolve_folder,
+)
 from .config import Choices
 from .proposer import ProposalInput, StatelessProposer, draft_budget
 from .tree import DraftTree, TreeTemplate, default_choices
@@ -181,7 +186,7 @@ def load_medusa(model_dir: Union[str, Path], dtype: torch.dtype = torch.float32,
     config = read_config(folder, "a Medusa", (SAFETENSORS_FILE, PICKLE_FILE))
     shared = config.get(SHARED_KEY, False)
     if not isinstance(shared, bool):
-        raise ModelLoadError(f"{folder / CONFIG_FILE}: {SHARED_KEY} must be true or false, got {shared!r}")
+        raise CheckpointError(f"{folder / CONFIG_FILE}: {SHARED_KEY} must be true or false, got {shared!r}")
     state = read_weights(folder, SAFETENSORS_FILE, PICKLE_FILE, "Medusa")
     vocab = read_draft_vocab(state, 0, folder, "Medusa")  # ids checked against the vocabulary below
     state = _strip_prefix(state)
@@ -197,15 +202,15 @@ def load_medusa(model_dir: Union[str, Path], dtype: torch.dtype = torch.float32,
     expected = heads.checkpoint_state()
     for key, tensor in expected.items():
         if key not in state:
-            raise ModelLoadError(f"{folder}: Medusa weights lack {key}")
+            raise CheckpointError(f"{folder}: Medusa weights lack {key}")
         if tuple(state[key].shape) != tuple(tensor.shape):
-            raise ModelLoadError(f"{folder}: Medusa tensor {key} has shape {list(state[key].shape)}, "
-                                 f"expected {list(tensor.shape)}")
+            raise CheckpointError(f"{folder}: Medusa tensor {key} has shape {list(state[key].shape)}, "
+                                  f"expected {list(tensor.shape)}")
     heads.load_state_dict({f"heads.{key}": state[key] for key in expected})
     if vocab is not None:
         if vocab_size and int(vocab.max()) >= vocab_size:
-            raise ModelLoadError(f"{folder}: Medusa tensor {DRAFT_VOCAB_KEY} holds ids outside the vocabulary "
-                                 f"[0, {vocab_size})")
+            raise CheckpointError(f"{folder}: Medusa tensor {DRAFT_VOCAB_KEY} holds ids outside the vocabulary "
+                                  f"[0, {vocab_size})")
         heads.restrict_vocab(vocab)
     return heads.to(device=device, dtype=dtype).eval()
 
@@ -224,22 +229,22 @@ def _shape_from_keys(state: dict[str, torch.Tensor], folder: Path, shared: bool 
     for key in state:
         match = _KEY.match(key)
         if match is None:
-            raise ModelLoadError(f"{folder}: unexpected tensor {key} in Medusa weights")
+            raise CheckpointError(f"{folder}: unexpected tensor {key} in Medusa weights")
         heads.add(int(match.group(1)))
         (projection_index if match.group(3) == "weight" else block_index).add(int(match.group(2)))
     if shared:
         if projection_index:
-            raise ModelLoadError(f"{folder}: config.json says {SHARED_KEY} but the weights hold vocabulary "
-                                 f"projections ('{{head}}.{min(projection_index)}.weight')")
+            raise CheckpointError(f"{folder}: config.json says {SHARED_KEY} but the weights hold vocabulary "
+                                  f"projections ('{{head}}.{min(projection_index)}.weight')")
         if not block_index:
-            raise ModelLoadError(f"{folder}: Medusa heads sharing the base LM head need ResBlock weights "
-                                 f"('{{head}}.{{layer}}.linear.weight|bias')")
+            raise CheckpointError(f"{folder}: Medusa heads sharing the base LM head need ResBlock weights "
+                                  f"('{{head}}.{{layer}}.linear.weight|bias')")
     elif not heads or len(projection_index) != 1:
-        raise ModelLoadError(f"{folder}: Medusa weights need one '{{head}}.{{layers}}.weight' per head (or "
-                             f"\"{SHARED_KEY}\": true in config.json for heads that use the base LM head)")
+        raise CheckpointError(f"{folder}: Medusa weights need one '{{head}}.{{layers}}.weight' per head (or "
+                              f"\"{SHARED_KEY}\": true in config.json for heads that use the base LM head)")
     num_heads = max(heads) + 1
     if sorted(heads) != list(range(num_heads)):
-        raise ModelLoadError(f"{folder}: Medusa heads are not numbered 0..{num_heads - 1}")
+        raise CheckpointError(f"{folder}: Medusa heads are not numbered 0..{num_heads - 1}")
     return num_heads, (max(block_index) + 1 if shared else projection_index.pop())
 
 
@@ -253,8 +258,8 @@ class MedusaProposer(StatelessProposer):
         choices = choices or default_choices(heads.num_heads, num_nodes=4 * heads.num_heads)
         self.template = TreeTemplate.from_choices(choices)
         if self.template.depth > heads.num_heads:
-            raise ModelLoadError(f"medusa_choices is {self.template.depth} deep but the checkpoint has "
-                                 f"{heads.num_heads} heads")
+            raise CheckpointError(f"medusa_choices is {self.template.depth} deep but the checkpoint has "
+                                  f"{heads.num_heads} heads")
         self.heads = heads
         self.max_draft_tokens = max_draft_tokens or len(self.template.paths)
         self.min_path_probability = min_path_probability

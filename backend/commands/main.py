@@ -87,9 +87,9 @@ def _bench_commands(sub) -> None:
     add_lora_bench(kinds, _engine_arguments)
     from tritonllm.commands.openai import add_bench_command
     add_bench_command(kinds)
-    from tritonllm.spec_decode.cli import add_bench_command as add_spec_bench
+    from tritonllm.commands.spec import add_bench_command as add_spec_bench
     add_spec_bench(kinds, _engine_arguments)
-    from tritonllm.spec_decode.bls_bench import add_arguments as add_bls_spec_arguments
+    from tritonllm.commands.bench_bls_spec import add_arguments as add_bls_spec_arguments
     add_bls_spec_arguments(kinds.add_parser("bls-spec", help="tensorrt_llm_bls draft/target loop vs the same BLS "
                                                              "without drafts, real tritonserver, batch 1"))
 
@@ -207,7 +207,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_lora_command(sub)
     from tritonllm.commands.openai import add_openai_command
     add_openai_command(sub)
-    from tritonllm.spec_decode.cli import add_spec_command
+    from tritonllm.commands.spec import add_spec_command
     add_spec_command(sub)
     return parser
 
@@ -239,14 +239,14 @@ def _run(args) -> int:
         elif args.bench_command == "openai":
             from tritonllm.commands.bench_openai import main
         elif args.bench_command == "spec":
-            from tritonllm.spec_decode.bench import main
+            from tritonllm.commands.bench_spec import main
         elif args.bench_command == "bls-spec":
-            from tritonllm.spec_decode.bls_bench import main
+            from tritonllm.commands.bench_bls_spec import main
         else:
             from tritonllm.commands.bench_scenarios import main
         return main(args)
     if args.command == "spec":
-        from tritonllm.spec_decode.cli import run_spec_command
+        from tritonllm.commands.spec import run_spec_command
 
         return run_spec_command(args)
     if args.command == "lora":

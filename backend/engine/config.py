@@ -142,9 +142,12 @@ class EngineConfig:
         """`speculative_config` typed and checked (tritonllm.spec_decode.config), or None without one."""
         if not self.speculative_config:
             return None
-        from tritonllm.spec_decode.config import parse_speculative_config
+        from tritonllm.spec_decode.config import SpecConfigError, parse_speculative_config
 
-        return parse_speculative_config(self.speculative_config)
+        try:
+            return parse_speculative_config(self.speculative_config)
+        except SpecConfigError as exc:
+            raise ConfigError(str(exc)) from None
 
     def cuda_graph_settings(self):
         """`cuda_graph_config` typed and checked (graph_settings.CudaGraphSettings), or None when graphs are off;

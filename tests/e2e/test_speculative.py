@@ -141,8 +141,8 @@ def _medusa_heads(model_dir, out):
 
 def _method_config(method, model_dir, work):
     """The model.yaml lines of a speculative method, with untrained weights where it needs any."""
-    from tritonllm.spec_decode.eagle import random_eagle
-    from tritonllm.spec_decode.eagle3 import random_eagle3
+    from tritonllm.engine.embedded.speculation.eagle import random_eagle
+    from tritonllm.engine.embedded.speculation.eagle3 import random_eagle3
 
     if method == "NGram":
         return "  decoding_type: NGram\n  max_draft_len: 4\n  max_matching_ngram_size: 2\n"
@@ -188,7 +188,7 @@ def test_smollm2_with_its_shipped_medusa_heads_keeps_the_plain_greedy_tokens(smo
     from tritonllm.engine import create_engine
     from tritonllm.engine.config import EngineConfig
     from tritonllm.engine.types import SamplingParams
-    from tritonllm.spec_decode.distill import bench_requests, chat_ids
+    from tritonllm.spec_decode.training.distill import bench_requests, chat_ids
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     prompts = [chat_ids(tokenizer, request) for request in bench_requests("chat", 3)]

@@ -155,7 +155,7 @@ def test_preemption_takes_the_lowest_priority_first():
 
 def decoding_with_drafts(num_seqs, draft_len, max_num_tokens, window=()):
     """A scheduler whose `num_seqs` sequences have their prompts computed and each a draft chain of `draft_len`."""
-    from tritonllm.engine.embedded.spec_methods import StepDraft
+    from tritonllm.engine.embedded.speculation.methods import StepDraft
     from tritonllm.spec_decode.tree import DraftTree
 
     scheduler = Scheduler(BlockManager(num_blocks=64, block_size=4), max_batch_size=8, max_num_tokens=max_num_tokens,

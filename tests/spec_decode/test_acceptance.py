@@ -1,11 +1,12 @@
-"""Verification: greedy acceptance is exact along chains and trees; rejection sampling keeps the target
-distribution (a statistical test on a 6-token vocabulary with a bound computed from the sample count)."""
+"""Verification (the rule the engine runs too): greedy acceptance is exact along chains and trees; sampled
+verification keeps the target distribution (a statistical test on a 6-token vocabulary with a bound computed from
+the sample count)."""
 import math
 
 import pytest
 import torch
 
-from tritonllm.spec_decode.acceptance import greedy_accept, rejection_sample_chain, rejection_sample_tree
+from tritonllm.spec_decode.acceptance import accept_or_resample, greedy_accept, rejection_sample
 from tritonllm.spec_decode.tree import DraftTree
 
 VOCAB = 6
@@ -75,7 +76,7 @@ def _target_rows(prev: int, tokens) -> torch.Tensor:
 
 def _step_sampled_chain(prev, generator):
     tokens, q = _draft_chain(prev, 3, generator)
-    return rejection_sample_chain(tokens, _target_rows(prev, tokens), q, generator).tokens
+    return rejection_sample(DraftTree.chain(tokens, q), _target_rows(prev, tokens), generator).tokens
 
 
 def _step_deterministic_chain(prev, generator):
@@ -83,7 +84,7 @@ def _step_deterministic_chain(prev, generator):
     for _ in range(3):  # the draft's argmax chain: no draft probabilities
         prev_token = tokens[-1] if tokens else prev
         tokens.append(int(DRAFT[prev_token].argmax()))
-    return rejection_sample_chain(tokens, _target_rows(prev, tokens), None, generator).tokens
+    return rejection_sample(DraftTree.chain(tokens), _target_rows(prev, tokens), generator).tokens
 
 
 def _step_tree(prev, generator):
@@ -91,7 +92,7 @@ def _step_tree(prev, generator):
     first, second = DRAFT[prev].topk(2).indices.tolist()
     tree = DraftTree([first, second, int(DRAFT[first].argmax()), int(DRAFT[second].argmax())], [-1, -1, 0, 1])
     rows = [TARGET[prev]] + [TARGET[token] for token in tree.tokens]
-    return rejection_sample_tree(tree, torch.stack(rows), generator).tokens
+    return rejection_sample(tree, torch.stack(rows), generator).tokens
 
 
 def _step_always_accept(prev, generator):  # a broken verifier: the negative control
@@ -146,5 +147,9 @@ def test_draft_token_the_draft_could_not_produce_is_rejected():
     generator = torch.Generator().manual_seed(0)
     q = torch.tensor([[0.0, 1.0, 0.0]])
     p = torch.tensor([[1.0, 0.0, 0.0], [1.0, 0.0, 0.0]])
-    assert rejection_sample_chain([0], p, q, generator).tokens == [0]
-    assert rejection_sample_chain([0], p, q, generator).accepted_nodes == []
+    assert accept_or_resample(p[0], q[0], 0, generator) == (False, 0)  # rejected; 0 is drawn from norm(p - q)
+    assert accept_or_resample(p[0], q[0], 0, generator, threshold=0.0) == (False, 0)
+    # The token drawn after the rejection is the draft's, so the walk goes on past its node (whose row the target
+    # computed after that very token) and draws the next token from the row after it.
+    verdict = rejection_sample(DraftTree.chain([0], q), p, generator)
+    assert verdict.tokens == [0, 0] and verdict.accepted_nodes == [0]

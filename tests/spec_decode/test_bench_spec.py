@@ -2,7 +2,7 @@
 (one answer that repeats itself can carry a small run's overall ratio), and the methods' default settings."""
 from types import SimpleNamespace
 
-from tritonllm.spec_decode.bench import bench_result, per_prompt
+from tritonllm.commands.bench_spec import bench_result, per_prompt
 
 
 def _run(tokens: int, seconds: float, steps: int, drafted: int = 0, accepted: int = 0) -> dict:
@@ -47,7 +47,7 @@ def test_rounds_pool_each_prompts_runs():
 
 
 def test_method_defaults_and_an_explicit_draft_len():
-    from tritonllm.spec_decode.bench import METHODS
+    from tritonllm.commands.bench_spec import METHODS
 
     default = SimpleNamespace(draft_len=None, spec_model_dir="builtin:smollm2")
     assert METHODS["eagle"](default)["max_draft_len"] == 2  # the fastest chain on the 2-core CPU

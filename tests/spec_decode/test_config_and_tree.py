@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from tritonllm.engine.config import ConfigError
+from tritonllm.engine.config import ConfigError, EngineConfig
 from tritonllm.spec_decode.config import (DraftTargetConfig, EagleConfig, LookaheadConfig, MedusaConfig,
                                           NGramConfig, SpecConfigError, parse_choices, parse_speculative_config)
 from tritonllm.spec_decode.tree import DraftTree, TreeTemplate, default_choices
@@ -65,9 +65,15 @@ def test_bad_configs_name_the_key(raw, message):
 
 
 def test_config_errors_are_engine_config_errors():
-    # The engine and the CLI already report ConfigError cleanly; ours must be caught by the same handlers.
-    with pytest.raises(ConfigError):
+    # spec_decode's own error type (it imports nothing of the engine) ...
+    with pytest.raises(SpecConfigError, match="must be a mapping") as error:
         parse_speculative_config("NGram")
+    assert isinstance(error.value, ValueError)
+    # ... which the engine's config reports as its ConfigError, the message unchanged: the engine and the CLI
+    # already report ConfigError cleanly, so ours is caught by the same handlers.
+    with pytest.raises(ConfigError) as engine_error:
+        EngineConfig.from_dict({"model": "m", "speculative_config": "NGram"})
+    assert str(engine_error.value) == str(error.value)
 
 
 @pytest.mark.parametrize("text", ["{0, 0, 0}, {0, 1}, {0}, {0, 0}", "{{0}, {0, 0}, {0, 0, 0}, {0, 1}}",

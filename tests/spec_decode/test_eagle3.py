@@ -12,11 +12,11 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from tritonllm.engine.embedded.attention import step_metadata
-from tritonllm.engine.embedded.eagle_proposer import EagleProposer
 from tritonllm.engine.embedded.loader import load_model
+from tritonllm.engine.embedded.speculation.eagle import random_eagle
+from tritonllm.engine.embedded.speculation.eagle3 import load_eagle3, random_eagle3
+from tritonllm.engine.embedded.speculation.eagle_proposer import EagleProposer
 from tritonllm.engine.types import InvalidRequestError
-from tritonllm.spec_decode.eagle import random_eagle
-from tritonllm.spec_decode.eagle3 import load_eagle3, random_eagle3
 from tritonllm.spec_decode.proposer import ProposalInput
 
 from .test_eagle import DEVICE, TREE, eagle_spec, make_engine, run_batch

@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from tritonllm.engine.embedded.attention import step_metadata
 from tritonllm.engine.embedded.models.model_config import ModelConfig, ModelLoadError
-from tritonllm.spec_decode.eagle import load_eagle, random_eagle
-from tritonllm.spec_decode.eagle3 import load_eagle3, random_eagle3, save_eagle3
+from tritonllm.engine.embedded.speculation.eagle import load_eagle, random_eagle
+from tritonllm.engine.embedded.speculation.eagle3 import load_eagle3, random_eagle3, save_eagle3
 
 from .test_eagle import targets  # noqa: F401 (fixture: the tiny Llama and Qwen2 targets)
 

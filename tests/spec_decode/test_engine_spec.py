@@ -11,9 +11,9 @@ from safetensors.torch import load_file
 
 from tritonllm.engine.config import ConfigError, EngineConfig
 from tritonllm.engine.embedded.engine import EmbeddedEngine
+from tritonllm.engine.embedded.speculation.eagle3 import random_eagle3
 from tritonllm.engine.types import InvalidRequestError, SamplingParams
 from tritonllm.model_files.tiny import build_tiny_model
-from tritonllm.spec_decode.eagle3 import random_eagle3
 from tritonllm.spec_decode.medusa import MedusaHeads, save_medusa
 
 DEVICE = os.environ.get("TRITONLLM_TEST_DEVICE", "cpu")
@@ -225,7 +225,7 @@ def test_smollm2_greedy_output_is_plain_greedy_for_every_method(smollm2_dir, tmp
     draft is random and reads the default layers (1, 14, 26 of 30)."""
     from transformers import AutoTokenizer
 
-    from tritonllm.spec_decode.distill import bench_requests, chat_ids
+    from tritonllm.spec_decode.training.distill import bench_requests, chat_ids
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     prompts = [chat_ids(tokenizer, bench_requests("rewrite", 1)[0]), tokenizer.encode("Hello"),

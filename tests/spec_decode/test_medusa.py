@@ -17,12 +17,12 @@ from transformers import AutoModelForCausalLM
 
 from tritonllm.engine.config import EngineConfig
 from tritonllm.engine.embedded.engine import EmbeddedEngine
-from tritonllm.engine.embedded.models.model_config import ModelLoadError
 from tritonllm.engine.types import InvalidRequestError, SamplingParams
 from tritonllm.model_files.tiny import build_tiny_model
+from tritonllm.spec_decode.checkpoint_files import CheckpointError
 from tritonllm.spec_decode.medusa import MedusaHeads, MedusaProposer, load_medusa, resolve_heads_dir, save_medusa
 from tritonllm.spec_decode.proposer import ProposalInput
-from tritonllm.spec_decode.train_medusa import IGNORE, TrainSettings, logit_columns, train_medusa
+from tritonllm.spec_decode.training.train_medusa import IGNORE, TrainSettings, logit_columns, train_medusa
 
 DEVICE = os.environ.get("TRITONLLM_TEST_DEVICE", "cpu")
 
@@ -68,20 +68,20 @@ def test_pt_file_with_prefixed_keys_and_a_wrong_head_count_in_config(tmp_path):
 
 
 def test_bad_folders_name_what_is_wrong(tmp_path):
-    with pytest.raises(ModelLoadError, match="no config.json"):
+    with pytest.raises(CheckpointError, match="no config.json"):
         load_medusa(tmp_path)
     (tmp_path / "config.json").write_text("{}")
-    with pytest.raises(ModelLoadError, match="no medusa_lm_head.safetensors or medusa_lm_head.pt"):
+    with pytest.raises(CheckpointError, match="no medusa_lm_head.safetensors or medusa_lm_head.pt"):
         load_medusa(tmp_path)
     state = _random_heads().checkpoint_state()
     del state["1.0.linear.bias"]
     save_file(state, str(tmp_path / "medusa_lm_head.safetensors"))
-    with pytest.raises(ModelLoadError, match="lack 1.0.linear.bias"):
+    with pytest.raises(CheckpointError, match="lack 1.0.linear.bias"):
         load_medusa(tmp_path)
     state = _random_heads().checkpoint_state()
     state["extra.weight"] = torch.zeros(1)
     save_file(state, str(tmp_path / "medusa_lm_head.safetensors"))
-    with pytest.raises(ModelLoadError, match="unexpected tensor extra.weight"):
+    with pytest.raises(CheckpointError, match="unexpected tensor extra.weight"):
         load_medusa(tmp_path)
 
 
@@ -99,7 +99,7 @@ def test_proposer_fills_the_choices_tree_from_each_heads_top_k():
 
 
 def test_proposer_refuses_a_tree_deeper_than_the_heads_and_inputs_without_hidden_state():
-    with pytest.raises(ModelLoadError, match="3 deep but the checkpoint has 2 heads"):
+    with pytest.raises(CheckpointError, match="3 deep but the checkpoint has 2 heads"):
         MedusaProposer(_random_heads(num_heads=2), choices=[(0,), (0, 0), (0, 0, 0)])
     proposer = MedusaProposer(_random_heads(num_heads=2))  # default tree
     assert proposer.template.depth <= 2
@@ -232,16 +232,16 @@ def test_shared_head_checkpoints_that_do_not_fit_fail_clearly(tmp_path):
         load_medusa(tmp_path).share_lm_head(torch.zeros(VOCAB, HIDDEN + 1))
     state = {**heads.checkpoint_state(), "0.1.weight": torch.zeros(VOCAB, HIDDEN)}
     save_file(state, str(tmp_path / "medusa_lm_head.safetensors"))
-    with pytest.raises(ModelLoadError, match="medusa_shared_lm_head but the weights hold vocabulary projections"):
+    with pytest.raises(CheckpointError, match="medusa_shared_lm_head but the weights hold vocabulary projections"):
         load_medusa(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"medusa_shared_lm_head": "yes"}))
-    with pytest.raises(ModelLoadError, match="must be true or false"):
+    with pytest.raises(CheckpointError, match="must be true or false"):
         load_medusa(tmp_path)
     (tmp_path / "config.json").write_text("{}")  # projections missing and the config does not say shared
     save_file(_random_heads(shared=True).checkpoint_state(), str(tmp_path / "medusa_lm_head.safetensors"))
-    with pytest.raises(ModelLoadError, match="medusa_shared_lm_head"):
+    with pytest.raises(CheckpointError, match="medusa_shared_lm_head"):
         load_medusa(tmp_path)
-    with pytest.raises(ModelLoadError, match="builtin:smollm2"):
+    with pytest.raises(CheckpointError, match="builtin:smollm2"):
         load_medusa("builtin:nope")
 
 

@@ -5,8 +5,8 @@ and every KV block (the draft model's and the Eagle layer's too) is free afterwa
 verification steps in CUDA graphs (on CPU, eager runs of the padded forward a graph would hold)."""
 import pytest
 
-from tritonllm.spec_decode.eagle import random_eagle
-from tritonllm.spec_decode.eagle3 import random_eagle3
+from tritonllm.engine.embedded.speculation.eagle import random_eagle
+from tritonllm.engine.embedded.speculation.eagle3 import random_eagle3
 
 from ..traffic import mismatches, preemptions, random_traffic, send
 from .test_engine_spec import SETTINGS, assert_all_blocks_free, make_engine, methods

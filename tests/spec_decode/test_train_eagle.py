@@ -15,12 +15,12 @@ from safetensors.torch import load_file, save_file
 from tritonllm.commands.main import main
 from tritonllm.engine.embedded.attention import step_metadata
 from tritonllm.engine.embedded.models.model_config import ModelLoadError
+from tritonllm.engine.embedded.speculation.eagle import load_eagle, random_eagle
 from tritonllm.engine.types import InvalidRequestError, SamplingParams
 from tritonllm.model_files.tiny import build_tiny_model
-from tritonllm.spec_decode.checkpoint_files import frequent_tokens
-from tritonllm.spec_decode.eagle import load_eagle, random_eagle
+from tritonllm.spec_decode.checkpoint_files import CheckpointError, frequent_tokens
 from tritonllm.spec_decode.medusa import MedusaHeads, load_medusa, save_medusa
-from tritonllm.spec_decode.train_eagle import dense_passes
+from tritonllm.spec_decode.training.train_eagle import dense_passes
 
 from .test_eagle import eagle_spec, make_engine, run_batch
 
@@ -128,7 +128,7 @@ def test_bad_draft_vocabularies_are_refused_naming_the_tensor(target, tmp_path, 
     save_medusa(heads, tmp_path / "medusa", draft_vocab=torch.tensor([1, 2]))
     state = load_file(str(tmp_path / "medusa" / "medusa_lm_head.safetensors"))
     save_file({**state, "draft_vocab": bad}, str(tmp_path / "medusa" / "medusa_lm_head.safetensors"))
-    with pytest.raises(ModelLoadError, match=f"Medusa tensor draft_vocab .*{message}"):
+    with pytest.raises(CheckpointError, match=f"Medusa tensor draft_vocab .*{message}"):
         load_medusa(tmp_path / "medusa")
 
 
@@ -183,7 +183,7 @@ def test_shipped_smollm2_draft_loads_with_smollm2_sizes_and_its_vocabulary():
 def test_shipped_smollm2_draft_keeps_greedy_output_and_gets_drafts_accepted(smollm2_dir):
     from transformers import AutoTokenizer
 
-    from tritonllm.spec_decode.distill import bench_requests, chat_ids
+    from tritonllm.spec_decode.training.distill import bench_requests, chat_ids
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     prompts = [chat_ids(tokenizer, request) for request in bench_requests("chat", 2)]

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from tritonllm.spec_decode import training_loop
-from tritonllm.spec_decode.training_loop import BestCheckpoint, deadline, run_steps
+from tritonllm.spec_decode.training import training_loop
+from tritonllm.spec_decode.training.training_loop import BestCheckpoint, deadline, run_steps
 
 
 class Clock:

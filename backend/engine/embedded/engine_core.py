@@ -28,7 +28,8 @@ from .request import EngineRequest
 from .sampler import SampledTokens, sample, sample_on_device
 from .scheduler import Scheduler
 from .sequence import Sequence
-from .speculative import Speculator
+from .speculation.build import TargetParts
+from .speculation.speculator import Speculator
 from .stop_rules import matched_stop
 
 log = logging.getLogger("tritonllm.engine")
@@ -73,7 +74,8 @@ class EngineCore:
                      ", ".join(map(str, graph_settings.batch_sizes)),
                      ", smaller batches padded up" if graph_settings.enable_padding else "")
         self.runner.lora = self.lora
-        self.speculator = Speculator(self, config.speculative_settings())
+        self.speculator = Speculator(TargetParts(self.model, self.model_config, self.runner, self.block_manager,
+                                                 self.dtype, self.device), config.speculative_settings())
         self.beams = BeamRequests(self.scheduler, self.block_manager, self.runner.copy_block, self.new_seq_id,
                                   self.finish_sequence, self.max_seq_len)
         self.requests: dict[int, EngineRequest] = {}

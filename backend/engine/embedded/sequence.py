@@ -47,7 +47,7 @@ class Sequence:
     num_delivered_tokens: int = 0
     # The LoRA adapter it runs with (tritonllm.lora.cache.CachedAdapter), None for the base model.
     lora: Optional[object] = None
-    # This step's speculative draft (speculative.StepDraft): fed after the last token, never counted as known
+    # This step's speculative draft (speculation.methods.StepDraft): fed after the last token, never counted as known
     # tokens; the tokens the target accepts are appended to the output like sampled ones.
     draft: Optional[object] = None
     # Overlap scheduler: tokens sampled on the device whose values the host has not read yet (counted in

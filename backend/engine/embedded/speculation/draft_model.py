@@ -6,18 +6,19 @@ between: acceptance, preemption, a stop) and computes the rest in one catch-up f
 first draft token; each further draft token is one single-token forward over all drafting sequences."""
 from __future__ import annotations
 
-from typing import Optional, Sequence as Seq
+from typing import Optional
+from typing import Sequence as Seq
 
 from tritonllm.spec_decode.proposer import ProposalInput, draft_budget
 from tritonllm.spec_decode.tree import DraftTree
 
-from ..types import InvalidRequestError, SamplingParams
-from .block_manager import BlockManager
-from .loader import load_model
-from .model_runner import ModelRunner
-from .models.model_config import ModelLoadError
-from .scheduler import ScheduledBatch
-from .sequence import Sequence
+from ...types import InvalidRequestError, SamplingParams
+from ..block_manager import BlockManager
+from ..loader import load_model
+from ..model_runner import ModelRunner
+from ..models.model_config import ModelLoadError
+from ..scheduler import ScheduledBatch
+from ..sequence import Sequence
 
 _SHADOW_PARAMS = SamplingParams(max_tokens=1)
 
@@ -32,19 +33,20 @@ class DraftModelProposer:
         self.shadows: dict[int, Sequence] = {}
 
     @classmethod
-    def for_target(cls, spec_config, core) -> "DraftModelProposer":
-        """The draft model of `speculative_model_dir`, in the target's dtype and device, with as many KV slots."""
+    def for_target(cls, spec_config, target) -> "DraftModelProposer":
+        """The draft model of `speculative_model_dir`, in the target's dtype and device, with as many KV slots
+        (`target`: the engine's TargetParts)."""
         where = "speculative_config.speculative_model_dir"
         try:
-            model, config = load_model(spec_config.speculative_model_dir, core.dtype, core.device)
+            model, config = load_model(spec_config.speculative_model_dir, target.dtype, target.device)
         except ModelLoadError as exc:
             raise InvalidRequestError(f"{where}: {exc}") from None
-        if config.vocab_size != core.model_config.vocab_size:
+        if config.vocab_size != target.model_config.vocab_size:
             raise InvalidRequestError(f"{where}: the draft model's vocabulary ({config.vocab_size}) differs from the "
-                                      f"target's ({core.model_config.vocab_size}); they must share a tokenizer")
-        manager = core.block_manager
-        return cls(model, config, spec_config.max_draft_len, manager.num_blocks, manager.block_size, core.dtype,
-                   core.device)
+                                      f"target's ({target.model_config.vocab_size}); they must share a tokenizer")
+        manager = target.block_manager
+        return cls(model, config, spec_config.max_draft_len, manager.num_blocks, manager.block_size, target.dtype,
+                   target.device)
 
     def propose(self, batch: Seq[ProposalInput]) -> list[DraftTree]:
         wanted = {item.seq_id: draft_budget(self.max_draft_len, item) for item in batch}

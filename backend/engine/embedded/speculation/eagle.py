@@ -1,55 +1,55 @@
-"""EAGLE-1/2 draft layers in the EAGLE checkpoint format: loading, saving, and the layer itself.
+"""EAGLE-1/2 draft layers: the layer, its config, and loading / saving it in the EAGLE checkpoint format (whose
+files tritonllm.spec_decode.eagle_format reads and writes).
 
 An EAGLE-1/2 draft is one Llama decoder layer without `input_layernorm`, preceded by `fc` ([H, 2H], with a bias
 unless config.json says `"bias": false`). It has no embedding or LM head of its own: it borrows the target's. At
 draft position j its input is `fc(cat(embed(token[j + 1]), feature[j]))`, where the feature is the target's
 final-norm hidden state at position j (for committed positions) or the draft layer's own output at its parent
-(for drafted ones); its output goes through the target's LM head as it is, without a norm.
+(for drafted ones); its output goes through the target's LM head as it is, without a norm (cut to the draft's
+`draft_vocab` rows, our format extension, when it has one).
 
-A checkpoint folder holds `config.json` (Hugging Face Llama style, `num_hidden_layers: 1`, optional `bias` and
-`qkv_bias`) and `model.safetensors` or `pytorch_model.bin` with the keys the EAGLE repository writes: `fc.weight`,
-`fc.bias`, `layers.0.self_attn.{q,k,v,o}_proj.weight` (q/k/v biases with `qkv_bias`),
-`layers.0.mlp.{gate,up,down}_proj.weight`, `layers.0.post_attention_layernorm.weight`, and optionally
-`embed_tokens.weight`, which is ignored (the target's embedding is used). EAGLE-3 drafts (`midlayer.*`, `d2t`) are
-a different format, loaded by tritonllm.spec_decode.eagle3 (`decoding_type: Eagle3`); given here they are refused
-with a message saying so.
-
-Our extension to the format: a `draft_vocab` tensor (sorted, distinct target token ids; `draft_vocab_size` in
-config.json says how many) restricts drafting to those tokens, so each draft step's LM head multiplies only their
-rows of the target's (`tritonllm spec train-eagle --draft-vocab`). Drafts are proposals, so the target's output
-stays exactly what it would be; a token outside the vocabulary is just never drafted. Other EAGLE implementations
-do not know the key.
-
-`speculative_model_dir: builtin:smollm2` names the draft shipped for SmolLM2-135M-Instruct (spec_decode/data/
-smollm2-eagle, trained with `tritonllm spec train-eagle`; docs/benchmarks.md)."""
+Loading failures are ModelLoadErrors naming the file, tensor or setting at fault."""
 from __future__ import annotations
 
 import json
 import math
+from contextlib import contextmanager
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Optional, Union
+from typing import Any, Iterator, Optional, Union
 
 import torch
-from safetensors.torch import save_file
 from torch import nn
 
-from tritonllm.engine.embedded.attention import AttentionMetadata
-from tritonllm.engine.embedded.draft_head import DraftHead
-from tritonllm.engine.embedded.models.layers import Linear, RotaryEmbedding
-from tritonllm.engine.embedded.models.llama import LlamaDecoderLayer, WeightSlot, layer_slots
-from tritonllm.engine.embedded.models.model_config import ModelConfig, ModelLoadError
+from tritonllm.spec_decode.checkpoint_files import (
+    CONFIG_FILE,
+    DRAFT_VOCAB_KEY,
+    CheckpointError,
+    copy_weights,
+    read_draft_vocab,
+)
+from tritonllm.spec_decode.eagle_format import (
+    IGNORED,
+    LAYER_PREFIX,
+    TARGET_ONLY_KEYS,
+    read_eagle_files,
+    write_draft_folder,
+)
 
-from .checkpoint_files import (CONFIG_FILE, DRAFT_VOCAB_KEY, copy_weights, read_config, read_draft_vocab,
-                               read_weights, resolve_folder)
+from ..attention import AttentionMetadata
+from ..models.layers import Linear, RotaryEmbedding
+from ..models.llama import LlamaDecoderLayer, WeightSlot, layer_slots
+from ..models.model_config import ModelConfig, ModelLoadError
+from .draft_head import DraftHead
 
-SAFETENSORS_FILE = "model.safetensors"
-PICKLE_FILE = "pytorch_model.bin"
-LAYER_PREFIX = "layers.0."
-# Tensors an EAGLE-1/2 folder may hold that the draft does not use.
-_IGNORED = ("embed_tokens.weight",)
-_EAGLE3_KEYS = ("midlayer.", "d2t", "t2d")
-BUILTIN_DRAFTS = {"smollm2": "smollm2-eagle"}  # builtin:NAME -> folder under spec_decode/data
+
+@contextmanager
+def model_load_errors() -> Iterator[None]:
+    """The checkpoint format's CheckpointError as the engine's ModelLoadError, with the same message."""
+    try:
+        yield
+    except CheckpointError as exc:
+        raise ModelLoadError(str(exc)) from None
 
 
 class EagleDraft(nn.Module):
@@ -114,9 +114,7 @@ class EagleDraft(nn.Module):
 def eagle_config_for(target_config: dict[str, Any], bias: bool = True) -> dict[str, Any]:
     """An EAGLE-1/2 config.json for a target's config.json: the target's sizes, one Llama layer (q/k/v biases
     kept for Qwen2 targets, as `qkv_bias`), `bias` for fc."""
-    config = {key: value for key, value in target_config.items()
-              if key not in ("architectures", "model_type", "layer_types", "use_sliding_window", "sliding_window",
-                             "max_window_layers", "tie_word_embeddings")}
+    config = {key: value for key, value in target_config.items() if key not in TARGET_ONLY_KEYS}
     target = ModelConfig.from_dict(target_config, source="the target's config.json")
     if target.qk_norm:
         raise ModelLoadError("EAGLE-1/2 drafts have no q/k norms; a draft for a Qwen3 target is not supported")
@@ -155,22 +153,6 @@ def save_eagle(draft: EagleDraft, out_dir: Union[str, Path], config: dict[str, A
     return write_draft_folder(out_dir, state, dict(config, bias=draft.bias), dtype, pickle)
 
 
-def write_draft_folder(out_dir: Union[str, Path], state: dict[str, torch.Tensor], config: dict[str, Any],
-                       dtype: torch.dtype, pickle: bool) -> Path:
-    """An EAGLE (or EAGLE-3) folder: the weights (`model.safetensors`, or `pytorch_model.bin` with `pickle`) and
-    `config.json`, one layer in `dtype`."""
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    if pickle:
-        torch.save(state, out / PICKLE_FILE)
-    else:
-        save_file(state, str(out / SAFETENSORS_FILE), metadata={"format": "pt"})
-    config = {key: value for key, value in config.items() if key != "dtype"}  # the target's; ours is below
-    config.update(num_hidden_layers=1, torch_dtype=str(dtype).removeprefix("torch."))
-    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
-    return out
-
-
 def random_eagle(target_dir: Union[str, Path], out_dir: Union[str, Path], seed: int = 0, bias: bool = True,
                  scale: float = 1.0) -> Path:
     """An untrained EAGLE-1/2 folder for the model in `target_dir` (random weights, for tests and as a start
@@ -195,25 +177,21 @@ def load_eagle(model_dir: Union[str, Path], dtype: torch.dtype = torch.float32,
                device: Union[str, torch.device] = "cpu", target: Optional[ModelConfig] = None) -> EagleDraft:
     """The EAGLE-1/2 draft in `model_dir` (or `builtin:NAME`, a draft shipped here); with `target`, its hidden size
     and vocabulary must match the target's."""
-    folder = resolve_folder(model_dir, BUILTIN_DRAFTS, "EAGLE drafts")
-    raw = read_config(folder, "an EAGLE", (SAFETENSORS_FILE, PICKLE_FILE))
-    state = read_weights(folder, SAFETENSORS_FILE, PICKLE_FILE, "EAGLE")
-    eagle3 = sorted(key for key in state if key.startswith(_EAGLE3_KEYS))
-    if eagle3:
-        raise ModelLoadError(f"{folder}: an EAGLE-3 draft (tensor {eagle3[0]}); decoding_type Eagle loads only "
-                             f"EAGLE-1/2 drafts: use decoding_type: Eagle3 for it")
-    config, bias = parse_eagle_config(raw, str(folder / CONFIG_FILE))
-    vocab = read_draft_vocab(state, config.vocab_size, folder, "EAGLE")
-    if target is not None:
-        if config.hidden_size != target.hidden_size:
-            raise ModelLoadError(f"{folder}: the draft's hidden_size is {config.hidden_size}, the target's "
-                                 f"{target.hidden_size}")
-        if config.vocab_size != target.vocab_size:
-            raise ModelLoadError(f"{folder}: the draft's vocab_size is {config.vocab_size}, the target's "
-                                 f"{target.vocab_size}")
-    draft = EagleDraft(config, bias)
-    copy_weights(draft.checkpoint_slots(), state, folder, "EAGLE", _IGNORED, hints={
-        "fc.bias": " (config.json says bias is true, the default; set \"bias\": false for an fc without bias)"})
+    with model_load_errors():
+        files = read_eagle_files(model_dir)
+        folder, state = files.folder, files.state
+        config, bias = parse_eagle_config(files.config, str(folder / CONFIG_FILE))
+        vocab = read_draft_vocab(state, config.vocab_size, folder, "EAGLE")
+        if target is not None:
+            if config.hidden_size != target.hidden_size:
+                raise ModelLoadError(f"{folder}: the draft's hidden_size is {config.hidden_size}, the target's "
+                                     f"{target.hidden_size}")
+            if config.vocab_size != target.vocab_size:
+                raise ModelLoadError(f"{folder}: the draft's vocab_size is {config.vocab_size}, the target's "
+                                     f"{target.vocab_size}")
+        draft = EagleDraft(config, bias)
+        copy_weights(draft.checkpoint_slots(), state, folder, "EAGLE", IGNORED, hints={
+            "fc.bias": " (config.json says bias is true, the default; set \"bias\": false for an fc without bias)"})
     embed = state.get("embed_tokens.weight")
     if embed is not None and target is not None and tuple(embed.shape) != (target.vocab_size, target.hidden_size):
         raise ModelLoadError(f"{folder}: EAGLE tensor embed_tokens.weight has shape {list(embed.shape)}, the "

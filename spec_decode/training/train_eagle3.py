@@ -24,12 +24,30 @@ import torch.nn.functional as F
 
 from tritonllm.engine.config import ConfigError
 from tritonllm.engine.embedded.models.model_config import ModelConfig
+from tritonllm.engine.embedded.speculation.eagle3 import (
+    Eagle3Draft,
+    default_capture_layers,
+    eagle3_config_for,
+    parse_eagle3_config,
+    resolve_capture_layers,
+    save_eagle3,
+)
 
-from .eagle3 import (Eagle3Draft, default_capture_layers, eagle3_config_for, parse_eagle3_config,
-                     resolve_capture_layers, save_eagle3)
-from .train_eagle import (EagleTrainReport, EagleTrainSettings, Target, _Data, _shifted, base_and_data,
-                          depth_weighted_loss, fit, frequent_choices, guess_accuracy, layer_passes, noisy_features,
-                          small_random)
+from .train_eagle import (
+    EagleTrainReport,
+    EagleTrainSettings,
+    Target,
+    _Data,
+    _shifted,
+    base_and_data,
+    depth_weighted_loss,
+    fit,
+    frequent_choices,
+    guess_accuracy,
+    layer_passes,
+    noisy_features,
+    small_random,
+)
 
 
 @dataclass

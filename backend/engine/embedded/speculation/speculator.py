@@ -5,14 +5,14 @@ stay the committed ones, so prefix hashing, stop rules and preemption never see 
 draft's tokens to the step's query (budget and KV blocks count them; a draft that does not fit is cut or dropped), the
 runner feeds them after the root (the last committed token) and returns logits at the root and every draft token.
 
-Verification walks the tree from the root: each row is turned into a token exactly as a plain decode step would
-(the sampler with the sequence's processors and generator, after committing the tokens before it), and the walk
-continues while that token is a child in the tree. So greedy output equals plain greedy decoding and sampled
-output keeps the target distribution (a deterministic draft is accepted with probability p(d), the rejection
-token is drawn from p without d). Drafts with probabilities (external `draft_logits`) use rejection sampling.
-Tokens are committed one by one through the engine's finish rules (end id, stop words, max_tokens). Afterwards
-the KV of rejected positions is dropped: num_computed_tokens falls back to the committed tokens, accepted tree
-nodes are copied down to consecutive slots, tail blocks are freed."""
+Verification is tritonllm.spec_decode.acceptance's rule (`walk`): each row is turned into a token exactly as a
+plain decode step would (the sampler with the sequence's processors and generator, after committing the tokens
+before it), and the walk continues while that token is a child in the tree. So greedy output equals plain greedy
+decoding and sampled output keeps the target distribution (a deterministic draft is accepted with probability
+p(d), the rejection token is drawn from p without d). Drafts with probabilities (external `draft_logits`) use
+rejection sampling (`accept_or_resample`). Tokens are committed one by one through the engine's finish rules (end
+id, stop words, max_tokens). Afterwards the KV of rejected positions is dropped: num_computed_tokens falls back to
+the committed tokens, accepted tree nodes are copied down to consecutive slots, tail blocks are freed."""
 from __future__ import annotations
 
 import logging
@@ -20,13 +20,14 @@ from typing import Callable, Optional
 
 import torch
 
-from tritonllm.spec_decode.acceptance import accept_or_resample
+from tritonllm.spec_decode.acceptance import accept_or_resample, draft_child, walk
 from tritonllm.spec_decode.proposer import ProposalInput
 
-from .model_runner import StepOutput
-from .sampler import plain_greedy_choices, sample, sampling_probs
-from .sequence import Sequence, SequenceStatus
-from .spec_methods import StepDraft, build_method, external_draft
+from ..model_runner import StepOutput
+from ..sampler import plain_greedy_choices, sample, sampling_probs
+from ..sequence import Sequence, SequenceStatus
+from .build import TargetParts, build_method
+from .methods import StepDraft, external_draft
 
 log = logging.getLogger("tritonllm.engine")
 
@@ -34,21 +35,23 @@ Commit = Callable[[Sequence, int, float], None]
 
 
 class Speculator:
-    def __init__(self, core, spec_config=None):
-        self.core = core
+    """`target`: the engine's parts speculation uses (TargetParts), never the engine core itself."""
+
+    def __init__(self, target: TargetParts, spec_config=None):
+        self.target = target
         self.config = spec_config
-        self.method = build_method(spec_config, core)
+        self.method = build_method(spec_config, target)
         self.hidden: dict[int, torch.Tensor] = {}  # Medusa: the state that predicted each sequence's last token
         self.external_done: set[int] = set()  # sequences whose request's draft tokens are verified
         # Eagle: the method sees the target's hidden state of every computed position (prompts included).
         self.all_hidden = getattr(self.method, "needs_all_hidden", False)
-        core.runner.keep_all_hidden = self.all_hidden
+        target.runner.keep_all_hidden = self.all_hidden
 
     def check_lookahead(self, wanted) -> None:
         """A request's own lookahead (W, N, G) needs the engine's lookahead and must fit within it."""
         from tritonllm.spec_decode.config import LookaheadConfig
 
-        from ..types import InvalidRequestError
+        from ...types import InvalidRequestError
 
         if not isinstance(self.config, LookaheadConfig):
             raise InvalidRequestError("a per-request lookahead config (lookahead_window_size / lookahead_ngram_size /"
@@ -135,32 +138,30 @@ class Speculator:
 
     def _walk(self, seq: Sequence, draft: StepDraft, logits: torch.Tensor, raw: Optional[torch.Tensor],
               commit: Commit) -> list[int]:
-        """Commit tokens row by row while they follow the tree; returns the accepted node indices."""
+        """Commit tokens row by row while they follow the tree (acceptance.walk); returns the accepted node
+        indices."""
         tree = draft.tree
-        children: dict[tuple[int, int], int] = {}
-        for i, (token, parent) in enumerate(zip(tree.tokens, tree.parents)):
-            children.setdefault((parent, token), i)  # a duplicate sibling is never reached first
-        accepted, node = [], -1
         choices = plain_greedy_choices(seq, logits)
-        while True:
+
+        def choose(node: int) -> int:
             row = node + 1
             if seq.params.return_generation_logits:
                 seq.generation_logits.append(raw[row].cpu())
             token, logprob = choices[row] if choices else self._choose(seq, tree, node, logits[row:row + 1])
             commit(seq, token, logprob)
-            child = children.get((node, token))
-            if seq.is_finished or child is None:
-                return accepted
-            accepted.append(child)
-            node = child
+            return token
+
+        return walk(tree, choose, lambda: seq.is_finished).accepted_nodes
 
     def _choose(self, seq: Sequence, tree, node: int, row: torch.Tensor) -> tuple[int, float]:
-        next_node = node + 1
-        if tree.draft_probs is None or seq.params.greedy or next_node >= len(tree):
+        """The token after `node`: the request's sampler on the row, or rejection sampling against the next draft's
+        probabilities (acceptance.draft_child) for a sampled chain that has them."""
+        child = draft_child(tree, node)
+        if child is None or seq.params.greedy:
             tokens, logprobs = sample(row, [seq])
             return tokens[0], logprobs[0]
-        probs, logprobs = sampling_probs(row[0], seq)  # a chain: node i's child is node i + 1
-        _, token = accept_or_resample(probs, tree.draft_probs[next_node], tree.tokens[next_node], seq.generator,
+        probs, logprobs = sampling_probs(row[0], seq)
+        _, token = accept_or_resample(probs, tree.draft_probs[child], tree.tokens[child], seq.generator,
                                       seq.params.draft_acceptance_threshold)
         return token, float(logprobs[token])
 
@@ -175,10 +176,10 @@ class Speculator:
         moves = [(root_position + 1 + node, root_position + 1 + depth) for depth, node in enumerate(accepted)
                  if node != depth]
         if moves:
-            slot = self.core.block_manager.slot_of
-            self.core.runner.copy_slots([slot(seq, src) for src, _ in moves], [slot(seq, dst) for _, dst in moves])
+            slot = self.target.block_manager.slot_of
+            self.target.runner.copy_slots([slot(seq, src) for src, _ in moves], [slot(seq, dst) for _, dst in moves])
         seq.num_computed_tokens = root_position + 1 + len(accepted)
-        self.core.block_manager.trim(seq, seq.num_tokens)
+        self.target.block_manager.trim(seq, seq.num_tokens)
 
     def release(self, seq: Sequence) -> None:
         """Forget a finished or aborted sequence."""

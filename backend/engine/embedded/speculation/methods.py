@@ -2,11 +2,13 @@
 `StepDraft`s (or None), and may look at the verified rows afterwards (lookahead's Jacobi window does).
 
 Built on tritonllm.spec_decode: n-gram, Medusa and the draft model are plain `Proposer`s (their trees are wrapped
-as they are); lookahead adds its window tokens to the draft; external draft tokens come with the request."""
+as they are); lookahead adds its window tokens to the draft; external draft tokens come with the request. build.py
+picks the method for a speculative config."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Optional, Sequence as Seq
+from typing import Optional
+from typing import Sequence as Seq
 
 import torch
 
@@ -14,7 +16,7 @@ from tritonllm.spec_decode.lookahead import NGramPool
 from tritonllm.spec_decode.proposer import ProposalInput
 from tritonllm.spec_decode.tree import DraftTree
 
-from .sequence import Sequence
+from ..sequence import Sequence
 
 
 @dataclass
@@ -136,89 +138,3 @@ def external_draft(seq: Sequence, room: int) -> Optional[StepDraft]:
         logits = torch.as_tensor(params.draft_logits, dtype=torch.float32)
         probs = torch.softmax(logits[done:done + len(remaining)], dim=-1)
     return StepDraft(DraftTree.chain(remaining, probs), pre_matched=done, external=True)
-
-
-def build_method(spec_config, core) -> Optional[object]:
-    """The engine-side method for a parsed speculative config (None without one)."""
-    if spec_config is None:
-        return None
-    kind = spec_config.decoding_type
-    if kind == "NGram":
-        from tritonllm.spec_decode.ngram import NGramProposer
-
-        return ProposerMethod(NGramProposer(spec_config))
-    if kind == "Lookahead":
-        return LookaheadMethod(spec_config)
-    if kind == "Medusa":
-        return ProposerMethod(_medusa_proposer(spec_config, core), needs_hidden=True)
-    if kind == "DraftTarget":
-        from .draft_model import DraftModelProposer
-
-        return ProposerMethod(DraftModelProposer.for_target(spec_config, core))
-    if kind == "Eagle":
-        return _eagle_method(spec_config, core)
-    raise ValueError(f"speculative_config.decoding_type={kind} is not built yet in the embedded engine")
-
-
-def _medusa_proposer(spec_config, core):
-    from tritonllm.engine.types import InvalidRequestError
-    from tritonllm.spec_decode.medusa import MedusaProposer, load_medusa
-
-    from .draft_head import DraftHead
-    from .models.model_config import ModelLoadError
-
-    try:
-        heads = load_medusa(spec_config.speculative_model_dir, core.dtype, core.device)
-        mc = core.model_config
-        if heads.draft_vocab is not None and int(heads.draft_vocab.max()) >= mc.vocab_size:
-            raise ModelLoadError(f"the heads' draft_vocab holds token ids past the model's vocabulary "
-                                 f"({mc.vocab_size})")
-        if heads.shared_lm_head:
-            # The heads' ResBlocks feed the target's own output head (prepacked on CPU): one matmul for all heads.
-            if heads.hidden_size != mc.hidden_size or heads.vocab_size not in (0, mc.vocab_size):
-                raise ModelLoadError(f"heads sharing the base LM head are for hidden size {heads.hidden_size} / "
-                                     f"vocab {heads.vocab_size or '?'}, the model has {mc.hidden_size} / "
-                                     f"{mc.vocab_size}")
-            heads.share_lm_head(DraftHead(core.model, heads.draft_vocab).logits, mc.vocab_size)
-        elif (heads.hidden_size, heads.vocab_size) != (mc.hidden_size, mc.vocab_size):  # own projections
-            raise ModelLoadError(f"heads are for hidden size {heads.hidden_size} / vocab {heads.vocab_size}, the "
-                                 f"model has {mc.hidden_size} / {mc.vocab_size}")
-        return MedusaProposer(heads, spec_config.medusa_choices, spec_config.max_draft_len,
-                              spec_config.min_path_probability)
-    except ModelLoadError as exc:
-        raise InvalidRequestError(f"speculative_config.speculative_model_dir: {exc}") from None
-
-
-def _eagle_method(spec_config, core):
-    """EAGLE-1/2 or EAGLE-3 (decoding_type Eagle3): the draft layer of `speculative_model_dir` on the target's dtype
-    and device, with as many KV slots as the target's cache (one layer's worth). An EAGLE-3 draft reads the outputs
-    of some target layers, which the target then returns with its final hidden states."""
-    from tritonllm.engine.types import InvalidRequestError
-
-    from .eagle_proposer import EagleMethod, EagleProposer
-    from .models.model_config import ModelLoadError
-
-    try:
-        draft = _load_eagle_draft(spec_config, core)
-    except ModelLoadError as exc:
-        raise InvalidRequestError(f"speculative_config.speculative_model_dir: {exc}") from None
-    if spec_config.eagle3:
-        core.model.capture_layers = tuple(draft.capture_layers)
-    manager = core.block_manager
-    dynamic = spec_config.use_dynamic_tree  # EAGLE-2's tree, else a chain or the static eagle_choices tree
-    return EagleMethod(EagleProposer(draft, core.model, spec_config.max_draft_len, spec_config.eagle_choices,
-                                     manager.num_blocks, manager.block_size, core.dtype, core.device,
-                                     dynamic_top_k=spec_config.dynamic_tree_max_topK if dynamic else None,
-                                     total_tokens=spec_config.max_total_draft_tokens if dynamic else None))
-
-
-def _load_eagle_draft(spec_config, core):
-    from tritonllm.spec_decode.eagle import load_eagle
-    from tritonllm.spec_decode.eagle3 import load_eagle3
-
-    folder = spec_config.speculative_model_dir
-    if not spec_config.eagle3:
-        return load_eagle(folder, core.dtype, core.device, target=core.model_config)
-    return load_eagle3(folder, core.dtype, core.device, target=core.model_config,
-                       target_num_layers=core.model_config.num_layers,
-                       capture_layers=spec_config.eagle3_layers_to_capture)

@@ -15,8 +15,7 @@ from pathlib import Path
 
 from tritonllm.commands.arg_types import count
 from tritonllm.commands.bench_report import progress, report
-
-from .distill import bench_requests
+from tritonllm.spec_decode.training.distill import bench_requests
 
 
 def add_arguments(parser) -> None:

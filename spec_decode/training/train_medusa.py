@@ -32,15 +32,15 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 
+from ..checkpoint_files import frequent_tokens
+from ..medusa import MedusaHeads, save_medusa
 from . import distill
-from .checkpoint_files import frequent_tokens
 from .frozen_base import base_outputs, load_base
-from .medusa import MedusaHeads, save_medusa
 from .training_loop import BestCheckpoint, chain_score, deadline, run_steps
 
 log = logging.getLogger("tritonllm.spec_decode")
 
-DEFAULT_TEXT = "data/medusa_training.txt"
+DEFAULT_TEXT = "data/medusa_training.txt"  # under spec_decode/training
 
 
 @dataclass
@@ -91,7 +91,7 @@ class TrainReport:
 
 
 def default_text() -> str:
-    return resources.files("tritonllm.spec_decode").joinpath(DEFAULT_TEXT).read_text(encoding="utf-8")
+    return resources.files("tritonllm.spec_decode.training").joinpath(DEFAULT_TEXT).read_text(encoding="utf-8")
 
 
 def train_medusa(model_dir: Union[str, Path], out_dir: Union[str, Path], settings: TrainSettings,

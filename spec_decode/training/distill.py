@@ -2,7 +2,7 @@
 the package ships, so the heads learn how this model answers (which is what speculative decoding must guess),
 not how a person wrote some text.
 
-The requests: the model first writes a paragraph on each shipped topic (data/distill_topics.txt); then it is
+The requests: the model first writes a paragraph on each shipped topic (training/data/distill_topics.txt); then it is
 asked to rewrite, summarise, explain or list the points of those paragraphs and of the shipped training text's
 paragraphs, and to answer questions on the topics. Optionally the model also writes requests itself
 (`self_written_requests`: sampled user messages), which cover far more subjects than the shipped topics. The
@@ -23,7 +23,7 @@ from tqdm import tqdm
 
 log = logging.getLogger("tritonllm.spec_decode")
 
-TOPICS_FILE = "data/distill_topics.txt"
+TOPICS_FILE = "training/data/distill_topics.txt"  # shipped files: paths under spec_decode/
 BENCH_TEXTS_FILE = "data/bench_texts.txt"
 BENCH_TOPICS_FILE = "data/bench_topics.txt"  # the chat bench's topics: none of them is in TOPICS_FILE
 BENCH_TASK = "Rewrite the following text in your own words, keeping every step and detail:\n\n"

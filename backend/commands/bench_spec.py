@@ -17,8 +17,7 @@ from dataclasses import replace
 
 from tritonllm.commands.arg_types import count
 from tritonllm.commands.bench_report import progress, report
-
-from .distill import bench_requests, chat_ids
+from tritonllm.spec_decode.training.distill import bench_requests, chat_ids
 
 
 def _draft_len(args, default: int) -> int:

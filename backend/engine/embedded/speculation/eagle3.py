@@ -1,18 +1,12 @@
-"""EAGLE-3 draft layers in the EAGLE repository's (and vLLM's) checkpoint format: loading, saving, and the layer.
+"""EAGLE-3 draft layers: the layer, its config, and loading / saving it in the EAGLE-3 checkpoint format (whose
+files tritonllm.spec_decode.eagle_format reads and writes).
 
 An EAGLE-3 draft reads the outputs of a few target layers (`capture_layers`, concatenated in ascending layer order),
 squeezes them to its hidden size with `fc` ([H, 3 * H_target], no bias), and runs one Llama layer whose attention
 takes `cat(input_layernorm(embed(token)), hidden_norm(feature))` ([T, 2H]) while its residual stream carries the
 feature alone. Drafted positions feed the layer's own output back as the feature (already H wide: no fc). Unlike
 EAGLE-1/2 it has a head of its own, `lm_head(norm(h))` over a smaller draft vocabulary, whose row i proposes target
-token `i + d2t[i]`.
-
-A checkpoint folder holds `config.json` (Llama style, `num_hidden_layers: 1`, `draft_vocab_size`, optional
-`target_hidden_size` and `eagle_config.eagle_aux_hidden_state_layer_ids`: as in vLLM, the target layers whose
-inputs are captured, i.e. the outputs of the layers before them; TensorRT-LLM's `eagle3_layers_to_capture` and
-`capture_layers` here name the layers whose outputs are captured) and `model.safetensors` or `pytorch_model.bin`
-with `fc.weight`, `midlayer.*`, `norm.weight`, `lm_head.weight` and `d2t`; `t2d` and `embed_tokens.weight` are
-ignored (the target's embedding is used). train_eagle3.py trains them; none is shipped."""
+token `i + d2t[i]`. tritonllm.spec_decode.training.train_eagle3 trains them; none is shipped."""
 from __future__ import annotations
 
 import json
@@ -23,21 +17,25 @@ from typing import Any, Optional, Sequence, Union
 import torch
 from torch import nn
 
-from tritonllm.engine.embedded.attention import AttentionMetadata
-from tritonllm.engine.embedded.models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
-from tritonllm.engine.embedded.models.llama import LlamaAttention, WeightSlot, layer_slots
-from tritonllm.engine.embedded.models.model_config import ModelConfig, ModelLoadError
+from tritonllm.spec_decode.checkpoint_files import CONFIG_FILE, copy_weights
+from tritonllm.spec_decode.eagle_format import (
+    D2T_KEY,
+    EAGLE3_ARCHITECTURE,
+    EAGLE3_IGNORED,
+    EAGLE3_LAYER_PREFIX,
+    TARGET_ONLY_KEYS,
+    capture_config,
+    captured_layers,
+    draft_to_target,
+    read_eagle3_files,
+    write_draft_folder,
+)
 
-from .checkpoint_files import CONFIG_FILE, copy_weights, read_config, read_weights, resolve_folder
-from .eagle import PICKLE_FILE, SAFETENSORS_FILE, write_draft_folder
-
-LAYER_PREFIX = "midlayer."
-D2T_KEY = "d2t"
-_IGNORED = ("t2d", "embed_tokens.weight")  # the draft proposes through d2t and embeds with the target's table
-_ARCHITECTURE = "LlamaForCausalLMEagle3"  # the name EAGLE-3 configs give; the layer is Llama's whatever it says
-# Target config.json keys that do not describe the draft layer.
-_TARGET_ONLY_KEYS = ("architectures", "model_type", "layer_types", "use_sliding_window", "sliding_window",
-                     "max_window_layers", "tie_word_embeddings")
+from ..attention import AttentionMetadata
+from ..models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from ..models.llama import LlamaAttention, WeightSlot, layer_slots
+from ..models.model_config import ModelConfig, ModelLoadError
+from .eagle import model_load_errors
 
 
 class Eagle3Attention(LlamaAttention):
@@ -112,10 +110,11 @@ class Eagle3Draft(nn.Module):
 
     def checkpoint_slots(self) -> dict[str, WeightSlot]:
         """Every weight an EAGLE-3 checkpoint must hold, by its name there (d2t, not a weight: checkpoint_state)."""
-        whole = {"fc.weight": self.fc.weight, LAYER_PREFIX + "hidden_norm.weight": self.midlayer.hidden_norm.weight,
+        whole = {"fc.weight": self.fc.weight,
+                 EAGLE3_LAYER_PREFIX + "hidden_norm.weight": self.midlayer.hidden_norm.weight,
                  "norm.weight": self.norm.weight, "lm_head.weight": self.lm_head.weight}
         slots = {name: WeightSlot(param, 0, tuple(param.shape)) for name, param in whole.items()}
-        slots.update(layer_slots(LAYER_PREFIX, self.midlayer))
+        slots.update(layer_slots(EAGLE3_LAYER_PREFIX, self.midlayer))
         return slots
 
     def checkpoint_state(self) -> dict[str, torch.Tensor]:
@@ -173,12 +172,12 @@ def eagle3_config_for(target_config: dict[str, Any], draft_vocab_size: int,
     """An EAGLE-3 config.json for a target's config.json: its sizes, one bias-free Llama layer (for Qwen targets
     too: the draft has no q/k biases or norms)."""
     target = ModelConfig.from_dict(target_config, source="the target's config.json")
-    config = {key: value for key, value in target_config.items() if key not in _TARGET_ONLY_KEYS}
-    config.update(architectures=[_ARCHITECTURE], model_type="llama", num_hidden_layers=1, head_dim=target.head_dim,
-                  attention_bias=False, mlp_bias=False, tie_word_embeddings=False,
+    config = {key: value for key, value in target_config.items() if key not in TARGET_ONLY_KEYS}
+    config.update(architectures=[EAGLE3_ARCHITECTURE], model_type="llama", num_hidden_layers=1,
+                  head_dim=target.head_dim, attention_bias=False, mlp_bias=False, tie_word_embeddings=False,
                   draft_vocab_size=draft_vocab_size, target_hidden_size=target.hidden_size)
     if capture_layers is not None:  # the key names the layers whose inputs are these outputs
-        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [int(layer) + 1 for layer in capture_layers]}
+        config["eagle_config"] = capture_config(capture_layers)
     return config
 
 
@@ -222,37 +221,21 @@ def load_eagle3(model_dir: Union[str, Path], dtype: torch.dtype, device: Union[s
                 capture_layers: Optional[Sequence[int]] = None) -> Eagle3Draft:
     """The EAGLE-3 draft in `model_dir` for `target`; `capture_layers` (eagle3_layers_to_capture) overrides the
     config's eagle_aux_hidden_state_layer_ids."""
-    folder = resolve_folder(model_dir, {}, "EAGLE-3 drafts")
-    raw = read_config(folder, "an EAGLE-3", (SAFETENSORS_FILE, PICKLE_FILE))
-    state = read_weights(folder, SAFETENSORS_FILE, PICKLE_FILE, "EAGLE-3")
-    eagle12 = sorted(key for key in state if key.startswith("layers.0."))
-    if eagle12:
-        raise ModelLoadError(f"{folder}: an EAGLE-1/2 draft (tensor {eagle12[0]}); use decoding_type Eagle for it, "
-                             f"not Eagle3")
-    config, draft_vocab_size = parse_eagle3_config(raw, str(folder / CONFIG_FILE))
-    _check_target(folder, raw, config, target)
-    if capture_layers is None:
-        capture_layers = _outputs_before(raw, folder)
-    layers = resolve_capture_layers(capture_layers, target_num_layers, str(folder))
-    draft = Eagle3Draft(config, draft_vocab_size, layers, len(layers) * target.hidden_size)
-    copy_weights(draft.checkpoint_slots(), state, folder, "EAGLE-3", (D2T_KEY,) + _IGNORED)
-    draft.draft_to_target = _draft_to_target(state.get(D2T_KEY), draft_vocab_size, config.vocab_size, folder)
+    with model_load_errors():
+        files = read_eagle3_files(model_dir)
+        folder, raw, state = files.folder, files.config, files.state
+        config, draft_vocab_size = parse_eagle3_config(raw, str(folder / CONFIG_FILE))
+        _check_target(folder, raw, config, target)
+        if capture_layers is None:
+            capture_layers = captured_layers(raw, folder)
+        layers = resolve_capture_layers(capture_layers, target_num_layers, str(folder))
+        draft = Eagle3Draft(config, draft_vocab_size, layers, len(layers) * target.hidden_size)
+        copy_weights(draft.checkpoint_slots(), state, folder, "EAGLE-3", (D2T_KEY,) + EAGLE3_IGNORED)
+        draft.draft_to_target = draft_to_target(state.get(D2T_KEY), draft_vocab_size, config.vocab_size, folder)
     draft = draft.to(device=device, dtype=dtype).eval()
     draft.rotary_emb.reset_frequencies(torch.device(device))  # fp32 frequencies whatever the dtype
     draft.pack_for_cpu()
     return draft
-
-
-def _outputs_before(raw: dict[str, Any], folder: Path) -> Optional[list[int]]:
-    """The config's eagle_aux_hidden_state_layer_ids (layers whose inputs feed the draft) as the layers whose
-    outputs those inputs are; None if the config has none."""
-    ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    if ids is None:
-        return None
-    if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 1 for i in ids):
-        raise ModelLoadError(f"{folder}: eagle_config.eagle_aux_hidden_state_layer_ids must list target layers "
-                             f">= 1 (a layer's input is the output of the one before it), got {ids!r}")
-    return [i - 1 for i in ids]
 
 
 def _check_target(folder: Path, raw: dict[str, Any], config: ModelConfig, target: ModelConfig) -> None:
@@ -263,22 +246,3 @@ def _check_target(folder: Path, raw: dict[str, Any], config: ModelConfig, target
     for name, ours, theirs in sizes:
         if ours != theirs:
             raise ModelLoadError(f"{folder}: the draft's {name} is {ours}, the target's {theirs}")
-
-
-def _draft_to_target(d2t: Optional[torch.Tensor], draft_vocab_size: int, vocab_size: int,
-                     folder: Path) -> torch.Tensor:
-    """arange + d2t, checked; without d2t the draft vocabulary must be the whole vocabulary."""
-    rows = torch.arange(draft_vocab_size)
-    if d2t is None:
-        if draft_vocab_size != vocab_size:
-            raise ModelLoadError(f"{folder}: EAGLE-3 weights lack {D2T_KEY}, which a draft_vocab_size "
-                                 f"({draft_vocab_size}) other than vocab_size ({vocab_size}) needs")
-        return rows
-    if d2t.dim() != 1 or d2t.dtype.is_floating_point or len(d2t) != draft_vocab_size:
-        raise ModelLoadError(f"{folder}: EAGLE-3 tensor {D2T_KEY} must hold {draft_vocab_size} integer offsets "
-                             f"(draft_vocab_size), got shape {list(d2t.shape)} of {d2t.dtype}")
-    ids = rows + d2t.to(torch.long)
-    if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
-        raise ModelLoadError(f"{folder}: EAGLE-3 tensor {D2T_KEY} maps draft ids outside the vocabulary "
-                             f"[0, {vocab_size})")
-    return ids

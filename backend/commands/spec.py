@@ -115,8 +115,8 @@ def _eagle3_arguments(parser) -> None:
 
 
 def add_bench_command(kinds, engine_arguments) -> None:
-    """`tritonllm bench spec` (registered by backend/cli.py next to the other benchmarks)."""
-    from .bench import add_arguments
+    """`tritonllm bench spec` (registered by commands/main.py next to the other benchmarks)."""
+    from tritonllm.commands.bench_spec import add_arguments
 
     bench = kinds.add_parser("spec", help="batch-1 decode tok/s with speculative decoding vs without, same engine, "
                                           "one run (input-grounded prompts)")
@@ -148,8 +148,7 @@ def _run_train_medusa(args) -> int:
     import torch
 
     from tritonllm.engine.config import ConfigError
-
-    from .train_medusa import TrainSettings, train_medusa
+    from tritonllm.spec_decode.training.train_medusa import TrainSettings, train_medusa
 
     _check_common(args, ("heads", "layers"))
     if args.distill_prompts < 0 or args.distill_tokens < 0 or args.draft_vocab < 0:
@@ -190,9 +189,8 @@ def _run_train_eagle(args) -> int:
     import torch
 
     from tritonllm.engine.config import ConfigError
-
-    from .train_eagle import EagleTrainSettings, train_eagle
-    from .train_eagle3 import Eagle3TrainSettings, train_eagle3
+    from tritonllm.spec_decode.training.train_eagle import EagleTrainSettings, train_eagle
+    from tritonllm.spec_decode.training.train_eagle3 import Eagle3TrainSettings, train_eagle3
 
     _check_common(args, ("passes", "distill_prompts"))
     if args.draft_vocab < 0 or args.token_weight < 0 or args.feature_noise < 0:

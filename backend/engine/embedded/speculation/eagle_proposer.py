@@ -1,6 +1,6 @@
-"""EAGLE speculation: the draft layer (tritonllm.spec_decode.eagle, or .eagle3) with its own one-layer paged KV
-cache, fed with the target's final-norm hidden states (EAGLE-1/2) or the outputs of some of its layers (EAGLE-3,
-whose draft maps them through its `fc` and scores drafts with its own head).
+"""EAGLE speculation: the draft layer (eagle.py, or eagle3.py) with its own one-layer paged KV cache, fed with the
+target's final-norm hidden states (EAGLE-1/2) or the outputs of some of its layers (EAGLE-3, whose draft maps them
+through its `fc` and scores drafts with its own head).
 
 Each target sequence has a shadow here whose KV slot k holds draft position `first_position + k`; draft position
 j is computed from (token j + 1, the target's hidden state at j). The engine hands over the hidden state of every
@@ -19,18 +19,19 @@ commits: drafts are only proposals."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence as Seq
+from typing import Optional
+from typing import Sequence as Seq
 
 import torch
 
 from tritonllm.spec_decode.proposer import ProposalInput, draft_budget
 from tritonllm.spec_decode.tree import DraftTree, TreeTemplate
 
-from ..types import SamplingParams
-from .attention import step_metadata, zero_blocks
-from .block_manager import BlockManager
-from .sequence import Sequence
-from .spec_methods import ProposerMethod
+from ...types import SamplingParams
+from ..attention import step_metadata, zero_blocks
+from ..block_manager import BlockManager
+from ..sequence import Sequence
+from .methods import ProposerMethod
 
 _SHADOW_PARAMS = SamplingParams(max_tokens=1)
 

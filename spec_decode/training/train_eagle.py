@@ -36,13 +36,13 @@ import torch
 import torch.nn.functional as F
 
 from tritonllm.engine.embedded.models.layers import apply_rotary
+from tritonllm.engine.embedded.speculation.eagle import EagleDraft, eagle_config_for, parse_eagle_config, save_eagle
 
+from ..checkpoint_files import frequent_tokens
 from . import distill
-from .checkpoint_files import frequent_tokens
-from .eagle import EagleDraft, eagle_config_for, parse_eagle_config, save_eagle
 from .frozen_base import base_outputs, load_base
-from .training_loop import BestCheckpoint, chain_score, deadline, run_steps
 from .train_medusa import default_text
+from .training_loop import BestCheckpoint, chain_score, deadline, run_steps
 
 
 @dataclass
