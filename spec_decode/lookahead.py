@@ -8,7 +8,8 @@ sits at position root + 1 + c + l and sees the root, level 0's columns 0..c and 
 coherent sequence, so its output is a real next-token guess. The top level's outputs become a new level; once
 N-1 levels exist, each column (level 0 .. top, new) is an N-gram for the pool, and level 0 is dropped.
 
-The model forward is a callable (`TreeForward`), so the engine plugs in later and tests use an oracle."""
+The model forward is a callable (`TreeForward`): the embedded engine passes its own
+(engine/embedded/speculation/methods.py), the tests an oracle."""
 from __future__ import annotations
 
 import random

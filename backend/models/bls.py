@@ -5,9 +5,10 @@ from __future__ import annotations
 import json
 import logging
 
+from tritonllm.bls.inflight import BlsInflightRequests
+
 from ..bls.config import BlsConfig
 from ..bls.llm_calls import ExecTransport, GrpcTransport
-from ..bls.server import BlsServer
 from ..triton.logging_bridge import route_logs_to_triton
 from ..triton.parent_watch import exit_with_parent
 
@@ -19,16 +20,16 @@ class TritonPythonModel:
         config = BlsConfig.from_model_config(json.loads(args["model_config"]))
         transport = _transport(config, config.llm_model_name)
         draft = _transport(config, config.draft_model_name) if config.draft_model_name else None
-        self.server = BlsServer(transport, config.decoupled, config.accumulate_tokens,
+        self.inflight = BlsInflightRequests(transport, config.decoupled, config.accumulate_tokens,
                                 config.cancellation_check_period_ms, draft_transport=draft)
 
     def execute(self, requests):
         for request in requests:
-            self.server.submit(request)
+            self.inflight.submit(request)
         return None
 
     def finalize(self):
-        self.server.shutdown()
+        self.inflight.shutdown()
 
 
 def _transport(config: BlsConfig, model: str):

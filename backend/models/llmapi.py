@@ -8,11 +8,12 @@ from __future__ import annotations
 import json
 import logging
 
+from tritonllm.triton.llmapi_inflight import LLMAPIInflightRequests
+
 from ..engine import choose_engine
 from ..triton.engine_args import is_decoupled
 from ..triton.engine_model import EngineBackedModel
 from ..triton.llmapi_config import load_llmapi_settings, load_llmapi_tokenizer, model_yaml_path, read_triton_config
-from ..triton.llmapi_server import LLMAPIServer
 from ..triton.logging_bridge import route_logs_to_triton
 from ..triton.parent_watch import exit_with_parent
 from ..triton.pb import pb_utils
@@ -36,5 +37,8 @@ class TritonPythonModel(EngineBackedModel):
         log.info("starting the %s engine for %s from %s (decoupled=%s)", choose_engine(settings.engine),
                  settings.engine.model, settings.yaml_path, decoupled)
         tokenizer = load_llmapi_tokenizer(settings)
-        self.start(settings.engine, args, settings.stats_check_period_ms, lambda engine, on_finished: LLMAPIServer(
-            engine, tokenizer, decoupled, settings.cancellation_check_period_ms, on_finished=on_finished))
+        def inflight(engine, on_finished):
+            return LLMAPIInflightRequests(engine, tokenizer, decoupled, settings.cancellation_check_period_ms,
+                                          on_finished=on_finished)
+
+        self.start(settings.engine, args, settings.stats_check_period_ms, inflight)

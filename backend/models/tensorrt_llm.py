@@ -5,10 +5,11 @@ import json
 import logging
 from pathlib import Path
 
+from tritonllm.triton.llm_inflight import LLMInflightRequests
+
 from ..engine import choose_engine
 from ..triton.engine_args import load_tensorrt_llm_settings
 from ..triton.engine_model import EngineBackedModel
-from ..triton.llm_server import LLMRequestServer
 from ..triton.logging_bridge import route_logs_to_triton
 from ..triton.parent_watch import exit_with_parent
 
@@ -23,6 +24,8 @@ class TritonPythonModel(EngineBackedModel):
         settings = load_tensorrt_llm_settings(model_config, model_dir)
         log.info("starting the %s engine for %s (decoupled=%s)", choose_engine(settings.engine),
                  settings.engine.model, settings.decoupled)
-        self.start(settings.engine, args, settings.stats_check_period_ms, lambda engine, on_finished: LLMRequestServer(
-            engine, settings.decoupled, settings.exclude_input_in_output, settings.cancellation_check_period_ms,
-            on_finished=on_finished))
+        def inflight(engine, on_finished):
+            return LLMInflightRequests(engine, settings.decoupled, settings.exclude_input_in_output,
+                                       settings.cancellation_check_period_ms, on_finished=on_finished)
+
+        self.start(settings.engine, args, settings.stats_check_period_ms, inflight)

@@ -1,5 +1,5 @@
-"""What the two engine-backed Triton models share: an engine, a request server that answers through response
-senders, request metrics and engine gauges; `execute` only hands requests over, `finalize` stops all three."""
+"""What the two engine-backed Triton models share: an engine, its in-flight requests (answered through response
+senders), request metrics and engine gauges; `execute` only hands requests over, `finalize` stops all three."""
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -12,20 +12,20 @@ from .request_metrics import RequestMetrics
 
 class EngineBackedModel:
     def start(self, engine_config: EngineConfig, args: dict, stats_check_period_ms: int,
-              make_server: Callable[[Any, Callable], Any]) -> None:
-        """Start the engine, the request server `make_server(engine, on_finished)` builds, and the metrics."""
+              make_inflight: Callable[[Any, Callable], Any]) -> None:
+        """Start the engine, the in-flight requests `make_inflight(engine, on_finished)` builds, and the metrics."""
         name, version = args["model_name"], args["model_version"]
         self.engine = create_engine(engine_config)
         self.request_metrics = RequestMetrics(name, version)
-        self.server = make_server(self.engine, self.request_metrics.observe)
+        self.inflight = make_inflight(self.engine, self.request_metrics.observe)
         self.metrics = EngineMetrics(self.engine.stats, name, version, stats_check_period_ms).start()
 
     def execute(self, requests):
         for request in requests:
-            self.server.submit(request)
+            self.inflight.submit(request)
         return None
 
     def finalize(self):
         self.metrics.stop()
-        self.server.shutdown()
+        self.inflight.shutdown()
         self.engine.shutdown()

@@ -1,4 +1,4 @@
-"""The sender thread both `tensorrt_llm` flavours answer through (llm_server, llmapi_server).
+"""The sender thread both `tensorrt_llm` flavours answer through (llm_inflight, llmapi_inflight).
 
 Engine outputs arrive on the engine's thread and are queued as events; this one thread turns them into Triton
 responses, so a request's responses go out in order and a slow client never stalls the engine. Between events,

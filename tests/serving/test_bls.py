@@ -15,7 +15,7 @@ from tritonllm.bls.grpc_endpoint import GrpcEndpointError, grpc_url_from_argumen
 from tritonllm.bls.llm_calls import LlmCancelled, LlmResponse
 from tritonllm.bls.request import read_request
 from tritonllm.bls.sequences import SequenceText
-from tritonllm.bls.server import BlsServer
+from tritonllm.bls.inflight import BlsInflightRequests
 from tritonllm.triton.pb import InputError
 
 
@@ -254,7 +254,7 @@ def test_three_sequences_are_tagged_and_final_after_the_last(stand_ins):
 
 def test_bad_input_is_answered_in_execute_with_an_error_naming_it(stand_ins):
     transport = ScriptedTransport([])
-    server = BlsServer(transport, decoupled=True, accumulate=False, cancellation_check_ms=100)
+    server = BlsInflightRequests(transport, decoupled=True, accumulate=False, cancellation_check_ms=100)
     request = bls_request(guided_decoding_guide=np.array([["{}"]], object))
     try:
         server.submit(request)
@@ -269,7 +269,7 @@ def test_bad_input_is_answered_in_execute_with_an_error_naming_it(stand_ins):
 
 def test_a_request_runs_on_its_own_thread_and_is_forgotten_when_done(stand_ins):
     transport = ScriptedTransport([llm_response(["Hel"], True)])
-    server = BlsServer(transport, decoupled=True, accumulate=False, cancellation_check_ms=100)
+    server = BlsInflightRequests(transport, decoupled=True, accumulate=False, cancellation_check_ms=100)
     request = bls_request()
     try:
         server.submit(request)

@@ -14,7 +14,7 @@ import pytest
 from tritonllm.engine import SamplingParams
 from tritonllm.deploy.llmapi_repo import build_llmapi_repo
 from tritonllm.model_files.tiny import build_tiny_model
-from tritonllm.triton.llmapi_server import LLMAPIServer
+from tritonllm.triton.llmapi_inflight import LLMAPIInflightRequests
 
 
 import fake_pb_utils as fake  # registered by conftest.py
@@ -149,9 +149,9 @@ def test_best_of_returns_the_most_likely_of_its_samples(model):
     (response, _), = run(model, request(**inputs))
     values = outputs(response)
     assert values["text_output"].shape == (1,)
-    samples = model.engine.generate(model.server.tokenizer.encode(PROMPT, add_special_tokens=True),
+    samples = model.engine.generate(model.inflight.tokenizer.encode(PROMPT, add_special_tokens=True),
                                     SamplingParams(max_tokens=5, temperature=1.0, n=3, seed=7, logprobs=True,
-                                                   end_id=model.server.tokenizer.end_id))
+                                                   end_id=model.inflight.tokenizer.end_id))
     best = max(samples.outputs, key=lambda c: c.cumulative_logprob)
     assert values["cumulative_logprob"][0] == pytest.approx(best.cumulative_logprob, abs=1e-3)
 
@@ -188,7 +188,7 @@ def test_errors_name_the_input_and_carry_na_text(model, inputs, named):
 
 
 def test_streaming_is_refused_when_the_model_is_not_decoupled(model):
-    server = LLMAPIServer(model.engine, model.server.tokenizer, decoupled=False)
+    server = LLMAPIInflightRequests(model.engine, model.inflight.tokenizer, decoupled=False)
     try:
         req = request(streaming=True)
         server.submit(req)
@@ -206,7 +206,7 @@ def test_finished_requests_feed_the_histograms(model):
     while len(histograms["nv_llm_input_token_len"].observations) == before:
         assert time.monotonic() < deadline
         time.sleep(0.005)
-    prompt_len = len(model.server.tokenizer.encode(PROMPT, add_special_tokens=True))
+    prompt_len = len(model.inflight.tokenizer.encode(PROMPT, add_special_tokens=True))
     assert histograms["nv_llm_input_token_len"].observations[-1] == prompt_len
     assert 1 <= histograms["nv_llm_output_token_len"].observations[-1] <= 3
     gauges = fake.MetricFamily.families["nv_trt_llm_kv_cache_block_metrics"].metrics

@@ -115,10 +115,10 @@ def wait_finished(request, timeout: float = 5.0) -> None:
 def test_the_sender_thread_reports_each_finished_row_once():
     import numpy as np
 
-    from tritonllm.triton.llm_server import LLMRequestServer
+    from tritonllm.triton.llm_inflight import LLMInflightRequests
 
     seen = []
-    server = LLMRequestServer(_ScriptedEngine(), decoupled=True, exclude_input_in_output=True,
+    server = LLMInflightRequests(_ScriptedEngine(), decoupled=True, exclude_input_in_output=True,
                               cancellation_check_ms=10, on_finished=seen.append)
     request = fake.InferenceRequest({"input_ids": np.array([[5, 6, 7], [8, 9, 0]], dtype=np.int32),
                                      "input_lengths": np.array([3, 2], dtype=np.int32),
@@ -132,12 +132,12 @@ def test_the_sender_thread_reports_each_finished_row_once():
 def test_a_failing_metrics_hook_does_not_cost_the_client_its_response():
     import numpy as np
 
-    from tritonllm.triton.llm_server import LLMRequestServer
+    from tritonllm.triton.llm_inflight import LLMInflightRequests
 
     def broken(_output):
         raise RuntimeError("metrics down")
 
-    server = LLMRequestServer(_ScriptedEngine(), decoupled=True, exclude_input_in_output=True,
+    server = LLMInflightRequests(_ScriptedEngine(), decoupled=True, exclude_input_in_output=True,
                               cancellation_check_ms=10, on_finished=broken)
     request = fake.InferenceRequest({"input_ids": np.array([[5, 6]], dtype=np.int32),
                                      "input_lengths": np.array([2], dtype=np.int32),

@@ -80,9 +80,9 @@ def _streaming_request(**kwargs):
 
 
 def _server(engine):
-    from tritonllm.triton.llm_server import LLMRequestServer
+    from tritonllm.triton.llm_inflight import LLMInflightRequests
 
-    return LLMRequestServer(engine, decoupled=True, exclude_input_in_output=True, cancellation_check_ms=10)
+    return LLMInflightRequests(engine, decoupled=True, exclude_input_in_output=True, cancellation_check_ms=10)
 
 
 def test_a_request_stopped_by_its_cancel_key_ends_with_the_bare_final_flag():

@@ -14,14 +14,14 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Optional
 
-from ..engine.types import CompletionOutput, InvalidRequestError, RequestOutput
-from .llm_request import is_stop_request
-from .llmapi_request import LLMAPIRequest, convert_request, name_inputs
-from .llmapi_responses import SequenceResult, error_response, inference_response
-from .llmapi_text import SequenceText
-from .pb import InputError, send_final, send_response
-from .request_metrics import report_finished
-from .sender_loop import SenderLoop
+from tritonllm.engine.types import CompletionOutput, InvalidRequestError, RequestOutput
+from tritonllm.triton.llm_request import is_stop_request
+from tritonllm.triton.llmapi_request import LLMAPIRequest, convert_request, name_inputs
+from tritonllm.triton.llmapi_responses import SequenceResult, error_response, inference_response
+from tritonllm.triton.llmapi_text import SequenceText
+from tritonllm.triton.pb import InputError, send_final, send_response
+from tritonllm.triton.request_metrics import report_finished
+from tritonllm.triton.sender_loop import SenderLoop
 
 log = logging.getLogger("tritonllm.llmapi")
 
@@ -38,7 +38,7 @@ class RequestState:
     closed: bool = False
 
 
-class LLMAPIServer(SenderLoop):
+class LLMAPIInflightRequests(SenderLoop):
     """`active`: engine request id -> RequestState."""
 
     def __init__(self, engine: Any, tokenizer: Any, decoupled: bool, cancellation_check_ms: int = 100,

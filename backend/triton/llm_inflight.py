@@ -18,13 +18,13 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from ..engine.types import RequestOutput
-from .llm_request import EngineRow, convert_request, is_stop_request
-from .llm_responses import beam_tensors, merge_batch, sequence_tensors
-from .pb import InputError, error_response, output_tensor, pb_utils, send_final, send_response
-from .request_metrics import report_finished
-from .sender_loop import SenderLoop
-from .stop_channel import StopChannel
+from tritonllm.engine.types import RequestOutput
+from tritonllm.triton.llm_request import EngineRow, convert_request, is_stop_request
+from tritonllm.triton.llm_responses import beam_tensors, merge_batch, sequence_tensors
+from tritonllm.triton.pb import InputError, error_response, output_tensor, pb_utils, send_final, send_response
+from tritonllm.triton.request_metrics import report_finished
+from tritonllm.triton.sender_loop import SenderLoop
+from tritonllm.triton.stop_channel import StopChannel
 
 log = logging.getLogger("tritonllm.tensorrt_llm")
 STOP_HOLD_S = 2.0  # how long a `stop` waits for a request id not seen yet
@@ -49,7 +49,7 @@ class TritonRequestState:
     closed: bool = False
 
 
-class LLMRequestServer(SenderLoop):
+class LLMInflightRequests(SenderLoop):
     """`active`: engine request id -> TritonRequestState (one state per row's engine request)."""
 
     def __init__(self, engine, decoupled: bool, exclude_input_in_output: bool, cancellation_check_ms: int,

@@ -7,14 +7,14 @@ import logging
 import threading
 from typing import Any
 
-from ..triton.pb import InputError, error_response, send_final
-from .handler import BlsHandler
-from .request import read_request
+from tritonllm.bls.handler import BlsHandler
+from tritonllm.bls.request import read_request
+from tritonllm.triton.pb import InputError, error_response, send_final
 
 log = logging.getLogger("tritonllm.tensorrt_llm_bls")
 
 
-class BlsServer:
+class BlsInflightRequests:
     def __init__(self, transport, decoupled: bool, accumulate: bool, cancellation_check_ms: int,
                  draft_transport=None):
         self.transport = transport
