@@ -129,6 +129,8 @@ class RequestHandle:
                 self._next(timeout)
             except StopIteration:
                 break
+        if self._last is None:  # asked again after the request failed before any output
+            raise EngineError(f"request {self.request_id} ended without an output")
         return self._last
 
     async def aresult(self) -> RequestOutput:
