@@ -98,16 +98,18 @@ def rejection_sample(tree: DraftTree, target_probs: torch.Tensor, generator: tor
         p, child = target_probs[node + 1], draft_child(tree, node)
         if child is None:
             return _draw(p, generator)
+        assert tree.draft_probs is not None  # draft_child finds a child only in a tree with draft probabilities
         return accept_or_resample(p, tree.draft_probs[child], tree.tokens[child], generator, threshold)[1]
 
     return walk(tree, choose)
 
 
-def accept_or_resample(p: torch.Tensor, q: Optional[torch.Tensor], token: int, generator: torch.Generator,
+def accept_or_resample(p: torch.Tensor, q: Optional[torch.Tensor], token: int, generator: Optional[torch.Generator],
                        threshold: Optional[float] = None) -> tuple[bool, int]:
     """One step of rejection sampling for draft `token` (drawn from q; None: deterministic): (accepted, the token
     to commit). With a `threshold` the draft is kept when min(1, p/q) reaches it (a fixed rule, as TensorRT-LLM's
-    acceptance threshold) instead of against a uniform draw; a rejection draws from norm(max(0, p - q)) either way."""
+    acceptance threshold) instead of against a uniform draw; a rejection draws from norm(max(0, p - q)) either way.
+    `generator` None: torch's default generator."""
     if threshold is None:
         accepted = _accept(p, q, token, generator)
     else:
@@ -116,7 +118,7 @@ def accept_or_resample(p: torch.Tensor, q: Optional[torch.Tensor], token: int, g
     return (True, token) if accepted else (False, _draw(_residual(p, q, token), generator))
 
 
-def _accept(p: torch.Tensor, q: Optional[torch.Tensor], token: int, generator: torch.Generator) -> bool:
+def _accept(p: torch.Tensor, q: Optional[torch.Tensor], token: int, generator: Optional[torch.Generator]) -> bool:
     target = float(p[token])
     proposal = 1.0 if q is None else float(q[token])
     if proposal <= 0.0:  # the draft could not have produced this token; never trust it
@@ -138,7 +140,7 @@ def _residual(p: torch.Tensor, q: Optional[torch.Tensor], token: int) -> torch.T
     return residual / total
 
 
-def _draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+def _draw(probs: torch.Tensor, generator: Optional[torch.Generator]) -> int:
     return int(torch.multinomial(probs.float(), 1, generator=generator)[0])
 
 

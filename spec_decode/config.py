@@ -136,6 +136,7 @@ class EagleConfig(SpeculativeConfig):
             top_k = self.dynamic_tree_max_topK
             _require(top_k is not None and top_k >= 1, "dynamic_tree_max_topK",
                      f"must be >= 1 when use_dynamic_tree is set, got {top_k}")
+            assert top_k is not None  # _require raised otherwise
             total = self.max_total_draft_tokens
             _require(self.max_draft_len <= total <= top_k * self.max_draft_len, "max_total_draft_tokens",
                      f"must be in [max_draft_len, dynamic_tree_max_topK * max_draft_len], got {total}")

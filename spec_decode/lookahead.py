@@ -229,7 +229,8 @@ def lookahead_generate(forward: TreeForward, prompt: Sequence[int], max_new_toke
     The reference loop the engine integration must match (tests compare it with plain greedy)."""
     decoder = LookaheadDecoder(config, seed, pool_from_history)
     state = decoder.new_state(prompt)
-    context, root, output, forwards = list(prompt[:-1]), int(prompt[-1]), [], 0
+    context, root, forwards = list(prompt[:-1]), int(prompt[-1]), 0
+    output: list[int] = []
     while len(output) < max_new_tokens:
         step = decoder.build_step(state, root, before=context[-NGramPool.CONTEXT:])
         positions = [len(context) + offset for offset in step.position_offsets]

@@ -26,7 +26,7 @@ import json
 import logging
 import re
 from pathlib import Path
-from typing import Callable, Optional, Sequence, Union
+from typing import Callable, Iterable, Optional, Sequence, Union, cast
 
 import torch
 import torch.nn.functional as F
@@ -70,6 +70,8 @@ class ResBlock(nn.Module):
 class MedusaHeads(nn.Module):
     """`shared_lm_head`: the heads are ResBlocks only and use the base model's output head, given with
     `share_lm_head` before the first forward."""
+
+    draft_vocab: Optional[torch.Tensor]  # a buffer (register_buffer)
 
     def __init__(self, hidden_size: int, vocab_size: int, num_heads: int, num_layers: int = 1,
                  shared_lm_head: bool = False):
@@ -144,12 +146,13 @@ class MedusaHeads(nn.Module):
         if self.shared_lm_head:
             raise ValueError("these Medusa heads share the base LM head; use share_lm_head")
         with torch.no_grad():
-            for head in self.heads:
-                head[-1].weight.copy_(weight)
+            for projection in self.projections():
+                projection.weight.copy_(weight)
 
     def projections(self) -> list[nn.Linear]:
         """Each head's own vocabulary projection (none when the heads share the base LM head)."""
-        return [] if self.shared_lm_head else [head[-1] for head in self.heads]
+        heads = cast(Iterable[nn.Sequential], self.heads)  # a ModuleList hands out plain Modules
+        return [] if self.shared_lm_head else [cast(nn.Linear, head[-1]) for head in heads]
 
 
 # ---- checkpoint folder ----------------------------------------------------------------------------------------
@@ -225,7 +228,9 @@ def _strip_prefix(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def _shape_from_keys(state: dict[str, torch.Tensor], folder: Path, shared: bool = False) -> tuple[int, int]:
     """(heads, layers) from key names; the vocabulary projection is the one `{h}.{L}.weight` without 'linear'
     (absent when the heads share the base LM head: L is then one past the last ResBlock)."""
-    heads, projection_index, block_index = set(), set(), set()
+    heads: set[int] = set()
+    projection_index: set[int] = set()
+    block_index: set[int] = set()
     for key in state:
         match = _KEY.match(key)
         if match is None:
@@ -271,7 +276,8 @@ class MedusaProposer(StatelessProposer):
         if not batch:
             return []
         weight = next(self.heads.parameters())
-        hidden = torch.stack([item.hidden_state for item in batch]).to(weight.device, weight.dtype)
+        states = [item.hidden_state for item in batch if item.hidden_state is not None]  # all of them: checked
+        hidden = torch.stack(states).to(weight.device, weight.dtype)
         candidates, probabilities = self.heads.top_k_with_probabilities(hidden, self.template.max_rank)  # one pass
         return [self.template.fill(per_head, chances, self.min_path_probability).truncated(
                     draft_budget(self.max_draft_tokens, item))

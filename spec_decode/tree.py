@@ -136,7 +136,8 @@ def default_choices(depth: int, num_nodes: int, top_k: int = 4, decay: float = 0
     """A tree of `num_nodes` paths for `depth` heads when none is configured: grown greedily by an assumed
     acceptance model (rank r at any depth accepted with probability decay**(r+1)), so the likeliest paths win.
     Our own default; TensorRT-LLM's is the 63-node mc_sim_7b_63, too wide for CPU verification."""
-    frontier = [(-decay, (0,))] + [(-decay ** (r + 1), (r,)) for r in range(1, top_k)]
+    frontier: list[tuple[float, tuple[int, ...]]] = [(-decay, (0,))]
+    frontier += [(-decay ** (r + 1), (r,)) for r in range(1, top_k)]
     heapq.heapify(frontier)
     chosen: Choices = []
     while frontier and len(chosen) < num_nodes:

@@ -11,7 +11,7 @@ import numpy as np
 
 from ..triton.pb import error_response, output_tensor, pb_utils, send_final, send_response, string_tensor
 from .inner_models import InnerModelError, postprocess, preprocess
-from .llm_calls import LlmCancelled, LlmResponse
+from .llm_calls import LlmCall, LlmCancelled, LlmResponse
 from .request import BlsRequest
 from .sequences import SequenceText
 from .speculative import SpeculativeCall
@@ -40,7 +40,7 @@ class BlsHandler:
         # Held around is_cancelled() and the final send: asking Triton about a request whose final response
         # is sent crashes the server (TRITONBACKEND_ResponseFactoryIsCancelled on a freed response factory).
         self.sender_lock = threading.Lock()
-        self.call = None
+        self.call: Optional[LlmCall] = None
         self.cancelled = False  # by the client, or by shutdown
         self.closed = False  # the FINAL flag is sent
         self.sequences: dict[tuple[int, int], SequenceText] = {}
@@ -64,20 +64,20 @@ class BlsHandler:
         with self.lock:
             if self.cancelled:
                 raise LlmCancelled()
-            self.call = self._start(bls, bls.llm_inputs(preprocessed))
-        for response in self.call.responses():
+            call = self.call = self._start(bls, bls.llm_inputs(preprocessed))
+        for response in call.responses():
             tensors = self._tensors(bls, response)
             done = len(self.sequences) == bls.sequence_count and all(s.finished for s in self.sequences.values())
             if done:
                 self._close(pb_utils().InferenceResponse(output_tensors=tensors) if tensors else None)
                 if not response.final:
-                    self.call.cancel()  # a stop word ended every sequence: free the engine's work
+                    call.cancel()  # a stop word ended every sequence: free the engine's work
                 return
             if tensors:
                 send_response(self.sender, pb_utils().InferenceResponse(output_tensors=tensors))
         self._close(None)  # tensorrt_llm ended without marking every sequence final
 
-    def _start(self, bls: BlsRequest, inputs: dict):
+    def _start(self, bls: BlsRequest, inputs: dict) -> LlmCall:
         if bls.speculation is None:
             return self.transport.start(inputs, self.request_id)
         return SpeculativeCall(self.transport, self.draft_transport, inputs, bls.speculation, bls.streaming,

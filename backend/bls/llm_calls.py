@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Iterator, Mapping
+from typing import Iterator, Mapping, Protocol
 
 import numpy as np
 
@@ -29,6 +29,14 @@ class LlmCancelled(Exception):
 class LlmResponse:
     outputs: dict[str, np.ndarray]
     final: bool  # the last response of the tensorrt_llm request
+
+
+class LlmCall(Protocol):
+    """A tensorrt_llm request in flight (GrpcCall, ExecCall, or the BLS's SpeculativeCall)."""
+
+    def responses(self) -> Iterator[LlmResponse]: ...
+
+    def cancel(self) -> None: ...
 
 
 # ---------------------------------------------------------------------------------------------- gRPC

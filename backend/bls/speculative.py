@@ -18,7 +18,7 @@ from typing import Iterator, Mapping, Optional
 import numpy as np
 
 from ..tokenizer import DETOKENIZE_PREFIX_TOKENS
-from .llm_calls import LlmCancelled, LlmResponse
+from .llm_calls import LlmCall, LlmCancelled, LlmResponse
 
 # Inputs of the target request that do not apply to the draft call (or are set per call here).
 PER_CALL = ("input_ids", "input_lengths", "request_output_len", "streaming", "exclude_input_in_output", "end_id",
@@ -46,7 +46,7 @@ class SpeculativeCall:
         self.settings, self.streaming, self.echo_prompt = settings, streaming, echo_prompt
         self.request_id = request_id
         self.lock = threading.Lock()
-        self.current = None  # the inner call in flight
+        self.current: Optional[LlmCall] = None  # the inner call in flight
         self.cancelled = False
         self.rounds = self.drafted = self.accepted = 0
 
@@ -114,9 +114,9 @@ class SpeculativeCall:
         with self.lock:
             if self.cancelled:
                 raise LlmCancelled()
-            self.current = transport.start(inputs, f"{self.request_id}-{self.rounds}")
+            current = self.current = transport.start(inputs, f"{self.request_id}-{self.rounds}")
         outputs: dict[str, np.ndarray] = {}
-        for response in self.current.responses():
+        for response in current.responses():
             if "output_ids" in response.outputs:
                 outputs = response.outputs
         return outputs

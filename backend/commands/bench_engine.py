@@ -171,10 +171,12 @@ def shifted(requests: list[BenchRequest], vocab_size: int) -> list[BenchRequest]
 def bench_engine(config, requests: list[BenchRequest], args) -> dict[str, Any]:
     """Warm-up, the timed run and, with --profile, a profiled run; the engine's part of the result."""
     from tritonllm.engine import create_engine
+    from tritonllm.engine.embedded.engine import EmbeddedEngine
 
     started = time.perf_counter()
     engine = create_engine(config)
     try:
+        assert isinstance(engine, EmbeddedEngine)  # what this bench measures (engine_facts reads its core)
         facts = engine_facts(engine, config)
         device = engine.core.device
         progress(f"engine ready in {time.perf_counter() - started:.1f}s ({facts['device']}, {facts['dtype']}, "

@@ -92,7 +92,11 @@ def _prompts(model_dir: Path, args) -> list[PreparedPrompt]:
 
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     requests = make_requests(tokenizer, args.requests, (args.prompt_tokens, args.prompt_tokens), (1, 1), args.seed)
-    texts = [tokenizer.decode(r.prompt_ids) for r in requests]
+    texts = []
+    for r in requests:
+        text = tokenizer.decode(r.prompt_ids)
+        assert isinstance(text, str)  # one id list decodes to one text (transformers types it str | list[str])
+        texts.append(text)
     return [PreparedPrompt(text, len(tokenizer.encode(text)), args.output_tokens) for text in texts]
 
 

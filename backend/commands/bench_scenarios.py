@@ -24,7 +24,7 @@ def percentile(values: list[float], q: float) -> float:
 class TokenClock:
     """Arrival times of every streamed update, per request, recorded on the engine thread."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.times: dict[int, list[float]] = {}
         self.done = threading.Event()
         self.lock = threading.Lock()

@@ -137,9 +137,9 @@ def main(args) -> int:
               "spec": SamplingParams(max_tokens=args.max_tokens, end_id=tokenizer.eos_token_id)}
     prompts = [chat_ids(tokenizer, request) for request in bench_requests(args.task, args.prompts)]
     try:
-        for side in params.values():  # warm-up
-            engine.generate(prompts[0][:32], replace(side, max_tokens=8))
-        runs = {"plain": [], "spec": []}
+        for warm_up in params.values():
+            engine.generate(prompts[0][:32], replace(warm_up, max_tokens=8))
+        runs: dict[str, list[dict]] = {"plain": [], "spec": []}
         for round_ in range(1, args.rounds + 1):
             for number, ids in enumerate(prompts, 1):
                 for side in ("plain", "spec"):

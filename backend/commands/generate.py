@@ -40,8 +40,10 @@ def result_record(prompt_ids: list[int], output: RequestOutput, tokenizer) -> di
     """One prompt's result as the --json line shows it."""
     samples = []
     for completion in output.outputs:
-        metrics = dataclasses.asdict(completion.request_perf_metrics)
-        metrics["acceptance_rate"] = completion.request_perf_metrics.acceptance_rate
+        perf = completion.request_perf_metrics
+        assert perf is not None  # both engines report it with every output
+        metrics = dataclasses.asdict(perf)
+        metrics["acceptance_rate"] = perf.acceptance_rate
         samples.append({
             "output_token_ids": completion.token_ids,
             "text": tokenizer.decode(completion.token_ids, skip_special_tokens=True),

@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -198,18 +199,19 @@ def _run_train_eagle(args) -> int:
     if args.capture_layers is not None and not args.eagle3:
         raise ConfigError("--capture-layers is for EAGLE-3 drafts: add --eagle3")
     text = Path(args.text).read_text(encoding="utf-8") if args.text else None
-    settings_type, train = (Eagle3TrainSettings, train_eagle3) if args.eagle3 else (EagleTrainSettings, train_eagle)
     layers = tuple(args.capture_layers) if args.capture_layers else None
-    eagle3 = {"capture_layers": layers} if args.eagle3 else {}
-    settings = settings_type(
+    common: dict[str, Any] = dict(
         steps=args.steps, batch_sequences=args.batch, learning_rate=args.lr, passes=args.passes,
         token_weight=args.token_weight, feature_noise=args.feature_noise, draft_vocab=args.draft_vocab,
         distill_prompts=args.distill_prompts, distill_max_tokens=args.distill_max_tokens,
         distill_batch=args.distill_batch, distill_rounds=args.distill_rounds,
         distill_temperature=args.distill_temperature, distill_own_requests=args.distill_own_requests,
         validation_share=args.validation_share, eval_every=args.eval_every, seed=args.seed, device=args.device,
-        save_dtype=getattr(torch, args.save_dtype), time_limit=args.time_limit, **eagle3)
-    report = train(args.model, args.out, settings, text)
+        save_dtype=getattr(torch, args.save_dtype), time_limit=args.time_limit)
+    if args.eagle3:
+        report = train_eagle3(args.model, args.out, Eagle3TrainSettings(**common, capture_layers=layers), text)
+    else:
+        report = train_eagle(args.model, args.out, EagleTrainSettings(**common), text)
     summary = {"out": str(report.out_dir), "tokens": report.num_tokens, "first_loss": round(report.first_loss, 4),
                "last_loss": round(report.last_loss, 4), "depth_accuracy": [round(a, 4) for a in report.accuracy],
                "validation_accuracy": [round(a, 4) for a in report.validation_accuracy or []],
@@ -220,8 +222,8 @@ def _run_train_eagle(args) -> int:
         print(json.dumps(summary))
     else:
         accuracy = ", ".join(f"depth {k}: {a:.1%}" for k, a in enumerate(report.accuracy, 1))
-        layers = f", capture layers {report.capture_layers}" if args.eagle3 else ""
+        captured = f", capture layers {report.capture_layers}" if args.eagle3 else ""
         print(f"{'EAGLE-3' if args.eagle3 else 'EAGLE'} draft saved to {report.out_dir} ({report.num_tokens} "
-              f"training tokens{layers}, loss {report.first_loss:.3f} -> {report.last_loss:.3f}, top-1 agreement "
+              f"training tokens{captured}, loss {report.first_loss:.3f} -> {report.last_loss:.3f}, top-1 agreement "
               f"with the model on the bench's requests: {accuracy}, {report.seconds:.0f} s)")
     return 0

@@ -60,9 +60,11 @@ class FrontendProcess:
 
     def _wait_healthy(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
+        process = self.process
+        assert process is not None  # start() set it
         while not self._healthy():
-            if self.process.poll() is not None:
-                raise FrontendStartError(f"the OpenAI endpoint exited with code {self.process.returncode} while "
+            if process.poll() is not None:
+                raise FrontendStartError(f"the OpenAI endpoint exited with code {process.returncode} while "
                                          "starting" + (f"; see {self.log_file}" if self.log_file else ""))
             if time.monotonic() > deadline:
                 raise FrontendStartError(f"the OpenAI endpoint was not healthy after {timeout:.0f}s")

@@ -50,9 +50,10 @@ def build_llmapi_repo(model_dir: str | Path, out_dir: str | Path, *, streaming: 
     check_build_numbers(max_batch_size=max_batch_size, max_seq_len=max_seq_len, max_num_tokens=max_num_tokens,
                         kv_cache_max_tokens=kv_cache_max_tokens)
     check_build_choices(engine=engine, dtype=dtype, device=device, kv_cache_free_gpu_mem_fraction=None)
-    args = {"model": model, "engine": engine, "dtype": dtype, "device": device, "max_batch_size": max_batch_size,
-            "max_seq_len": max_seq_len, "max_num_tokens": max_num_tokens,
-            "kv_cache_config": {"max_tokens": kv_cache_max_tokens} if kv_cache_max_tokens else None}
+    args: dict[str, Any] = {
+        "model": model, "engine": engine, "dtype": dtype, "device": device, "max_batch_size": max_batch_size,
+        "max_seq_len": max_seq_len, "max_num_tokens": max_num_tokens,
+        "kv_cache_config": {"max_tokens": kv_cache_max_tokens} if kv_cache_max_tokens else None}
     args = {key: value for key, value in args.items() if value is not None}
     for key, value in (engine_args or {}).items():
         set_arg(args, key, value)

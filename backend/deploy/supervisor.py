@@ -56,7 +56,7 @@ class Supervisor:
         self.on_restart = on_restart
         self.stop = threading.Event()
         self.restarts: deque[float] = deque()
-        self.stubs = stub_processes(server.process.pid)
+        self.stubs = stub_processes(server.started_process.pid)
 
     def run(self) -> None:
         """Watch until `stop` is set; raises ServerError when restarts keep failing."""
@@ -67,10 +67,10 @@ class Supervisor:
 
     def fault(self) -> Optional[str]:
         """Why the server must be restarted, or None while it is healthy."""
-        code = self.server.process.poll()
+        code = self.server.started_process.poll()
         if code is not None:
             return f"tritonserver exited with code {code}"
-        live = stub_processes(self.server.process.pid)
+        live = stub_processes(self.server.started_process.pid)
         gone = {pid: model for pid, model in self.stubs.items() if pid not in live}
         if gone:
             return "the process of " + ", ".join(f"model '{m}' (pid {p})" for p, m in sorted(gone.items())) + \
@@ -91,5 +91,5 @@ class Supervisor:
         self.server.kill()
         started = time.monotonic()
         self.server.start(self.start_timeout)
-        self.stubs = stub_processes(self.server.process.pid)
+        self.stubs = stub_processes(self.server.started_process.pid)
         log.warning("tritonserver serves again, %.1fs after the restart began", time.monotonic() - started)

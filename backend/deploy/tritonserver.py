@@ -113,11 +113,17 @@ class TritonServer:
         self.wait_ready(timeout)
         return self
 
+    @property
+    def started_process(self) -> subprocess.Popen:
+        """The tritonserver process, once start() has run."""
+        assert self.process is not None, "tritonserver is not started"
+        return self.process
+
     def wait_ready(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise ServerError(f"tritonserver exited with code {self.process.returncode} while starting"
+            if self.started_process.poll() is not None:
+                raise ServerError(f"tritonserver exited with code {self.started_process.returncode} while starting"
                                   + (f"; see {self.log_file}" if self.log_file else ""))
             if self.is_ready():
                 return
@@ -155,7 +161,7 @@ class TritonServer:
 
     def _kill_group(self) -> None:
         try:
-            os.killpg(self.process.pid, signal.SIGKILL)
+            os.killpg(self.started_process.pid, signal.SIGKILL)
         except (ProcessLookupError, PermissionError):
             pass  # nothing of the group is left
 

@@ -24,6 +24,10 @@ class Engine(Protocol):
         output, or the exception that ended the request, on the engine's thread instead of the handle's queue."""
         ...
 
+    def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams) -> RequestOutput:
+        """Submit a request and wait for its final output."""
+        ...
+
     def abort(self, request_id: int) -> None:
         """Cancel a request; it then ends with finish_reason 'cancelled'. Unknown ids are ignored."""
         ...
@@ -125,6 +129,8 @@ class RequestHandle:
                 self._next(timeout)
             except StopIteration:
                 break
+        if self._last is None:  # asked again after the request failed before any output
+            raise EngineError(f"request {self.request_id} ended without an output")
         return self._last
 
     async def aresult(self) -> RequestOutput:

@@ -54,7 +54,7 @@ def _optional_llm_kwargs(config: EngineConfig) -> dict[str, Any]:
     """Settings passed only when set, so the library's own defaults apply otherwise."""
     optional = {"tokenizer": config.tokenizer, "max_seq_len": config.max_seq_len, "backend": config.backend,
                 "lora_config": config.lora_config, "speculative_config": config.speculative_config}
-    kwargs = {key: value for key, value in optional.items() if value is not None}
+    kwargs: dict[str, Any] = {key: value for key, value in optional.items() if value is not None}
     if config.speculative_config is not None:
         _check_speculative_config(config.speculative_config)
     if config.enable_lora:

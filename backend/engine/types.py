@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Optional
 if TYPE_CHECKING:
     import torch
 
+    from tritonllm.spec_decode.config import LookaheadConfig
+
 
 class InvalidRequestError(ValueError):
     """A request the engine refuses: the message names the field, its value and the rule."""
@@ -60,9 +62,9 @@ class SamplingParams:
     draft_tokens: Optional[list[int]] = None
     draft_logits: Optional["torch.Tensor"] = None
     draft_acceptance_threshold: Optional[float] = None
-    # Per-request lookahead window / n-gram / verification set (TensorRT-LLM's SamplingParams.lookahead_config,
-    # a tritonllm.spec_decode.config.LookaheadConfig); each at most the engine's, which must run lookahead.
-    lookahead_config: Optional[object] = None
+    # Per-request lookahead window / n-gram / verification set (TensorRT-LLM's SamplingParams.lookahead_config);
+    # each at most the engine's, which must run lookahead.
+    lookahead_config: Optional[LookaheadConfig] = None
     # False: decode one token per step even when the engine speculates (the baseline `tritonllm bench spec`
     # measures in the same engine, so both sides share one thread pool; not a Triton input).
     speculate: bool = True

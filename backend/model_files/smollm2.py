@@ -12,7 +12,7 @@ import os
 import shutil
 import sys
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
@@ -123,12 +123,12 @@ def _dequantized_model(config):
     return model.eval()
 
 
-def _rope_theta(config) -> float:
+def _rope_theta(config) -> Optional[float]:
     rope = getattr(config, "rope_parameters", None) or {}
     return rope.get("rope_theta", getattr(config, "rope_theta", None))
 
 
-def _make_portable(out: Path, expected_rope_theta: float) -> None:
+def _make_portable(out: Path, expected_rope_theta: Optional[float]) -> None:
     config = portable_model_config(read_json(out / "config.json"))
     config.pop("_model_name_or_path", None)  # the GGUF's internal run name, not a path anyone can load
     if config.get("rope_theta") != expected_rope_theta:

@@ -97,7 +97,8 @@ def _weight_specs(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...], st
     q_size = config["num_attention_heads"] * head_dim
     kv_size = config["num_key_value_heads"] * head_dim
     qkv_bias = config["model_type"] == "qwen2" or config.get("attention_bias", False)
-    specs = [("model.embed_tokens.weight", (config["vocab_size"], hidden), "embedding")]
+    specs: list[tuple[str, tuple[int, ...], str]] = [
+        ("model.embed_tokens.weight", (config["vocab_size"], hidden), "embedding")]
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
         specs += [(p + "input_layernorm.weight", (hidden,), "norm"),

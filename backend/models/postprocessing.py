@@ -126,6 +126,8 @@ class Postprocessor:
 
 
 class TritonPythonModel:
+    postprocessor: Optional[Postprocessor]  # None after finalize()
+
     def initialize(self, args: dict) -> None:
         exit_with_parent()
         params = Parameters.from_model_config(json.loads(args["model_config"]))
@@ -134,7 +136,9 @@ class TritonPythonModel:
         self.postprocessor = Postprocessor(tokenizer, config.skip_special_tokens)
 
     def execute(self, requests: list) -> list:
-        return [self.postprocessor.respond(request) for request in requests]
+        postprocessor = self.postprocessor
+        assert postprocessor is not None  # Triton calls execute() only between initialize() and finalize()
+        return [postprocessor.respond(request) for request in requests]
 
     def finalize(self) -> None:
         self.postprocessor = None

@@ -58,6 +58,7 @@ def read_request(request: Any) -> PreprocessingRequest:
     batch = query.shape[0] if query.ndim else 0
     prompts = [pb.row_scalar(query, row, "QUERY", "str") for row in range(batch)]
     output_len = _batched(request, "REQUEST_OUTPUT_LEN", "INT32", batch, required=True)
+    assert output_len is not None  # required: a missing input raised
     return PreprocessingRequest(
         prompts=prompts,
         request_output_len=output_len,
@@ -131,6 +132,8 @@ class Preprocessor:
 
 
 class TritonPythonModel:
+    preprocessor: Optional[Preprocessor]  # None after finalize()
+
     def initialize(self, args: dict) -> None:
         exit_with_parent()
         params = Parameters.from_model_config(json.loads(args["model_config"]))
@@ -139,7 +142,9 @@ class TritonPythonModel:
         self.preprocessor = Preprocessor(tokenizer, config.add_special_tokens)
 
     def execute(self, requests: list) -> list:
-        return [self.preprocessor.respond(request) for request in requests]
+        preprocessor = self.preprocessor
+        assert preprocessor is not None  # Triton calls execute() only between initialize() and finalize()
+        return [preprocessor.respond(request) for request in requests]
 
     def finalize(self) -> None:
         self.preprocessor = None

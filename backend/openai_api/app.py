@@ -12,7 +12,7 @@ import asyncio
 import contextlib
 import json
 import time
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncGenerator, AsyncIterator, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -114,7 +114,8 @@ class RequestRecord:
         self.metrics.in_flight.labels(self.endpoint).dec()
         usage = generation.usage if generation is not None else None
         self.metrics.finished(self.endpoint, self.model, status, time.monotonic() - self.start,
-                              usage.prompt_tokens if usage else 0, generation.completion_tokens if usage else 0)
+                              usage.prompt_tokens if usage else 0,
+                              generation.completion_tokens if generation is not None else 0)
 
 
 async def _generate(request: Request, service: OpenAIService, metrics: FrontendMetrics, chat: bool):
@@ -141,7 +142,7 @@ async def _json(request: Request) -> Any:
 
 
 async def _whole(request: Request, generation: Generation, builder: AnswerBuilder,
-                 record: RequestRecord) -> JSONResponse:
+                 record: RequestRecord) -> Response:
     choices = [ChoiceText() for _ in range(len(generation.prompts) * generation.request.n)]
 
     async def collect():
@@ -190,7 +191,7 @@ async def _stream(generation: Generation, builder: AnswerBuilder, record: Reques
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def _sse(events: AsyncIterator[ChoiceEvent], first: Optional[ChoiceEvent], generation: Generation,
+async def _sse(events: AsyncGenerator[ChoiceEvent, None], first: Optional[ChoiceEvent], generation: Generation,
                builder: AnswerBuilder, record: RequestRecord) -> AsyncIterator[bytes]:
     status = CLIENT_CLOSED_REQUEST  # unless the stream gets to its end
     sent: dict[int, int] = {}  # characters sent per choice, for text completions' text_offset

@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Optional
+from typing import AsyncGenerator, Optional
 
 import numpy as np
 
@@ -98,14 +98,14 @@ class Generation:
     def completion_tokens(self) -> int:
         return sum(choice.tokens for row in self.choices for choice in row)
 
-    async def events(self) -> AsyncIterator[ChoiceEvent]:
+    async def events(self) -> AsyncGenerator[ChoiceEvent, None]:
         streams = [self._prompt_events(p) for p in range(len(self.prompts))]
         async with contextlib.aclosing(merge(streams)) as events:
             async for event in events:
                 yield event
         self.usage.completion_tokens = self.completion_tokens
 
-    async def _prompt_events(self, p: int) -> AsyncIterator[ChoiceEvent]:
+    async def _prompt_events(self, p: int) -> AsyncGenerator[ChoiceEvent, None]:
         choices = self.choices[p]
         inputs = {**backend_inputs(self.prompts[p], self.request), **self.extra_inputs}
         stream = self.client.stream(self.backend_model, inputs, OUTPUTS)
@@ -183,7 +183,7 @@ def prepare_prompt(text: str, prompt_tokens: int, max_tokens: Optional[int], con
     return PreparedPrompt(text, prompt_tokens, max_tokens)
 
 
-async def merge(streams: list[AsyncIterator]) -> AsyncIterator:
+async def merge(streams: list[AsyncGenerator]) -> AsyncGenerator:
     """The items of several async iterators as they come; leaving early cancels (and so closes) them all."""
     if len(streams) == 1:
         async with contextlib.aclosing(streams[0]) as only:

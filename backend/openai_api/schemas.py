@@ -175,9 +175,10 @@ def completion_prompts(body: CompletionBody) -> tuple[str, ...]:
         return (body.prompt,)
     if not body.prompt:
         raise BadRequest("prompt must not be an empty list", param="prompt")
-    if not all(isinstance(item, str) for item in body.prompt):
+    prompts = tuple(item for item in body.prompt if isinstance(item, str))
+    if len(prompts) != len(body.prompt):
         raise Unsupported("token-id prompts are not supported: send text", param="prompt")
-    return tuple(body.prompt)
+    return prompts
 
 
 def check_completion_fields(body: CompletionBody) -> None:
@@ -210,11 +211,13 @@ def chat_messages(body: ChatCompletionBody) -> list[dict[str, str]]:
     for index, message in enumerate(body.messages):
         content = message.content
         if isinstance(content, list):
+            texts = []
             for part_index, part in enumerate(content):
                 if part.type != "text" or part.text is None:
                     raise Unsupported(f"content parts of type '{part.type}' are not supported (text only)",
                                       param=f"messages.{index}.content.{part_index}")
-            content = "".join(part.text for part in content)
+                texts.append(part.text)
+            content = "".join(texts)
         role = "system" if message.role == "developer" else message.role
         entry = {"role": role, "content": content or ""}
         if message.name:

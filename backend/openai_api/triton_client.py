@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import AsyncIterator, Mapping, Optional, Sequence
+from typing import AsyncGenerator, AsyncIterator, Mapping, Optional, Sequence
 
 import grpc
 import numpy as np
@@ -77,7 +77,7 @@ class TritonClient:
     # -- streams ---------------------------------------------------------------------------------------------
 
     async def stream(self, model: str, inputs: Mapping[str, np.ndarray],
-                     outputs: Sequence[str]) -> AsyncIterator[StreamResponse]:
+                     outputs: Sequence[str]) -> AsyncGenerator[StreamResponse, None]:
         """The responses of one request, up to its final one. Leaving the iteration early (a break, an
         exception, a cancelled task) cancels the request on Triton."""
         request = infer_request(model, inputs, outputs)

@@ -125,7 +125,7 @@ def engine_overrides(params: Parameters) -> dict[str, Any]:
     _put(out, "normalize_log_probs", params.bool("normalize_log_probs"))
     _put(out, "attn_backend", params.str("attn_backend"))  # checked (any case) by EngineConfig, naming the key
     _put(out, "disable_overlap_scheduler", params.bool("disable_overlap_scheduler"))
-    kv_cache = {}
+    kv_cache: dict[str, Any] = {}
     _put(kv_cache, "max_tokens", params.int("max_tokens_in_paged_kv_cache", minimum=1))
     _put(kv_cache, "free_gpu_memory_fraction", memory_fraction(params, "kv_cache_free_gpu_mem_fraction"))
     _put(kv_cache, "enable_block_reuse", params.bool("enable_kv_cache_reuse"))

@@ -201,6 +201,7 @@ class LLMInflightRequests(SenderLoop):
             pending = self._sequence_responses(state, row, output, options, batch_index)
         last_row = state.rows_done == len(state.rows) and output.finished
         if state.cancel_token:
+            assert self.stop_channel is not None  # it handed out the token
             key = output_tensor(CANCEL_KEY, np.array([[self.stop_channel.key(state.cancel_token).encode()]],
                                                      dtype=object))
             pending = [tensors + [key] for tensors in pending]

@@ -5,7 +5,7 @@ naming the input; inputs of features that are not built yet are refused rather t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import numpy as np
 
@@ -74,8 +74,11 @@ def convert_request(request, default_exclude_input: bool, decoupled: bool) -> li
     """All rows of a Triton request, validated."""
     check_unsupported(request)
     rows = batch_size(request)
-    ids = optional_input(request, "input_ids").astype(np.int64)
+    ids = optional_input(request, "input_ids")
+    assert ids is not None  # batch_size() raised otherwise
+    ids = ids.astype(np.int64)
     lengths = _column(request, "input_lengths", rows, required=True)
+    assert lengths is not None  # required: _column raised otherwise
     return [_convert_row(request, row, ids[row], int(lengths[row]), default_exclude_input, decoupled)
             for row in range(rows)]
 
@@ -184,7 +187,7 @@ def _draft_inputs(request, row) -> dict:
         return {}
     if ids.ndim != 1:
         raise InputError(f"input 'draft_input_ids' must be [batch, draft tokens], got a row of shape {list(ids.shape)}")
-    fields = {"draft_tokens": [int(t) for t in ids], "draft_acceptance_threshold": threshold}
+    fields: dict[str, Any] = {"draft_tokens": [int(t) for t in ids], "draft_acceptance_threshold": threshold}
     if logits is not None:
         if logits.ndim != 2 or logits.shape[0] != ids.shape[0]:
             raise InputError(f"input 'draft_logits' must be [batch, {ids.shape[0]}, vocab] for {ids.shape[0]} draft "
@@ -238,6 +241,7 @@ def _flag(request, name, row, default: bool) -> bool:
 
 def _output_len(request, row) -> int:
     value = _int(request, "request_output_len", row, required=True)
+    assert value is not None  # required: _column raised otherwise
     if value < 1:
         raise InputError("request_output_len", f"(the ensemble's max_tokens) must be >= 1, got {value}")
     return value

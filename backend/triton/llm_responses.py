@@ -92,6 +92,7 @@ def logits_tensors(completion: CompletionOutput, options: RowOptions, start: int
 
 def perf_tensors(completion: CompletionOutput) -> list:
     metrics = completion.request_perf_metrics
+    assert metrics is not None  # the callers send perf tensors only with metrics
     tensors = [output_tensor(name, np.array([[getattr(metrics, name)]], dtype=np.int32)) for name in PERF_INT32]
     tensors += [output_tensor(name, np.array([[getattr(metrics, name)]], dtype=np.int64)) for name in PERF_INT64]
     tensors.append(output_tensor("acceptance_rate", np.array([[metrics.acceptance_rate]], dtype=np.float32)))

@@ -154,7 +154,8 @@ class LLMAPIInflightRequests(SenderLoop):
             return
         state.closed = True
         with self.lock:  # forget it first: a sender that fails must not leave it active forever
-            self.active.pop(state.engine_id, None)
+            if state.engine_id is not None:  # None: never started
+                self.active.pop(state.engine_id, None)
             others = [s for s in self.by_triton_id.pop(state.triton_id, []) if s is not state]
             if others:
                 self.by_triton_id[state.triton_id] = others

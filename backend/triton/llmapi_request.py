@@ -72,8 +72,8 @@ def convert_request(request: Any, tokenizer: Any, decoupled: bool) -> LLMAPIRequ
 
 def sampling_params(request: Any, tokenizer: Any, best_of: int, stop: list[str],
                     outputs: OutputOptions) -> SamplingParams:
-    values = {fld: scalar(request, name, dtype, kind) for name, (fld, dtype, kind) in SAMPLING_INPUTS.items()}
-    values = {fld: value for fld, value in values.items() if value is not None}
+    read = {fld: scalar(request, name, dtype, kind) for name, (fld, dtype, kind) in SAMPLING_INPUTS.items()}
+    values: dict[str, Any] = {fld: value for fld, value in read.items() if value is not None}
     values.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
     end_id = tokenizer.end_id if tokenizer.end_id >= 0 else None
     # Token-level stop words end each sequence in the engine at once; the text-level check (SequenceText) also

@@ -4,8 +4,9 @@ Triton hands a model its config as a dict; `parameters` values are strings. `""`
 mean "unset". Every bad value is a `ParameterError` that names the parameter, so a broken config fails at load."""
 from __future__ import annotations
 
+import builtins
 import re
-from typing import Any, Callable, Mapping, Optional, TypeVar
+from typing import Any, Callable, Mapping, Optional, TypeVar, overload
 
 T = TypeVar("T")
 
@@ -56,26 +57,55 @@ class Parameters:
         except (TypeError, ValueError):
             raise ParameterError(f"{self.model_name}: parameter '{name}' = {text!r} must be {rule}") from None
 
-    def str(self, name: str, default: Optional[str] = None) -> Optional[str]:
+    # The getters' names shadow the builtins inside the class, so their annotations spell them `builtins.*`; with a
+    # default that is not None a getter never returns None.
+    @overload
+    def str(self, name: builtins.str, default: builtins.str) -> builtins.str: ...
+    @overload
+    def str(self, name: builtins.str, default: None = None) -> Optional[builtins.str]: ...
+
+    def str(self, name: builtins.str, default: Optional[builtins.str] = None) -> Optional[builtins.str]:
         return self.values.get(name, default)
 
-    def int(self, name: str, default: Optional[int] = None, minimum: Optional[int] = None) -> Optional[int]:
+    @overload
+    def int(self, name: builtins.str, default: builtins.int,
+            minimum: Optional[builtins.int] = None) -> builtins.int: ...
+    @overload
+    def int(self, name: builtins.str, default: None = None,
+            minimum: Optional[builtins.int] = None) -> Optional[builtins.int]: ...
+
+    def int(self, name: builtins.str, default: Optional[builtins.int] = None,
+            minimum: Optional[builtins.int] = None) -> Optional[builtins.int]:
         value = self._get(name, default, int, "an integer")
         self._check_minimum(name, value, minimum)
         return value
 
-    def float(self, name: str, default: Optional[float] = None, minimum: Optional[float] = None,
-              maximum: Optional[float] = None) -> Optional[float]:
+    @overload
+    def float(self, name: builtins.str, default: builtins.float, minimum: Optional[builtins.float] = None,
+              maximum: Optional[builtins.float] = None) -> builtins.float: ...
+    @overload
+    def float(self, name: builtins.str, default: None = None, minimum: Optional[builtins.float] = None,
+              maximum: Optional[builtins.float] = None) -> Optional[builtins.float]: ...
+
+    def float(self, name: builtins.str, default: Optional[builtins.float] = None,
+              minimum: Optional[builtins.float] = None,
+              maximum: Optional[builtins.float] = None) -> Optional[builtins.float]:
         value = self._get(name, default, float, "a number")
         self._check_minimum(name, value, minimum)
         if value is not None and maximum is not None and value > maximum:
             raise ParameterError(f"{self.model_name}: parameter '{name}' = {value} must be <= {maximum}")
         return value
 
-    def bool(self, name: str, default: Optional[bool] = None) -> Optional[bool]:
+    @overload
+    def bool(self, name: builtins.str, default: builtins.bool) -> builtins.bool: ...
+    @overload
+    def bool(self, name: builtins.str, default: None = None) -> Optional[builtins.bool]: ...
+
+    def bool(self, name: builtins.str, default: Optional[builtins.bool] = None) -> Optional[builtins.bool]:
         return self._get(name, default, parse_bool, "a boolean (true/false/1/0/yes/no)")
 
-    def choice(self, name: str, choices: tuple[str, ...], default: Optional[str] = None) -> Optional[str]:
+    def choice(self, name: builtins.str, choices: tuple[builtins.str, ...],
+               default: Optional[builtins.str] = None) -> Optional[builtins.str]:
         value = self.values.get(name, default)
         if value is not None and value not in choices:
             raise ParameterError(f"{self.model_name}: parameter '{name}' = {value!r} must be one of {choices}")

@@ -16,7 +16,7 @@ import random
 import re
 from functools import lru_cache
 from importlib import resources
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from tqdm import tqdm
@@ -151,7 +151,7 @@ def self_written_requests(base, tokenizer, count: int, batch: int, seed: int = 0
     written = greedy_answers(base, tokenizer, [prefix] * count, OWN_REQUEST_TOKENS, batch, progress,
                              "Self-distillation (the model's own requests)", temperature=OWN_REQUEST_TEMPERATURE,
                              seed=seed + 1000)
-    requests = {}
+    requests: dict[str, None] = {}  # insertion-ordered set
     for ids, start in written:
         text = tokenizer.decode(ids[start:], skip_special_tokens=True).strip()
         if len(set(re.findall(r"[a-z]+", text.lower()))) >= 4 and not names_bench_topic(text):
@@ -207,7 +207,7 @@ def greedy_answers(base, tokenizer, prompts: list[list[int]], max_new_tokens: in
                    desc: str, temperature: float = 0.0, seed: int = 0) -> list[Distilled]:
     """Greedy answers (sampled at `temperature` when it is > 0), `batch` prompts per generate call (similar
     lengths together, left-padded); each answer ends at its first end token."""
-    sampling = dict(do_sample=False)
+    sampling: dict[str, Any] = dict(do_sample=False)
     if temperature > 0:
         torch.manual_seed(seed)
         sampling = dict(do_sample=True, temperature=temperature, top_k=0, top_p=1.0)

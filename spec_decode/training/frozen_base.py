@@ -16,7 +16,9 @@ def load_base(model_dir, device: str = "cpu"):
         torch.backends.cuda.matmul.allow_tf32 = False  # the targets are fp32 greedy choices, as the engine makes
         torch.backends.cudnn.allow_tf32 = False
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).to(device).eval()
+    base = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    # transformers decorates PreTrainedModel.to with functools.wraps(nn.Module.to), which mypy reads as unbound
+    base = base.to(device).eval()  # type: ignore[arg-type]
     base.requires_grad_(False)
     return tokenizer, base
 

@@ -30,12 +30,13 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Callable, Optional, Sequence, TypeVar, Union
 
 import torch
 import torch.nn.functional as F
 
 from tritonllm.engine.embedded.models.layers import apply_rotary
+from tritonllm.engine.embedded.models.llama import DecoderLayerParts
 from tritonllm.engine.embedded.speculation.eagle import EagleDraft, eagle_config_for, parse_eagle_config, save_eagle
 
 from ..checkpoint_files import frequent_tokens
@@ -43,6 +44,11 @@ from . import distill
 from .frozen_base import base_outputs, load_base
 from .train_medusa import default_text
 from .training_loop import BestCheckpoint, chain_score, deadline, run_steps
+
+if TYPE_CHECKING:
+    from tritonllm.engine.embedded.speculation.eagle3 import Eagle3Draft
+
+Draft = TypeVar("Draft", bound="EagleDraft | Eagle3Draft")
 
 
 @dataclass
@@ -217,7 +223,7 @@ def _initial_draft(config: dict) -> EagleDraft:
     return draft
 
 
-def small_random(draft: torch.nn.Module, hidden: int) -> torch.nn.Module:
+def small_random(draft: Draft, hidden: int) -> Draft:
     """Norms 1, biases 0, matrices ~ N(0, 0.02^2 * hidden / fan_in); fp32 rotary frequencies."""
     with torch.no_grad():
         for name, param in draft.named_parameters():
@@ -248,7 +254,7 @@ def dense_passes(draft: EagleDraft, embed: torch.Tensor, ids: torch.Tensor, feat
     return layer_passes(draft.layer, draft.rotary_emb, embed, ids, features, passes, layer_input)
 
 
-def layer_passes(layer: torch.nn.Module, rotary_emb, embed: torch.Tensor, ids: torch.Tensor, features: torch.Tensor,
+def layer_passes(layer: DecoderLayerParts, rotary_emb, embed: torch.Tensor, ids: torch.Tensor, features: torch.Tensor,
                  passes: int, layer_input: LayerInput) -> list[torch.Tensor]:
     """A draft decoder layer's outputs [B, N, H], pass by pass: pass k gives row j token j + k and the previous
     pass's output (pass 1: `features`), at position j + k - 1; `layer_input` is what comes before the attention."""

@@ -27,7 +27,9 @@ class BestCheckpoint:
 
     def __init__(self, module: nn.Module, score: Optional[Callable[[], float]]):
         self.module, self.score_now = module, score
-        self.score, self.step, self.state = -1.0, None, None
+        self.score = -1.0
+        self.step: Optional[int] = None
+        self.state: Optional[dict[str, torch.Tensor]] = None
 
     def check(self, step: int) -> None:
         if self.score_now is None:

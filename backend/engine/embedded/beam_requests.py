@@ -10,7 +10,7 @@ from typing import Callable, Optional
 import torch
 
 from ..types import CompletionOutput, RequestOutput
-from .beam_search import Continuation
+from .beam_search import Continuation, StopCause
 from .block_manager import BlockManager
 from .request import EngineRequest
 from .sampler import beam_logprobs
@@ -37,6 +37,7 @@ class BeamRequests:
         beams = list(request.seqs)
         logits = torch.stack([request.beam_logits.pop(beam.seq_id) for beam in beams])
         search = request.beam
+        assert search is not None  # a beam request
         candidates = search.top_continuations(beams, beam_logprobs(logits, beams), self.ending)
         survivors = search.select(beams, candidates)
         now = time.time_ns()
@@ -49,7 +50,7 @@ class BeamRequests:
             return
         request.seqs = self._next_beams(beams, survivors)
 
-    def ending(self, seq: Sequence, token: int) -> tuple[Optional[str], object]:
+    def ending(self, seq: Sequence, token: int) -> tuple[Optional[str], StopCause]:
         """Whether `seq` extended by `token` ends, and why: ("stop", "end_id" | stop token | stop word),
         ("length", None) or (None, None)."""
         params = seq.params
@@ -102,11 +103,13 @@ def beam_snapshot(request: EngineRequest) -> RequestOutput:
     """The best `n` finished hypotheses once the search is done, else the live beams, each whole (beams change
     their earlier tokens, so a stream sends every beam in full each time)."""
     metrics = replace(request.seqs[0].metrics) if request.seqs else None
-    if request.beam.done:
+    beam = request.beam
+    assert beam is not None  # a beam request
+    if beam.done:
         outputs = [CompletionOutput(index=i, token_ids=list(h.token_ids), logprobs=list(h.logprobs),
                                     cumulative_logprob=h.cumulative_logprob, finish_reason=h.finish_reason,
                                     stop_reason=h.stop_reason, request_perf_metrics=metrics)
-                   for i, h in enumerate(request.beam.results(request.params.n))]
+                   for i, h in enumerate(beam.results(request.params.n))]
     else:
         outputs = [CompletionOutput(index=seq.index, token_ids=list(seq.output_token_ids),
                                     logprobs=list(seq.logprobs), cumulative_logprob=seq.cumulative_logprob,

@@ -23,6 +23,8 @@ import torch
 from .sequence import Sequence
 
 NEG_INF = -1.0e9  # HF's masking value: large and finite, so masked scores still order among themselves
+# Why a continuation stops: a stop token, a stop word, or "end_id" (the end id, which is no reported stop reason).
+StopCause = Optional[int | list[int] | str]
 
 
 @dataclass
@@ -47,7 +49,7 @@ class Continuation:
     score: float  # parent's accumulated log-prob + logprob
     ends: bool = False
     finish_reason: Optional[str] = None
-    stop_reason: Optional[int | list[int]] = None
+    stop_reason: StopCause = None
 
 
 @dataclass
@@ -68,7 +70,7 @@ class BeamSearch:
     # -- one step ---------------------------------------------------------------------------------------------
 
     def top_continuations(self, beams: list[Sequence], logprobs: torch.Tensor,
-                          ends: Callable[[Sequence, int], tuple[Optional[str], object]]) -> list[Continuation]:
+                          ends: Callable[[Sequence, int], tuple[Optional[str], StopCause]]) -> list[Continuation]:
         """logprobs: [len(beams), vocab] processed log-probs. The best 2 * beam_width continuations, best first."""
         scores = torch.tensor([b.cumulative_logprob for b in beams], dtype=logprobs.dtype,
                               device=logprobs.device)[:, None] + logprobs
@@ -106,11 +108,13 @@ class BeamSearch:
         for candidate in ranked:
             if not candidate.ends:
                 continue
+            assert candidate.finish_reason is not None  # set on every continuation that ends
             parent = beams[candidate.parent]
             keep_token = candidate.finish_reason != "stop" or candidate.stop_reason != "end_id"
             tokens = parent.output_token_ids + ([candidate.token] if keep_token else [])
             logprobs = parent.logprobs + ([candidate.logprob] if keep_token else [])
-            stop_reason = None if candidate.stop_reason == "end_id" else candidate.stop_reason
+            stop = candidate.stop_reason
+            stop_reason = None if isinstance(stop, str) else stop  # the only text is "end_id"
             self.hypotheses.append(Hypothesis(candidate.score / generated_len ** self.length_penalty, tokens,
                                               logprobs, candidate.score, candidate.finish_reason, stop_reason))
         # Stable: among equal scores the earlier hypothesis stays ahead, as HF's merge keeps it.

@@ -70,13 +70,17 @@ class BlockManager:
 
     def reuse(self, seq: Sequence, blocks: list[int]) -> None:
         """Give `seq` the matched blocks: their tokens count as computed."""
+        hashes = []
         for block in blocks:
             if self.ref_counts[block] == 0:
                 del self.free_blocks[block]
                 self.num_cached_free_blocks -= 1
             self.ref_counts[block] += 1
             seq.block_table.append(block)
-        seq.block_hashes = [self.block_hash[b] for b in blocks]
+            block_hash = self.block_hash[block]
+            assert block_hash is not None  # a matched block is a cached one, which keeps its hash
+            hashes.append(block_hash)
+        seq.block_hashes = hashes
         seq.num_computed_tokens = len(blocks) * self.block_size
         seq.metrics.kv_cache_reused_blocks += len(blocks)
         self.num_reused_blocks += len(blocks)

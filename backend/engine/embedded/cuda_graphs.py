@@ -127,11 +127,14 @@ class _KernelGraph:
              placement: torch.Tensor) -> None:
         """This step's rows at their `placement`; the other rows and sequences become padding."""
         seqs = _load_rows(self, input_ids, positions, attn, placement)
+        kernel = attn.kernel
+        assert kernel is not None  # the step ran with the Triton backend's metadata, as this graph does
         self.seq_lens.fill_(1)
-        self.seq_lens[:seqs].copy_(attn.kernel.seq_lens)
+        self.seq_lens[:seqs].copy_(kernel.seq_lens)
         if self.rows > 1:
+            assert kernel.query_lens is not None  # a sequence has several rows: not a decode-only step
             self.query_lens.zero_()
-            self.query_lens[:seqs].copy_(attn.kernel.query_lens)
+            self.query_lens[:seqs].copy_(kernel.query_lens)
             self._load_trees(attn, seqs)
 
     def _load_trees(self, attn: AttentionMetadata, seqs: int) -> None:
@@ -211,7 +214,7 @@ class DecodeGraphs:
         self.scratch_slot = scratch_block * block_size
         self.device = device
         self.pool = torch.cuda.graph_pool_handle() if device.type == "cuda" else None
-        self.graphs: dict[tuple[int, int, int], _Graph] = {}
+        self.graphs: dict[tuple[int, int, int], _Graph | _KernelGraph] = {}
         self.replays = 0
         self.failed = False  # a capture failed: every step runs eagerly from then on
 
@@ -232,10 +235,11 @@ class DecodeGraphs:
         if graph is None:
             return None
         where = placement_on(attn, rows, self.device)
-        if self.kernels is None:
+        if isinstance(graph, _Graph):  # the portable backend's (self.kernels is None)
             graph.load(input_ids, positions, attn, where, visible_keys(attn, rows, width * self.block_size))
         else:
             graph.load(input_ids, positions, attn, where)
+        assert graph.replay is not None and graph.hidden is not None  # set when the graph was captured
         graph.replay()
         self.replays += 1
         return graph.hidden.index_select(0, where)
@@ -247,12 +251,12 @@ class DecodeGraphs:
             return self.max_width
         return min(self.max_width, max(self.min_width, _power_of_two(attn.block_tables.shape[1])))
 
-    def _new_graph(self, seqs: int, rows: int, width: int):
+    def _new_graph(self, seqs: int, rows: int, width: int) -> _Graph | _KernelGraph:
         if self.kernels is not None:
             return _KernelGraph(seqs, rows, width, self.block_size, self.scratch_slot, self.kernels, self.device)
         return _Graph(seqs, rows, width, self.block_size, self.scratch_slot, self.kv_caches[0][0].dtype, self.device)
 
-    def _graph(self, seqs: int, rows: int, width: int) -> Optional[_Graph]:
+    def _graph(self, seqs: int, rows: int, width: int) -> Optional[_Graph | _KernelGraph]:
         """The graph of this shape, captured now if it is new; None if capturing fails (graphs are then given up
         for good, and the engine runs eagerly as it would without them)."""
         graph = self.graphs.get((seqs, rows, width))

@@ -6,7 +6,7 @@ import itertools
 import logging
 import time
 from dataclasses import replace
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -31,6 +31,10 @@ from .sequence import Sequence
 from .speculation.build import TargetParts
 from .speculation.speculator import Speculator
 from .stop_rules import matched_stop
+
+if TYPE_CHECKING:
+    from tritonllm.lora.cache import CachedAdapter
+    from tritonllm.lora.runtime import AdapterRef, LoraRuntime
 
 log = logging.getLogger("tritonllm.engine")
 
@@ -154,8 +158,8 @@ class EngineCore:
             raise InvalidRequestError(f"the request needs {needed} KV blocks{beams} but the cache holds only "
                                       f"{self.block_manager.num_blocks}")
 
-    def prepare_lora(self, lora_request) -> Optional[object]:
-        """Check a LoRARequest on the caller's thread (tritonllm.lora.runtime.AdapterRef, or None without one)."""
+    def prepare_lora(self, lora_request) -> Optional[AdapterRef]:
+        """Check a LoRARequest on the caller's thread (None without one)."""
         if lora_request is None:
             return None
         if self.lora is None:
@@ -189,11 +193,12 @@ class EngineCore:
         self.num_host_bound += needs_host_tokens(params)
         return request
 
-    def _acquire_lora(self, ref) -> Optional[object]:
+    def _acquire_lora(self, ref: Optional[AdapterRef]) -> Optional[CachedAdapter]:
         if ref is None:
             return None
         from tritonllm.lora.runtime import LoraRequestError
 
+        assert self.lora is not None  # prepare_lora refuses adapters while LoRA is off
         try:
             return self.lora.acquire(ref)
         except LoraRequestError as exc:
@@ -205,6 +210,7 @@ class EngineCore:
             return None
         self.num_host_bound -= needs_host_tokens(request.params)
         if request.lora is not None:
+            assert self.lora is not None  # only an engine with LoRA pins adapters
             self.lora.release(request.lora)
         for seq in request.seqs:
             if not seq.is_finished:
@@ -366,6 +372,7 @@ class EngineCore:
             del self.requests[seq.request_id]
             self.num_host_bound -= needs_host_tokens(request.params)
             if request.lora is not None:
+                assert self.lora is not None  # only an engine with LoRA pins adapters
                 self.lora.release(request.lora)
 
     def fail_all(self) -> list[EngineRequest]:
@@ -433,7 +440,8 @@ def needs_host_tokens(params: SamplingParams) -> bool:
                 or params.return_context_logits or params.return_generation_logits)
 
 
-def _lora_runtime(config: EngineConfig, model_config, dtype: torch.dtype, device: torch.device):
+def _lora_runtime(config: EngineConfig, model_config, dtype: torch.dtype,
+                  device: torch.device) -> Optional[LoraRuntime]:
     """The LoRA runtime (adapter cache, device slots, preloaded adapters), or None when LoRA is off."""
     settings = config.lora_settings()
     if settings is None:

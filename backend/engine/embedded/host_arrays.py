@@ -13,7 +13,7 @@ class HostArrays:
     """Named integer arrays collected on the host, then `upload`ed together: int64 ones (what torch indexes with)
     and int32 ones (what the kernels read), the latter converted on the device in one go."""
 
-    def __init__(self):
+    def __init__(self) -> None:
         self._long: list[tuple[str, np.ndarray]] = []
         self._int32: list[tuple[str, np.ndarray]] = []
 

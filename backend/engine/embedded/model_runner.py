@@ -3,7 +3,7 @@ next-token logits for the sequences whose every known token is now computed."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -11,6 +11,13 @@ from .attention import attach_masks, zero_blocks
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
 from .step_inputs import StepInputs, step_inputs
+
+if TYPE_CHECKING:
+    from tritonllm.lora.runtime import LoraRuntime
+
+    from .attention.triton_backend import TritonAttention
+    from .cuda_graphs import DecodeGraphs
+    from .models.llama import LlamaForCausalLM
 
 
 @dataclass
@@ -31,15 +38,15 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: torch.nn.Module, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
+    def __init__(self, model: LlamaForCausalLM, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
                  block_size: int, dtype: torch.dtype, device: torch.device):
         self.model = model
         self.block_size = block_size
         self.device = device
-        self.lora = None  # tritonllm.lora.runtime.LoraRuntime when LoRA is enabled
+        self.lora: Optional[LoraRuntime] = None  # set when LoRA is enabled
         self.keep_all_hidden = False  # return every computed position's hidden state (StepOutput.all_hidden)
-        self.graphs = None  # cuda_graphs.DecodeGraphs when decode steps replay CUDA graphs
-        self.kernels = None  # attention.triton_backend.TritonAttention with attn_backend TRITON; None: portable
+        self.graphs: Optional[DecodeGraphs] = None  # set when decode steps replay CUDA graphs
+        self.kernels: Optional[TritonAttention] = None  # set with attn_backend TRITON; None: portable
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         # Blocks are zeroed when first handed out (see `zero_blocks`), so the cache can start uninitialised.
         def empty() -> torch.Tensor:

@@ -2,13 +2,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from ..types import SamplingParams
 from .beam_search import BeamSearch
 from .sequence import Sequence
+
+if TYPE_CHECKING:
+    from tritonllm.lora.cache import CachedAdapter
 
 
 @dataclass(eq=False)
@@ -20,7 +23,7 @@ class EngineRequest:
     beam: Optional[BeamSearch] = None
     # Beam search: next-token logits of live beams that are computed, until every live beam is.
     beam_logits: dict[int, torch.Tensor] = field(default_factory=dict)
-    lora: Optional[object] = None  # the pinned adapter (tritonllm.lora.cache.CachedAdapter), if any
+    lora: Optional[CachedAdapter] = None  # the pinned adapter, if any
 
     @property
     def finished(self) -> bool:

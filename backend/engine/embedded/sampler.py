@@ -156,7 +156,8 @@ def _process_row(row: torch.Tensor, seq: Sequence) -> None:
 
 def _min_tokens_pending(seq: Sequence) -> bool:
     """Whether the sequence is still short of its min_tokens (its end tokens are banned until then)."""
-    return bool(seq.params.min_tokens) and len(seq.output_token_ids) < seq.params.min_tokens
+    min_tokens = seq.params.min_tokens
+    return min_tokens is not None and len(seq.output_token_ids) < min_tokens
 
 
 def _ban(row: torch.Tensor, token_ids) -> None:

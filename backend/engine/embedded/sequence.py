@@ -8,11 +8,16 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
 from ..types import RequestPerfMetrics, SamplingParams
+
+if TYPE_CHECKING:
+    from tritonllm.lora.cache import CachedAdapter
+
+    from .speculation.step_draft import StepDraft
 
 
 class SequenceStatus(enum.Enum):
@@ -45,11 +50,11 @@ class Sequence:
     generation_logits: list[torch.Tensor] = field(default_factory=list)
     # Tokens delivered to the client so far (streaming sends the rest).
     num_delivered_tokens: int = 0
-    # The LoRA adapter it runs with (tritonllm.lora.cache.CachedAdapter), None for the base model.
-    lora: Optional[object] = None
-    # This step's speculative draft (speculation.methods.StepDraft): fed after the last token, never counted as known
-    # tokens; the tokens the target accepts are appended to the output like sampled ones.
-    draft: Optional[object] = None
+    # The LoRA adapter it runs with, None for the base model.
+    lora: Optional[CachedAdapter] = None
+    # This step's speculative draft: fed after the last token, never counted as known tokens; the tokens the target
+    # accepts are appended to the output like sampled ones.
+    draft: Optional[StepDraft] = None
     # Overlap scheduler: tokens sampled on the device whose values the host has not read yet (counted in
     # num_tokens), this sequence's row among the last step's sampled tokens, and whether that token is its last.
     pending_tokens: int = 0

@@ -35,10 +35,19 @@ class StepBuilder:
 
     def __init__(self, block_size: int):
         self.block_size = block_size
-        self.input_ids, self.positions, self.slots = [], [], []
-        self.pending_rows, self.pending_sources = [], []  # rows whose token is still on the device, and its row
-        self.query_starts, self.context_lens, self.tail_masks = [], [], []
-        self.logits_indices, self.first_rows, self.sampling_seqs, self.context_requests = [], [], [], []
+        self.input_ids: list[int] = []
+        self.positions: list[int] = []
+        self.slots: list[int] = []
+        # rows whose token is still on the device, and its row among the last step's sampled tokens
+        self.pending_rows: list[int] = []
+        self.pending_sources: list[int] = []
+        self.query_starts: list[int] = []
+        self.context_lens: list[int] = []
+        self.tail_masks: list[Optional[torch.Tensor]] = []
+        self.logits_indices: list[int] = []
+        self.first_rows: list[int] = []
+        self.sampling_seqs: list[Sequence] = []
+        self.context_requests: list[tuple[Sequence, list[int]]] = []
 
     def add(self, seq: Sequence, num_new: int) -> None:
         if num_new == 1 and seq.draft is None and not seq.params.return_context_logits:
@@ -111,6 +120,7 @@ class StepBuilder:
                         self.context_lens, self.block_size, self.tail_masks, kernels)
         arrays = host.upload(device)
         if self.pending_rows:
+            assert last_tokens is not None  # pending tokens are the last step's, which the overlap step hands over
             pending = last_tokens.index_select(0, arrays["pending_sources"])
             arrays["input_ids"].index_copy_(0, arrays["pending_rows"], pending)
         attn = metadata_from(arrays, self.query_starts, query_lens, self.context_lens, self.block_size,

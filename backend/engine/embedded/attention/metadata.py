@@ -3,11 +3,15 @@ and (for the portable backend) the additive masks built once a step."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..block_manager import blocks_for
 from ..host_arrays import HostArrays, padded_rows
+
+if TYPE_CHECKING:
+    from .triton_backend import KernelMetadata
 
 
 @dataclass
@@ -33,8 +37,8 @@ class AttentionMetadata:
     # Other steps: per sequence, its additive mask [1, 1, q_len, whole blocks of ctx_len] (None: a whole prompt,
     # causal over its own keys), built once per step rather than in every layer.
     sequence_masks: list[torch.Tensor | None] | None = None
-    # The Triton backend's device tensors for this step (triton_backend.KernelMetadata); None: the portable path.
-    kernel: object | None = None
+    # The Triton backend's device tensors for this step; None: the portable path.
+    kernel: KernelMetadata | None = None
 
     @property
     def is_decode_only(self) -> bool:

@@ -9,9 +9,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
+
+if TYPE_CHECKING:
+    from .triton_kernels import TreeMasks
 
 
 def triton_usable(device: torch.device) -> Optional[str]:
@@ -37,7 +40,7 @@ class KernelMetadata:
     query_starts: Optional[torch.Tensor] = None  # [S] (prefill kernel)
     query_lens: Optional[torch.Tensor] = None  # [S]
     tiles: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (tile_seqs, tile_starts)
-    tree: Optional[object] = None  # triton_kernels.TreeMasks, or None without draft trees
+    tree: Optional[TreeMasks] = None  # None without draft trees
 
     def attend(self, q, k, v, k_cache, v_cache, scale: float) -> torch.Tensor:
         from . import triton_kernels as kernels
@@ -46,6 +49,8 @@ class KernelMetadata:
         if self.decode:
             return kernels.decode_attention(q, k_cache, v_cache, self.block_tables, self.seq_lens, scale,
                                             self.max_seq_len)
+        # set for every step that is not decode-only (TritonAttention.metadata, CUDA graphs of several rows)
+        assert self.query_starts is not None and self.query_lens is not None and self.tiles is not None
         return kernels.prefill_attention(q, k_cache, v_cache, self.block_tables, self.query_starts,
                                          self.query_lens, self.seq_lens, scale, self.tiles, self.tree)
 

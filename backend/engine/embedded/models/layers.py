@@ -47,7 +47,7 @@ def use_fused_kernels(model: nn.Module) -> None:
     CUDA, or its interpreter on CPU."""
     for module in model.modules():
         if hasattr(type(module), "fused"):  # the modules that have a fused path declare it
-            module.fused = True
+            module.fused = True  # type: ignore[assignment]  # torch types Module attributes as tensors or modules
 
 
 class RMSNorm(nn.Module):

@@ -4,6 +4,7 @@ Tokens of all sequences in a step are one flat batch `[T, ...]`; `AttentionMetad
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable, Protocol, cast
 
 import torch
 import torch.nn.functional as F
@@ -54,7 +55,7 @@ class LlamaAttention(nn.Module):
         q_and_k, v = qkv.split([self.split_sizes[0] + self.split_sizes[1], self.split_sizes[2]], dim=-1)
         q_and_k = q_and_k.view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:  # Qwen3 normalises each head before rotating it
+        if self.q_norm is not None and self.k_norm is not None:  # Qwen3 normalises each head before rotating it
             q, k = q_and_k.split([self.num_heads, self.num_kv_heads], dim=1)
             q_and_k = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         # Queries and keys rotate in one go (fewer small ops per layer, which count on CPU).
@@ -113,6 +114,11 @@ class LlamaForCausalLM(nn.Module):
         self.packed_head = pack_weight(self.output_weight)
 
     @property
+    def decoder_layers(self) -> Iterable[LlamaDecoderLayer]:
+        """`layers`, typed: a ModuleList hands out plain Modules."""
+        return cast(Iterable[LlamaDecoderLayer], self.layers)
+
+    @property
     def output_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
@@ -127,7 +133,7 @@ class LlamaForCausalLM(nn.Module):
         hidden, residual = self.embed_tokens(input_ids), None
         cos, sin = self.rotary_emb(positions, hidden.dtype)
         captured = []
-        for index, (layer, kv_cache) in enumerate(zip(self.layers, kv_caches)):
+        for index, (layer, kv_cache) in enumerate(zip(self.decoder_layers, kv_caches)):
             hidden, residual = layer.deferred(hidden, residual, cos, sin, attn, kv_cache,
                                               None if lora is None else lora.layer(index))
             if index in self.capture_layers:
@@ -152,7 +158,7 @@ class LlamaForCausalLM(nn.Module):
                  "model.norm.weight": _whole(self.norm.weight)}
         if self.lm_head is not None:
             slots["lm_head.weight"] = _whole(self.lm_head.weight)
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.decoder_layers):
             slots.update(layer_slots(f"model.layers.{i}.", layer))
         return slots
 
@@ -167,11 +173,37 @@ def _stacked(param: nn.Parameter, sizes: list[int]) -> list[WeightSlot]:
     return [WeightSlot(param, start, (size, *param.shape[1:])) for start, size in zip(starts, sizes)]
 
 
-def layer_slots(prefix: str, layer: LlamaDecoderLayer) -> dict[str, WeightSlot]:
-    """Where each checkpoint tensor of one decoder layer (names under `prefix`) goes; EAGLE's draft layer too."""
+class DecoderLayerParts(Protocol):
+    """What the checkpoint slot map and EAGLE training read of a decoder layer past its input norm:
+    LlamaDecoderLayer, EAGLE's draft layer (whose input norm is an identity) and EAGLE-3's midlayer."""
+
+    @property
+    def self_attn(self) -> LlamaAttention: ...
+
+    @property
+    def post_attention_layernorm(self) -> RMSNorm: ...
+
+    @property
+    def mlp(self) -> GatedMLP: ...
+
+
+class NormedDecoderLayer(DecoderLayerParts, Protocol):
+    """A decoder layer with its input norm (LlamaDecoderLayer, EAGLE-3's midlayer)."""
+
+    @property
+    def input_layernorm(self) -> RMSNorm: ...
+
+
+def layer_slots(prefix: str, layer: NormedDecoderLayer) -> dict[str, WeightSlot]:
+    """Where each checkpoint tensor of one decoder layer (names under `prefix`) goes; EAGLE-3's draft layer too."""
+    return {prefix + "input_layernorm.weight": _whole(layer.input_layernorm.weight),
+            **layer_slots_without_input_norm(prefix, layer)}
+
+
+def layer_slots_without_input_norm(prefix: str, layer: DecoderLayerParts) -> dict[str, WeightSlot]:
+    """layer_slots but for the input norm (EAGLE's draft layer has none)."""
     attn, mlp = layer.self_attn, layer.mlp
     slots = {
-        prefix + "input_layernorm.weight": _whole(layer.input_layernorm.weight),
         prefix + "post_attention_layernorm.weight": _whole(layer.post_attention_layernorm.weight),
         prefix + "self_attn.o_proj.weight": _whole(attn.o_proj.weight),
         prefix + "mlp.down_proj.weight": _whole(mlp.down_proj.weight),
@@ -189,7 +221,7 @@ def layer_slots(prefix: str, layer: LlamaDecoderLayer) -> dict[str, WeightSlot]:
         slots[prefix + "self_attn.o_proj.bias"] = _whole(attn.o_proj.bias)
     if mlp.down_proj.bias is not None:
         slots[prefix + "mlp.down_proj.bias"] = _whole(mlp.down_proj.bias)
-    if attn.q_norm is not None:
+    if attn.q_norm is not None and attn.k_norm is not None:
         slots[prefix + "self_attn.q_norm.weight"] = _whole(attn.q_norm.weight)
         slots[prefix + "self_attn.k_norm.weight"] = _whole(attn.k_norm.weight)
     return slots

@@ -12,8 +12,9 @@ import torch
 from ...types import InvalidRequestError
 from ..block_manager import BlockManager
 from ..model_runner import ModelRunner
+from ..models.llama import LlamaForCausalLM
 from ..models.model_config import ModelConfig, ModelLoadError
-from .methods import LookaheadMethod, ProposerMethod
+from .methods import LookaheadMethod, ProposerMethod, SpeculativeMethod
 
 WHERE = "speculative_config.speculative_model_dir"
 
@@ -24,7 +25,7 @@ class TargetParts:
     config, the runner (hidden states of all positions, KV slot copies), the block manager (the target's KV slots),
     and the dtype and device drafters are built on."""
 
-    model: torch.nn.Module
+    model: LlamaForCausalLM
     model_config: ModelConfig
     runner: ModelRunner
     block_manager: BlockManager
@@ -32,7 +33,7 @@ class TargetParts:
     device: torch.device
 
 
-def build_method(spec_config, target: TargetParts) -> Optional[object]:
+def build_method(spec_config, target: TargetParts) -> Optional[SpeculativeMethod]:
     """The engine-side method for a parsed speculative config (None without one)."""
     if spec_config is None:
         return None

@@ -17,7 +17,8 @@ class DraftHead:
 
     def __init__(self, target, vocab: Optional[torch.Tensor]):
         self.target, self.vocab = target, vocab
-        self.weight = self.packed = None
+        self.weight: Optional[torch.Tensor] = None
+        self.packed: Optional[torch.Tensor] = None
         if vocab is not None:
             self.weight = target.output_weight.detach().index_select(0, vocab.to(target.output_weight.device))
             self.packed = pack_weight(self.weight)
@@ -28,6 +29,7 @@ class DraftHead:
             return self.target.compute_logits(hidden)
         if self.packed is not None:
             return packed_linear(hidden, self.packed, None).float()
+        assert self.weight is not None  # cut from the target's head along with the vocabulary
         return F.linear(hidden, self.weight).float()
 
     def token_ids(self, indices: torch.Tensor) -> torch.Tensor:

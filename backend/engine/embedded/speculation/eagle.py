@@ -15,7 +15,6 @@ import json
 import math
 from contextlib import contextmanager
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any, Iterator, Optional, Union
 
 import torch
@@ -38,7 +37,7 @@ from tritonllm.spec_decode.eagle_format import (
 
 from ..attention import AttentionMetadata
 from ..models.layers import Linear, RotaryEmbedding
-from ..models.llama import LlamaDecoderLayer, WeightSlot, layer_slots
+from ..models.llama import LlamaDecoderLayer, WeightSlot, layer_slots_without_input_norm
 from ..models.model_config import ModelConfig, ModelLoadError
 from .draft_head import DraftHead
 
@@ -57,6 +56,8 @@ class EagleDraft(nn.Module):
     each draft position's token) and the features, and returns the layer's output, to go through the target's LM
     head unnormalised."""
 
+    draft_vocab: Optional[torch.Tensor]  # a buffer (register_buffer)
+
     def __init__(self, config: ModelConfig, bias: bool = True):
         super().__init__()
         self.config = config
@@ -64,7 +65,8 @@ class EagleDraft(nn.Module):
         hidden = config.hidden_size
         self.fc = Linear(2 * hidden, hidden, bias=bias)
         self.layer = LlamaDecoderLayer(config)
-        self.layer.input_layernorm = nn.Identity()
+        # EAGLE's layer has no input norm: an identity stands in (its checkpoint slots leave the norm out).
+        self.layer.input_layernorm = nn.Identity()  # type: ignore[assignment]
         self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim)
         # Target token ids the draft may propose (None: all); a buffer, so it moves with the draft.
         self.register_buffer("draft_vocab", None, persistent=False)
@@ -89,13 +91,8 @@ class EagleDraft(nn.Module):
         slots = {"fc.weight": WeightSlot(self.fc.weight, 0, tuple(self.fc.weight.shape))}
         if self.fc.bias is not None:
             slots["fc.bias"] = WeightSlot(self.fc.bias, 0, tuple(self.fc.bias.shape))
-        # The shared Llama slot map, given a stand-in for the input norm this layer does not have.
-        layer = self.layer
-        view = SimpleNamespace(input_layernorm=SimpleNamespace(weight=torch.empty(0)), self_attn=layer.self_attn,
-                               mlp=layer.mlp, post_attention_layernorm=layer.post_attention_layernorm)
-        layer = layer_slots(LAYER_PREFIX, view)
-        layer.pop(LAYER_PREFIX + "input_layernorm.weight")
-        slots.update(layer)
+        # The shared Llama slot map, but for the input norm this layer does not have.
+        slots.update(layer_slots_without_input_norm(LAYER_PREFIX, self.layer))
         return slots
 
     def checkpoint_state(self) -> dict[str, torch.Tensor]:

@@ -80,6 +80,8 @@ class Eagle3Head:
 class Eagle3Draft(nn.Module):
     """fc + the midlayer + the draft's norm and LM head. `forward` returns the pre-norm output, the next feature."""
 
+    draft_to_target: torch.Tensor  # a buffer (register_buffer)
+
     def __init__(self, config: ModelConfig, draft_vocab_size: int, capture_layers: Sequence[int], feature_size: int):
         super().__init__()
         self.config = config

@@ -189,6 +189,7 @@ class EagleProposer:
     def _grow_dynamic(self, plans: list[_Plan]) -> None:
         """EAGLE-2: the root's top-k, then per depth the top-k children of the k best nodes of the last depth."""
         k = self.dynamic_top_k
+        assert k is not None  # called for dynamic trees only
         frontier = {}
         values, indices = self._log_top_k(torch.stack([plan.outputs[-1] for plan in plans]), k)
         for plan, scores, tokens in zip(plans, values, indices):
@@ -286,7 +287,13 @@ class EagleProposer:
     def _forward(self, rows: list["_Rows"]) -> list[torch.Tensor]:
         """One draft-layer forward over every sequence's rows; returns each one's output rows."""
         zero_blocks(self.kv_cache, self.blocks.take_newly_allocated())
-        ids, positions, slots, starts, lens, contexts, masks = [], [], [], [], [], [], []
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        starts: list[int] = []
+        lens: list[int] = []
+        contexts: list[int] = []
+        masks: list[Optional[torch.Tensor]] = []
         bs = self.block_size
         for row in rows:
             table = row.plan.shadow.slots.block_table

@@ -6,63 +6,42 @@ as they are); lookahead adds its window tokens to the draft; external draft toke
 picks the method for a speculative config."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Optional
+from typing import Optional, Protocol
 from typing import Sequence as Seq
 
 import torch
 
-from tritonllm.spec_decode.lookahead import NGramPool
+from tritonllm.spec_decode.config import LookaheadConfig
+from tritonllm.spec_decode.lookahead import LookaheadDecoder, LookaheadState, NGramPool
 from tritonllm.spec_decode.proposer import ProposalInput
 from tritonllm.spec_decode.tree import DraftTree
 
 from ..sequence import Sequence
+from .step_draft import StepDraft
 
 
-@dataclass
-class StepDraft:
-    """What a speculating sequence feeds after its root this step: the draft tree's nodes, then (lookahead only)
-    window tokens that are computed but never committed."""
+class SpeculativeMethod(Protocol):
+    """What the Speculator drives: ProposerMethod, LookaheadMethod, eagle_proposer.EagleMethod."""
 
-    tree: DraftTree
-    window: list[int] = field(default_factory=list)
-    offsets: Optional[list[int]] = None  # root first; None: the tree's depths
-    mask: Optional[torch.Tensor] = None  # [1 + T, 1 + T] over root, nodes and window; None: the tree's
-    context: object = None  # the method's own per-step state (lookahead's LookaheadStep)
-    pre_matched: int = 0  # external drafts: leading draft tokens already equal to committed outputs
-    external: bool = False
+    needs_hidden: bool  # Medusa: drafts from the hidden state that produced the newest token
+    needs_all_hidden: bool  # Eagle: sees the hidden state of every computed position (observe_hidden)
 
-    @property
-    def num_tokens(self) -> int:
-        return len(self.tree) + len(self.window)
+    def drafts(self, items: Seq[ProposalInput], seqs: Seq[Sequence]) -> list[Optional[StepDraft]]: ...
 
-    @property
-    def tokens(self) -> list[int]:
-        return list(self.tree.tokens) + self.window
+    def after_verify(self, seq: Sequence, draft: StepDraft, argmax: list[int], num_committed: int) -> None: ...
 
-    @property
-    def position_offsets(self) -> list[int]:
-        return self.offsets if self.offsets is not None else self.tree.position_offsets()
+    def retain(self, seq_ids: set[int]) -> None: ...
 
-    def truncated(self, max_tokens: int) -> Optional["StepDraft"]:
-        """The draft cut to its first `max_tokens` tree nodes (a step short of token budget), or None where nothing
-        would be left or it cannot be cut: lookahead's window and mask belong together, and an external draft is
-        verified whole (a later step feeds it again)."""
-        if max_tokens < 1 or self.window or self.mask is not None or self.offsets is not None or self.external:
-            return None
-        return replace(self, tree=self.tree.truncated(max_tokens))
+    def observe_hidden(self, seq: Sequence, position: int, hidden: torch.Tensor) -> None: ...
 
-    def attention_mask(self) -> Optional[torch.Tensor]:
-        """None where causal attention is right (a chain without a window)."""
-        if self.mask is not None:
-            return self.mask
-        return None if self.tree.is_chain else self.tree.attention_mask()
+    def release(self, seq_id: int) -> None: ...
 
 
 class ProposerMethod:
     """A spec_decode `Proposer` (n-gram, Medusa, draft model): its trees become the drafts."""
 
     needs_hidden = False
+    needs_all_hidden = False
 
     def __init__(self, proposer, needs_hidden: bool = False):
         self.proposer = proposer
@@ -75,6 +54,12 @@ class ProposerMethod:
     def after_verify(self, seq: Sequence, draft: StepDraft, argmax: list[int], num_committed: int) -> None:
         pass
 
+    def retain(self, seq_ids: set[int]) -> None:
+        pass  # called only with needs_all_hidden
+
+    def observe_hidden(self, seq: Sequence, position: int, hidden: torch.Tensor) -> None:
+        pass  # called only with needs_all_hidden
+
     def release(self, seq_id: int) -> None:
         self.proposer.release(seq_id)
 
@@ -84,23 +69,22 @@ class LookaheadMethod:
     along in the same forward (its rows only feed the window and the pool)."""
 
     needs_hidden = False
+    needs_all_hidden = False
 
-    def __init__(self, config):
+    def __init__(self, config: LookaheadConfig):
         self.config = config
-        self.decoders: dict[object, object] = {}  # one LookaheadDecoder per (W, N, G) in use
-        self.states: dict[int, tuple[object, object]] = {}  # seq id -> (its decoder, its LookaheadState)
+        self.decoders: dict[LookaheadConfig, LookaheadDecoder] = {}  # one per (W, N, G) in use
+        self.states: dict[int, tuple[LookaheadDecoder, LookaheadState]] = {}  # seq id -> (its decoder, its state)
 
     def drafts(self, items: Seq[ProposalInput], seqs: Seq[Sequence]) -> list[Optional[StepDraft]]:
         return [self._draft(item, seq.params.lookahead_config or self.config) for item, seq in zip(items, seqs)]
 
-    def _decoder(self, config):
-        from tritonllm.spec_decode.lookahead import LookaheadDecoder
-
+    def _decoder(self, config: LookaheadConfig) -> LookaheadDecoder:
         if config not in self.decoders:
             self.decoders[config] = LookaheadDecoder(config)
         return self.decoders[config]
 
-    def _draft(self, item: ProposalInput, config) -> Optional[StepDraft]:
+    def _draft(self, item: ProposalInput, config: LookaheadConfig) -> Optional[StepDraft]:
         history = list(item.token_ids)
         if item.seq_id in self.states:
             decoder, state = self.states[item.seq_id]
@@ -120,6 +104,12 @@ class LookaheadMethod:
             decoder, state = self.states[seq.seq_id]
             decoder.advance_window(state, draft.context, argmax, num_committed)
 
+    def retain(self, seq_ids: set[int]) -> None:
+        pass  # called only with needs_all_hidden
+
+    def observe_hidden(self, seq: Sequence, position: int, hidden: torch.Tensor) -> None:
+        pass  # called only with needs_all_hidden
+
     def release(self, seq_id: int) -> None:
         self.states.pop(seq_id, None)
 
@@ -128,6 +118,7 @@ def external_draft(seq: Sequence, room: int) -> Optional[StepDraft]:
     """The request's own draft tokens (draft_input_ids) still ahead of its committed output, as a chain.
     Guesses already overtaken by committed tokens count as verified; a mismatch there ends them."""
     params = seq.params
+    assert params.draft_tokens is not None  # called for requests with draft tokens
     drafts, outputs = list(params.draft_tokens), seq.output_token_ids
     done = min(len(outputs), len(drafts))
     if outputs[:done] != drafts[:done] or done == len(drafts) or room <= 0:

@@ -37,7 +37,7 @@ Commit = Callable[[Sequence, int, float], None]
 class Speculator:
     """`target`: the engine's parts speculation uses (TargetParts), never the engine core itself."""
 
-    def __init__(self, target: TargetParts, spec_config=None):
+    def __init__(self, target: TargetParts, spec_config=None) -> None:
         self.target = target
         self.config = spec_config
         self.method = build_method(spec_config, target)
@@ -70,6 +70,7 @@ class Speculator:
         """Set `draft` on the running decode sequences that speculate this step."""
         items, seqs = [], []
         if self.all_hidden:
+            assert self.method is not None  # all_hidden comes from the method
             self.method.retain({seq.seq_id for seq in running})  # preempted sequences start over
         for seq in running:
             seq.draft = None
@@ -84,6 +85,7 @@ class Speculator:
                 items.append(ProposalInput(seq.seq_id, seq.all_token_ids(), self.hidden.get(seq.seq_id), room))
                 seqs.append(seq)
         if items:
+            assert self.method is not None  # items are collected for the method only
             for seq, draft in zip(seqs, self.method.drafts(items, seqs)):
                 seq.draft = draft
 
@@ -98,6 +100,7 @@ class Speculator:
     def _close_external(self, seq: Sequence) -> None:
         """The request's drafts are used up (or were overtaken by different tokens): count them once."""
         drafts, outputs = seq.params.draft_tokens, seq.output_token_ids
+        assert drafts is not None  # only requests with draft tokens get external drafts
         matched = next((i for i, (d, o) in enumerate(zip(drafts, outputs)) if d != o), min(len(drafts), len(outputs)))
         seq.metrics.total_draft_tokens += len(drafts)
         seq.metrics.total_accepted_draft_tokens += matched
@@ -108,6 +111,7 @@ class Speculator:
     def observe(self, out: StepOutput) -> None:
         """Eagle: hand the method the hidden states of the positions this step computed."""
         for seq, position, hidden in out.all_hidden or ():
+            assert self.method is not None  # the runner keeps all hidden states for the method only
             self.method.observe_hidden(seq, position, hidden)
 
     def remember_hidden(self, out: StepOutput, index: int, offset: int = 0) -> None:
@@ -118,6 +122,7 @@ class Speculator:
 
     def verify(self, out: StepOutput, index: int, commit: Commit) -> None:
         seq, draft = out.seqs[index], out.seqs[index].draft
+        assert draft is not None  # the engine verifies the sequences that fed a draft
         rows = out.rows_of(index)
         logits, root_position = out.logits[rows], seq.num_tokens - 1
         keep_raw = draft.window or seq.params.return_generation_logits
@@ -128,10 +133,14 @@ class Speculator:
         if seq.is_finished:
             return
         if self.all_hidden and accepted:  # the accepted nodes' rows are computed positions now
-            rows = [out.first_rows[index] + 1 + node for node in accepted]
-            self.method.observe_hidden(seq, root_position + 1, out.hidden[rows])
+            assert self.method is not None  # all_hidden comes from the method
+            accepted_rows = [out.first_rows[index] + 1 + node for node in accepted]
+            self.method.observe_hidden(seq, root_position + 1, out.hidden[accepted_rows])
         if not draft.external and self.method is not None:
-            argmax = raw.argmax(dim=-1).tolist() if draft.window else []  # the window's guesses
+            argmax: list[int] = []  # the window's guesses
+            if draft.window:
+                assert raw is not None  # kept for the window
+                argmax = raw.argmax(dim=-1).tolist()
             self.method.after_verify(seq, draft, argmax, len(accepted) + 1)
         self._roll_back(seq, root_position, accepted)
         self.remember_hidden(out, index, accepted[-1] + 1 if accepted else 0)
@@ -146,6 +155,7 @@ class Speculator:
         def choose(node: int) -> int:
             row = node + 1
             if seq.params.return_generation_logits:
+                assert raw is not None  # kept for the generation logits
                 seq.generation_logits.append(raw[row].cpu())
             token, logprob = choices[row] if choices else self._choose(seq, tree, node, logits[row:row + 1])
             commit(seq, token, logprob)
@@ -160,10 +170,10 @@ class Speculator:
         if child is None or seq.params.greedy:
             tokens, logprobs = sample(row, [seq])
             return tokens[0], logprobs[0]
-        probs, logprobs = sampling_probs(row[0], seq)
+        probs, row_logprobs = sampling_probs(row[0], seq)
         _, token = accept_or_resample(probs, tree.draft_probs[child], tree.tokens[child], seq.generator,
                                       seq.params.draft_acceptance_threshold)
-        return token, float(logprobs[token])
+        return token, float(row_logprobs[token])
 
     def _count(self, seq: Sequence, draft: StepDraft, num_accepted: int) -> None:
         seq.metrics.total_draft_tokens += draft.pre_matched + len(draft.tree)
