@@ -1,5 +1,5 @@
-"""Speculative decoding's algorithms and formats, free of the engine: these modules import nothing of tritonllm
-outside this package (torch, numpy and safetensors only).
+"""Speculative decoding's algorithms and formats, free of the engine: of tritonllm outside this package these
+modules import only `json_files` (reading JSON files); otherwise torch, numpy and safetensors.
 
 - config.py: `speculative_config` parsed into typed configs (errors: SpecConfigError), choices strings.
 - tree.py, proposer.py: draft trees and tree templates; the proposer protocol (ProposalInput -> DraftTree).

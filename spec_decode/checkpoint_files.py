@@ -4,13 +4,14 @@ file and what was wrong with it (the engine reports it as a ModelLoadError, or a
 speculative_config.speculative_model_dir, with the same message)."""
 from __future__ import annotations
 
-import json
 from importlib import resources
 from pathlib import Path
 from typing import Any, Optional, Union
 
 import torch
 from safetensors.torch import load_file
+
+from tritonllm.json_files import read_json_object
 
 CONFIG_FILE = "config.json"
 BUILTIN_PREFIX = "builtin:"
@@ -40,20 +41,7 @@ def read_config(folder: Path, kind: str, weight_files: tuple[str, str]) -> dict[
     if not path.is_file():
         raise CheckpointError(f"{folder}: no {CONFIG_FILE} ({kind} checkpoint folder has {CONFIG_FILE} and "
                               f"{weight_files[0]} or {weight_files[1]})")
-    return _read_json_object(path, CONFIG_FILE)
-
-
-def _read_json_object(path: Path, what: str) -> dict[str, Any]:
-    """The JSON object in `path` (`what` names it in errors)."""
-    if not path.is_file():
-        raise CheckpointError(f"{path}: {what} not found")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{path}: {what} is not valid JSON ({err})") from None
-    if not isinstance(data, dict):
-        raise CheckpointError(f"{path}: {what} must hold a JSON object")
-    return data
+    return read_json_object(path, CONFIG_FILE, CheckpointError)
 
 
 def read_weights(folder: Path, safetensors_file: str, pickle_file: str, kind: str) -> dict[str, torch.Tensor]:

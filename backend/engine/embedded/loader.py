@@ -6,21 +6,21 @@ LoadFormat.DUMMY) only config.json is read and every parameter gets seeded rando
 that need a model's shape but not its weights."""
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
-from typing import Any, Union
+from typing import Union
 
 import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from ...json_files import read_json_object
 from .models.layers import RMSNorm
 from .models.llama import LlamaForCausalLM, WeightSlot
 from .models.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelLoadError
 
 __all__ = ["LOAD_FORMATS", "ModelLoadError", "ModelConfig", "SUPPORTED_ARCHITECTURES", "load_model",
-           "read_json_object", "read_model_config"]
+           "read_model_config"]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -35,12 +35,12 @@ DUMMY_STD = 0.02
 
 def read_model_config(model_dir: Union[str, Path]) -> ModelConfig:
     model_dir = Path(model_dir)
-    config = ModelConfig.from_dict(read_json_object(model_dir / "config.json", "config.json"),
+    config = ModelConfig.from_dict(read_json_object(model_dir / "config.json", "config.json", ModelLoadError),
                                    source=str(model_dir / "config.json"))
     # generation_config.json's end tokens are the ones generation stops on (Llama 3 lists several there).
     generation_file = model_dir / "generation_config.json"
     if generation_file.is_file():
-        eos = read_json_object(generation_file, "generation_config.json").get("eos_token_id")
+        eos = read_json_object(generation_file, "generation_config.json", ModelLoadError).get("eos_token_id")
         if eos is not None:
             config.eos_token_id = eos
     return config
@@ -77,7 +77,7 @@ def weight_files(model_dir: Path) -> list[Path]:
         found = sorted(p.name for p in model_dir.glob("*.bin")) if model_dir.is_dir() else []
         hint = f" (found {', '.join(found)}: only safetensors weights are supported)" if found else ""
         raise ModelLoadError(f"{model_dir}: no weight file, expected {SINGLE_FILE} or {INDEX_FILE}{hint}")
-    weight_map = read_json_object(index_path, INDEX_FILE).get("weight_map")
+    weight_map = read_json_object(index_path, INDEX_FILE, ModelLoadError).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map:
         raise ModelLoadError(f"{index_path}: has no 'weight_map'")
     shards = [model_dir / name for name in sorted(set(weight_map.values()))]
@@ -85,20 +85,6 @@ def weight_files(model_dir: Path) -> list[Path]:
         if not shard.is_file():
             raise ModelLoadError(f"{index_path}: lists weight file {shard.name}, which does not exist")
     return shards
-
-
-def read_json_object(path: Path, what: str) -> dict[str, Any]:
-    """The JSON object in `path` (`what` names it in errors); ModelLoadError when missing, unreadable or not an
-    object."""
-    if not path.is_file():
-        raise ModelLoadError(f"{path}: {what} not found")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise ModelLoadError(f"{path}: {what} is not valid JSON ({err})") from None
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{path}: {what} must hold a JSON object")
-    return data
 
 
 def _allocate_parameters(model: torch.nn.Module, dtype: torch.dtype, device: torch.device) -> None:
