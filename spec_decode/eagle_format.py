@@ -68,25 +68,27 @@ class DraftFiles:
 
 def read_eagle_files(model_dir: Union[str, Path]) -> DraftFiles:
     """The EAGLE-1/2 folder `model_dir` (or `builtin:NAME`, a draft shipped here); an EAGLE-3 one is refused."""
-    folder = resolve_folder(model_dir, BUILTIN_DRAFTS, "EAGLE drafts")
-    raw = read_config(folder, "an EAGLE", (SAFETENSORS_FILE, PICKLE_FILE))
-    state = read_weights(folder, SAFETENSORS_FILE, PICKLE_FILE, "EAGLE")
-    eagle3 = sorted(key for key in state if key.startswith(_EAGLE3_KEYS))
-    if eagle3:
-        raise CheckpointError(f"{folder}: an EAGLE-3 draft (tensor {eagle3[0]}); decoding_type Eagle loads only "
-                              f"EAGLE-1/2 drafts: use decoding_type: Eagle3 for it")
-    return DraftFiles(folder, raw, state)
+    return _read_draft_files(model_dir, BUILTIN_DRAFTS, "EAGLE", _EAGLE3_KEYS,
+                             "an EAGLE-3 draft (tensor {}); decoding_type Eagle loads only EAGLE-1/2 drafts: "
+                             "use decoding_type: Eagle3 for it")
 
 
 def read_eagle3_files(model_dir: Union[str, Path]) -> DraftFiles:
     """The EAGLE-3 folder `model_dir`; an EAGLE-1/2 one is refused."""
-    folder = resolve_folder(model_dir, {}, "EAGLE-3 drafts")
-    raw = read_config(folder, "an EAGLE-3", (SAFETENSORS_FILE, PICKLE_FILE))
-    state = read_weights(folder, SAFETENSORS_FILE, PICKLE_FILE, "EAGLE-3")
-    eagle12 = sorted(key for key in state if key.startswith(LAYER_PREFIX))
-    if eagle12:
-        raise CheckpointError(f"{folder}: an EAGLE-1/2 draft (tensor {eagle12[0]}); use decoding_type Eagle for it, "
-                              f"not Eagle3")
+    return _read_draft_files(model_dir, {}, "EAGLE-3", LAYER_PREFIX,
+                             "an EAGLE-1/2 draft (tensor {}); use decoding_type Eagle for it, not Eagle3")
+
+
+def _read_draft_files(model_dir: Union[str, Path], builtins: dict[str, str], kind: str,
+                      other_kind_keys: Union[str, tuple[str, ...]], refusal: str) -> DraftFiles:
+    """A `kind` draft folder; a tensor whose name starts with `other_kind_keys` marks the other format, refused
+    with `refusal` (its {} is that tensor's name)."""
+    folder = resolve_folder(model_dir, builtins, f"{kind} drafts")
+    raw = read_config(folder, f"an {kind}", (SAFETENSORS_FILE, PICKLE_FILE))
+    state = read_weights(folder, SAFETENSORS_FILE, PICKLE_FILE, kind)
+    other = sorted(key for key in state if key.startswith(other_kind_keys))
+    if other:
+        raise CheckpointError(f"{folder}: " + refusal.format(other[0]))
     return DraftFiles(folder, raw, state)
 
 
