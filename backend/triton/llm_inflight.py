@@ -44,6 +44,7 @@ class TritonRequestState:
     sequences_done: set = field(default_factory=set)
     final_rows: dict = field(default_factory=dict)  # non-decoupled: row -> tensors
     cancel_token: str = ""  # set when the request asked for `cancel_key`
+    cancel_key: Optional[np.ndarray] = None  # then its `cancel_key` output, built once
     cancelled: bool = False
     quiet: bool = False  # stopped through its cancel key: ends with the final flag alone, no error
     closed: bool = False
@@ -83,6 +84,7 @@ class LLMInflightRequests(SenderLoop):
             state = TritonRequestState(request, sender, request.request_id(), rows)
             if self.stop_channel is not None and _asks_for(request, CANCEL_KEY):
                 state.cancel_token = self.stop_channel.new_token()
+                state.cancel_key = np.array([[self.stop_channel.key(state.cancel_token).encode()]], dtype=object)
             self._start(state)
         except (InputError, ValueError) as exc:
             send_final(sender, error_response(str(exc)))
@@ -200,10 +202,8 @@ class LLMInflightRequests(SenderLoop):
         else:
             pending = self._sequence_responses(state, row, output, options, batch_index)
         last_row = state.rows_done == len(state.rows) and output.finished
-        if state.cancel_token:
-            assert self.stop_channel is not None  # it handed out the token
-            key = output_tensor(CANCEL_KEY, np.array([[self.stop_channel.key(state.cancel_token).encode()]],
-                                                     dtype=object))
+        if state.cancel_key is not None:
+            key = output_tensor(CANCEL_KEY, state.cancel_key)
             pending = [tensors + [key] for tensors in pending]
         for position, tensors in enumerate(pending):
             if last_row and position == len(pending) - 1:
