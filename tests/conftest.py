@@ -10,7 +10,7 @@ import pytest  # noqa: E402
 
 @pytest.fixture(scope="session")
 def smollm2_dir():
-    from tritonllm.model_files.smollm2 import smollm2_cached_dir
+    from tritonllm.checkpoints.smollm2 import smollm2_cached_dir
 
     return smollm2_cached_dir()
 

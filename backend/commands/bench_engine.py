@@ -56,7 +56,7 @@ class Workload:
 def make_requests(tokenizer, count: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
                   seed: int) -> list[BenchRequest]:
     """Prompts cut from the text the package ships, lengths drawn uniformly from the ranges."""
-    text = resources.files("tritonllm.model_files").joinpath("data/tiny_corpus.txt").read_text(encoding="utf-8")
+    text = resources.files("tritonllm.checkpoints").joinpath("data/tiny_corpus.txt").read_text(encoding="utf-8")
     corpus = tokenizer.encode(text, add_special_tokens=False)
     while len(corpus) < prompt_range[1] * 2:
         corpus = corpus + corpus

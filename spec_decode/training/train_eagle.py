@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Callable, Optional, Sequence, TypeVar, Union
 import torch
 import torch.nn.functional as F
 
-from tritonllm.engine.embedded.models.layers import apply_rotary
-from tritonllm.engine.embedded.models.llama import DecoderLayerParts
+from tritonllm.engine.embedded.network.layers import apply_rotary
+from tritonllm.engine.embedded.network.llama import DecoderLayerParts
 from tritonllm.engine.embedded.speculation.eagle import EagleDraft, eagle_config_for, parse_eagle_config, save_eagle
 
 from ..checkpoint_files import frequent_tokens

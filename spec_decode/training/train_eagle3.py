@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from tritonllm.engine.config import ConfigError
-from tritonllm.engine.embedded.models.model_config import ModelConfig
+from tritonllm.engine.embedded.network.model_config import ModelConfig
 from tritonllm.engine.embedded.speculation.eagle3 import (
     Eagle3Draft,
     default_capture_layers,

@@ -17,7 +17,7 @@ pytest.importorskip("pytriton", reason="the e2e tests need the nvidia-pytriton w
 pytest.importorskip("tritonclient.grpc", reason="the e2e tests need tritonclient[grpc]")
 
 from tritonllm.deploy.llmapi_repo import build_llmapi_repo  # noqa: E402
-from tritonllm.model_files.tiny import build_tiny_model  # noqa: E402
+from tritonllm.checkpoints.tiny import build_tiny_model  # noqa: E402
 from tritonllm.deploy.repo import build_repo  # noqa: E402
 from tritonllm.deploy.tritonserver import Ports, TritonServer  # noqa: E402
 

@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tritonllm.engine.config import EngineConfig
 from tritonllm.engine.embedded.engine import EmbeddedEngine
 from tritonllm.engine.types import InvalidRequestError, SamplingParams
-from tritonllm.model_files.tiny import build_tiny_model
+from tritonllm.checkpoints.tiny import build_tiny_model
 
 DEVICE = os.environ.get("TRITONLLM_TEST_DEVICE", "cpu")
 PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog, and then",

@@ -8,8 +8,8 @@ from tokenizers import Tokenizer
 
 from tritonllm.commands.bench_engine import busy_share, engine_config, make_nano_requests, resolve_workload, top_kernels
 from tritonllm.commands.main import build_parser, main
-from tritonllm.model_files.shapes import write_shape_folder
-from tritonllm.model_files.tiny import tiny_config, trained_tokenizer_json
+from tritonllm.checkpoints.shapes import write_shape_folder
+from tritonllm.checkpoints.tiny import tiny_config, trained_tokenizer_json
 
 JSON_KEYS = {"requests", "output_tokens", "dtype", "device", "threads", "engine_s", "engine_tok_s", "workload",
              "load_format", "warmup", "baseline", "peak_memory_bytes", "engine_steps", "attn_backend",

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from tritonllm.commands.main import build_parser, main
-from tritonllm.model_files.tiny import build_tiny_model
+from tritonllm.checkpoints.tiny import build_tiny_model
 
 LONG_PROMPT = ("Once upon a time, in a small village by the sea, there lived an old fisherman who mended his nets "
                "every morning and told the children stories about the storms he had seen.")

@@ -14,7 +14,7 @@ from tritonllm.engine.embedded import cuda_graphs
 from tritonllm.engine.embedded.engine import EmbeddedEngine
 from tritonllm.engine.graph_settings import CudaGraphSettings, default_batch_sizes, parse_cuda_graph_config
 from tritonllm.engine.types import SamplingParams
-from tritonllm.model_files.tiny import build_tiny_model
+from tritonllm.checkpoints.tiny import build_tiny_model
 
 DEVICE = os.environ.get("TRITONLLM_TEST_DEVICE", "cpu")
 PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog, and then", "Once upon a time, in a small village",

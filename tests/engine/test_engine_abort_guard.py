@@ -5,7 +5,7 @@ from tritonllm.engine.config import EngineConfig
 from tritonllm.engine.embedded.engine import EmbeddedEngine
 from tritonllm.engine.seam import EngineError
 from tritonllm.engine.types import SamplingParams
-from tritonllm.model_files.tiny import build_tiny_model
+from tritonllm.checkpoints.tiny import build_tiny_model
 
 
 def test_an_abort_that_raises_fails_only_its_request(tmp_path, monkeypatch):

@@ -5,7 +5,7 @@ from transformers import AutoTokenizer
 from tritonllm.engine.config import ConfigError, EngineConfig
 from tritonllm.engine.embedded.engine import EmbeddedEngine
 from tritonllm.engine.types import InvalidRequestError, SamplingParams
-from tritonllm.model_files.tiny import build_tiny_model
+from tritonllm.checkpoints.tiny import build_tiny_model
 
 PROMPT = "The quick brown fox jumps over the lazy dog, and then"
 

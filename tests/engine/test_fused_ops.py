@@ -13,8 +13,8 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tritonllm.engine.embedded.models import fused_ops as fo  # noqa: E402
-from tritonllm.engine.embedded.models.layers import RMSNorm, apply_rotary  # noqa: E402
+from tritonllm.engine.embedded.network import fused_ops as fo  # noqa: E402
+from tritonllm.engine.embedded.network.layers import RMSNorm, apply_rotary  # noqa: E402
 
 if not CUDA:
     from triton.runtime.interpreter import InterpretedFunction

@@ -6,7 +6,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from tritonllm.engine.config import EngineConfig
 from tritonllm.engine.embedded.engine import EmbeddedEngine
 from tritonllm.engine.types import SamplingParams
-from tritonllm.model_files.tiny import build_tiny_model
+from tritonllm.checkpoints.tiny import build_tiny_model
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
 

@@ -8,8 +8,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tritonllm.engine.embedded.attention import AttentionMetadata, build_decode_mask
 from tritonllm.engine.embedded.loader import ModelLoadError, load_model, read_model_config
-from tritonllm.engine.embedded.models.model_config import ModelConfig
-from tritonllm.model_files.tiny import ARCHITECTURES, build_tiny_model
+from tritonllm.engine.embedded.network.model_config import ModelConfig
+from tritonllm.checkpoints.tiny import ARCHITECTURES, build_tiny_model
 
 BLOCK_SIZE = 4
 PROMPT = [301, 279, 349, 223, 22, 26, 14, 20, 547, 887, 837, 397, 237, 235, 223, 2, 1, 55]
@@ -233,8 +233,8 @@ def test_smollm2_logits_match_hf_and_it_knows_paris(smollm2_dir):
 
 def test_cpu_fp32_models_use_prepacked_matmuls_with_the_same_logits(llama_dir):
     """fp32 on CPU packs every projection and the output head for oneDNN; other dtypes keep the plain matmul."""
-    from tritonllm.engine.embedded.models.cpu_gemm import packing_available
-    from tritonllm.engine.embedded.models.layers import Linear
+    from tritonllm.engine.embedded.network.cpu_gemm import packing_available
+    from tritonllm.engine.embedded.network.layers import Linear
 
     model, config = load_model(llama_dir, torch.float32, "cpu")
     linears = [m for m in model.modules() if isinstance(m, Linear)]

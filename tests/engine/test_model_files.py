@@ -8,7 +8,7 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tritonllm.engine.embedded.loader import ModelLoadError, load_model, read_model_config
-from tritonllm.model_files.tiny import ARCHITECTURES, EOS_TOKEN_ID, PAD_TOKEN_ID, build_tiny_model, corpus_text
+from tritonllm.checkpoints.tiny import ARCHITECTURES, EOS_TOKEN_ID, PAD_TOKEN_ID, build_tiny_model, corpus_text
 
 MULTI_BYTE_TEXT = "Renée's crème brûlée, Ångström, 北京, 你好 🌊😊 — <|im_end|> 48,213"
 TINY_FILES = {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
@@ -212,7 +212,7 @@ def test_unexpected_tensor_is_named(tiny_llama, tmp_path):
 
 @pytest.mark.slow
 def test_smollm2_folder_is_complete_and_portable(smollm2_dir):
-    from tritonllm.model_files.smollm2 import COMPLETE_MARKER, fetch_smollm2
+    from tritonllm.checkpoints.smollm2 import COMPLETE_MARKER, fetch_smollm2
 
     assert (smollm2_dir / COMPLETE_MARKER).is_file()
     assert fetch_smollm2(smollm2_dir, progress=False) == smollm2_dir  # complete: returns at once

@@ -12,10 +12,10 @@ from tritonllm.commands.main import main
 from tritonllm.engine.config import EngineConfig
 from tritonllm.engine.embedded.engine import EmbeddedEngine
 from tritonllm.engine.embedded.loader import DUMMY_STD, ModelLoadError, load_model, read_model_config
-from tritonllm.engine.embedded.models.layers import RMSNorm
+from tritonllm.engine.embedded.network.layers import RMSNorm
 from tritonllm.engine.types import SamplingParams
-from tritonllm.model_files.shapes import SHAPE_NAMES, SHAPES, write_model_shape, write_shape_folder
-from tritonllm.model_files.tiny import ARCHITECTURES, build_tiny_model, tiny_config, trained_tokenizer_json
+from tritonllm.checkpoints.shapes import SHAPE_NAMES, SHAPES, write_model_shape, write_shape_folder
+from tritonllm.checkpoints.tiny import ARCHITECTURES, build_tiny_model, tiny_config, trained_tokenizer_json
 
 SHAPE_FILES = {"config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"}
 # Parameter counts of the released models, in millions (embeddings included, a tied head counted once).

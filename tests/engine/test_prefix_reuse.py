@@ -9,7 +9,7 @@ from tritonllm.engine.embedded.block_manager import BlockManager
 from tritonllm.engine.embedded.engine import EmbeddedEngine
 from tritonllm.engine.embedded.sequence import Sequence
 from tritonllm.engine.types import SamplingParams
-from tritonllm.model_files.tiny import build_tiny_model
+from tritonllm.checkpoints.tiny import build_tiny_model
 
 BLOCK = 4
 SYSTEM = ("You are a careful assistant. Answer briefly, cite the text you were given, and never invent facts "

@@ -9,7 +9,7 @@ import torch
 
 peft = pytest.importorskip("peft", reason="the LoRA tests build their adapters with peft")
 
-from tritonllm.model_files.tiny import build_tiny_model  # noqa: E402
+from tritonllm.checkpoints.tiny import build_tiny_model  # noqa: E402
 
 DEVICE = os.environ.get("TRITONLLM_TEST_DEVICE", "cpu")
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]

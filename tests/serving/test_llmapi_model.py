@@ -13,7 +13,7 @@ import pytest
 
 from tritonllm.engine import SamplingParams
 from tritonllm.deploy.llmapi_repo import build_llmapi_repo
-from tritonllm.model_files.tiny import build_tiny_model
+from tritonllm.checkpoints.tiny import build_tiny_model
 from tritonllm.triton.llmapi_inflight import LLMAPIInflightRequests
 
 

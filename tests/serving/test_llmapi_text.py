@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tritonllm.model_files.tiny import build_tiny_model
+from tritonllm.checkpoints.tiny import build_tiny_model
 from tritonllm.tokenizer import decode_ids, load_tokenizer
 from tritonllm.triton.llmapi_text import SequenceText
 

@@ -11,7 +11,7 @@ pytest.importorskip("fastapi", reason="the OpenAI frontend needs fastapi (ci/req
 
 from starlette.testclient import TestClient  # noqa: E402
 
-from tritonllm.model_files.tiny import build_tiny_model  # noqa: E402
+from tritonllm.checkpoints.tiny import build_tiny_model  # noqa: E402
 from tritonllm.openai_api.app import create_app  # noqa: E402
 from tritonllm.openai_api.config import FrontendConfig  # noqa: E402
 from tritonllm.openai_api.service import OpenAIService  # noqa: E402

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from tritonllm.model_files.tiny import build_tiny_model
+from tritonllm.checkpoints.tiny import build_tiny_model
 from tritonllm.openai_api.chat import ChatTemplate, end_of_turn_tokens
 from tritonllm.openai_api.errors import BadRequest
 

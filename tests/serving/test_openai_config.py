@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from tritonllm.model_files.tiny import build_tiny_model
+from tritonllm.checkpoints.tiny import build_tiny_model
 from tritonllm.commands.openai import config_from_args
 from tritonllm.openai_api.config import FrontendConfig, FrontendConfigError
 from tritonllm.deploy.frontend import FrontendStartError, tokenizer_dir_of_repo

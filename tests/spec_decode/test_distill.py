@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from tritonllm.engine.config import ConfigError
-from tritonllm.model_files.tiny import build_tiny_model
+from tritonllm.checkpoints.tiny import build_tiny_model
 from tritonllm.spec_decode.medusa import load_medusa
 from tritonllm.spec_decode.training import distill
 from tritonllm.spec_decode.training.train_medusa import TrainSettings, default_text, train_medusa

@@ -16,12 +16,12 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from tritonllm.engine.embedded.loader import load_model
-from tritonllm.engine.embedded.models.model_config import ModelLoadError
+from tritonllm.engine.embedded.network.model_config import ModelLoadError
 from tritonllm.engine.embedded.speculation.eagle import load_eagle, random_eagle, save_eagle
 from tritonllm.engine.embedded.speculation.eagle3 import random_eagle3
 from tritonllm.engine.embedded.speculation.eagle_proposer import EagleProposer
 from tritonllm.engine.types import InvalidRequestError, SamplingParams
-from tritonllm.model_files.tiny import build_tiny_model
+from tritonllm.checkpoints.tiny import build_tiny_model
 from tritonllm.spec_decode.proposer import ProposalInput
 
 from .test_engine_spec import assert_all_blocks_free as assert_target_blocks_free

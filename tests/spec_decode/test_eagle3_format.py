@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from tritonllm.engine.embedded.attention import step_metadata
-from tritonllm.engine.embedded.models.model_config import ModelConfig, ModelLoadError
+from tritonllm.engine.embedded.network.model_config import ModelConfig, ModelLoadError
 from tritonllm.engine.embedded.speculation.eagle import load_eagle, random_eagle
 from tritonllm.engine.embedded.speculation.eagle3 import load_eagle3, random_eagle3, save_eagle3
 

@@ -13,7 +13,7 @@ from tritonllm.engine.config import ConfigError, EngineConfig
 from tritonllm.engine.embedded.engine import EmbeddedEngine
 from tritonllm.engine.embedded.speculation.eagle3 import random_eagle3
 from tritonllm.engine.types import InvalidRequestError, SamplingParams
-from tritonllm.model_files.tiny import build_tiny_model
+from tritonllm.checkpoints.tiny import build_tiny_model
 from tritonllm.spec_decode.medusa import MedusaHeads, save_medusa
 
 DEVICE = os.environ.get("TRITONLLM_TEST_DEVICE", "cpu")

@@ -18,7 +18,7 @@ from transformers import AutoModelForCausalLM
 from tritonllm.engine.config import EngineConfig
 from tritonllm.engine.embedded.engine import EmbeddedEngine
 from tritonllm.engine.types import InvalidRequestError, SamplingParams
-from tritonllm.model_files.tiny import build_tiny_model
+from tritonllm.checkpoints.tiny import build_tiny_model
 from tritonllm.spec_decode.checkpoint_files import CheckpointError
 from tritonllm.spec_decode.medusa import MedusaHeads, MedusaProposer, load_medusa, resolve_heads_dir, save_medusa
 from tritonllm.spec_decode.proposer import ProposalInput

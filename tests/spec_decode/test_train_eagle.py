@@ -14,10 +14,10 @@ from safetensors.torch import load_file, save_file
 
 from tritonllm.commands.main import main
 from tritonllm.engine.embedded.attention import step_metadata
-from tritonllm.engine.embedded.models.model_config import ModelLoadError
+from tritonllm.engine.embedded.network.model_config import ModelLoadError
 from tritonllm.engine.embedded.speculation.eagle import load_eagle, random_eagle
 from tritonllm.engine.types import InvalidRequestError, SamplingParams
-from tritonllm.model_files.tiny import build_tiny_model
+from tritonllm.checkpoints.tiny import build_tiny_model
 from tritonllm.spec_decode.checkpoint_files import CheckpointError, frequent_tokens
 from tritonllm.spec_decode.medusa import MedusaHeads, load_medusa, save_medusa
 from tritonllm.spec_decode.training.train_eagle import dense_passes

@@ -14,10 +14,10 @@ from safetensors.torch import load_file, save_file
 
 from tritonllm.commands.main import main
 from tritonllm.engine.config import ConfigError
-from tritonllm.engine.embedded.models.model_config import ModelConfig, ModelLoadError
+from tritonllm.engine.embedded.network.model_config import ModelConfig, ModelLoadError
 from tritonllm.engine.embedded.speculation.eagle3 import eagle3_config_for, load_eagle3, random_eagle3
-from tritonllm.model_files.hf_files import write_json
-from tritonllm.model_files.tiny import build_tiny_model, random_weights
+from tritonllm.checkpoints.hf_files import write_json
+from tritonllm.checkpoints.tiny import build_tiny_model, random_weights
 from tritonllm.spec_decode.training.frozen_base import base_outputs, load_base
 from tritonllm.spec_decode.training.train_eagle import Target, base_and_data, frequent_choices, train_draft
 from tritonllm.spec_decode.training.train_eagle3 import (Eagle3TrainSettings, dense_passes, depth_accuracy,

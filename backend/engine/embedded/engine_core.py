@@ -23,7 +23,7 @@ from .device import avoid_cudnn_attention, kv_cache_token_budget, resolve_device
 from .loader import load_model, read_model_config
 from .memory_profile import activation_bytes
 from .model_runner import ModelRunner
-from .models.layers import use_fused_kernels
+from .network.layers import use_fused_kernels
 from .request import EngineRequest
 from .sampler import SampledTokens, sample, sample_on_device
 from .scheduler import Scheduler

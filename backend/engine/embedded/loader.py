@@ -15,9 +15,9 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from ...json_files import read_json_object
-from .models.layers import RMSNorm
-from .models.llama import LlamaForCausalLM, WeightSlot
-from .models.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelLoadError
+from .network.layers import RMSNorm
+from .network.llama import LlamaForCausalLM, WeightSlot
+from .network.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelLoadError
 
 __all__ = ["LOAD_FORMATS", "ModelLoadError", "ModelConfig", "SUPPORTED_ARCHITECTURES", "load_model",
            "read_model_config"]

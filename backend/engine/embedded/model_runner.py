@@ -17,7 +17,7 @@ if TYPE_CHECKING:
 
     from .attention.triton_backend import TritonAttention
     from .cuda_graphs import DecodeGraphs
-    from .models.llama import LlamaForCausalLM
+    from .network.llama import LlamaForCausalLM
 
 
 @dataclass

@@ -12,8 +12,8 @@ import torch
 from ...types import InvalidRequestError
 from ..block_manager import BlockManager
 from ..model_runner import ModelRunner
-from ..models.llama import LlamaForCausalLM
-from ..models.model_config import ModelConfig, ModelLoadError
+from ..network.llama import LlamaForCausalLM
+from ..network.model_config import ModelConfig, ModelLoadError
 from .methods import LookaheadMethod, ProposerMethod, SpeculativeMethod
 
 WHERE = "speculative_config.speculative_model_dir"

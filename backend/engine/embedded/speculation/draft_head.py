@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from ..models.cpu_gemm import pack_weight, packed_linear
+from ..network.cpu_gemm import pack_weight, packed_linear
 
 
 class DraftHead:

@@ -16,7 +16,7 @@ from ...types import InvalidRequestError, SamplingParams
 from ..block_manager import BlockManager
 from ..loader import load_model
 from ..model_runner import ModelRunner
-from ..models.model_config import ModelLoadError
+from ..network.model_config import ModelLoadError
 from ..scheduler import ScheduledBatch
 from ..sequence import Sequence
 

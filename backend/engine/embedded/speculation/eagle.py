@@ -36,9 +36,9 @@ from tritonllm.spec_decode.eagle_format import (
 )
 
 from ..attention import AttentionMetadata
-from ..models.layers import Linear, RotaryEmbedding
-from ..models.llama import LlamaDecoderLayer, WeightSlot, layer_slots_without_input_norm
-from ..models.model_config import ModelConfig, ModelLoadError
+from ..network.layers import Linear, RotaryEmbedding
+from ..network.llama import LlamaDecoderLayer, WeightSlot, layer_slots_without_input_norm
+from ..network.model_config import ModelConfig, ModelLoadError
 from .draft_head import DraftHead
 
 

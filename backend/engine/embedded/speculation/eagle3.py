@@ -32,9 +32,9 @@ from tritonllm.spec_decode.eagle_format import (
 )
 
 from ..attention import AttentionMetadata
-from ..models.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
-from ..models.llama import LlamaAttention, WeightSlot, layer_slots
-from ..models.model_config import ModelConfig, ModelLoadError
+from ..network.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from ..network.llama import LlamaAttention, WeightSlot, layer_slots
+from ..network.model_config import ModelConfig, ModelLoadError
 from .eagle import model_load_errors
 
 

@@ -123,7 +123,7 @@ def _weight_specs(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...], st
 # ---- tokenizer ----
 
 def corpus_text() -> str:
-    return resources.files("tritonllm.model_files").joinpath("data/tiny_corpus.txt").read_text(encoding="utf-8")
+    return resources.files("tritonllm.checkpoints").joinpath("data/tiny_corpus.txt").read_text(encoding="utf-8")
 
 
 # The pre-tokenizer split of Qwen2-family tokenizers (digits one by one). transformers 5 imposes it on any
