@@ -1,4 +1,5 @@
 """`python -m tritonllm`: the `tritonllm` command."""
+
 import sys
 
 from tritonllm.commands.main import main

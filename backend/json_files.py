@@ -1,4 +1,5 @@
 """Reading the JSON files of model and checkpoint folders, with errors that name the file."""
+
 from __future__ import annotations
 
 import json

@@ -2,6 +2,7 @@
 One matcher for every text-level stop rule: the BLS (which keeps the stop string and cuts after it), the LLM-API
 model and the OpenAI front (which cut before it and, while a stream runs, hold back a tail that could still
 become one)."""
+
 from __future__ import annotations
 
 from typing import Optional, Sequence

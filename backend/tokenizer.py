@@ -8,6 +8,7 @@ Streaming text is produced by `detokenize_delta`, which is stateless: the caller
 the new ones (`prefix_window`), so a stateless postprocessing model can emit text deltas that never split a
 multi-byte character (P1) and never drop the space a SentencePiece `▁` stands for (P2).
 """
+
 from __future__ import annotations
 
 import functools
@@ -39,10 +40,14 @@ class LoadedTokenizer:
     def encode(self, text: str, add_special_tokens: bool) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False,
-               clean_up_tokenization_spaces: bool = False) -> str:
-        return self.hf.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens,
-                              clean_up_tokenization_spaces=clean_up_tokenization_spaces)
+    def decode(
+        self, ids: Sequence[int], skip_special_tokens: bool = False, clean_up_tokenization_spaces: bool = False
+    ) -> str:
+        return self.hf.decode(
+            [int(i) for i in ids],
+            skip_special_tokens=skip_special_tokens,
+            clean_up_tokenization_spaces=clean_up_tokenization_spaces,
+        )
 
 
 def wrap_tokenizer(hf_tokenizer: Any) -> LoadedTokenizer:
@@ -66,8 +71,9 @@ def _load_cached(tokenizer_dir: str) -> LoadedTokenizer:
     from transformers import AutoTokenizer  # heavy import, paid only by the models that tokenize
 
     # trust_remote_code stays off: a model repository must not run code from a tokenizer folder.
-    hf_tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, legacy=False, padding_side="left",
-                                                 trust_remote_code=False, local_files_only=True)
+    hf_tokenizer = AutoTokenizer.from_pretrained(
+        tokenizer_dir, legacy=False, padding_side="left", trust_remote_code=False, local_files_only=True
+    )
     return wrap_tokenizer(hf_tokenizer)
 
 
@@ -75,15 +81,17 @@ def _load_cached(tokenizer_dir: str) -> LoadedTokenizer:
 # Prompts, word lists, embedding bias (preprocessing)
 # ---------------------------------------------------------------------------------------------------------------
 
-def encode_prompts(tokenizer: LoadedTokenizer, texts: Sequence[str],
-                   add_special_tokens: bool) -> tuple[np.ndarray, np.ndarray]:
+
+def encode_prompts(
+    tokenizer: LoadedTokenizer, texts: Sequence[str], add_special_tokens: bool
+) -> tuple[np.ndarray, np.ndarray]:
     """Token ids [B, Lmax] int32, right-padded with the pad id, and the true lengths [B] int32."""
     rows = [tokenizer.encode(text, add_special_tokens) for text in texts]
     lengths = np.array([len(row) for row in rows], dtype=np.int32)
     width = int(lengths.max()) if len(rows) else 0
     ids = np.full((len(rows), width), tokenizer.pad_id, dtype=np.int32)
     for i, row in enumerate(rows):
-        ids[i, :len(row)] = row
+        ids[i, : len(row)] = row
     return ids, lengths
 
 
@@ -103,15 +111,18 @@ def to_word_list_format(tokenizer: LoadedTokenizer, words_per_row: Sequence[Sequ
     result = np.zeros((len(flat_rows), 2, width), dtype=np.int32)
     result[:, 1, :] = -1
     for b, (flat, offsets) in enumerate(zip(flat_rows, offset_rows)):
-        result[b, 0, :len(flat)] = flat
-        result[b, 1, :len(offsets)] = offsets
+        result[b, 0, : len(flat)] = flat
+        result[b, 1, : len(offsets)] = offsets
     return result
 
 
-def embedding_bias(tokenizer: LoadedTokenizer, words_per_row: Sequence[Sequence[str]],
-                   weights_per_row: Optional[Sequence[Sequence[float]]],
-                   words_name: str = "EMBEDDING_BIAS_WORDS",
-                   weights_name: str = "EMBEDDING_BIAS_WEIGHTS") -> np.ndarray:
+def embedding_bias(
+    tokenizer: LoadedTokenizer,
+    words_per_row: Sequence[Sequence[str]],
+    weights_per_row: Optional[Sequence[Sequence[float]]],
+    words_name: str = "EMBEDDING_BIAS_WORDS",
+    weights_name: str = "EMBEDDING_BIAS_WEIGHTS",
+) -> np.ndarray:
     """Dense logit bias [B, vocab_size] float32, or [B, 0] when no row has a word.
 
     Each word adds its weight to every id it encodes to. Words are encoded WITH special tokens, as the anchor
@@ -136,23 +147,29 @@ def embedding_bias(tokenizer: LoadedTokenizer, words_per_row: Sequence[Sequence[
 
 def _check_same_lengths(words_per_row, weights_per_row, words_name: str, weights_name: str) -> None:
     if len(words_per_row) != len(weights_per_row):
-        raise ValueError(f"inputs '{words_name}' and '{weights_name}' must have the same batch size, "
-                         f"got {len(words_per_row)} and {len(weights_per_row)}")
+        raise ValueError(
+            f"inputs '{words_name}' and '{weights_name}' must have the same batch size, "
+            f"got {len(words_per_row)} and {len(weights_per_row)}"
+        )
     for b, (words, weights) in enumerate(zip(words_per_row, weights_per_row)):
         if len(words) != len(weights):
-            raise ValueError(f"inputs '{words_name}' and '{weights_name}' must have the same length, "
-                             f"got {len(words)} words and {len(weights)} weights in batch row {b}")
+            raise ValueError(
+                f"inputs '{words_name}' and '{weights_name}' must have the same length, "
+                f"got {len(words)} words and {len(weights)} weights in batch row {b}"
+            )
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # Detokenization (postprocessing)
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def decode_ids(tokenizer: Any, ids: Sequence[int], skip_special_tokens: bool) -> str:
     """Decode with the settings every decode here shares; `clean_up_tokenization_spaces` stays off because it
     rewrites text across token boundaries (" ." -> "."), which would make streamed and whole decodes differ."""
-    return tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens,
-                            clean_up_tokenization_spaces=False)
+    return tokenizer.decode(
+        [int(i) for i in ids], skip_special_tokens=skip_special_tokens, clean_up_tokenization_spaces=False
+    )
 
 
 def prefix_window(sequence_ids: Sequence[int], new_count: int, k: int = DETOKENIZE_PREFIX_TOKENS) -> list[int]:
@@ -160,11 +177,12 @@ def prefix_window(sequence_ids: Sequence[int], new_count: int, k: int = DETOKENI
     if not 0 <= new_count <= len(sequence_ids):
         raise ValueError(f"new_count {new_count} must be between 0 and the sequence length {len(sequence_ids)}")
     end = len(sequence_ids) - new_count
-    return [int(i) for i in sequence_ids[max(0, end - k):end]]
+    return [int(i) for i in sequence_ids[max(0, end - k) : end]]
 
 
-def detokenize_delta(tokenizer: Any, prefix_ids: Sequence[int], new_ids: Sequence[int], is_final: bool,
-                     skip_special_tokens: bool = True) -> str:
+def detokenize_delta(
+    tokenizer: Any, prefix_ids: Sequence[int], new_ids: Sequence[int], is_final: bool, skip_special_tokens: bool = True
+) -> str:
     """The text that `new_ids` add after `prefix_ids`, the up to DETOKENIZE_PREFIX_TOKENS tokens before them.
 
     Stateless: "emitted so far" is recomputed from the prefix with the same rule that chose what to emit before,
@@ -175,9 +193,12 @@ def detokenize_delta(tokenizer: Any, prefix_ids: Sequence[int], new_ids: Sequenc
     prefix = _drop_partial_character(tokenizer, prefix, new, skip_special_tokens)
     before = emitted_text(tokenizer, prefix, skip_special_tokens)
     sequence = prefix + new
-    after = (decode_ids(tokenizer, sequence, skip_special_tokens) if is_final
-             else emitted_text(tokenizer, sequence, skip_special_tokens))
-    return after[len(before):]
+    after = (
+        decode_ids(tokenizer, sequence, skip_special_tokens)
+        if is_final
+        else emitted_text(tokenizer, sequence, skip_special_tokens)
+    )
+    return after[len(before) :]
 
 
 def emitted_text(tokenizer: Any, ids: Sequence[int], skip_special_tokens: bool) -> str:
@@ -192,7 +213,7 @@ def emitted_text(tokenizer: Any, ids: Sequence[int], skip_special_tokens: bool) 
         return text
     complete = text.rstrip(REPLACEMENT_CHARACTER)
     for cut in range(1, min(_MAX_CHARACTER_TOKENS, len(ids)) + 1):
-        shorter = decode_ids(tokenizer, ids[:len(ids) - cut], skip_special_tokens)
+        shorter = decode_ids(tokenizer, ids[: len(ids) - cut], skip_special_tokens)
         if not shorter.endswith(REPLACEMENT_CHARACTER):
             return shorter if len(shorter) > len(complete) else complete
     return complete
@@ -209,7 +230,7 @@ def _drop_partial_character(tokenizer: Any, prefix: list[int], new: list[int], s
         return prefix
     tokens = prefix + new
     for start in range(min(_MAX_CHARACTER_TOKENS - 1, len(prefix)) + 1):
-        length = _character_length(tokenizer, tokens[start:start + _MAX_CHARACTER_TOKENS], skip_special_tokens)
+        length = _character_length(tokenizer, tokens[start : start + _MAX_CHARACTER_TOKENS], skip_special_tokens)
         if length:
             break
     else:
@@ -218,8 +239,8 @@ def _drop_partial_character(tokenizer: Any, prefix: list[int], new: list[int], s
         return prefix
     # Compare only up to the end of that first character: a later unfinished one spoils the rest of its run.
     head = decode_ids(tokenizer, tokens[:start], skip_special_tokens)
-    character = decode_ids(tokenizer, tokens[start:start + length], skip_special_tokens)
-    local = decode_ids(tokenizer, tokens[:start + length], skip_special_tokens) == head + character
+    character = decode_ids(tokenizer, tokens[start : start + length], skip_special_tokens)
+    local = decode_ids(tokenizer, tokens[: start + length], skip_special_tokens) == head + character
     return prefix if local else prefix[start:]
 
 

@@ -4,6 +4,7 @@ An adapter pinned by a request in flight (waiting or running) is never evicted; 
 and a new one does not fit, storing it fails (the request that brought it gets the error, nothing else changes).
 Every stored adapter gets a fresh `uid`: the key of its device slot and of its prefix-cache blocks, so a task id
 reused for other weights after an eviction can never hit the old adapter's blocks."""
+
 from __future__ import annotations
 
 import itertools
@@ -49,8 +50,10 @@ class AdapterCache:
         entry = self.entries.get(task_id)
         if entry is None:
             if adapter is None:
-                raise LoraCacheError(f"LoRA task {task_id} not found in cache. Please send LoRA weights with "
-                                     "request (lora_weights and lora_config)")
+                raise LoraCacheError(
+                    f"LoRA task {task_id} not found in cache. Please send LoRA weights with "
+                    "request (lora_weights and lora_config)"
+                )
             entry = self._store(task_id, adapter, name)
         self.entries.move_to_end(task_id)
         entry.pins += 1
@@ -61,15 +64,18 @@ class AdapterCache:
 
     def _store(self, task_id: int, adapter: LoraAdapter, name: Optional[str]) -> CachedAdapter:
         if self.max_bytes is not None and adapter.num_bytes > self.max_bytes:
-            raise LoraCacheError(f"LoRA task {task_id}: the adapter needs {adapter.num_bytes} bytes, more than the "
-                                 f"whole host LoRA cache ({self.max_bytes} bytes, lora_cache_host_memory_bytes)")
+            raise LoraCacheError(
+                f"LoRA task {task_id}: the adapter needs {adapter.num_bytes} bytes, more than the "
+                f"whole host LoRA cache ({self.max_bytes} bytes, lora_cache_host_memory_bytes)"
+            )
         while not self._fits(adapter):
             victim = next((e for e in self.entries.values() if e.pins == 0), None)
             if victim is None:
                 raise LoraCacheError(
                     f"LoRA task {task_id} cannot be stored: the LoRA cache is full (max_cpu_loras="
                     f"{self.max_adapters}) and every cached adapter is in use by a request in flight; raise "
-                    "lora_config.max_cpu_loras or retry when requests finish")
+                    "lora_config.max_cpu_loras or retry when requests finish"
+                )
             del self.entries[victim.task_id]
             self.evicted.append(victim.task_id)
         entry = CachedAdapter(task_id, adapter, next(_UIDS), name)

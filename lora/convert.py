@@ -1,5 +1,6 @@
 """`tritonllm lora convert`: a PEFT folder -> the `.npy` pair a client sends as `lora_weights` / `lora_config`,
 and the loader that reads any adapter folder (PEFT, or such a pair) back."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -44,5 +45,7 @@ def load_adapter_folder(path: str | Path, shapes: ModuleShapes) -> LoraAdapter:
         return read_peft_folder(path)
     if is_npy_folder(path):
         return adapter_from_tensors(np.load(path / WEIGHTS_NPY), np.load(path / CONFIG_NPY), shapes, source=str(path))
-    raise LoraFormatError(f"{path}: not a LoRA adapter folder (expected adapter_config.json + "
-                          f"adapter_model.safetensors, or {WEIGHTS_NPY} + {CONFIG_NPY})")
+    raise LoraFormatError(
+        f"{path}: not a LoRA adapter folder (expected adapter_config.json + "
+        f"adapter_model.safetensors, or {WEIGHTS_NPY} + {CONFIG_NPY})"
+    )

@@ -11,6 +11,7 @@ cut to the largest rank r among them, then for input x [T, in] and output y [T, 
   y[:, cols_m] += xa_m @ B_m  [T, S*r] @ [S*r, out_m] for each sub-module m
 Two matmuls per projection whatever the mix of adapters, the same code on CPU and GPU. A token's cost grows with S*r
 instead of its own r: cheap while S*r is small next to the projection's width."""
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -33,8 +34,15 @@ class SubModule:
 class DeviceSlots:
     """`max_loras` slots of stacked weights on the model's device; adapters keyed by their cache uid."""
 
-    def __init__(self, shapes: ModuleShapes, targets: tuple[str, ...], max_loras: int, max_rank: int,
-                 dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        shapes: ModuleShapes,
+        targets: tuple[str, ...],
+        max_loras: int,
+        max_rank: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         self.max_loras, self.max_rank = max_loras, max_rank
         self.groups: dict[str, list[SubModule]] = {}
         for group, members in GROUPS.items():
@@ -47,8 +55,9 @@ class DeviceSlots:
         for layer in range(shapes.num_layers):
             for group, subs in self.groups.items():
                 in_features = shapes.shapes[subs[0].name][0]
-                self.a[(layer, group)] = torch.zeros(max_loras, len(subs), max_rank, in_features, dtype=dtype,
-                                                     device=device)
+                self.a[(layer, group)] = torch.zeros(
+                    max_loras, len(subs), max_rank, in_features, dtype=dtype, device=device
+                )
                 for sub in subs:
                     self.b[(layer, sub.name)] = torch.zeros(max_loras, max_rank, sub.size, dtype=dtype, device=device)
         self.slot_of: OrderedDict[int, int] = OrderedDict()  # uid -> slot, least recently used first
@@ -130,7 +139,7 @@ class LoraBatch:
         for index, sub in enumerate(subs):
             b = self._take(self.slots.b[(layer, sub.name)])[:, :r]  # [S, r, out]
             delta = xa[:, :, index, :].reshape(tokens, num_slots * r) @ b.reshape(num_slots * r, sub.size)
-            out[:, sub.start:sub.start + sub.size] += delta
+            out[:, sub.start : sub.start + sub.size] += delta
         return out
 
 

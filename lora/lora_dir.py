@@ -3,6 +3,7 @@
 A folder is itself an adapter, or holds adapter folders (PEFT, or the converter's `.npy` pair). A numeric folder
 name is the task id (TensorRT-LLM's `lora_prefetch_dir/<task_id>/` layout); other names get the lowest free ids,
 in name order, after the numeric ones are placed."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,8 +28,10 @@ def adapters_in(folders: Iterable[str | Path]) -> list[NamedAdapter]:
             raise LoraFormatError(f"lora_dir {folder} is not a folder")
         found = [folder] if is_adapter_folder(folder) else sorted(p for p in folder.iterdir() if is_adapter_folder(p))
         if not found:
-            raise LoraFormatError(f"lora_dir {folder} holds no adapter folder (adapter_config.json + "
-                                  "adapter_model.safetensors, or model.lora_weights.npy + model.lora_config.npy)")
+            raise LoraFormatError(
+                f"lora_dir {folder} holds no adapter folder (adapter_config.json + "
+                "adapter_model.safetensors, or model.lora_weights.npy + model.lora_config.npy)"
+            )
         paths += found
     names = [p.name for p in paths]
     twice = sorted({n for n in names if names.count(n) > 1})
@@ -37,6 +40,7 @@ def adapters_in(folders: Iterable[str | Path]) -> list[NamedAdapter]:
     used = {int(p.name) for p in paths if p.name.isdigit()}
     free = (i for i in range(1, 1 << 62) if i not in used)
     numeric = [NamedAdapter(p.name, int(p.name), str(p)) for p in paths if p.name.isdigit()]
-    named = [NamedAdapter(p.name, next(free), str(p)) for p in sorted(paths, key=lambda p: p.name)
-             if not p.name.isdigit()]
+    named = [
+        NamedAdapter(p.name, next(free), str(p)) for p in sorted(paths, key=lambda p: p.name) if not p.name.isdigit()
+    ]
     return sorted(numeric + named, key=lambda a: a.task_id)

@@ -4,6 +4,7 @@
 TensorRT-LLM names a Llama MLP's activated branch `mlp_h_to_4h` (HF `gate_proj`) and the multiplied branch
 `mlp_gate` (HF `up_proj`), as its own checkpoint converter and `hf_lora_convert.py` map them; we follow that map, so
 tensors made by either converter mean the same thing here."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,12 +36,25 @@ BY_HF_NAME = {m.hf_name: m for m in MODULES}
 BY_TRTLLM_NAME = {m.trtllm_name: m for m in MODULES}
 BY_ID = {m.module_id: m for m in MODULES}
 # TensorRT-LLM module ids that exist but that this package cannot apply (fused qkv, cross attention, MoE).
-UNSUPPORTED_IDS = {0: "attn_qkv (fused qkv adapters)", 8: "cross_attn_qkv", 9: "cross_attn_q", 10: "cross_attn_k",
-                   11: "cross_attn_v", 12: "cross_attn_dense", 13: "moe_h_to_4h", 14: "moe_4h_to_h", 15: "moe_gate",
-                   16: "moe_router"}
+UNSUPPORTED_IDS = {
+    0: "attn_qkv (fused qkv adapters)",
+    8: "cross_attn_qkv",
+    9: "cross_attn_q",
+    10: "cross_attn_k",
+    11: "cross_attn_v",
+    12: "cross_attn_dense",
+    13: "moe_h_to_4h",
+    14: "moe_4h_to_h",
+    15: "moe_gate",
+    16: "moe_router",
+}
 # Sub-modules of each fused projection, in the order of the projection's output columns.
-GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
-          "down": ("down_proj",)}
+GROUPS = {
+    "qkv": ("q_proj", "k_proj", "v_proj"),
+    "o": ("o_proj",),
+    "gate_up": ("gate_proj", "up_proj"),
+    "down": ("down_proj",),
+}
 
 
 def module_named(name: str) -> LoraModule:
@@ -56,8 +70,10 @@ def module_with_id(module_id: int) -> LoraModule:
     module = BY_ID.get(module_id)
     if module is None:
         why = UNSUPPORTED_IDS.get(module_id, "unknown")
-        raise LoraFormatError(f"lora_config module id {module_id} is not supported ({why}); supported ids: "
-                              + ", ".join(f"{m.module_id}={m.trtllm_name}" for m in MODULES))
+        raise LoraFormatError(
+            f"lora_config module id {module_id} is not supported ({why}); supported ids: "
+            + ", ".join(f"{m.module_id}={m.trtllm_name}" for m in MODULES)
+        )
     return module
 
 
@@ -78,12 +94,22 @@ class ModuleShapes:
 
     @classmethod
     def of_model(cls, hidden: int, intermediate: int, q_size: int, kv_size: int, num_layers: int) -> "ModuleShapes":
-        return cls({"q_proj": (hidden, q_size), "k_proj": (hidden, kv_size), "v_proj": (hidden, kv_size),
-                    "o_proj": (q_size, hidden), "gate_proj": (hidden, intermediate),
-                    "up_proj": (hidden, intermediate), "down_proj": (intermediate, hidden)}, num_layers)
+        return cls(
+            {
+                "q_proj": (hidden, q_size),
+                "k_proj": (hidden, kv_size),
+                "v_proj": (hidden, kv_size),
+                "o_proj": (q_size, hidden),
+                "gate_proj": (hidden, intermediate),
+                "up_proj": (hidden, intermediate),
+                "down_proj": (intermediate, hidden),
+            },
+            num_layers,
+        )
 
     @classmethod
     def of_config(cls, config) -> "ModuleShapes":
         """From the embedded engine's ModelConfig."""
-        return cls.of_model(config.hidden_size, config.intermediate_size, config.q_size, config.kv_size,
-                            config.num_layers)
+        return cls.of_model(
+            config.hidden_size, config.intermediate_size, config.q_size, config.kv_size, config.num_layers
+        )

@@ -3,6 +3,7 @@
 Rank and alpha come from the config (`r`, `lora_alpha`, per-module `rank_pattern` / `alpha_pattern`, `use_rslora`);
 the scale `alpha / r` (rsLoRA: `alpha / sqrt(r)`) is folded into B (see adapter.py). Features that change the math
 beyond plain LoRA (DoRA, trained biases, `modules_to_save`, fan-in-fan-out layouts) are refused by name."""
+
 from __future__ import annotations
 
 import json
@@ -21,9 +22,16 @@ CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
 _KEY = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.default)?\.weight$")
 # Config keys whose non-default value changes what the adapter computes.
-_REFUSED = {"use_dora": (False, None), "fan_in_fan_out": (False, None), "bias": ("none", None),
-            "modules_to_save": (None, []), "layer_replication": (None, []), "lora_bias": (False, None),
-            "use_qalora": (False, None), "trainable_token_indices": (None, {}, [])}
+_REFUSED = {
+    "use_dora": (False, None),
+    "fan_in_fan_out": (False, None),
+    "bias": ("none", None),
+    "modules_to_save": (None, []),
+    "layer_replication": (None, []),
+    "lora_bias": (False, None),
+    "use_qalora": (False, None),
+    "trainable_token_indices": (None, {}, []),
+}
 
 
 def is_peft_folder(path: str | Path) -> bool:
@@ -74,12 +82,13 @@ def _read_pairs(folder: Path) -> dict[tuple[int, str], tuple[torch.Tensor, torch
             for name in handle.keys():
                 match = _KEY.search(name)
                 if match is None:
-                    raise LoraFormatError(f"{path}: tensor {name} is not a LoRA A/B weight of a decoder layer "
-                                          "projection (embeddings, lm_head and saved modules are not supported)")
+                    raise LoraFormatError(
+                        f"{path}: tensor {name} is not a LoRA A/B weight of a decoder layer "
+                        "projection (embeddings, lm_head and saved modules are not supported)"
+                    )
                 layer, module, half = int(match.group(1)), match.group(2), match.group(3)
                 if module not in BY_HF_NAME:
-                    raise LoraFormatError(f"{path}: tensor {name} targets {module}, not one of "
-                                          f"{', '.join(BY_HF_NAME)}")
+                    raise LoraFormatError(f"{path}: tensor {name} targets {module}, not one of {', '.join(BY_HF_NAME)}")
                 halves.setdefault((layer, module), {})[half] = handle.get_tensor(name)
     except LoraFormatError:
         raise

@@ -1,6 +1,7 @@
 """LoRA inside the embedded engine: turns a request's `LoRARequest` into a cached, pinned adapter and gives each
 step its device slots. `prepare` runs on the caller's thread (parsing and checking weights there, so a bad adapter
 fails its own request at once); `acquire`, `release` and `batch_for` run on the engine thread."""
+
 from __future__ import annotations
 
 import logging
@@ -38,8 +39,9 @@ class LoraRuntime:
     def __init__(self, settings: LoraSettings, shapes: ModuleShapes, dtype: torch.dtype, device: torch.device):
         self.settings, self.shapes, self.dtype, self.device = settings, shapes, dtype, device
         self.cache = AdapterCache(settings.max_cpu_loras, settings.host_cache_bytes)
-        self.slots = DeviceSlots(shapes, settings.lora_target_modules, settings.max_loras, settings.max_lora_rank,
-                                 dtype, device)
+        self.slots = DeviceSlots(
+            shapes, settings.lora_target_modules, settings.max_loras, settings.max_lora_rank, dtype, device
+        )
         self.names: dict[str, NamedAdapter] = {}
         if settings.lora_dir:
             self.preload(settings.lora_dir)
@@ -51,8 +53,9 @@ class LoraRuntime:
         named = adapters_in(folders)
         for item in named:
             if item.name in self.names or any(n.task_id == item.task_id for n in self.names.values()):
-                raise LoraFormatError(f"lora_dir: adapter '{item.name}' (task id {item.task_id}) clashes with "
-                                      "another preloaded adapter")
+                raise LoraFormatError(
+                    f"lora_dir: adapter '{item.name}' (task id {item.task_id}) clashes with another preloaded adapter"
+                )
             adapter = self._checked(load_adapter_folder(item.path, self.shapes), f"lora_dir adapter '{item.name}'")
             if len(self.cache.entries) < self.cache.max_adapters:
                 self.cache.release(self.cache.acquire(item.task_id, adapter, item.name))
@@ -68,12 +71,15 @@ class LoraRuntime:
         weights, config = request.lora_weights, request.lora_config
         if (weights is None) != (config is None):
             missing = "lora_config" if config is None else "lora_weights"
-            raise LoraRequestError(f"lora_task_id {task_id}: {missing} is missing (lora_weights and lora_config "
-                                   "go together)")
+            raise LoraRequestError(
+                f"lora_task_id {task_id}: {missing} is missing (lora_weights and lora_config go together)"
+            )
         if weights is not None:
             if named is not None:
-                raise LoraRequestError(f"lora_task_id {task_id} is the preloaded adapter '{named.name}': send it "
-                                       "without lora_weights / lora_config, or use another id")
+                raise LoraRequestError(
+                    f"lora_task_id {task_id} is the preloaded adapter '{named.name}': send it "
+                    "without lora_weights / lora_config, or use another id"
+                )
             try:
                 adapter = adapter_from_tensors(weights, config, self.shapes, source=f"lora_task_id {task_id}")
             except LoraFormatError as exc:

@@ -1,13 +1,14 @@
 """`lora_config` of model.yaml (TensorRT-LLM's `LoraConfig` keys), parsed once into a typed, validated object.
 
-    enable_lora: true
-    lora_config:
-      max_lora_rank: 64          # adapters of a higher rank are refused
-      max_loras: 4               # device tier: adapters resident for the running batch (distinct per step)
-      max_cpu_loras: 4           # host tier: adapters kept by lora_task_id, least recently used evicted first
-      lora_dir: [/path/adapters] # adapter folders, or folders of adapter folders, preloaded by folder name
-      lora_target_modules: [attn_q, attn_k, attn_v, attn_dense, mlp_h_to_4h, mlp_4h_to_h, mlp_gate]
+enable_lora: true
+lora_config:
+  max_lora_rank: 64          # adapters of a higher rank are refused
+  max_loras: 4               # device tier: adapters resident for the running batch (distinct per step)
+  max_cpu_loras: 4           # host tier: adapters kept by lora_task_id, least recently used evicted first
+  lora_dir: [/path/adapters] # adapter folders, or folders of adapter folders, preloaded by folder name
+  lora_target_modules: [attn_q, attn_k, attn_v, attn_dense, mlp_h_to_4h, mlp_4h_to_h, mlp_gate]
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -55,10 +56,13 @@ class LoraSettings:
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise LoraSettingsError(f"lora_config.{name} must be an integer >= 1, got {value!r}")
         if self.max_cpu_loras < self.max_loras:
-            raise LoraSettingsError(f"lora_config.max_cpu_loras={self.max_cpu_loras} must be >= max_loras="
-                                    f"{self.max_loras} (every adapter on the device is also kept on the host)")
+            raise LoraSettingsError(
+                f"lora_config.max_cpu_loras={self.max_cpu_loras} must be >= max_loras="
+                f"{self.max_loras} (every adapter on the device is also kept on the host)"
+            )
         if self.host_cache_bytes is not None and self.host_cache_bytes < 1:
             raise LoraSettingsError(f"lora host cache bytes must be >= 1, got {self.host_cache_bytes}")
         if self.lora_ckpt_source != "hf":
-            raise LoraSettingsError(f"lora_config.lora_ckpt_source={self.lora_ckpt_source!r}: only 'hf' (PEFT "
-                                    "folders) is supported")
+            raise LoraSettingsError(
+                f"lora_config.lora_ckpt_source={self.lora_ckpt_source!r}: only 'hf' (PEFT folders) is supported"
+            )

@@ -19,6 +19,7 @@ How the target picks a row's token:
   threshold, when that ratio reaches it; on rejection the token is drawn from norm(max(0, p - q)). After the last
   draft the token is drawn from p.
 `rejection_sample` runs the sampled rule on given target probabilities."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -66,6 +67,7 @@ def _children_by_token(tree: DraftTree) -> dict[tuple[int, int], int]:
 
 # ---- greedy ---------------------------------------------------------------------------------------------------
 
+
 def greedy_accept(tree: DraftTree, target_tokens: Sequence[int]) -> Verdict:
     """`target_tokens[0]` is the target's argmax after the root, `target_tokens[i+1]` after node i. Follows the
     child whose token equals the target's choice while one exists (the longest accepted path)."""
@@ -76,6 +78,7 @@ def greedy_accept(tree: DraftTree, target_tokens: Sequence[int]) -> Verdict:
 
 # ---- sampling -------------------------------------------------------------------------------------------------
 
+
 def draft_child(tree: DraftTree, node: int) -> Optional[int]:
     """The node whose draft probabilities decide the token after `node`: the next node of a chain with draft
     probabilities (only chains have them); None where the token is drawn from the target's distribution alone (no
@@ -84,8 +87,9 @@ def draft_child(tree: DraftTree, node: int) -> Optional[int]:
     return None if tree.draft_probs is None or child >= len(tree) else child
 
 
-def rejection_sample(tree: DraftTree, target_probs: torch.Tensor, generator: torch.Generator,
-                     threshold: Optional[float] = None) -> Verdict:
+def rejection_sample(
+    tree: DraftTree, target_probs: torch.Tensor, generator: torch.Generator, threshold: Optional[float] = None
+) -> Verdict:
     """The sampled rule on given probabilities: target_probs [n+1, vocab], row 0 after the root, row i+1 after
     node i (after the request's temperature / top-k / top-p); the tree's draft_probs, if any, are q."""
     _check_rows(target_probs, len(tree) + 1, "target_probs")
@@ -104,8 +108,13 @@ def rejection_sample(tree: DraftTree, target_probs: torch.Tensor, generator: tor
     return walk(tree, choose)
 
 
-def accept_or_resample(p: torch.Tensor, q: Optional[torch.Tensor], token: int, generator: Optional[torch.Generator],
-                       threshold: Optional[float] = None) -> tuple[bool, int]:
+def accept_or_resample(
+    p: torch.Tensor,
+    q: Optional[torch.Tensor],
+    token: int,
+    generator: Optional[torch.Generator],
+    threshold: Optional[float] = None,
+) -> tuple[bool, int]:
     """One step of rejection sampling for draft `token` (drawn from q; None: deterministic): (accepted, the token
     to commit). With a `threshold` the draft is kept when min(1, p/q) reaches it (a fixed rule, as TensorRT-LLM's
     acceptance threshold) instead of against a uniform draw; a rejection draws from norm(max(0, p - q)) either way.

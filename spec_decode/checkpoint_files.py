@@ -2,6 +2,7 @@
 one weights file, safetensors preferred over a pickled state dict. Every failure is a CheckpointError naming the
 file and what was wrong with it (the engine reports it as a ModelLoadError, or as an InvalidRequestError naming
 speculative_config.speculative_model_dir, with the same message)."""
+
 from __future__ import annotations
 
 from importlib import resources
@@ -28,10 +29,11 @@ def resolve_folder(model_dir: Union[str, Path], builtin: dict[str, str], kind: s
     text = str(model_dir)
     if not text.startswith(BUILTIN_PREFIX):
         return Path(model_dir)
-    name = text[len(BUILTIN_PREFIX):]
+    name = text[len(BUILTIN_PREFIX) :]
     if name not in builtin:
-        raise CheckpointError(f"no built-in {kind} named {name!r} (built in: "
-                              f"{', '.join(BUILTIN_PREFIX + known for known in builtin)})")
+        raise CheckpointError(
+            f"no built-in {kind} named {name!r} (built in: {', '.join(BUILTIN_PREFIX + known for known in builtin)})"
+        )
     return Path(str(resources.files("tritonllm.spec_decode").joinpath("data", builtin[name])))
 
 
@@ -39,8 +41,10 @@ def read_config(folder: Path, kind: str, weight_files: tuple[str, str]) -> dict[
     """`folder`/config.json as a dict; `kind` ("a Medusa") and `weight_files` word the error for a missing file."""
     path = folder / CONFIG_FILE
     if not path.is_file():
-        raise CheckpointError(f"{folder}: no {CONFIG_FILE} ({kind} checkpoint folder has {CONFIG_FILE} and "
-                              f"{weight_files[0]} or {weight_files[1]})")
+        raise CheckpointError(
+            f"{folder}: no {CONFIG_FILE} ({kind} checkpoint folder has {CONFIG_FILE} and "
+            f"{weight_files[0]} or {weight_files[1]})"
+        )
     return read_json_object(path, CONFIG_FILE, CheckpointError)
 
 
@@ -62,8 +66,9 @@ def read_weights(folder: Path, safetensors_file: str, pickle_file: str, kind: st
     raise CheckpointError(f"{folder}: no {safetensors_file} or {pickle_file}")
 
 
-def read_draft_vocab(state: dict[str, torch.Tensor], vocab_size: int, folder: Path,
-                     kind: str) -> Optional[torch.Tensor]:
+def read_draft_vocab(
+    state: dict[str, torch.Tensor], vocab_size: int, folder: Path, kind: str
+) -> Optional[torch.Tensor]:
     """`state`'s draft vocabulary (removed from it), sorted; None without one. The ids must be distinct and, with
     `vocab_size` > 0, inside the vocabulary."""
     ids = state.pop(DRAFT_VOCAB_KEY, None)
@@ -71,8 +76,9 @@ def read_draft_vocab(state: dict[str, torch.Tensor], vocab_size: int, folder: Pa
         return None
     where = f"{folder}: {kind} tensor {DRAFT_VOCAB_KEY}"
     if ids.dim() != 1 or ids.numel() == 0 or ids.dtype.is_floating_point:
-        raise CheckpointError(f"{where} must be a non-empty 1-D tensor of token ids, got shape {list(ids.shape)} "
-                              f"of {ids.dtype}")
+        raise CheckpointError(
+            f"{where} must be a non-empty 1-D tensor of token ids, got shape {list(ids.shape)} of {ids.dtype}"
+        )
     ids = ids.to(torch.long)
     if int(ids.min()) < 0 or (vocab_size > 0 and int(ids.max()) >= vocab_size):
         raise CheckpointError(f"{where} holds ids outside the vocabulary [0, {vocab_size})")
@@ -81,8 +87,14 @@ def read_draft_vocab(state: dict[str, torch.Tensor], vocab_size: int, folder: Pa
     return torch.sort(ids).values
 
 
-def copy_weights(slots: dict[str, Any], state: dict[str, torch.Tensor], folder: Path, kind: str,
-                 ignored: tuple[str, ...] = (), hints: Optional[dict[str, str]] = None) -> None:
+def copy_weights(
+    slots: dict[str, Any],
+    state: dict[str, torch.Tensor],
+    folder: Path,
+    kind: str,
+    ignored: tuple[str, ...] = (),
+    hints: Optional[dict[str, str]] = None,
+) -> None:
     """Copy `state` into `slots` (WeightSlot by checkpoint name): every slot's tensor must be there with its shape,
     and any other tensor must be `ignored` (or a rotary `inv_freq` buffer, which some exporters save); `hints` adds
     words to the error for a missing key, and `kind` ("EAGLE") words the errors."""
@@ -93,8 +105,9 @@ def copy_weights(slots: dict[str, Any], state: dict[str, torch.Tensor], folder: 
         if key not in state:
             raise CheckpointError(f"{folder}: {kind} weights lack {key}{(hints or {}).get(key, '')}")
         if tuple(state[key].shape) != slot.shape:
-            raise CheckpointError(f"{folder}: {kind} tensor {key} has shape {list(state[key].shape)}, expected "
-                                  f"{list(slot.shape)}")
+            raise CheckpointError(
+                f"{folder}: {kind} tensor {key} has shape {list(state[key].shape)}, expected {list(slot.shape)}"
+            )
         slot.copy_(state[key].float())
 
 

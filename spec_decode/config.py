@@ -4,6 +4,7 @@ typed, validated dataclasses, and the contract's `medusa_choices` / `eagle_choic
 `decoding_type` picks the method: Medusa, Eagle (Eagle3 too), Lookahead, NGram or DraftTarget (Draft_Target).
 Keys keep TensorRT-LLM's names; a key the method does not know, a wrong type or an out-of-range value raises
 `SpecConfigError` naming `speculative_config.<key>` (the engine's config reports it as its ConfigError)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -51,8 +52,11 @@ class NGramConfig(SpeculativeConfig):
 
     def validate(self) -> None:
         super().validate()
-        _require(self.max_matching_ngram_size >= 1, "max_matching_ngram_size",
-                 f"must be >= 1, got {self.max_matching_ngram_size}")
+        _require(
+            self.max_matching_ngram_size >= 1,
+            "max_matching_ngram_size",
+            f"must be >= 1, got {self.max_matching_ngram_size}",
+        )
 
 
 @dataclass(frozen=True)
@@ -66,8 +70,11 @@ class LookaheadConfig(SpeculativeConfig):
     def validate(self) -> None:
         for key in ("max_window_size", "max_ngram_size", "max_verification_set_size"):
             _require(getattr(self, key) >= 1, key, f"must be >= 1, got {getattr(self, key)}")
-        _require(self.max_ngram_size >= 2, "max_ngram_size", f"must be >= 2 (an n-gram needs a key and a "
-                                                             f"continuation), got {self.max_ngram_size}")
+        _require(
+            self.max_ngram_size >= 2,
+            "max_ngram_size",
+            f"must be >= 2 (an n-gram needs a key and a continuation), got {self.max_ngram_size}",
+        )
 
     def __post_init__(self) -> None:
         # Not a key here: a verification candidate holds an n-gram minus its first token.
@@ -94,16 +101,22 @@ class MedusaConfig(SpeculativeConfig):
 
     def validate(self) -> None:
         _require(bool(self.speculative_model_dir), "speculative_model_dir", "is required for Medusa (the heads)")
-        _require(0.0 <= self.min_path_probability < 1.0, "min_path_probability",
-                 f"must be in [0, 1), got {self.min_path_probability}")
+        _require(
+            0.0 <= self.min_path_probability < 1.0,
+            "min_path_probability",
+            f"must be in [0, 1), got {self.min_path_probability}",
+        )
         if self.num_medusa_heads is not None:
             _require(self.num_medusa_heads >= 1, "num_medusa_heads", f"must be >= 1, got {self.num_medusa_heads}")
         if self.medusa_choices is not None:
             validate_choices(self.medusa_choices, "medusa_choices", max_depth=self.num_medusa_heads)
         _require(self.max_draft_len >= 0, "max_draft_len", f"must be >= 0, got {self.max_draft_len}")
         if self.medusa_choices and self.max_draft_len:
-            _require(self.max_draft_len >= len(self.medusa_choices), "max_draft_len",
-                     f"({self.max_draft_len}) is smaller than the {len(self.medusa_choices)} medusa_choices nodes")
+            _require(
+                self.max_draft_len >= len(self.medusa_choices),
+                "max_draft_len",
+                f"({self.max_draft_len}) is smaller than the {len(self.medusa_choices)} medusa_choices nodes",
+            )
 
     @property
     def max_total_draft_tokens(self) -> int:
@@ -134,12 +147,18 @@ class EagleConfig(SpeculativeConfig):
             validate_choices(self.eagle_choices, "eagle_choices", max_depth=self.max_draft_len)
         if self.use_dynamic_tree:
             top_k = self.dynamic_tree_max_topK
-            _require(top_k is not None and top_k >= 1, "dynamic_tree_max_topK",
-                     f"must be >= 1 when use_dynamic_tree is set, got {top_k}")
+            _require(
+                top_k is not None and top_k >= 1,
+                "dynamic_tree_max_topK",
+                f"must be >= 1 when use_dynamic_tree is set, got {top_k}",
+            )
             assert top_k is not None  # _require raised otherwise
             total = self.max_total_draft_tokens
-            _require(self.max_draft_len <= total <= top_k * self.max_draft_len, "max_total_draft_tokens",
-                     f"must be in [max_draft_len, dynamic_tree_max_topK * max_draft_len], got {total}")
+            _require(
+                self.max_draft_len <= total <= top_k * self.max_draft_len,
+                "max_total_draft_tokens",
+                f"must be in [max_draft_len, dynamic_tree_max_topK * max_draft_len], got {total}",
+            )
 
     @property
     def max_total_draft_tokens(self) -> int:
@@ -161,11 +180,21 @@ class DraftTargetConfig(SpeculativeConfig):
         _require(bool(self.speculative_model_dir), "speculative_model_dir", "is required for DraftTarget")
 
 
-METHOD_NAMES: dict[type, str] = {NGramConfig: "NGram", LookaheadConfig: "Lookahead", MedusaConfig: "Medusa",
-                                 EagleConfig: "Eagle", DraftTargetConfig: "DraftTarget"}
+METHOD_NAMES: dict[type, str] = {
+    NGramConfig: "NGram",
+    LookaheadConfig: "Lookahead",
+    MedusaConfig: "Medusa",
+    EagleConfig: "Eagle",
+    DraftTargetConfig: "DraftTarget",
+}
 _METHODS: dict[str, type] = {
-    "ngram": NGramConfig, "lookahead": LookaheadConfig, "medusa": MedusaConfig, "eagle": EagleConfig,
-    "eagle3": EagleConfig, "drafttarget": DraftTargetConfig, "draft_target": DraftTargetConfig,
+    "ngram": NGramConfig,
+    "lookahead": LookaheadConfig,
+    "medusa": MedusaConfig,
+    "eagle": EagleConfig,
+    "eagle3": EagleConfig,
+    "drafttarget": DraftTargetConfig,
+    "draft_target": DraftTargetConfig,
 }
 # TensorRT-LLM spellings that map onto one of our fields.
 _ALIASES = {"speculative_model": "speculative_model_dir"}
@@ -259,6 +288,7 @@ def _require(condition: bool, key: str, rule: str) -> None:
 
 # ---- medusa_choices / eagle_choices -------------------------------------------------------------------------
 
+
 def parse_choices(value: Union[str, list, tuple], name: str = "choices") -> Choices:
     """Tree paths from the contract's string form ("{0, 0, 0}, {0, 1}", optionally wrapped in braces or brackets)
     or from a list of lists; each path is the top-k rank chosen at each depth."""
@@ -268,8 +298,11 @@ def parse_choices(value: Union[str, list, tuple], name: str = "choices") -> Choi
         raise SpecConfigError(f"{name} must be a non-empty list of paths, got {value!r}")
     paths = []
     for path in value:
-        if not isinstance(path, (list, tuple)) or not path or \
-                not all(isinstance(r, int) and not isinstance(r, bool) for r in path):
+        if (
+            not isinstance(path, (list, tuple))
+            or not path
+            or not all(isinstance(r, int) and not isinstance(r, bool) for r in path)
+        ):
             raise SpecConfigError(f"{name}: each path must be a non-empty list of integers, got {path!r}")
         paths.append(tuple(path))
     validate_choices(paths, name)
@@ -285,8 +318,7 @@ def _choices_from_string(text: str, name: str) -> list:
     try:
         return json.loads(body)
     except json.JSONDecodeError as err:
-        raise SpecConfigError(f"{name}={text!r} is not a list of paths like \"{{0, 0, 0}}, {{0, 1}}\" ({err})") \
-            from None
+        raise SpecConfigError(f'{name}={text!r} is not a list of paths like "{{0, 0, 0}}, {{0, 1}}" ({err})') from None
 
 
 def validate_choices(paths: Choices, name: str, max_depth: Optional[int] = None) -> None:

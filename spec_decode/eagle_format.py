@@ -27,6 +27,7 @@ the target layers whose inputs are captured, i.e. the outputs of the layers befo
 (the target's embedding is used). `tritonllm spec train-eagle --eagle3` trains them; none is shipped.
 
 Every reading failure is a CheckpointError (checkpoint_files.py) naming the folder and what is wrong."""
+
 from __future__ import annotations
 
 import json
@@ -52,8 +53,15 @@ D2T_KEY = "d2t"
 EAGLE3_IGNORED = ("t2d", "embed_tokens.weight")
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"  # the name EAGLE-3 configs give; the layer is Llama's whatever it says
 # Target config.json keys that do not describe a draft layer.
-TARGET_ONLY_KEYS = ("architectures", "model_type", "layer_types", "use_sliding_window", "sliding_window",
-                    "max_window_layers", "tie_word_embeddings")
+TARGET_ONLY_KEYS = (
+    "architectures",
+    "model_type",
+    "layer_types",
+    "use_sliding_window",
+    "sliding_window",
+    "max_window_layers",
+    "tie_word_embeddings",
+)
 _EAGLE3_KEYS = ("midlayer.", "d2t", "t2d")
 
 
@@ -68,19 +76,34 @@ class DraftFiles:
 
 def read_eagle_files(model_dir: Union[str, Path]) -> DraftFiles:
     """The EAGLE-1/2 folder `model_dir` (or `builtin:NAME`, a draft shipped here); an EAGLE-3 one is refused."""
-    return _read_draft_files(model_dir, BUILTIN_DRAFTS, "EAGLE", _EAGLE3_KEYS,
-                             "an EAGLE-3 draft (tensor {}); decoding_type Eagle loads only EAGLE-1/2 drafts: "
-                             "use decoding_type: Eagle3 for it")
+    return _read_draft_files(
+        model_dir,
+        BUILTIN_DRAFTS,
+        "EAGLE",
+        _EAGLE3_KEYS,
+        "an EAGLE-3 draft (tensor {}); decoding_type Eagle loads only EAGLE-1/2 drafts: "
+        "use decoding_type: Eagle3 for it",
+    )
 
 
 def read_eagle3_files(model_dir: Union[str, Path]) -> DraftFiles:
     """The EAGLE-3 folder `model_dir`; an EAGLE-1/2 one is refused."""
-    return _read_draft_files(model_dir, {}, "EAGLE-3", LAYER_PREFIX,
-                             "an EAGLE-1/2 draft (tensor {}); use decoding_type Eagle for it, not Eagle3")
+    return _read_draft_files(
+        model_dir,
+        {},
+        "EAGLE-3",
+        LAYER_PREFIX,
+        "an EAGLE-1/2 draft (tensor {}); use decoding_type Eagle for it, not Eagle3",
+    )
 
 
-def _read_draft_files(model_dir: Union[str, Path], builtins: dict[str, str], kind: str,
-                      other_kind_keys: Union[str, tuple[str, ...]], refusal: str) -> DraftFiles:
+def _read_draft_files(
+    model_dir: Union[str, Path],
+    builtins: dict[str, str],
+    kind: str,
+    other_kind_keys: Union[str, tuple[str, ...]],
+    refusal: str,
+) -> DraftFiles:
     """A `kind` draft folder; a tensor whose name starts with `other_kind_keys` marks the other format, refused
     with `refusal` (its {} is that tensor's name)."""
     folder = resolve_folder(model_dir, builtins, f"{kind} drafts")
@@ -92,8 +115,9 @@ def _read_draft_files(model_dir: Union[str, Path], builtins: dict[str, str], kin
     return DraftFiles(folder, raw, state)
 
 
-def write_draft_folder(out_dir: Union[str, Path], state: dict[str, torch.Tensor], config: dict[str, Any],
-                       dtype: torch.dtype, pickle: bool) -> Path:
+def write_draft_folder(
+    out_dir: Union[str, Path], state: dict[str, torch.Tensor], config: dict[str, Any], dtype: torch.dtype, pickle: bool
+) -> Path:
     """An EAGLE (or EAGLE-3) folder: the weights (`model.safetensors`, or `pytorch_model.bin` with `pickle`) and
     `config.json`, one layer in `dtype`."""
     out = Path(out_dir)
@@ -110,6 +134,7 @@ def write_draft_folder(out_dir: Union[str, Path], state: dict[str, torch.Tensor]
 
 # ---- EAGLE-3 specifics ----------------------------------------------------------------------------------------
 
+
 def capture_config(capture_layers: Sequence[int]) -> dict[str, Any]:
     """config.json's `eagle_config` for drafts reading the outputs of `capture_layers`: the key names the layers
     whose inputs are these outputs."""
@@ -123,26 +148,32 @@ def captured_layers(raw: dict[str, Any], folder: Path) -> Optional[list[int]]:
     if ids is None:
         return None
     if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 1 for i in ids):
-        raise CheckpointError(f"{folder}: eagle_config.eagle_aux_hidden_state_layer_ids must list target layers "
-                              f">= 1 (a layer's input is the output of the one before it), got {ids!r}")
+        raise CheckpointError(
+            f"{folder}: eagle_config.eagle_aux_hidden_state_layer_ids must list target layers "
+            f">= 1 (a layer's input is the output of the one before it), got {ids!r}"
+        )
     return [i - 1 for i in ids]
 
 
-def draft_to_target(d2t: Optional[torch.Tensor], draft_vocab_size: int, vocab_size: int,
-                    folder: Path) -> torch.Tensor:
+def draft_to_target(d2t: Optional[torch.Tensor], draft_vocab_size: int, vocab_size: int, folder: Path) -> torch.Tensor:
     """The target id of each draft-vocabulary row: arange + d2t, checked; without d2t the draft vocabulary must be
     the whole vocabulary."""
     rows = torch.arange(draft_vocab_size)
     if d2t is None:
         if draft_vocab_size != vocab_size:
-            raise CheckpointError(f"{folder}: EAGLE-3 weights lack {D2T_KEY}, which a draft_vocab_size "
-                                  f"({draft_vocab_size}) other than vocab_size ({vocab_size}) needs")
+            raise CheckpointError(
+                f"{folder}: EAGLE-3 weights lack {D2T_KEY}, which a draft_vocab_size "
+                f"({draft_vocab_size}) other than vocab_size ({vocab_size}) needs"
+            )
         return rows
     if d2t.dim() != 1 or d2t.dtype.is_floating_point or len(d2t) != draft_vocab_size:
-        raise CheckpointError(f"{folder}: EAGLE-3 tensor {D2T_KEY} must hold {draft_vocab_size} integer offsets "
-                              f"(draft_vocab_size), got shape {list(d2t.shape)} of {d2t.dtype}")
+        raise CheckpointError(
+            f"{folder}: EAGLE-3 tensor {D2T_KEY} must hold {draft_vocab_size} integer offsets "
+            f"(draft_vocab_size), got shape {list(d2t.shape)} of {d2t.dtype}"
+        )
     ids = rows + d2t.to(torch.long)
     if int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
-        raise CheckpointError(f"{folder}: EAGLE-3 tensor {D2T_KEY} maps draft ids outside the vocabulary "
-                              f"[0, {vocab_size})")
+        raise CheckpointError(
+            f"{folder}: EAGLE-3 tensor {D2T_KEY} maps draft ids outside the vocabulary [0, {vocab_size})"
+        )
     return ids

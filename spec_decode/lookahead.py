@@ -10,6 +10,7 @@ N-1 levels exist, each column (level 0 .. top, new) is an N-gram for the pool, a
 
 The model forward is a callable (`TreeForward`): the embedded engine passes its own
 (engine/embedded/speculation/methods.py), the tests an oracle."""
+
 from __future__ import annotations
 
 import random
@@ -45,7 +46,7 @@ class NGramPool:
         grams = self._grams.setdefault(int(key), OrderedDict())
         gram = tuple(int(t) for t in continuation)
         grams.pop(gram, None)
-        grams[gram] = tuple(int(t) for t in before[-self.CONTEXT:])
+        grams[gram] = tuple(int(t) for t in before[-self.CONTEXT :])
         while len(grams) > self.max_per_key:
             grams.popitem(last=False)
 
@@ -54,7 +55,7 @@ class NGramPool:
         text), with the tokens before each."""
         size = self.ngram_size
         for start in range(first, len(tokens) - size + 1):
-            self.add(tokens[start], tokens[start + 1:start + size], tokens[max(0, start - self.CONTEXT):start])
+            self.add(tokens[start], tokens[start + 1 : start + size], tokens[max(0, start - self.CONTEXT) : start])
 
     def candidates(self, key: int, before: Sequence[int] = ()) -> list[tuple[int, ...]]:
         """Those whose remembered context matches the end of `before` longest first; then most recently
@@ -63,8 +64,9 @@ class NGramPool:
 
     def ranked(self, key: int, before: Sequence[int] = ()) -> list[tuple[tuple[int, ...], int]]:
         """(continuation, how many tokens of its context match the end of `before`), best first."""
-        grams = [(gram, _common_suffix(context, before))
-                 for gram, context in reversed(self._grams.get(int(key), {}).items())]
+        grams = [
+            (gram, _common_suffix(context, before)) for gram, context in reversed(self._grams.get(int(key), {}).items())
+        ]
         return sorted(grams, key=lambda item: -item[1])  # stable: recency breaks ties
 
     def extend(self, text: Sequence[int], path: list[int], room: int) -> list[int]:
@@ -73,10 +75,10 @@ class NGramPool:
         path = path[:room]
         text = list(text) + path
         while len(path) < room:
-            ranked = self.ranked(text[-1], text[-1 - self.CONTEXT:-1])
+            ranked = self.ranked(text[-1], text[-1 - self.CONTEXT : -1])
             if not ranked or ranked[0][1] < self.CONTEXT:
                 break
-            more = list(ranked[0][0][:room - len(path)])
+            more = list(ranked[0][0][: room - len(path)])
             path, text = path + more, text + more
         return path
 
@@ -133,22 +135,24 @@ class LookaheadDecoder:
         state.pool.add_from(history, max(0, state.num_pooled - self.config.max_ngram_size + 1))
         state.num_pooled = len(history)
 
-    def build_step(self, state: LookaheadState, root: int, max_draft: Optional[int] = None,
-                   before: Sequence[int] = ()) -> LookaheadStep:
+    def build_step(
+        self, state: LookaheadState, root: int, max_draft: Optional[int] = None, before: Sequence[int] = ()
+    ) -> LookaheadStep:
         """`before`: the committed tokens before the root (their end ranks the pool's candidates)."""
         tree = self.verification_tree(state.pool, root, max_draft, before)
         window = state.levels
         size = 1 + len(tree) + len(window) * len(window[0])
         mask = torch.zeros(size, size, dtype=torch.bool)
-        mask[:len(tree) + 1, :len(tree) + 1] = tree.attention_mask()
+        mask[: len(tree) + 1, : len(tree) + 1] = tree.attention_mask()
         window_start = len(tree) + 1
         offsets = tree.position_offsets() + _window_offsets(len(window), len(window[0]))
         _fill_window_mask(mask, window_start, len(window), len(window[0]))
         tokens = [root] + tree.tokens + [t for level in window for t in level]
         return LookaheadStep(tokens, offsets, mask, tree, window_start, len(window), len(window[0]))
 
-    def verification_tree(self, pool: NGramPool, root: int, max_draft: Optional[int] = None,
-                          before: Sequence[int] = ()) -> DraftTree:
+    def verification_tree(
+        self, pool: NGramPool, root: int, max_draft: Optional[int] = None, before: Sequence[int] = ()
+    ) -> DraftTree:
         """A trie of the G best pooled continuations for `root` (shared prefixes verified once), at most
         G * (N - 1) tokens. A candidate whose context matches the text before the root fully is extended along
         the pool while that budget lasts (a copied stretch is verified in one step), leaving less for the rest."""
@@ -158,7 +162,7 @@ class LookaheadDecoder:
         tokens: list[int] = []
         parents: list[int] = []
         index: dict[tuple[int, int], int] = {}
-        for gram, score in pool.ranked(root, before)[:c.max_verification_set_size]:
+        for gram, score in pool.ranked(root, before)[: c.max_verification_set_size]:
             path = list(gram)
             if before and score == pool.CONTEXT:
                 path = pool.extend(list(before) + [root], path, budget - len(tokens))
@@ -175,8 +179,9 @@ class LookaheadDecoder:
                 node = child
         return DraftTree(tokens, parents)
 
-    def advance_window(self, state: LookaheadState, step: LookaheadStep, argmax: Sequence[int],
-                       num_committed: int) -> None:
+    def advance_window(
+        self, state: LookaheadState, step: LookaheadStep, argmax: Sequence[int], num_committed: int
+    ) -> None:
         """New level from the top level's outputs; harvest n-grams once the window is full; shift the window
         left by the extra tokens committed so each column keeps guessing the same position."""
         new_level = [int(argmax[row]) for row in step.top_level_rows()]
@@ -190,7 +195,7 @@ class LookaheadDecoder:
         state.levels = [_shift(level, num_committed - 1) for level in levels]
 
     def finish_greedy_step(self, state: LookaheadState, step: LookaheadStep, argmax: Sequence[int]) -> Verdict:
-        verdict = greedy_accept(step.tree, argmax[:len(step.tree) + 1])
+        verdict = greedy_accept(step.tree, argmax[: len(step.tree) + 1])
         self.advance_window(state, step, argmax, len(verdict.tokens))
         return verdict
 
@@ -201,6 +206,7 @@ def _window_offsets(num_levels: int, width: int) -> list[int]:
 
 def _fill_window_mask(mask: torch.Tensor, start: int, num_levels: int, width: int) -> None:
     """Level l, column c sees the root, level 0's columns 0..c and column c of levels 1..l (and itself)."""
+
     def row(level: int, column: int) -> int:
         return start + level * width + column
 
@@ -222,9 +228,14 @@ def _shift(level: list[int], by: int) -> list[int]:
     return kept + [kept[-1]] * (len(level) - len(kept))
 
 
-def lookahead_generate(forward: TreeForward, prompt: Sequence[int], max_new_tokens: int,
-                       config: LookaheadConfig, seed: int = 0,
-                       pool_from_history: bool = True) -> tuple[list[int], int]:
+def lookahead_generate(
+    forward: TreeForward,
+    prompt: Sequence[int],
+    max_new_tokens: int,
+    config: LookaheadConfig,
+    seed: int = 0,
+    pool_from_history: bool = True,
+) -> tuple[list[int], int]:
     """Greedy generation with lookahead, one forward per step; returns (tokens, number of forwards).
     The reference loop the engine integration must match (tests compare it with plain greedy)."""
     decoder = LookaheadDecoder(config, seed, pool_from_history)
@@ -232,12 +243,12 @@ def lookahead_generate(forward: TreeForward, prompt: Sequence[int], max_new_toke
     context, root, forwards = list(prompt[:-1]), int(prompt[-1]), 0
     output: list[int] = []
     while len(output) < max_new_tokens:
-        step = decoder.build_step(state, root, before=context[-NGramPool.CONTEXT:])
+        step = decoder.build_step(state, root, before=context[-NGramPool.CONTEXT :])
         positions = [len(context) + offset for offset in step.position_offsets]
         argmax = forward(context, step.tokens, positions, step.mask).argmax(dim=-1).tolist()
         forwards += 1
         verdict = decoder.finish_greedy_step(state, step, argmax)
-        committed = verdict.tokens[:max_new_tokens - len(output)]
+        committed = verdict.tokens[: max_new_tokens - len(output)]
         output += committed
         context += [root] + committed[:-1]
         root = committed[-1]

@@ -20,6 +20,7 @@ the guesses are proposals, the target's output is the same either way).
 
 `speculative_model_dir: builtin:NAME` names heads shipped in this package (spec_decode/data/NAME-medusa; see
 BUILTIN_HEADS), e.g. `builtin:smollm2` for SmolLM2-135M-Instruct."""
+
 from __future__ import annotations
 
 import json
@@ -73,8 +74,9 @@ class MedusaHeads(nn.Module):
 
     draft_vocab: Optional[torch.Tensor]  # a buffer (register_buffer)
 
-    def __init__(self, hidden_size: int, vocab_size: int, num_heads: int, num_layers: int = 1,
-                 shared_lm_head: bool = False):
+    def __init__(
+        self, hidden_size: int, vocab_size: int, num_heads: int, num_layers: int = 1, shared_lm_head: bool = False
+    ):
         super().__init__()
         if shared_lm_head and num_layers < 1:
             raise ValueError("Medusa heads sharing the base LM head need at least one ResBlock layer")
@@ -85,20 +87,25 @@ class MedusaHeads(nn.Module):
         self.register_buffer("draft_vocab", None, persistent=False)
         self._lm_head: Optional[Callable[[torch.Tensor], torch.Tensor]] = None
         self.heads = nn.ModuleList(
-            nn.Sequential(*[ResBlock(hidden_size) for _ in range(num_layers)],
-                          *([] if shared_lm_head else [nn.Linear(hidden_size, vocab_size, bias=False)]))
-            for _ in range(num_heads))
+            nn.Sequential(
+                *[ResBlock(hidden_size) for _ in range(num_layers)],
+                *([] if shared_lm_head else [nn.Linear(hidden_size, vocab_size, bias=False)]),
+            )
+            for _ in range(num_heads)
+        )
 
-    def share_lm_head(self, lm_head: Union[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]],
-                      vocab_size: int = 0) -> None:
+    def share_lm_head(
+        self, lm_head: Union[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]], vocab_size: int = 0
+    ) -> None:
         """The base model's output head for shared heads: its weight [vocab, hidden], or a function mapping
         hidden states [M, hidden] to logits [M, vocab] (vocab_size then says the vocabulary size)."""
         if not self.shared_lm_head:
             raise ValueError("these Medusa heads have their own vocabulary projections")
         if isinstance(lm_head, torch.Tensor):
             if lm_head.dim() != 2 or lm_head.shape[1] != self.hidden_size:
-                raise ValueError(f"the LM head has shape {list(lm_head.shape)}; the Medusa heads need "
-                                 f"[vocab, {self.hidden_size}]")
+                raise ValueError(
+                    f"the LM head has shape {list(lm_head.shape)}; the Medusa heads need [vocab, {self.hidden_size}]"
+                )
             weight, vocab_size = lm_head, lm_head.shape[0]
             lm_head = lambda states: F.linear(states, weight)  # noqa: E731
         self._lm_head = lm_head
@@ -157,8 +164,14 @@ class MedusaHeads(nn.Module):
 
 # ---- checkpoint folder ----------------------------------------------------------------------------------------
 
-def save_medusa(heads: MedusaHeads, out_dir: Union[str, Path], base_model: str = "",
-                dtype: torch.dtype = torch.float32, draft_vocab: Optional[torch.Tensor] = None) -> Path:
+
+def save_medusa(
+    heads: MedusaHeads,
+    out_dir: Union[str, Path],
+    base_model: str = "",
+    dtype: torch.dtype = torch.float32,
+    draft_vocab: Optional[torch.Tensor] = None,
+) -> Path:
     """Full-vocabulary heads, with `draft_vocab` (token ids) saved beside them if given."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -166,9 +179,13 @@ def save_medusa(heads: MedusaHeads, out_dir: Union[str, Path], base_model: str =
     if draft_vocab is not None:
         state[DRAFT_VOCAB_KEY] = draft_vocab.to(torch.long).contiguous()
     save_file(state, str(out / SAFETENSORS_FILE), metadata={"format": "pt"})
-    config = {"medusa_num_heads": heads.num_heads, "medusa_num_layers": heads.num_layers,
-              "base_model_name_or_path": base_model, "hidden_size": heads.hidden_size,
-              "vocab_size": heads.vocab_size}
+    config = {
+        "medusa_num_heads": heads.num_heads,
+        "medusa_num_layers": heads.num_layers,
+        "base_model_name_or_path": base_model,
+        "hidden_size": heads.hidden_size,
+        "vocab_size": heads.vocab_size,
+    }
     if heads.shared_lm_head:
         config[SHARED_KEY] = True
     if draft_vocab is not None:
@@ -182,8 +199,9 @@ def resolve_heads_dir(model_dir: Union[str, Path]) -> Path:
     return resolve_folder(model_dir, BUILTIN_HEADS, "Medusa heads")
 
 
-def load_medusa(model_dir: Union[str, Path], dtype: torch.dtype = torch.float32,
-                device: Union[str, torch.device] = "cpu") -> MedusaHeads:
+def load_medusa(
+    model_dir: Union[str, Path], dtype: torch.dtype = torch.float32, device: Union[str, torch.device] = "cpu"
+) -> MedusaHeads:
     """Heads from a checkpoint folder (or `builtin:NAME`). Shared-LM-head heads still need `share_lm_head`."""
     folder = resolve_heads_dir(model_dir)
     config = read_config(folder, "a Medusa", (SAFETENSORS_FILE, PICKLE_FILE))
@@ -195,8 +213,13 @@ def load_medusa(model_dir: Union[str, Path], dtype: torch.dtype = torch.float32,
     state = _strip_prefix(state)
     num_heads, num_layers = _shape_from_keys(state, folder, shared)
     if config.get("medusa_num_heads") not in (None, num_heads):
-        log.warning("%s: config.json says %s heads but the weights hold %d; using %d", folder,
-                    config["medusa_num_heads"], num_heads, num_heads)
+        log.warning(
+            "%s: config.json says %s heads but the weights hold %d; using %d",
+            folder,
+            config["medusa_num_heads"],
+            num_heads,
+            num_heads,
+        )
     if shared:  # the vocabulary comes with the base model's head; config.json may record it
         hidden_size, vocab_size = state["0.0.linear.weight"].shape[1], int(config.get("vocab_size") or 0)
     else:
@@ -207,13 +230,15 @@ def load_medusa(model_dir: Union[str, Path], dtype: torch.dtype = torch.float32,
         if key not in state:
             raise CheckpointError(f"{folder}: Medusa weights lack {key}")
         if tuple(state[key].shape) != tuple(tensor.shape):
-            raise CheckpointError(f"{folder}: Medusa tensor {key} has shape {list(state[key].shape)}, "
-                                  f"expected {list(tensor.shape)}")
+            raise CheckpointError(
+                f"{folder}: Medusa tensor {key} has shape {list(state[key].shape)}, expected {list(tensor.shape)}"
+            )
     heads.load_state_dict({f"heads.{key}": state[key] for key in expected})
     if vocab is not None:
         if vocab_size and int(vocab.max()) >= vocab_size:
-            raise CheckpointError(f"{folder}: Medusa tensor {DRAFT_VOCAB_KEY} holds ids outside the vocabulary "
-                                  f"[0, {vocab_size})")
+            raise CheckpointError(
+                f"{folder}: Medusa tensor {DRAFT_VOCAB_KEY} holds ids outside the vocabulary [0, {vocab_size})"
+            )
         heads.restrict_vocab(vocab)
     return heads.to(device=device, dtype=dtype).eval()
 
@@ -221,7 +246,7 @@ def load_medusa(model_dir: Union[str, Path], dtype: torch.dtype = torch.float32,
 def _strip_prefix(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     prefix = "medusa_head."
     if any(key.startswith(prefix) for key in state):
-        return {key[len(prefix):]: value for key, value in state.items() if key.startswith(prefix)}
+        return {key[len(prefix) :]: value for key, value in state.items() if key.startswith(prefix)}
     return state
 
 
@@ -239,14 +264,20 @@ def _shape_from_keys(state: dict[str, torch.Tensor], folder: Path, shared: bool 
         (projection_index if match.group(3) == "weight" else block_index).add(int(match.group(2)))
     if shared:
         if projection_index:
-            raise CheckpointError(f"{folder}: config.json says {SHARED_KEY} but the weights hold vocabulary "
-                                  f"projections ('{{head}}.{min(projection_index)}.weight')")
+            raise CheckpointError(
+                f"{folder}: config.json says {SHARED_KEY} but the weights hold vocabulary "
+                f"projections ('{{head}}.{min(projection_index)}.weight')"
+            )
         if not block_index:
-            raise CheckpointError(f"{folder}: Medusa heads sharing the base LM head need ResBlock weights "
-                                  f"('{{head}}.{{layer}}.linear.weight|bias')")
+            raise CheckpointError(
+                f"{folder}: Medusa heads sharing the base LM head need ResBlock weights "
+                f"('{{head}}.{{layer}}.linear.weight|bias')"
+            )
     elif not heads or len(projection_index) != 1:
-        raise CheckpointError(f"{folder}: Medusa weights need one '{{head}}.{{layers}}.weight' per head (or "
-                              f"\"{SHARED_KEY}\": true in config.json for heads that use the base LM head)")
+        raise CheckpointError(
+            f"{folder}: Medusa weights need one '{{head}}.{{layers}}.weight' per head (or "
+            f'"{SHARED_KEY}": true in config.json for heads that use the base LM head)'
+        )
     num_heads = max(heads) + 1
     if sorted(heads) != list(range(num_heads)):
         raise CheckpointError(f"{folder}: Medusa heads are not numbered 0..{num_heads - 1}")
@@ -255,16 +286,23 @@ def _shape_from_keys(state: dict[str, torch.Tensor], folder: Path, shared: bool 
 
 # ---- proposer -------------------------------------------------------------------------------------------------
 
+
 class MedusaProposer(StatelessProposer):
     """Fills the `medusa_choices` tree (or a default one) from each head's top-k on the target's hidden state."""
 
-    def __init__(self, heads: MedusaHeads, choices: Optional[Choices] = None, max_draft_tokens: int = 0,
-                 min_path_probability: float = 0.0):
+    def __init__(
+        self,
+        heads: MedusaHeads,
+        choices: Optional[Choices] = None,
+        max_draft_tokens: int = 0,
+        min_path_probability: float = 0.0,
+    ):
         choices = choices or default_choices(heads.num_heads, num_nodes=4 * heads.num_heads)
         self.template = TreeTemplate.from_choices(choices)
         if self.template.depth > heads.num_heads:
-            raise CheckpointError(f"medusa_choices is {self.template.depth} deep but the checkpoint has "
-                                  f"{heads.num_heads} heads")
+            raise CheckpointError(
+                f"medusa_choices is {self.template.depth} deep but the checkpoint has {heads.num_heads} heads"
+            )
         self.heads = heads
         self.max_draft_tokens = max_draft_tokens or len(self.template.paths)
         self.min_path_probability = min_path_probability
@@ -279,6 +317,9 @@ class MedusaProposer(StatelessProposer):
         states = [item.hidden_state for item in batch if item.hidden_state is not None]  # all of them: checked
         hidden = torch.stack(states).to(weight.device, weight.dtype)
         candidates, probabilities = self.heads.top_k_with_probabilities(hidden, self.template.max_rank)  # one pass
-        return [self.template.fill(per_head, chances, self.min_path_probability).truncated(
-                    draft_budget(self.max_draft_tokens, item))
-                for per_head, chances, item in zip(candidates.tolist(), probabilities.tolist(), batch)]
+        return [
+            self.template.fill(per_head, chances, self.min_path_probability).truncated(
+                draft_budget(self.max_draft_tokens, item)
+            )
+            for per_head, chances, item in zip(candidates.tolist(), probabilities.tolist(), batch)
+        ]

@@ -4,6 +4,7 @@ Each step the engine hands a proposer one `ProposalInput` per running sequence (
 the last committed token, and for model-based methods the target's final-norm hidden state at the last computed
 position) and gets back one `DraftTree` per sequence (a chain is a tree whose parents are -1, 0, 1, ...; an empty
 tree means "no draft this step"). Verification (`acceptance.py`) is the same whatever proposed the tree."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass

@@ -5,6 +5,7 @@ holds a draft token, its parent (-1 = the root) and its depth (root 0); parents 
 a chain is simply parents [-1, 0, 1, ...]. In the verification forward the root and the nodes are fed in this
 order, node i at position `root_position + depth[i]`, each attending to the committed context, the root and its
 own ancestors."""
+
 from __future__ import annotations
 
 import heapq
@@ -109,8 +110,12 @@ class TreeTemplate:
         """How many candidates per depth the tree needs (top-k)."""
         return max(max(path) for path in self.paths) + 1
 
-    def fill(self, candidates: Sequence[Sequence[int]], probabilities: Optional[Sequence[Sequence[float]]] = None,
-             min_path_probability: float = 0.0) -> DraftTree:
+    def fill(
+        self,
+        candidates: Sequence[Sequence[int]],
+        probabilities: Optional[Sequence[Sequence[float]]] = None,
+        min_path_probability: float = 0.0,
+    ) -> DraftTree:
         """`candidates[d][r]`: the rank-r token for depth d+1 (e.g. Medusa head d's top-k). With `probabilities`
         (the same layout), nodes whose path probability (the product along the path) is below
         `min_path_probability` are left out; a child is never likelier than its parent, so the rest is a tree."""
@@ -137,7 +142,7 @@ def default_choices(depth: int, num_nodes: int, top_k: int = 4, decay: float = 0
     acceptance model (rank r at any depth accepted with probability decay**(r+1)), so the likeliest paths win.
     Our own default; TensorRT-LLM's is the 63-node mc_sim_7b_63, too wide for CPU verification."""
     frontier: list[tuple[float, tuple[int, ...]]] = [(-decay, (0,))]
-    frontier += [(-decay ** (r + 1), (r,)) for r in range(1, top_k)]
+    frontier += [(-(decay ** (r + 1)), (r,)) for r in range(1, top_k)]
     heapq.heapify(frontier)
     chosen: Choices = []
     while frontier and len(chosen) < num_nodes:

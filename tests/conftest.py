@@ -1,4 +1,5 @@
 """Shared fixtures: model folders built or fetched once per session."""
+
 import os
 
 # Triton kernels run on CPU tensors through Triton's interpreter, which must be chosen before triton is imported.
@@ -24,6 +25,7 @@ def graphs_on_this_device(monkeypatch):
     from tritonllm.engine.embedded import cuda_graphs, engine_core
 
     if os.environ.get("TRITONLLM_TEST_DEVICE", "cpu") != "cuda":
+
         def eager_capture(forward, pool):
             output = forward()
             return (lambda: output.copy_(forward())), output

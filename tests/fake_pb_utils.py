@@ -4,6 +4,7 @@ Tests install it as `sys.modules["triton_python_backend_utils"]` (see `install`)
 stub is strict (e.g. a Logger without `log_warning`, string tensors as object arrays of bytes), so code that
 passes here does not trip on the first real server run.
 """
+
 from __future__ import annotations
 
 import sys
@@ -102,8 +103,13 @@ class ResponseSender:
 class InferenceRequest:
     """A received request built from {input name: array-like}; strings become object arrays of bytes."""
 
-    def __init__(self, inputs: Mapping[str, Any], request_id: str = "", cancelled: bool = False,
-                 requested_outputs: Optional[list[str]] = None):
+    def __init__(
+        self,
+        inputs: Mapping[str, Any],
+        request_id: str = "",
+        cancelled: bool = False,
+        requested_outputs: Optional[list[str]] = None,
+    ):
         self._inputs = {name: Tensor(name, _as_triton_array(value)) for name, value in inputs.items()}
         self._request_id = request_id
         self._cancelled = cancelled
@@ -224,8 +230,10 @@ class ModelConfig:
 
     def set_max_batch_size(self, max_batch_size: int) -> None:
         if self._config["max_batch_size"] > max_batch_size:
-            raise ValueError(f"configuration specified max_batch_size {self._config['max_batch_size']}, but "
-                             f"auto-complete specified {max_batch_size}")
+            raise ValueError(
+                f"configuration specified max_batch_size {self._config['max_batch_size']}, but "
+                f"auto-complete specified {max_batch_size}"
+            )
         self._config["max_batch_size"] = max_batch_size
 
     def set_model_transaction_policy(self, policy: Mapping[str, Any]) -> None:

@@ -1,6 +1,7 @@
 """The package's layers, read from its source: imports flow one way (docs/architecture.md).
 
 Every import counts, those inside functions and under TYPE_CHECKING too: a lazy import is still a dependency."""
+
 from __future__ import annotations
 
 import ast
@@ -9,8 +10,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # pyproject.toml's package-dir: the design card's top-level folders install as one package
-PACKAGE_DIRS = {"tritonllm": ROOT / "backend", "tritonllm.lora": ROOT / "lora",
-                "tritonllm.spec_decode": ROOT / "spec_decode"}
+PACKAGE_DIRS = {
+    "tritonllm": ROOT / "backend",
+    "tritonllm.lora": ROOT / "lora",
+    "tritonllm.spec_decode": ROOT / "spec_decode",
+}
 COMMANDS = "tritonllm.commands"
 TRAINING = "tritonllm.spec_decode.training"  # allowed to drive the engine, one way
 ENTRY_POINTS = {"tritonllm.__main__"}
@@ -37,7 +41,7 @@ def _imported(module: str, path: Path, modules: dict[str, Path]) -> set[str]:
         elif isinstance(node, ast.ImportFrom):
             base = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
             if node.level:
-                base = base[:len(base) - node.level + 1]
+                base = base[: len(base) - node.level + 1]
                 source = ".".join(base + ([node.module] if node.module else []))
             else:
                 source = node.module
@@ -131,23 +135,36 @@ def test_the_tensorrt_llm_adapter_imports_nothing_of_the_embedded_engine():
 
 
 def test_no_library_module_imports_a_command():
-    offenders = [(module, target) for module, targets in import_graph().items()
-                 if area(module) != COMMANDS and module not in ENTRY_POINTS
-                 for target in targets if area(target) == COMMANDS]
+    offenders = [
+        (module, target)
+        for module, targets in import_graph().items()
+        if area(module) != COMMANDS and module not in ENTRY_POINTS
+        for target in targets
+        if area(target) == COMMANDS
+    ]
     assert offenders == []
 
 
 def test_the_engine_imports_nothing_of_the_triton_side_or_training():
     upward = ("tritonllm.triton", "tritonllm.bls", "tritonllm.models", "tritonllm.openai_api", TRAINING)
-    offenders = [(module, target) for module, targets in import_graph().items()
-                 if area(module) == "tritonllm.engine" for target in targets if area(target) in upward]
+    offenders = [
+        (module, target)
+        for module, targets in import_graph().items()
+        if area(module) == "tritonllm.engine"
+        for target in targets
+        if area(target) in upward
+    ]
     assert offenders == []
 
 
 def test_the_speculative_decoding_algorithms_import_nothing_of_the_engine():
-    offenders = [(module, target) for module, targets in import_graph().items()
-                 if area(module) == "tritonllm.spec_decode"
-                 for target in targets if area(target) == "tritonllm.engine"]
+    offenders = [
+        (module, target)
+        for module, targets in import_graph().items()
+        if area(module) == "tritonllm.spec_decode"
+        for target in targets
+        if area(target) == "tritonllm.engine"
+    ]
     assert offenders == []
 
 

@@ -6,6 +6,7 @@ requests that opt out of speculation and, with adapters, a LoRA adapter per requ
 reports the ones whose tokens differ (an aborted request's tokens must be a prefix of its solo answer). Sampled
 requests, and beams cut short, only have to finish: draws depend on the batch they ran in, and beams are reordered
 until the end."""
+
 from __future__ import annotations
 
 import random
@@ -32,8 +33,9 @@ class TrafficRequest:
 
     def params(self, alone: bool = False) -> SamplingParams:
         """The request's sampling parameters; `alone`: for its solo reference run (no speculation knob)."""
-        knobs = dict(max_tokens=0 if self.kind == "max_tokens 0" else self.max_tokens, end_id=END_ID,
-                     return_perf_metrics=True)
+        knobs = dict(
+            max_tokens=0 if self.kind == "max_tokens 0" else self.max_tokens, end_id=END_ID, return_perf_metrics=True
+        )
         if self.kind == "sampled":
             knobs.update(temperature=0.8, top_k=20, seed=len(self.prompt))
         elif self.kind == "beams":
@@ -48,7 +50,7 @@ class TrafficRequest:
         if self.kind == "empty prompt":
             return []
         if self.kind == "token outside the vocabulary":
-            return self.prompt + [10 ** 7]
+            return self.prompt + [10**7]
         if self.kind == "prompt past max_seq_len":
             return [5] * 100_000
         return self.prompt
@@ -62,15 +64,23 @@ def random_traffic(seed: int, count: int, vocab: int, beams: bool = True, adapte
     traffic = []
     for _ in range(count):
         if rng.random() < 0.4:
-            prompt = shared[:rng.randrange(4, 30)] + [rng.randrange(3, vocab) for _ in range(rng.randrange(0, 6))]
+            prompt = shared[: rng.randrange(4, 30)] + [rng.randrange(3, vocab) for _ in range(rng.randrange(0, 6))]
         else:
             unit = [rng.randrange(3, vocab) for _ in range(rng.randrange(1, 6))]
-            prompt = (unit * 25)[:rng.randrange(2, 50)]
+            prompt = (unit * 25)[: rng.randrange(2, 50)]
         kind = rng.choice(BAD_KINDS) if rng.random() < 0.08 else rng.choice(kinds)
-        traffic.append(TrafficRequest(
-            prompt=prompt, max_tokens=rng.randrange(1, 40), streaming=rng.random() < 0.4,
-            abort_after=rng.randrange(0, 6) if rng.random() < 0.15 else None, speculate=rng.random() > 0.15,
-            delay_s=rng.random() * 0.03, kind=kind, adapter=rng.randrange(adapters + 1)))
+        traffic.append(
+            TrafficRequest(
+                prompt=prompt,
+                max_tokens=rng.randrange(1, 40),
+                streaming=rng.random() < 0.4,
+                abort_after=rng.randrange(0, 6) if rng.random() < 0.15 else None,
+                speculate=rng.random() > 0.15,
+                delay_s=rng.random() * 0.03,
+                kind=kind,
+                adapter=rng.randrange(adapters + 1),
+            )
+        )
     return traffic
 
 
@@ -81,9 +91,12 @@ def send(engine, traffic: list[TrafficRequest], lora_for: Callable = lambda adap
     for index, request in enumerate(traffic):
         time.sleep(request.delay_s)
         try:
-            handle = engine.generate_async(request.token_ids(), request.params(),
-                                           streaming=request.streaming or request.abort_after is not None,
-                                           lora_request=lora_for(request.adapter))
+            handle = engine.generate_async(
+                request.token_ids(),
+                request.params(),
+                streaming=request.streaming or request.abort_after is not None,
+                lora_request=lora_for(request.adapter),
+            )
         except InvalidRequestError as error:
             assert request.kind in BAD_KINDS, f"request {index} ({request.kind}) refused: {error}"
             continue
@@ -102,8 +115,9 @@ def _collect(request: TrafficRequest, handle) -> tuple[bool, object]:
     return True, handle.result(timeout=120)
 
 
-def mismatches(reference, traffic: list[TrafficRequest], results: dict,
-               lora_for: Callable = lambda adapter: None) -> list[str]:
+def mismatches(
+    reference, traffic: list[TrafficRequest], results: dict, lora_for: Callable = lambda adapter: None
+) -> list[str]:
     """Every greedy request of `results` against its own run alone on `reference` (a plain engine)."""
     found = []
     for index, (aborted, output) in sorted(results.items()):
@@ -114,10 +128,11 @@ def mismatches(reference, traffic: list[TrafficRequest], results: dict,
         alone = reference.generate(request.prompt, request.params(alone=True), lora_for(request.adapter))
         got, want = [o.token_ids for o in output.outputs], [o.token_ids for o in alone.outputs]
         if aborted:
-            got, want = got[0], want[0][:len(got[0])]
+            got, want = got[0], want[0][: len(got[0])]
         if got != want:
-            found.append(f"request {index} ({request.kind}, {'aborted' if aborted else 'finished'}): "
-                         f"{got} instead of {want}")
+            found.append(
+                f"request {index} ({request.kind}, {'aborted' if aborted else 'finished'}): {got} instead of {want}"
+            )
     return found
 
 

@@ -1,4 +1,5 @@
 """The `tensorrt_llm_bls` model's parameters (config.pbtxt), read once at load."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -29,8 +30,9 @@ class BlsConfig:
             llm_model_name=params.str("tensorrt_llm_model_name", "tensorrt_llm"),
             draft_model_name=params.str("tensorrt_llm_draft_model_name"),
             grpc_url=params.str("triton_grpc_url"),
-            cancellation_check_period_ms=params.int("cancellation_check_period_ms", DEFAULT_CANCELLATION_CHECK_MS,
-                                                    minimum=1),
+            cancellation_check_period_ms=params.int(
+                "cancellation_check_period_ms", DEFAULT_CANCELLATION_CHECK_MS, minimum=1
+            ),
         )
 
     def resolved_grpc_url(self) -> str:

@@ -4,6 +4,7 @@ A model cannot ask Triton for its ports, but the Python backend starts each stub
 the server's command line (/proc/<parent>/cmdline) says which port and address it serves gRPC on. A BLS that
 calls models over gRPC thus finds its own server whatever ports it was started with; the `triton_grpc_url`
 parameter overrides this (a proxy, TLS termination, an unusual launcher)."""
+
 from __future__ import annotations
 
 import os
@@ -30,9 +31,11 @@ def server_grpc_url(parent_pid: Optional[int] = None) -> str:
 def grpc_url_from_arguments(arguments: Sequence[str]) -> str:
     """The gRPC endpoint a tritonserver command line serves; GrpcEndpointError when it serves none."""
     if (_option(arguments, "allow-grpc") or "true").lower() in ("false", "0", "no", "off"):
-        raise GrpcEndpointError("tritonserver runs with --allow-grpc=false, but a decoupled tensorrt_llm_bls calls "
-                                "tensorrt_llm over the server's gRPC endpoint: allow gRPC, or set the "
-                                "triton_grpc_url parameter to a server that serves it")
+        raise GrpcEndpointError(
+            "tritonserver runs with --allow-grpc=false, but a decoupled tensorrt_llm_bls calls "
+            "tensorrt_llm over the server's gRPC endpoint: allow gRPC, or set the "
+            "triton_grpc_url parameter to a server that serves it"
+        )
     port = _option(arguments, "grpc-port") or str(DEFAULT_GRPC_PORT)
     address = _option(arguments, "grpc-address") or "0.0.0.0"
     host = "localhost" if address in ("0.0.0.0", "::", "[::]", "") else address

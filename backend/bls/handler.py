@@ -1,5 +1,6 @@
 """Runs one BLS request on its own thread: preprocessing, the tensorrt_llm call, postprocessing per response,
 stop words, and the responses to the client (the last one with the FINAL flag)."""
+
 from __future__ import annotations
 
 import logging
@@ -19,10 +20,24 @@ from .speculative import SpeculativeCall
 log = logging.getLogger("tritonllm.tensorrt_llm_bls")
 
 # tensorrt_llm outputs a BLS response carries on as they are.
-PASSED_ON = ("cum_log_probs", "output_log_probs", "context_logits", "generation_logits", "batch_index",
-             "sequence_index", "kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks",
-             "arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns",
-             "acceptance_rate", "total_accepted_draft_tokens", "total_draft_tokens")
+PASSED_ON = (
+    "cum_log_probs",
+    "output_log_probs",
+    "context_logits",
+    "generation_logits",
+    "batch_index",
+    "sequence_index",
+    "kv_cache_alloc_new_blocks",
+    "kv_cache_reused_blocks",
+    "kv_cache_alloc_total_blocks",
+    "arrival_time_ns",
+    "first_scheduled_time_ns",
+    "first_token_time_ns",
+    "last_token_time_ns",
+    "acceptance_rate",
+    "total_accepted_draft_tokens",
+    "total_draft_tokens",
+)
 
 
 class BlsHandler:
@@ -80,8 +95,15 @@ class BlsHandler:
     def _start(self, bls: BlsRequest, inputs: dict) -> LlmCall:
         if bls.speculation is None:
             return self.transport.start(inputs, self.request_id)
-        return SpeculativeCall(self.transport, self.draft_transport, inputs, bls.speculation, bls.streaming,
-                               echo_prompt=not bls.exclude_input[0], request_id=self.request_id)
+        return SpeculativeCall(
+            self.transport,
+            self.draft_transport,
+            inputs,
+            bls.speculation,
+            bls.streaming,
+            echo_prompt=not bls.exclude_input[0],
+            request_id=self.request_id,
+        )
 
     def _tensors(self, bls: BlsRequest, response: LlmResponse) -> Optional[list]:
         """The BLS response for a tensorrt_llm response: its rows' text (rows of finished sequences left out) and
@@ -99,10 +121,11 @@ class BlsHandler:
             final = _row_flag(outputs, "detok_is_final", row, default=response.final)
             rows.append(row)
             if beams > 1:  # one text per beam, row after row, as the anchor flattens them
-                row_texts += sequence.add_beams(texts[row * beams:(row + 1) * beams], final)
+                row_texts += sequence.add_beams(texts[row * beams : (row + 1) * beams], final)
             else:
-                row_texts.append(sequence.add_delta(texts[row], final) if bls.streaming
-                                 else sequence.add_whole(texts[row], final))
+                row_texts.append(
+                    sequence.add_delta(texts[row], final) if bls.streaming else sequence.add_whole(texts[row], final)
+                )
         if not rows:
             return None
         tensors = [string_tensor("text_output", row_texts)]
@@ -113,8 +136,9 @@ class BlsHandler:
         if key not in self.sequences:
             row = key[0]
             echoed = not bls.streaming and not bls.exclude_input[row]
-            self.sequences[key] = SequenceText(bls.stop_words[row], self.accumulate,
-                                               generation_start=len(bls.prompts[row]) if echoed else 0)
+            self.sequences[key] = SequenceText(
+                bls.stop_words[row], self.accumulate, generation_start=len(bls.prompts[row]) if echoed else 0
+            )
         return self.sequences[key]
 
     def _close(self, response) -> None:
@@ -148,8 +172,10 @@ def _row_keys(outputs: dict[str, np.ndarray]) -> list[tuple[int, int]]:
     """(batch row, sequence index) of each row of a tensorrt_llm response. A response of one batch row carries
     batch_index when the request had several rows; the rows of a merged (non-decoupled) response are in order."""
     rows = outputs["output_ids"].shape[0]
-    return [(_row_int(outputs, "batch_index", row, default=row), _row_int(outputs, "sequence_index", row, 0))
-            for row in range(rows)]
+    return [
+        (_row_int(outputs, "batch_index", row, default=row), _row_int(outputs, "sequence_index", row, 0))
+        for row in range(rows)
+    ]
 
 
 def _row_int(outputs, name: str, row: int, default: int) -> int:

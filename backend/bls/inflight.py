@@ -1,6 +1,7 @@
 """The BLS requests of one model instance: each runs on its own thread (so one instance serves many streams at
 once, where TensorRT-LLM's BLS serves one per instance), and one watcher thread asks Triton every
 `cancellation_check_period_ms` whether their clients went away."""
+
 from __future__ import annotations
 
 import logging
@@ -15,8 +16,7 @@ log = logging.getLogger("tritonllm.tensorrt_llm_bls")
 
 
 class BlsInflightRequests:
-    def __init__(self, transport, decoupled: bool, accumulate: bool, cancellation_check_ms: int,
-                 draft_transport=None):
+    def __init__(self, transport, decoupled: bool, accumulate: bool, cancellation_check_ms: int, draft_transport=None):
         self.transport = transport
         self.draft_transport = draft_transport  # the draft model of the draft/target loop, if configured
         self.decoupled = decoupled
@@ -35,8 +35,11 @@ class BlsInflightRequests:
         try:
             bls = read_request(request, self.decoupled)
             if bls.speculation is not None and self.draft_transport is None:
-                raise InputError("num_draft_tokens", "> 0 needs a draft model: set the tensorrt_llm_draft_model_name "
-                                 "parameter of tensorrt_llm_bls (tritonllm repo build --draft-model DIR)")
+                raise InputError(
+                    "num_draft_tokens",
+                    "> 0 needs a draft model: set the tensorrt_llm_draft_model_name "
+                    "parameter of tensorrt_llm_bls (tritonllm repo build --draft-model DIR)",
+                )
         except ValueError as error:  # InputError among them
             send_final(sender, error_response(error))
             return

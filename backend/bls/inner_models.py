@@ -1,4 +1,5 @@
 """BLS calls to the non-decoupled helper models (preprocessing, postprocessing) and their errors."""
+
 from __future__ import annotations
 
 from typing import Iterable, Mapping, Optional
@@ -16,13 +17,18 @@ class InnerModelError(RuntimeError):
         self.is_input_error = is_input_error
 
 
-def exec_model(model: str, inputs: Mapping[str, np.ndarray], outputs: Iterable[str] = (),
-               request_id: str = "") -> dict[str, np.ndarray]:
+def exec_model(
+    model: str, inputs: Mapping[str, np.ndarray], outputs: Iterable[str] = (), request_id: str = ""
+) -> dict[str, np.ndarray]:
     """One BLS `exec` of a non-decoupled model: its outputs by name (copies: a view into the response's shared
     memory must not outlive the response)."""
     pb = pb_utils()
-    request = pb.InferenceRequest(model_name=model, inputs=[output_tensor(n, a) for n, a in inputs.items()],
-                                  requested_output_names=list(outputs), request_id=request_id)
+    request = pb.InferenceRequest(
+        model_name=model,
+        inputs=[output_tensor(n, a) for n, a in inputs.items()],
+        requested_output_names=list(outputs),
+        request_id=request_id,
+    )
     response = request.exec()
     if response.has_error():
         raise inner_error(model, response.error())
@@ -35,8 +41,16 @@ def inner_error(model: str, error) -> InnerModelError:
     return InnerModelError(model, error.message(), code is not None and code == invalid)
 
 
-PREPROCESSING_OUTPUTS = ("INPUT_ID", "REQUEST_INPUT_LEN", "REQUEST_OUTPUT_LEN", "OUT_END_ID", "OUT_PAD_ID",
-                         "STOP_WORDS_IDS", "BAD_WORDS_IDS", "EMBEDDING_BIAS")
+PREPROCESSING_OUTPUTS = (
+    "INPUT_ID",
+    "REQUEST_INPUT_LEN",
+    "REQUEST_OUTPUT_LEN",
+    "OUT_END_ID",
+    "OUT_PAD_ID",
+    "STOP_WORDS_IDS",
+    "BAD_WORDS_IDS",
+    "EMBEDDING_BIAS",
+)
 
 
 def preprocess(inputs: Mapping[str, np.ndarray], request_id: str = "") -> dict[str, np.ndarray]:

@@ -8,6 +8,7 @@ Two transports, chosen by the repository's transaction policy:
   * non-decoupled: BLS `exec` (`ExecTransport`), one response; cancelling sends tensorrt_llm a `stop` request
     with the same request id, as TensorRT-LLM's own clients do.
 """
+
 from __future__ import annotations
 
 import threading
@@ -41,6 +42,7 @@ class LlmCall(Protocol):
 
 # ---------------------------------------------------------------------------------------------- gRPC
 
+
 class GrpcTransport:
     """One channel to the server's gRPC endpoint, shared by every call of a model instance."""
 
@@ -49,8 +51,13 @@ class GrpcTransport:
         from tritonclient.grpc import service_pb2_grpc
 
         self.url, self.model = url, model
-        self.channel = grpc.insecure_channel(url, options=[("grpc.max_send_message_length", MAX_GRPC_MESSAGE_BYTES),
-                                                           ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_BYTES)])
+        self.channel = grpc.insecure_channel(
+            url,
+            options=[
+                ("grpc.max_send_message_length", MAX_GRPC_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", MAX_GRPC_MESSAGE_BYTES),
+            ],
+        )
         self.stub = service_pb2_grpc.GRPCInferenceServiceStub(self.channel)
 
     def start(self, inputs: Mapping[str, np.ndarray], request_id: str) -> "GrpcCall":
@@ -75,8 +82,9 @@ class GrpcCall:
                 if message.error_message:
                     if self.cancelled:
                         raise LlmCancelled()
-                    raise InnerModelError(self.transport.model, message.error_message,
-                                          is_input_error="input '" in message.error_message)
+                    raise InnerModelError(
+                        self.transport.model, message.error_message, is_input_error="input '" in message.error_message
+                    )
                 response = LlmResponse(decode_outputs(message.infer_response), is_final(message.infer_response))
                 if response.final:
                     self._finish()
@@ -86,8 +94,11 @@ class GrpcCall:
         except grpc.RpcError as error:
             if self.cancelled or error.code() == grpc.StatusCode.CANCELLED:
                 raise LlmCancelled() from None
-            raise InnerModelError(self.transport.model, f"gRPC call to {self.transport.url} failed: "
-                                  f"{error.code().name}: {error.details()}", is_input_error=False) from None
+            raise InnerModelError(
+                self.transport.model,
+                f"gRPC call to {self.transport.url} failed: {error.code().name}: {error.details()}",
+                is_input_error=False,
+            ) from None
         finally:
             if not self.completed:
                 self.stream.cancel()  # ends the stream on our side too
@@ -138,6 +149,7 @@ def is_final(response) -> bool:
 
 # ---------------------------------------------------------------------------------------------- BLS exec
 
+
 class ExecTransport:
     """BLS exec to a non-decoupled tensorrt_llm: one response per request."""
 
@@ -172,8 +184,12 @@ class ExecCall:
             if self.cancelled:
                 return
             self.cancelled = True
-        stop = {"input_ids": np.zeros((1, 1), np.int32), "input_lengths": np.zeros((1, 1), np.int32),
-                "request_output_len": np.zeros((1, 1), np.int32), "stop": np.ones((1, 1), bool)}
+        stop = {
+            "input_ids": np.zeros((1, 1), np.int32),
+            "input_lengths": np.zeros((1, 1), np.int32),
+            "request_output_len": np.zeros((1, 1), np.int32),
+            "stop": np.ones((1, 1), bool),
+        }
         try:
             exec_model(self.model, stop, request_id=self.request_id)
         except InnerModelError:

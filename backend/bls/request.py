@@ -2,6 +2,7 @@
 calls get (contract section 1.5; BLS inputs are renamed on the way as the ensemble renames them).
 
 Inputs of features that are not built yet are refused with an error naming them, never silently dropped."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -15,35 +16,62 @@ from .speculative import SpeculationSettings
 
 # BLS input -> preprocessing input.
 TO_PREPROCESSING = {
-    "text_input": "QUERY", "max_tokens": "REQUEST_OUTPUT_LEN", "bad_words": "BAD_WORDS_DICT",
-    "stop_words": "STOP_WORDS_DICT", "embedding_bias_words": "EMBEDDING_BIAS_WORDS",
-    "embedding_bias_weights": "EMBEDDING_BIAS_WEIGHTS", "end_id": "END_ID", "pad_id": "PAD_ID",
+    "text_input": "QUERY",
+    "max_tokens": "REQUEST_OUTPUT_LEN",
+    "bad_words": "BAD_WORDS_DICT",
+    "stop_words": "STOP_WORDS_DICT",
+    "embedding_bias_words": "EMBEDDING_BIAS_WORDS",
+    "embedding_bias_weights": "EMBEDDING_BIAS_WEIGHTS",
+    "end_id": "END_ID",
+    "pad_id": "PAD_ID",
 }
 # preprocessing output -> tensorrt_llm input.
 PREPROCESSED_TO_LLM = {
-    "INPUT_ID": "input_ids", "REQUEST_INPUT_LEN": "input_lengths", "REQUEST_OUTPUT_LEN": "request_output_len",
-    "OUT_END_ID": "end_id", "OUT_PAD_ID": "pad_id", "STOP_WORDS_IDS": "stop_words_list",
-    "BAD_WORDS_IDS": "bad_words_list", "EMBEDDING_BIAS": "embedding_bias",
+    "INPUT_ID": "input_ids",
+    "REQUEST_INPUT_LEN": "input_lengths",
+    "REQUEST_OUTPUT_LEN": "request_output_len",
+    "OUT_END_ID": "end_id",
+    "OUT_PAD_ID": "pad_id",
+    "STOP_WORDS_IDS": "stop_words_list",
+    "BAD_WORDS_IDS": "bad_words_list",
+    "EMBEDDING_BIAS": "embedding_bias",
 }
 # BLS input -> tensorrt_llm input: one value per batch row.
 TO_LLM = {
-    "top_k": "runtime_top_k", "top_p": "runtime_top_p", "length_penalty": "len_penalty", "stream": "streaming",
-    "temperature": "temperature", "repetition_penalty": "repetition_penalty", "min_tokens": "min_tokens",
-    "presence_penalty": "presence_penalty", "frequency_penalty": "frequency_penalty", "seed": "seed",
-    "return_log_probs": "return_log_probs", "return_perf_metrics": "return_perf_metrics",
-    "exclude_input_in_output": "exclude_input_in_output", "num_return_sequences": "num_return_sequences",
-    "return_context_logits": "return_context_logits", "return_generation_logits": "return_generation_logits",
-    "lora_task_id": "lora_task_id", "lora_name": "lora_name", "priority": "priority", "beam_width": "beam_width",
+    "top_k": "runtime_top_k",
+    "top_p": "runtime_top_p",
+    "length_penalty": "len_penalty",
+    "stream": "streaming",
+    "temperature": "temperature",
+    "repetition_penalty": "repetition_penalty",
+    "min_tokens": "min_tokens",
+    "presence_penalty": "presence_penalty",
+    "frequency_penalty": "frequency_penalty",
+    "seed": "seed",
+    "return_log_probs": "return_log_probs",
+    "return_perf_metrics": "return_perf_metrics",
+    "exclude_input_in_output": "exclude_input_in_output",
+    "num_return_sequences": "num_return_sequences",
+    "return_context_logits": "return_context_logits",
+    "return_generation_logits": "return_generation_logits",
+    "lora_task_id": "lora_task_id",
+    "lora_name": "lora_name",
+    "priority": "priority",
+    "beam_width": "beam_width",
 }
 # BLS input -> tensorrt_llm input, forwarded as sent ([batch, ...] ragged tensors).
 TO_LLM_AS_IS = ("lora_weights", "lora_config")
 # Inputs whose mere presence asks for a feature that is not built yet.
 UNSUPPORTED_INPUTS = {
-    "decoder_text_input": "encoder-decoder models", "image_input": "multimodal models",
-    "image_bytes_input": "multimodal models", "image_url_input": "multimodal models",
-    "video_bytes_input": "multimodal models", "prompt_embedding_table": "prompt tables",
+    "decoder_text_input": "encoder-decoder models",
+    "image_input": "multimodal models",
+    "image_bytes_input": "multimodal models",
+    "image_url_input": "multimodal models",
+    "video_bytes_input": "multimodal models",
+    "prompt_embedding_table": "prompt tables",
     "prompt_table_extra_id": "prompt tables",
-    "guided_decoding_guide_type": "guided decoding", "guided_decoding_guide": "guided decoding",
+    "guided_decoding_guide_type": "guided decoding",
+    "guided_decoding_guide": "guided decoding",
 }
 # Inputs that ask for a feature not built yet only with some values: (rule that is refused, feature).
 UNSUPPORTED_VALUES: dict = {}
@@ -75,8 +103,9 @@ class BlsRequest:
     def llm_inputs(self, preprocessed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The tensorrt_llm request: token ids and word lists from preprocessing, the knobs from this request.
         Every per-row knob goes as [batch, 1] (tensorrt_llm declares them dims [1] with a reshape)."""
-        tensors = {PREPROCESSED_TO_LLM[name]: array for name, array in preprocessed.items()
-                   if name in PREPROCESSED_TO_LLM}
+        tensors = {
+            PREPROCESSED_TO_LLM[name]: array for name, array in preprocessed.items() if name in PREPROCESSED_TO_LLM
+        }
         for name, target in TO_LLM.items():
             if name in self.inputs:
                 tensors[target] = self.inputs[name].reshape(self.batch_size, 1)
@@ -133,11 +162,15 @@ def _carries_something(array: np.ndarray) -> bool:
 def check_one_response(request: BlsRequest) -> None:
     """A non-decoupled model answers each request with exactly one response (contract Q12)."""
     if request.streaming:
-        raise InputError("input 'stream' = true needs a decoupled tensorrt_llm_bls (this repository is not "
-                         "decoupled, so each request gets exactly one response): send stream=false")
+        raise InputError(
+            "input 'stream' = true needs a decoupled tensorrt_llm_bls (this repository is not "
+            "decoupled, so each request gets exactly one response): send stream=false"
+        )
     if any(count > 1 for count in request.sequences_per_row):
-        raise InputError("input 'num_return_sequences' > 1 needs a decoupled tensorrt_llm_bls (one response per "
-                         "sequence); this repository is not decoupled")
+        raise InputError(
+            "input 'num_return_sequences' > 1 needs a decoupled tensorrt_llm_bls (one response per "
+            "sequence); this repository is not decoupled"
+        )
 
 
 def _stop_words(request: Any, batch: int) -> list[list[str]]:

@@ -3,6 +3,7 @@
 Streaming: each tensorrt_llm response brings the text of its new tokens (postprocessing's delta); the BLS sends
 that delta, or with `accumulate_tokens` everything so far. Whole (non-streaming): one response with the full
 text. Either way the text ends right after the first stop word, and nothing of the sequence is sent after it."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

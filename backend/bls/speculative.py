@@ -9,6 +9,7 @@ re-sent context cheap.
 Both calls run with end_id -1 (never stop on it) and the loop stops on the real end id itself: a target that
 stopped on it would answer without it, and the loop could not tell that from a short accepted draft. The loop also
 stops at max_tokens, when a round adds nothing, or when the handler closes it (a text stop word)."""
+
 from __future__ import annotations
 
 import threading
@@ -21,9 +22,21 @@ from ..tokenizer import DETOKENIZE_PREFIX_TOKENS
 from .llm_calls import LlmCall, LlmCancelled, LlmResponse
 
 # Inputs of the target request that do not apply to the draft call (or are set per call here).
-PER_CALL = ("input_ids", "input_lengths", "request_output_len", "streaming", "exclude_input_in_output", "end_id",
-            "min_tokens", "draft_input_ids", "draft_logits", "return_generation_logits", "return_context_logits",
-            "return_log_probs", "num_return_sequences")
+PER_CALL = (
+    "input_ids",
+    "input_lengths",
+    "request_output_len",
+    "streaming",
+    "exclude_input_in_output",
+    "end_id",
+    "min_tokens",
+    "draft_input_ids",
+    "draft_logits",
+    "return_generation_logits",
+    "return_context_logits",
+    "return_log_probs",
+    "num_return_sequences",
+)
 
 
 @dataclass
@@ -36,11 +49,19 @@ class SpeculativeCall:
     """Has a tensorrt_llm call's interface (`responses()`, `cancel()`) for the handler; runs rounds of a draft
     call then a target call, each a plain non-streaming tensorrt_llm request."""
 
-    def __init__(self, target, draft, inputs: Mapping[str, np.ndarray], settings: SpeculationSettings,
-                 streaming: bool, echo_prompt: bool, request_id: str):
+    def __init__(
+        self,
+        target,
+        draft,
+        inputs: Mapping[str, np.ndarray],
+        settings: SpeculationSettings,
+        streaming: bool,
+        echo_prompt: bool,
+        request_id: str,
+    ):
         self.target, self.draft = target, draft
         self.base = {name: array for name, array in inputs.items() if name not in PER_CALL}
-        self.prompt = [int(t) for t in inputs["input_ids"][0][:int(inputs["input_lengths"].reshape(-1)[0])]]
+        self.prompt = [int(t) for t in inputs["input_ids"][0][: int(inputs["input_lengths"].reshape(-1)[0])]]
         self.max_tokens = int(inputs["request_output_len"].reshape(-1)[0])
         self.end_id = int(inputs["end_id"].reshape(-1)[0]) if "end_id" in inputs else -1
         self.settings, self.streaming, self.echo_prompt = settings, streaming, echo_prompt
@@ -74,18 +95,19 @@ class SpeculativeCall:
         self.drafted += len(draft_tokens)
         self.accepted += _common_prefix(draft_tokens, new)
         if self.end_id >= 0 and self.end_id in new:
-            return new[:new.index(self.end_id)], True
+            return new[: new.index(self.end_id)], True
         new = new[:budget]
         return new, not new or len(generated) + len(new) >= self.max_tokens
 
     def _propose(self, context: list[int], count: int) -> tuple[list[int], Optional[np.ndarray]]:
-        inputs = self._call_inputs(context, count, min_tokens=count,
-                                   return_generation_logits=self.settings.use_draft_logits)
+        inputs = self._call_inputs(
+            context, count, min_tokens=count, return_generation_logits=self.settings.use_draft_logits
+        )
         outputs = self._run(self.draft, inputs)
         tokens = _tokens(outputs)
         logits = None
         if self.settings.use_draft_logits and "generation_logits" in outputs:
-            logits = outputs["generation_logits"][0, 0, :len(tokens)].astype(np.float32)
+            logits = outputs["generation_logits"][0, 0, : len(tokens)].astype(np.float32)
         return tokens, logits
 
     def _verify(self, context: list[int], draft: list[int], draft_logits: Optional[np.ndarray]) -> list[int]:
@@ -98,16 +120,20 @@ class SpeculativeCall:
 
     def _call_inputs(self, context: list[int], max_tokens: int, **extra) -> dict[str, np.ndarray]:
         inputs = dict(self.base)
-        inputs.update({
-            "input_ids": np.array([context], dtype=np.int32),
-            "input_lengths": np.array([[len(context)]], dtype=np.int32),
-            "request_output_len": np.array([[max_tokens]], dtype=np.int32),
-            "end_id": np.array([[-1]], dtype=np.int32), "streaming": np.array([[False]]),
-            "exclude_input_in_output": np.array([[True]]),
-        })
+        inputs.update(
+            {
+                "input_ids": np.array([context], dtype=np.int32),
+                "input_lengths": np.array([[len(context)]], dtype=np.int32),
+                "request_output_len": np.array([[max_tokens]], dtype=np.int32),
+                "end_id": np.array([[-1]], dtype=np.int32),
+                "streaming": np.array([[False]]),
+                "exclude_input_in_output": np.array([[True]]),
+            }
+        )
         for name, value in extra.items():
-            inputs[name] = np.array([[value]], dtype=np.int32 if isinstance(value, int) and
-                                    not isinstance(value, bool) else bool)
+            inputs[name] = np.array(
+                [[value]], dtype=np.int32 if isinstance(value, int) and not isinstance(value, bool) else bool
+            )
         return inputs
 
     def _run(self, transport, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

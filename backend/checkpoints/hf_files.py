@@ -3,6 +3,7 @@
 transformers 5.x writes some files that 4.57 misreads (two silently), so configs pass through these fixes:
 `rope_theta` also at the top level, `torch_dtype` next to `dtype`, a tokenizer class and input names 4.57 knows,
 and no `extra_special_tokens` list."""
+
 from __future__ import annotations
 
 import json

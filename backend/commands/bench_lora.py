@@ -5,6 +5,7 @@ them; throughput of each run and the ratio. Greedy, end token ignored: every req
 The base model runs before and after the adapters; its time is the mean of the two.
 The adapters go in as TensorRT-LLM tensors (lora_weights / lora_config) in a warm-up request each, then the timed
 requests name them by id only, as clients of the PEFT cache do."""
+
 from __future__ import annotations
 
 import time
@@ -27,16 +28,18 @@ def random_adapter(shapes: ModuleShapes, rank: int, seed: int) -> LoraAdapter:
     for layer in range(shapes.num_layers):
         for module in MODULES:
             in_features, out_features = shapes.shapes[module.hf_name]
-            a = torch.randn(rank, in_features, generator=generator) / in_features ** 0.5
-            b = torch.randn(out_features, rank, generator=generator) * 0.02 / rank ** 0.5
+            a = torch.randn(rank, in_features, generator=generator) / in_features**0.5
+            b = torch.randn(out_features, rank, generator=generator) * 0.02 / rank**0.5
             adapter.add(layer, module.hf_name, a, b)
     return adapter
 
 
 def timed_run(engine, requests, loras) -> float:
     start = time.perf_counter()
-    handles = [engine.generate_async(r.prompt_ids, SamplingParams(max_tokens=r.output_len, ignore_eos=True),
-                                     lora_request=lora) for r, lora in zip(requests, loras)]
+    handles = [
+        engine.generate_async(r.prompt_ids, SamplingParams(max_tokens=r.output_len, ignore_eos=True), lora_request=lora)
+        for r, lora in zip(requests, loras)
+    ]
     for handle, request in zip(handles, requests):
         produced = len(handle.result().outputs[0].token_ids)
         if produced != request.output_len:
@@ -48,9 +51,11 @@ def register_adapters(engine, shapes: ModuleShapes, count: int, rank: int) -> li
     """Send each adapter's tensors once (a one-token request); returns id-only requests for the timed run."""
     for task_id in range(1, count + 1):
         weights, config = adapter_to_tensors(random_adapter(shapes, rank, task_id))
-        engine.generate_async([1, 2, 3], SamplingParams(max_tokens=1, ignore_eos=True),
-                              lora_request=LoRARequest(lora_int_id=task_id, lora_weights=weights,
-                                                       lora_config=config)).result()
+        engine.generate_async(
+            [1, 2, 3],
+            SamplingParams(max_tokens=1, ignore_eos=True),
+            lora_request=LoRARequest(lora_int_id=task_id, lora_weights=weights, lora_config=config),
+        ).result()
     return [LoRARequest(lora_int_id=task_id) for task_id in range(1, count + 1)]
 
 
@@ -60,11 +65,19 @@ def main(args) -> int:
     from tritonllm.engine.embedded.engine import EmbeddedEngine
 
     lora_config = {"max_loras": args.adapters, "max_cpu_loras": args.adapters, "max_lora_rank": args.rank}
-    config = build_engine_config(args.model, args.config, dtype=args.dtype, device=args.device,
-                                 max_batch_size=args.max_batch_size, enable_lora=True, lora_config=lora_config)
+    config = build_engine_config(
+        args.model,
+        args.config,
+        dtype=args.dtype,
+        device=args.device,
+        max_batch_size=args.max_batch_size,
+        enable_lora=True,
+        lora_config=lora_config,
+    )
     tokenizer = AutoTokenizer.from_pretrained(args.model)
-    requests = make_requests(tokenizer, args.requests, (args.prompt, args.prompt), (args.output, args.output),
-                             args.seed)
+    requests = make_requests(
+        tokenizer, args.requests, (args.prompt, args.prompt), (args.output, args.output), args.seed
+    )
     total = sum(r.output_len for r in requests)
     progress(f"{len(requests)} requests x {args.prompt} prompt / {args.output} output tokens; starting the engine")
     engine = EmbeddedEngine(config)
@@ -83,13 +96,26 @@ def main(args) -> int:
         dtype, device = engine.core.dtype, engine.core.device
     finally:
         engine.shutdown()
-    result = {"requests": len(requests), "output_tokens": total, "adapters": args.adapters, "rank": args.rank,
-              "targets": [m.trtllm_name for m in MODULES], "dtype": str(dtype).replace("torch.", ""),
-              "device": str(device), "threads": torch.get_num_threads(), "base_s": round(base_s, 3),
-              "base_runs_s": [round(base_s * 2 - base_again_s, 3), round(base_again_s, 3)],
-              "lora_s": round(lora_s, 3), "base_tok_s": round(total / base_s, 2),
-              "lora_tok_s": round(total / lora_s, 2)}
+    result = {
+        "requests": len(requests),
+        "output_tokens": total,
+        "adapters": args.adapters,
+        "rank": args.rank,
+        "targets": [m.trtllm_name for m in MODULES],
+        "dtype": str(dtype).replace("torch.", ""),
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "base_s": round(base_s, 3),
+        "base_runs_s": [round(base_s * 2 - base_again_s, 3), round(base_again_s, 3)],
+        "lora_s": round(lora_s, 3),
+        "base_tok_s": round(total / base_s, 2),
+        "lora_tok_s": round(total / lora_s, 2),
+    }
     result["ratio"] = round(result["lora_tok_s"] / result["base_tok_s"], 3)
-    report(result, args.json, f"base model: {result['base_tok_s']} tok/s   {args.adapters} adapters mixed: "
-                              f"{result['lora_tok_s']} tok/s   ratio {result['ratio']}x")
+    report(
+        result,
+        args.json,
+        f"base model: {result['base_tok_s']} tok/s   {args.adapters} adapters mixed: "
+        f"{result['lora_tok_s']} tok/s   ratio {result['ratio']}x",
+    )
     return 0

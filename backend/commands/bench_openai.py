@@ -7,6 +7,7 @@ it. Each side streams --requests concurrent greedy text completions of exactly -
 (`backend_inputs`). Throughput is generated tokens over the wall time from the first request to the last token;
 the ratio is frontend / direct. The direct side counts tokens from the per-token log-probs, the frontend side
 from `usage` (stream_options.include_usage): the same numbers, checked equal."""
+
 from __future__ import annotations
 
 import asyncio
@@ -28,11 +29,19 @@ from tritonllm.openai_api.triton_client import TritonClient
 SERVED_NAME = "bench"
 
 
-
 def request_for(prompt: str, output_tokens: int) -> GenerationRequest:
     sampling = Sampling(max_tokens=output_tokens, temperature=0.0, min_tokens=output_tokens)
-    return GenerationRequest(model=SERVED_NAME, prompts=(prompt,), n=1, sampling=sampling, stop=(), end_of_turn=(),
-                             logprobs=False, stream=True, include_usage=True)
+    return GenerationRequest(
+        model=SERVED_NAME,
+        prompts=(prompt,),
+        n=1,
+        sampling=sampling,
+        stop=(),
+        end_of_turn=(),
+        logprobs=False,
+        stream=True,
+        include_usage=True,
+    )
 
 
 async def direct_run(grpc_url: str, backend_model: str, prompts: list[PreparedPrompt], output_tokens: int):
@@ -60,17 +69,23 @@ async def frontend_run(base_url: str, prompts: list[PreparedPrompt], output_toke
     would be client cost, which the direct side (a bare gRPC stub) does not pay either."""
     import openai
 
-    async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0,
-                                  timeout=3600) as client:
+    async with openai.AsyncOpenAI(base_url=f"{base_url}/v1", api_key="unused", max_retries=0, timeout=3600) as client:
+
         async def one(prompt: PreparedPrompt) -> tuple[str, int]:
             text, tokens = "", 0
             async with client.completions.with_streaming_response.create(
-                    model=SERVED_NAME, prompt=prompt.text, max_tokens=output_tokens, temperature=0, stream=True,
-                    stream_options={"include_usage": True}, extra_body={"min_tokens": output_tokens}) as response:
+                model=SERVED_NAME,
+                prompt=prompt.text,
+                max_tokens=output_tokens,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+                extra_body={"min_tokens": output_tokens},
+            ) as response:
                 async for line in response.iter_lines():
                     if not line.startswith("data: {"):
                         continue
-                    chunk = json.loads(line[len("data: "):])
+                    chunk = json.loads(line[len("data: ") :])
                     if chunk["choices"]:
                         text += chunk["choices"][0]["text"]
                     if chunk.get("usage"):
@@ -104,25 +119,32 @@ def measure(args, model_dir: Path, work: Path) -> dict:
     load = os.getloadavg()[0]  # other work on the machine when the run starts
     prompts = _prompts(model_dir, args)
     max_seq_len = max(p.prompt_tokens for p in prompts) + args.output_tokens + 16
-    repo = build_repo(model_dir, work / "repo", streaming=True, max_batch_size=args.requests,
-                      max_seq_len=max_seq_len, overwrite=True)
+    repo = build_repo(
+        model_dir, work / "repo", streaming=True, max_batch_size=args.requests, max_seq_len=max_seq_len, overwrite=True
+    )
     progress(f"starting tritonserver on {repo} (logs in {work})")
     with TritonServer(repo, Ports.free(), log_file=work / "tritonserver.log") as triton:
         extra = ["--served-model-name", SERVED_NAME, "--backend-model", args.backend_model]
-        with FrontendProcess(triton.grpc_url, model_dir, free_port(), extra=extra,
-                             log_file=work / "openai.log") as frontend:
+        with FrontendProcess(
+            triton.grpc_url, model_dir, free_port(), extra=extra, log_file=work / "openai.log"
+        ) as frontend:
             warm = prompts[:2]
             asyncio.run(direct_run(triton.grpc_url, args.backend_model, warm, 4))
             asyncio.run(frontend_run(frontend.base_url, warm, 4))
             progress(f"direct gRPC: {len(prompts)} concurrent streams of {args.output_tokens} tokens")
-            direct_s, direct = asyncio.run(direct_run(triton.grpc_url, args.backend_model, prompts,
-                                                      args.output_tokens))
+            direct_s, direct = asyncio.run(direct_run(triton.grpc_url, args.backend_model, prompts, args.output_tokens))
             progress(f"direct: {direct_s:.1f}s; now through the OpenAI endpoint")
             frontend_s, through = asyncio.run(frontend_run(frontend.base_url, prompts, args.output_tokens))
-    result = {"backend_model": args.backend_model, "requests": len(prompts), "prompt_tokens": args.prompt_tokens,
-              "output_tokens_per_request": args.output_tokens, "load_1min": round(load, 2),
-              "direct": _side(direct_s, direct), "openai": _side(frontend_s, through),
-              "texts_equal": [text for text, _ in direct] == [text for text, _ in through]}
+    result = {
+        "backend_model": args.backend_model,
+        "requests": len(prompts),
+        "prompt_tokens": args.prompt_tokens,
+        "output_tokens_per_request": args.output_tokens,
+        "load_1min": round(load, 2),
+        "direct": _side(direct_s, direct),
+        "openai": _side(frontend_s, through),
+        "texts_equal": [text for text, _ in direct] == [text for text, _ in through],
+    }
     result["ratio"] = round(result["openai"]["tok_s"] / result["direct"]["tok_s"], 3)
     return result
 
@@ -140,7 +162,11 @@ def main(args) -> int:
     else:
         with tempfile.TemporaryDirectory(prefix="tritonllm-bench-openai-") as folder:
             result = measure(args, model_dir, Path(folder))
-    report(result, args.json, f"direct gRPC: {result['direct']['tok_s']} tok/s   through the OpenAI endpoint: "
-                              f"{result['openai']['tok_s']} tok/s   ratio {result['ratio']}x   texts equal: "
-                              f"{result['texts_equal']}")
+    report(
+        result,
+        args.json,
+        f"direct gRPC: {result['direct']['tok_s']} tok/s   through the OpenAI endpoint: "
+        f"{result['openai']['tok_s']} tok/s   ratio {result['ratio']}x   texts equal: "
+        f"{result['texts_equal']}",
+    )
     return 0

@@ -1,5 +1,6 @@
 """What every `tritonllm bench` command shares: progress lines on stderr, and the result on stdout as one JSON
 object (`--json`) or a one-line summary."""
+
 from __future__ import annotations
 
 import json

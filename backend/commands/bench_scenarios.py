@@ -4,6 +4,7 @@ chunked: N streams are decoding when a long prompt arrives; the p99 gap between 
 from the long prompt's arrival until it produced its first token, with chunked prefill off and on.
 reuse: requests sharing a long system prompt arrive together after one request has already used that system
 prompt (as in steady traffic); their mean time to first token with KV reuse off and on."""
+
 from __future__ import annotations
 
 import statistics
@@ -43,6 +44,7 @@ class TokenClock:
                     self.pending -= 1
                     if self.pending == 0 and self.armed:
                         self.done.set()
+
         return on_output
 
 
@@ -53,8 +55,9 @@ def chunked_run(engine, streams: list[list[int]], long_prompt: list[int], stream
     while any(len(clock.times.get(h.request_id, [])) < 3 for h in handles):  # every stream is decoding
         time.sleep(0.01)
     arrival = time.perf_counter()
-    long_handle = engine.generate_async(long_prompt, SamplingParams(max_tokens=4, ignore_eos=True),
-                                        streaming=True, on_output=clock.track(last=True))
+    long_handle = engine.generate_async(
+        long_prompt, SamplingParams(max_tokens=4, ignore_eos=True), streaming=True, on_output=clock.track(last=True)
+    )
     clock.done.wait()
     first_token = clock.times[long_handle.request_id][0]
     gaps = []
@@ -63,8 +66,12 @@ def chunked_run(engine, streams: list[list[int]], long_prompt: list[int], stream
         gaps += [b - a for a, b in zip(times, times[1:]) if b > arrival and a < first_token]
     if not gaps:
         raise RuntimeError("the streams ended before the long prompt produced a token: raise --stream-tokens")
-    return {"p99_itl_s": percentile(gaps, 99), "max_itl_s": max(gaps), "gaps": len(gaps),
-            "long_prompt_ttft_s": first_token - arrival}
+    return {
+        "p99_itl_s": percentile(gaps, 99),
+        "max_itl_s": max(gaps),
+        "gaps": len(gaps),
+        "long_prompt_ttft_s": first_token - arrival,
+    }
 
 
 def reuse_run(engine, system: list[int], questions: list[list[int]]) -> dict:
@@ -77,15 +84,20 @@ def reuse_run(engine, system: list[int], questions: list[list[int]]) -> dict:
         metrics = handle.result().outputs[0].request_perf_metrics
         ttfts.append((metrics.first_token_time_ns - metrics.arrival_time_ns) / 1e9)
     reused = sum(h.result().outputs[0].request_perf_metrics.kv_cache_reused_blocks for h in handles)
-    return {"mean_ttft_s": statistics.mean(ttfts), "p50_ttft_s": percentile(ttfts, 50),
-            "wall_s": time.perf_counter() - start, "reused_blocks": reused}
+    return {
+        "mean_ttft_s": statistics.mean(ttfts),
+        "p50_ttft_s": percentile(ttfts, 50),
+        "wall_s": time.perf_counter() - start,
+        "reused_blocks": reused,
+    }
 
 
 def _engine(args, **overrides):
     from tritonllm.engine import create_engine
 
-    config = build_engine_config(args.model, args.config, dtype=args.dtype, device=args.device,
-                                 max_batch_size=args.max_batch_size, **overrides)
+    config = build_engine_config(
+        args.model, args.config, dtype=args.dtype, device=args.device, max_batch_size=args.max_batch_size, **overrides
+    )
     return create_engine(config)
 
 
@@ -97,8 +109,10 @@ def main_chunked(args, tokenizer) -> dict:
     streams = _tokens(tokenizer, args.streams, 32, args.seed)
     long_prompt = _tokens(tokenizer, 1, args.long_prompt, args.seed + 1)[0]
     results = {}
-    for mode, overrides in (("off", {"enable_chunked_prefill": False, "max_num_tokens": args.long_prompt + 64}),
-                            ("on", {"enable_chunked_prefill": True, "max_num_tokens": args.chunk})):
+    for mode, overrides in (
+        ("off", {"enable_chunked_prefill": False, "max_num_tokens": args.long_prompt + 64}),
+        ("on", {"enable_chunked_prefill": True, "max_num_tokens": args.chunk}),
+    ):
         progress(f"chunked prefill {mode}: {args.streams} streams, then a {args.long_prompt}-token prompt")
         engine = _engine(args, max_seq_len=args.long_prompt + 512, **overrides)
         try:
@@ -107,9 +121,15 @@ def main_chunked(args, tokenizer) -> dict:
             results[mode] = chunked_run(engine, streams, long_prompt, args.stream_tokens)
         finally:
             engine.shutdown()
-    return {"scenario": "chunked", "streams": args.streams, "long_prompt_tokens": args.long_prompt,
-            "chunk_tokens": args.chunk, "off": results["off"], "on": results["on"],
-            "p99_itl_ratio_on_vs_off": round(results["on"]["p99_itl_s"] / results["off"]["p99_itl_s"], 3)}
+    return {
+        "scenario": "chunked",
+        "streams": args.streams,
+        "long_prompt_tokens": args.long_prompt,
+        "chunk_tokens": args.chunk,
+        "off": results["off"],
+        "on": results["on"],
+        "p99_itl_ratio_on_vs_off": round(results["on"]["p99_itl_s"] / results["off"]["p99_itl_s"], 3),
+    }
 
 
 def main_reuse(args, tokenizer) -> dict:
@@ -118,15 +138,19 @@ def main_reuse(args, tokenizer) -> dict:
     results = {}
     for mode, reuse in (("off", False), ("on", True)):
         progress(f"KV reuse {mode}: {args.requests} requests sharing a {args.system_prompt}-token system prompt")
-        engine = _engine(args, kv_cache_config={"enable_block_reuse": reuse},
-                         max_seq_len=args.system_prompt + 64)
+        engine = _engine(args, kv_cache_config={"enable_block_reuse": reuse}, max_seq_len=args.system_prompt + 64)
         try:
             results[mode] = reuse_run(engine, system, questions)
         finally:
             engine.shutdown()
-    return {"scenario": "reuse", "requests": args.requests, "system_prompt_tokens": args.system_prompt,
-            "off": results["off"], "on": results["on"],
-            "ttft_speedup_on_vs_off": round(results["off"]["mean_ttft_s"] / results["on"]["mean_ttft_s"], 2)}
+    return {
+        "scenario": "reuse",
+        "requests": args.requests,
+        "system_prompt_tokens": args.system_prompt,
+        "off": results["off"],
+        "on": results["on"],
+        "ttft_speedup_on_vs_off": round(results["off"]["mean_ttft_s"] / results["on"]["mean_ttft_s"], 2),
+    }
 
 
 def main(args) -> int:

@@ -1,4 +1,5 @@
 """`tritonllm generate`: run prompts through the embedded engine, concurrently or one after another."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -21,17 +22,18 @@ def build_engine_config(model: str, config_path: Optional[str] = None, **overrid
 
 def sampling_params_for(tokenizer, max_tokens: int, **knobs) -> SamplingParams:
     """SamplingParams with the tokenizer's end id; knobs left None keep the engine defaults."""
-    return SamplingParams(max_tokens=max_tokens, end_id=tokenizer.eos_token_id,
-                          **{k: v for k, v in knobs.items() if v is not None})
+    return SamplingParams(
+        max_tokens=max_tokens, end_id=tokenizer.eos_token_id, **{k: v for k, v in knobs.items() if v is not None}
+    )
 
 
-def run_prompts(engine, prompt_ids: list[list[int]], params: SamplingParams, sequential: bool = False,
-                loras: Optional[list] = None) -> list[RequestOutput]:
+def run_prompts(
+    engine, prompt_ids: list[list[int]], params: SamplingParams, sequential: bool = False, loras: Optional[list] = None
+) -> list[RequestOutput]:
     """`loras`: a LoRARequest (or None) per prompt."""
     loras = loras or [None] * len(prompt_ids)
     if sequential:
-        return [engine.generate_async(ids, params, lora_request=lora).result()
-                for ids, lora in zip(prompt_ids, loras)]
+        return [engine.generate_async(ids, params, lora_request=lora).result() for ids, lora in zip(prompt_ids, loras)]
     handles = [engine.generate_async(ids, params, lora_request=lora) for ids, lora in zip(prompt_ids, loras)]
     return [handle.result() for handle in handles]
 
@@ -44,13 +46,15 @@ def result_record(prompt_ids: list[int], output: RequestOutput, tokenizer) -> di
         assert perf is not None  # both engines report it with every output
         metrics = dataclasses.asdict(perf)
         metrics["acceptance_rate"] = perf.acceptance_rate
-        samples.append({
-            "output_token_ids": completion.token_ids,
-            "text": tokenizer.decode(completion.token_ids, skip_special_tokens=True),
-            "finish_reason": completion.finish_reason,
-            "cumulative_logprob": completion.cumulative_logprob,
-            "stats": metrics,
-        })
+        samples.append(
+            {
+                "output_token_ids": completion.token_ids,
+                "text": tokenizer.decode(completion.token_ids, skip_special_tokens=True),
+                "finish_reason": completion.finish_reason,
+                "cumulative_logprob": completion.cumulative_logprob,
+                "stats": metrics,
+            }
+        )
     record = {"prompt_token_ids": prompt_ids, **samples[0]}
     if len(samples) > 1:
         record["samples"] = samples
@@ -76,13 +80,26 @@ def main(args) -> int:
     from tritonllm.engine.embedded.loader import read_model_config
 
     loras = lora_requests_for(args, len(args.prompt))
-    config = build_engine_config(args.model, args.config, dtype=args.dtype, device=args.device,
-                                 max_batch_size=args.max_batch_size, **_lora_overrides(args, loras))
+    config = build_engine_config(
+        args.model,
+        args.config,
+        dtype=args.dtype,
+        device=args.device,
+        max_batch_size=args.max_batch_size,
+        **_lora_overrides(args, loras),
+    )
     if choose_engine(config) == "embedded":
         read_model_config(config.model)  # a missing or unsupported model fails here, before the tokenizer
     tokenizer = AutoTokenizer.from_pretrained(config.tokenizer or args.model)
-    params = sampling_params_for(tokenizer, args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-                                 top_p=args.top_p, seed=args.seed, n=args.n)
+    params = sampling_params_for(
+        tokenizer,
+        args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        seed=args.seed,
+        n=args.n,
+    )
     params.validate()  # a bad knob fails before the model loads
     prompt_ids = [tokenizer.encode(text) for text in args.prompt]
     engine = create_engine(config)

@@ -1,4 +1,5 @@
 """LoRA on the command line: `tritonllm lora convert`, `tritonllm bench lora`, and `generate --lora`."""
+
 from __future__ import annotations
 
 import sys
@@ -10,34 +11,52 @@ from tritonllm.commands.arg_types import count
 def add_lora_command(sub) -> None:
     lora = sub.add_parser("lora", help="LoRA adapters: convert a PEFT folder to TensorRT-LLM's request tensors")
     kinds = lora.add_subparsers(dest="lora_command", required=True)
-    convert = kinds.add_parser("convert", help="PEFT folder -> model.lora_weights.npy + model.lora_config.npy "
-                                               "(TensorRT-LLM's layout, scale folded into the out-weights)")
+    convert = kinds.add_parser(
+        "convert",
+        help="PEFT folder -> model.lora_weights.npy + model.lora_config.npy "
+        "(TensorRT-LLM's layout, scale folded into the out-weights)",
+    )
     convert.add_argument("peft_dir", help="adapter_config.json + adapter_model.safetensors")
     convert.add_argument("--out", required=True, help="folder to write the two .npy files into")
-    convert.add_argument("--dtype", choices=["float16", "float32"], default="float16",
-                         help="lora_weights dtype (the contract's input is FP16)")
+    convert.add_argument(
+        "--dtype",
+        choices=["float16", "float32"],
+        default="float16",
+        help="lora_weights dtype (the contract's input is FP16)",
+    )
 
 
 def add_generate_options(gen) -> None:
     gen.add_argument("--lora", metavar="PEFT_DIR", help="run every prompt with this adapter")
-    gen.add_argument("--lora-for", action="append", default=[], metavar="INDEX=PEFT_DIR",
-                     help="run prompt INDEX (0-based) with this adapter instead; repeatable, so one call mixes "
-                          "adapters (and the base model, for prompts given none)")
+    gen.add_argument(
+        "--lora-for",
+        action="append",
+        default=[],
+        metavar="INDEX=PEFT_DIR",
+        help="run prompt INDEX (0-based) with this adapter instead; repeatable, so one call mixes "
+        "adapters (and the base model, for prompts given none)",
+    )
 
 
 def add_bench_command(kinds, engine_arguments) -> None:
-    bench = kinds.add_parser("lora", help="throughput with N adapters mixed in one batch vs the base model alone, "
-                                          "same requests")
+    bench = kinds.add_parser(
+        "lora", help="throughput with N adapters mixed in one batch vs the base model alone, same requests"
+    )
     engine_arguments(bench)
     bench.add_argument("--adapters", type=count, default=4, help="random adapters, assigned to requests in turn")
     bench.add_argument("--rank", type=count, default=16, help="rank of every random adapter (default 16)")
     bench.add_argument("--requests", type=count, default=16, help="requests, all submitted at once (default 16)")
     bench.add_argument("--prompt", type=count, default=64, help="prompt tokens per request")
     bench.add_argument("--output", type=count, default=64, help="output tokens per request")
-    bench.add_argument("--seed", type=int, default=0,
-                       help="seed of the prompts, cut from the shipped text (default 0; the adapters are fixed)")
-    bench.add_argument("--json", action="store_true",
-                       help="the result as one JSON object on stdout (progress stays on stderr)")
+    bench.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the prompts, cut from the shipped text (default 0; the adapters are fixed)",
+    )
+    bench.add_argument(
+        "--json", action="store_true", help="the result as one JSON object on stdout (progress stays on stderr)"
+    )
 
 
 def lora_requests_for(args, num_prompts: int) -> list[Optional[object]]:

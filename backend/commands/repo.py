@@ -1,4 +1,5 @@
 """`tritonllm repo build` (the ensemble's models, or `--llmapi`) and `tritonllm repo fill`."""
+
 from __future__ import annotations
 
 import yaml
@@ -26,10 +27,21 @@ def main(args) -> int:
     parameters = _parameters(args.param)
     if getattr(args, "lora_dir", None):
         parameters["lora_prefetch_dir"] = _lora_dir(args.lora_dir)
-    repo = build_repo(args.model, args.out, streaming=args.streaming, max_batch_size=args.max_batch_size,
-                      engine=args.engine, dtype=args.dtype, device=args.device, max_seq_len=args.max_seq_len,
-                      max_num_tokens=args.max_num_tokens, kv_cache_max_tokens=args.kv_cache_max_tokens,
-                      parameters=parameters, overwrite=True, draft_model_dir=getattr(args, "draft_model", None))
+    repo = build_repo(
+        args.model,
+        args.out,
+        streaming=args.streaming,
+        max_batch_size=args.max_batch_size,
+        engine=args.engine,
+        dtype=args.dtype,
+        device=args.device,
+        max_seq_len=args.max_seq_len,
+        max_num_tokens=args.max_num_tokens,
+        kv_cache_max_tokens=args.kv_cache_max_tokens,
+        parameters=parameters,
+        overwrite=True,
+        draft_model_dir=getattr(args, "draft_model", None),
+    )
     print(f"model repository ready: {repo}")
     return 0
 
@@ -56,9 +68,19 @@ def _build_llmapi(args) -> int:
 
     # model.yaml values are typed: "64" is a number, "true" a boolean, as YAML reads them.
     engine_args = {key: yaml.safe_load(value) for key, value in _parameters(args.param).items()}
-    repo = build_llmapi_repo(args.model, args.out, streaming=args.streaming, engine=args.engine, dtype=args.dtype,
-                             device=args.device, max_batch_size=args.max_batch_size, max_seq_len=args.max_seq_len,
-                             max_num_tokens=args.max_num_tokens, kv_cache_max_tokens=args.kv_cache_max_tokens,
-                             engine_args=engine_args, overwrite=True)
+    repo = build_llmapi_repo(
+        args.model,
+        args.out,
+        streaming=args.streaming,
+        engine=args.engine,
+        dtype=args.dtype,
+        device=args.device,
+        max_batch_size=args.max_batch_size,
+        max_seq_len=args.max_seq_len,
+        max_num_tokens=args.max_num_tokens,
+        kv_cache_max_tokens=args.kv_cache_max_tokens,
+        engine_args=engine_args,
+        overwrite=True,
+    )
     print(f"model repository ready: {repo} (the LLM-API tensorrt_llm model)")
     return 0

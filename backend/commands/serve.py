@@ -1,5 +1,6 @@
 """`tritonllm serve`: build (or take) a model repository, start tritonserver on it under the supervisor, and
 optionally the OpenAI-compatible front beside it; Ctrl-C or SIGTERM stops everything."""
+
 from __future__ import annotations
 
 import os
@@ -16,9 +17,11 @@ def default_work_dir() -> Path:
 
 
 def curl_example(http_url: str) -> str:
-    return (f"curl -s -X POST http://{http_url}/v2/models/ensemble/generate -d "
-            "'{\"text_input\": \"The capital of France is\", \"max_tokens\": 16, "
-            "\"bad_words\": \"\", \"stop_words\": \"\"}'")
+    return (
+        f"curl -s -X POST http://{http_url}/v2/models/ensemble/generate -d "
+        '\'{"text_input": "The capital of France is", "max_tokens": 16, '
+        '"bad_words": "", "stop_words": ""}\''
+    )
 
 
 def _repository_for(args, work_dir: Path) -> Path:
@@ -39,6 +42,7 @@ def _repository_for(args, work_dir: Path) -> Path:
 
 def _stop_on_sigterm() -> None:
     """SIGTERM (service managers, `kill`) stops the server as Ctrl-C does, so tritonserver is never orphaned."""
+
     def interrupt(_signum, _frame):
         raise KeyboardInterrupt
 
@@ -49,8 +53,7 @@ def main(args) -> int:
     _stop_on_sigterm()
     work_dir = Path(args.work_dir) if args.work_dir else default_work_dir()
     repo = _repository_for(args, work_dir)
-    server = TritonServer(repo, Ports(args.http_port, args.grpc_port, args.metrics_port),
-                          log_verbose=args.log_verbose)
+    server = TritonServer(repo, Ports(args.http_port, args.grpc_port, args.metrics_port), log_verbose=args.log_verbose)
     print(f"[serve] starting tritonserver on {repo} (this takes a few seconds: the models import torch)", flush=True)
     server.start()
     print(f"[serve] ready. HTTP {server.http_url}  gRPC {server.grpc_url}  metrics localhost:{args.metrics_port}")

@@ -2,6 +2,7 @@
 
 A child process, not a thread of the launcher: the frontend's event loop then never competes with the
 launcher for the GIL, and stopping it is stopping a process."""
+
 from __future__ import annotations
 
 import re
@@ -27,8 +28,9 @@ def tokenizer_dir_of_repo(repo: Path) -> Path:
     try:
         text = config.read_text()
     except OSError:
-        raise FrontendStartError(f"{config} is missing: the OpenAI endpoint needs the repository's "
-                                 "preprocessing model to find the tokenizer") from None
+        raise FrontendStartError(
+            f"{config} is missing: the OpenAI endpoint needs the repository's preprocessing model to find the tokenizer"
+        ) from None
     match = re.search(r'key:\s*"tokenizer_dir"\s*value:\s*\{\s*string_value:\s*"([^"]*)"', text)
     if not match or not match.group(1) or match.group(1).startswith("${"):
         raise FrontendStartError(f"{config} has no tokenizer_dir filled in")
@@ -36,11 +38,28 @@ def tokenizer_dir_of_repo(repo: Path) -> Path:
 
 
 class FrontendProcess:
-    def __init__(self, triton_grpc_url: str, model_dir: Path, port: int, extra: Sequence[str] = (),
-                 log_file: Optional[Path] = None):
+    def __init__(
+        self,
+        triton_grpc_url: str,
+        model_dir: Path,
+        port: int,
+        extra: Sequence[str] = (),
+        log_file: Optional[Path] = None,
+    ):
         self.port = port
-        self.command = [sys.executable, "-m", "tritonllm", "openai", "--triton-url", triton_grpc_url,
-                        "--model-dir", str(model_dir), "--port", str(port), *extra]
+        self.command = [
+            sys.executable,
+            "-m",
+            "tritonllm",
+            "openai",
+            "--triton-url",
+            triton_grpc_url,
+            "--model-dir",
+            str(model_dir),
+            "--port",
+            str(port),
+            *extra,
+        ]
         self.log_file = log_file
         self.process: Optional[subprocess.Popen] = None
 
@@ -64,8 +83,10 @@ class FrontendProcess:
         assert process is not None  # start() set it
         while not self._healthy():
             if process.poll() is not None:
-                raise FrontendStartError(f"the OpenAI endpoint exited with code {process.returncode} while "
-                                         "starting" + (f"; see {self.log_file}" if self.log_file else ""))
+                raise FrontendStartError(
+                    f"the OpenAI endpoint exited with code {process.returncode} while "
+                    "starting" + (f"; see {self.log_file}" if self.log_file else "")
+                )
             if time.monotonic() > deadline:
                 raise FrontendStartError(f"the OpenAI endpoint was not healthy after {timeout:.0f}s")
             time.sleep(0.2)
@@ -103,8 +124,11 @@ def start_next_to_server(args, server, repo: Path) -> Optional[FrontendProcess]:
     frontend = FrontendProcess(server.grpc_url, model_dir, port, extra=["--served-model-name", model_dir.name])
     print(f"[serve] starting the OpenAI-compatible endpoint on port {port}", flush=True)
     frontend.start()
-    print(f"[serve] OpenAI endpoint: {frontend.base_url}/v1 (model '{model_dir.name}'); try:\n  curl -s "
-          f"{frontend.base_url}/v1/chat/completions -H 'Content-Type: application/json' -d "
-          f"'{{\"model\": \"{model_dir.name}\", \"messages\": [{{\"role\": \"user\", \"content\": \"Hi\"}}], "
-          "\"max_tokens\": 16}'", flush=True)
+    print(
+        f"[serve] OpenAI endpoint: {frontend.base_url}/v1 (model '{model_dir.name}'); try:\n  curl -s "
+        f"{frontend.base_url}/v1/chat/completions -H 'Content-Type: application/json' -d "
+        f'\'{{"model": "{model_dir.name}", "messages": [{{"role": "user", "content": "Hi"}}], '
+        '"max_tokens": 16}\'',
+        flush=True,
+    )
     return frontend

@@ -4,6 +4,7 @@ The model comes from the template `models/llmapi/tensorrt_llm/`; the repository'
 the options (TensorRT-LLM `LLM()` keys plus `triton_config`) and read back with the model's own loader, so a bad
 value fails the build, not the server start. The ensemble's models cannot share the repository: both flavours
 are named `tensorrt_llm`, and the ensemble would route token ids to a text model."""
+
 from __future__ import annotations
 
 import os
@@ -27,9 +28,11 @@ from tritonllm.triton.llmapi_config import load_llmapi_settings
 
 MODEL_NAME = "tensorrt_llm"
 ENSEMBLE_MODELS = ("preprocessing", "postprocessing", "ensemble", "tensorrt_llm_bls")
-YAML_HEADER = ("# Written by `tritonllm repo build --llmapi`. Engine arguments are TensorRT-LLM LLM() keyword\n"
-               "# arguments; triton_config is read by auto_complete_config. The template\n"
-               "# (models/llmapi/tensorrt_llm/1/model.yaml) lists the other keys.\n")
+YAML_HEADER = (
+    "# Written by `tritonllm repo build --llmapi`. Engine arguments are TensorRT-LLM LLM() keyword\n"
+    "# arguments; triton_config is read by auto_complete_config. The template\n"
+    "# (models/llmapi/tensorrt_llm/1/model.yaml) lists the other keys.\n"
+)
 
 
 def llmapi_template() -> Path:
@@ -39,21 +42,41 @@ def llmapi_template() -> Path:
     return path
 
 
-def build_llmapi_repo(model_dir: str | Path, out_dir: str | Path, *, streaming: bool = True, engine: str = "auto",
-                      dtype: Optional[str] = None, device: Optional[str] = None,
-                      max_batch_size: Optional[int] = None, max_seq_len: Optional[int] = None,
-                      max_num_tokens: Optional[int] = None, kv_cache_max_tokens: Optional[int] = None,
-                      engine_args: Optional[Mapping[str, Any]] = None, overwrite: bool = False) -> Path:
+def build_llmapi_repo(
+    model_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    streaming: bool = True,
+    engine: str = "auto",
+    dtype: Optional[str] = None,
+    device: Optional[str] = None,
+    max_batch_size: Optional[int] = None,
+    max_seq_len: Optional[int] = None,
+    max_num_tokens: Optional[int] = None,
+    kv_cache_max_tokens: Optional[int] = None,
+    engine_args: Optional[Mapping[str, Any]] = None,
+    overwrite: bool = False,
+) -> Path:
     """Write `out_dir/tensorrt_llm` for the Hugging Face model folder `model_dir`. `engine_args` adds or overrides
     model.yaml keys ("kv_cache_config.tokens_per_block" reaches into a nested config). Returns `out_dir`."""
     model = check_model_dir(model_dir)
-    check_build_numbers(max_batch_size=max_batch_size, max_seq_len=max_seq_len, max_num_tokens=max_num_tokens,
-                        kv_cache_max_tokens=kv_cache_max_tokens)
+    check_build_numbers(
+        max_batch_size=max_batch_size,
+        max_seq_len=max_seq_len,
+        max_num_tokens=max_num_tokens,
+        kv_cache_max_tokens=kv_cache_max_tokens,
+    )
     check_build_choices(engine=engine, dtype=dtype, device=device, kv_cache_free_gpu_mem_fraction=None)
     args: dict[str, Any] = {
-        "model": model, "engine": engine, "dtype": dtype, "device": device, "max_batch_size": max_batch_size,
-        "max_seq_len": max_seq_len, "max_num_tokens": max_num_tokens,
-        "kv_cache_config": {"max_tokens": kv_cache_max_tokens} if kv_cache_max_tokens else None}
+        "model": model,
+        "engine": engine,
+        "dtype": dtype,
+        "device": device,
+        "max_batch_size": max_batch_size,
+        "max_seq_len": max_seq_len,
+        "max_num_tokens": max_num_tokens,
+        "kv_cache_config": {"max_tokens": kv_cache_max_tokens} if kv_cache_max_tokens else None,
+    }
     args = {key: value for key, value in args.items() if value is not None}
     for key, value in (engine_args or {}).items():
         set_arg(args, key, value)
@@ -81,8 +104,10 @@ def set_arg(args: dict, key: str, value: Any) -> None:
 def check_target(out: Path, overwrite: bool) -> None:
     ensemble = [name for name in ENSEMBLE_MODELS if (out / name).exists()]
     if ensemble:
-        raise RepoError(f"{out} holds the ensemble's models {ensemble}: the LLM-API tensorrt_llm cannot share a "
-                        "repository with them (same model name); choose another folder")
+        raise RepoError(
+            f"{out} holds the ensemble's models {ensemble}: the LLM-API tensorrt_llm cannot share a "
+            "repository with them (same model name); choose another folder"
+        )
     if (out / MODEL_NAME).exists() and not overwrite:
         raise RepoError(f"{out} already holds {MODEL_NAME}; pass overwrite to replace it")
 

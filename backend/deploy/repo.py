@@ -7,6 +7,7 @@ The template is looked up in this order:
   3. `tritonllm/model_repository/` inside the installed package, where a wheel carries it once packaging maps
      `models/` there as package data. Until then a non-editable install needs (1).
 """
+
 from __future__ import annotations
 
 import json
@@ -23,8 +24,11 @@ from tritonllm.engine.config import DEVICE_CHOICES, DTYPE_CHOICES, ENGINE_CHOICE
 MODEL_NAMES = ("preprocessing", "tensorrt_llm", "postprocessing", "ensemble", "tensorrt_llm_bls")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
 # tensorrt_llm parameters whose placeholder has another name (as in TensorRT-LLM's template); build_repo takes either.
-PLACEHOLDER_OF_PARAMETER = {"gpt_model_path": "engine_dir", "gpt_model_type": "batching_strategy",
-                            "encoder_model_path": "encoder_engine_dir"}
+PLACEHOLDER_OF_PARAMETER = {
+    "gpt_model_path": "engine_dir",
+    "gpt_model_type": "batching_strategy",
+    "encoder_model_path": "encoder_engine_dir",
+}
 # fill_template.py pre-fills these, so scripts written for it may leave them out.
 QUEUE_DEFAULTS = {"max_queue_size": "0", "max_queue_delay_microseconds": "0"}
 # Filled when a fill does not name them: a structural placeholder left unfilled makes the file unparseable, and
@@ -40,33 +44,52 @@ class RepoError(ValueError):
 
 # ---------------------------------------------------------------------------------------------- template lookup
 
+
 def template_dir() -> Path:
     """The `models/` template folder (see the module docstring for the lookup order)."""
     named = os.environ.get("TRITONLLM_MODELS_DIR")
     if named:
         path = Path(named)
         if not (path / "tensorrt_llm" / "config.pbtxt").is_file():
-            raise RepoError(f"TRITONLLM_MODELS_DIR={named} does not hold the model templates "
-                            "(no tensorrt_llm/config.pbtxt)")
+            raise RepoError(
+                f"TRITONLLM_MODELS_DIR={named} does not hold the model templates (no tensorrt_llm/config.pbtxt)"
+            )
         return path
     package = Path(__file__).resolve().parents[1]  # the installed tritonllm (backend/ in a checkout)
     for path in (package.parent / "models", package / "model_repository"):
         if (path / "tensorrt_llm" / "config.pbtxt").is_file():
             return path
-    raise RepoError("cannot find the models/ template: set TRITONLLM_MODELS_DIR to the repository's models/ folder "
-                    "(a non-editable install does not carry it yet)")
+    raise RepoError(
+        "cannot find the models/ template: set TRITONLLM_MODELS_DIR to the repository's models/ folder "
+        "(a non-editable install does not carry it yet)"
+    )
 
 
 # ---------------------------------------------------------------------------------------------- build
 
-def build_repo(model_dir: str | Path, out_dir: str | Path, *, streaming: bool = True, max_batch_size: int = 8,
-               engine: str = "auto", preprocessing_instances: int = 1, postprocessing_instances: int = 1,
-               dtype: Optional[str] = None, device: Optional[str] = None, max_seq_len: Optional[int] = None,
-               max_num_tokens: Optional[int] = None, kv_cache_max_tokens: Optional[int] = None,
-               kv_cache_free_gpu_mem_fraction: Optional[float] = None, enable_kv_cache_reuse: bool = True,
-               enable_chunked_context: bool = False, exclude_input_in_output: bool = False,
-               parameters: Optional[Mapping[str, Any]] = None, overwrite: bool = False,
-               draft_model_dir: Optional[str | Path] = None) -> Path:
+
+def build_repo(
+    model_dir: str | Path,
+    out_dir: str | Path,
+    *,
+    streaming: bool = True,
+    max_batch_size: int = 8,
+    engine: str = "auto",
+    preprocessing_instances: int = 1,
+    postprocessing_instances: int = 1,
+    dtype: Optional[str] = None,
+    device: Optional[str] = None,
+    max_seq_len: Optional[int] = None,
+    max_num_tokens: Optional[int] = None,
+    kv_cache_max_tokens: Optional[int] = None,
+    kv_cache_free_gpu_mem_fraction: Optional[float] = None,
+    enable_kv_cache_reuse: bool = True,
+    enable_chunked_context: bool = False,
+    exclude_input_in_output: bool = False,
+    parameters: Optional[Mapping[str, Any]] = None,
+    overwrite: bool = False,
+    draft_model_dir: Optional[str | Path] = None,
+) -> Path:
     """Write the preprocessing, tensorrt_llm, postprocessing, ensemble and tensorrt_llm_bls models into `out_dir`,
     every placeholder filled. `model_dir` is a Hugging Face model folder (config.json + tokenizer). `parameters`
     overrides any placeholder by name, or by its tensorrt_llm parameter key (e.g. {"max_batch_size": 64,
@@ -75,30 +98,55 @@ def build_repo(model_dir: str | Path, out_dir: str | Path, *, streaming: bool = 
     `tensorrt_llm_draft`, for the BLS draft/target loop (`num_draft_tokens`). Returns `out_dir`."""
     model = check_model_dir(model_dir)
     draft = check_draft_model(model, draft_model_dir) if draft_model_dir is not None else None
-    check_build_numbers(max_batch_size=max_batch_size, preprocessing_instances=preprocessing_instances,
-                        postprocessing_instances=postprocessing_instances, max_seq_len=max_seq_len,
-                        max_num_tokens=max_num_tokens, kv_cache_max_tokens=kv_cache_max_tokens)
-    check_build_choices(engine=engine, dtype=dtype, device=device,
-                        kv_cache_free_gpu_mem_fraction=kv_cache_free_gpu_mem_fraction)
+    check_build_numbers(
+        max_batch_size=max_batch_size,
+        preprocessing_instances=preprocessing_instances,
+        postprocessing_instances=postprocessing_instances,
+        max_seq_len=max_seq_len,
+        max_num_tokens=max_num_tokens,
+        kv_cache_max_tokens=kv_cache_max_tokens,
+    )
+    check_build_choices(
+        engine=engine, dtype=dtype, device=device, kv_cache_free_gpu_mem_fraction=kv_cache_free_gpu_mem_fraction
+    )
     values = {
-        "triton_backend": "python", "triton_max_batch_size": max_batch_size, "decoupled_mode": streaming,
-        "max_queue_delay_microseconds": 0, "max_queue_size": 0,
+        "triton_backend": "python",
+        "triton_max_batch_size": max_batch_size,
+        "decoupled_mode": streaming,
+        "max_queue_delay_microseconds": 0,
+        "max_queue_size": 0,
         "preprocessing_instance_count": preprocessing_instances,
         "postprocessing_instance_count": postprocessing_instances,
-        "tokenizer_dir": model, "engine_dir": model,
-        "logits_datatype": "TYPE_FP32", "encoder_input_features_data_type": "TYPE_FP16",
-        "add_special_tokens": True, "skip_special_tokens": True,
-        "batching_strategy": "inflight_fused_batching", "max_beam_width": 1,
-        "batch_scheduler_policy": "guaranteed_no_evict", "enable_kv_cache_reuse": enable_kv_cache_reuse,
-        "enable_chunked_context": enable_chunked_context, "normalize_log_probs": True,
-        "exclude_input_in_output": exclude_input_in_output, "enable_trt_overlap": False,
-        "cancellation_check_period_ms": 100, "stats_check_period_ms": 100,
-        "engine": engine, "dtype": dtype, "device": device, "max_seq_len": max_seq_len,
-        "max_num_tokens": max_num_tokens, "max_tokens_in_paged_kv_cache": kv_cache_max_tokens,
+        "tokenizer_dir": model,
+        "engine_dir": model,
+        "logits_datatype": "TYPE_FP32",
+        "encoder_input_features_data_type": "TYPE_FP16",
+        "add_special_tokens": True,
+        "skip_special_tokens": True,
+        "batching_strategy": "inflight_fused_batching",
+        "max_beam_width": 1,
+        "batch_scheduler_policy": "guaranteed_no_evict",
+        "enable_kv_cache_reuse": enable_kv_cache_reuse,
+        "enable_chunked_context": enable_chunked_context,
+        "normalize_log_probs": True,
+        "exclude_input_in_output": exclude_input_in_output,
+        "enable_trt_overlap": False,
+        "cancellation_check_period_ms": 100,
+        "stats_check_period_ms": 100,
+        "engine": engine,
+        "dtype": dtype,
+        "device": device,
+        "max_seq_len": max_seq_len,
+        "max_num_tokens": max_num_tokens,
+        "max_tokens_in_paged_kv_cache": kv_cache_max_tokens,
         "kv_cache_free_gpu_mem_fraction": kv_cache_free_gpu_mem_fraction,
         # tensorrt_llm_bls; triton_grpc_url unset: the BLS reads the port from tritonserver's command line.
-        "bls_instance_count": 1, "accumulate_tokens": False, "tensorrt_llm_model_name": "tensorrt_llm",
-        "tensorrt_llm_draft_model_name": None, "multimodal_encoders_name": None, "triton_grpc_url": None,
+        "bls_instance_count": 1,
+        "accumulate_tokens": False,
+        "tensorrt_llm_model_name": "tensorrt_llm",
+        "tensorrt_llm_draft_model_name": None,
+        "multimodal_encoders_name": None,
+        "triton_grpc_url": None,
         "prompt_embedding_table_data_type": "TYPE_FP16",
     }
     if draft is not None:
@@ -106,8 +154,13 @@ def build_repo(model_dir: str | Path, out_dir: str | Path, *, streaming: bool = 
     overrides = {PLACEHOLDER_OF_PARAMETER.get(key, key): value for key, value in (parameters or {}).items()}
     check_backend(overrides)
     values.update(overrides)
-    repo = write_repo(template_dir(), Path(out_dir), {k: format_value(k, v) for k, v in values.items()},
-                      overrides=set(overrides), overwrite=overwrite)
+    repo = write_repo(
+        template_dir(),
+        Path(out_dir),
+        {k: format_value(k, v) for k, v in values.items()},
+        overrides=set(overrides),
+        overwrite=overwrite,
+    )
     if draft is not None:
         add_draft_model(repo, model, draft)
     return repo
@@ -121,8 +174,10 @@ def check_draft_model(model: str, draft_model_dir: str | Path) -> str:
     draft = check_model_dir(draft_model_dir)
     sizes = [json.loads((Path(folder) / "config.json").read_text()).get("vocab_size") for folder in (model, draft)]
     if sizes[0] != sizes[1]:
-        raise RepoError(f"the draft model's vocab_size {sizes[1]} differs from the target's {sizes[0]}: draft and "
-                        "target must share one tokenizer")
+        raise RepoError(
+            f"the draft model's vocab_size {sizes[1]} differs from the target's {sizes[0]}: draft and "
+            "target must share one tokenizer"
+        )
     return draft
 
 
@@ -136,13 +191,16 @@ def add_draft_model(repo: Path, target_dir: str, draft_dir: str) -> None:
     config = target / "config.pbtxt"
     text = config.read_text().replace('name: "tensorrt_llm"', f'name: "{DRAFT_MODEL_NAME}"', 1)
     for key in ("gpt_model_path", "tokenizer_dir"):
-        text = text.replace(f'key: "{key}" value: {{ string_value: "{target_dir}" }}',
-                            f'key: "{key}" value: {{ string_value: "{draft_dir}" }}')
+        text = text.replace(
+            f'key: "{key}" value: {{ string_value: "{target_dir}" }}',
+            f'key: "{key}" value: {{ string_value: "{draft_dir}" }}',
+        )
     config.write_text(text)
 
 
-def write_repo(template: Path, out_dir: Path, values: Mapping[str, str], *, overrides: Iterable[str] = (),
-               overwrite: bool = False) -> Path:
+def write_repo(
+    template: Path, out_dir: Path, values: Mapping[str, str], *, overrides: Iterable[str] = (), overwrite: bool = False
+) -> Path:
     """Copy the template's models into `out_dir` and fill them. Built in a staging folder first, so a failure
     leaves `out_dir` as it was."""
     texts = {name: (template / name / "config.pbtxt").read_text() for name in MODEL_NAMES}
@@ -224,10 +282,14 @@ def check_build_numbers(**numbers: Optional[int]) -> None:
             raise RepoError(f"{name} must be an integer >= {minimums.get(name, 1)}, got {value!r}")
 
 
-def check_build_choices(*, engine: str, dtype: Optional[str], device: Optional[str],
-                        kv_cache_free_gpu_mem_fraction: Optional[float]) -> None:
-    for name, value, choices in (("engine", engine, ENGINE_CHOICES), ("dtype", dtype, DTYPE_CHOICES),
-                                 ("device", device, DEVICE_CHOICES)):
+def check_build_choices(
+    *, engine: str, dtype: Optional[str], device: Optional[str], kv_cache_free_gpu_mem_fraction: Optional[float]
+) -> None:
+    for name, value, choices in (
+        ("engine", engine, ENGINE_CHOICES),
+        ("dtype", dtype, DTYPE_CHOICES),
+        ("device", device, DEVICE_CHOICES),
+    ):
         if value is not None and value not in choices:
             raise RepoError(f"{name} must be one of {choices}, got {value!r}")
     fraction = kv_cache_free_gpu_mem_fraction
@@ -247,6 +309,7 @@ def format_value(name: str, value: Any) -> str:
 
 
 # ---------------------------------------------------------------------------------------------- fill_template
+
 
 def fill_template(config_path: str | Path, substitutions: str | Mapping[str, str], in_place: bool = True) -> str:
     """TensorRT-LLM's `fill_template.py` semantics: `substitutions` is "key:value,key:value" (`\\,` and `\\:`
@@ -274,13 +337,15 @@ def check_backend(values: Mapping[str, Any]) -> None:
     which is not here (Triton would fail at load: no backend library for it)."""
     backend = values.get("triton_backend")
     if backend is not None and str(backend).strip() != "python":
-        raise RepoError(f"triton_backend {backend!r}: these models run on Triton's Python backend (TensorRT-LLM "
-                        "through its LLM API, or the embedded engine), not TensorRT-LLM's C++ backend; use "
-                        "triton_backend:python")
+        raise RepoError(
+            f"triton_backend {backend!r}: these models run on Triton's Python backend (TensorRT-LLM "
+            "through its LLM API, or the embedded engine), not TensorRT-LLM's C++ backend; use "
+            "triton_backend:python"
+        )
 
 
 def parse_substitutions(text: str) -> dict[str, str]:
-    """"a:1,b:x\\,y" -> {"a": "1", "b": "x,y"}. A pair splits at its first unescaped ':'; empty pairs are skipped."""
+    """ "a:1,b:x\\,y" -> {"a": "1", "b": "x,y"}. A pair splits at its first unescaped ':'; empty pairs are skipped."""
     values: dict[str, str] = {}
     for pair in _split_unescaped(text, ","):
         if not pair.strip():
@@ -330,6 +395,7 @@ def structural_placeholders(text: str) -> set[str]:
 
 # ---------------------------------------------------------------------------------------------- validate
 
+
 def validate_repo(repo_dir: str | Path) -> list[str]:
     """Problems that would stop Triton from loading the repository, one line each (empty: none found):
     unfilled placeholders in structural fields, missing version folders, ensemble steps naming absent models."""
@@ -341,8 +407,10 @@ def validate_repo(repo_dir: str | Path) -> list[str]:
         model = config.parent
         text = config.read_text()
         for lineno, field, line, name in _structural_hits(text):
-            errors.append(f"{model.name}/config.pbtxt:{lineno}: {field} holds the unfilled placeholder ${{{name}}} "
-                          f"(fill it: tritonllm repo fill {config} {name}:VALUE)")
+            errors.append(
+                f"{model.name}/config.pbtxt:{lineno}: {field} holds the unfilled placeholder ${{{name}}} "
+                f"(fill it: tritonllm repo fill {config} {name}:VALUE)"
+            )
         if not any(child.is_dir() and child.name.isdigit() for child in model.iterdir()):
             errors.append(f"{model.name}: no version folder (e.g. {model.name}/1/)")
         for step_model in re.findall(r'model_name:\s*"([^"]+)"', text):

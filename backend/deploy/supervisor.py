@@ -6,6 +6,7 @@ CHECK_PERIOD_S at the server and at the stub processes it started; when a stub i
 exited) it kills what is left of the server, which closes every client connection and makes readiness fail, and
 starts the server again. Restarts that keep failing (MAX_RESTARTS within RESTART_WINDOW_S) end `serve` with an
 error instead, for a process manager or an orchestrator to act on, as vLLM's server exits when its engine dies."""
+
 from __future__ import annotations
 
 import logging
@@ -49,8 +50,9 @@ def _model_of(model_path: str) -> str:
 class Supervisor:
     """Keeps `server` (started) serving: `run` watches it until `stop` is set, restarting it after a fault."""
 
-    def __init__(self, server: TritonServer, start_timeout: float = 300.0,
-                 on_restart: Optional[Callable[[str], None]] = None):
+    def __init__(
+        self, server: TritonServer, start_timeout: float = 300.0, on_restart: Optional[Callable[[str], None]] = None
+    ):
         self.server = server
         self.start_timeout = start_timeout
         self.on_restart = on_restart
@@ -73,8 +75,7 @@ class Supervisor:
         live = stub_processes(self.server.started_process.pid)
         gone = {pid: model for pid, model in self.stubs.items() if pid not in live}
         if gone:
-            return "the process of " + ", ".join(f"model '{m}' (pid {p})" for p, m in sorted(gone.items())) + \
-                " died"
+            return "the process of " + ", ".join(f"model '{m}' (pid {p})" for p, m in sorted(gone.items())) + " died"
         self.stubs = live  # stubs started later (e.g. more instances) are watched from now on
         return None
 

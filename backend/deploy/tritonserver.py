@@ -3,6 +3,7 @@
 The wheel carries Triton 2.51 with its Python backend but puts no stub in `backends/python`; the stub runs Python
 in isolated mode (PYTHONPATH ignored) and finds packages through the first `python3` on PATH, and it must load the
 same libpython as the interpreter. `TritonServer` takes care of all three."""
+
 from __future__ import annotations
 
 import os
@@ -28,8 +29,9 @@ def triton_home() -> Path:
     try:
         import pytriton
     except ImportError:
-        raise ServerError("tritonserver comes from the nvidia-pytriton wheel: "
-                          "pip install nvidia-pytriton==0.7.0") from None
+        raise ServerError(
+            "tritonserver comes from the nvidia-pytriton wheel: pip install nvidia-pytriton==0.7.0"
+        ) from None
     home = Path(pytriton.__file__).parent / "tritonserver"
     if not (home / "bin" / "tritonserver").exists():
         raise ServerError(f"no tritonserver binary in {home}")
@@ -78,8 +80,15 @@ STOP_GRACE_S = 5  # past tritonserver's own exit timeout, before its process gro
 class TritonServer:
     """A running tritonserver process; use as a context manager or call start()/stop()."""
 
-    def __init__(self, repo: str | Path, ports: Optional[Ports] = None, log_file: Optional[Path] = None,
-                 log_verbose: int = 0, exit_timeout_secs: int = 10, explicit_model_control: bool = False):
+    def __init__(
+        self,
+        repo: str | Path,
+        ports: Optional[Ports] = None,
+        log_file: Optional[Path] = None,
+        log_verbose: int = 0,
+        exit_timeout_secs: int = 10,
+        explicit_model_control: bool = False,
+    ):
         self.repo = Path(repo).resolve()
         self.explicit_model_control = explicit_model_control  # every model loaded, then loadable and unloadable
         self.ports = ports or Ports()
@@ -98,18 +107,30 @@ class TritonServer:
 
     def command(self) -> list[str]:
         home = triton_home()
-        return [str(home / "bin" / "tritonserver"), "--model-repository", str(self.repo),
-                "--backend-directory", str(home / "backends"), f"--http-port={self.ports.http}",
-                f"--grpc-port={self.ports.grpc}", f"--metrics-port={self.ports.metrics}",
-                f"--exit-timeout-secs={self.exit_timeout_secs}", f"--log-verbose={self.log_verbose}"] + \
-            (["--model-control-mode=explicit", "--load-model=*"] if self.explicit_model_control else [])
+        return [
+            str(home / "bin" / "tritonserver"),
+            "--model-repository",
+            str(self.repo),
+            "--backend-directory",
+            str(home / "backends"),
+            f"--http-port={self.ports.http}",
+            f"--grpc-port={self.ports.grpc}",
+            f"--metrics-port={self.ports.metrics}",
+            f"--exit-timeout-secs={self.exit_timeout_secs}",
+            f"--log-verbose={self.log_verbose}",
+        ] + (["--model-control-mode=explicit", "--load-model=*"] if self.explicit_model_control else [])
 
     def start(self, timeout: float = 300.0) -> "TritonServer":
         prepare_python_stub(triton_home())
         output = open(self.log_file, "ab") if self.log_file else None
         # Its own process group: the stubs it starts join it, so that kill() ends them all at once.
-        self.process = subprocess.Popen(self.command(), env=server_environment(), stdout=output,
-                                        stderr=subprocess.STDOUT if output else None, start_new_session=True)
+        self.process = subprocess.Popen(
+            self.command(),
+            env=server_environment(),
+            stdout=output,
+            stderr=subprocess.STDOUT if output else None,
+            start_new_session=True,
+        )
         self.wait_ready(timeout)
         return self
 
@@ -123,8 +144,10 @@ class TritonServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.started_process.poll() is not None:
-                raise ServerError(f"tritonserver exited with code {self.started_process.returncode} while starting"
-                                  + (f"; see {self.log_file}" if self.log_file else ""))
+                raise ServerError(
+                    f"tritonserver exited with code {self.started_process.returncode} while starting"
+                    + (f"; see {self.log_file}" if self.log_file else "")
+                )
             if self.is_ready():
                 return
             time.sleep(0.5)

@@ -1,5 +1,6 @@
 """The engine seam: one protocol (`seam.Engine`, TensorRT-LLM's LLM API shape), two implementations: the embedded
 PyTorch engine (embedded/) and the TensorRT-LLM adapter (trtllm.py)."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -8,8 +9,20 @@ from .config import ConfigError, EngineConfig
 from .seam import Engine, EngineError, EngineStats, RequestHandle
 from .types import CompletionOutput, InvalidRequestError, RequestOutput, SamplingParams
 
-__all__ = ["create_engine", "choose_engine", "Engine", "EngineError", "EngineStats", "RequestHandle", "EngineConfig",
-           "ConfigError", "SamplingParams", "RequestOutput", "CompletionOutput", "InvalidRequestError"]
+__all__ = [
+    "create_engine",
+    "choose_engine",
+    "Engine",
+    "EngineError",
+    "EngineStats",
+    "RequestHandle",
+    "EngineConfig",
+    "ConfigError",
+    "SamplingParams",
+    "RequestOutput",
+    "CompletionOutput",
+    "InvalidRequestError",
+]
 
 
 def choose_engine(config: EngineConfig) -> str:

@@ -1,5 +1,6 @@
 """Engine arguments: TensorRT-LLM's `LLM()` keyword arguments (as written in `model.yaml`), parsed once into typed,
 validated objects. A key the chosen engine cannot honour is an error at load, never silently dropped."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -38,8 +39,9 @@ class KvCacheConfig:
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ConfigError(f"kv_cache_config.max_tokens must be >= 1, got {self.max_tokens}")
         if not 0 < self.free_gpu_memory_fraction <= 1:
-            raise ConfigError("kv_cache_config.free_gpu_memory_fraction must be in (0, 1], "
-                              f"got {self.free_gpu_memory_fraction}")
+            raise ConfigError(
+                f"kv_cache_config.free_gpu_memory_fraction must be in (0, 1], got {self.free_gpu_memory_fraction}"
+            )
 
 
 @dataclass
@@ -48,8 +50,10 @@ class SchedulerConfig:
 
     def validate(self) -> None:
         if self.capacity_scheduler_policy not in SCHEDULER_POLICIES:
-            raise ConfigError(f"scheduler_config.capacity_scheduler_policy must be one of {SCHEDULER_POLICIES}, "
-                              f"got {self.capacity_scheduler_policy!r}")
+            raise ConfigError(
+                f"scheduler_config.capacity_scheduler_policy must be one of {SCHEDULER_POLICIES}, "
+                f"got {self.capacity_scheduler_policy!r}"
+            )
 
 
 @dataclass
@@ -112,8 +116,13 @@ class EngineConfig:
         for name, choices in (("engine", ENGINE_CHOICES), ("dtype", DTYPE_CHOICES), ("device", DEVICE_CHOICES)):
             if getattr(self, name) not in choices:
                 raise ConfigError(f"{name} must be one of {choices}, got {getattr(self, name)!r}")
-        for name in ("max_batch_size", "max_num_tokens", "max_beam_width", "tensor_parallel_size",
-                     "pipeline_parallel_size"):
+        for name in (
+            "max_batch_size",
+            "max_num_tokens",
+            "max_beam_width",
+            "tensor_parallel_size",
+            "pipeline_parallel_size",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
@@ -128,15 +137,18 @@ class EngineConfig:
 
     def _validate_choices(self) -> None:
         """`attn_backend` and `load_format`, normalised as TensorRT-LLM reads them (any case)."""
-        for name, choices, normal in (("attn_backend", ATTN_BACKENDS, str.upper),
-                                      ("load_format", LOAD_FORMATS, str.lower)):
+        for name, choices, normal in (
+            ("attn_backend", ATTN_BACKENDS, str.upper),
+            ("load_format", LOAD_FORMATS, str.lower),
+        ):
             value = getattr(self, name)
             if not isinstance(value, str) or normal(value) not in choices:
                 raise ConfigError(f"{name} must be one of {choices}, got {value!r}")
             setattr(self, name, normal(value))
         if not isinstance(self.disable_overlap_scheduler, bool):
-            raise ConfigError("disable_overlap_scheduler must be true or false, "
-                              f"got {self.disable_overlap_scheduler!r}")
+            raise ConfigError(
+                f"disable_overlap_scheduler must be true or false, got {self.disable_overlap_scheduler!r}"
+            )
 
     def speculative_settings(self):
         """`speculative_config` typed and checked (tritonllm.spec_decode.config), or None without one."""
@@ -179,12 +191,16 @@ class EngineConfig:
         if self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1:
             problems.append("tensor/pipeline parallelism (the embedded engine runs on one device)")
         if self.attn_backend == "FLASHINFER":
-            problems.append("attn_backend='FLASHINFER' (FlashInfer is not built into the embedded engine; its "
-                            "paged-attention kernels are attn_backend: TRITON, the default on CUDA)")
+            problems.append(
+                "attn_backend='FLASHINFER' (FlashInfer is not built into the embedded engine; its "
+                "paged-attention kernels are attn_backend: TRITON, the default on CUDA)"
+            )
         spec = self.speculative_settings()
         if spec is not None and self.max_beam_width > 1:
-            problems.append(f"speculative_config with max_beam_width={self.max_beam_width} (speculative decoding "
-                            "does not combine with beam search)")
+            problems.append(
+                f"speculative_config with max_beam_width={self.max_beam_width} (speculative decoding "
+                "does not combine with beam search)"
+            )
         return problems
 
 

@@ -9,6 +9,7 @@ shape at every size (docs/benchmarks.md: unpadded, a short mixed workload spent 
 A second: without either size key, graphs go up to the engine's own `max_batch_size` where TensorRT-LLM stops at
 128 (larger batches would decode eagerly, several times slower on a GPU); above 128, padded sizes step by 64.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -34,8 +35,9 @@ class CudaGraphSettings:
         return num_rows if num_rows in self.batch_sizes else None
 
 
-def parse_cuda_graph_config(value: Any, default_max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
-                            ) -> Optional[CudaGraphSettings]:
+def parse_cuda_graph_config(
+    value: Any, default_max_batch_size: int = DEFAULT_MAX_BATCH_SIZE
+) -> Optional[CudaGraphSettings]:
     if value is None:
         return None
     if not isinstance(value, dict):
@@ -53,11 +55,14 @@ def parse_cuda_graph_config(value: Any, default_max_batch_size: int = DEFAULT_MA
     if sizes is None:
         return CudaGraphSettings(default_batch_sizes(limit or default_max_batch_size, padding), padding)
     if not isinstance(sizes, list) or not sizes or not all(_is_count(size, minimum=1) for size in sizes):
-        raise GraphSettingsError(f"cuda_graph_config.batch_sizes must be a non-empty list of integers >= 1, "
-                                 f"got {sizes!r}")
+        raise GraphSettingsError(
+            f"cuda_graph_config.batch_sizes must be a non-empty list of integers >= 1, got {sizes!r}"
+        )
     if limit and limit != max(sizes):
-        raise GraphSettingsError(f"cuda_graph_config.max_batch_size={limit} must equal the largest of batch_sizes "
-                                 f"({max(sizes)}) when both are given")
+        raise GraphSettingsError(
+            f"cuda_graph_config.max_batch_size={limit} must equal the largest of batch_sizes "
+            f"({max(sizes)}) when both are given"
+        )
     return CudaGraphSettings(tuple(sorted(set(sizes))), padding)
 
 

@@ -3,6 +3,7 @@
 `Engine` is TensorRT-LLM's LLM-API shape as this package uses it; `EmbeddedEngine` (engine/embedded/) and
 `TensorRTLLMEngine` (engine/trtllm.py) implement it, and neither imports the other. The value types of requests
 and outputs are in engine/types.py, the configuration in engine/config.py."""
+
 from __future__ import annotations
 
 import asyncio
@@ -16,10 +17,15 @@ _END = object()
 
 
 class Engine(Protocol):
-    def generate_async(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                       streaming: bool = False, request_id: Optional[int] = None,
-                       on_output: Optional[Callable[["RequestHandle", object], None]] = None,
-                       lora_request: Optional[LoRARequest] = None) -> "RequestHandle":
+    def generate_async(
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        streaming: bool = False,
+        request_id: Optional[int] = None,
+        on_output: Optional[Callable[["RequestHandle", object], None]] = None,
+        lora_request: Optional[LoRARequest] = None,
+    ) -> "RequestHandle":
         """Submit a request; a bad one raises here, on the caller's thread. `on_output` (optional) gets every
         output, or the exception that ended the request, on the engine's thread instead of the handle's queue."""
         ...
@@ -32,14 +38,11 @@ class Engine(Protocol):
         """Cancel a request; it then ends with finish_reason 'cancelled'. Unknown ids are ignored."""
         ...
 
-    def stats(self) -> "EngineStats":
-        ...
+    def stats(self) -> "EngineStats": ...
 
-    def wait_idle(self, timeout: float = 10.0) -> "EngineStats":
-        ...
+    def wait_idle(self, timeout: float = 10.0) -> "EngineStats": ...
 
-    def shutdown(self) -> None:
-        ...
+    def shutdown(self) -> None: ...
 
 
 @dataclass
@@ -60,7 +63,6 @@ class EngineStats:
     num_paused_requests: int = 0  # preempted requests waiting to be recomputed
 
 
-
 class EngineError(RuntimeError):
     """The engine failed while running a request (not the request's fault)."""
 
@@ -68,8 +70,13 @@ class EngineError(RuntimeError):
 class RequestHandle:
     """Outputs of one request: every step's update when streaming, else only the final one."""
 
-    def __init__(self, engine: "Engine", request_id: int, streaming: bool,
-                 on_output: Optional[Callable[["RequestHandle", object], None]] = None):
+    def __init__(
+        self,
+        engine: "Engine",
+        request_id: int,
+        streaming: bool,
+        on_output: Optional[Callable[["RequestHandle", object], None]] = None,
+    ):
         self.engine = engine
         self.request_id = request_id
         self.streaming = streaming

@@ -9,6 +9,7 @@ trtllm_outputs; both are pure functions. This module runs the requests. They run
 the adapter: the library's results are asyncio-based and only async-iterable when created while a loop runs, so
 `LLM.generate_async` is called on that loop and one task per request turns each library update into our
 `RequestOutput` (streaming deltas carry only the tokens not delivered before)."""
+
 from __future__ import annotations
 
 import asyncio
@@ -47,13 +48,21 @@ def import_tensorrt_llm():
 
 # -- the request handle -------------------------------------------------------------------------------------------
 
+
 class TensorRTLLMRequestHandle(RequestHandle):
     """The seam's handle (iterable, async-iterable, result(), abort()), fed with library updates
     converted to our `RequestOutput`. It remembers, per sequence, how many tokens it delivered, so a streaming
     update's `token_ids_diff` holds only new tokens whatever the library's own diff bookkeeping does."""
 
-    def __init__(self, engine: "TensorRTLLMEngine", request_id: int, prompt_token_ids: list[int],
-                 params: SamplingParams, streaming: bool, on_output: Optional[Callable] = None):
+    def __init__(
+        self,
+        engine: "TensorRTLLMEngine",
+        request_id: int,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        streaming: bool,
+        on_output: Optional[Callable] = None,
+    ):
         super().__init__(engine, request_id, streaming, on_output)
         self.prompt_token_ids = prompt_token_ids
         self.params = params
@@ -69,8 +78,9 @@ class TensorRTLLMRequestHandle(RequestHandle):
         end_id = self.params.end_id if self.params.end_id is not None else getattr(self.trtllm_params, "end_id", None)
         outputs = []
         for output in update.outputs:
-            completion = completion_from_trtllm(output, self._delivered.get(output.index, 0), self.params.stop_words,
-                                                end_id)
+            completion = completion_from_trtllm(
+                output, self._delivered.get(output.index, 0), self.params.stop_words, end_id
+            )
             if self.streaming:
                 self._delivered[output.index] = len(completion.token_ids)
             outputs.append(completion)
@@ -78,6 +88,7 @@ class TensorRTLLMRequestHandle(RequestHandle):
 
 
 # -- the loop thread ----------------------------------------------------------------------------------------------
+
 
 class _LoopThread:
     """One asyncio loop on one daemon thread; everything touching the library's results runs here."""
@@ -134,6 +145,7 @@ async def _cancel_tasks() -> None:
 
 # -- the engine ---------------------------------------------------------------------------------------------------
 
+
 class TensorRTLLMEngine:
     """generate_async / abort / stats / shutdown, as `EmbeddedEngine`, on `tensorrt_llm.LLM`."""
 
@@ -152,10 +164,15 @@ class TensorRTLLMEngine:
 
     # -- public API -----------------------------------------------------------------------------------------------
 
-    def generate_async(self, prompt_token_ids: list[int], sampling_params: SamplingParams, streaming: bool = False,
-                       request_id: Optional[int] = None,
-                       on_output: Optional[Callable[[RequestHandle, object], None]] = None,
-                       lora_request=None) -> RequestHandle:
+    def generate_async(
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        streaming: bool = False,
+        request_id: Optional[int] = None,
+        on_output: Optional[Callable[[RequestHandle, object], None]] = None,
+        lora_request=None,
+    ) -> RequestHandle:
         """Submit a request; the library's own refusals (bad arguments) raise here, as the embedded engine's do."""
         if self._stopped.is_set():
             raise EngineError("the engine has been shut down")
@@ -213,23 +230,31 @@ class TensorRTLLMEngine:
             raise InvalidRequestError("the prompt is empty: at least one input token is required")
         max_seq_len = self.config.max_seq_len
         if max_seq_len is not None and len(prompt_token_ids) + params.max_tokens > max_seq_len:
-            raise InvalidRequestError(f"prompt length {len(prompt_token_ids)} + max_tokens {params.max_tokens} "
-                                      f"exceeds max_seq_len {max_seq_len}")
+            raise InvalidRequestError(
+                f"prompt length {len(prompt_token_ids)} + max_tokens {params.max_tokens} "
+                f"exceeds max_seq_len {max_seq_len}"
+            )
         if params.priority not in (None, 0.5):  # the executor has Request.priority; the LLM API does not pass it
-            raise InvalidRequestError(f"priority={params.priority}: TensorRT-LLM's LLM API has no request priority; "
-                                      "only the embedded engine honours it (leave it out or send 0.5)")
+            raise InvalidRequestError(
+                f"priority={params.priority}: TensorRT-LLM's LLM API has no request priority; "
+                "only the embedded engine honours it (leave it out or send 0.5)"
+            )
         if params.draft_tokens:  # ExternalDraftTokensConfig is the executor's; the LLM API does not take it
-            raise InvalidRequestError("draft_input_ids (external draft tokens): TensorRT-LLM's LLM API takes no "
-                                      "per-request draft tokens; only the embedded engine verifies them")
+            raise InvalidRequestError(
+                "draft_input_ids (external draft tokens): TensorRT-LLM's LLM API takes no "
+                "per-request draft tokens; only the embedded engine verifies them"
+            )
 
     def _trtllm_lora_request(self, lora_request) -> Any:
         """The library's LoRARequest: its LLM API takes an adapter by folder (name, id, path) only."""
         if lora_request is None:
             return None
         if lora_request.lora_weights is not None or not lora_request.lora_path:
-            raise InvalidRequestError("the TensorRT-LLM engine takes LoRA adapters by folder (LoRARequest with "
-                                      "lora_path) only; lora_weights / lora_config and ids alone need the embedded "
-                                      "engine")
+            raise InvalidRequestError(
+                "the TensorRT-LLM engine takes LoRA adapters by folder (LoRARequest with "
+                "lora_path) only; lora_weights / lora_config and ids alone need the embedded "
+                "engine"
+            )
         task_id = lora_request.lora_int_id if lora_request.lora_int_id is not None else 0
         return self.trtllm.LoRARequest(lora_request.lora_name or str(task_id), task_id, lora_request.lora_path)
 
@@ -250,8 +275,12 @@ class TensorRTLLMEngine:
             raise InvalidRequestError(f"request id {handle.request_id} is already running")
         handle.trtllm_params = trtllm_sampling_params(handle.params, self.trtllm)
         # Called with this loop running: only then is the library's result async-iterable.
-        result = self.llm.generate_async(handle.prompt_token_ids, sampling_params=handle.trtllm_params,
-                                         streaming=handle.streaming, lora_request=handle.trtllm_lora)
+        result = self.llm.generate_async(
+            handle.prompt_token_ids,
+            sampling_params=handle.trtllm_params,
+            streaming=handle.streaming,
+            lora_request=handle.trtllm_lora,
+        )
         self._results[handle.request_id] = result
         self._tasks[handle.request_id] = self._loop.loop.create_task(self._drive(handle, result))
 

@@ -1,6 +1,7 @@
 """What the TensorRT-LLM adapter hands the library: `LLM(...)` keyword arguments for our `EngineConfig`
 (`llm_kwargs`) and `tensorrt_llm.SamplingParams` for ours (`trtllm_sampling_params`). Pure functions, built with the
 library's own config classes (`trtllm` is the imported module, or the tests' recording stand-in)."""
+
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -15,6 +16,7 @@ BAD_WORD_PREFIX = "\x00tritonllm-bad-word-"
 
 
 # -- EngineConfig -> LLM(...) -------------------------------------------------------------------------------------
+
 
 def llm_kwargs(config: EngineConfig, trtllm: Any) -> dict[str, Any]:
     """`LLM(**kwargs)` for `config`, built with the library's own config classes.
@@ -41,8 +43,12 @@ def llm_kwargs(config: EngineConfig, trtllm: Any) -> dict[str, Any]:
 
 def trtllm_kv_cache_config(config: EngineConfig, trtllm: Any) -> Any:
     kv = config.kv_cache_config
-    return trtllm.KvCacheConfig(enable_block_reuse=kv.enable_block_reuse, tokens_per_block=kv.tokens_per_block,
-                                max_tokens=kv.max_tokens, free_gpu_memory_fraction=kv.free_gpu_memory_fraction)
+    return trtllm.KvCacheConfig(
+        enable_block_reuse=kv.enable_block_reuse,
+        tokens_per_block=kv.tokens_per_block,
+        max_tokens=kv.max_tokens,
+        free_gpu_memory_fraction=kv.free_gpu_memory_fraction,
+    )
 
 
 def trtllm_scheduler_config(config: EngineConfig, trtllm: Any) -> Any:
@@ -52,8 +58,13 @@ def trtllm_scheduler_config(config: EngineConfig, trtllm: Any) -> Any:
 
 def _optional_llm_kwargs(config: EngineConfig) -> dict[str, Any]:
     """Settings passed only when set, so the library's own defaults apply otherwise."""
-    optional = {"tokenizer": config.tokenizer, "max_seq_len": config.max_seq_len, "backend": config.backend,
-                "lora_config": config.lora_config, "speculative_config": config.speculative_config}
+    optional = {
+        "tokenizer": config.tokenizer,
+        "max_seq_len": config.max_seq_len,
+        "backend": config.backend,
+        "lora_config": config.lora_config,
+        "speculative_config": config.speculative_config,
+    }
     kwargs: dict[str, Any] = {key: value for key, value in optional.items() if value is not None}
     if config.speculative_config is not None:
         _check_speculative_config(config.speculative_config)
@@ -61,8 +72,10 @@ def _optional_llm_kwargs(config: EngineConfig) -> dict[str, Any]:
         kwargs["enable_lora"] = True
     # Our defaults are TensorRT-LLM's: passed only when changed. Its validator reads load_format by name.
     if config.attn_backend == "TRITON":
-        raise ConfigError("attn_backend='TRITON' names the embedded engine's kernels; TensorRT-LLM takes TRTLLM, "
-                          "FLASHINFER or VANILLA (or use engine: embedded)")
+        raise ConfigError(
+            "attn_backend='TRITON' names the embedded engine's kernels; TensorRT-LLM takes TRTLLM, "
+            "FLASHINFER or VANILLA (or use engine: embedded)"
+        )
     if config.attn_backend != "TRTLLM":
         kwargs["attn_backend"] = config.attn_backend
     if config.disable_overlap_scheduler:
@@ -85,13 +98,17 @@ def _check_speculative_config(spec: dict[str, Any]) -> None:
 
     ours = [key for key in EMBEDDED_SPEC_KEYS if key in spec]
     if ours:
-        raise ConfigError(f"speculative_config.{ours[0]} is an extension of the embedded engine; TensorRT-LLM has "
-                          "no such setting (remove it, or use engine: embedded)")
+        raise ConfigError(
+            f"speculative_config.{ours[0]} is an extension of the embedded engine; TensorRT-LLM has "
+            "no such setting (remove it, or use engine: embedded)"
+        )
     folder = str(spec.get("speculative_model_dir") or "")
     if folder.startswith(BUILTIN_PREFIX):
-        raise ConfigError(f"speculative_config.speculative_model_dir={folder}: the drafters shipped with tritonllm "
-                          "use its own checkpoint-format extensions, which TensorRT-LLM cannot load (use engine: "
-                          "embedded, or a Medusa / EAGLE checkpoint in the standard format)")
+        raise ConfigError(
+            f"speculative_config.speculative_model_dir={folder}: the drafters shipped with tritonllm "
+            "use its own checkpoint-format extensions, which TensorRT-LLM cannot load (use engine: "
+            "embedded, or a Medusa / EAGLE checkpoint in the standard format)"
+        )
 
 
 def _with_passthrough(kwargs: dict[str, Any], extra: dict[str, Any]) -> dict[str, Any]:
@@ -104,6 +121,7 @@ def _with_passthrough(kwargs: dict[str, Any], extra: dict[str, Any]) -> dict[str
 
 # -- SamplingParams -> tensorrt_llm.SamplingParams ----------------------------------------------------------------
 
+
 def trtllm_sampling_params(params: SamplingParams, trtllm: Any) -> Any:
     """The library's `SamplingParams` for ours.
 
@@ -113,20 +131,33 @@ def trtllm_sampling_params(params: SamplingParams, trtllm: Any) -> Any:
     `TensorRTLLMEngine._resolve_end_id`), or the library's setup would re-encode the placeholders over our ids.
     Stop tokens stay in the output (`include_stop_str_in_output`), as the embedded engine keeps them."""
     sampling = trtllm.SamplingParams(
-        end_id=params.end_id, pad_id=params.pad_id, max_tokens=params.max_tokens, n=params.n,
-        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=params.seed,
-        min_tokens=params.min_tokens, repetition_penalty=params.repetition_penalty,
-        presence_penalty=params.presence_penalty, frequency_penalty=params.frequency_penalty,
-        length_penalty=params.length_penalty, early_stopping=params.early_stopping,
+        end_id=params.end_id,
+        pad_id=params.pad_id,
+        max_tokens=params.max_tokens,
+        n=params.n,
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        seed=params.seed,
+        min_tokens=params.min_tokens,
+        repetition_penalty=params.repetition_penalty,
+        presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty,
+        length_penalty=params.length_penalty,
+        early_stopping=params.early_stopping,
         stop_token_ids=list(params.stop_token_ids) if params.stop_token_ids else None,
         embedding_bias=_embedding_bias_tensor(params.embedding_bias),
         # Top-1 logprobs: the library returns the sampled token's logprob among them.
         logprobs=1 if params.logprobs else None,
-        ignore_eos=params.ignore_eos, return_perf_metrics=params.return_perf_metrics,
+        ignore_eos=params.ignore_eos,
+        return_perf_metrics=params.return_perf_metrics,
         # Triton's pre/postprocessing models own the text; the engine works on token ids only.
-        detokenize=False, include_stop_str_in_output=True,
+        detokenize=False,
+        include_stop_str_in_output=True,
         lookahead_config=_lookahead_config(params.lookahead_config, trtllm),
-        **_beam_search_kwargs(params.beam_width), **_word_placeholders(params))
+        **_beam_search_kwargs(params.beam_width),
+        **_word_placeholders(params),
+    )
     if params.stop_words:
         sampling._stop_word_ids = [list(word) for word in params.stop_words]
     if params.bad_words:

@@ -4,6 +4,7 @@
 `tensorrt_llm.executor.result.CompletionOutput` and `GenerationResult`, so that the Triton models speak one
 vocabulary whichever engine runs behind them. The engine works on token ids only: text is the tokenizer's job.
 """
+
 from __future__ import annotations
 
 import math
@@ -80,27 +81,42 @@ class SamplingParams:
 
     def validate(self, max_seq_len: Optional[int] = None) -> None:
         """Raise `InvalidRequestError` naming the first field that breaks its rule."""
-        _require(isinstance(self.max_tokens, int) and self.max_tokens > 0,
-                 f"max_tokens must be an integer > 0, got {self.max_tokens!r}")
+        _require(
+            isinstance(self.max_tokens, int) and self.max_tokens > 0,
+            f"max_tokens must be an integer > 0, got {self.max_tokens!r}",
+        )
         if max_seq_len is not None:
-            _require(self.max_tokens < max_seq_len,
-                     f"max_tokens={self.max_tokens} must be less than max_seq_len={max_seq_len}")
+            _require(
+                self.max_tokens < max_seq_len,
+                f"max_tokens={self.max_tokens} must be less than max_seq_len={max_seq_len}",
+            )
         _require(self.n >= 1, f"n (num_return_sequences) must be >= 1, got {self.n}")
-        _require(isinstance(self.beam_width, int) and self.beam_width >= 1,
-                 f"beam_width must be an integer >= 1, got {self.beam_width!r}")
+        _require(
+            isinstance(self.beam_width, int) and self.beam_width >= 1,
+            f"beam_width must be an integer >= 1, got {self.beam_width!r}",
+        )
         if self.beam_width > 1:
-            _require(self.n <= self.beam_width, f"n (num_return_sequences) = {self.n} must not exceed "
-                     f"beam_width = {self.beam_width}: beam search returns at most beam_width beams")
-            _require(not self.return_generation_logits,
-                     "return_generation_logits is not supported with beam search (beam_width > 1)")
+            _require(
+                self.n <= self.beam_width,
+                f"n (num_return_sequences) = {self.n} must not exceed "
+                f"beam_width = {self.beam_width}: beam search returns at most beam_width beams",
+            )
+            _require(
+                not self.return_generation_logits,
+                "return_generation_logits is not supported with beam search (beam_width > 1)",
+            )
         if self.priority is not None:
-            _require(math.isfinite(self.priority) and 0 <= self.priority <= 1,
-                     f"priority must be in [0, 1], got {self.priority}")
+            _require(
+                math.isfinite(self.priority) and 0 <= self.priority <= 1,
+                f"priority must be in [0, 1], got {self.priority}",
+            )
         if self.length_penalty is not None:
             _require(math.isfinite(self.length_penalty), f"length_penalty must be finite, got {self.length_penalty}")
         if self.temperature is not None:
-            _require(math.isfinite(self.temperature) and self.temperature >= 0,
-                     f"temperature must be >= 0, got {self.temperature}")
+            _require(
+                math.isfinite(self.temperature) and self.temperature >= 0,
+                f"temperature must be >= 0, got {self.temperature}",
+            )
         if self.top_p is not None:
             _require(0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k is not None:
@@ -117,19 +133,27 @@ class SamplingParams:
 
     def _validate_draft(self) -> None:
         if not self.draft_tokens:
-            _require(self.draft_logits is None and self.draft_acceptance_threshold is None,
-                     "draft_logits / draft_acceptance_threshold need draft_input_ids (draft_tokens)")
+            _require(
+                self.draft_logits is None and self.draft_acceptance_threshold is None,
+                "draft_logits / draft_acceptance_threshold need draft_input_ids (draft_tokens)",
+            )
             return
-        _require(self.beam_width == 1, "draft tokens (draft_input_ids) are not supported with beam search "
-                                       f"(beam_width={self.beam_width})")
+        _require(
+            self.beam_width == 1,
+            f"draft tokens (draft_input_ids) are not supported with beam search (beam_width={self.beam_width})",
+        )
         num = len(self.draft_tokens)
         if self.draft_logits is not None:
             shape = tuple(self.draft_logits.shape)
-            _require(len(shape) == 2 and shape[0] == num, f"draft_logits must be [{num}, vocab] for {num} draft "
-                                                          f"tokens, got {list(shape)}")
+            _require(
+                len(shape) == 2 and shape[0] == num,
+                f"draft_logits must be [{num}, vocab] for {num} draft tokens, got {list(shape)}",
+            )
         if self.draft_acceptance_threshold is not None:
-            _require(0 <= self.draft_acceptance_threshold <= 1, "draft_acceptance_threshold must be in [0, 1], "
-                                                                f"got {self.draft_acceptance_threshold}")
+            _require(
+                0 <= self.draft_acceptance_threshold <= 1,
+                f"draft_acceptance_threshold must be in [0, 1], got {self.draft_acceptance_threshold}",
+            )
 
 
 @dataclass
@@ -174,15 +198,15 @@ class CompletionOutput:
 
     @property
     def token_ids_diff(self) -> list[int]:
-        return self.token_ids[self._diff_start:]
+        return self.token_ids[self._diff_start :]
 
     @property
     def logprobs_diff(self) -> list[float]:
-        return self.logprobs[self._diff_start:]
+        return self.logprobs[self._diff_start :]
 
     @property
     def generation_logits_diff(self) -> Optional["torch.Tensor"]:
-        return None if self.generation_logits is None else self.generation_logits[self._diff_start:]
+        return None if self.generation_logits is None else self.generation_logits[self._diff_start :]
 
 
 @dataclass

@@ -1,5 +1,6 @@
 """The `tensorrt_llm_bls` Triton model: text in, text out through preprocessing, tensorrt_llm and
 postprocessing, orchestrated here (see tritonllm.bls for the design)."""
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,13 @@ class TritonPythonModel:
         config = BlsConfig.from_model_config(json.loads(args["model_config"]))
         transport = _transport(config, config.llm_model_name)
         draft = _transport(config, config.draft_model_name) if config.draft_model_name else None
-        self.inflight = BlsInflightRequests(transport, config.decoupled, config.accumulate_tokens,
-                                config.cancellation_check_period_ms, draft_transport=draft)
+        self.inflight = BlsInflightRequests(
+            transport,
+            config.decoupled,
+            config.accumulate_tokens,
+            config.cancellation_check_period_ms,
+            draft_transport=draft,
+        )
 
     def execute(self, requests):
         for request in requests:

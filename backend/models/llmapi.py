@@ -3,6 +3,7 @@
 Everything is configured by `1/model.yaml`: engine arguments (TensorRT-LLM `LLM()` keys) and `triton_config`
 (max_batch_size, decoupled), which `auto_complete_config` hands to Triton, as TensorRT-LLM's llmapi model does.
 It exports the same metrics as the token-level `tensorrt_llm` model (docs/metrics.md)."""
+
 from __future__ import annotations
 
 import json
@@ -34,11 +35,18 @@ class TritonPythonModel(EngineBackedModel):
         model_config = json.loads(args["model_config"])
         settings = load_llmapi_settings(pb_utils().get_model_dir(), model_config)
         decoupled = is_decoupled(model_config)  # what Triton runs, as auto_complete_config set it
-        log.info("starting the %s engine for %s from %s (decoupled=%s)", choose_engine(settings.engine),
-                 settings.engine.model, settings.yaml_path, decoupled)
+        log.info(
+            "starting the %s engine for %s from %s (decoupled=%s)",
+            choose_engine(settings.engine),
+            settings.engine.model,
+            settings.yaml_path,
+            decoupled,
+        )
         tokenizer = load_llmapi_tokenizer(settings)
+
         def inflight(engine, on_finished):
-            return LLMAPIInflightRequests(engine, tokenizer, decoupled, settings.cancellation_check_period_ms,
-                                          on_finished=on_finished)
+            return LLMAPIInflightRequests(
+                engine, tokenizer, decoupled, settings.cancellation_check_period_ms, on_finished=on_finished
+            )
 
         self.start(settings.engine, args, settings.stats_check_period_ms, inflight)

@@ -7,6 +7,7 @@ the few tokens that preceded them (`PREFIX_IDS`) and whether the chunk is the la
 A request that Triton marks cancelled (its ensemble request was) is still answered, so that Triton 2.51 can
 complete the ensemble request, and its `CANCEL_KEY` stops the generation behind it (`triton.stop_channel`).
 """
+
 from __future__ import annotations
 
 import json
@@ -52,11 +53,12 @@ def read_request(request: Any) -> PostprocessingRequest:
     batch, beams = tokens.shape[:2]
     lengths = pb.required_input(request, "SEQUENCE_LENGTH", "INT32")
     if lengths.shape != (batch, beams):
-        raise pb.InputError("SEQUENCE_LENGTH", f"must have shape {[batch, beams]} (batch, beams of TOKENS_BATCH), "
-                                               f"got {list(lengths.shape)}")
+        raise pb.InputError(
+            "SEQUENCE_LENGTH",
+            f"must have shape {[batch, beams]} (batch, beams of TOKENS_BATCH), got {list(lengths.shape)}",
+        )
     return PostprocessingRequest(
-        sequences=[[_sequence(tokens[b, beam], int(lengths[b, beam])) for beam in range(beams)]
-                   for b in range(batch)],
+        sequences=[[_sequence(tokens[b, beam], int(lengths[b, beam])) for beam in range(beams)] for b in range(batch)],
         prefixes=_prefixes(request, batch, beams),
         is_final=_is_final(request, batch),
     )
@@ -64,8 +66,9 @@ def read_request(request: Any) -> PostprocessingRequest:
 
 def _sequence(tokens: np.ndarray, length: int) -> list[int]:
     if not 0 <= length <= tokens.shape[0]:
-        raise pb.InputError("SEQUENCE_LENGTH", f"must be between 0 and {tokens.shape[0]} (the TOKENS_BATCH width), "
-                                               f"got {length}")
+        raise pb.InputError(
+            "SEQUENCE_LENGTH", f"must be between 0 and {tokens.shape[0]} (the TOKENS_BATCH width), got {length}"
+        )
     sequence = tokens[:length].tolist()
     if any(token < 0 for token in sequence):
         raise pb.InputError("TOKENS_BATCH", "must not hold negative token ids within SEQUENCE_LENGTH")
@@ -78,8 +81,9 @@ def _prefixes(request: Any, batch: int, beams: int) -> Optional[list[list[list[i
         return None
     if prefix_ids.ndim != 3 or prefix_ids.shape[:2] != (batch, beams):
         raise pb.InputError("PREFIX_IDS", f"must have shape {[batch, beams, 'K']}, got {list(prefix_ids.shape)}")
-    return [[[int(t) for t in prefix_ids[b, beam] if t != PREFIX_PADDING] for beam in range(beams)]
-            for b in range(batch)]
+    return [
+        [[int(t) for t in prefix_ids[b, beam] if t != PREFIX_PADDING] for beam in range(beams)] for b in range(batch)
+    ]
 
 
 def _is_final(request: Any, batch: int) -> list[bool]:
@@ -99,7 +103,7 @@ class Postprocessor:
     def stop_generation(self, request: Any) -> None:
         """Send the request's CANCEL_KEY (once) to the tensorrt_llm instance that generates its tokens."""
         keys = pb.optional_input(request, "CANCEL_KEY")
-        for key in ([] if keys is None else {bytes(k).decode("ascii", "replace") for k in keys.reshape(-1)}):
+        for key in [] if keys is None else {bytes(k).decode("ascii", "replace") for k in keys.reshape(-1)}:
             if key in self.stopped_keys:
                 continue
             self.stopped_keys[key] = None
@@ -115,8 +119,15 @@ class Postprocessor:
                 if inputs.prefixes is None:
                     texts.append(tok.decode_ids(self.tokenizer, sequence, self.skip_special_tokens))
                 else:
-                    texts.append(tok.detokenize_delta(self.tokenizer, inputs.prefixes[b][beam], sequence,
-                                                      inputs.is_final[b], self.skip_special_tokens))
+                    texts.append(
+                        tok.detokenize_delta(
+                            self.tokenizer,
+                            inputs.prefixes[b][beam],
+                            sequence,
+                            inputs.is_final[b],
+                            self.skip_special_tokens,
+                        )
+                    )
         return texts
 
     def respond(self, request: Any) -> Any:

@@ -4,6 +4,7 @@ Contract: interface-contract.md section 1.1. The model repository's `preprocessi
 `TritonPythonModel` from here. Encoder-decoder, multimodal and p-tuning inputs are refused per request with an
 error naming the input, instead of being half-supported.
 """
+
 from __future__ import annotations
 
 import json
@@ -127,8 +128,10 @@ class Preprocessor:
 
     def respond(self, request: Any) -> Any:
         """The response to one request: its outputs, or an error naming the bad input."""
-        return pb.respond("preprocessing", lambda: [
-            pb.output_tensor(name, array) for name, array in self.outputs(read_request(request)).items()])
+        return pb.respond(
+            "preprocessing",
+            lambda: [pb.output_tensor(name, array) for name, array in self.outputs(read_request(request)).items()],
+        )
 
 
 class TritonPythonModel:
@@ -148,4 +151,3 @@ class TritonPythonModel:
 
     def finalize(self) -> None:
         self.preprocessor = None
-

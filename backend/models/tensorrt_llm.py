@@ -1,4 +1,5 @@
 """The `tensorrt_llm` Triton model: token ids in, token ids out, an engine behind TensorRT-LLM's LLM-API seam."""
+
 from __future__ import annotations
 
 import json
@@ -22,10 +23,20 @@ class TritonPythonModel(EngineBackedModel):
         model_config = json.loads(args["model_config"])
         model_dir = Path(args["model_repository"])
         settings = load_tensorrt_llm_settings(model_config, model_dir)
-        log.info("starting the %s engine for %s (decoupled=%s)", choose_engine(settings.engine),
-                 settings.engine.model, settings.decoupled)
+        log.info(
+            "starting the %s engine for %s (decoupled=%s)",
+            choose_engine(settings.engine),
+            settings.engine.model,
+            settings.decoupled,
+        )
+
         def inflight(engine, on_finished):
-            return LLMInflightRequests(engine, settings.decoupled, settings.exclude_input_in_output,
-                                       settings.cancellation_check_period_ms, on_finished=on_finished)
+            return LLMInflightRequests(
+                engine,
+                settings.decoupled,
+                settings.exclude_input_in_output,
+                settings.cancellation_check_period_ms,
+                on_finished=on_finished,
+            )
 
         self.start(settings.engine, args, settings.stats_check_period_ms, inflight)

@@ -6,6 +6,7 @@ stream carrying one. An error after that goes into the stream as an `{"error": .
 
 Client disconnects: uvicorn (ASGI spec 2.3) lets Starlette cancel a streaming response when its client goes
 away; a whole answer is watched here. Either way the generation's Triton call is cancelled."""
+
 from __future__ import annotations
 
 import asyncio
@@ -63,8 +64,9 @@ def create_app(config: FrontendConfig, service: Optional[OpenAIService] = None) 
     @app.get("/health")
     async def health():
         if not await service.ready():
-            raise ServiceUnavailable(f"Triton at {config.triton_url} or its model '{config.backend_model}' is "
-                                     "not ready")
+            raise ServiceUnavailable(
+                f"Triton at {config.triton_url} or its model '{config.backend_model}' is not ready"
+            )
         return {"status": "ok"}
 
     @app.get("/metrics")
@@ -95,6 +97,7 @@ def _error_handlers(app: FastAPI) -> None:
 
 # ---------------------------------------------------------------------------------------------- generation
 
+
 class RequestRecord:
     """Metrics of one generation request: its status, latency, first token and token counts."""
 
@@ -113,9 +116,14 @@ class RequestRecord:
     def done(self, status: int, generation: Optional[Generation] = None) -> None:
         self.metrics.in_flight.labels(self.endpoint).dec()
         usage = generation.usage if generation is not None else None
-        self.metrics.finished(self.endpoint, self.model, status, time.monotonic() - self.start,
-                              usage.prompt_tokens if usage else 0,
-                              generation.completion_tokens if generation is not None else 0)
+        self.metrics.finished(
+            self.endpoint,
+            self.model,
+            status,
+            time.monotonic() - self.start,
+            usage.prompt_tokens if usage else 0,
+            generation.completion_tokens if generation is not None else 0,
+        )
 
 
 async def _generate(request: Request, service: OpenAIService, metrics: FrontendMetrics, chat: bool):
@@ -141,8 +149,7 @@ async def _json(request: Request) -> Any:
         raise BadRequest("the request body is not valid JSON") from None
 
 
-async def _whole(request: Request, generation: Generation, builder: AnswerBuilder,
-                 record: RequestRecord) -> Response:
+async def _whole(request: Request, generation: Generation, builder: AnswerBuilder, record: RequestRecord) -> Response:
     choices = [ChoiceText() for _ in range(len(generation.prompts) * generation.request.n)]
 
     async def collect():
@@ -187,12 +194,20 @@ async def _stream(generation: Generation, builder: AnswerBuilder, record: Reques
     except BaseException:
         await events.aclose()
         raise
-    return StreamingResponse(_sse(events, first, generation, builder, record), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamingResponse(
+        _sse(events, first, generation, builder, record),
+        media_type="text/event-stream",
+        headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
+    )
 
 
-async def _sse(events: AsyncGenerator[ChoiceEvent, None], first: Optional[ChoiceEvent], generation: Generation,
-               builder: AnswerBuilder, record: RequestRecord) -> AsyncIterator[bytes]:
+async def _sse(
+    events: AsyncGenerator[ChoiceEvent, None],
+    first: Optional[ChoiceEvent],
+    generation: Generation,
+    builder: AnswerBuilder,
+    record: RequestRecord,
+) -> AsyncIterator[bytes]:
     status = CLIENT_CLOSED_REQUEST  # unless the stream gets to its end
     sent: dict[int, int] = {}  # characters sent per choice, for text completions' text_offset
     try:

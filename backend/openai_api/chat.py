@@ -4,6 +4,7 @@ The frontend renders with `apply_chat_template(messages, tokenize=False, add_gen
 the text to the backend model, whose preprocessing step tokenizes it again with `add_special_tokens` (the
 repository default). A template that writes the BOS token itself would then get it twice, so a leading BOS is
 taken off the rendered text whenever the tokenizer adds one on its own."""
+
 from __future__ import annotations
 
 import json
@@ -35,14 +36,15 @@ class ChatTemplate:
         try:
             text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         except Exception as error:  # jinja2 TemplateError (raise_exception in the template) and friends
-            raise BadRequest(f"the model's chat template cannot render these messages: {error}",
-                             param="messages") from None
+            raise BadRequest(
+                f"the model's chat template cannot render these messages: {error}", param="messages"
+            ) from None
         return self.without_leading_bos(text)
 
     def without_leading_bos(self, text: str) -> str:
         bos = self.tokenizer.bos_token
         if self.adds_bos and bos and text.startswith(bos):
-            return text[len(bos):]
+            return text[len(bos) :]
         return text
 
 

@@ -1,4 +1,5 @@
 """The frontend's settings, checked once at start-up."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -27,11 +28,14 @@ class FrontendConfig:
         if ":" not in self.triton_url or not self.triton_url.rsplit(":", 1)[1].isdigit():
             raise FrontendConfigError(f"--triton-url must be HOST:GRPC_PORT, got '{self.triton_url}'")
         if not (self.model_dir / "config.json").is_file():
-            raise FrontendConfigError(f"--model-dir {self.model_dir} has no config.json: give the Hugging Face "
-                                      "folder the Triton repository was built from")
+            raise FrontendConfigError(
+                f"--model-dir {self.model_dir} has no config.json: give the Hugging Face "
+                "folder the Triton repository was built from"
+            )
         if self.backend_model not in BACKEND_MODELS:
-            raise FrontendConfigError(f"--backend-model must be one of {', '.join(BACKEND_MODELS)}, "
-                                      f"got '{self.backend_model}'")
+            raise FrontendConfigError(
+                f"--backend-model must be one of {', '.join(BACKEND_MODELS)}, got '{self.backend_model}'"
+            )
         if not self.served_model_name:
             raise FrontendConfigError("--served-model-name must not be empty")
         names = (self.served_model_name, *self.lora_names)

@@ -7,6 +7,7 @@ Status codes used (and nothing else):
   422 a valid OpenAI field asking for something this server cannot do yet (code `unsupported_parameter`);
   500 the backend model failed on a request it accepted;
   503 Triton unreachable, or the backend model not ready (code `service_unavailable`)."""
+
 from __future__ import annotations
 
 from typing import Any, Optional
@@ -41,8 +42,9 @@ class ModelNotFound(OpenAIError):
     code = "model_not_found"
 
     def __init__(self, model: str):
-        super().__init__(f"The model '{model}' does not exist on this server; GET /v1/models lists those it serves.",
-                         param="model")
+        super().__init__(
+            f"The model '{model}' does not exist on this server; GET /v1/models lists those it serves.", param="model"
+        )
 
 
 class Unsupported(OpenAIError):

@@ -8,6 +8,7 @@ with the model's tokenizer, as the preprocessing step counts them.
 
 `n` samples go as one request with `num_return_sequences` (the engine seeds sequence i with seed + i, so the
 samples are independent and reproducible); several prompts go as one request each, run concurrently."""
+
 from __future__ import annotations
 
 import asyncio
@@ -45,8 +46,11 @@ class Usage:
         return self.prompt_tokens + self.completion_tokens
 
     def as_dict(self) -> dict[str, int]:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": self.completion_tokens,
-                "total_tokens": self.total_tokens}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.total_tokens,
+        }
 
 
 class Choice:
@@ -83,15 +87,23 @@ class PreparedPrompt:
 class Generation:
     """One OpenAI request in flight. Iterate `events()` once; `usage` is complete when it ends."""
 
-    def __init__(self, client: TritonClient, backend_model: str, request: GenerationRequest,
-                 prompts: list[PreparedPrompt], extra_inputs: Optional[dict[str, np.ndarray]] = None):
+    def __init__(
+        self,
+        client: TritonClient,
+        backend_model: str,
+        request: GenerationRequest,
+        prompts: list[PreparedPrompt],
+        extra_inputs: Optional[dict[str, np.ndarray]] = None,
+    ):
         self.client = client
         self.extra_inputs = extra_inputs or {}  # the LoRA adapter's lora_name, for one
         self.backend_model = backend_model
         self.request = request
         self.prompts = prompts
-        self.choices = [[Choice(p * request.n + s, request.stop, prompt.max_tokens) for s in range(request.n)]
-                        for p, prompt in enumerate(prompts)]
+        self.choices = [
+            [Choice(p * request.n + s, request.stop, prompt.max_tokens) for s in range(request.n)]
+            for p, prompt in enumerate(prompts)
+        ]
         self.usage = Usage(prompt_tokens=sum(prompt.prompt_tokens for prompt in prompts))
 
     @property
@@ -149,10 +161,14 @@ def backend_inputs(prompt: PreparedPrompt, request: GenerationRequest) -> dict[s
         "return_log_probs": _scalar(True, np.bool_),
         "temperature": _scalar(sampling.temperature, np.float32),
     }
-    optional = {"top_p": (sampling.top_p, np.float32), "top_k": (sampling.top_k, np.int32),
-                "seed": (sampling.seed, np.uint64), "presence_penalty": (sampling.presence_penalty, np.float32),
-                "frequency_penalty": (sampling.frequency_penalty, np.float32),
-                "min_tokens": (sampling.min_tokens, np.int32)}
+    optional = {
+        "top_p": (sampling.top_p, np.float32),
+        "top_k": (sampling.top_k, np.int32),
+        "seed": (sampling.seed, np.uint64),
+        "presence_penalty": (sampling.presence_penalty, np.float32),
+        "frequency_penalty": (sampling.frequency_penalty, np.float32),
+        "min_tokens": (sampling.min_tokens, np.int32),
+    }
     for name, (value, dtype) in optional.items():
         if value is not None:
             inputs[name] = _scalar(value, dtype)
@@ -168,18 +184,25 @@ def _scalar(value, dtype) -> np.ndarray:
     return np.array([[value]], dtype=dtype)
 
 
-def prepare_prompt(text: str, prompt_tokens: int, max_tokens: Optional[int], context_length: int,
-                   prompt_param: str) -> PreparedPrompt:
+def prepare_prompt(
+    text: str, prompt_tokens: int, max_tokens: Optional[int], context_length: int, prompt_param: str
+) -> PreparedPrompt:
     """The prompt with its token budget; PromptTooLong when it does not fit the model's context."""
     if prompt_tokens >= context_length:
-        raise PromptTooLong(f"the prompt has {prompt_tokens} tokens, but this model's context holds "
-                            f"{context_length} (prompt and completion together)", param=prompt_param)
+        raise PromptTooLong(
+            f"the prompt has {prompt_tokens} tokens, but this model's context holds "
+            f"{context_length} (prompt and completion together)",
+            param=prompt_param,
+        )
     if max_tokens is None:
         return PreparedPrompt(text, prompt_tokens, context_length - prompt_tokens)
     if prompt_tokens + max_tokens > context_length:
-        raise PromptTooLong(f"the prompt has {prompt_tokens} tokens and {max_tokens} more were asked for, but "
-                            f"this model's context holds {context_length}: shorten the prompt or lower "
-                            f"max_tokens", param="max_tokens")
+        raise PromptTooLong(
+            f"the prompt has {prompt_tokens} tokens and {max_tokens} more were asked for, but "
+            f"this model's context holds {context_length}: shorten the prompt or lower "
+            f"max_tokens",
+            param="max_tokens",
+        )
     return PreparedPrompt(text, prompt_tokens, max_tokens)
 
 

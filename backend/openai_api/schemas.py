@@ -4,6 +4,7 @@ the rest of the frontend uses (`Sampling`, `GenerationRequest`).
 Unknown fields are ignored (clients send vendor extras); known fields this server cannot honour are refused
 with a 422 naming them, never silently dropped. `top_k` and `min_tokens` are accepted as extensions (send them
 with the `openai` client's `extra_body`)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -99,6 +100,7 @@ class CompletionBody(_GenerationBody):
 
 # ---------------------------------------------------------------------------------------------- typed results
 
+
 @dataclass(frozen=True)
 class Sampling:
     """What the backend model gets besides the prompt. `max_tokens` None: as many as the context allows."""
@@ -144,21 +146,30 @@ def _is_type_tag(part: Any) -> bool:
     """pydantic puts the union member it tried into an error's location ("str", "list[str]", "TextPart"); the
     field path a client knows has only field names (snake_case) and list indices."""
     text = str(part)
-    return isinstance(part, str) and (text in ("str", "int", "float", "bool") or "[" in text or "-" in text
-                                      or text[:1].isupper())
+    return isinstance(part, str) and (
+        text in ("str", "int", "float", "bool") or "[" in text or "-" in text or text[:1].isupper()
+    )
 
 
 def sampling_of(body: _GenerationBody, max_tokens: Optional[int]) -> Sampling:
     if body.logit_bias:
         raise Unsupported("logit_bias is not supported yet", param="logit_bias")
     if body.min_tokens is not None and max_tokens is not None and body.min_tokens > max_tokens:
-        raise BadRequest(f"min_tokens ({body.min_tokens}) must not exceed max_tokens ({max_tokens})",
-                         param="min_tokens")
+        raise BadRequest(
+            f"min_tokens ({body.min_tokens}) must not exceed max_tokens ({max_tokens})", param="min_tokens"
+        )
     # OpenAI samples at temperature 1 when none is given (the backend's own default would be greedy).
     temperature = 1.0 if body.temperature is None else body.temperature
-    return Sampling(max_tokens=max_tokens, temperature=temperature, top_p=body.top_p, top_k=body.top_k,
-                    seed=body.seed, presence_penalty=body.presence_penalty,
-                    frequency_penalty=body.frequency_penalty, min_tokens=body.min_tokens)
+    return Sampling(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=body.top_p,
+        top_k=body.top_k,
+        seed=body.seed,
+        presence_penalty=body.presence_penalty,
+        frequency_penalty=body.frequency_penalty,
+        min_tokens=body.min_tokens,
+    )
 
 
 def stop_strings(body: _GenerationBody) -> tuple[str, ...]:
@@ -189,8 +200,9 @@ def check_completion_fields(body: CompletionBody) -> None:
     if body.best_of is not None and body.best_of != body.n:
         raise Unsupported("best_of other than n is not supported", param="best_of")
     if body.logprobs:
-        raise Unsupported("the backend returns the log-probability of each chosen token only: logprobs must be 0",
-                          param="logprobs")
+        raise Unsupported(
+            "the backend returns the log-probability of each chosen token only: logprobs must be 0", param="logprobs"
+        )
 
 
 def check_chat_fields(body: ChatCompletionBody) -> None:
@@ -199,8 +211,10 @@ def check_chat_fields(body: ChatCompletionBody) -> None:
     if body.response_format and body.response_format.get("type", "text") != "text":
         raise Unsupported("only response_format type 'text' is supported", param="response_format.type")
     if body.top_logprobs:
-        raise Unsupported("the backend returns the log-probability of each chosen token only: top_logprobs must "
-                          "be 0", param="top_logprobs")
+        raise Unsupported(
+            "the backend returns the log-probability of each chosen token only: top_logprobs must be 0",
+            param="top_logprobs",
+        )
     if body.top_logprobs is not None and not body.logprobs:
         raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
 
@@ -214,8 +228,10 @@ def chat_messages(body: ChatCompletionBody) -> list[dict[str, str]]:
             texts = []
             for part_index, part in enumerate(content):
                 if part.type != "text" or part.text is None:
-                    raise Unsupported(f"content parts of type '{part.type}' are not supported (text only)",
-                                      param=f"messages.{index}.content.{part_index}")
+                    raise Unsupported(
+                        f"content parts of type '{part.type}' are not supported (text only)",
+                        param=f"messages.{index}.content.{part_index}",
+                    )
                 texts.append(part.text)
             content = "".join(texts)
         role = "system" if message.role == "developer" else message.role
@@ -228,8 +244,10 @@ def chat_messages(body: ChatCompletionBody) -> list[dict[str, str]]:
 
 def chat_max_tokens(body: ChatCompletionBody) -> Optional[int]:
     """max_completion_tokens is the current name; max_tokens the deprecated one. Both set must agree."""
-    if body.max_completion_tokens is not None and body.max_tokens is not None \
-            and body.max_completion_tokens != body.max_tokens:
-        raise BadRequest("max_tokens and max_completion_tokens differ: send one of them",
-                         param="max_completion_tokens")
+    if (
+        body.max_completion_tokens is not None
+        and body.max_tokens is not None
+        and body.max_completion_tokens != body.max_tokens
+    ):
+        raise BadRequest("max_tokens and max_completion_tokens differ: send one of them", param="max_completion_tokens")
     return body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens

@@ -1,5 +1,6 @@
 """What the routes call: checks a request against this server (model name, context length), renders chat
 prompts, and starts its `Generation`. Nothing here knows about HTTP."""
+
 from __future__ import annotations
 
 import json
@@ -77,27 +78,55 @@ class OpenAIService:
         check_chat_fields(body)
         max_tokens = chat_max_tokens(body)
         prompt = self.template.render(chat_messages(body))
-        request = GenerationRequest(model=body.model, prompts=(prompt,), n=body.n,
-                                    sampling=sampling_of(body, max_tokens), stop=stop_strings(body),
-                                    end_of_turn=self.template.end_of_turn, logprobs=body.logprobs,
-                                    stream=body.stream, include_usage=include_usage(body))
-        return Generation(self.client, self.config.backend_model, request,
-                          await self._prepare(request.prompts, max_tokens, "messages"), self.adapter_inputs(body.model))
+        request = GenerationRequest(
+            model=body.model,
+            prompts=(prompt,),
+            n=body.n,
+            sampling=sampling_of(body, max_tokens),
+            stop=stop_strings(body),
+            end_of_turn=self.template.end_of_turn,
+            logprobs=body.logprobs,
+            stream=body.stream,
+            include_usage=include_usage(body),
+        )
+        return Generation(
+            self.client,
+            self.config.backend_model,
+            request,
+            await self._prepare(request.prompts, max_tokens, "messages"),
+            self.adapter_inputs(body.model),
+        )
 
     async def completion(self, body: CompletionBody) -> Generation:
         self.check_model(body.model)
         check_completion_fields(body)
-        request = GenerationRequest(model=body.model, prompts=completion_prompts(body), n=body.n,
-                                    sampling=sampling_of(body, body.max_tokens), stop=stop_strings(body),
-                                    end_of_turn=(), logprobs=body.logprobs is not None, stream=body.stream,
-                                    include_usage=include_usage(body))
-        return Generation(self.client, self.config.backend_model, request,
-                          await self._prepare(request.prompts, body.max_tokens, "prompt"),
-                          self.adapter_inputs(body.model))
+        request = GenerationRequest(
+            model=body.model,
+            prompts=completion_prompts(body),
+            n=body.n,
+            sampling=sampling_of(body, body.max_tokens),
+            stop=stop_strings(body),
+            end_of_turn=(),
+            logprobs=body.logprobs is not None,
+            stream=body.stream,
+            include_usage=include_usage(body),
+        )
+        return Generation(
+            self.client,
+            self.config.backend_model,
+            request,
+            await self._prepare(request.prompts, body.max_tokens, "prompt"),
+            self.adapter_inputs(body.model),
+        )
 
-    async def _prepare(self, prompts: tuple[str, ...], max_tokens: Optional[int],
-                       prompt_param: str) -> list[PreparedPrompt]:
+    async def _prepare(
+        self, prompts: tuple[str, ...], max_tokens: Optional[int], prompt_param: str
+    ) -> list[PreparedPrompt]:
         context = await self.context_length()
         # Counted as the preprocessing step tokenizes (add_special_tokens, the repository default).
-        return [prepare_prompt(text, len(self.tokenizer.encode(text, add_special_tokens=True)), max_tokens,
-                               context, prompt_param) for text in prompts]
+        return [
+            prepare_prompt(
+                text, len(self.tokenizer.encode(text, add_special_tokens=True)), max_tokens, context, prompt_param
+            )
+            for text in prompts
+        ]

@@ -5,6 +5,7 @@ The backend may also cut at a stop string (tensorrt_llm_bls does, keeping the st
 or not at all (the ensemble matches token ids only); this trimmer gives the same text either way. While a stream
 runs it holds back any tail that could be the beginning of a stop string, so nothing it has sent is ever
 taken back."""
+
 from __future__ import annotations
 
 from typing import Sequence
@@ -27,7 +28,7 @@ class StopTrimmer:
         self.text += piece
         hit = self.stops.first_start(self.text, search_from)
         if hit is not None:
-            self.text = self.text[:hit[0]]
+            self.text = self.text[: hit[0]]
             self.stopped = True
             return self._release(len(self.text))
         return self._release(len(self.text) - self.stops.held_back(self.text))
@@ -38,6 +39,6 @@ class StopTrimmer:
 
     def _release(self, end: int) -> str:
         end = max(end, self.sent)
-        out = self.text[self.sent:end]
+        out = self.text[self.sent : end]
         self.sent = end
         return out

@@ -5,6 +5,7 @@ cancels exactly that request: a client that goes away cancels its call, and `ten
 request (an `ensemble` cannot be cancelled in Triton 2.51; see the README). The messages are tritonclient's
 protobufs; tritonclient's own aio wrapper is not used for streams because it cannot ask for the empty final
 response that marks a stream's end."""
+
 from __future__ import annotations
 
 import asyncio
@@ -41,8 +42,12 @@ class TritonClient:
         """The channel belongs to the event loop that first uses it (uvicorn's), so it is made on first use."""
         if self._stub is None:
             self._channel = grpc.aio.insecure_channel(
-                self.url, options=[("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-                                   ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES)])
+                self.url,
+                options=[
+                    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ],
+            )
             self._stub = service_pb2_grpc.GRPCInferenceServiceStub(self._channel)
         return self._stub
 
@@ -76,8 +81,9 @@ class TritonClient:
 
     # -- streams ---------------------------------------------------------------------------------------------
 
-    async def stream(self, model: str, inputs: Mapping[str, np.ndarray],
-                     outputs: Sequence[str]) -> AsyncGenerator[StreamResponse, None]:
+    async def stream(
+        self, model: str, inputs: Mapping[str, np.ndarray], outputs: Sequence[str]
+    ) -> AsyncGenerator[StreamResponse, None]:
         """The responses of one request, up to its final one. Leaving the iteration early (a break, an
         exception, a cancelled task) cancels the request on Triton."""
         request = infer_request(model, inputs, outputs)

@@ -5,6 +5,7 @@ Engine arguments come from `1/model.yaml` (TensorRT-LLM `LLM()` keys); the Tenso
 package has not built, fails the load with a `ParameterError` naming the parameter; it is never silently dropped.
 (Problems inside model.yaml itself raise `ConfigError`, naming the yaml key.)
 """
+
 from __future__ import annotations
 
 import os
@@ -31,26 +32,65 @@ SAMPLING_DECODING_MODES = ("auto", "top_k", "top_p", "top_k_top_p", "beam_search
 # Speculative modes built in the embedded engine: they become speculative_config (see speculative_overrides).
 SPECULATIVE_DECODING_MODES = ("lookahead", "medusa", "eagle")
 UNBUILT_DECODING_MODES = ("redrafter",)
-LOOKAHEAD_PARAMETERS = {"lookahead_window_size": "max_window_size", "lookahead_ngram_size": "max_ngram_size",
-                        "lookahead_verification_set_size": "max_verification_set_size"}
+LOOKAHEAD_PARAMETERS = {
+    "lookahead_window_size": "max_window_size",
+    "lookahead_ngram_size": "max_ngram_size",
+    "lookahead_verification_set_size": "max_verification_set_size",
+}
 
 # Parameters of the contract accepted at their harmless defaults (what we do anyway). Each is type-checked, so a
 # typo fails as it would upstream; a value that asks for more than the default is refused (check_unbuilt_features).
 ACCEPTED_PARAMETERS = (
-    "FORCE_CPU_ONLY_INPUT_TENSORS", "executor_worker_path", "gpu_device_ids", "iter_stats_max_iterations",
-    "request_stats_max_iterations", "kv_cache_onboard_blocks", "cross_kv_cache_fraction", "multi_block_mode",
-    "cuda_graph_cache_size", "enable_context_fmha_fp32_acc", "lora_cache_optimal_adapter_size",
-    "lora_cache_max_adapter_size", "lora_cache_gpu_memory_fraction", "lora_cache_host_memory_bytes",
-    "lookahead_window_size", "lookahead_ngram_size", "lookahead_verification_set_size", "medusa_choices",
-    "eagle_choices", "xgrammar_tokenizer_info_path", "gpt_model_type", "decoding_mode", "max_attention_window_size",
-    "num_nodes", "gpu_weights_percent", "speculative_decoding_fast_logits", "kv_cache_host_memory_bytes",
-    "sink_token_length", "enable_trt_overlap",
+    "FORCE_CPU_ONLY_INPUT_TENSORS",
+    "executor_worker_path",
+    "gpu_device_ids",
+    "iter_stats_max_iterations",
+    "request_stats_max_iterations",
+    "kv_cache_onboard_blocks",
+    "cross_kv_cache_fraction",
+    "multi_block_mode",
+    "cuda_graph_cache_size",
+    "enable_context_fmha_fp32_acc",
+    "lora_cache_optimal_adapter_size",
+    "lora_cache_max_adapter_size",
+    "lora_cache_gpu_memory_fraction",
+    "lora_cache_host_memory_bytes",
+    "lookahead_window_size",
+    "lookahead_ngram_size",
+    "lookahead_verification_set_size",
+    "medusa_choices",
+    "eagle_choices",
+    "xgrammar_tokenizer_info_path",
+    "gpt_model_type",
+    "decoding_mode",
+    "max_attention_window_size",
+    "num_nodes",
+    "gpu_weights_percent",
+    "speculative_decoding_fast_logits",
+    "kv_cache_host_memory_bytes",
+    "sink_token_length",
+    "enable_trt_overlap",
 )
 ENGINE_PARAMETERS = (
-    "gpt_model_path", "tokenizer_dir", "max_beam_width", "max_tokens_in_paged_kv_cache",
-    "kv_cache_free_gpu_mem_fraction", "enable_kv_cache_reuse", "enable_chunked_context", "batch_scheduler_policy",
-    "normalize_log_probs", "engine", "dtype", "device", "max_num_tokens", "max_seq_len", "max_batch_size",
-    "lora_prefetch_dir", "cuda_graph_mode", "attn_backend", "disable_overlap_scheduler",
+    "gpt_model_path",
+    "tokenizer_dir",
+    "max_beam_width",
+    "max_tokens_in_paged_kv_cache",
+    "kv_cache_free_gpu_mem_fraction",
+    "enable_kv_cache_reuse",
+    "enable_chunked_context",
+    "batch_scheduler_policy",
+    "normalize_log_probs",
+    "engine",
+    "dtype",
+    "device",
+    "max_num_tokens",
+    "max_seq_len",
+    "max_batch_size",
+    "lora_prefetch_dir",
+    "cuda_graph_mode",
+    "attn_backend",
+    "disable_overlap_scheduler",
 )
 TRITON_PARAMETERS = ("exclude_input_in_output", "cancellation_check_period_ms", "stats_check_period_ms")
 # Set at all, these ask for something not built; the value does not matter.
@@ -78,8 +118,9 @@ class TensorrtLLMSettings:
     unknown_parameters: tuple[str, ...] = ()  # not in the contract; worth a warning at load
 
 
-def load_tensorrt_llm_settings(model_config: Mapping[str, Any], model_dir: str | Path,
-                               model_version: int | str = 1) -> TensorrtLLMSettings:
+def load_tensorrt_llm_settings(
+    model_config: Mapping[str, Any], model_dir: str | Path, model_version: int | str = 1
+) -> TensorrtLLMSettings:
     """`model_config` is the dict Triton hands `initialize()`; `model_dir` holds `config.pbtxt` and `1/`."""
     params = Parameters.from_model_config(model_config)
     check_unbuilt_features(params)
@@ -94,8 +135,10 @@ def load_tensorrt_llm_settings(model_config: Mapping[str, Any], model_dir: str |
     if "max_batch_size" not in args and triton_max_batch_size > 0:
         args["max_batch_size"] = triton_max_batch_size
     if not args.get("model"):
-        raise ParameterError(f"{params.model_name}: parameter 'gpt_model_path' is unset and {ENGINE_ARGS_FILE} has "
-                             "no 'model': one of them must name the model folder")
+        raise ParameterError(
+            f"{params.model_name}: parameter 'gpt_model_path' is unset and {ENGINE_ARGS_FILE} has "
+            "no 'model': one of them must name the model folder"
+        )
     return TensorrtLLMSettings(
         engine=EngineConfig.from_dict(args),
         decoupled=decoupled,
@@ -152,8 +195,10 @@ def speculative_overrides(params: Parameters) -> Optional[dict[str, Any]]:
         for name, key in LOOKAHEAD_PARAMETERS.items():
             value = params.int(name, minimum=1)
             if value is None:
-                raise ParameterError(f"{params.model_name}: parameter '{name}' is required with decoding_mode="
-                                     f"lookahead (all of {sorted(LOOKAHEAD_PARAMETERS)})")
+                raise ParameterError(
+                    f"{params.model_name}: parameter '{name}' is required with decoding_mode="
+                    f"lookahead (all of {sorted(LOOKAHEAD_PARAMETERS)})"
+                )
             config[key] = value
         return config
     if mode in ("medusa", "eagle"):  # the heads' / draft layer's folder comes from model.yaml
@@ -215,25 +260,47 @@ def check_unbuilt_features(params: Parameters) -> None:
         raise _unbuilt(params, "enable_trt_overlap", "it is deprecated (as in TensorRT-LLM's backend); remove it")
     strategy = params.str("gpt_model_type")
     if strategy is not None and strategy.lower() not in BATCHING_STRATEGIES:
-        why = ("static (v1) batching is not supported; use inflight_fused_batching" if strategy.lower() == "v1"
-               else f"must be one of {BATCHING_STRATEGIES}")
+        why = (
+            "static (v1) batching is not supported; use inflight_fused_batching"
+            if strategy.lower() == "v1"
+            else f"must be one of {BATCHING_STRATEGIES}"
+        )
         raise _unbuilt(params, "gpt_model_type", why)
     mode = params.str("decoding_mode")
     if mode is not None and mode.lower() in UNBUILT_DECODING_MODES:
-        raise _unbuilt(params, "decoding_mode", f"{mode} decoding is not supported yet; use one of "
-                                                f"{SAMPLING_DECODING_MODES} or leave it empty")
+        raise _unbuilt(
+            params,
+            "decoding_mode",
+            f"{mode} decoding is not supported yet; use one of {SAMPLING_DECODING_MODES} or leave it empty",
+        )
     known = SAMPLING_DECODING_MODES + SPECULATIVE_DECODING_MODES
     if mode is not None and mode.lower() not in known:
         raise _unbuilt(params, "decoding_mode", f"must be one of {known + UNBUILT_DECODING_MODES}")
-    _require(params, "kv_cache_host_memory_bytes", params.int("kv_cache_host_memory_bytes", 0, minimum=0) == 0,
-             "offloading the KV cache to host memory is not supported yet; use 0")
-    _require(params, "sink_token_length", not params.int("sink_token_length", 0, minimum=0),
-             "attention sinks are not supported yet; leave it empty")
+    _require(
+        params,
+        "kv_cache_host_memory_bytes",
+        params.int("kv_cache_host_memory_bytes", 0, minimum=0) == 0,
+        "offloading the KV cache to host memory is not supported yet; use 0",
+    )
+    _require(
+        params,
+        "sink_token_length",
+        not params.int("sink_token_length", 0, minimum=0),
+        "attention sinks are not supported yet; leave it empty",
+    )
     _require(params, "num_nodes", params.int("num_nodes", 1, minimum=1) == 1, "multi-node execution is not supported")
-    _require(params, "gpu_weights_percent", params.float("gpu_weights_percent", 1.0, minimum=0.0, maximum=1.0) == 1.0,
-             "weight streaming is not supported; use 1.0")
-    _require(params, "speculative_decoding_fast_logits",
-             not params.bool("speculative_decoding_fast_logits", False), "fast logits are not supported")
+    _require(
+        params,
+        "gpu_weights_percent",
+        params.float("gpu_weights_percent", 1.0, minimum=0.0, maximum=1.0) == 1.0,
+        "weight streaming is not supported; use 1.0",
+    )
+    _require(
+        params,
+        "speculative_decoding_fast_logits",
+        not params.bool("speculative_decoding_fast_logits", False),
+        "fast logits are not supported",
+    )
     check_attention_window(params)
 
 
@@ -249,16 +316,25 @@ def check_attention_window(params: Parameters) -> None:
     except ValueError:
         raise _unbuilt(params, "max_attention_window_size", "per-layer windows are not supported") from None
     if max_seq_len is None or window < max_seq_len:
-        raise _unbuilt(params, "max_attention_window_size",
-                       "sliding-window attention is not supported yet; leave it empty (or >= max_seq_len)")
+        raise _unbuilt(
+            params,
+            "max_attention_window_size",
+            "sliding-window attention is not supported yet; leave it empty (or >= max_seq_len)",
+        )
 
 
 def check_accepted_parameters(params: Parameters) -> None:
     """Type-check parameters we accept without acting on them."""
     for name in ("multi_block_mode", "enable_context_fmha_fp32_acc", "kv_cache_onboard_blocks"):
         params.bool(name)
-    for name in ("cuda_graph_cache_size", "iter_stats_max_iterations", "request_stats_max_iterations",
-                 "lora_cache_optimal_adapter_size", "lora_cache_max_adapter_size", "lora_cache_host_memory_bytes"):
+    for name in (
+        "cuda_graph_cache_size",
+        "iter_stats_max_iterations",
+        "request_stats_max_iterations",
+        "lora_cache_optimal_adapter_size",
+        "lora_cache_max_adapter_size",
+        "lora_cache_host_memory_bytes",
+    ):
         params.int(name, minimum=0)
     for name in ("cross_kv_cache_fraction", "lora_cache_gpu_memory_fraction"):
         params.float(name, minimum=0.0, maximum=1.0)
@@ -266,8 +342,10 @@ def check_accepted_parameters(params: Parameters) -> None:
     if device_ids is not None:
         for part in device_ids.replace(";", ",").split(","):
             if not part.strip().isdigit():
-                raise ParameterError(f"{params.model_name}: parameter 'gpu_device_ids' = {device_ids!r} must be "
-                                     "device numbers separated by ','")
+                raise ParameterError(
+                    f"{params.model_name}: parameter 'gpu_device_ids' = {device_ids!r} must be "
+                    "device numbers separated by ','"
+                )
 
 
 def find_engine_args_file(model_dir: Path, model_version: int | str = 1) -> Optional[Path]:
@@ -297,8 +375,10 @@ def check_triton_config(yaml_path: Path, max_batch_size: int, decoupled: bool) -
         raise ConfigError(f"{yaml_path}: triton_config has unknown key(s) {unknown}; known: decoupled, max_batch_size")
     for key, actual in (("max_batch_size", max_batch_size), ("decoupled", decoupled)):
         if key in section and section[key] != actual:
-            raise ConfigError(f"{yaml_path}: triton_config.{key} = {section[key]!r} but config.pbtxt has {actual!r}; "
-                              "config.pbtxt decides, so make them agree or drop the key")
+            raise ConfigError(
+                f"{yaml_path}: triton_config.{key} = {section[key]!r} but config.pbtxt has {actual!r}; "
+                "config.pbtxt decides, so make them agree or drop the key"
+            )
 
 
 def is_decoupled(model_config: Mapping[str, Any]) -> bool:

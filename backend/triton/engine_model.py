@@ -1,5 +1,6 @@
 """What the two engine-backed Triton models share: an engine, its in-flight requests (answered through response
 senders), request metrics and engine gauges; `execute` only hands requests over, `finalize` stops all three."""
+
 from __future__ import annotations
 
 from typing import Any, Callable
@@ -11,8 +12,13 @@ from .request_metrics import RequestMetrics
 
 
 class EngineBackedModel:
-    def start(self, engine_config: EngineConfig, args: dict, stats_check_period_ms: int,
-              make_inflight: Callable[[Any, Callable], Any]) -> None:
+    def start(
+        self,
+        engine_config: EngineConfig,
+        args: dict,
+        stats_check_period_ms: int,
+        make_inflight: Callable[[Any, Callable], Any],
+    ) -> None:
         """Start the engine, the in-flight requests `make_inflight(engine, on_finished)` builds, and the metrics."""
         name, version = args["model_name"], args["model_version"]
         self.engine = create_engine(engine_config)

@@ -9,6 +9,7 @@ asks for `cancel_key` (the ensemble does) gets one in each response: its postpro
 through the `StopChannel` when the ensemble request was cancelled, and the request then ends quietly (a bare final
 flag: an error would keep Triton 2.51 from ever completing the ensemble request). When an engine request
 finishes, the sender thread hands its final output to `on_finished` (the per-request metrics)."""
+
 from __future__ import annotations
 
 import logging
@@ -53,8 +54,14 @@ class TritonRequestState:
 class LLMInflightRequests(SenderLoop):
     """`active`: engine request id -> TritonRequestState (one state per row's engine request)."""
 
-    def __init__(self, engine, decoupled: bool, exclude_input_in_output: bool, cancellation_check_ms: int,
-                 on_finished: Optional[Callable[[RequestOutput], None]] = None):
+    def __init__(
+        self,
+        engine,
+        decoupled: bool,
+        exclude_input_in_output: bool,
+        cancellation_check_ms: int,
+        on_finished: Optional[Callable[[RequestOutput], None]] = None,
+    ):
         super().__init__(cancellation_check_ms, "tritonllm-sender")
         self.engine = engine
         self.on_finished = on_finished
@@ -94,9 +101,12 @@ class LLMInflightRequests(SenderLoop):
             try:
                 for index, row in enumerate(state.rows):
                     handle = self.engine.generate_async(
-                        row.prompt_token_ids, row.params, streaming=row.options.streaming,
+                        row.prompt_token_ids,
+                        row.params,
+                        streaming=row.options.streaming,
                         on_output=lambda _handle, item, s=state, r=index: self.events.put((s, r, item)),
-                        **({"lora_request": row.lora} if row.lora is not None else {}))
+                        **({"lora_request": row.lora} if row.lora is not None else {}),
+                    )
                     state.engine_ids.append(handle.request_id)
                     self.active[handle.request_id] = state
             except Exception:
@@ -197,8 +207,16 @@ class LLMInflightRequests(SenderLoop):
         options = state.rows[row].options
         batch_index = row if len(state.rows) > 1 else None
         if state.rows[row].params.beam_width > 1:
-            pending = [beam_tensors(output.prompt_token_ids, output.outputs, options, is_final=output.finished,
-                                    batch_index=batch_index, streaming=options.streaming)]
+            pending = [
+                beam_tensors(
+                    output.prompt_token_ids,
+                    output.outputs,
+                    options,
+                    is_final=output.finished,
+                    batch_index=batch_index,
+                    streaming=options.streaming,
+                )
+            ]
         else:
             pending = self._sequence_responses(state, row, output, options, batch_index)
         last_row = state.rows_done == len(state.rows) and output.finished
@@ -213,8 +231,9 @@ class LLMInflightRequests(SenderLoop):
         if last_row and not state.closed:
             self._close(state, None)
 
-    def _sequence_responses(self, state: TritonRequestState, row: int, output: RequestOutput, options,
-                            batch_index: Optional[int]) -> list[list]:
+    def _sequence_responses(
+        self, state: TritonRequestState, row: int, output: RequestOutput, options, batch_index: Optional[int]
+    ) -> list[list]:
         """One response per sequence that has new tokens or finished (num_return_sequences > 1: several)."""
         pending = []
         for completion in output.outputs:
@@ -227,10 +246,18 @@ class LLMInflightRequests(SenderLoop):
             if finished:
                 state.sequences_done.add(key)
             sequence_index = completion.index if len(output.outputs) > 1 else None
-            pending.append(sequence_tensors(output.prompt_token_ids, completion, options,
-                                            delta=options.streaming, is_final=finished,
-                                            batch_index=batch_index, sequence_index=sequence_index,
-                                            context_logits=output.context_logits))
+            pending.append(
+                sequence_tensors(
+                    output.prompt_token_ids,
+                    completion,
+                    options,
+                    delta=options.streaming,
+                    is_final=finished,
+                    batch_index=batch_index,
+                    sequence_index=sequence_index,
+                    context_logits=output.context_logits,
+                )
+            )
         return pending
 
     def _collect_non_decoupled(self, state: TritonRequestState, row: int, output: RequestOutput) -> None:
@@ -238,12 +265,20 @@ class LLMInflightRequests(SenderLoop):
             return
         options = state.rows[row].options
         if state.rows[row].params.beam_width > 1:
-            state.final_rows[row] = beam_tensors(output.prompt_token_ids, output.outputs, options, is_final=True,
-                                                 batch_index=None, streaming=False)
+            state.final_rows[row] = beam_tensors(
+                output.prompt_token_ids, output.outputs, options, is_final=True, batch_index=None, streaming=False
+            )
         else:
-            state.final_rows[row] = sequence_tensors(output.prompt_token_ids, output.outputs[0], options,
-                                                     delta=False, is_final=True, batch_index=None,
-                                                     sequence_index=None, context_logits=output.context_logits)
+            state.final_rows[row] = sequence_tensors(
+                output.prompt_token_ids,
+                output.outputs[0],
+                options,
+                delta=False,
+                is_final=True,
+                batch_index=None,
+                sequence_index=None,
+                context_logits=output.context_logits,
+            )
         if len(state.final_rows) == len(state.rows):
             tensors = merge_batch([state.final_rows[i] for i in range(len(state.rows))])
             self._close(state, pb_utils().InferenceResponse(output_tensors=tensors))
@@ -277,8 +312,11 @@ class LLMInflightRequests(SenderLoop):
         if self.stop_channel is not None:
             self.stop_channel.close()
         if self.thread.is_alive():
-            log.warning("%d request(s) still unanswered at shutdown: %s", len(self.active),
-                        sorted({s.triton_id for s in self.active.values()}))
+            log.warning(
+                "%d request(s) still unanswered at shutdown: %s",
+                len(self.active),
+                sorted({s.triton_id for s in self.active.values()}),
+            )
 
 
 def _asks_for(request, output: str) -> bool:

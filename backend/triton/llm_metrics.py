@@ -14,6 +14,7 @@ A thread sets them every `stats_check_period_ms`, so Triton's metrics endpoint (
 outside the server whether the engine is idle and its KV cache free. The timestamp is in microseconds since the
 epoch, as TensorRT-LLM's C++ backend reports it and its CI parses it (contract Q8; the anchor's Python model
 reported seconds). docs/metrics.md says what each value means here and which ones are approximations."""
+
 from __future__ import annotations
 
 import logging
@@ -34,15 +35,27 @@ GENERAL = "nv_trt_llm_general_metrics"
 
 # family name -> (description, the label naming the value, its values)
 FAMILIES = {
-    REQUESTS: ("Requests in the LLM engine, by state", "request_type",
-               ("active", "max", "scheduled", "context", "waiting")),
+    REQUESTS: (
+        "Requests in the LLM engine, by state",
+        "request_type",
+        ("active", "max", "scheduled", "context", "waiting"),
+    ),
     MEMORY: ("Memory used by the LLM runtime, in bytes", "memory_type", ("cpu", "gpu", "pinned")),
-    KV_CACHE: ("Paged KV cache blocks of the LLM engine", "kv_cache_block_type",
-               ("max", "free", "used", "tokens_per", "fraction", "reused")),
-    INFLIGHT_BATCHER: ("In-flight batching state of the last engine iteration", "inflight_batcher_specific_metric",
-                       ("total_context_tokens", "generation_requests", "micro_batch_id", "paused_requests")),
-    GENERAL: ("LLM engine clock: iterations run and when the gauges were sampled (microseconds since the epoch)",
-              "general_type", ("timestamp", "iteration_counter")),
+    KV_CACHE: (
+        "Paged KV cache blocks of the LLM engine",
+        "kv_cache_block_type",
+        ("max", "free", "used", "tokens_per", "fraction", "reused"),
+    ),
+    INFLIGHT_BATCHER: (
+        "In-flight batching state of the last engine iteration",
+        "inflight_batcher_specific_metric",
+        ("total_context_tokens", "generation_requests", "micro_batch_id", "paused_requests"),
+    ),
+    GENERAL: (
+        "LLM engine clock: iterations run and when the gauges were sampled (microseconds since the epoch)",
+        "general_type",
+        ("timestamp", "iteration_counter"),
+    ),
 }
 GAUGES = tuple((family, kind) for family, (_, _, kinds) in FAMILIES.items() for kind in kinds)
 
@@ -82,8 +95,14 @@ def gauge_values(stats: Any, now: float, memory: Mapping[str, int]) -> dict[tupl
 class EngineMetrics:
     """Gauges for one model instance; `start()` runs the refresh thread, `stop()` ends it."""
 
-    def __init__(self, read_stats: Callable[[], Any], model: str, version: str, period_ms: int,
-                 read_memory: Callable[[], Mapping[str, int]] = runtime_memory):
+    def __init__(
+        self,
+        read_stats: Callable[[], Any],
+        model: str,
+        version: str,
+        period_ms: int,
+        read_memory: Callable[[], Mapping[str, int]] = runtime_memory,
+    ):
         self.read_stats = read_stats
         self.read_memory = read_memory
         self.period = max(period_ms, 1) / 1000
@@ -95,10 +114,13 @@ class EngineMetrics:
     @staticmethod
     def _create_gauges(labels: dict[str, str]) -> tuple[dict[str, Any], dict[tuple[str, str], Any]]:
         pb = pb_utils()
-        families = {name: pb.MetricFamily(name=name, description=description, kind=pb.MetricFamily.GAUGE)
-                    for name, (description, _, _) in FAMILIES.items()}
-        gauges = {(name, kind): families[name].Metric(labels={FAMILIES[name][1]: kind, **labels})
-                  for name, kind in GAUGES}
+        families = {
+            name: pb.MetricFamily(name=name, description=description, kind=pb.MetricFamily.GAUGE)
+            for name, (description, _, _) in FAMILIES.items()
+        }
+        gauges = {
+            (name, kind): families[name].Metric(labels={FAMILIES[name][1]: kind, **labels}) for name, kind in GAUGES
+        }
         return families, gauges
 
     def start(self) -> "EngineMetrics":

@@ -2,6 +2,7 @@
 
 Tensor names are the contract's (TensorRT-LLM backend `tensorrt_llm` model). Every bad value raises `InputError`
 naming the input; inputs of features that are not built yet are refused rather than silently ignored."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -14,17 +15,26 @@ from .pb import InputError, optional_input
 
 # Inputs whose feature is not built yet: sending one is an error, never silently dropped.
 UNSUPPORTED_INPUTS = {
-    "prompt_embedding_table": "prompt tables", "prompt_table_extra_ids": "prompt tables",
-    "encoder_input_features": "encoder-decoder/multimodal", "encoder_output_lengths": "encoder-decoder/multimodal",
-    "cross_attention_mask": "multimodal", "skip_cross_attn_blocks": "multimodal",
-    "mrope_rotary_cos_sin": "multimodal", "mrope_position_deltas": "multimodal",
-    "guided_decoding_guide_type": "guided decoding", "guided_decoding_guide": "guided decoding",
+    "prompt_embedding_table": "prompt tables",
+    "prompt_table_extra_ids": "prompt tables",
+    "encoder_input_features": "encoder-decoder/multimodal",
+    "encoder_output_lengths": "encoder-decoder/multimodal",
+    "cross_attention_mask": "multimodal",
+    "skip_cross_attn_blocks": "multimodal",
+    "mrope_rotary_cos_sin": "multimodal",
+    "mrope_position_deltas": "multimodal",
+    "guided_decoding_guide_type": "guided decoding",
+    "guided_decoding_guide": "guided decoding",
     "context_phase_params": "disaggregated serving",
-    "retention_token_range_starts": "KV cache retention", "retention_token_range_ends": "KV cache retention",
+    "retention_token_range_starts": "KV cache retention",
+    "retention_token_range_ends": "KV cache retention",
     "retention_token_range_priorities": "KV cache retention",
-    "retention_token_range_durations_ms": "KV cache retention", "retention_decode_priority": "KV cache retention",
+    "retention_token_range_durations_ms": "KV cache retention",
+    "retention_decode_priority": "KV cache retention",
     "retention_decode_duration_ms": "KV cache retention",
-    "runtime_top_p_min": "top-p decay", "runtime_top_p_decay": "top-p decay", "runtime_top_p_reset_ids": "top-p decay",
+    "runtime_top_p_min": "top-p decay",
+    "runtime_top_p_decay": "top-p decay",
+    "runtime_top_p_reset_ids": "top-p decay",
 }
 
 
@@ -79,8 +89,9 @@ def convert_request(request, default_exclude_input: bool, decoupled: bool) -> li
     ids = ids.astype(np.int64)
     lengths = _column(request, "input_lengths", rows, required=True)
     assert lengths is not None  # required: _column raised otherwise
-    return [_convert_row(request, row, ids[row], int(lengths[row]), default_exclude_input, decoupled)
-            for row in range(rows)]
+    return [
+        _convert_row(request, row, ids[row], int(lengths[row]), default_exclude_input, decoupled) for row in range(rows)
+    ]
 
 
 def _convert_row(request, row, ids, length, default_exclude_input, decoupled) -> EngineRow:
@@ -93,27 +104,39 @@ def _convert_row(request, row, ids, length, default_exclude_input, decoupled) ->
     _refuse_diversity(request, row)
     params = SamplingParams(
         max_tokens=_output_len(request, row),
-        end_id=_int(request, "end_id", row), pad_id=_int(request, "pad_id", row),
+        end_id=_int(request, "end_id", row),
+        pad_id=_int(request, "pad_id", row),
         n=_int(request, "num_return_sequences", row) or beam_width,  # beam search returns every beam by default
-        beam_width=beam_width, early_stopping=_early_stopping(request, row),
+        beam_width=beam_width,
+        early_stopping=_early_stopping(request, row),
         priority=_float(request, "priority", row),
-        temperature=_float(request, "temperature", row), top_k=_int(request, "runtime_top_k", row),
-        top_p=_top_p(request, row), seed=_int(request, "seed", row),
+        temperature=_float(request, "temperature", row),
+        top_k=_int(request, "runtime_top_k", row),
+        top_p=_top_p(request, row),
+        seed=_int(request, "seed", row),
         min_tokens=_min_tokens(request, row),
         repetition_penalty=_float(request, "repetition_penalty", row),
         presence_penalty=_float(request, "presence_penalty", row),
         frequency_penalty=_float(request, "frequency_penalty", row),
         length_penalty=_float(request, "len_penalty", row),
-        stop_words=_word_list(request, "stop_words_list", row), bad_words=_word_list(request, "bad_words_list", row),
+        stop_words=_word_list(request, "stop_words_list", row),
+        bad_words=_word_list(request, "bad_words_list", row),
         embedding_bias=_embedding_bias(request, row),
         logprobs=_flag(request, "return_log_probs", row, False),
         return_context_logits=_flag(request, "return_context_logits", row, False),
         return_generation_logits=_flag(request, "return_generation_logits", row, False),
         return_perf_metrics=_flag(request, "return_perf_metrics", row, False),
-        lookahead_config=_lookahead(request, row), **_draft_inputs(request, row))
-    options = RowOptions(streaming, _flag(request, "exclude_input_in_output", row, default_exclude_input),
-                         params.logprobs, params.return_perf_metrics, params.return_context_logits,
-                         params.return_generation_logits)
+        lookahead_config=_lookahead(request, row),
+        **_draft_inputs(request, row),
+    )
+    options = RowOptions(
+        streaming,
+        _flag(request, "exclude_input_in_output", row, default_exclude_input),
+        params.logprobs,
+        params.return_perf_metrics,
+        params.return_context_logits,
+        params.return_generation_logits,
+    )
     try:
         params.validate()
     except ValueError as exc:
@@ -121,8 +144,11 @@ def _convert_row(request, row, ids, length, default_exclude_input, decoupled) ->
     return EngineRow([int(t) for t in ids[:length]], params, options, _lora_request(request, row))
 
 
-LOOKAHEAD_INPUTS = {"lookahead_window_size": "max_window_size", "lookahead_ngram_size": "max_ngram_size",
-                    "lookahead_verification_set_size": "max_verification_set_size"}
+LOOKAHEAD_INPUTS = {
+    "lookahead_window_size": "max_window_size",
+    "lookahead_ngram_size": "max_ngram_size",
+    "lookahead_verification_set_size": "max_verification_set_size",
+}
 
 
 def _lookahead(request, row):
@@ -151,8 +177,10 @@ def _early_stopping(request, row) -> Optional[int]:
 def _refuse_diversity(request, row) -> None:
     rate = _float(request, "beam_search_diversity_rate", row)
     if rate:
-        raise InputError(f"input 'beam_search_diversity_rate' = {rate}: diverse beam search is not supported "
-                         "(send 0 or leave it out)")
+        raise InputError(
+            f"input 'beam_search_diversity_rate' = {rate}: diverse beam search is not supported "
+            "(send 0 or leave it out)"
+        )
 
 
 def _lora_request(request, row) -> Optional[LoRARequest]:
@@ -164,13 +192,15 @@ def _lora_request(request, row) -> Optional[LoRARequest]:
     weights, config = _row_tensor(request, "lora_weights", row), _row_tensor(request, "lora_config", row)
     if task_id is None and not name:
         if weights is not None or config is not None:
-            raise InputError("input 'lora_task_id' is required with lora_weights / lora_config (the id the adapter "
-                             "is cached under)")
+            raise InputError(
+                "input 'lora_task_id' is required with lora_weights / lora_config (the id the adapter is cached under)"
+            )
         return None
     if (weights is None) != (config is None):
         missing = "lora_config" if config is None else "lora_weights"
-        raise InputError(f"input '{missing}' is missing: lora_weights and lora_config go together "
-                         f"(lora_task_id {task_id})")
+        raise InputError(
+            f"input '{missing}' is missing: lora_weights and lora_config go together (lora_task_id {task_id})"
+        )
     return LoRARequest(lora_name=name or None, lora_int_id=task_id, lora_weights=weights, lora_config=config)
 
 
@@ -190,8 +220,10 @@ def _draft_inputs(request, row) -> dict:
     fields: dict[str, Any] = {"draft_tokens": [int(t) for t in ids], "draft_acceptance_threshold": threshold}
     if logits is not None:
         if logits.ndim != 2 or logits.shape[0] != ids.shape[0]:
-            raise InputError(f"input 'draft_logits' must be [batch, {ids.shape[0]}, vocab] for {ids.shape[0]} draft "
-                             f"tokens, got a row of shape {list(logits.shape)}")
+            raise InputError(
+                f"input 'draft_logits' must be [batch, {ids.shape[0]}, vocab] for {ids.shape[0]} draft "
+                f"tokens, got a row of shape {list(logits.shape)}"
+            )
         import torch
 
         fields["draft_logits"] = torch.from_numpy(np.ascontiguousarray(logits, dtype=np.float32))

@@ -1,4 +1,5 @@
 """Builds the `tensorrt_llm` model's response tensors from engine outputs (contract shapes: leading batch dim 1)."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -10,14 +11,27 @@ from ..tokenizer import DETOKENIZE_PREFIX_TOKENS
 from .llm_request import RowOptions
 from .pb import output_tensor
 
-PERF_INT32 = ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks",
-              "total_accepted_draft_tokens", "total_draft_tokens")
+PERF_INT32 = (
+    "kv_cache_alloc_new_blocks",
+    "kv_cache_reused_blocks",
+    "kv_cache_alloc_total_blocks",
+    "total_accepted_draft_tokens",
+    "total_draft_tokens",
+)
 PERF_INT64 = ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns")
 
 
-def sequence_tensors(prompt: list[int], completion: CompletionOutput, options: RowOptions, *, delta: bool,
-                     is_final: bool, batch_index: Optional[int], sequence_index: Optional[int],
-                     context_logits=None) -> list:
+def sequence_tensors(
+    prompt: list[int],
+    completion: CompletionOutput,
+    options: RowOptions,
+    *,
+    delta: bool,
+    is_final: bool,
+    batch_index: Optional[int],
+    sequence_index: Optional[int],
+    context_logits=None,
+) -> list:
     """The tensors of one response for one sequence. `delta`: only the tokens not sent before (streaming)."""
     start = completion._diff_start if delta else 0
     new_tokens = completion.token_ids[start:]
@@ -35,8 +49,9 @@ def sequence_tensors(prompt: list[int], completion: CompletionOutput, options: R
     if options.return_log_probs:
         logprobs = completion.logprobs[start:]
         tensors.append(output_tensor("cum_log_probs", np.array([[completion.cumulative_logprob]], dtype=np.float32)))
-        tensors.append(output_tensor("output_log_probs",
-                                     np.array(logprobs, dtype=np.float32).reshape(1, 1, len(logprobs))))
+        tensors.append(
+            output_tensor("output_log_probs", np.array(logprobs, dtype=np.float32).reshape(1, 1, len(logprobs)))
+        )
     if options.return_perf_metrics and completion.request_perf_metrics is not None:
         tensors += perf_tensors(completion)
     tensors += logits_tensors(completion, options, start, context_logits)
@@ -47,8 +62,15 @@ def sequence_tensors(prompt: list[int], completion: CompletionOutput, options: R
     return tensors
 
 
-def beam_tensors(prompt: list[int], completions: list[CompletionOutput], options: RowOptions, *, is_final: bool,
-                 batch_index: Optional[int], streaming: bool) -> list:
+def beam_tensors(
+    prompt: list[int],
+    completions: list[CompletionOutput],
+    options: RowOptions,
+    *,
+    is_final: bool,
+    batch_index: Optional[int],
+    streaming: bool,
+) -> list:
     """One response carrying every beam: output_ids [1, beams, len] padded with -1, sequence_length [1, beams].
     Beams rewrite their earlier tokens, so a stream sends each beam whole (its generated tokens) every time; a
     final non-streamed response echoes the prompt unless excluded, like a single sequence."""
@@ -57,7 +79,7 @@ def beam_tensors(prompt: list[int], completions: list[CompletionOutput], options
     width = max(len(r) for r in rows)
     ids = np.full((1, len(rows), width), -1, dtype=np.int32)
     for beam, row in enumerate(rows):
-        ids[0, beam, :len(row)] = row
+        ids[0, beam, : len(row)] = row
     tensors = [
         output_tensor("output_ids", ids),
         output_tensor("sequence_length", np.array([[len(r) for r in rows]], dtype=np.int32)),
@@ -67,9 +89,10 @@ def beam_tensors(prompt: list[int], completions: list[CompletionOutput], options
     if options.return_log_probs:
         logprobs = np.zeros((1, len(rows), max(len(c.logprobs) for c in completions)), dtype=np.float32)
         for beam, completion in enumerate(completions):
-            logprobs[0, beam, :len(completion.logprobs)] = completion.logprobs
-        tensors.append(output_tensor("cum_log_probs",
-                                     np.array([[c.cumulative_logprob for c in completions]], dtype=np.float32)))
+            logprobs[0, beam, : len(completion.logprobs)] = completion.logprobs
+        tensors.append(
+            output_tensor("cum_log_probs", np.array([[c.cumulative_logprob for c in completions]], dtype=np.float32))
+        )
         tensors.append(output_tensor("output_log_probs", logprobs))
     if options.return_perf_metrics and completions[0].request_perf_metrics is not None:
         tensors += perf_tensors(completions[0])

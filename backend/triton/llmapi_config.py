@@ -3,6 +3,7 @@
 The file holds TensorRT-LLM `LLM()` keyword arguments plus a `triton_config` section with `max_batch_size` and
 `decoupled`, which `auto_complete_config` hands to Triton (config.pbtxt leaves them out). Problems raise
 `ConfigError` naming the file and the key."""
+
 from __future__ import annotations
 
 import os
@@ -44,8 +45,10 @@ def model_yaml_path(version_dir: str | Path) -> Path:
     version_dir = Path(version_dir)
     path = find_engine_args_file(version_dir.parent, version_dir.name)
     if path is None:
-        raise ConfigError(f"{version_dir / 'model.yaml'} is missing: the LLM-API model reads its engine arguments "
-                          "and triton_config from it")
+        raise ConfigError(
+            f"{version_dir / 'model.yaml'} is missing: the LLM-API model reads its engine arguments "
+            "and triton_config from it"
+        )
     return path
 
 
@@ -58,8 +61,10 @@ def read_triton_config(path: Path) -> TritonConfig:
         raise ConfigError(f"{path}: triton_config has unknown key(s) {unknown}; known: {list(TRITON_CONFIG_KEYS)}")
     batch, decoupled = section.get("max_batch_size", 0), section.get("decoupled", False)
     if batch != 0:
-        raise ConfigError(f"{path}: triton_config.max_batch_size = {batch!r} must be 0: each request carries one "
-                          "prompt and the engine batches requests itself")
+        raise ConfigError(
+            f"{path}: triton_config.max_batch_size = {batch!r} must be 0: each request carries one "
+            "prompt and the engine batches requests itself"
+        )
     if not isinstance(decoupled, bool):
         raise ConfigError(f"{path}: triton_config.decoupled = {decoupled!r} must be true or false")
     return TritonConfig(max_batch_size=0, decoupled=decoupled)
@@ -73,24 +78,31 @@ def load_llmapi_settings(version_dir: str | Path, model_config: Optional[Mapping
     args = load_yaml_args(path)
     model = resolve_model_path(path, args.get("model"), "model")
     if model is None:
-        raise ConfigError(f"{path}: 'model' is unset: name the Hugging Face model folder (tritonllm repo build "
-                          "--llmapi fills it)")
+        raise ConfigError(
+            f"{path}: 'model' is unset: name the Hugging Face model folder (tritonllm repo build --llmapi fills it)"
+        )
     args["model"] = model
     tokenizer = resolve_model_path(path, args.get("tokenizer"), "tokenizer") or model
     args["tokenizer"] = tokenizer
     params = Parameters.from_model_config(model_config or {})
     return LLMAPISettings(
-        engine=EngineConfig.from_dict(args), triton=triton, tokenizer_dir=tokenizer, yaml_path=path,
+        engine=EngineConfig.from_dict(args),
+        triton=triton,
+        tokenizer_dir=tokenizer,
+        yaml_path=path,
         cancellation_check_period_ms=params.int("cancellation_check_period_ms", 100, minimum=1),
-        stats_check_period_ms=params.int("stats_check_period_ms", 100, minimum=1))
+        stats_check_period_ms=params.int("stats_check_period_ms", 100, minimum=1),
+    )
 
 
 def load_llmapi_tokenizer(settings: LLMAPISettings) -> LoadedTokenizer:
     try:
         return load_tokenizer(settings.tokenizer_dir)
     except Exception as error:
-        raise ConfigError(f"{settings.yaml_path}: cannot load a tokenizer from {settings.tokenizer_dir} (model or "
-                          f"tokenizer): {type(error).__name__}: {error}") from error
+        raise ConfigError(
+            f"{settings.yaml_path}: cannot load a tokenizer from {settings.tokenizer_dir} (model or "
+            f"tokenizer): {type(error).__name__}: {error}"
+        ) from error
 
 
 def resolve_model_path(yaml_path: Path, value: Any, key: str) -> Optional[str]:
@@ -120,10 +132,12 @@ def hub_snapshot(yaml_path: Path, key: str, repo_id: str) -> str:
     try:
         return snapshot_download(repo_id, local_files_only=offline)
     except Exception as exc:  # offline and not cached, unknown id, no network, no access
-        raise ConfigError(f"{yaml_path}: {key} {repo_id!r} is neither a folder (none at "
-                          f"{(yaml_path.parent / repo_id).resolve()}) nor a Hugging Face model that could be "
-                          f"fetched{' (HF_HUB_OFFLINE is set: only the cache was searched)' if offline else ''}: "
-                          f"{type(exc).__name__}: {exc}") from exc
+        raise ConfigError(
+            f"{yaml_path}: {key} {repo_id!r} is neither a folder (none at "
+            f"{(yaml_path.parent / repo_id).resolve()}) nor a Hugging Face model that could be "
+            f"fetched{' (HF_HUB_OFFLINE is set: only the cache was searched)' if offline else ''}: "
+            f"{type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def _read_yaml(path: Path) -> dict:

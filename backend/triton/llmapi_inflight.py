@@ -8,6 +8,7 @@ that changes the text when the client streams, one response at the end otherwise
 frees its KV blocks (TensorRT-LLM's llmapi model never does: contract 1.3); the client gets a CANCELLED error. So
 does a `stop=true` request naming a running request's id. When
 every sequence's text has reached a stop string the engine request is aborted too: the answer is complete."""
+
 from __future__ import annotations
 
 import logging
@@ -41,8 +42,14 @@ class RequestState:
 class LLMAPIInflightRequests(SenderLoop):
     """`active`: engine request id -> RequestState."""
 
-    def __init__(self, engine: Any, tokenizer: Any, decoupled: bool, cancellation_check_ms: int = 100,
-                 on_finished: Optional[Callable[[RequestOutput], None]] = None):
+    def __init__(
+        self,
+        engine: Any,
+        tokenizer: Any,
+        decoupled: bool,
+        cancellation_check_ms: int = 100,
+        on_finished: Optional[Callable[[RequestOutput], None]] = None,
+    ):
         super().__init__(cancellation_check_ms, "tritonllm-llmapi-sender")
         self.engine = engine
         self.tokenizer = tokenizer
@@ -68,8 +75,12 @@ class LLMAPIInflightRequests(SenderLoop):
 
     def _start(self, state: RequestState) -> None:
         with self.lock:  # the sender thread forgets a request under this lock: it must be registered first
-            handle = self.engine.generate_async(state.job.prompt_token_ids, state.job.params, streaming=True,
-                                                on_output=lambda _handle, item: self.events.put((state, item)))
+            handle = self.engine.generate_async(
+                state.job.prompt_token_ids,
+                state.job.params,
+                streaming=True,
+                on_output=lambda _handle, item: self.events.put((state, item)),
+            )
             state.engine_id = handle.request_id
             self.active[handle.request_id] = state
             if state.triton_id:

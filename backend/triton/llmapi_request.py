@@ -3,6 +3,7 @@
 Tensor names are the contract's (section 1.3): `text_input`, `streaming`, `sampling_param_*` (TensorRT-LLM
 `SamplingParams` fields), `return_*`. The model has max_batch_size 0, so each input arrives with its declared shape:
 `text_input` [N] (element 0 is the prompt), the others [1]. Every bad value raises `InputError` naming the input."""
+
 from __future__ import annotations
 
 import re
@@ -23,8 +24,11 @@ SAMPLING_INPUTS = {
     "sampling_param_seed": ("seed", "UINT64", int),
 }
 # Words of the engine's messages -> the input they are about, so an engine refusal names the input too.
-INPUT_OF_WORD = {**{fld: name for name, (fld, _, _) in SAMPLING_INPUTS.items()},
-                 "prompt": "text_input", "n": "sampling_param_best_of"}
+INPUT_OF_WORD = {
+    **{fld: name for name, (fld, _, _) in SAMPLING_INPUTS.items()},
+    "prompt": "text_input",
+    "n": "sampling_param_best_of",
+}
 DEFAULT_MAX_TOKENS = 32  # TensorRT-LLM SamplingParams' default
 
 
@@ -60,18 +64,31 @@ def convert_request(request: Any, tokenizer: Any, decoupled: bool) -> LLMAPIRequ
     if best_of < 1:
         raise InputError("sampling_param_best_of", f"must be >= 1, got {best_of}")
     if best_of > 1 and streaming:
-        raise InputError("sampling_param_best_of", f"= {best_of} cannot stream: the best sequence is known only "
-                                                   "at the end")
+        raise InputError(
+            "sampling_param_best_of", f"= {best_of} cannot stream: the best sequence is known only at the end"
+        )
     stop = stop_strings(request)
-    outputs = OutputOptions(flag(request, "return_finish_reason"), flag(request, "return_stop_reason"),
-                            flag(request, "return_cumulative_logprob"))
+    outputs = OutputOptions(
+        flag(request, "return_finish_reason"),
+        flag(request, "return_stop_reason"),
+        flag(request, "return_cumulative_logprob"),
+    )
     params = sampling_params(request, tokenizer, best_of, stop, outputs)
-    return LLMAPIRequest(prompt, tokenizer.encode(prompt, add_special_tokens=True), params, streaming,
-                         flag(request, "sampling_param_exclude_input_from_output"), best_of, stop, outputs)
+    return LLMAPIRequest(
+        prompt,
+        tokenizer.encode(prompt, add_special_tokens=True),
+        params,
+        streaming,
+        flag(request, "sampling_param_exclude_input_from_output"),
+        best_of,
+        stop,
+        outputs,
+    )
 
 
-def sampling_params(request: Any, tokenizer: Any, best_of: int, stop: list[str],
-                    outputs: OutputOptions) -> SamplingParams:
+def sampling_params(
+    request: Any, tokenizer: Any, best_of: int, stop: list[str], outputs: OutputOptions
+) -> SamplingParams:
     read = {fld: scalar(request, name, dtype, kind) for name, (fld, dtype, kind) in SAMPLING_INPUTS.items()}
     values: dict[str, Any] = {fld: value for fld, value in read.items() if value is not None}
     values.setdefault("max_tokens", DEFAULT_MAX_TOKENS)
@@ -79,8 +96,14 @@ def sampling_params(request: Any, tokenizer: Any, best_of: int, stop: list[str],
     # Token-level stop words end each sequence in the engine at once; the text-level check (SequenceText) also
     # catches stop strings that tokenize differently in context.
     words = [ids for ids in (tokenizer.encode(word, add_special_tokens=False) for word in stop) if ids]
-    params = SamplingParams(**values, n=best_of, end_id=end_id, pad_id=tokenizer.pad_id, stop_words=words or None,
-                            logprobs=outputs.cumulative_logprob or best_of > 1)  # best_of ranks by log-prob
+    params = SamplingParams(
+        **values,
+        n=best_of,
+        end_id=end_id,
+        pad_id=tokenizer.pad_id,
+        stop_words=words or None,
+        logprobs=outputs.cumulative_logprob or best_of > 1,
+    )  # best_of ranks by log-prob
     try:
         params.validate()
     except ValueError as exc:

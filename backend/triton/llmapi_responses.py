@@ -2,6 +2,7 @@
 
 `finish_reason` and `stop_reason` are strings, as TensorRT-LLM's model sends them (`str(...)`, so an unset value is
 "None"); `cumulative_logprob` is FP32 as its config.pbtxt declares (the anchor sent strings there: bug Q5)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -30,8 +31,11 @@ def response_tensors(results: list[SequenceResult], options: OutputOptions) -> l
     if options.stop_reason:
         tensors.append(string_tensor("stop_reason", [str(result.stop_reason) for result in results]))
     if options.cumulative_logprob:
-        tensors.append(output_tensor("cumulative_logprob",
-                                     np.array([result.cumulative_logprob for result in results], dtype=np.float32)))
+        tensors.append(
+            output_tensor(
+                "cumulative_logprob", np.array([result.cumulative_logprob for result in results], dtype=np.float32)
+            )
+        )
     return tensors
 
 

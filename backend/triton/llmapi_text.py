@@ -8,6 +8,7 @@ text, so a client never sees text taken back:
 A stop string ends the sequence and is left out of the text (the LLM API's include_stop_str_in_output=False).
 Stop strings are matched on the text, so they stop generation however the tokenizer splits them in context
 (token-level stop words miss those: pain point P4)."""
+
 from __future__ import annotations
 
 from typing import Any, Optional, Sequence
@@ -39,8 +40,9 @@ class SequenceText:
             return
         prefix = prefix_window(token_ids, new_count)
         searched_from = self.stops.search_start(len(self.decoded))
-        self.decoded += detokenize_delta(self.tokenizer, prefix, token_ids[len(token_ids) - new_count:], is_final,
-                                         self.skip_special_tokens)
+        self.decoded += detokenize_delta(
+            self.tokenizer, prefix, token_ids[len(token_ids) - new_count :], is_final, self.skip_special_tokens
+        )
         self.tokens_seen = len(token_ids)
         hit = self.stops.first_start(self.decoded, searched_from)
         if hit is not None:
@@ -50,7 +52,7 @@ class SequenceText:
         """What a response may carry now: everything before a stop string, and, until the end, nothing that could
         still turn out to be the start of one."""
         if self.stopped:
-            return self.decoded[:self.stop_at]
+            return self.decoded[: self.stop_at]
         if final:
             return self.decoded
-        return self.decoded[:len(self.decoded) - self.stops.held_back(self.decoded)]
+        return self.decoded[: len(self.decoded) - self.stops.held_back(self.decoded)]

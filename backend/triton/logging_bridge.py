@@ -1,5 +1,6 @@
 """Sends the package's `logging` records to Triton's log (pb_utils.Logger), so the server log tells what the
 models do. Inside Triton only; elsewhere logging stays as configured."""
+
 from __future__ import annotations
 
 import logging

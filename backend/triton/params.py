@@ -2,6 +2,7 @@
 
 Triton hands a model its config as a dict; `parameters` values are strings. `""` and an unfilled `${...}` template
 mean "unset". Every bad value is a `ParameterError` that names the parameter, so a broken config fails at load."""
+
 from __future__ import annotations
 
 import builtins
@@ -68,28 +69,45 @@ class Parameters:
         return self.values.get(name, default)
 
     @overload
-    def int(self, name: builtins.str, default: builtins.int,
-            minimum: Optional[builtins.int] = None) -> builtins.int: ...
+    def int(
+        self, name: builtins.str, default: builtins.int, minimum: Optional[builtins.int] = None
+    ) -> builtins.int: ...
     @overload
-    def int(self, name: builtins.str, default: None = None,
-            minimum: Optional[builtins.int] = None) -> Optional[builtins.int]: ...
+    def int(
+        self, name: builtins.str, default: None = None, minimum: Optional[builtins.int] = None
+    ) -> Optional[builtins.int]: ...
 
-    def int(self, name: builtins.str, default: Optional[builtins.int] = None,
-            minimum: Optional[builtins.int] = None) -> Optional[builtins.int]:
+    def int(
+        self, name: builtins.str, default: Optional[builtins.int] = None, minimum: Optional[builtins.int] = None
+    ) -> Optional[builtins.int]:
         value = self._get(name, default, int, "an integer")
         self._check_minimum(name, value, minimum)
         return value
 
     @overload
-    def float(self, name: builtins.str, default: builtins.float, minimum: Optional[builtins.float] = None,
-              maximum: Optional[builtins.float] = None) -> builtins.float: ...
+    def float(
+        self,
+        name: builtins.str,
+        default: builtins.float,
+        minimum: Optional[builtins.float] = None,
+        maximum: Optional[builtins.float] = None,
+    ) -> builtins.float: ...
     @overload
-    def float(self, name: builtins.str, default: None = None, minimum: Optional[builtins.float] = None,
-              maximum: Optional[builtins.float] = None) -> Optional[builtins.float]: ...
+    def float(
+        self,
+        name: builtins.str,
+        default: None = None,
+        minimum: Optional[builtins.float] = None,
+        maximum: Optional[builtins.float] = None,
+    ) -> Optional[builtins.float]: ...
 
-    def float(self, name: builtins.str, default: Optional[builtins.float] = None,
-              minimum: Optional[builtins.float] = None,
-              maximum: Optional[builtins.float] = None) -> Optional[builtins.float]:
+    def float(
+        self,
+        name: builtins.str,
+        default: Optional[builtins.float] = None,
+        minimum: Optional[builtins.float] = None,
+        maximum: Optional[builtins.float] = None,
+    ) -> Optional[builtins.float]:
         value = self._get(name, default, float, "a number")
         self._check_minimum(name, value, minimum)
         if value is not None and maximum is not None and value > maximum:
@@ -104,8 +122,9 @@ class Parameters:
     def bool(self, name: builtins.str, default: Optional[builtins.bool] = None) -> Optional[builtins.bool]:
         return self._get(name, default, parse_bool, "a boolean (true/false/1/0/yes/no)")
 
-    def choice(self, name: builtins.str, choices: tuple[builtins.str, ...],
-               default: Optional[builtins.str] = None) -> Optional[builtins.str]:
+    def choice(
+        self, name: builtins.str, choices: tuple[builtins.str, ...], default: Optional[builtins.str] = None
+    ) -> Optional[builtins.str]:
         value = self.values.get(name, default)
         if value is not None and value not in choices:
             raise ParameterError(f"{self.model_name}: parameter '{name}' = {value!r} must be one of {choices}")

@@ -3,6 +3,7 @@
 Each Triton model runs in a stub process that tritonserver starts. When tritonserver dies (killed, crashed, or
 past its exit timeout) a stub left running keeps its memory and its engine thread forever, re-parented to init.
 `exit_with_parent` starts one watcher thread a process that ends it once its parent is gone."""
+
 from __future__ import annotations
 
 import logging
@@ -22,8 +23,7 @@ def exit_with_parent(check_period_s: float = CHECK_PERIOD_S) -> None:
         return
     _started.set()
     parent = os.getppid()
-    threading.Thread(target=_watch, args=(parent, check_period_s), name="tritonllm-parent-watch",
-                     daemon=True).start()
+    threading.Thread(target=_watch, args=(parent, check_period_s), name="tritonllm-parent-watch", daemon=True).start()
 
 
 def _watch(parent: int, check_period_s: float) -> None:

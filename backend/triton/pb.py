@@ -7,6 +7,7 @@ that names the input and the rule; the models turn it into an error response for
 Triton prepends the batch dimension to every declared shape (the models have max_batch_size > 0): a `dims: [1]`
 input arrives as [B, 1], a `reshape: { shape: [] }` input as [B].
 """
+
 from __future__ import annotations
 
 import importlib
@@ -18,11 +19,17 @@ import numpy as np
 # Triton data type name -> the numpy dtype `as_numpy()` returns for it. STRING (BYTES) arrives as object arrays.
 TRITON_TO_NUMPY = {
     "BOOL": np.dtype(np.bool_),
-    "INT8": np.dtype(np.int8), "INT16": np.dtype(np.int16),
-    "INT32": np.dtype(np.int32), "INT64": np.dtype(np.int64),
-    "UINT8": np.dtype(np.uint8), "UINT16": np.dtype(np.uint16),
-    "UINT32": np.dtype(np.uint32), "UINT64": np.dtype(np.uint64),
-    "FP16": np.dtype(np.float16), "FP32": np.dtype(np.float32), "FP64": np.dtype(np.float64),
+    "INT8": np.dtype(np.int8),
+    "INT16": np.dtype(np.int16),
+    "INT32": np.dtype(np.int32),
+    "INT64": np.dtype(np.int64),
+    "UINT8": np.dtype(np.uint8),
+    "UINT16": np.dtype(np.uint16),
+    "UINT32": np.dtype(np.uint32),
+    "UINT64": np.dtype(np.uint64),
+    "FP16": np.dtype(np.float16),
+    "FP32": np.dtype(np.float32),
+    "FP64": np.dtype(np.float64),
     "STRING": np.dtype(np.object_),
 }
 _NUMPY_TO_TRITON = {dtype: name for name, dtype in TRITON_TO_NUMPY.items()}
@@ -57,6 +64,7 @@ def triton_dtype_name(dtype: np.dtype) -> str:
 # Inputs
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def optional_input(request: Any, name: str, dtype: Optional[str] = None) -> Optional[np.ndarray]:
     """The input as a numpy array, or None when the request does not carry it. `dtype` is a Triton type name."""
     tensor = pb_utils().get_input_tensor_by_name(request, name)
@@ -87,8 +95,9 @@ def check_batch_size(array: np.ndarray, name: str, batch_size: int) -> None:
     """Every input of one request shares its leading (batch) dimension."""
     rows = array.shape[0] if array.ndim else 0
     if rows != batch_size:
-        raise InputError(name, f"must have batch size {batch_size} like the other inputs, "
-                               f"got shape {list(array.shape)}")
+        raise InputError(
+            name, f"must have batch size {batch_size} like the other inputs, got shape {list(array.shape)}"
+        )
 
 
 def row_scalar(array: np.ndarray, row: int, name: str, kind: str) -> Any:
@@ -133,6 +142,7 @@ def reject_input(request: Any, name: str, why: str) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # Outputs
 # ---------------------------------------------------------------------------------------------------------------
+
 
 def output_tensor(name: str, array: np.ndarray) -> Any:
     return pb_utils().Tensor(name, np.ascontiguousarray(array))

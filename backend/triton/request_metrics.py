@@ -13,6 +13,7 @@ exports none). Their times come from the engine's per-request timestamps (`Reque
 non-streaming requests are measured alike; a request whose engine gave no timestamps is left out of them.
 The speculative-decoding histograms count only requests that had draft tokens (sum and count give the totals).
 Cancelled requests count too: their tokens were generated."""
+
 from __future__ import annotations
 
 import logging
@@ -37,19 +38,37 @@ ACCEPTANCE_RATE = "nv_llm_spec_acceptance_rate"
 
 # family name -> (description, extra labels, buckets)
 HISTOGRAMS = {
-    INPUT_TOKENS: ("Prompt length of finished LLM requests, in tokens",
-                   {"response_metric_type": "total_input_tokens"}, TOKEN_BUCKETS),
-    OUTPUT_TOKENS: ("Generated length of finished LLM requests, in tokens",
-                    {"response_metric_type": "total_output_tokens"}, TOKEN_BUCKETS),
-    TIME_TO_FIRST_TOKEN: ("Time from a request's arrival at the engine to its first generated token, in seconds",
-                          {}, TIME_TO_FIRST_TOKEN_BUCKETS),
-    INTER_TOKEN_LATENCY: ("Mean time between consecutive generated tokens of a sequence, in seconds",
-                          {}, INTER_TOKEN_LATENCY_BUCKETS),
+    INPUT_TOKENS: (
+        "Prompt length of finished LLM requests, in tokens",
+        {"response_metric_type": "total_input_tokens"},
+        TOKEN_BUCKETS,
+    ),
+    OUTPUT_TOKENS: (
+        "Generated length of finished LLM requests, in tokens",
+        {"response_metric_type": "total_output_tokens"},
+        TOKEN_BUCKETS,
+    ),
+    TIME_TO_FIRST_TOKEN: (
+        "Time from a request's arrival at the engine to its first generated token, in seconds",
+        {},
+        TIME_TO_FIRST_TOKEN_BUCKETS,
+    ),
+    INTER_TOKEN_LATENCY: (
+        "Mean time between consecutive generated tokens of a sequence, in seconds",
+        {},
+        INTER_TOKEN_LATENCY_BUCKETS,
+    ),
     DRAFT_TOKENS: ("Speculative draft tokens proposed for a finished request", {}, TOKEN_BUCKETS),
-    ACCEPTED_DRAFT_TOKENS: ("Speculative draft tokens the target model accepted, per finished request", {},
-                            TOKEN_BUCKETS),
-    ACCEPTANCE_RATE: ("Accepted / proposed speculative draft tokens of a finished request", {},
-                      ACCEPTANCE_RATE_BUCKETS),
+    ACCEPTED_DRAFT_TOKENS: (
+        "Speculative draft tokens the target model accepted, per finished request",
+        {},
+        TOKEN_BUCKETS,
+    ),
+    ACCEPTANCE_RATE: (
+        "Accepted / proposed speculative draft tokens of a finished request",
+        {},
+        ACCEPTANCE_RATE_BUCKETS,
+    ),
 }
 
 
@@ -71,10 +90,12 @@ def observe_request(output: RequestOutput) -> RequestObservation:
         input_tokens=len(output.prompt_token_ids),
         output_tokens=sum(len(completion.token_ids) for completion in output.outputs),
         time_to_first_token=time_to_first_token(output),
-        inter_token_latencies=[latency for latency in map(mean_inter_token_latency, output.outputs)
-                               if latency is not None],
+        inter_token_latencies=[
+            latency for latency in map(mean_inter_token_latency, output.outputs) if latency is not None
+        ],
         draft_tokens=sum(m.total_draft_tokens for m in _timings(output)),
-        accepted_draft_tokens=sum(m.total_accepted_draft_tokens for m in _timings(output)))
+        accepted_draft_tokens=sum(m.total_accepted_draft_tokens for m in _timings(output)),
+    )
 
 
 def _timings(output: RequestOutput) -> list:
@@ -98,8 +119,9 @@ def mean_inter_token_latency(completion: Any) -> Optional[float]:
     return max(timing.last_token_time_ns - timing.first_token_time_ns, 0) / gaps / 1e9
 
 
-def report_finished(on_finished: Optional[Callable[[RequestOutput], None]], output: RequestOutput,
-                    log: logging.Logger) -> None:
+def report_finished(
+    on_finished: Optional[Callable[[RequestOutput], None]], output: RequestOutput, log: logging.Logger
+) -> None:
     """Hand a finished request to the model's metrics hook, if any; a failure there is logged, never raised (metrics
     must never cost a client its response)."""
     if on_finished is None:
@@ -117,10 +139,14 @@ class RequestMetrics:
         pb = pb_utils()
         labels = {"model": model, "version": str(version)}
         # The stub frees a family's metrics with the family: keep both for as long as this object lives.
-        self.families = {name: pb.MetricFamily(name=name, description=description, kind=pb.MetricFamily.HISTOGRAM)
-                         for name, (description, _, _) in HISTOGRAMS.items()}
-        self.histograms = {name: self.families[name].Metric(labels={**extra, **labels}, buckets=list(buckets))
-                           for name, (_, extra, buckets) in HISTOGRAMS.items()}
+        self.families = {
+            name: pb.MetricFamily(name=name, description=description, kind=pb.MetricFamily.HISTOGRAM)
+            for name, (description, _, _) in HISTOGRAMS.items()
+        }
+        self.histograms = {
+            name: self.families[name].Metric(labels={**extra, **labels}, buckets=list(buckets))
+            for name, (_, extra, buckets) in HISTOGRAMS.items()
+        }
 
     def observe(self, output: RequestOutput) -> None:
         observation = observe_request(output)

@@ -9,6 +9,7 @@ here are the closest honest equivalents (docs/metrics.md):
   pinned  pinned host memory held by torch's caching host allocator; 0 without CUDA
 
 Nothing here imports torch or initialises CUDA just to report 0: a metrics thread must not start a GPU context."""
+
 from __future__ import annotations
 
 import os

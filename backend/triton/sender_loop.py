@@ -4,6 +4,7 @@ Engine outputs arrive on the engine's thread and are queued as events; this one 
 responses, so a request's responses go out in order and a slow client never stalls the engine. Between events,
 and at least every `cancellation_check_period_ms`, it asks Triton whether a client went away. One event that fails
 is answered with an error and never stops the loop for the other requests."""
+
 from __future__ import annotations
 
 import queue

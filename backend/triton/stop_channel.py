@@ -7,6 +7,7 @@ postprocessing step whose request is cancelled sends that key back here. The key
 socket (an abstract Unix datagram socket: no file, gone with the process) and a random token of the request, so
 nothing else can guess it. A datagram costs the sender nothing and needs no Triton call (a BLS call to a
 decoupled model from inside an ensemble step is what Triton 2.51 handles worst)."""
+
 from __future__ import annotations
 
 import logging

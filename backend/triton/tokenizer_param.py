@@ -1,4 +1,5 @@
 """The `tokenizer_dir` parameter of the preprocessing and postprocessing models: required, and loadable."""
+
 from __future__ import annotations
 
 from ..tokenizer import LoadedTokenizer, load_tokenizer
@@ -8,8 +9,9 @@ from .params import ParameterError, Parameters
 def required_tokenizer_dir(params: Parameters) -> str:
     tokenizer_dir = params.str("tokenizer_dir")
     if tokenizer_dir is None:
-        raise ParameterError(f"{params.model_name}: parameter 'tokenizer_dir' is required "
-                             "(a local Hugging Face tokenizer directory)")
+        raise ParameterError(
+            f"{params.model_name}: parameter 'tokenizer_dir' is required (a local Hugging Face tokenizer directory)"
+        )
     return tokenizer_dir
 
 
@@ -18,5 +20,7 @@ def load_tokenizer_for_model(tokenizer_dir: str, model_name: str) -> LoadedToken
     try:
         return load_tokenizer(tokenizer_dir)
     except Exception as error:
-        raise ParameterError(f"{model_name}: parameter 'tokenizer_dir' = {tokenizer_dir!r}: cannot load a "
-                             f"tokenizer ({type(error).__name__}: {error})") from error
+        raise ParameterError(
+            f"{model_name}: parameter 'tokenizer_dir' = {tokenizer_dir!r}: cannot load a "
+            f"tokenizer ({type(error).__name__}: {error})"
+        ) from error

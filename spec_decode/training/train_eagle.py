@@ -22,6 +22,7 @@ last layer was tried: its activations are far larger than a final-norm feature a
 Draft vocabulary (`draft_vocab` > 0, our extension of the format, see eagle.py): the most frequent greedy choices
 of the training answers are saved with the draft, and the engine drafts from those tokens alone, so each draft
 step's LM head costs a fraction of the full vocabulary's."""
+
 from __future__ import annotations
 
 import json
@@ -93,6 +94,7 @@ class EagleTrainReport:
 @dataclass
 class Target:
     """The frozen target's token embedding and LM head, which the draft borrows."""
+
     embed: torch.Tensor  # [vocab, H]
     lm_head: torch.Tensor  # [vocab, H]
 
@@ -108,6 +110,7 @@ class Target:
 class _Data:
     """Sequences padded to one width: ids, the target's features and greedy choices, and the first row of each
     whose loss counts."""
+
     ids: torch.Tensor  # [S, N] (0-padded)
     features: torch.Tensor  # [S, N, H] (EAGLE-3: [S, N, layers * H], the captured layers' outputs)
     choices: torch.Tensor  # [S, N]: the target's greedy token after each row (fp32, as the engine decodes)
@@ -116,27 +119,42 @@ class _Data:
 
     def batch(self, rows: torch.Tensor) -> _Data:
         width = int(self.lengths[rows].max())
-        return _Data(self.ids[rows, :width], self.features[rows, :width], self.choices[rows, :width],
-                     self.lengths[rows], self.first_rows[rows])
+        return _Data(
+            self.ids[rows, :width],
+            self.features[rows, :width],
+            self.choices[rows, :width],
+            self.lengths[rows],
+            self.first_rows[rows],
+        )
 
 
-def train_eagle(model_dir: Union[str, Path], out_dir: Union[str, Path], settings: EagleTrainSettings,
-                text: Optional[str] = None) -> EagleTrainReport:
+def train_eagle(
+    model_dir: Union[str, Path], out_dir: Union[str, Path], settings: EagleTrainSettings, text: Optional[str] = None
+) -> EagleTrainReport:
     started = time.monotonic()
     base, (train, validation, held) = base_and_data(model_dir, settings, text)
     config = eagle_config_for(json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8")))
     draft = _initial_draft(config).to(settings.device)
     target = Target.of(base)
     vocab = frequent_choices(train, target, settings.draft_vocab) if settings.draft_vocab else None
-    fitted = fit(draft, (train, validation, held), settings, started,
-                 lambda batch, noise_scale: _loss(draft, target, batch, settings, noise_scale),
-                 lambda data: depth_accuracy(draft, target, data, settings.passes))
+    fitted = fit(
+        draft,
+        (train, validation, held),
+        settings,
+        started,
+        lambda batch, noise_scale: _loss(draft, target, batch, settings, noise_scale),
+        lambda data: depth_accuracy(draft, target, data, settings.passes),
+    )
     save_eagle(draft.cpu(), out_dir, config, dtype=settings.save_dtype, draft_vocab=vocab)
     return fitted.report(out_dir, train, 0 if vocab is None else len(vocab), started)
 
 
-def base_and_data(model_dir: Union[str, Path], settings: EagleTrainSettings, text: Optional[str],
-                  capture_layers: Optional[Sequence[int]] = None):
+def base_and_data(
+    model_dir: Union[str, Path],
+    settings: EagleTrainSettings,
+    text: Optional[str],
+    capture_layers: Optional[Sequence[int]] = None,
+):
     """The frozen base and its (train, validation or None, held-out) data, the seed set first."""
     torch.manual_seed(settings.seed)
     tokenizer, base = load_base(model_dir, settings.device)
@@ -146,26 +164,40 @@ def base_and_data(model_dir: Union[str, Path], settings: EagleTrainSettings, tex
 @dataclass
 class Fitted:
     """What training measured: the losses, the kept step, and per-depth accuracy on held-out and validation data."""
+
     losses: list[float]
     best_step: Optional[int]
     accuracy: list[float]
     validation_accuracy: Optional[list[float]]
 
-    def report(self, out_dir: Union[str, Path], train: _Data, draft_vocab: int,
-               started: float) -> EagleTrainReport:
-        return EagleTrainReport(Path(out_dir), int(train.lengths.sum()), self.losses[0], self.losses[-1],
-                                self.accuracy, self.validation_accuracy, self.best_step, draft_vocab,
-                                time.monotonic() - started)
+    def report(self, out_dir: Union[str, Path], train: _Data, draft_vocab: int, started: float) -> EagleTrainReport:
+        return EagleTrainReport(
+            Path(out_dir),
+            int(train.lengths.sum()),
+            self.losses[0],
+            self.losses[-1],
+            self.accuracy,
+            self.validation_accuracy,
+            self.best_step,
+            draft_vocab,
+            time.monotonic() - started,
+        )
 
 
-def fit(draft: torch.nn.Module, data: tuple[_Data, Optional[_Data], _Data], settings: EagleTrainSettings,
-        started: float, loss: Callable[[_Data, float], torch.Tensor],
-        accuracy: Callable[[_Data], list[float]]) -> Fitted:
+def fit(
+    draft: torch.nn.Module,
+    data: tuple[_Data, Optional[_Data], _Data],
+    settings: EagleTrainSettings,
+    started: float,
+    loss: Callable[[_Data, float], torch.Tensor],
+    accuracy: Callable[[_Data], list[float]],
+) -> Fitted:
     """`train_draft` on (train, validation, held-out) data, then the kept weights' accuracy."""
     train, validation, held = data
     with _tf32(settings.device):  # the draft's own maths; the targets were computed in full fp32
-        losses, best_step = train_draft(draft, train, validation, settings, deadline(started, settings.time_limit),
-                                        loss, accuracy)
+        losses, best_step = train_draft(
+            draft, train, validation, settings, deadline(started, settings.time_limit), loss, accuracy
+        )
     return Fitted(losses, best_step, accuracy(held), accuracy(validation) if validation else None)
 
 
@@ -180,32 +212,42 @@ def _tf32(device: str):
         torch.backends.cuda.matmul.allow_tf32 = before
 
 
-def _chat_data(base, tokenizer, settings: EagleTrainSettings, text: Optional[str],
-               capture_layers: Optional[Sequence[int]] = None):
+def _chat_data(
+    base, tokenizer, settings: EagleTrainSettings, text: Optional[str], capture_layers: Optional[Sequence[int]] = None
+):
     """(train, validation or None, held-out) data; the features are the final-norm hidden states, or with
     `capture_layers` (EAGLE-3) those layers' outputs side by side."""
-    train, validation, held = distill.distilled_sets(base, tokenizer, text if text is not None else default_text(),
-                                                     settings)
-    return (_padded(base, train, settings, settings.progress, capture_layers),
-            _padded(base, validation, settings, False, capture_layers) if validation else None,
-            _padded(base, held, settings, False, capture_layers))
+    train, validation, held = distill.distilled_sets(
+        base, tokenizer, text if text is not None else default_text(), settings
+    )
+    return (
+        _padded(base, train, settings, settings.progress, capture_layers),
+        _padded(base, validation, settings, False, capture_layers) if validation else None,
+        _padded(base, held, settings, False, capture_layers),
+    )
 
 
-def _padded(base, sequences: list[distill.Distilled], settings: EagleTrainSettings, progress: bool,
-            capture_layers: Optional[Sequence[int]]) -> _Data:
+def _padded(
+    base,
+    sequences: list[distill.Distilled],
+    settings: EagleTrainSettings,
+    progress: bool,
+    capture_layers: Optional[Sequence[int]],
+) -> _Data:
     """Every sequence's ids and target features, padded to the longest (all held on the training device: ~2.3 KB
     per token for SmolLM2, so GPU-sized for large runs; EAGLE-3's three captured layers triple that)."""
-    features, choices = base_outputs(base, [torch.tensor(ids) for ids, _ in sequences], progress,
-                                     settings.forward_batch, capture_layers)
+    features, choices = base_outputs(
+        base, [torch.tensor(ids) for ids, _ in sequences], progress, settings.forward_batch, capture_layers
+    )
     width = max(len(tokens) for tokens, _ in sequences)
     device = features[0].device
     ids = torch.zeros(len(sequences), width, dtype=torch.long, device=device)
     padded = torch.zeros(len(sequences), width, features[0].shape[-1], device=device)
     greedy = torch.zeros(len(sequences), width, dtype=torch.long, device=device)
     for row, ((tokens, _), states, chosen) in enumerate(zip(sequences, features, choices)):
-        ids[row, :len(tokens)] = torch.tensor(tokens, device=device)
-        padded[row, :len(tokens)] = states
-        greedy[row, :len(tokens)] = chosen
+        ids[row, : len(tokens)] = torch.tensor(tokens, device=device)
+        padded[row, : len(tokens)] = states
+        greedy[row, : len(tokens)] = chosen
     lengths = torch.tensor([len(tokens) for tokens, _ in sequences], device=device)
     # A draft starts at a root r >= the prompt's last token; its pass-1 row is r - 1.
     first_rows = torch.tensor([max(0, start - 2) for _, start in sequences], device=device)
@@ -243,10 +285,12 @@ def small_random(draft: Draft, hidden: int) -> Draft:
 LayerInput = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
-def dense_passes(draft: EagleDraft, embed: torch.Tensor, ids: torch.Tensor, features: torch.Tensor,
-                 passes: int) -> list[torch.Tensor]:
+def dense_passes(
+    draft: EagleDraft, embed: torch.Tensor, ids: torch.Tensor, features: torch.Tensor, passes: int
+) -> list[torch.Tensor]:
     """The draft's outputs [B, N, H] for passes 1..`passes` (see the module docstring); rows whose token
     j + k lies past the width get token 0 (their losses are masked)."""
+
     def layer_input(embeds: torch.Tensor, feature: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = draft.fc(torch.cat((embeds, feature), dim=-1))  # no input norm: x is both
         return x, x
@@ -254,8 +298,15 @@ def dense_passes(draft: EagleDraft, embed: torch.Tensor, ids: torch.Tensor, feat
     return layer_passes(draft.layer, draft.rotary_emb, embed, ids, features, passes, layer_input)
 
 
-def layer_passes(layer: DecoderLayerParts, rotary_emb, embed: torch.Tensor, ids: torch.Tensor, features: torch.Tensor,
-                 passes: int, layer_input: LayerInput) -> list[torch.Tensor]:
+def layer_passes(
+    layer: DecoderLayerParts,
+    rotary_emb,
+    embed: torch.Tensor,
+    ids: torch.Tensor,
+    features: torch.Tensor,
+    passes: int,
+    layer_input: LayerInput,
+) -> list[torch.Tensor]:
     """A draft decoder layer's outputs [B, N, H], pass by pass: pass k gives row j token j + k and the previous
     pass's output (pass 1: `features`), at position j + k - 1; `layer_input` is what comes before the attention."""
     batch, width = ids.shape
@@ -273,9 +324,14 @@ def layer_passes(layer: DecoderLayerParts, rotary_emb, embed: torch.Tensor, ids:
         keys.append(apply_rotary(key.view(batch, width, attn.num_kv_heads, attn.head_dim), cos, sin))
         values.append(value.view(batch, width, attn.num_kv_heads, attn.head_dim))
         mask = _pass_mask(width, k, x.device, x.dtype)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), torch.cat(keys, 1).transpose(1, 2),
-                                             torch.cat(values, 1).transpose(1, 2), attn_mask=mask,
-                                             scale=attn.scale, enable_gqa=True)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2),
+            torch.cat(keys, 1).transpose(1, 2),
+            torch.cat(values, 1).transpose(1, 2),
+            attn_mask=mask,
+            scale=attn.scale,
+            enable_gqa=True,
+        )
         hidden = residual + attn.o_proj(out.transpose(1, 2).reshape(batch, width, -1))
         hidden = hidden + layer.mlp(layer.post_attention_layernorm(hidden))
         outputs.append(hidden)
@@ -325,8 +381,9 @@ def depth_weighted_loss(outputs: list[torch.Tensor], data: _Data, pass_loss: Pas
     return total
 
 
-def _loss(draft: EagleDraft, target: Target, data: _Data, settings: EagleTrainSettings,
-          noise_scale: float) -> torch.Tensor:
+def _loss(
+    draft: EagleDraft, target: Target, data: _Data, settings: EagleTrainSettings, noise_scale: float
+) -> torch.Tensor:
     def pass_loss(predicted: torch.Tensor, k: int, valid: torch.Tensor) -> torch.Tensor:
         wanted = _shifted(data.features, k)[valid]
         with torch.no_grad():
@@ -335,19 +392,28 @@ def _loss(draft: EagleDraft, target: Target, data: _Data, settings: EagleTrainSe
         return F.smooth_l1_loss(predicted, wanted) + settings.token_weight * token_loss
 
     features = noisy_features(data, settings, noise_scale)
-    return depth_weighted_loss(dense_passes(draft, target.embed, data.ids, features, settings.passes), data,
-                               pass_loss)
+    return depth_weighted_loss(dense_passes(draft, target.embed, data.ids, features, settings.passes), data, pass_loss)
 
 
-def train_draft(draft: torch.nn.Module, data: _Data, validation: Optional[_Data], settings: EagleTrainSettings,
-                stop_at: Optional[float], loss: Callable[[_Data, float], torch.Tensor],
-                accuracy: Callable[[_Data], list[float]]) -> tuple[list[float], Optional[int]]:
+def train_draft(
+    draft: torch.nn.Module,
+    data: _Data,
+    validation: Optional[_Data],
+    settings: EagleTrainSettings,
+    stop_at: Optional[float],
+    loss: Callable[[_Data, float], torch.Tensor],
+    accuracy: Callable[[_Data], list[float]],
+) -> tuple[list[float], Optional[int]]:
     """AdamW steps on `loss(batch, noise_scale)` over random batches of `data` (warm-up, cosine decay), keeping the
     weights whose `accuracy` on `validation` chains best; returns the losses and that step."""
     optimizer = torch.optim.AdamW(draft.parameters(), lr=settings.learning_rate, weight_decay=0.0)
     warmup = max(1, settings.steps // 20)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup) * 0.5 * (
-        1 + math.cos(math.pi * min(1.0, step / max(1, settings.steps)))))
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda step: (
+            min(1.0, (step + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, step / max(1, settings.steps))))
+        ),
+    )
     generator = torch.Generator().manual_seed(settings.seed)
     noise_scale = float(data.features[data.features.abs().sum(-1) > 0].std())
 
@@ -356,21 +422,38 @@ def train_draft(draft: torch.nn.Module, data: _Data, validation: Optional[_Data]
         return loss(data.batch(rows.to(data.ids.device)), noise_scale)
 
     best = BestCheckpoint(draft, None if validation is None else lambda: chain_score(accuracy(validation)))
-    return run_steps(batch_loss, optimizer, schedule, settings.steps, settings.eval_every, best,
-                     "Training the EAGLE draft", settings.progress, clip=(list(draft.parameters()), 1.0),
-                     stop_at=stop_at)
+    return run_steps(
+        batch_loss,
+        optimizer,
+        schedule,
+        settings.steps,
+        settings.eval_every,
+        best,
+        "Training the EAGLE draft",
+        settings.progress,
+        clip=(list(draft.parameters()), 1.0),
+        stop_at=stop_at,
+    )
 
 
 def depth_accuracy(draft: EagleDraft, target: Target, data: _Data, passes: int) -> list[float]:
     """Per depth k, how often the draft's top-1 at pass k is the target's greedy choice (true tokens before)."""
-    return guess_accuracy(data, passes,
-                          lambda chunk: dense_passes(draft, target.embed, chunk.ids, chunk.features, passes),
-                          lambda hidden: target.logits(hidden).argmax(-1))
+    return guess_accuracy(
+        data,
+        passes,
+        lambda chunk: dense_passes(draft, target.embed, chunk.ids, chunk.features, passes),
+        lambda hidden: target.logits(hidden).argmax(-1),
+    )
 
 
 @torch.no_grad()
-def guess_accuracy(data: _Data, passes: int, run: Callable[[_Data], list[torch.Tensor]],
-                   guess: Callable[[torch.Tensor], torch.Tensor], batch: int = 16) -> list[float]:
+def guess_accuracy(
+    data: _Data,
+    passes: int,
+    run: Callable[[_Data], list[torch.Tensor]],
+    guess: Callable[[torch.Tensor], torch.Tensor],
+    batch: int = 16,
+) -> list[float]:
     """Per depth k, how often `guess` (target ids from pass outputs [M, H]) on `run`'s pass k outputs for a chunk
     of `data` is the target's greedy choice."""
     hits, counts = [0] * passes, [0] * passes

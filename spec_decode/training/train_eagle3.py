@@ -10,6 +10,7 @@ lies outside the draft vocabulary left out.
 
 The features come from transformers' `output_hidden_states`, whose last entry is the final norm's output: the
 last layer's own output is not there, so it cannot be a capture layer here."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -53,11 +54,13 @@ from .train_eagle import (
 @dataclass
 class Eagle3TrainSettings(EagleTrainSettings):
     """train_eagle's settings (`token_weight` unused); `draft_vocab` 0 means the whole vocabulary."""
+
     capture_layers: Optional[tuple[int, ...]] = None  # target layers whose outputs are the features; None: default
 
 
-def train_eagle3(model_dir: Union[str, Path], out_dir: Union[str, Path], settings: Eagle3TrainSettings,
-                 text: Optional[str] = None) -> EagleTrainReport:
+def train_eagle3(
+    model_dir: Union[str, Path], out_dir: Union[str, Path], settings: Eagle3TrainSettings, text: Optional[str] = None
+) -> EagleTrainReport:
     started = time.monotonic()
     target_config = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
     layers = trainable_capture_layers(settings.capture_layers, target_config)
@@ -67,9 +70,14 @@ def train_eagle3(model_dir: Union[str, Path], out_dir: Union[str, Path], setting
     config = eagle3_config_for(target_config, len(vocab), layers)
     draft = initial_draft(config, layers, vocab, base).to(settings.device)
     to_draft = draft_ids(vocab, len(target.lm_head)).to(settings.device)
-    fitted = fit(draft, (train, validation, held), settings, started,
-                 lambda batch, noise_scale: draft_loss(draft, target.embed, to_draft, batch, settings, noise_scale),
-                 lambda data: depth_accuracy(draft, target.embed, data, settings.passes))
+    fitted = fit(
+        draft,
+        (train, validation, held),
+        settings,
+        started,
+        lambda batch, noise_scale: draft_loss(draft, target.embed, to_draft, batch, settings, noise_scale),
+        lambda data: depth_accuracy(draft, target.embed, data, settings.passes),
+    )
     save_eagle3(draft.cpu(), out_dir, config, dtype=settings.save_dtype)
     return dataclasses.replace(fitted.report(out_dir, train, len(vocab), started), capture_layers=list(layers))
 
@@ -78,13 +86,19 @@ def trainable_capture_layers(requested: Optional[Sequence[int]], target_config: 
     """The capture layers (`requested` or EAGLE-3's default), checked as the engine checks them, and each below the
     target's last layer (see the module docstring)."""
     num_layers = ModelConfig.from_dict(target_config, source="the target's config.json").num_layers
-    where = "--capture-layers" if requested is not None else \
-        f"the default capture layers for a target of {num_layers} layers (pass --capture-layers)"
-    layers = resolve_capture_layers(requested if requested is not None else default_capture_layers(num_layers),
-                                    num_layers, where)
+    where = (
+        "--capture-layers"
+        if requested is not None
+        else f"the default capture layers for a target of {num_layers} layers (pass --capture-layers)"
+    )
+    layers = resolve_capture_layers(
+        requested if requested is not None else default_capture_layers(num_layers), num_layers, where
+    )
     if num_layers - 1 in layers:
-        raise ConfigError(f"{where}: layer {num_layers - 1} is the target's last; transformers gives its output only "
-                          f"after the final norm, so training cannot capture it: pick layers below {num_layers - 1}")
+        raise ConfigError(
+            f"{where}: layer {num_layers - 1} is the target's last; transformers gives its output only "
+            f"after the final norm, so training cannot capture it: pick layers below {num_layers - 1}"
+        )
     return layers
 
 
@@ -107,8 +121,9 @@ def draft_ids(vocab: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return torch.full((vocab_size,), -1, dtype=torch.long).index_copy_(0, vocab, torch.arange(len(vocab)))
 
 
-def dense_passes(draft: Eagle3Draft, embed: torch.Tensor, ids: torch.Tensor, features: torch.Tensor,
-                 passes: int) -> list[torch.Tensor]:
+def dense_passes(
+    draft: Eagle3Draft, embed: torch.Tensor, ids: torch.Tensor, features: torch.Tensor, passes: int
+) -> list[torch.Tensor]:
     """The draft's pre-norm outputs [B, N, H] for passes 1..`passes` (train_eagle's training-time test):
     pass 1 squeezes the target's features with fc, later passes take the previous pass's output as it is."""
     layer = draft.midlayer
@@ -120,8 +135,14 @@ def dense_passes(draft: Eagle3Draft, embed: torch.Tensor, ids: torch.Tensor, fea
     return layer_passes(layer, draft.rotary_emb, embed, ids, features, passes, layer_input)
 
 
-def draft_loss(draft: Eagle3Draft, embed: torch.Tensor, to_draft: torch.Tensor, data: _Data,
-               settings: Eagle3TrainSettings, noise_scale: float) -> torch.Tensor:
+def draft_loss(
+    draft: Eagle3Draft,
+    embed: torch.Tensor,
+    to_draft: torch.Tensor,
+    data: _Data,
+    settings: Eagle3TrainSettings,
+    noise_scale: float,
+) -> torch.Tensor:
     head = draft.make_head(None)
 
     def pass_loss(hidden: torch.Tensor, k: int, valid: torch.Tensor) -> torch.Tensor:
@@ -139,5 +160,9 @@ def depth_accuracy(draft: Eagle3Draft, embed: torch.Tensor, data: _Data, passes:
     """Per depth k, how often the draft head's top-1 (as a target id) is the target's greedy choice; choices
     outside the draft vocabulary count as misses."""
     head = draft.make_head(None)
-    return guess_accuracy(data, passes, lambda chunk: dense_passes(draft, embed, chunk.ids, chunk.features, passes),
-                          lambda hidden: head.token_ids(head.logits(hidden).argmax(-1)))
+    return guess_accuracy(
+        data,
+        passes,
+        lambda chunk: dense_passes(draft, embed, chunk.ids, chunk.features, passes),
+        lambda hidden: head.token_ids(head.logits(hidden).argmax(-1)),
+    )

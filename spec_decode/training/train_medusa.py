@@ -19,6 +19,7 @@ summarise, explain ... the shipped texts and topics), trained on from the last p
 measured on the answers to the requests `tritonllm bench spec` makes, whose texts are never trained on. That is
 the data the shipped SmolLM2 heads come from (trained on a GPU with `--device cuda`; docs/benchmarks.md).
 """
+
 from __future__ import annotations
 
 import logging
@@ -94,17 +95,24 @@ def default_text() -> str:
     return resources.files("tritonllm.spec_decode.training").joinpath(DEFAULT_TEXT).read_text(encoding="utf-8")
 
 
-def train_medusa(model_dir: Union[str, Path], out_dir: Union[str, Path], settings: TrainSettings,
-                 text: Optional[str] = None) -> TrainReport:
+def train_medusa(
+    model_dir: Union[str, Path], out_dir: Union[str, Path], settings: TrainSettings, text: Optional[str] = None
+) -> TrainReport:
     started = time.monotonic()
     torch.manual_seed(settings.seed)
     tokenizer, base = load_base(model_dir, settings.device)
     make_data = _chat_data if settings.distill_prompts else _text_data
     (states, targets), (held_states, held_targets), validation, num_tokens, held_tokens = make_data(
-        base, tokenizer, settings, text)
+        base, tokenizer, settings, text
+    )
     lm_head = base.get_output_embeddings().weight.detach()
-    heads = MedusaHeads(lm_head.shape[1], lm_head.shape[0], settings.num_heads, settings.num_layers,
-                        shared_lm_head=settings.share_lm_head).to(lm_head.device)
+    heads = MedusaHeads(
+        lm_head.shape[1],
+        lm_head.shape[0],
+        settings.num_heads,
+        settings.num_layers,
+        shared_lm_head=settings.share_lm_head,
+    ).to(lm_head.device)
     vocab = None
     if settings.draft_vocab:
         valid = targets[targets != IGNORE]
@@ -114,8 +122,18 @@ def train_medusa(model_dir: Union[str, Path], out_dir: Union[str, Path], setting
     accuracy, train_accuracy = head_accuracy(heads, held_states, held_targets), head_accuracy(heads, states, targets)
     validation_accuracy = head_accuracy(heads, *validation) if validation else None
     save_medusa(heads.cpu(), out_dir, base_model=str(model_dir), dtype=settings.save_dtype, draft_vocab=vocab)
-    return TrainReport(Path(out_dir), num_tokens, losses[0], losses[-1], accuracy, train_accuracy, held_tokens,
-                       time.monotonic() - started, best_step, validation_accuracy)
+    return TrainReport(
+        Path(out_dir),
+        num_tokens,
+        losses[0],
+        losses[-1],
+        accuracy,
+        train_accuracy,
+        held_tokens,
+        time.monotonic() - started,
+        best_step,
+        validation_accuracy,
+    )
 
 
 def _attach_lm_head(heads: MedusaHeads, lm_head: torch.Tensor, vocab: Optional[torch.Tensor]) -> None:
@@ -135,15 +153,17 @@ def _attach_lm_head(heads: MedusaHeads, lm_head: torch.Tensor, vocab: Optional[t
 
 def _text_data(base, tokenizer, settings: TrainSettings, text: Optional[str]):
     """Windows of the text (plus greedy continuations); accuracy on the text's held-out end; no validation."""
-    token_ids, held_ids = _split(tokenizer(text if text is not None else default_text())["input_ids"],
-                                 settings.held_out)
+    token_ids, held_ids = _split(
+        tokenizer(text if text is not None else default_text())["input_ids"], settings.held_out
+    )
     if settings.distill_tokens:
         token_ids += _distill(base, tokenizer, token_ids, settings)
-    train = _dataset(*base_outputs(base, _windows(token_ids, settings.window), settings.progress),
-                     settings.num_heads)
+    train = _dataset(*base_outputs(base, _windows(token_ids, settings.window), settings.progress), settings.num_heads)
     if not held_ids:
-        log.warning("the training text is too short to hold %d tokens out; accuracy is measured on the training data",
-                    MIN_HELD_OUT_TOKENS)
+        log.warning(
+            "the training text is too short to hold %d tokens out; accuracy is measured on the training data",
+            MIN_HELD_OUT_TOKENS,
+        )
         return train, train, None, len(token_ids), 0
     held = _dataset(*base_outputs(base, _windows(held_ids, settings.window), False), settings.num_heads)
     return train, held, None, len(token_ids), len(held_ids)
@@ -152,21 +172,25 @@ def _text_data(base, tokenizer, settings: TrainSettings, text: Optional[str]):
 def _chat_data(base, tokenizer, settings: TrainSettings, text: Optional[str]):
     """The model's answers to chat requests (some topics kept for validation); accuracy on its answers to the
     bench's requests."""
-    train, validation, held = distill.distilled_sets(base, tokenizer, text if text is not None else default_text(),
-                                                     settings)
-    return (_answers_dataset(base, train, settings, settings.progress),
-            _answers_dataset(base, held, settings, False),
-            _answers_dataset(base, validation, settings, False) if validation else None,
-            sum(len(ids) for ids, _ in train), sum(len(ids) - start for ids, start in held))
+    train, validation, held = distill.distilled_sets(
+        base, tokenizer, text if text is not None else default_text(), settings
+    )
+    return (
+        _answers_dataset(base, train, settings, settings.progress),
+        _answers_dataset(base, held, settings, False),
+        _answers_dataset(base, validation, settings, False) if validation else None,
+        sum(len(ids) for ids, _ in train),
+        sum(len(ids) - start for ids, start in held),
+    )
 
 
 def _answers_dataset(base, sequences: list[distill.Distilled], settings: TrainSettings, progress: bool):
     """Positions from each prompt's last token on (where decoding happens), with their per-head targets."""
-    hidden, choices = base_outputs(base, [torch.tensor(ids) for ids, _ in sequences], progress,
-                                    settings.forward_batch)
+    hidden, choices = base_outputs(base, [torch.tensor(ids) for ids, _ in sequences], progress, settings.forward_batch)
     starts = [start - 1 for _, start in sequences]
-    return _dataset([h[s:] for h, s in zip(hidden, starts)], [c[s:] for c, s in zip(choices, starts)],
-                    settings.num_heads)
+    return _dataset(
+        [h[s:] for h, s in zip(hidden, starts)], [c[s:] for c, s in zip(choices, starts)], settings.num_heads
+    )
 
 
 def _split(token_ids: list[int], held_out: float) -> tuple[list[int], list[int]]:
@@ -180,8 +204,11 @@ def _split(token_ids: list[int], held_out: float) -> tuple[list[int], list[int]]
 def _windows(token_ids: list[int], window: int) -> list[torch.Tensor]:
     if len(token_ids) < 8:
         raise ValueError(f"the training text has only {len(token_ids)} tokens")
-    return [torch.tensor(token_ids[start:start + window]) for start in range(0, len(token_ids), window)
-            if len(token_ids[start:start + window]) >= 8]
+    return [
+        torch.tensor(token_ids[start : start + window])
+        for start in range(0, len(token_ids), window)
+        if len(token_ids[start : start + window]) >= 8
+    ]
 
 
 def _distill(base, tokenizer, token_ids: list[int], settings: TrainSettings) -> list[int]:
@@ -190,9 +217,10 @@ def _distill(base, tokenizer, token_ids: list[int], settings: TrainSettings) -> 
     prompts_needed = math.ceil(settings.distill_tokens / 64)
     stride = max(1, (len(token_ids) - 32) // prompts_needed)
     starts = list(range(0, max(1, len(token_ids) - 32), stride))[:prompts_needed]
-    snippets = [token_ids[start:start + 32] for start in starts]
-    answers = distill.greedy_answers(base, tokenizer, snippets, 64, DISTILL_BATCH, settings.progress,
-                                     "Self-distillation")
+    snippets = [token_ids[start : start + 32] for start in starts]
+    answers = distill.greedy_answers(
+        base, tokenizer, snippets, 64, DISTILL_BATCH, settings.progress, "Self-distillation"
+    )
     return [token for ids, _ in answers for token in ids]
 
 
@@ -206,7 +234,7 @@ def _dataset(hidden, choices, num_heads: int) -> tuple[torch.Tensor, torch.Tenso
     for window_choices in choices:
         rows = torch.full((len(window_choices), num_heads), IGNORE, dtype=torch.long, device=window_choices.device)
         for h in range(min(num_heads, len(window_choices) - 1)):
-            rows[:len(window_choices) - h - 1, h] = window_choices[h + 1:]
+            rows[: len(window_choices) - h - 1, h] = window_choices[h + 1 :]
         targets.append(rows)
     return torch.cat(hidden), torch.cat(targets)
 
@@ -229,12 +257,18 @@ def _loss(heads: MedusaHeads, states: torch.Tensor, targets: torch.Tensor) -> to
         valid = targets[:, h] != IGNORE
         if valid.any():
             # Later heads are weighted down: they are harder, and a path stops at its first miss anyway.
-            total = total + 0.8 ** h * F.cross_entropy(logits[valid, h], targets[valid, h])
+            total = total + 0.8**h * F.cross_entropy(logits[valid, h], targets[valid, h])
     return total
 
 
-def _train(heads: MedusaHeads, states: torch.Tensor, targets: torch.Tensor, settings: TrainSettings,
-           validation=None, stop_at: Optional[float] = None) -> tuple[list[float], Optional[int]]:
+def _train(
+    heads: MedusaHeads,
+    states: torch.Tensor,
+    targets: torch.Tensor,
+    settings: TrainSettings,
+    validation=None,
+    stop_at: Optional[float] = None,
+) -> tuple[list[float], Optional[int]]:
     """Returns the losses and, with validation data, the step whose heads were kept (the best on it)."""
     projections = [p for projection in heads.projections() for p in projection.parameters()]
     blocks = [p for p in heads.parameters() if all(p is not q for q in projections)]
@@ -251,10 +285,18 @@ def _train(heads: MedusaHeads, states: torch.Tensor, targets: torch.Tensor, sett
         rows = rows.to(states.device)
         return _loss(heads, states[rows], columns[rows])
 
-    best = BestCheckpoint(heads, None if validation is None else
-                          lambda: chain_score(head_accuracy(heads, *validation)))
-    return run_steps(batch_loss, optimizer, schedule, settings.steps, settings.eval_every, best,
-                     "Training Medusa heads", settings.progress, stop_at=stop_at)
+    best = BestCheckpoint(heads, None if validation is None else lambda: chain_score(head_accuracy(heads, *validation)))
+    return run_steps(
+        batch_loss,
+        optimizer,
+        schedule,
+        settings.steps,
+        settings.eval_every,
+        best,
+        "Training Medusa heads",
+        settings.progress,
+        stop_at=stop_at,
+    )
 
 
 @torch.no_grad()

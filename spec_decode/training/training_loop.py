@@ -1,5 +1,6 @@
 """What the Medusa and EAGLE trainers share: the optimizer-step loop with its progress bar, and keeping the
 weights that score best on validation data."""
+
 from __future__ import annotations
 
 import logging
@@ -52,10 +53,18 @@ def deadline(started: float, time_limit: float) -> Optional[float]:
     return started + time_limit if time_limit > 0 else None
 
 
-def run_steps(batch_loss: Callable[[], torch.Tensor], optimizer: torch.optim.Optimizer, schedule, steps: int,
-              eval_every: int, best: BestCheckpoint, desc: str, progress: bool,
-              clip: Optional[tuple[list[nn.Parameter], float]] = None,
-              stop_at: Optional[float] = None) -> tuple[list[float], Optional[int]]:
+def run_steps(
+    batch_loss: Callable[[], torch.Tensor],
+    optimizer: torch.optim.Optimizer,
+    schedule,
+    steps: int,
+    eval_every: int,
+    best: BestCheckpoint,
+    desc: str,
+    progress: bool,
+    clip: Optional[tuple[list[nn.Parameter], float]] = None,
+    stop_at: Optional[float] = None,
+) -> tuple[list[float], Optional[int]]:
     """`steps` optimizer steps on `batch_loss()` (a fresh batch each call), checking `best` every `eval_every`
     steps and at the end; returns the losses and the step whose weights were kept. Past `stop_at` (a
     `time.monotonic()` value, see `deadline`) the steps stop early, after a last check."""

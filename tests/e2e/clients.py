@@ -2,6 +2,7 @@
 connection mid-stream), gRPC streams (tritonclient), and the tensorrt_llm gauges on the metrics endpoint.
 
 conftest.py loads this file as the module `e2e_clients` (the tests folder is not on sys.path)."""
+
 from __future__ import annotations
 
 import http.client
@@ -48,8 +49,9 @@ class GrpcStream:
         self.client.start_stream(callback=lambda result, error: self.events.put((result, error)))
 
     def send(self, model: str, inputs: dict[str, np.ndarray], request_id: str = "") -> None:
-        self.client.async_stream_infer(model, grpc_inputs(inputs), request_id=request_id,
-                                       enable_empty_final_response=True)
+        self.client.async_stream_infer(
+            model, grpc_inputs(inputs), request_id=request_id, enable_empty_final_response=True
+        )
 
     def next_event(self, timeout: float) -> tuple[Any, Optional[InferenceServerException]]:
         return self.events.get(timeout=timeout)
@@ -152,8 +154,9 @@ class LiveServer:
         """POST /generate_stream; every SSE event's JSON. An event carrying an error raises ServerReplyError."""
         connection = self.connection()
         try:
-            connection.request("POST", f"/v2/models/{model}/generate_stream", json.dumps(body),
-                               {"Content-Type": "application/json"})
+            connection.request(
+                "POST", f"/v2/models/{model}/generate_stream", json.dumps(body), {"Content-Type": "application/json"}
+            )
             events = list(sse_events(connection.getresponse()))
         finally:
             connection.close()
@@ -167,8 +170,9 @@ class LiveServer:
     def grpc_stream(self) -> GrpcStream:
         return GrpcStream(self.triton.grpc_url)
 
-    def stream_infer(self, model: str, inputs: dict[str, np.ndarray], request_id: str = "",
-                     timeout: float = 60) -> StreamReply:
+    def stream_infer(
+        self, model: str, inputs: dict[str, np.ndarray], request_id: str = "", timeout: float = 60
+    ) -> StreamReply:
         stream = self.grpc_stream()
         try:
             stream.send(model, inputs, request_id)
@@ -204,9 +208,14 @@ class LiveServer:
             time.sleep(0.05)
 
 
-_GAUGE_LINE = re.compile(r'^(nv_trt_llm_\w+)\{([^}]*)\}\s+(\S+)$')
-_KIND_LABELS = ("request_type", "kv_cache_block_type", "general_type", "memory_type",
-                "inflight_batcher_specific_metric")
+_GAUGE_LINE = re.compile(r"^(nv_trt_llm_\w+)\{([^}]*)\}\s+(\S+)$")
+_KIND_LABELS = (
+    "request_type",
+    "kv_cache_block_type",
+    "general_type",
+    "memory_type",
+    "inflight_batcher_specific_metric",
+)
 
 
 def parse_trt_llm_gauges(text: str) -> dict[tuple[str, str], float]:
@@ -233,7 +242,7 @@ class Sample:
     value: float
 
 
-_SAMPLE_LINE = re.compile(r'^([A-Za-z_:][\w:]*)(?:\{([^}]*)\})?\s+(\S+)$')
+_SAMPLE_LINE = re.compile(r"^([A-Za-z_:][\w:]*)(?:\{([^}]*)\})?\s+(\S+)$")
 
 
 def parse_samples(text: str) -> list[Sample]:
@@ -248,8 +257,11 @@ def parse_samples(text: str) -> list[Sample]:
 
 def engine_is_idle(gauges: dict[tuple[str, str], float]) -> bool:
     kv = "nv_trt_llm_kv_cache_block_metrics"
-    return (gauges.get(("nv_trt_llm_request_metrics", "active")) == 0
-            and gauges.get((kv, "used")) == 0 and gauges.get((kv, "free")) == gauges.get((kv, "max")))
+    return (
+        gauges.get(("nv_trt_llm_request_metrics", "active")) == 0
+        and gauges.get((kv, "used")) == 0
+        and gauges.get((kv, "free")) == gauges.get((kv, "max"))
+    )
 
 
 def sse_events(response: http.client.HTTPResponse) -> Iterator[dict]:
@@ -257,17 +269,21 @@ def sse_events(response: http.client.HTTPResponse) -> Iterator[dict]:
     for raw in response:
         line = raw.decode("utf-8").rstrip("\r\n")
         if line.startswith("data:"):
-            yield json.loads(line[len("data:"):])
+            yield json.loads(line[len("data:") :])
 
 
 # ---------------------------------------------------------------------------------------------- references
 
+
 def direct_request(prompt_ids: list[int], max_tokens: int, end_id: int, **extra) -> dict[str, np.ndarray]:
     """Inputs of a one-row `tensorrt_llm` request (token ids in, as the contract's direct clients send)."""
-    inputs = {"input_ids": np.array([prompt_ids], dtype=np.int32),
-              "input_lengths": scalar(len(prompt_ids), np.int32),
-              "request_output_len": scalar(max_tokens, np.int32),
-              "end_id": scalar(end_id, np.int32), "pad_id": scalar(end_id, np.int32)}
+    inputs = {
+        "input_ids": np.array([prompt_ids], dtype=np.int32),
+        "input_lengths": scalar(len(prompt_ids), np.int32),
+        "request_output_len": scalar(max_tokens, np.int32),
+        "end_id": scalar(end_id, np.int32),
+        "pad_id": scalar(end_id, np.int32),
+    }
     for name, value in extra.items():
         inputs[name] = value if isinstance(value, np.ndarray) else scalar(value, PYTHON_DTYPES[type(value)])
     return inputs
@@ -279,20 +295,27 @@ PYTHON_DTYPES = {bool: np.bool_, int: np.int32, float: np.float32}
 def stop_request() -> dict[str, np.ndarray]:
     """A `stop=true` request, as TensorRT-LLM's inflight_batcher_llm_client sends it (same request id as the
     request to stop)."""
-    return {"input_ids": scalar(0, np.int32), "input_lengths": scalar(0, np.int32),
-            "request_output_len": scalar(0, np.int32), "stop": scalar(True, np.bool_)}
+    return {
+        "input_ids": scalar(0, np.int32),
+        "input_lengths": scalar(0, np.int32),
+        "request_output_len": scalar(0, np.int32),
+        "stop": scalar(True, np.bool_),
+    }
 
 
 def generate_body(inputs: dict[str, np.ndarray]) -> dict:
     """One-row tensor inputs as a /generate JSON body: token lists stay lists, one-value tensors become numbers."""
-    return {name: array.reshape(-1).tolist() if array.size > 1 or name == "input_ids" else array.reshape(-1)[0].item()
-            for name, array in inputs.items()}
+    return {
+        name: array.reshape(-1).tolist() if array.size > 1 or name == "input_ids" else array.reshape(-1)[0].item()
+        for name, array in inputs.items()
+    }
 
 
 def greedy_token_ids(server: "LiveServer", prompt_ids: list[int], max_tokens: int, end_id: int) -> list[int]:
     """The generated ids of a greedy direct `tensorrt_llm` request (prompt excluded)."""
-    reply = server.stream_infer("tensorrt_llm", direct_request(prompt_ids, max_tokens, end_id,
-                                                               exclude_input_in_output=True))
+    reply = server.stream_infer(
+        "tensorrt_llm", direct_request(prompt_ids, max_tokens, end_id, exclude_input_in_output=True)
+    )
     if reply.error:
         raise ServerReplyError(reply.error)
     (output_ids,) = reply.outputs("output_ids")
@@ -305,8 +328,13 @@ def first_word_position(tokenizer, ids: list[int], start: int = 1, min_letters: 
     for position in range(start, len(ids)):
         text = tokenizer.decode([ids[position]])
         word = text[1:]
-        if (text.startswith(" ") and word.isascii() and word.isalpha() and len(word) >= min_letters
-                and tokenizer.encode(text, add_special_tokens=False) == [ids[position]]
-                and ids[position] not in ids[:position]):
+        if (
+            text.startswith(" ")
+            and word.isascii()
+            and word.isalpha()
+            and len(word) >= min_letters
+            and tokenizer.encode(text, add_special_tokens=False) == [ids[position]]
+            and ids[position] not in ids[:position]
+        ):
             return position
     raise AssertionError(f"no usable word token in {ids}: pick another prompt")

@@ -4,6 +4,7 @@
 One decoupled server serves the whole session; the non-decoupled one and the LLM-API one (`build_llmapi_repo`)
 start only for the tests that ask for them.
 Each server logs to a file; a failing test gets the tail of every server log in its report."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -16,8 +17,8 @@ import pytest
 pytest.importorskip("pytriton", reason="the e2e tests need the nvidia-pytriton wheel (tritonserver)")
 pytest.importorskip("tritonclient.grpc", reason="the e2e tests need tritonclient[grpc]")
 
-from tritonllm.deploy.llmapi_repo import build_llmapi_repo  # noqa: E402
 from tritonllm.checkpoints.tiny import build_tiny_model  # noqa: E402
+from tritonllm.deploy.llmapi_repo import build_llmapi_repo  # noqa: E402
 from tritonllm.deploy.repo import build_repo  # noqa: E402
 from tritonllm.deploy.tritonserver import Ports, TritonServer  # noqa: E402
 
@@ -40,6 +41,7 @@ _server_logs: list[Path] = []
 
 
 # ---------------------------------------------------------------------------------------------- fixtures
+
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
@@ -77,8 +79,13 @@ def lora_server(tiny_model, lora_prefetch_dir, tmp_path_factory) -> Iterator["cl
     """The decoupled repository with LoRA on: `lora_prefetch_dir` (a fixture of the test module) preloaded by name,
     and a small adapter cache (lora_config.max_cpu_loras = max_loras = 2 in model.yaml) so that tests can evict."""
     work = tmp_path_factory.mktemp("lora")
-    repo = build_repo(tiny_model, work / "repo", streaming=True, max_seq_len=MAX_SEQ_LEN,
-                      parameters={"lora_prefetch_dir": str(lora_prefetch_dir)})
+    repo = build_repo(
+        tiny_model,
+        work / "repo",
+        streaming=True,
+        max_seq_len=MAX_SEQ_LEN,
+        parameters={"lora_prefetch_dir": str(lora_prefetch_dir)},
+    )
     with (repo / "tensorrt_llm" / "1" / "model.yaml").open("a") as yaml_file:
         yaml_file.write("\nlora_config:\n  max_cpu_loras: 2\n  max_loras: 2\n")
     yield from _run(repo, work)
@@ -90,13 +97,22 @@ def draft_server(tiny_model, tmp_path_factory) -> Iterator["clients.LiveServer"]
     BLS draft/target loop; module-scoped."""
     work = tmp_path_factory.mktemp("draft")
     draft = build_tiny_model(work / "draft_model", seed=7)
-    yield from _run(build_repo(tiny_model, work / "repo", streaming=True, max_seq_len=MAX_SEQ_LEN,
-                               draft_model_dir=draft), work)
+    yield from _run(
+        build_repo(tiny_model, work / "repo", streaming=True, max_seq_len=MAX_SEQ_LEN, draft_model_dir=draft), work
+    )
 
 
 def _serve(model_dir: Path, work: Path, streaming: bool) -> Iterator["clients.LiveServer"]:
-    yield from _run(build_repo(model_dir, work / "repo", streaming=streaming, max_seq_len=MAX_SEQ_LEN,
-                               parameters={"max_beam_width": MAX_BEAM_WIDTH}), work)
+    yield from _run(
+        build_repo(
+            model_dir,
+            work / "repo",
+            streaming=streaming,
+            max_seq_len=MAX_SEQ_LEN,
+            parameters={"max_beam_width": MAX_BEAM_WIDTH},
+        ),
+        work,
+    )
 
 
 def _run(repo: Path, work: Path) -> Iterator["clients.LiveServer"]:
@@ -122,6 +138,9 @@ def pytest_runtest_makereport(item, call):
     if report.failed:
         for log_file in _server_logs:
             if log_file.exists():
-                lines = [line for line in log_file.read_text(errors="replace").splitlines()
-                         if not line.startswith(("|", "+"))][-LOG_TAIL_LINES:]  # without the start-up tables
+                lines = [
+                    line
+                    for line in log_file.read_text(errors="replace").splitlines()
+                    if not line.startswith(("|", "+"))
+                ][-LOG_TAIL_LINES:]  # without the start-up tables
                 report.sections.append((f"tritonserver log {log_file} (last {len(lines)} lines)", "\n".join(lines)))

@@ -1,14 +1,14 @@
 """The tensorrt_llm_bls model on the real server: the ensemble's text (streamed and not, multi-byte characters
 and leading spaces included), batches and num_return_sequences, stop words matched on the text across streamed
 chunks (which stop the engine request), client cancellation reaching the engine, and clear errors."""
+
 from __future__ import annotations
 
 import json
 
+import e2e_clients as clients
 import numpy as np
 import pytest
-
-import e2e_clients as clients
 from e2e_clients import scalar, strings
 
 pytestmark = pytest.mark.server
@@ -37,6 +37,7 @@ def streamed_pieces(server, model: str, request: dict) -> list[str]:
 
 # ---------------------------------------------------------------------------------------------- same text
 
+
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_bls_gives_the_ensembles_text(server, prompt):
     whole = server.generate(body(prompt), model="ensemble")["text_output"]
@@ -57,8 +58,11 @@ def test_multibyte_characters_and_leading_spaces_survive_streaming(server):
 
 
 def test_a_batch_answers_each_row_tagged_with_batch_index(server):
-    inputs = {"text_input": np.array([[p] for p in PROMPTS], dtype=object),
-              "max_tokens": np.full((3, 1), 10, dtype=np.int32), "exclude_input_in_output": np.full((3, 1), True)}
+    inputs = {
+        "text_input": np.array([[p] for p in PROMPTS], dtype=object),
+        "max_tokens": np.full((3, 1), 10, dtype=np.int32),
+        "exclude_input_in_output": np.full((3, 1), True),
+    }
     for streaming in (False, True):
         reply = server.stream_infer(BLS, {**inputs, "stream": np.full((3, 1), streaming)})
         assert reply.error is None, reply.error
@@ -66,19 +70,26 @@ def test_a_batch_answers_each_row_tagged_with_batch_index(server):
         for result in reply.results:
             row = int(result.as_numpy("batch_index").reshape(-1)[0])
             by_row[row] = by_row.get(row, "") + clients.decode_texts(result.as_numpy("text_output"))[0]
-        assert by_row == {row: server.generate(body(p, 10), model="ensemble")["text_output"]
-                          for row, p in enumerate(PROMPTS)}
+        assert by_row == {
+            row: server.generate(body(p, 10), model="ensemble")["text_output"] for row, p in enumerate(PROMPTS)
+        }
 
 
 def test_three_return_sequences_come_tagged_with_sequence_index(server):
-    knobs = dict(num_return_sequences=np.array([[3]], np.int32), temperature=1.0, seed=np.array([[11]], np.uint64),
-                 exclude_input_in_output=True)
+    knobs = dict(
+        num_return_sequences=np.array([[3]], np.int32),
+        temperature=1.0,
+        seed=np.array([[11]], np.uint64),
+        exclude_input_in_output=True,
+    )
     replies = {model: server.stream_infer(model, grpc_inputs(PROMPTS[2], **knobs)) for model in (BLS, "ensemble")}
     texts = {}
     for model, reply in replies.items():
         assert reply.error is None, reply.error
-        texts[model] = {int(r.as_numpy("sequence_index").reshape(-1)[0]): clients.decode_texts(r.as_numpy(
-            "text_output"))[0] for r in reply.results}
+        texts[model] = {
+            int(r.as_numpy("sequence_index").reshape(-1)[0]): clients.decode_texts(r.as_numpy("text_output"))[0]
+            for r in reply.results
+        }
     assert sorted(texts[BLS]) == [0, 1, 2]
     assert texts[BLS] == texts["ensemble"]
     assert len(set(texts[BLS].values())) == 3, "sampled sequences differ"
@@ -94,16 +105,17 @@ def test_logits_and_log_probs_come_through_like_the_ensembles(server):
 
 # ---------------------------------------------------------------------------------------------- stop words
 
+
 def boundary_stop_word(tokenizer, ids: list[int]) -> tuple[str, int]:
     """A stop word made of the last two characters of one generated token and the first two of the next, and
     where it first occurs in the text. No token sequence preprocessing makes of it matches the generated tokens,
     so only the BLS's text-level check can stop there, and it spans two streamed chunks."""
     for k in range(1, len(ids) - 1):
-        before, after = tokenizer.decode(ids[:k + 1]), tokenizer.decode([ids[k + 1]])
+        before, after = tokenizer.decode(ids[: k + 1]), tokenizer.decode([ids[k + 1]])
         this = tokenizer.decode([ids[k]])
         if len(this) >= 3 and len(after) >= 3 and (this + after).isascii() and before.endswith(this):
             word = this[-2:] + after[:2]
-            text = tokenizer.decode(ids[:k + 2])
+            text = tokenizer.decode(ids[: k + 2])
             if text.find(word) == len(before) - 2:
                 return word, len(before) + 2
     raise AssertionError(f"no two ASCII tokens to split a stop word across in {ids}: pick another prompt")
@@ -111,8 +123,7 @@ def boundary_stop_word(tokenizer, ids: list[int]) -> tuple[str, int]:
 
 def test_a_stop_word_split_across_chunks_ends_the_stream_and_the_engine_request(server, tokenizer):
     prompt = PROMPTS[2]
-    greedy = clients.greedy_token_ids(server, tokenizer.encode(prompt, add_special_tokens=True), 40,
-                                      tokenizer.end_id)
+    greedy = clients.greedy_token_ids(server, tokenizer.encode(prompt, add_special_tokens=True), 40, tokenizer.end_id)
     word, cut = boundary_stop_word(tokenizer, greedy)
     whole = tokenizer.decode(greedy)
     before = server.wait_engine_idle()
@@ -127,8 +138,7 @@ def test_a_stop_word_split_across_chunks_ends_the_stream_and_the_engine_request(
 
 def test_a_stop_word_cuts_the_whole_text_after_it(server, tokenizer):
     prompt = PROMPTS[2]
-    greedy = clients.greedy_token_ids(server, tokenizer.encode(prompt, add_special_tokens=True), 40,
-                                      tokenizer.end_id)
+    greedy = clients.greedy_token_ids(server, tokenizer.encode(prompt, add_special_tokens=True), 40, tokenizer.end_id)
     word, cut = boundary_stop_word(tokenizer, greedy)
     text = server.generate(body(prompt, 40, stop_words=[word]), model=BLS)["text_output"]
     assert text == tokenizer.decode(greedy)[:cut]
@@ -137,6 +147,7 @@ def test_a_stop_word_cuts_the_whole_text_after_it(server, tokenizer):
 
 
 # ---------------------------------------------------------------------------------------------- cancellation
+
 
 @pytest.fixture
 def long_stream(server, tokenizer):
@@ -171,8 +182,9 @@ def test_http_client_closing_a_bls_stream_frees_the_engine(server, long_stream):
     request, before = long_stream
     connection = server.connection()
     try:
-        connection.request("POST", f"/v2/models/{BLS}/generate_stream", json.dumps(request),
-                           {"Content-Type": "application/json"})
+        connection.request(
+            "POST", f"/v2/models/{BLS}/generate_stream", json.dumps(request), {"Content-Type": "application/json"}
+        )
         response = connection.getresponse()
         assert response.status == 200
         events = clients.sse_events(response)
@@ -185,15 +197,19 @@ def test_http_client_closing_a_bls_stream_frees_the_engine(server, long_stream):
 
 # ---------------------------------------------------------------------------------------------- errors
 
-@pytest.mark.parametrize("extra, words", [
-    ({"max_tokens": 0}, ["'max_tokens'", ">= 1"]),
-    ({"lora_task_id": 3}, ["LoRA is not enabled", "enable_lora"]),  # this repository runs without LoRA
-    ({"num_draft_tokens": 2}, ["'num_draft_tokens'", "draft model", "tensorrt_llm_draft_model_name"]),
-    ({"beam_width": 8}, ["beam_width=8", "max_beam_width 4"]),
-    ({"guided_decoding_guide_type": "json"}, ["'guided_decoding_guide_type'", "not supported yet"]),
-    ({"image_url_input": "http://example.com/cat.jpg"}, ["'image_url_input'", "multimodal", "not supported yet"]),
-    ({"max_tokens": 5000}, ["max_tokens", "max_seq_len"]),
-])
+
+@pytest.mark.parametrize(
+    "extra, words",
+    [
+        ({"max_tokens": 0}, ["'max_tokens'", ">= 1"]),
+        ({"lora_task_id": 3}, ["LoRA is not enabled", "enable_lora"]),  # this repository runs without LoRA
+        ({"num_draft_tokens": 2}, ["'num_draft_tokens'", "draft model", "tensorrt_llm_draft_model_name"]),
+        ({"beam_width": 8}, ["beam_width=8", "max_beam_width 4"]),
+        ({"guided_decoding_guide_type": "json"}, ["'guided_decoding_guide_type'", "not supported yet"]),
+        ({"image_url_input": "http://example.com/cat.jpg"}, ["'image_url_input'", "multimodal", "not supported yet"]),
+        ({"max_tokens": 5000}, ["max_tokens", "max_seq_len"]),
+    ],
+)
 def test_malformed_requests_get_an_error_naming_the_input(server, extra, words):
     status, message = server.generate_error({"text_input": "Hi", "max_tokens": 5, **extra}, model=BLS)
     assert status == 400, message

@@ -10,16 +10,16 @@ healthy" instead). The same load found a race in this BLS's first version: is_ca
 whose final response had gone out (1 crash in 4 runs). The BLS calls tensorrt_llm over gRPC and never asks about a
 finished request; this test is what says that it survives. (This BLS with the iterator instead of gRPC fails it:
 the server died after 173 HTTP streams.)"""
+
 from __future__ import annotations
 
 import json
 import threading
 import time
 
+import e2e_clients as clients
 import numpy as np
 import pytest
-
-import e2e_clients as clients
 from e2e_clients import scalar, strings
 
 pytestmark = [pytest.mark.server, pytest.mark.slow]
@@ -34,19 +34,31 @@ PROMPTS = ["Hello there", "The lamp turned and turned", "静かな海の上で�
 
 @pytest.fixture(scope="module")
 def expected(server) -> dict[str, str]:
-    return {prompt: server.generate({"text_input": prompt, "max_tokens": TOKENS, "exclude_input_in_output": True},
-                                    model="ensemble")["text_output"] for prompt in PROMPTS}
+    return {
+        prompt: server.generate(
+            {"text_input": prompt, "max_tokens": TOKENS, "exclude_input_in_output": True}, model="ensemble"
+        )["text_output"]
+        for prompt in PROMPTS
+    }
 
 
 def http_stream(server, prompt: str) -> str:
-    events = server.generate_stream({"text_input": prompt, "max_tokens": TOKENS, "stream": True,
-                                     "exclude_input_in_output": True}, model=BLS)
+    events = server.generate_stream(
+        {"text_input": prompt, "max_tokens": TOKENS, "stream": True, "exclude_input_in_output": True}, model=BLS
+    )
     return "".join(event["text_output"] for event in events)
 
 
 def grpc_stream(stream: clients.GrpcStream, prompt: str) -> str:
-    stream.send(BLS, {"text_input": strings(prompt), "max_tokens": scalar(TOKENS, np.int32),
-                      "stream": scalar(True, bool), "exclude_input_in_output": scalar(True, bool)})
+    stream.send(
+        BLS,
+        {
+            "text_input": strings(prompt),
+            "max_tokens": scalar(TOKENS, np.int32),
+            "stream": scalar(True, bool),
+            "exclude_input_in_output": scalar(True, bool),
+        },
+    )
     reply = stream.collect(timeout=120)
     if reply.error:
         raise clients.ServerReplyError(reply.error)
@@ -57,8 +69,12 @@ def http_stream_dropped(server, prompt: str) -> None:
     """Open a long stream, read three pieces, close the connection (Triton cancels the request)."""
     connection = server.connection()
     try:
-        connection.request("POST", f"/v2/models/{BLS}/generate_stream", json.dumps(
-            {"text_input": prompt, "max_tokens": DROPPED_TOKENS, "stream": True}), {"Content-Type": "application/json"})
+        connection.request(
+            "POST",
+            f"/v2/models/{BLS}/generate_stream",
+            json.dumps({"text_input": prompt, "max_tokens": DROPPED_TOKENS, "stream": True}),
+            {"Content-Type": "application/json"},
+        )
         events = clients.sse_events(connection.getresponse())
         for _ in range(3):
             assert "text_output" in next(events)
@@ -70,8 +86,14 @@ def grpc_stream_dropped(server, prompt: str) -> None:
     """Open a long stream, read three pieces, cancel it."""
     stream = server.grpc_stream()
     try:
-        stream.send(BLS, {"text_input": strings(prompt), "max_tokens": scalar(DROPPED_TOKENS, np.int32),
-                          "stream": scalar(True, bool)})
+        stream.send(
+            BLS,
+            {
+                "text_input": strings(prompt),
+                "max_tokens": scalar(DROPPED_TOKENS, np.int32),
+                "stream": scalar(True, bool),
+            },
+        )
         reply = clients.StreamReply()
         while len(reply.results) < 3:
             clients.add_event(reply, *stream.next_event(timeout=60))
@@ -131,8 +153,9 @@ class Load:
 
 def assert_survived(server, load: Load, transport: str) -> None:
     total = CLIENTS * STREAMS_PER_CLIENT
-    assert not load.problems and load.right == total, \
+    assert not load.problems and load.right == total, (
         f"{transport}: {load.right}/{total} streams right in {load.seconds:.0f}s; first problems: {load.problems[:3]}"
+    )
     assert load.dropped > 0, "the dropping client never got to drop a stream"
     answer = server.generate({"text_input": PROMPTS[0], "max_tokens": 4}, model=BLS)["text_output"]
     assert answer.startswith(PROMPTS[0]), "the BLS stopped answering after the streams"

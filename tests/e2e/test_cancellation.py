@@ -4,13 +4,13 @@ engine must stop generating (the iteration counter shows it) and free every KV b
 
 Cancelling a stream to the `ensemble` is not tested: Triton 2.51 does not tell an ensemble's steps that its
 client went away (environment.md), so `tensorrt_llm` cannot see it."""
+
 from __future__ import annotations
 
 import json
 
-import pytest
-
 import e2e_clients as clients
+import pytest
 
 pytestmark = pytest.mark.server
 
@@ -101,8 +101,9 @@ def test_http_client_closing_its_generate_stream(server, long_request):
     body = clients.generate_body(inputs)
     connection = server.connection()
     try:
-        connection.request("POST", "/v2/models/tensorrt_llm/generate_stream", json.dumps(body),
-                           {"Content-Type": "application/json"})
+        connection.request(
+            "POST", "/v2/models/tensorrt_llm/generate_stream", json.dumps(body), {"Content-Type": "application/json"}
+        )
         response = connection.getresponse()
         assert response.status == 200
         events = clients.sse_events(response)

@@ -1,5 +1,6 @@
 """The ensemble over HTTP: /generate against `tritonllm generate`, /generate_stream (SSE) against /generate with
 multi-byte characters, and the generation controls a client sends as text (stop words, bad words, seed)."""
+
 from __future__ import annotations
 
 import json
@@ -8,9 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 import e2e_clients as clients
+import pytest
 
 pytestmark = pytest.mark.server
 
@@ -28,8 +28,16 @@ def ensemble_body(prompt: str, max_tokens: int = MAX_TOKENS, **extra) -> dict:
 def cli_generate(model_dir: Path, prompts: list[str], max_tokens: int) -> list[str]:
     """Greedy text of each prompt from `tritonllm generate --json`, one prompt after another."""
     executable = Path(sys.executable).with_name("tritonllm")
-    command = [str(executable) if executable.exists() else shutil.which("tritonllm") or "tritonllm", "generate",
-               "--model", str(model_dir), "--max-tokens", str(max_tokens), "--json", "--sequential"]
+    command = [
+        str(executable) if executable.exists() else shutil.which("tritonllm") or "tritonllm",
+        "generate",
+        "--model",
+        str(model_dir),
+        "--max-tokens",
+        str(max_tokens),
+        "--json",
+        "--sequential",
+    ]
     for prompt in prompts:
         command += ["--prompt", prompt]
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, check=True)
@@ -65,7 +73,7 @@ def test_stop_word_ends_the_output_right_after_it(server, tokenizer):
     word = tokenizer.decode([greedy[position]])
     body = ensemble_body(PROMPTS[0], exclude_input_in_output=True, stop_words=[word])
     text = server.generate(body)["text_output"]
-    assert text == tokenizer.decode(greedy[:position + 1])
+    assert text == tokenizer.decode(greedy[: position + 1])
     assert text.endswith(word)
     assert len(text) < len(tokenizer.decode(greedy))
 

@@ -1,10 +1,11 @@
 """Malformed requests get a clear error naming the input, and disturb nothing else: a stream that runs meanwhile
 completes in full."""
+
 from __future__ import annotations
 
+import e2e_clients as clients
 import numpy as np
 import pytest
-import e2e_clients as clients
 from e2e_clients import scalar, strings
 
 pytestmark = pytest.mark.server
@@ -33,13 +34,21 @@ def wrong_dtype_error(server) -> str:
 
 
 def test_malformed_requests_fail_alone_while_a_stream_completes(server):
-    expected = server.generate({"text_input": GOOD_PROMPT, "max_tokens": GOOD_TOKENS,
-                                "exclude_input_in_output": True})["text_output"]
+    expected = server.generate({"text_input": GOOD_PROMPT, "max_tokens": GOOD_TOKENS, "exclude_input_in_output": True})[
+        "text_output"
+    ]
     stream = server.grpc_stream()
     reply = clients.StreamReply()
     try:
-        stream.send("ensemble", {"text_input": strings(GOOD_PROMPT), "max_tokens": scalar(GOOD_TOKENS, np.int32),
-                                 "exclude_input_in_output": scalar(True, bool), "stream": scalar(True, bool)})
+        stream.send(
+            "ensemble",
+            {
+                "text_input": strings(GOOD_PROMPT),
+                "max_tokens": scalar(GOOD_TOKENS, np.int32),
+                "exclude_input_in_output": scalar(True, bool),
+                "stream": scalar(True, bool),
+            },
+        )
         clients.add_event(reply, *stream.next_event(timeout=30))  # the stream is under way
         errors = http_errors(server)
         dtype_error = wrong_dtype_error(server)

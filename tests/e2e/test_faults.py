@@ -1,6 +1,7 @@
 """Faults on the real tritonserver: a killed `tensorrt_llm` stub under load (the supervisor `tritonllm serve` runs
 restarts the server: no request hangs, readiness drops, serving resumes), and model folders left untouched by
 the stubs (no bytecode written there)."""
+
 from __future__ import annotations
 
 import os
@@ -8,12 +9,12 @@ import signal
 import threading
 import time
 
+import e2e_clients as clients
 import pytest
 
-import e2e_clients as clients
 from tritonllm.deploy.repo import build_repo
-from tritonllm.deploy.tritonserver import Ports, TritonServer
 from tritonllm.deploy.supervisor import Supervisor, stub_processes
+from tritonllm.deploy.tritonserver import Ports, TritonServer
 
 from .conftest import MAX_SEQ_LEN
 
@@ -61,8 +62,7 @@ def long_request(server: clients.LiveServer, decoupled: bool, outcome: dict, ind
 
 def test_a_killed_stub_fails_its_requests_and_the_server_serves_again(supervised):
     server, supervisor, decoupled = supervised
-    tensorrt_llm = [pid for pid, model in stub_processes(server.triton.process.pid).items()
-                    if model == "tensorrt_llm"]
+    tensorrt_llm = [pid for pid, model in stub_processes(server.triton.process.pid).items() if model == "tensorrt_llm"]
     assert len(tensorrt_llm) == 1, stub_processes(server.triton.process.pid)
     outcome: dict = {}
     threads = [threading.Thread(target=long_request, args=(server, decoupled, outcome, i)) for i in range(IN_FLIGHT)]
@@ -96,7 +96,8 @@ def test_a_killed_stub_fails_its_requests_and_the_server_serves_again(supervised
 def test_the_stubs_write_no_bytecode_into_the_model_folders(server):
     server.generate({"text_input": PROMPT, "max_tokens": 2, "bad_words": "", "stop_words": ""})
     repo = server.triton.repo
-    written = sorted(str(path) for path in repo.rglob("*") if path.suffix == ".pyc" or
-                     (path.name == "__pycache__" and path.is_dir()))
+    written = sorted(
+        str(path) for path in repo.rglob("*") if path.suffix == ".pyc" or (path.name == "__pycache__" and path.is_dir())
+    )
     assert written == [], f"Triton would take these model folders for changed ones: {written}"
     assert (repo / "tensorrt_llm" / "1" / "__pycache__").is_file()  # what keeps Python from writing there

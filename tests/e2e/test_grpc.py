@@ -1,11 +1,11 @@
 """gRPC streams (tritonclient): the streaming ensemble, a batch of prompts through the ensemble, and direct
 `tensorrt_llm` requests with token ids (output shapes, prompt echo, log-probs, end_id, streaming deltas)."""
+
 from __future__ import annotations
 
+import e2e_clients as clients
 import numpy as np
 import pytest
-
-import e2e_clients as clients
 from e2e_clients import scalar, strings
 
 pytestmark = pytest.mark.server
@@ -30,8 +30,12 @@ def single_text(server, prompt: str, **extra) -> str:
 
 def test_streaming_ensemble_pieces_join_to_the_whole_text(server):
     whole = single_text(server, PROMPT, exclude_input_in_output=True)
-    assert whole == server.generate({"text_input": PROMPT, "max_tokens": MAX_TOKENS,
-                                     "exclude_input_in_output": True})["text_output"]
+    assert (
+        whole
+        == server.generate({"text_input": PROMPT, "max_tokens": MAX_TOKENS, "exclude_input_in_output": True})[
+            "text_output"
+        ]
+    )
     reply = server.stream_infer("ensemble", ensemble_inputs(PROMPT, exclude_input_in_output=True, stream=True))
     assert reply.error is None, reply.error
     pieces = reply.texts()
@@ -41,8 +45,10 @@ def test_streaming_ensemble_pieces_join_to_the_whole_text(server):
 
 def test_batch_of_three_prompts_answers_each_row_as_its_own_request(server):
     prompts = ["Hello there", "The lamp turned and turned", "北京"]
-    inputs = {"text_input": np.array([[p] for p in prompts], dtype=object),
-              "max_tokens": np.full((3, 1), 10, dtype=np.int32)}
+    inputs = {
+        "text_input": np.array([[p] for p in prompts], dtype=object),
+        "max_tokens": np.full((3, 1), 10, dtype=np.int32),
+    }
     reply = server.stream_infer("ensemble", inputs)
     assert reply.error is None, reply.error
     by_row = {}
@@ -63,8 +69,9 @@ def prompt_ids(tokenizer) -> list[int]:
 
 
 def direct(server, prompt_ids, tokenizer, max_tokens=MAX_TOKENS, **extra) -> clients.StreamReply:
-    reply = server.stream_infer("tensorrt_llm",
-                                clients.direct_request(prompt_ids, max_tokens, tokenizer.end_id, **extra))
+    reply = server.stream_infer(
+        "tensorrt_llm", clients.direct_request(prompt_ids, max_tokens, tokenizer.end_id, **extra)
+    )
     assert reply.error is None, reply.error
     return reply
 
@@ -76,13 +83,13 @@ def test_direct_request_shapes_and_prompt_echo(server, tokenizer, prompt_ids):
     length = len(prompt_ids) + MAX_TOKENS
     assert output_ids.shape == (1, 1, length) and output_ids.dtype == np.int32
     assert sequence_length.shape == (1, 1) and sequence_length[0, 0] == length
-    assert output_ids[0, 0, :len(prompt_ids)].tolist() == prompt_ids
+    assert output_ids[0, 0, : len(prompt_ids)].tolist() == prompt_ids
 
     excluded = direct(server, prompt_ids, tokenizer, exclude_input_in_output=True)
     (generated,) = excluded.outputs("output_ids")
     assert generated.shape == (1, 1, MAX_TOKENS)
     assert excluded.outputs("sequence_length")[0].tolist() == [[MAX_TOKENS]]
-    assert generated[0, 0].tolist() == output_ids[0, 0, len(prompt_ids):].tolist()
+    assert generated[0, 0].tolist() == output_ids[0, 0, len(prompt_ids) :].tolist()
     assert excluded.outputs("cum_log_probs") == []  # only on request
 
 
@@ -108,8 +115,9 @@ def test_direct_streaming_sends_only_the_new_tokens(server, tokenizer, prompt_id
 def test_end_id_stops_where_greedy_produces_it(server, tokenizer, prompt_ids):
     greedy = clients.greedy_token_ids(server, prompt_ids, MAX_TOKENS, tokenizer.end_id)
     position = next(i for i in range(2, len(greedy)) if greedy[i] not in greedy[:i])
-    reply = server.stream_infer("tensorrt_llm", clients.direct_request(
-        prompt_ids, MAX_TOKENS, greedy[position], exclude_input_in_output=True))
+    reply = server.stream_infer(
+        "tensorrt_llm", clients.direct_request(prompt_ids, MAX_TOKENS, greedy[position], exclude_input_in_output=True)
+    )
     assert reply.error is None, reply.error
     (output_ids,) = reply.outputs("output_ids")
     assert output_ids.reshape(-1).tolist() == greedy[:position]

@@ -1,7 +1,7 @@
 """KV cache reuse seen from a client: `return_perf_metrics` on a repeated prompt (contract CI style)."""
-import pytest
 
 import e2e_clients
+import pytest
 
 pytestmark = pytest.mark.server
 
@@ -9,18 +9,28 @@ TOKENS_PER_BLOCK = 32  # the repository's default kv_cache_config.tokens_per_blo
 
 
 def perf(server, prompt_ids, tokenizer) -> dict[str, int]:
-    reply = server.stream_infer("tensorrt_llm", e2e_clients.direct_request(
-        prompt_ids, 8, tokenizer.end_id, return_perf_metrics=True, exclude_input_in_output=True))
+    reply = server.stream_infer(
+        "tensorrt_llm",
+        e2e_clients.direct_request(
+            prompt_ids, 8, tokenizer.end_id, return_perf_metrics=True, exclude_input_in_output=True
+        ),
+    )
     assert reply.error is None, reply.error
-    names = ("kv_cache_alloc_new_blocks", "kv_cache_reused_blocks", "kv_cache_alloc_total_blocks",
-             "arrival_time_ns", "first_token_time_ns", "last_token_time_ns")
+    names = (
+        "kv_cache_alloc_new_blocks",
+        "kv_cache_reused_blocks",
+        "kv_cache_alloc_total_blocks",
+        "arrival_time_ns",
+        "first_token_time_ns",
+        "last_token_time_ns",
+    )
     return {name: int(reply.outputs(name)[-1].reshape(-1)[0]) for name in names}
 
 
 def test_a_repeated_prompt_reuses_every_full_block(server, tokenizer):
     text = " ".join(f"item {i} of the shared context;" for i in range(40))
     prompt_ids = tokenizer.encode(text, add_special_tokens=True)
-    prompt_ids = prompt_ids[:4 * TOKENS_PER_BLOCK + 5]  # four full blocks and a partial one
+    prompt_ids = prompt_ids[: 4 * TOKENS_PER_BLOCK + 5]  # four full blocks and a partial one
     first, second = perf(server, prompt_ids, tokenizer), perf(server, prompt_ids, tokenizer)
     assert first["kv_cache_reused_blocks"] == 0
     assert first["kv_cache_alloc_new_blocks"] == first["kv_cache_alloc_total_blocks"] == 5

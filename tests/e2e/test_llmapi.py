@@ -1,12 +1,12 @@
 """The LLM-API `tensorrt_llm` model (contract 1.3) on the real tritonserver: text in, text out over gRPC (plain and
 streaming) and HTTP, typed optional outputs, stop strings, cancellation that frees the engine, errors that name the
 input, and the same metrics as the token-level model."""
+
 from __future__ import annotations
 
+import e2e_clients as clients
 import numpy as np
 import pytest
-
-import e2e_clients as clients
 
 pytestmark = pytest.mark.server
 
@@ -18,8 +18,9 @@ def inputs(prompt: str = PROMPT, **values) -> dict[str, np.ndarray]:
     """One request's tensors (max_batch_size 0: no batch dimension): text_input [1], the others [1]."""
     tensors = {"text_input": np.array([prompt], dtype=object)}
     for name, value in values.items():
-        tensors[name] = value if isinstance(value, np.ndarray) else np.array([value],
-                                                                             dtype=clients.PYTHON_DTYPES[type(value)])
+        tensors[name] = (
+            value if isinstance(value, np.ndarray) else np.array([value], dtype=clients.PYTHON_DTYPES[type(value)])
+        )
     return tensors
 
 
@@ -30,12 +31,25 @@ def ok(reply: clients.StreamReply) -> clients.StreamReply:
 
 
 def test_max_tokens_request_gets_typed_outputs_over_grpc(llmapi_server):
-    reply = ok(llmapi_server.stream_infer(MODEL, inputs(sampling_param_max_tokens=8, return_finish_reason=True,
-                                                        return_stop_reason=True, return_cumulative_logprob=True)))
+    reply = ok(
+        llmapi_server.stream_infer(
+            MODEL,
+            inputs(
+                sampling_param_max_tokens=8,
+                return_finish_reason=True,
+                return_stop_reason=True,
+                return_cumulative_logprob=True,
+            ),
+        )
+    )
     (result,) = reply.results
     datatypes = {output.name: output.datatype for output in result.get_response().outputs}
-    assert datatypes == {"text_output": "BYTES", "finish_reason": "BYTES", "stop_reason": "BYTES",
-                         "cumulative_logprob": "FP32"}  # FP32, not strings: the anchor's bug Q5 fixed
+    assert datatypes == {
+        "text_output": "BYTES",
+        "finish_reason": "BYTES",
+        "stop_reason": "BYTES",
+        "cumulative_logprob": "FP32",
+    }  # FP32, not strings: the anchor's bug Q5 fixed
     (text,) = reply.texts()
     assert text.startswith(PROMPT) and len(text) > len(PROMPT)
     assert result.as_numpy("finish_reason").tolist() in ([b"length"], [b"stop"])
@@ -44,10 +58,16 @@ def test_max_tokens_request_gets_typed_outputs_over_grpc(llmapi_server):
 
 
 def test_streaming_over_grpc_sends_growing_text_that_ends_as_the_plain_answer(llmapi_server):
-    plain = ok(llmapi_server.stream_infer(MODEL, inputs(sampling_param_max_tokens=16,
-                                                        sampling_param_exclude_input_from_output=True)))
-    stream = ok(llmapi_server.stream_infer(MODEL, inputs(sampling_param_max_tokens=16, streaming=True,
-                                                         return_finish_reason=True)))
+    plain = ok(
+        llmapi_server.stream_infer(
+            MODEL, inputs(sampling_param_max_tokens=16, sampling_param_exclude_input_from_output=True)
+        )
+    )
+    stream = ok(
+        llmapi_server.stream_infer(
+            MODEL, inputs(sampling_param_max_tokens=16, streaming=True, return_finish_reason=True)
+        )
+    )
     texts = stream.texts()
     assert len(texts) > 1
     assert all(later.startswith(earlier) for earlier, later in zip(texts, texts[1:]))
@@ -57,22 +77,40 @@ def test_streaming_over_grpc_sends_growing_text_that_ends_as_the_plain_answer(ll
 
 
 def test_http_generate_answers_with_text(llmapi_server):
-    reply = llmapi_server.generate({"text_input": PROMPT, "sampling_param_max_tokens": 4,
-                                    "sampling_param_exclude_input_from_output": True,
-                                    "return_finish_reason": True}, model=MODEL)
+    reply = llmapi_server.generate(
+        {
+            "text_input": PROMPT,
+            "sampling_param_max_tokens": 4,
+            "sampling_param_exclude_input_from_output": True,
+            "return_finish_reason": True,
+        },
+        model=MODEL,
+    )
     assert isinstance(reply["text_output"], str) and reply["finish_reason"] in ("length", "stop")
 
 
 def test_a_stop_string_ends_the_answer(llmapi_server):
-    plain = ok(llmapi_server.stream_infer(MODEL, inputs(sampling_param_max_tokens=24,
-                                                        sampling_param_exclude_input_from_output=True)))
+    plain = ok(
+        llmapi_server.stream_infer(
+            MODEL, inputs(sampling_param_max_tokens=24, sampling_param_exclude_input_from_output=True)
+        )
+    )
     full = plain.texts()[0]
     stop = full[6:9]
     assert stop.strip(), f"pick another slice of {full!r}"
-    reply = ok(llmapi_server.stream_infer(MODEL, inputs(
-        sampling_param_max_tokens=24, sampling_param_exclude_input_from_output=True, streaming=True,
-        sampling_param_stop=np.array([stop], dtype=object), return_stop_reason=True)))
-    assert reply.texts()[-1] == full[:full.index(stop)]
+    reply = ok(
+        llmapi_server.stream_infer(
+            MODEL,
+            inputs(
+                sampling_param_max_tokens=24,
+                sampling_param_exclude_input_from_output=True,
+                streaming=True,
+                sampling_param_stop=np.array([stop], dtype=object),
+                return_stop_reason=True,
+            ),
+        )
+    )
+    assert reply.texts()[-1] == full[: full.index(stop)]
     assert reply.results[-1].as_numpy("stop_reason").tolist() == [stop.encode()]
 
 
@@ -88,8 +126,10 @@ def test_cancelling_a_grpc_stream_aborts_the_engine_request(llmapi_server):
     stream.close(cancel=True)
     after = llmapi_server.wait_engine_idle(timeout=10)
     assert clients.engine_is_idle(after), f"the engine kept the request: {after}"
-    steps = after[("nv_trt_llm_general_metrics", "iteration_counter")] - \
-        before[("nv_trt_llm_general_metrics", "iteration_counter")]
+    steps = (
+        after[("nv_trt_llm_general_metrics", "iteration_counter")]
+        - before[("nv_trt_llm_general_metrics", "iteration_counter")]
+    )
     assert 0 < steps < 400
 
 
@@ -98,21 +138,27 @@ def test_a_stop_request_with_the_running_requests_id_aborts_it(llmapi_server):
     over HTTP /generate, its `id` being the triton-request-id); both end CANCELLED, the KV blocks are freed."""
     before = llmapi_server.wait_engine_idle()
     stream = llmapi_server.grpc_stream()
-    stream.send(MODEL, inputs(sampling_param_max_tokens=llmapi_server.max_seq_len - 16, streaming=True),
-                request_id="llmapi-stop-me")
+    stream.send(
+        MODEL,
+        inputs(sampling_param_max_tokens=llmapi_server.max_seq_len - 16, streaming=True),
+        request_id="llmapi-stop-me",
+    )
     reply = clients.StreamReply()
     while len(reply.results) < 3:
         clients.add_event(reply, *stream.next_event(timeout=30))
-    status, message = llmapi_server.generate_error({"id": "llmapi-stop-me", "text_input": "", "stop": True},
-                                                   model=MODEL)
+    status, message = llmapi_server.generate_error(
+        {"id": "llmapi-stop-me", "text_input": "", "stop": True}, model=MODEL
+    )
     assert "Request cancelled by client" in message, (status, message)
     stream.collect(reply, timeout=30)
     stream.close()
     assert reply.error is not None and "cancelled" in reply.error
     after = llmapi_server.wait_engine_idle(timeout=10)
     assert clients.engine_is_idle(after), f"the engine kept the request: {after}"
-    steps = after[("nv_trt_llm_general_metrics", "iteration_counter")] - \
-        before[("nv_trt_llm_general_metrics", "iteration_counter")]
+    steps = (
+        after[("nv_trt_llm_general_metrics", "iteration_counter")]
+        - before[("nv_trt_llm_general_metrics", "iteration_counter")]
+    )
     assert steps < 400
 
 
@@ -121,11 +167,14 @@ def test_a_stop_request_without_an_id_is_refused(llmapi_server):
     assert status == 400 and "request id must be provided" in message
 
 
-@pytest.mark.parametrize("values, named", [
-    (dict(sampling_param_max_tokens=0), "sampling_param_max_tokens"),
-    (dict(sampling_param_top_p=0.0), "sampling_param_top_p"),
-    (dict(sampling_param_max_tokens=100000), "sampling_param_max_tokens"),
-])
+@pytest.mark.parametrize(
+    "values, named",
+    [
+        (dict(sampling_param_max_tokens=0), "sampling_param_max_tokens"),
+        (dict(sampling_param_top_p=0.0), "sampling_param_top_p"),
+        (dict(sampling_param_max_tokens=100000), "sampling_param_max_tokens"),
+    ],
+)
 def test_errors_name_the_input(llmapi_server, values, named):
     reply = llmapi_server.stream_infer(MODEL, inputs(**values))
     assert reply.error is not None and f"'{named}'" in reply.error
@@ -138,12 +187,20 @@ def test_the_llmapi_model_exports_the_metrics_families(llmapi_server):
     before = clients.parse_samples(llmapi_server.metrics_text())
     ok(llmapi_server.stream_infer(MODEL, inputs(sampling_param_max_tokens=3)))
     after = clients.parse_samples(llmapi_server.metrics_text())
-    for name in ("nv_llm_input_token_len_count", "nv_llm_output_token_len_count",
-                 "nv_llm_time_to_first_token_seconds_count"):
+    for name in (
+        "nv_llm_input_token_len_count",
+        "nv_llm_output_token_len_count",
+        "nv_llm_time_to_first_token_seconds_count",
+    ):
         assert count(after, name) - count(before, name) == 1, name
     families = {s.name for s in after if s.labels.get("model") == MODEL and s.labels.get("version") == "1"}
-    assert {"nv_trt_llm_request_metrics", "nv_trt_llm_runtime_memory_metrics", "nv_trt_llm_kv_cache_block_metrics",
-            "nv_trt_llm_inflight_batcher_metrics", "nv_trt_llm_general_metrics"} <= families
+    assert {
+        "nv_trt_llm_request_metrics",
+        "nv_trt_llm_runtime_memory_metrics",
+        "nv_trt_llm_kv_cache_block_metrics",
+        "nv_trt_llm_inflight_batcher_metrics",
+        "nv_trt_llm_general_metrics",
+    } <= families
 
 
 def test_a_non_decoupled_llmapi_model_answers_once_and_refuses_streaming(tiny_model, tmp_path):

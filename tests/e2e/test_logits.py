@@ -1,8 +1,8 @@
 """Context and generation logits through the real server (shapes as the contract's end_to_end_test asserts)."""
-import numpy as np
-import pytest
 
 import e2e_clients as clients
+import numpy as np
+import pytest
 
 pytestmark = pytest.mark.server
 
@@ -11,9 +11,18 @@ MAX_TOKENS = 6
 
 def test_direct_request_returns_context_and_generation_logits(server, tokenizer):
     prompt_ids = tokenizer.encode("The lighthouse keeper counted ships", add_special_tokens=True)
-    reply = server.stream_infer("tensorrt_llm", clients.direct_request(
-        prompt_ids, MAX_TOKENS, tokenizer.end_id, exclude_input_in_output=True, return_context_logits=True,
-        return_generation_logits=True, return_log_probs=True))
+    reply = server.stream_infer(
+        "tensorrt_llm",
+        clients.direct_request(
+            prompt_ids,
+            MAX_TOKENS,
+            tokenizer.end_id,
+            exclude_input_in_output=True,
+            return_context_logits=True,
+            return_generation_logits=True,
+            return_log_probs=True,
+        ),
+    )
     assert reply.error is None, reply.error
     (context,) = reply.outputs("context_logits")
     (generation,) = reply.outputs("generation_logits")
@@ -32,7 +41,14 @@ def test_direct_request_returns_context_and_generation_logits(server, tokenizer)
 
 
 def test_ensemble_passes_generation_logits_through(server):
-    reply = server.generate({"text_input": "The lighthouse keeper", "max_tokens": 4, "bad_words": "",
-                             "stop_words": "", "return_generation_logits": True})
+    reply = server.generate(
+        {
+            "text_input": "The lighthouse keeper",
+            "max_tokens": 4,
+            "bad_words": "",
+            "stop_words": "",
+            "return_generation_logits": True,
+        }
+    )
     generation = np.array(reply["generation_logits"])
     assert generation.size % 4 == 0 and generation.size > 0

@@ -5,13 +5,13 @@ one batch, and the adapter cache evicting (max_cpu_loras = 2) without disturbing
 References come from the embedded engine in this process, one request at a time, with the same fp16 tensors.
 The adapters' weights are rounded to fp16 and their scale (alpha / r = 2) is a power of two, so the fp16 `.npy`
 pair and the PEFT folder hold exactly the same adapter."""
+
 from __future__ import annotations
 
+import e2e_clients as clients
 import numpy as np
 import pytest
 import torch
-
-import e2e_clients as clients
 from e2e_clients import direct_request, scalar, strings
 
 pytestmark = pytest.mark.server
@@ -24,9 +24,14 @@ from tritonllm.lora.convert import convert_peft_folder  # noqa: E402
 
 PROMPT = "Once upon a time, in a small village by the sea"
 MAX_TOKENS = 12
-TARGETS = {"fr": ["q_proj", "v_proj", "o_proj", "down_proj"], "a": ["q_proj", "k_proj", "gate_proj", "up_proj"],
-           "b": ["v_proj", "o_proj", "down_proj"], "c": ["q_proj", "up_proj"], "d": ["k_proj", "down_proj"],
-           "e": ["o_proj", "gate_proj"]}
+TARGETS = {
+    "fr": ["q_proj", "v_proj", "o_proj", "down_proj"],
+    "a": ["q_proj", "k_proj", "gate_proj", "up_proj"],
+    "b": ["v_proj", "o_proj", "down_proj"],
+    "c": ["q_proj", "up_proj"],
+    "d": ["k_proj", "down_proj"],
+    "e": ["o_proj", "gate_proj"],
+}
 
 
 def make_adapter(model_dir, out, targets, seed):
@@ -34,8 +39,9 @@ def make_adapter(model_dir, out, targets, seed):
 
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    wrapped = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets,
-                                                         init_lora_weights=False))
+    wrapped = peft.get_peft_model(
+        model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, init_lora_weights=False)
+    )
     with torch.no_grad():
         for name, param in wrapped.named_parameters():
             if "lora_" in name:
@@ -66,8 +72,16 @@ def lora_prefetch_dir(adapters, tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(tiny_model, adapters):
     """Greedy tokens of one request run alone in an in-process engine: reference(name or None, prompt, n)."""
-    engine = EmbeddedEngine(EngineConfig.from_dict({"model": str(tiny_model), "dtype": "float32", "device": "cpu",
-                                                    "lora_config": {"max_cpu_loras": 8, "max_loras": 2}}))
+    engine = EmbeddedEngine(
+        EngineConfig.from_dict(
+            {
+                "model": str(tiny_model),
+                "dtype": "float32",
+                "device": "cpu",
+                "lora_config": {"max_cpu_loras": 8, "max_loras": 2},
+            }
+        )
+    )
     cache = {}
 
     def run(name, prompt_ids, max_tokens, end_id):
@@ -76,8 +90,9 @@ def reference(tiny_model, adapters):
             lora = None
             if name is not None:
                 _, weights, config = adapters[name]
-                lora = LoRARequest(lora_int_id=sorted(TARGETS).index(name) + 1, lora_weights=weights,
-                                   lora_config=config)
+                lora = LoRARequest(
+                    lora_int_id=sorted(TARGETS).index(name) + 1, lora_weights=weights, lora_config=config
+                )
             output = engine.generate(prompt_ids, SamplingParams(max_tokens=max_tokens, end_id=end_id), lora)
             cache[key] = output.outputs[0].token_ids
         return cache[key]
@@ -100,8 +115,10 @@ def output_ids(reply) -> list[int]:
 
 
 def send(stream, inputs):
-    stream.send("tensorrt_llm", {**inputs, "streaming": scalar(True, np.bool_),
-                                 "exclude_input_in_output": scalar(True, np.bool_)})
+    stream.send(
+        "tensorrt_llm",
+        {**inputs, "streaming": scalar(True, np.bool_), "exclude_input_in_output": scalar(True, np.bool_)},
+    )
 
 
 def test_preloaded_adapters_are_listed_in_the_log(lora_server):
@@ -141,15 +158,17 @@ def ensemble_text(server, **extra) -> str:
 
 def test_converted_pair_through_the_ensemble_equals_the_preloaded_folder_by_name(lora_server, adapters):
     _, weights, config = adapters["fr"]
-    with_tensors = ensemble_text(lora_server, lora_task_id=np.array([[21]], np.uint64),
-                                 lora_weights=weights, lora_config=config)
+    with_tensors = ensemble_text(
+        lora_server, lora_task_id=np.array([[21]], np.uint64), lora_weights=weights, lora_config=config
+    )
     by_name = ensemble_text(lora_server, lora_name=strings("fr"))
     by_id = ensemble_text(lora_server, lora_task_id=np.array([[1]], np.uint64))  # the preloaded id
     base = ensemble_text(lora_server)
     assert with_tensors == by_name == by_id != base
-    bls = lora_server.stream_infer("tensorrt_llm_bls", {"text_input": strings(PROMPT),
-                                                        "max_tokens": scalar(MAX_TOKENS, np.int32),
-                                                        "lora_name": strings("fr")})
+    bls = lora_server.stream_infer(
+        "tensorrt_llm_bls",
+        {"text_input": strings(PROMPT), "max_tokens": scalar(MAX_TOKENS, np.int32), "lora_name": strings("fr")},
+    )
     assert bls.error is None and bls.texts() == [by_name]
 
 
@@ -160,19 +179,22 @@ def test_eviction_spares_requests_in_flight(lora_server, tokenizer, adapters, re
     prompt_ids = tokenizer.encode(PROMPT, add_special_tokens=True)
     long_tokens = 800
     for name, task_id in (("c", 31), ("d", 32)):
-        reply = lora_server.stream_infer("tensorrt_llm", direct_request(prompt_ids, 2, -1,
-                                                                        **lora_inputs(adapters, name, task_id)))
+        reply = lora_server.stream_infer(
+            "tensorrt_llm", direct_request(prompt_ids, 2, -1, **lora_inputs(adapters, name, task_id))
+        )
         assert reply.error is None, reply.error
     long_stream = lora_server.grpc_stream()
     try:
         send(long_stream, direct_request(prompt_ids, long_tokens, -1, **lora_inputs(adapters, "c", 31, False)))
         reply = clients.StreamReply()
         clients.add_event(reply, *long_stream.next_event(60))  # its first token: it is running, c is pinned
-        evicting = lora_server.stream_infer("tensorrt_llm", direct_request(prompt_ids, 2, -1,
-                                                                           **lora_inputs(adapters, "e", 33)))
+        evicting = lora_server.stream_infer(
+            "tensorrt_llm", direct_request(prompt_ids, 2, -1, **lora_inputs(adapters, "e", 33))
+        )
         assert evicting.error is None, evicting.error
-        evicted = lora_server.stream_infer("tensorrt_llm", direct_request(prompt_ids, 2, -1,
-                                                                          **lora_inputs(adapters, "d", 32, False)))
+        evicted = lora_server.stream_infer(
+            "tensorrt_llm", direct_request(prompt_ids, 2, -1, **lora_inputs(adapters, "d", 32, False))
+        )
         assert evicted.error and "LoRA task 32 not found in cache" in evicted.error
         assert not reply.finished, "the long request ended before the evictions: the test proved nothing"
         long_stream.collect(reply, timeout=300)
@@ -187,11 +209,12 @@ def test_errors_name_the_input_or_id(lora_server, tokenizer, adapters):
     cases = [
         ({"lora_task_id": scalar(77, np.uint64)}, "LoRA task 77 not found in cache"),
         ({"lora_task_id": scalar(78, np.uint64), "lora_weights": weights}, "'lora_config' is missing"),
-        ({"lora_task_id": scalar(79, np.uint64), "lora_weights": weights[:, :, :50], "lora_config": config},
-         "does not match the model"),
+        (
+            {"lora_task_id": scalar(79, np.uint64), "lora_weights": weights[:, :, :50], "lora_config": config},
+            "does not match the model",
+        ),
         ({"lora_name": strings("nope")}, "unknown LoRA adapter name 'nope'"),
     ]
     for extra, message in cases:
-        reply = lora_server.stream_infer("tensorrt_llm", direct_request(prompt_ids, 2, tokenizer.end_id,
-                                                                        **extra))
+        reply = lora_server.stream_infer("tensorrt_llm", direct_request(prompt_ids, 2, tokenizer.end_id, **extra))
         assert reply.error and message in reply.error, (message, reply.error)

@@ -2,13 +2,13 @@
 the `model` and `version` labels, and histogram counts that agree with what was sent and generated.
 
 The session's server also serves the other tests, so the histograms are compared before and after the burst."""
+
 from __future__ import annotations
 
 import time
 
-import pytest
-
 import e2e_clients as clients
+import pytest
 
 pytestmark = pytest.mark.server
 
@@ -20,10 +20,14 @@ MAX_TOKENS = (1, 12, 4, 60, 2, 120)
 GAUGES = {
     "nv_trt_llm_request_metrics": ("request_type", {"active", "max", "scheduled", "context", "waiting"}),
     "nv_trt_llm_runtime_memory_metrics": ("memory_type", {"cpu", "gpu", "pinned"}),
-    "nv_trt_llm_kv_cache_block_metrics": ("kv_cache_block_type", {"max", "free", "used", "tokens_per", "fraction", "reused"}),
-    "nv_trt_llm_inflight_batcher_metrics": ("inflight_batcher_specific_metric",
-                                            {"total_context_tokens", "generation_requests", "micro_batch_id",
-                                             "paused_requests"}),
+    "nv_trt_llm_kv_cache_block_metrics": (
+        "kv_cache_block_type",
+        {"max", "free", "used", "tokens_per", "fraction", "reused"},
+    ),
+    "nv_trt_llm_inflight_batcher_metrics": (
+        "inflight_batcher_specific_metric",
+        {"total_context_tokens", "generation_requests", "micro_batch_id", "paused_requests"},
+    ),
     "nv_trt_llm_general_metrics": ("general_type", {"timestamp", "iteration_counter"}),
 }
 
@@ -32,14 +36,19 @@ def histogram(samples: list, name: str, **labels) -> dict:
     """{"count": n, "sum": s, "buckets": {le: cumulative count}} of the histogram with these labels."""
     wanted = {**LABELS, **labels}
     mine = [s for s in samples if s.name.startswith(name + "_") and wanted.items() <= s.labels.items()]
-    return {"count": sum(s.value for s in mine if s.name == name + "_count"),
-            "sum": sum(s.value for s in mine if s.name == name + "_sum"),
-            "buckets": {s.labels["le"]: s.value for s in mine if s.name == name + "_bucket"}}
+    return {
+        "count": sum(s.value for s in mine if s.name == name + "_count"),
+        "sum": sum(s.value for s in mine if s.name == name + "_sum"),
+        "buckets": {s.labels["le"]: s.value for s in mine if s.name == name + "_bucket"},
+    }
 
 
 def difference(after: dict, before: dict) -> dict:
-    return {"count": after["count"] - before["count"], "sum": after["sum"] - before["sum"],
-            "buckets": {le: value - before["buckets"].get(le, 0) for le, value in after["buckets"].items()}}
+    return {
+        "count": after["count"] - before["count"],
+        "sum": after["sum"] - before["sum"],
+        "buckets": {le: value - before["buckets"].get(le, 0) for le, value in after["buckets"].items()},
+    }
 
 
 def cumulative_counts(values, boundaries=TOKEN_BUCKETS) -> dict:
@@ -55,9 +64,13 @@ def burst(server, tokenizer) -> list[int]:
     stream = server.grpc_stream()
     try:
         for index, (length, max_tokens) in enumerate(zip(PROMPT_LENGTHS, MAX_TOKENS)):
-            stream.send("tensorrt_llm", clients.direct_request(
-                prompt(length, tokenizer.vocab_size), max_tokens, tokenizer.end_id, exclude_input_in_output=True),
-                request_id=f"burst-{index}")
+            stream.send(
+                "tensorrt_llm",
+                clients.direct_request(
+                    prompt(length, tokenizer.vocab_size), max_tokens, tokenizer.end_id, exclude_input_in_output=True
+                ),
+                request_id=f"burst-{index}",
+            )
         generated: dict[str, int] = {}
         while len(generated) < len(PROMPT_LENGTHS):
             result, error = stream.next_event(timeout=120)
@@ -88,8 +101,10 @@ def scrape(server, tokenizer):
 def test_input_token_histogram_counts_every_prompt_in_the_contract_buckets(scrape):
     before, after, _, _ = scrape
     name = "nv_llm_input_token_len"
-    delta = difference(histogram(after, name, response_metric_type="total_input_tokens"),
-                       histogram(before, name, response_metric_type="total_input_tokens"))
+    delta = difference(
+        histogram(after, name, response_metric_type="total_input_tokens"),
+        histogram(before, name, response_metric_type="total_input_tokens"),
+    )
     assert delta["count"] == len(PROMPT_LENGTHS)
     assert delta["sum"] == sum(PROMPT_LENGTHS)
     assert delta["buckets"] == cumulative_counts(PROMPT_LENGTHS)
@@ -98,8 +113,10 @@ def test_input_token_histogram_counts_every_prompt_in_the_contract_buckets(scrap
 def test_output_token_histogram_counts_every_generated_token(scrape):
     before, after, generated, _ = scrape
     name = "nv_llm_output_token_len"
-    delta = difference(histogram(after, name, response_metric_type="total_output_tokens"),
-                       histogram(before, name, response_metric_type="total_output_tokens"))
+    delta = difference(
+        histogram(after, name, response_metric_type="total_output_tokens"),
+        histogram(before, name, response_metric_type="total_output_tokens"),
+    )
     assert delta["count"] == len(MAX_TOKENS)
     assert delta["sum"] == sum(generated)
     assert delta["buckets"] == cumulative_counts(generated)
@@ -108,12 +125,14 @@ def test_output_token_histogram_counts_every_generated_token(scrape):
 
 def test_latency_histograms_observe_each_request(scrape):
     before, after, generated, _ = scrape
-    first_token = difference(histogram(after, "nv_llm_time_to_first_token_seconds"),
-                             histogram(before, "nv_llm_time_to_first_token_seconds"))
+    first_token = difference(
+        histogram(after, "nv_llm_time_to_first_token_seconds"), histogram(before, "nv_llm_time_to_first_token_seconds")
+    )
     assert first_token["count"] == len(PROMPT_LENGTHS)
     assert 0 < first_token["sum"] < 120
-    inter_token = difference(histogram(after, "nv_llm_inter_token_latency_seconds"),
-                             histogram(before, "nv_llm_inter_token_latency_seconds"))
+    inter_token = difference(
+        histogram(after, "nv_llm_inter_token_latency_seconds"), histogram(before, "nv_llm_inter_token_latency_seconds")
+    )
     assert inter_token["count"] == sum(1 for count in generated if count >= 2)
     for delta in (first_token, inter_token):
         counts = list(delta["buckets"].values())
@@ -122,11 +141,18 @@ def test_latency_histograms_observe_each_request(scrape):
 
 def test_histograms_are_typed_and_labelled_as_the_contract_says(scrape):
     _, after, _, text = scrape
-    for name in ("nv_llm_input_token_len", "nv_llm_output_token_len", "nv_llm_time_to_first_token_seconds",
-                 "nv_llm_inter_token_latency_seconds"):
+    for name in (
+        "nv_llm_input_token_len",
+        "nv_llm_output_token_len",
+        "nv_llm_time_to_first_token_seconds",
+        "nv_llm_inter_token_latency_seconds",
+    ):
         assert f"# TYPE {name} histogram" in text
-    buckets = [s.labels["le"] for s in after
-               if s.name == "nv_llm_input_token_len_bucket" and s.labels.get("model") == "tensorrt_llm"]
+    buckets = [
+        s.labels["le"]
+        for s in after
+        if s.name == "nv_llm_input_token_len_bucket" and s.labels.get("model") == "tensorrt_llm"
+    ]
     assert [float(le) for le in buckets] == [float(le) for le in TOKEN_BUCKETS]
 
 
@@ -145,7 +171,11 @@ def test_gauges_agree_with_an_idle_engine_after_the_burst(server, scrape):
     assert idle[("nv_trt_llm_kv_cache_block_metrics", "fraction")] == 0
     assert idle[("nv_trt_llm_runtime_memory_metrics", "cpu")] > 50 * 2**20  # a stub with torch and a model loaded
     assert abs(idle[("nv_trt_llm_general_metrics", "timestamp")] / 1e6 - time.time()) < 60  # microseconds
-    iterations_before = next(s.value for s in before if s.name == "nv_trt_llm_general_metrics"
-                             and s.labels.get("general_type") == "iteration_counter"
-                             and s.labels.get("model") == "tensorrt_llm")
+    iterations_before = next(
+        s.value
+        for s in before
+        if s.name == "nv_trt_llm_general_metrics"
+        and s.labels.get("general_type") == "iteration_counter"
+        and s.labels.get("model") == "tensorrt_llm"
+    )
     assert idle[("nv_trt_llm_general_metrics", "iteration_counter")] > iterations_before

@@ -1,16 +1,16 @@
 """A non-decoupled repository (`build_repo(..., streaming=False)`): one response per request, so /generate and
 plain HTTP infer work, a batch comes back as one response with a row per prompt, and streaming is refused. The
 tensorrt_llm_bls model answers the same way, and a gRPC client cancelling it stops the engine request."""
+
 from __future__ import annotations
 
 import time
 
+import e2e_clients as clients
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 import tritonclient.http as httpclient
-
-import e2e_clients as clients
 
 pytestmark = pytest.mark.server
 
@@ -39,8 +39,10 @@ def test_batch_of_three_returns_one_response_with_three_rows(plain_server):
     client = httpclient.InferenceServerClient(f"localhost:{plain_server.ports.http}")
     try:
         inputs = []
-        for name, array, dtype in (("text_input", np.array([[p.encode()] for p in PROMPTS], dtype=object), "BYTES"),
-                                   ("max_tokens", np.full((3, 1), MAX_TOKENS, dtype=np.int32), "INT32")):
+        for name, array, dtype in (
+            ("text_input", np.array([[p.encode()] for p in PROMPTS], dtype=object), "BYTES"),
+            ("max_tokens", np.full((3, 1), MAX_TOKENS, dtype=np.int32), "INT32"),
+        ):
             tensor = httpclient.InferInput(name, list(array.shape), dtype)
             tensor.set_data_from_numpy(array)
             inputs.append(tensor)
@@ -54,14 +56,18 @@ def test_batch_of_three_returns_one_response_with_three_rows(plain_server):
 
 # ---------------------------------------------------------------------------------------------- tensorrt_llm_bls
 
+
 def test_bls_answers_like_the_ensemble(plain_server):
     for prompt in PROMPTS:
-        assert plain_server.generate(body(prompt), model="tensorrt_llm_bls")["text_output"] == \
-            plain_server.generate(body(prompt))["text_output"]
+        assert (
+            plain_server.generate(body(prompt), model="tensorrt_llm_bls")["text_output"]
+            == plain_server.generate(body(prompt))["text_output"]
+        )
 
 
-@pytest.mark.parametrize("extra, name", [({"stream": True}, "'stream'"), ({"num_return_sequences": 2},
-                                                                          "'num_return_sequences'")])
+@pytest.mark.parametrize(
+    "extra, name", [({"stream": True}, "'stream'"), ({"num_return_sequences": 2}, "'num_return_sequences'")]
+)
 def test_bls_refuses_what_needs_more_than_one_response(plain_server, extra, name):
     status, message = plain_server.generate_error(body(PROMPTS[0], **extra), model="tensorrt_llm_bls")
     assert status == 400 and name in message and "needs a decoupled tensorrt_llm_bls" in message
@@ -71,16 +77,19 @@ def test_bls_batch_of_three_returns_one_response_with_three_rows(plain_server):
     client = httpclient.InferenceServerClient(f"localhost:{plain_server.ports.http}")
     try:
         inputs = []
-        for name, array, dtype in (("text_input", np.array([[p.encode()] for p in PROMPTS], dtype=object), "BYTES"),
-                                   ("max_tokens", np.full((3, 1), MAX_TOKENS, dtype=np.int32), "INT32")):
+        for name, array, dtype in (
+            ("text_input", np.array([[p.encode()] for p in PROMPTS], dtype=object), "BYTES"),
+            ("max_tokens", np.full((3, 1), MAX_TOKENS, dtype=np.int32), "INT32"),
+        ):
             tensor = httpclient.InferInput(name, list(array.shape), dtype)
             tensor.set_data_from_numpy(array)
             inputs.append(tensor)
         result = client.infer("tensorrt_llm_bls", inputs)
     finally:
         client.close()
-    assert clients.decode_texts(result.as_numpy("text_output")) == \
-        [plain_server.generate(body(p))["text_output"] for p in PROMPTS]
+    assert clients.decode_texts(result.as_numpy("text_output")) == [
+        plain_server.generate(body(p))["text_output"] for p in PROMPTS
+    ]
 
 
 def test_cancelling_a_bls_request_stops_its_engine_request(plain_server):
@@ -89,9 +98,13 @@ def test_cancelling_a_bls_request_stops_its_engine_request(plain_server):
     client = grpcclient.InferenceServerClient(plain_server.triton.grpc_url)
     max_tokens = plain_server.max_seq_len - 16
     try:
-        future = client.async_infer("tensorrt_llm_bls", clients.grpc_inputs(
-            {"text_input": clients.strings(PROMPTS[0]), "max_tokens": clients.scalar(max_tokens, np.int32)}),
-            callback=lambda result, error: None)
+        future = client.async_infer(
+            "tensorrt_llm_bls",
+            clients.grpc_inputs(
+                {"text_input": clients.strings(PROMPTS[0]), "max_tokens": clients.scalar(max_tokens, np.int32)}
+            ),
+            callback=lambda result, error: None,
+        )
         deadline = time.monotonic() + 30
         while plain_server.metrics().get(("nv_trt_llm_request_metrics", "active")) != 1:
             assert time.monotonic() < deadline, "the request never reached the engine"
@@ -101,8 +114,10 @@ def test_cancelling_a_bls_request_stops_its_engine_request(plain_server):
     finally:
         client.close()
     assert clients.engine_is_idle(after), after
-    steps = after[("nv_trt_llm_general_metrics", "iteration_counter")] - \
-        before[("nv_trt_llm_general_metrics", "iteration_counter")]
+    steps = (
+        after[("nv_trt_llm_general_metrics", "iteration_counter")]
+        - before[("nv_trt_llm_general_metrics", "iteration_counter")]
+    )
     assert steps < max_tokens // 2, f"the engine ran {steps} steps of {max_tokens}: the request was not stopped"
 
 
@@ -115,9 +130,12 @@ def test_stop_request_answers_and_stops_the_running_request(plain_server, tokeni
     max_tokens = plain_server.max_seq_len - len(prompt_ids) - 1
     outcome = {}
     try:
-        client.async_infer("tensorrt_llm", clients.grpc_inputs(clients.direct_request(
-            prompt_ids, max_tokens, tokenizer.end_id)), request_id="stop-me",
-            callback=lambda result, error: outcome.update(result=result, error=error))
+        client.async_infer(
+            "tensorrt_llm",
+            clients.grpc_inputs(clients.direct_request(prompt_ids, max_tokens, tokenizer.end_id)),
+            request_id="stop-me",
+            callback=lambda result, error: outcome.update(result=result, error=error),
+        )
         deadline = time.monotonic() + 30
         while plain_server.metrics().get(("nv_trt_llm_request_metrics", "active")) != 1:
             assert time.monotonic() < deadline, "the request never reached the engine"
@@ -130,6 +148,8 @@ def test_stop_request_answers_and_stops_the_running_request(plain_server, tokeni
         client.close()
     assert outcome["error"] is not None and "cancelled" in str(outcome["error"])
     after = plain_server.wait_engine_idle(timeout=20)
-    steps = after[("nv_trt_llm_general_metrics", "iteration_counter")] - \
-        before[("nv_trt_llm_general_metrics", "iteration_counter")]
+    steps = (
+        after[("nv_trt_llm_general_metrics", "iteration_counter")]
+        - before[("nv_trt_llm_general_metrics", "iteration_counter")]
+    )
     assert clients.engine_is_idle(after) and steps < max_tokens // 2, (steps, after)

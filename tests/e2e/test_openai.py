@@ -1,6 +1,7 @@
 """The OpenAI-compatible endpoint on the real tritonserver (tiny model), driven by the official `openai` client:
 chat and text completions streamed and whole, n, stop strings, usage against the tokenizer and the engine,
 errors in OpenAI's shape, and a stream closed early cancelling its Triton request."""
+
 from __future__ import annotations
 
 import http.client
@@ -21,10 +22,12 @@ pytestmark = pytest.mark.server
 
 MODEL = "tiny"
 LORA = "tiny-adapter"
-CONVERSATION = [{"role": "system", "content": "You answer in one word."},
-                {"role": "user", "content": "What is the capital of France?"},
-                {"role": "assistant", "content": "Paris."},
-                {"role": "user", "content": "And the capital of Italy?"}]
+CONVERSATION = [
+    {"role": "system", "content": "You answer in one word."},
+    {"role": "user", "content": "What is the capital of France?"},
+    {"role": "assistant", "content": "Paris."},
+    {"role": "user", "content": "And the capital of Italy?"},
+]
 PROMPT = "The lamp turned and turned"
 # as in test_cancellation: a closed stream must end the engine request long before this many steps
 EARLY = 400
@@ -32,8 +35,13 @@ ITERATIONS = ("nv_trt_llm_general_metrics", "iteration_counter")
 
 
 def start_frontend(server, tiny_model: Path, log_dir: Path, *extra: str) -> FrontendProcess:
-    return FrontendProcess(server.triton.grpc_url, tiny_model, free_port(), log_file=log_dir / "openai.log",
-                           extra=["--served-model-name", MODEL, *extra]).start()
+    return FrontendProcess(
+        server.triton.grpc_url,
+        tiny_model,
+        free_port(),
+        log_file=log_dir / "openai.log",
+        extra=["--served-model-name", MODEL, *extra],
+    ).start()
 
 
 @pytest.fixture(scope="module")
@@ -45,8 +53,9 @@ def frontend(server, tiny_model, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ensemble_frontend(server, tiny_model, tmp_path_factory):
-    process = start_frontend(server, tiny_model, tmp_path_factory.mktemp("openai_ensemble"),
-                             "--backend-model", "ensemble")
+    process = start_frontend(
+        server, tiny_model, tmp_path_factory.mktemp("openai_ensemble"), "--backend-model", "ensemble"
+    )
     yield process
     process.stop()
 
@@ -73,6 +82,7 @@ def joined_chat_deltas(stream) -> tuple[dict[int, str], dict[int, str], object]:
 
 # ---------------------------------------------------------------------------------------------- models
 
+
 def test_models_lists_the_served_model_and_lora_names(client):
     assert [model.id for model in client.models.list()] == [MODEL, LORA]
     assert client.models.retrieve(LORA).id == LORA
@@ -89,13 +99,17 @@ def test_health_is_ready_and_metrics_count_requests(frontend, client):
         text = connection.getresponse().read().decode()
     finally:
         connection.close()
-    samples = {(s.name, s.labels.get("status")): s.value for s in clients.parse_samples(text)
-               if s.labels.get("model") in (MODEL, None)}
+    samples = {
+        (s.name, s.labels.get("status")): s.value
+        for s in clients.parse_samples(text)
+        if s.labels.get("model") in (MODEL, None)
+    }
     assert samples[("tritonllm_openai_requests_total", "200")] >= 1
     assert any(name == "tritonllm_openai_completion_tokens_total" for name, _ in samples)
 
 
 # ---------------------------------------------------------------------------------------------- chat
+
 
 def test_chat_usage_and_text_are_the_engines_for_the_templated_prompt(server, client, tokenizer):
     """The prompt the engine saw is the model's template applied to the conversation: its token count is the
@@ -114,8 +128,9 @@ def test_chat_usage_and_text_are_the_engines_for_the_templated_prompt(server, cl
 
 def test_chat_streamed_deltas_join_to_the_whole_answer(client):
     whole = chat(client, max_tokens=20, temperature=0)
-    texts, reasons, usage = joined_chat_deltas(chat(client, stream=True, max_tokens=20, temperature=0,
-                                                    stream_options={"include_usage": True}))
+    texts, reasons, usage = joined_chat_deltas(
+        chat(client, stream=True, max_tokens=20, temperature=0, stream_options={"include_usage": True})
+    )
     assert texts == {0: whole.choices[0].message.content}
     assert reasons == {0: whole.choices[0].finish_reason}
     assert usage.completion_tokens == whole.usage.completion_tokens
@@ -142,6 +157,7 @@ def test_chat_logprobs_one_per_generated_token(client):
 
 # ---------------------------------------------------------------------------------------------- text completions
 
+
 def test_text_completion_streamed_and_whole_agree(client, tokenizer):
     whole = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0)
     assert whole.usage.prompt_tokens == len(tokenizer.encode(PROMPT, add_special_tokens=True))
@@ -155,25 +171,30 @@ def test_text_completion_streamed_and_whole_agree(client, tokenizer):
 def test_stop_string_ends_the_text_before_it(client):
     text = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0).choices[0].text
     stop = stop_string_in(text)
-    cut = text[:text.find(stop)]
+    cut = text[: text.find(stop)]
     answer = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=[stop])
     assert answer.choices[0].text == cut and answer.choices[0].finish_reason == "stop"
     assert answer.usage.completion_tokens < 24
-    streamed = "".join(chunk.choices[0].text for chunk in client.completions.create(
-        model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=stop, stream=True))
+    streamed = "".join(
+        chunk.choices[0].text
+        for chunk in client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, stop=stop, stream=True
+        )
+    )
     assert streamed == cut
 
 
 def stop_string_in(text: str) -> str:
     """Three plain characters from the middle of `text`, at their first occurrence."""
     for start in range(3, len(text) - 3):
-        candidate = text[start:start + 3]
+        candidate = text[start : start + 3]
         if candidate.isascii() and candidate.strip() and text.find(candidate) == start:
             return candidate
     raise AssertionError(f"no usable stop string in {text!r}: pick another prompt")
 
 
 # ---------------------------------------------------------------------------------------------- errors
+
 
 def test_unknown_model_is_a_404_in_openai_shape(client):
     with pytest.raises(openai.NotFoundError) as caught:
@@ -194,12 +215,19 @@ def test_bad_fields_and_long_prompts_are_400s_naming_the_field(server, client):
 
 # ---------------------------------------------------------------------------------------------- cancellation
 
+
 def test_closing_a_stream_early_cancels_the_triton_request(server, client, tokenizer):
     before = server.wait_engine_idle()
     assert clients.engine_is_idle(before), f"the engine is busy before the test: {before}"
     max_tokens = server.max_seq_len - len(tokenizer.encode(PROMPT, add_special_tokens=True)) - 1
-    stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=max_tokens, temperature=0,
-                                       stream=True, extra_body={"min_tokens": max_tokens})
+    stream = client.completions.create(
+        model=MODEL,
+        prompt=PROMPT,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        extra_body={"min_tokens": max_tokens},
+    )
     received = []
     for chunk in stream:
         received.append(chunk)
@@ -215,6 +243,7 @@ def test_closing_a_stream_early_cancels_the_triton_request(server, client, token
 
 # ---------------------------------------------------------------------------------------------- LoRA
 
+
 @pytest.fixture(scope="module")
 def lora_prefetch_dir(tiny_model, tmp_path_factory):
     """One PEFT adapter, `fr`, with random weights, for conftest's lora_server to preload by name."""
@@ -224,16 +253,18 @@ def lora_prefetch_dir(tiny_model, tmp_path_factory):
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_model, dtype=torch.float32)
-    adapter = peft.get_peft_model(model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
-                                                         init_lora_weights=False))
+    adapter = peft.get_peft_model(
+        model, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    )
     folder = tmp_path_factory.mktemp("openai_lora")
     adapter.save_pretrained(folder / "fr")
     return folder
 
 
 def test_a_lora_name_is_answered_by_its_adapter(lora_server, tiny_model, tmp_path_factory):
-    frontend = start_frontend(lora_server, tiny_model, tmp_path_factory.mktemp("openai_lora_frontend"),
-                              "--lora-name", "fr")
+    frontend = start_frontend(
+        lora_server, tiny_model, tmp_path_factory.mktemp("openai_lora_frontend"), "--lora-name", "fr"
+    )
     try:
         with openai.OpenAI(base_url=f"{frontend.base_url}/v1", api_key="unused", max_retries=0, timeout=120) as c:
             assert [model.id for model in c.models.list()] == [MODEL, "fr"]
@@ -241,10 +272,16 @@ def test_a_lora_name_is_answered_by_its_adapter(lora_server, tiny_model, tmp_pat
             via_base = c.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
     finally:
         frontend.stop()
-    direct = lora_server.stream_infer("tensorrt_llm_bls", {
-        "text_input": clients.strings(PROMPT), "max_tokens": clients.scalar(12, np.int32),
-        "stream": clients.scalar(True, np.bool_), "exclude_input_in_output": clients.scalar(True, np.bool_),
-        "lora_name": clients.strings("fr")})
+    direct = lora_server.stream_infer(
+        "tensorrt_llm_bls",
+        {
+            "text_input": clients.strings(PROMPT),
+            "max_tokens": clients.scalar(12, np.int32),
+            "stream": clients.scalar(True, np.bool_),
+            "exclude_input_in_output": clients.scalar(True, np.bool_),
+            "lora_name": clients.strings("fr"),
+        },
+    )
     assert direct.error is None, direct.error
     assert via_adapter.choices[0].text == "".join(direct.texts())
     assert via_adapter.choices[0].text != via_base.choices[0].text, "the adapter changed nothing: pick a bigger one"
@@ -252,9 +289,11 @@ def test_a_lora_name_is_answered_by_its_adapter(lora_server, tiny_model, tmp_pat
 
 # ---------------------------------------------------------------------------------------------- ensemble
 
+
 def test_the_ensemble_backend_gives_the_same_text(client, ensemble_frontend):
-    with openai.OpenAI(base_url=f"{ensemble_frontend.base_url}/v1", api_key="unused", max_retries=0,
-                       timeout=120) as ensemble:
+    with openai.OpenAI(
+        base_url=f"{ensemble_frontend.base_url}/v1", api_key="unused", max_retries=0, timeout=120
+    ) as ensemble:
         via_ensemble = chat(ensemble, max_tokens=16, temperature=0)
         streamed, _, _ = joined_chat_deltas(chat(ensemble, stream=True, max_tokens=16, temperature=0))
     via_bls = chat(client, max_tokens=16, temperature=0)
@@ -265,9 +304,12 @@ def test_the_ensemble_backend_gives_the_same_text(client, ensemble_frontend):
 def test_sse_stream_ends_with_done(frontend):
     connection = http.client.HTTPConnection("localhost", frontend.port, timeout=60)
     try:
-        connection.request("POST", "/v1/completions", json.dumps({"model": MODEL, "prompt": PROMPT,
-                                                                   "max_tokens": 4, "stream": True}),
-                           {"Content-Type": "application/json"})
+        connection.request(
+            "POST",
+            "/v1/completions",
+            json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 4, "stream": True}),
+            {"Content-Type": "application/json"},
+        )
         lines = [line for line in connection.getresponse().read().decode().split("\n") if line]
     finally:
         connection.close()

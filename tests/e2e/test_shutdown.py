@@ -1,6 +1,7 @@
 """tritonserver stops cleanly (exit code 0, within its exit timeout, no Python-backend stub left behind) after
 many gRPC stream calls to tensorrt_llm, the way the BLS makes them, and after clients cancelled their streams to
 the ensemble."""
+
 import json
 import re
 import subprocess
@@ -23,10 +24,14 @@ UNSTREAMED_TOKENS = 100  # nothing stops those before their end (docs/faults.md)
 
 def _call_inputs(streaming: bool) -> dict:
     context = [5, 6, 7, 8, 9, 10]
-    return {"input_ids": np.array([context], dtype=np.int32),
-            "input_lengths": np.array([[len(context)]], dtype=np.int32),
-            "request_output_len": np.array([[3]], dtype=np.int32), "end_id": np.array([[-1]], dtype=np.int32),
-            "streaming": np.array([[streaming]]), "exclude_input_in_output": np.array([[True]])}
+    return {
+        "input_ids": np.array([context], dtype=np.int32),
+        "input_lengths": np.array([[len(context)]], dtype=np.int32),
+        "request_output_len": np.array([[3]], dtype=np.int32),
+        "end_id": np.array([[-1]], dtype=np.int32),
+        "streaming": np.array([[streaming]]),
+        "exclude_input_in_output": np.array([[True]]),
+    }
 
 
 def test_server_stops_cleanly_after_many_bls_style_stream_calls(tiny_model, tmp_path):
@@ -55,8 +60,12 @@ def _repository_states(triton) -> dict[str, str]:
 
 
 def _unload(triton, model: str) -> None:
-    request = urllib.request.Request(f"http://{triton.http_url}/v2/repository/models/{model}/unload", data=b"{}",
-                                     method="POST", headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"http://{triton.http_url}/v2/repository/models/{model}/unload",
+        data=b"{}",
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=60) as response:
         assert response.status == 200
 
@@ -65,9 +74,13 @@ def _requests_with_at_most(live, tokens: int) -> float:
     """How many finished tensorrt_llm requests generated at most `tokens` (nv_llm_output_token_len's bucket)."""
     import e2e_clients as clients
 
-    return sum(sample.value for sample in clients.parse_samples(live.metrics_text())
-               if sample.name == "nv_llm_output_token_len_bucket" and sample.labels.get("model") == "tensorrt_llm"
-               and sample.labels.get("le") == str(tokens))
+    return sum(
+        sample.value
+        for sample in clients.parse_samples(live.metrics_text())
+        if sample.name == "nv_llm_output_token_len_bucket"
+        and sample.labels.get("model") == "tensorrt_llm"
+        and sample.labels.get("le") == str(tokens)
+    )
 
 
 @pytest.mark.parametrize("streaming", [True, False], ids=["decoupled", "one-response"])
@@ -81,14 +94,18 @@ def test_cancelled_ensemble_streams_end_so_unload_and_shutdown_complete(tiny_mod
     import e2e_clients as clients
 
     repo = build_repo(tiny_model, tmp_path / "repo", streaming=streaming, max_seq_len=MAX_SEQ_LEN)
-    triton = TritonServer(repo, Ports.free(), log_file=tmp_path / "tritonserver.log", exit_timeout_secs=10,
-                          explicit_model_control=True).start(timeout=180)
+    triton = TritonServer(
+        repo, Ports.free(), log_file=tmp_path / "tritonserver.log", exit_timeout_secs=10, explicit_model_control=True
+    ).start(timeout=180)
     log_tail = lambda: (tmp_path / "tritonserver.log").read_text(errors="replace")[-3000:]  # noqa: E731
     try:
         live = clients.LiveServer(triton, tmp_path / "tritonserver.log", MAX_SEQ_LEN)
         max_tokens = STREAMED_TOKENS if streaming else UNSTREAMED_TOKENS
-        body = {"text_input": clients.strings("The lamp turned"), "max_tokens": clients.scalar(max_tokens, "int32"),
-                "stream": clients.scalar(streaming, "bool")}
+        body = {
+            "text_input": clients.strings("The lamp turned"),
+            "max_tokens": clients.scalar(max_tokens, "int32"),
+            "stream": clients.scalar(streaming, "bool"),
+        }
         for index in range(CANCELLED_STREAMS):
             stream = live.grpc_stream()
             stream.send("ensemble", body, request_id=f"cancelled-{index}" if index % 2 else "")

@@ -5,6 +5,7 @@ reload cycles of the whole repository and a shutdown. Nothing may hang, fail une
 Short in CI (SOAK_REQUESTS, SOAK_CYCLES below). The long run of docs/faults.md:
 `TRITONLLM_SOAK=long pytest tests/e2e/test_soak.py -s` (10,000 requests, 100 reload cycles or
 TRITONLLM_SOAK_CYCLES; it prints its figures and checks that the server's memory grows under 1% over the cycles)."""
+
 from __future__ import annotations
 
 import json
@@ -16,10 +17,10 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import e2e_clients as clients
 import pytest
 import tritonclient.grpc as grpcclient
 
-import e2e_clients as clients
 from tritonllm.deploy.repo import build_repo
 from tritonllm.deploy.tritonserver import Ports, TritonServer
 
@@ -38,29 +39,34 @@ PROMPTS = ["Hello there", "The lamp turned and turned", "北京", "Once upon a t
 def soak_server(request, tiny_model, tmp_path_factory):
     work = tmp_path_factory.mktemp("soak")
     repo = build_repo(tiny_model, work / "repo", streaming=request.param, max_seq_len=MAX_SEQ_LEN)
-    triton = TritonServer(repo, Ports.free(), log_file=work / "tritonserver.log", exit_timeout_secs=10,
-                          explicit_model_control=True).start(timeout=180)
+    triton = TritonServer(
+        repo, Ports.free(), log_file=work / "tritonserver.log", exit_timeout_secs=10, explicit_model_control=True
+    ).start(timeout=180)
     try:
         yield clients.LiveServer(triton, work / "tritonserver.log", MAX_SEQ_LEN), request.param
     finally:
         code = triton.stop()
-        assert code == 0, f"tritonserver exited with {code}: " + \
-            (work / "tritonserver.log").read_text(errors="replace")[-2000:]
+        assert code == 0, (
+            f"tritonserver exited with {code}: " + (work / "tritonserver.log").read_text(errors="replace")[-2000:]
+        )
 
 
 # ---------------------------------------------------------------------------------------------- request kinds
 
+
 def ensemble_text(server, rng, decoupled) -> str:
     prompt = rng.choice(PROMPTS)
-    text = server.generate({"text_input": prompt, "max_tokens": rng.randint(1, 24), "bad_words": "",
-                            "stop_words": ""})["text_output"]
+    text = server.generate({"text_input": prompt, "max_tokens": rng.randint(1, 24), "bad_words": "", "stop_words": ""})[
+        "text_output"
+    ]
     assert text.startswith(prompt), text
     return "ok"
 
 
 def bad_input(server, rng, decoupled) -> str:
-    body = rng.choice([{"text_input": "x", "max_tokens": -3}, {"text_input": "x", "max_tokens": 4,
-                                                               "temperature": -1.0}])
+    body = rng.choice(
+        [{"text_input": "x", "max_tokens": -3}, {"text_input": "x", "max_tokens": 4, "temperature": -1.0}]
+    )
     status, message = server.generate_error({**body, "bad_words": "", "stop_words": ""})
     assert status == 400 and ("max_tokens" in message or "temperature" in message), (status, message)
     return "refused"
@@ -73,8 +79,11 @@ def cancelled_stream(server, rng, decoupled) -> str:
         return ensemble_text(server, rng, decoupled)
     model = rng.choice(["tensorrt_llm", "ensemble"])
     if model == "ensemble":
-        inputs = {"text_input": clients.strings(rng.choice(PROMPTS)), "max_tokens": clients.scalar(400, "int32"),
-                  "stream": clients.scalar(True, "bool")}
+        inputs = {
+            "text_input": clients.strings(rng.choice(PROMPTS)),
+            "max_tokens": clients.scalar(400, "int32"),
+            "stream": clients.scalar(True, "bool"),
+        }
     else:
         inputs = clients.direct_request([5, 6, 7, 8], 400, -1, streaming=True)
     stream = server.grpc_stream()
@@ -98,11 +107,16 @@ def stopped_by_id(server, rng, decoupled) -> str:
     try:
         if decoupled:
             client.start_stream(callback=lambda result, error: _stream_event(outcome, ended, result, error))
-            client.async_stream_infer("tensorrt_llm", clients.grpc_inputs(inputs), request_id=request_id,
-                                      enable_empty_final_response=True)
+            client.async_stream_infer(
+                "tensorrt_llm", clients.grpc_inputs(inputs), request_id=request_id, enable_empty_final_response=True
+            )
         else:
-            client.async_infer("tensorrt_llm", clients.grpc_inputs(inputs), request_id=request_id,
-                               callback=lambda result, error: (outcome.update(error=error), ended.set()))
+            client.async_infer(
+                "tensorrt_llm",
+                clients.grpc_inputs(inputs),
+                request_id=request_id,
+                callback=lambda result, error: (outcome.update(error=error), ended.set()),
+            )
         time.sleep(rng.uniform(0.0, 0.2))
         if decoupled:  # a decoupled model takes requests on streams only
             stop_reply = server.stream_infer("tensorrt_llm", clients.stop_request(), request_id=request_id)
@@ -144,17 +158,21 @@ def run_traffic(server, decoupled: bool, count: int, seed: int) -> dict[str, int
 
 # ---------------------------------------------------------------------------------------------- reloads
 
+
 def repository(server, action: str, model: str, parameters: dict | None = None) -> None:
     body = json.dumps({"parameters": parameters or {}}).encode()
-    request = urllib.request.Request(f"http://{server.triton.http_url}/v2/repository/models/{model}/{action}",
-                                     data=body, method="POST", headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        f"http://{server.triton.http_url}/v2/repository/models/{model}/{action}",
+        data=body,
+        method="POST",
+        headers={"Content-Type": "application/json"},
+    )
     with urllib.request.urlopen(request, timeout=120) as response:
         assert response.status == 200
 
 
 def repository_states(server) -> dict[str, str]:
-    request = urllib.request.Request(f"http://{server.triton.http_url}/v2/repository/index", data=b"{}",
-                                     method="POST")
+    request = urllib.request.Request(f"http://{server.triton.http_url}/v2/repository/index", data=b"{}", method="POST")
     with urllib.request.urlopen(request, timeout=30) as response:
         return {entry["name"]: entry.get("state", "") for entry in json.loads(response.read())}
 
@@ -192,6 +210,7 @@ def reload_cycle(server) -> None:
 
 # ---------------------------------------------------------------------------------------------- the test
 
+
 def test_mixed_traffic_with_faults_then_reload_cycles(soak_server):
     server, decoupled = soak_server
     started = time.monotonic()
@@ -202,12 +221,15 @@ def test_mixed_traffic_with_faults_then_reload_cycles(soak_server):
     rss = []
     for _ in range(SOAK_CYCLES):
         reload_cycle(server)
-        assert server.generate({"text_input": "Hello there", "max_tokens": 3, "bad_words": "",
-                                "stop_words": ""})["text_output"].startswith("Hello there")
+        assert server.generate({"text_input": "Hello there", "max_tokens": 3, "bad_words": "", "stop_words": ""})[
+            "text_output"
+        ].startswith("Hello there")
         rss.append(server_rss_bytes(server.triton.process.pid))
     growth = (rss[-1] - rss[0]) / rss[0] if len(rss) > 1 else 0.0
-    print(f"\n[soak] {'decoupled' if decoupled else 'one-response'}: {SOAK_REQUESTS} requests in "
-          f"{traffic_s:.0f}s at concurrency {CONCURRENCY}: {counts}; {SOAK_CYCLES} reload cycles, server "
-          f"memory {rss[0] / 2**20:.0f} -> {rss[-1] / 2**20:.0f} MiB ({growth:+.2%})")
+    print(
+        f"\n[soak] {'decoupled' if decoupled else 'one-response'}: {SOAK_REQUESTS} requests in "
+        f"{traffic_s:.0f}s at concurrency {CONCURRENCY}: {counts}; {SOAK_CYCLES} reload cycles, server "
+        f"memory {rss[0] / 2**20:.0f} -> {rss[-1] / 2**20:.0f} MiB ({growth:+.2%})"
+    )
     if LONG:
         assert growth < 0.01, f"memory grew {growth:.2%} over {SOAK_CYCLES} reload cycles"

@@ -3,20 +3,25 @@
 repository's greedy tokens for concurrent requests of mixed lengths and reports draft counts; lookahead takes the
 TensorRT-LLM backend's parameters; a plain repository verifies a request's own draft_input_ids; and SmolLM2 with its
 shipped Medusa heads gives the plain engine's greedy tokens."""
+
 from concurrent.futures import ThreadPoolExecutor
 
+import e2e_clients
 import numpy as np
 import pytest
 
-import e2e_clients
 from tritonllm.deploy.repo import build_repo
 from tritonllm.deploy.tritonserver import Ports, TritonServer
 
 pytestmark = pytest.mark.server
 
 MAX_SEQ_LEN = 2048
-PROMPTS = ["the river ran past the mill and the mill wheel turned, the river ran past the mill",
-           "one", "a b c d e f g a b c d e f g a b c", "Explain how bread rises in a warm kitchen."]
+PROMPTS = [
+    "the river ran past the mill and the mill wheel turned, the river ran past the mill",
+    "one",
+    "a b c d e f g a b c d e f g a b c",
+    "Explain how bread rises in a warm kitchen.",
+]
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +30,10 @@ def spec_server(tiny_model, tmp_path_factory):
     work = tmp_path_factory.mktemp("speculative")
     repo = build_repo(tiny_model, work / "repo", streaming=True, max_seq_len=MAX_SEQ_LEN)
     with (repo / "tensorrt_llm" / "1" / "model.yaml").open("a") as yaml_file:
-        yaml_file.write(f"\nspeculative_config:\n  decoding_type: DraftTarget\n  max_draft_len: 3\n"
-                        f"  speculative_model_dir: {tiny_model}\n")
+        yaml_file.write(
+            f"\nspeculative_config:\n  decoding_type: DraftTarget\n  max_draft_len: 3\n"
+            f"  speculative_model_dir: {tiny_model}\n"
+        )
     yield from serve(repo, work)
 
 
@@ -41,12 +48,18 @@ def serve(repo, work):
 
 
 def perf_reply(server, prompt_ids, max_tokens, end_id, **extra):
-    reply = server.stream_infer("tensorrt_llm", e2e_clients.direct_request(
-        prompt_ids, max_tokens, end_id, return_perf_metrics=True, exclude_input_in_output=True, **extra))
+    reply = server.stream_infer(
+        "tensorrt_llm",
+        e2e_clients.direct_request(
+            prompt_ids, max_tokens, end_id, return_perf_metrics=True, exclude_input_in_output=True, **extra
+        ),
+    )
     assert reply.error is None, reply.error
     (output_ids,) = reply.outputs("output_ids")
-    counts = {name: int(reply.outputs(name)[-1].reshape(-1)[0])
-              for name in ("total_draft_tokens", "total_accepted_draft_tokens")}
+    counts = {
+        name: int(reply.outputs(name)[-1].reshape(-1)[0])
+        for name in ("total_draft_tokens", "total_accepted_draft_tokens")
+    }
     return output_ids.reshape(-1).tolist(), counts
 
 
@@ -64,8 +77,11 @@ def test_greedy_tokens_equal_the_plain_repository(server, spec_server, tokenizer
     gauges = spec_server.wait_engine_idle()
     assert gauges[("nv_trt_llm_kv_cache_block_metrics", "free")] == gauges[("nv_trt_llm_kv_cache_block_metrics", "max")]
     drafted = sum(counts["total_draft_tokens"] for _, counts in got)
-    samples = {s.name: s.value for s in e2e_clients.parse_samples(spec_server.metrics_text())
-               if s.name.startswith("nv_llm_spec_") and s.labels.get("model") == "tensorrt_llm"}
+    samples = {
+        s.name: s.value
+        for s in e2e_clients.parse_samples(spec_server.metrics_text())
+        if s.name.startswith("nv_llm_spec_") and s.labels.get("model") == "tensorrt_llm"
+    }
     assert samples["nv_llm_spec_draft_tokens_sum"] == drafted  # the Prometheus histograms saw every draft
     assert samples["nv_llm_spec_acceptance_rate_count"] == sum(1 for _, counts in got if counts["total_draft_tokens"])
 
@@ -80,8 +96,10 @@ def test_draft_input_ids_are_verified_on_a_plain_repository(server, tokenizer):
     wrong[0, 2] = (wrong[0, 2] + 1) % 500
     tokens, counts = perf_reply(server, prompt, 6, tokenizer.end_id, draft_input_ids=wrong)
     assert tokens == want and counts == {"total_draft_tokens": 5, "total_accepted_draft_tokens": 2}
-    reply = server.stream_infer("tensorrt_llm", e2e_clients.direct_request(
-        prompt, 6, tokenizer.end_id, draft_logits=np.zeros((1, 2, 7), np.float32)))
+    reply = server.stream_infer(
+        "tensorrt_llm",
+        e2e_clients.direct_request(prompt, 6, tokenizer.end_id, draft_logits=np.zeros((1, 2, 7), np.float32)),
+    )
     assert reply.error is not None and "draft_logits" in str(reply.error)
 
 
@@ -89,15 +107,27 @@ def test_draft_input_ids_are_verified_on_a_plain_repository(server, tokenizer):
 def lookahead_server(tiny_model, tmp_path_factory):
     """A repository running lookahead decoding with the TensorRT-LLM backend's parameters (W = N = G = 3)."""
     work = tmp_path_factory.mktemp("lookahead")
-    repo = build_repo(tiny_model, work / "repo", streaming=True, max_seq_len=MAX_SEQ_LEN,
-                      parameters={"decoding_mode": "lookahead", "lookahead_window_size": "3",
-                                  "lookahead_ngram_size": "3", "lookahead_verification_set_size": "3"})
+    repo = build_repo(
+        tiny_model,
+        work / "repo",
+        streaming=True,
+        max_seq_len=MAX_SEQ_LEN,
+        parameters={
+            "decoding_mode": "lookahead",
+            "lookahead_window_size": "3",
+            "lookahead_ngram_size": "3",
+            "lookahead_verification_set_size": "3",
+        },
+    )
     yield from serve(repo, work)
 
 
 def lookahead_inputs(window, ngram, verification):
-    return {"lookahead_window_size": window, "lookahead_ngram_size": ngram,
-            "lookahead_verification_set_size": verification}
+    return {
+        "lookahead_window_size": window,
+        "lookahead_ngram_size": ngram,
+        "lookahead_verification_set_size": verification,
+    }
 
 
 def test_per_request_lookahead_inputs_narrow_the_instance_lookahead(server, lookahead_server, tokenizer):
@@ -108,19 +138,22 @@ def test_per_request_lookahead_inputs_narrow_the_instance_lookahead(server, look
         assert tokens == want, sizes
     tokens, _ = perf_reply(lookahead_server, prompt, 20, tokenizer.end_id)  # the instance's own sizes
     assert tokens == want
-    too_wide = lookahead_server.stream_infer("tensorrt_llm", e2e_clients.direct_request(
-        prompt, 4, tokenizer.end_id, **lookahead_inputs(4, 3, 3)))
+    too_wide = lookahead_server.stream_infer(
+        "tensorrt_llm", e2e_clients.direct_request(prompt, 4, tokenizer.end_id, **lookahead_inputs(4, 3, 3))
+    )
     assert too_wide.error is not None and "window size 4 exceeds the model instance's 3" in str(too_wide.error)
-    partial = lookahead_server.stream_infer("tensorrt_llm", e2e_clients.direct_request(
-        prompt, 4, tokenizer.end_id, lookahead_window_size=2))
+    partial = lookahead_server.stream_infer(
+        "tensorrt_llm", e2e_clients.direct_request(prompt, 4, tokenizer.end_id, lookahead_window_size=2)
+    )
     assert partial.error is not None
     assert "missing lookahead_ngram_size, lookahead_verification_set_size" in str(partial.error)
 
 
 def test_per_request_lookahead_inputs_need_an_instance_running_lookahead(server, tokenizer):
     prompt = tokenizer.encode(PROMPTS[1], add_special_tokens=True)
-    reply = server.stream_infer("tensorrt_llm", e2e_clients.direct_request(
-        prompt, 4, tokenizer.end_id, **lookahead_inputs(2, 2, 2)))
+    reply = server.stream_infer(
+        "tensorrt_llm", e2e_clients.direct_request(prompt, 4, tokenizer.end_id, **lookahead_inputs(2, 2, 2))
+    )
     assert reply.error is not None and "needs the model instance's lookahead decoding" in str(reply.error)
 
 
@@ -132,8 +165,9 @@ def _medusa_heads(model_dir, out):
     from tritonllm.spec_decode.medusa import MedusaHeads, save_medusa
 
     torch.manual_seed(0)
-    heads = MedusaHeads(json.loads((model_dir / "config.json").read_text())["hidden_size"], 0, num_heads=3,
-                        shared_lm_head=True)
+    heads = MedusaHeads(
+        json.loads((model_dir / "config.json").read_text())["hidden_size"], 0, num_heads=3, shared_lm_head=True
+    )
     for head in heads.heads:
         torch.nn.init.normal_(head[0].linear.weight, std=0.05)
     return save_medusa(heads, out)
@@ -147,13 +181,17 @@ def _method_config(method, model_dir, work):
     if method == "NGram":
         return "  decoding_type: NGram\n  max_draft_len: 4\n  max_matching_ngram_size: 2\n"
     if method == "Medusa":
-        return (f"  decoding_type: Medusa\n  speculative_model_dir: {_medusa_heads(model_dir, work / 'heads')}\n"
-                "  medusa_choices: [[0], [1], [0, 0], [0, 0, 0]]\n")
+        return (
+            f"  decoding_type: Medusa\n  speculative_model_dir: {_medusa_heads(model_dir, work / 'heads')}\n"
+            "  medusa_choices: [[0], [1], [0, 0], [0, 0, 0]]\n"
+        )
     if method == "Eagle3":  # the tiny model's two layers (EAGLE-3's default layers need more)
         draft = random_eagle3(model_dir, work / "eagle3", seed=1, capture_layers=[0, 1])
         return f"  decoding_type: Eagle3\n  max_draft_len: 3\n  speculative_model_dir: {draft}\n"
-    return (f"  decoding_type: Eagle\n  max_draft_len: 3\n  speculative_model_dir: "
-            f"{random_eagle(model_dir, work / 'eagle', seed=1)}\n  eagle_choices: [[0], [1], [0, 0], [0, 1]]\n")
+    return (
+        f"  decoding_type: Eagle\n  max_draft_len: 3\n  speculative_model_dir: "
+        f"{random_eagle(model_dir, work / 'eagle', seed=1)}\n  eagle_choices: [[0], [1], [0, 0], [0, 1]]\n"
+    )
 
 
 @pytest.fixture(scope="module", params=["NGram", "Medusa", "Eagle", "Eagle3"])
@@ -195,19 +233,24 @@ def test_smollm2_with_its_shipped_medusa_heads_keeps_the_plain_greedy_tokens(smo
     lengths = [40, 12, 28]
     plain = create_engine(EngineConfig.from_dict({"model": str(smollm2_dir), "dtype": "float32", "device": "cpu"}))
     try:
-        want = [plain.generate(ids, SamplingParams(max_tokens=n, end_id=tokenizer.eos_token_id)).outputs[0].token_ids
-                for ids, n in zip(prompts, lengths)]
+        want = [
+            plain.generate(ids, SamplingParams(max_tokens=n, end_id=tokenizer.eos_token_id)).outputs[0].token_ids
+            for ids, n in zip(prompts, lengths)
+        ]
     finally:
         plain.shutdown()
     work = tmp_path_factory.mktemp("smollm2_medusa")
     repo = build_repo(smollm2_dir, work / "repo", streaming=True, max_seq_len=MAX_SEQ_LEN)
     with (repo / "tensorrt_llm" / "1" / "model.yaml").open("a") as yaml_file:
-        yaml_file.write("\nspeculative_config:\n  decoding_type: Medusa\n  speculative_model_dir: builtin:smollm2\n"
-                        "  min_path_probability: 0.15\n")
+        yaml_file.write(
+            "\nspeculative_config:\n  decoding_type: Medusa\n  speculative_model_dir: builtin:smollm2\n"
+            "  min_path_probability: 0.15\n"
+        )
     for spec_server in serve(repo, work):
         with ThreadPoolExecutor(len(prompts)) as pool:
-            got = list(pool.map(lambda args: perf_reply(spec_server, *args, tokenizer.eos_token_id),
-                                zip(prompts, lengths)))
+            got = list(
+                pool.map(lambda args: perf_reply(spec_server, *args, tokenizer.eos_token_id), zip(prompts, lengths))
+            )
         gauges = spec_server.wait_engine_idle()
     assert [tokens for tokens, _ in got] == want
     assert sum(counts["total_accepted_draft_tokens"] for _, counts in got) > 0

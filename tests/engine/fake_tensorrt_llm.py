@@ -22,6 +22,7 @@ reduced to what the adapter depends on and written here from that reading, not c
   * results play a script of `Update`s (cumulative token ids per sequence); `abort()` ends the request with
     finish_reason 'cancelled'.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -41,14 +42,17 @@ import torch
 def _recording(init):
     """Keep the keyword arguments a constructor was called with in `self.called_with`; the wrapped signature
     (explicit parameters, no **kwargs) still rejects unknown names."""
+
     @functools.wraps(init)
     def wrapper(self, *args, **kwargs):
         init(self, *args, **kwargs)
         self.called_with = dict(kwargs)
+
     return wrapper
 
 
 # -- llm_args.py ------------------------------------------------------------------------------------------------
+
 
 class CapacitySchedulerPolicy(str, enum.Enum):
     MAX_UTILIZATION = "MAX_UTILIZATION"
@@ -58,11 +62,16 @@ class CapacitySchedulerPolicy(str, enum.Enum):
 
 class SchedulerConfig:
     @_recording
-    def __init__(self, *,
-                 capacity_scheduler_policy: CapacitySchedulerPolicy = CapacitySchedulerPolicy.GUARANTEED_NO_EVICT,
-                 context_chunking_policy: Optional[str] = None, dynamic_batch_config: Any = None,
-                 waiting_queue_policy: str = "fcfs", use_python_scheduler: bool = False,
-                 enable_prefix_aware_scheduling: bool = True):
+    def __init__(
+        self,
+        *,
+        capacity_scheduler_policy: CapacitySchedulerPolicy = CapacitySchedulerPolicy.GUARANTEED_NO_EVICT,
+        context_chunking_policy: Optional[str] = None,
+        dynamic_batch_config: Any = None,
+        waiting_queue_policy: str = "fcfs",
+        use_python_scheduler: bool = False,
+        enable_prefix_aware_scheduling: bool = True,
+    ):
         self.capacity_scheduler_policy = CapacitySchedulerPolicy(capacity_scheduler_policy)
         self.context_chunking_policy = context_chunking_policy
         self.dynamic_batch_config = dynamic_batch_config
@@ -74,27 +83,51 @@ class SchedulerConfig:
 class KvCacheConfig:
     # Defaults as declared; `None` stands for the nested configs the library builds with a default_factory.
     @_recording
-    def __init__(self, *, enable_block_reuse: bool = True, max_tokens: Optional[int] = None,
-                 max_attention_window: Optional[List[int]] = None, sink_token_length: Optional[int] = None,
-                 free_gpu_memory_fraction: Optional[float] = 0.9, host_cache_size: Optional[int] = None,
-                 disk_cache_size: Optional[int] = None, disk_cache_path: Optional[str] = None,
-                 cross_kv_cache_fraction: Optional[float] = None, secondary_offload_min_priority: Optional[int] = None,
-                 event_buffer_max_size: int = 0, attention_dp_events_gather_period_ms: int = 5,
-                 kv_events_config: Any = None, enable_partial_reuse: bool = True, copy_on_partial_reuse: bool = True,
-                 use_uvm: bool = False, max_gpu_total_bytes: int = 0, iteration_stats_interval: int = 1,
-                 dtype: str = "auto", mamba_ssm_cache_dtype: str = "auto", mamba_ssm_stochastic_rounding: bool = False,
-                 mamba_ssm_philox_rounds: int = 10, tokens_per_block: int = 32,
-                 mamba_state_cache_interval: Optional[int] = None, mamba_state_config: Any = None,
-                 use_kv_cache_manager_v2: Union[bool, str] = "auto", enable_swa_scratch_reuse: bool = False,
-                 kv_cache_event_hash_algo: str = "auto", max_util_for_resume: float = 0.95,
-                 enable_kv_pool_rebalance: bool = False, kv_pool_rebalance_min_sampled_kv_caches: int = 2000,
-                 kv_pool_rebalance_cooldown_secs: float = 120.0,
-                 kv_pool_rebalance_target_ratio_update_interval: int = 100,
-                 kv_pool_rebalance_ratio_threshold: float = 1.25,
-                 kv_pool_rebalance_moving_average_decay: float = 0.9999, kv_pool_rebalance_check_interval: int = 10,
-                 disk_prefetch_num_reqs: int = 0, fp8_context_mla_kv_len_cap: Optional[int] = None,
-                 pool_ratio: Optional[List[float]] = None, avg_seq_len: Optional[int] = None,
-                 block_reuse_config: Any = None):
+    def __init__(
+        self,
+        *,
+        enable_block_reuse: bool = True,
+        max_tokens: Optional[int] = None,
+        max_attention_window: Optional[List[int]] = None,
+        sink_token_length: Optional[int] = None,
+        free_gpu_memory_fraction: Optional[float] = 0.9,
+        host_cache_size: Optional[int] = None,
+        disk_cache_size: Optional[int] = None,
+        disk_cache_path: Optional[str] = None,
+        cross_kv_cache_fraction: Optional[float] = None,
+        secondary_offload_min_priority: Optional[int] = None,
+        event_buffer_max_size: int = 0,
+        attention_dp_events_gather_period_ms: int = 5,
+        kv_events_config: Any = None,
+        enable_partial_reuse: bool = True,
+        copy_on_partial_reuse: bool = True,
+        use_uvm: bool = False,
+        max_gpu_total_bytes: int = 0,
+        iteration_stats_interval: int = 1,
+        dtype: str = "auto",
+        mamba_ssm_cache_dtype: str = "auto",
+        mamba_ssm_stochastic_rounding: bool = False,
+        mamba_ssm_philox_rounds: int = 10,
+        tokens_per_block: int = 32,
+        mamba_state_cache_interval: Optional[int] = None,
+        mamba_state_config: Any = None,
+        use_kv_cache_manager_v2: Union[bool, str] = "auto",
+        enable_swa_scratch_reuse: bool = False,
+        kv_cache_event_hash_algo: str = "auto",
+        max_util_for_resume: float = 0.95,
+        enable_kv_pool_rebalance: bool = False,
+        kv_pool_rebalance_min_sampled_kv_caches: int = 2000,
+        kv_pool_rebalance_cooldown_secs: float = 120.0,
+        kv_pool_rebalance_target_ratio_update_interval: int = 100,
+        kv_pool_rebalance_ratio_threshold: float = 1.25,
+        kv_pool_rebalance_moving_average_decay: float = 0.9999,
+        kv_pool_rebalance_check_interval: int = 10,
+        disk_prefetch_num_reqs: int = 0,
+        fp8_context_mla_kv_len_cap: Optional[int] = None,
+        pool_ratio: Optional[List[float]] = None,
+        avg_seq_len: Optional[int] = None,
+        block_reuse_config: Any = None,
+    ):
         if free_gpu_memory_fraction is not None and not 0 <= free_gpu_memory_fraction <= 1:
             raise ValueError("kv_cache_config.free_gpu_memory_fraction must be a float between 0 and 1")
         self.enable_block_reuse = enable_block_reuse
@@ -104,7 +137,8 @@ class KvCacheConfig:
 
 
 # The field names of BaseLlmArgs and TorchLlmArgs: `LLM(**kwargs)` refuses any other key.
-LLM_ARGUMENT_NAMES = frozenset("""
+LLM_ARGUMENT_NAMES = frozenset(
+    """
     model tokenizer tokenizer_mode custom_tokenizer post_processor_hook skip_tokenizer_init trust_remote_code
     tensor_parallel_size dtype revision tokenizer_revision model_kwargs pipeline_parallel_size context_parallel_size
     gpus_per_node moe_cluster_parallel_size moe_tensor_parallel_size moe_expert_parallel_size enable_attention_dp
@@ -129,10 +163,12 @@ LLM_ARGUMENT_NAMES = frozenset("""
     ray_placement_config ray_worker_nsight_options sleep_config reorder_policy_config enable_resource_governor
     use_cute_dsl_blockscaling_mm use_cute_dsl_blockscaling_bmm use_cute_dsl_bf16_bmm use_cute_dsl_bf16_gemm
     max_stats_len layer_wise_benchmarks_config
-""".split())
+""".split()
+)
 
 
 # -- sampling_params.py -----------------------------------------------------------------------------------------
+
 
 @dataclass(slots=True, kw_only=True)
 class SamplingParams:
@@ -266,6 +302,7 @@ class SamplingParams:
 @dataclass(frozen=True)
 class _LookaheadDecodingConfig:
     """bindings.executor.LookaheadDecodingConfig(windowSize, ngramSize, verificationSetSize) (executor.h)."""
+
     window_size: int
     ngram_size: int
     verification_set_size: int
@@ -281,6 +318,7 @@ def _as_list(text: Union[str, List[str]]) -> List[str]:
 
 
 # -- executor/result.py -----------------------------------------------------------------------------------------
+
 
 @dataclass
 class Logprob:
@@ -315,6 +353,7 @@ class SpeculativeDecodingMetrics:
 @dataclass
 class RequestPerfMetrics:
     """bindings.executor.RequestPerfMetrics: timings are steady-clock timedeltas."""
+
     timing_metrics: TimingMetrics = field(default_factory=TimingMetrics)
     kv_cache_metrics: KvCacheMetrics = field(default_factory=KvCacheMetrics)
     speculative_decoding: SpeculativeDecodingMetrics = field(default_factory=SpeculativeDecodingMetrics)
@@ -342,13 +381,14 @@ class CompletionOutput:
 
     @property
     def token_ids_diff(self) -> List[int]:
-        return self.token_ids[self._last_token_ids_len:]
+        return self.token_ids[self._last_token_ids_len :]
 
 
 @dataclass
 class Update:
     """One executor response in a script: sequence `index` now holds `token_ids` (cumulative, as are
     `logprobs`); a set `finish_reason` ends that sequence."""
+
     token_ids: List[int]
     index: int = 0
     finish_reason: Optional[str] = None
@@ -369,8 +409,15 @@ def default_script(n: int) -> list:
 class GenerationResult:
     """What `LLM.generate_async` returns (the real one is `llmapi.llm.RequestOutput`, a GenerationResult)."""
 
-    def __init__(self, llm: "LLM", request_id: int, prompt_token_ids: List[int], sampling_params: SamplingParams,
-                 streaming: bool, script: list):
+    def __init__(
+        self,
+        llm: "LLM",
+        request_id: int,
+        prompt_token_ids: List[int],
+        sampling_params: SamplingParams,
+        streaming: bool,
+        script: list,
+    ):
         try:
             self._loop = asyncio.get_running_loop()
         except RuntimeError:
@@ -387,7 +434,7 @@ class GenerationResult:
 
     @property
     def outputs(self) -> List[CompletionOutput]:
-        return self._outputs[:self.sampling_params.n]
+        return self._outputs[: self.sampling_params.n]
 
     @property
     def finished(self) -> bool:
@@ -415,8 +462,9 @@ class GenerationResult:
 
     async def _next_response(self) -> None:
         if self._loop is None:
-            raise AssertionError("The asyncio event loop was not present during initialization, "
-                                 "so async operations are not available.")
+            raise AssertionError(
+                "The asyncio event loop was not present during initialization, so async operations are not available."
+            )
         # Without streaming the executor sends only the final response.
         while True:
             await self._play_step()
@@ -458,6 +506,7 @@ class GenerationResult:
 
 # -- llmapi/llm.py ----------------------------------------------------------------------------------------------
 
+
 class FakeTokenizer:
     eos_token_id = 2
     pad_token_id = None
@@ -479,9 +528,19 @@ class LLM:
     instances: ClassVar[list] = []
 
     @_recording
-    def __init__(self, model, tokenizer=None, tokenizer_mode="auto", skip_tokenizer_init: bool = False,
-                 trust_remote_code: bool = False, tensor_parallel_size: int = 1, dtype: str = "auto",
-                 revision: Optional[str] = None, tokenizer_revision: Optional[str] = None, **kwargs: Any):
+    def __init__(
+        self,
+        model,
+        tokenizer=None,
+        tokenizer_mode="auto",
+        skip_tokenizer_init: bool = False,
+        trust_remote_code: bool = False,
+        tensor_parallel_size: int = 1,
+        dtype: str = "auto",
+        revision: Optional[str] = None,
+        tokenizer_revision: Optional[str] = None,
+        **kwargs: Any,
+    ):
         for key in kwargs:
             if key not in LLM_ARGUMENT_NAMES | {"_mpi_session", "backend"}:
                 raise ValueError(f"LLM got invalid argument: {key}")
@@ -497,10 +556,19 @@ class LLM:
         self._ids = itertools.count(1000)
         LLM.instances.append(self)
 
-    def generate_async(self, inputs, sampling_params: Optional[SamplingParams] = None, lora_request=None,
-                       prompt_adapter_request=None, streaming: bool = False, kv_cache_retention_config=None,
-                       disaggregated_params=None, _postproc_params=None, scheduling_params=None,
-                       cache_salt: Optional[str] = None) -> GenerationResult:
+    def generate_async(
+        self,
+        inputs,
+        sampling_params: Optional[SamplingParams] = None,
+        lora_request=None,
+        prompt_adapter_request=None,
+        streaming: bool = False,
+        kv_cache_retention_config=None,
+        disaggregated_params=None,
+        _postproc_params=None,
+        scheduling_params=None,
+        cache_salt: Optional[str] = None,
+    ) -> GenerationResult:
         if self.shutdown_calls:
             raise RuntimeError("LLM is shutting down")
         params = self._prepare_sampling_params(sampling_params)
@@ -509,9 +577,16 @@ class LLM:
             loop_running = asyncio.get_running_loop() is not None
         except RuntimeError:
             loop_running = False
-        self.generate_calls.append({"inputs": inputs, "sampling_params": params, "streaming": streaming,
-                                    "lora_request": lora_request,
-                                    "thread": threading.current_thread().name, "loop_running": loop_running})
+        self.generate_calls.append(
+            {
+                "inputs": inputs,
+                "sampling_params": params,
+                "streaming": streaming,
+                "lora_request": lora_request,
+                "thread": threading.current_thread().name,
+                "loop_running": loop_running,
+            }
+        )
         script = self.scripts.popleft() if self.scripts else default_script(params.n)
         return GenerationResult(self, next(self._ids), prompt, params, streaming, script)
 

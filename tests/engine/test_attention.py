@@ -1,6 +1,7 @@
 """Paged attention over a sequence's cached context (chunked prefill, speculative trees) equals dense attention
-computed directly, and reads whole blocks: the key length SDPA sees changes once a block, not every step. Engines on CUDA turn
-cuDNN attention off (it builds a plan for every new shape)."""
+computed directly, and reads whole blocks: the key length SDPA sees changes once a block, not every step.
+Engines on CUDA turn cuDNN attention off (it builds a plan for every new shape)."""
+
 import pytest
 import torch
 
@@ -29,16 +30,17 @@ def test_queries_over_the_cached_context_equal_dense_attention(ctx_len, tree):
     keys, values = torch.randn(ctx_len, KV_HEADS, DIM), torch.randn(ctx_len, KV_HEADS, DIM)
     slots = [blocks[p // BLOCK] * BLOCK + p % BLOCK for p in range(ctx_len)]
     for cache, new in ((k_cache, keys), (v_cache, values)):  # the earlier steps' entries
-        cache.view(-1, KV_HEADS, DIM)[slots[:ctx_len - q_len]] = new[:ctx_len - q_len]
+        cache.view(-1, KV_HEADS, DIM)[slots[: ctx_len - q_len]] = new[: ctx_len - q_len]
     tail = torch.tensor([[True, False, False], [True, True, False], [True, False, True]]) if tree else None
-    meta = step_metadata(slots[ctx_len - q_len:], [blocks], [0], [q_len], [ctx_len], BLOCK, [tail], "cpu",
-                         torch.float32)
+    meta = step_metadata(
+        slots[ctx_len - q_len :], [blocks], [0], [q_len], [ctx_len], BLOCK, [tail], "cpu", torch.float32
+    )
     q = torch.randn(q_len, HEADS, DIM)
     out = paged_attention(q, keys[-q_len:], values[-q_len:], k_cache, v_cache, meta, scale=0.3)
 
     visible = torch.arange(ctx_len)[None, :] <= torch.arange(ctx_len - q_len, ctx_len)[:, None]
     if tree:
-        visible[:, ctx_len - q_len:] = tail
+        visible[:, ctx_len - q_len :] = tail
     assert torch.allclose(out, _dense(q, keys, values, visible, 0.3), atol=1e-5)
 
 

@@ -1,29 +1,39 @@
 """Beam search in the embedded engine against Hugging Face `generate(num_beams=...)`, fp32, same weights: the
 same beams in the same order, for several widths, length penalties and early-stopping rules, alone, next to
 other requests, with small KV blocks (forks copy partly filled blocks) and under preemption."""
+
 import os
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tritonllm.checkpoints.tiny import build_tiny_model
 from tritonllm.engine.config import EngineConfig
 from tritonllm.engine.embedded.engine import EmbeddedEngine
 from tritonllm.engine.types import InvalidRequestError, SamplingParams
-from tritonllm.checkpoints.tiny import build_tiny_model
 
 DEVICE = os.environ.get("TRITONLLM_TEST_DEVICE", "cpu")
-PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog, and then",
-           "Once upon a time, in a small village by the sea, there lived an old fisherman who",
-           "Caf\u00e9 cr\u00e8me et pain au chocolat: "]
+PROMPTS = [
+    "Hello",
+    "The quick brown fox jumps over the lazy dog, and then",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "Caf\u00e9 cr\u00e8me et pain au chocolat: ",
+]
 MAX_NEW = 12
 # TensorRT-LLM's early_stopping integer -> HF's early_stopping
 EARLY_STOPPING = {0: False, 1: True, 2: "never"}
 
 
 def make_engine(model_dir, **overrides) -> EmbeddedEngine:
-    args = {"model": str(model_dir), "dtype": "float32", "device": DEVICE, "max_batch_size": 16,
-            "max_num_tokens": 512, "kv_cache_config": {"tokens_per_block": 8, "max_tokens": 4096}}
+    args = {
+        "model": str(model_dir),
+        "dtype": "float32",
+        "device": DEVICE,
+        "max_batch_size": 16,
+        "max_num_tokens": 512,
+        "kv_cache_config": {"tokens_per_block": 8, "max_tokens": 4096},
+    }
     args.update(overrides)
     return EmbeddedEngine(EngineConfig.from_dict(args))
 
@@ -48,31 +58,53 @@ def tiny(tmp_path_factory):
 def _greedy(model, ids, max_new):
     input_ids = torch.tensor([ids], device=DEVICE)
     with torch.inference_mode():
-        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new,
-                             do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+        out = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=max_new,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(ids) :].tolist()
 
 
 def hf_beams(model, ids, end_id, beams, length_penalty, early_stopping, max_new=MAX_NEW):
     input_ids = torch.tensor([ids], device=DEVICE)
     with torch.inference_mode():
-        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new,
-                             num_beams=beams, num_return_sequences=beams, do_sample=False,
-                             length_penalty=length_penalty, early_stopping=EARLY_STOPPING[early_stopping],
-                             eos_token_id=end_id, pad_token_id=end_id)
+        out = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=max_new,
+            num_beams=beams,
+            num_return_sequences=beams,
+            do_sample=False,
+            length_penalty=length_penalty,
+            early_stopping=EARLY_STOPPING[early_stopping],
+            eos_token_id=end_id,
+            pad_token_id=end_id,
+        )
     results = []
-    for row in out[:, len(ids):].tolist():
-        results.append(row[:row.index(end_id)] if end_id in row else row)  # the engine drops the end token
+    for row in out[:, len(ids) :].tolist():
+        results.append(row[: row.index(end_id)] if end_id in row else row)  # the engine drops the end token
     return results
 
 
 def beam_params(end_id, beams, length_penalty=1.0, early_stopping=0, max_tokens=MAX_NEW, **extra):
-    return SamplingParams(max_tokens=max_tokens, end_id=end_id, beam_width=beams, n=beams,
-                          length_penalty=length_penalty, early_stopping=early_stopping, **extra)
+    return SamplingParams(
+        max_tokens=max_tokens,
+        end_id=end_id,
+        beam_width=beams,
+        n=beams,
+        length_penalty=length_penalty,
+        early_stopping=early_stopping,
+        **extra,
+    )
 
 
-@pytest.mark.parametrize("beams,length_penalty,early_stopping", [
-    (2, 1.0, 0), (4, 1.0, 0), (4, 0.0, 1), (3, 2.0, 2), (4, -0.5, 0)])
+@pytest.mark.parametrize(
+    "beams,length_penalty,early_stopping", [(2, 1.0, 0), (4, 1.0, 0), (4, 0.0, 1), (3, 2.0, 2), (4, -0.5, 0)]
+)
 def test_beams_match_hf(tiny, beams, length_penalty, early_stopping):
     model_dir, model, prompt_ids, end_ids = tiny
     engine = make_engine(model_dir, max_beam_width=4)
@@ -107,9 +139,18 @@ def test_beams_next_to_other_requests_with_small_blocks(tiny):
 def hf_beam_scores(model, ids, end_id, beams, max_new):
     input_ids = torch.tensor([ids], device=DEVICE)
     with torch.inference_mode():
-        out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=max_new,
-                             num_beams=beams, num_return_sequences=beams, do_sample=False, eos_token_id=end_id,
-                             pad_token_id=end_id, output_scores=True, return_dict_in_generate=True)
+        out = model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=max_new,
+            num_beams=beams,
+            num_return_sequences=beams,
+            do_sample=False,
+            eos_token_id=end_id,
+            pad_token_id=end_id,
+            output_scores=True,
+            return_dict_in_generate=True,
+        )
     return out.sequences_scores.tolist()
 
 
@@ -120,11 +161,16 @@ def test_beams_survive_preemption(tiny):
     model_dir, model, prompt_ids, end_ids = tiny
     expected = [hf_beams(model, ids, end, 4, 1.0, 0, max_new=24) for ids, end in zip(prompt_ids, end_ids)]
     expected_scores = [hf_beam_scores(model, ids, end, 4, 24) for ids, end in zip(prompt_ids, end_ids)]
-    engine = make_engine(model_dir, max_beam_width=4, scheduler_config={"capacity_scheduler_policy": "MAX_UTILIZATION"},
-                         kv_cache_config={"tokens_per_block": 4, "max_tokens": 224})
+    engine = make_engine(
+        model_dir,
+        max_beam_width=4,
+        scheduler_config={"capacity_scheduler_policy": "MAX_UTILIZATION"},
+        kv_cache_config={"tokens_per_block": 4, "max_tokens": 224},
+    )
     try:
-        handles = [engine.generate_async(ids, beam_params(end, 4, max_tokens=24))
-                   for ids, end in zip(prompt_ids, end_ids)]
+        handles = [
+            engine.generate_async(ids, beam_params(end, 4, max_tokens=24)) for ids, end in zip(prompt_ids, end_ids)
+        ]
         results = [h.result(timeout=300) for h in handles]
         assert [r.outputs[0].token_ids for r in results] == [beams[0] for beams in expected]
         for result, scores in zip(results, expected_scores):
@@ -171,8 +217,7 @@ def test_beam_limits_are_clear_errors(tiny):
         with pytest.raises(InvalidRequestError, match="must not exceed beam_width"):
             engine.generate(prompt_ids[0], SamplingParams(max_tokens=4, beam_width=2, n=3))
         with pytest.raises(InvalidRequestError, match="generation_logits"):
-            engine.generate(prompt_ids[0], SamplingParams(max_tokens=4, beam_width=2,
-                                                          return_generation_logits=True))
+            engine.generate(prompt_ids[0], SamplingParams(max_tokens=4, beam_width=2, return_generation_logits=True))
     finally:
         engine.shutdown()
 

@@ -1,19 +1,35 @@
 """`tritonllm bench engine`: its workloads (nano-vllm's request mix), the checks on its flags, the engine settings
 each workload implies, and short runs on a weightless tiny model with dummy weights."""
+
 import json
 
 import pytest
 import yaml
 from tokenizers import Tokenizer
 
-from tritonllm.commands.bench_engine import busy_share, engine_config, make_nano_requests, resolve_workload, top_kernels
-from tritonllm.commands.main import build_parser, main
 from tritonllm.checkpoints.shapes import write_shape_folder
 from tritonllm.checkpoints.tiny import tiny_config, trained_tokenizer_json
+from tritonllm.commands.bench_engine import busy_share, engine_config, make_nano_requests, resolve_workload, top_kernels
+from tritonllm.commands.main import build_parser, main
 
-JSON_KEYS = {"requests", "output_tokens", "dtype", "device", "threads", "engine_s", "engine_tok_s", "workload",
-             "load_format", "warmup", "baseline", "peak_memory_bytes", "engine_steps", "attn_backend",
-             "max_batch_size", "cuda_graphs"}
+JSON_KEYS = {
+    "requests",
+    "output_tokens",
+    "dtype",
+    "device",
+    "threads",
+    "engine_s",
+    "engine_tok_s",
+    "workload",
+    "load_format",
+    "warmup",
+    "baseline",
+    "peak_memory_bytes",
+    "engine_steps",
+    "attn_backend",
+    "max_batch_size",
+    "cuda_graphs",
+}
 HF_KEYS = {"hf_s", "hf_tok_s", "ratio", "hf_batch_size"}
 SHORT_MIX = ["--requests", "3", "--min-prompt", "4", "--max-prompt", "24", "--min-output", "2", "--max-output", "6"]
 
@@ -34,6 +50,7 @@ def json_result(capsys) -> dict:
 
 
 # ---- workloads and flags ----
+
 
 def test_nano_requests_are_nano_vllms_mix_and_repeat_for_a_seed():
     requests = make_nano_requests(vocab_size=151936, seed=0)
@@ -68,12 +85,29 @@ def test_load_format_comes_from_the_flag_else_the_config(tmp_path):
     workload = resolve_workload(bench_args())
     assert engine_config(bench_args(), workload).load_format == "auto"
     assert engine_config(bench_args("--config", str(yaml_file)), workload).load_format == "dummy"
-    assert engine_config(bench_args("--config", str(yaml_file), "--load-format", "auto"), workload).load_format == "auto"
+    assert (
+        engine_config(bench_args("--config", str(yaml_file), "--load-format", "auto"), workload).load_format == "auto"
+    )
 
 
 def test_nano_workload_refuses_request_mix_flags_before_anything_loads(capsys):
-    assert main(["bench", "engine", "--model", "no-such-folder", "--workload", "nano", "--requests", "8",
-                 "--max-output", "64"]) == 2
+    assert (
+        main(
+            [
+                "bench",
+                "engine",
+                "--model",
+                "no-such-folder",
+                "--workload",
+                "nano",
+                "--requests",
+                "8",
+                "--max-output",
+                "64",
+            ]
+        )
+        == 2
+    )
     assert "--workload nano fixes the request mix" in capsys.readouterr().err.replace("\n", " ")
 
 
@@ -87,27 +121,68 @@ def test_profile_arithmetic():
 
 # ---- runs ----
 
+
 def test_engine_alone_with_dummy_weights_warmup_and_profile(weightless, tmp_path, capsys):
     config = tmp_path / "model.yaml"
     config.write_text(yaml.safe_dump({"attn_backend": "VANILLA", "kv_cache_config": {"max_tokens": 2048}}))
     trace = tmp_path / "trace.json"
-    assert main(["bench", "engine", "--model", str(weightless), "--config", str(config), "--baseline", "none",
-                 "--warmup", "--load-format", "dummy", "--profile-trace", str(trace), "--json", *SHORT_MIX]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "engine",
+                "--model",
+                str(weightless),
+                "--config",
+                str(config),
+                "--baseline",
+                "none",
+                "--warmup",
+                "--load-format",
+                "dummy",
+                "--profile-trace",
+                str(trace),
+                "--json",
+                *SHORT_MIX,
+            ]
+        )
+        == 0
+    )
     result = json_result(capsys)
     assert JSON_KEYS <= set(result) and not HF_KEYS & set(result)
     assert (result["workload"], result["load_format"], result["baseline"], result["warmup"]) == (
-        "default", "dummy", "none", True)
+        "default",
+        "dummy",
+        "none",
+        True,
+    )
     assert result["attn_backend"] == "VANILLA" and result["cuda_graphs"] is False
     assert result["requests"] == 3 and result["engine_steps"] > 0 and result["peak_memory_bytes"] > 0
     assert "gpu_busy_share" not in result  # CPU
     assert result["profile_top_kernels"] and {"name", "calls", "total_ms", "mean_us"} == set(
-        result["profile_top_kernels"][0])
+        result["profile_top_kernels"][0]
+    )
     assert trace.stat().st_size > 0
 
 
 def test_dummy_weights_against_hugging_face_from_config(weightless, capsys):
-    assert main(["bench", "engine", "--model", str(weightless), "--load-format", "dummy", "--hf-batch-size", "2",
-                 "--json", *SHORT_MIX]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "engine",
+                "--model",
+                str(weightless),
+                "--load-format",
+                "dummy",
+                "--hf-batch-size",
+                "2",
+                "--json",
+                *SHORT_MIX,
+            ]
+        )
+        == 0
+    )
     result = json_result(capsys)
     assert JSON_KEYS | HF_KEYS <= set(result)
     assert result["warmup"] is False and result["baseline"] == "hf" and result["ratio"] > 0

@@ -1,15 +1,18 @@
 """The `tritonllm` command: generate with a model.yaml, the bench scenarios' JSON, clear errors."""
+
 import argparse
 import json
 
 import pytest
 import yaml
 
-from tritonllm.commands.main import build_parser, main
 from tritonllm.checkpoints.tiny import build_tiny_model
+from tritonllm.commands.main import build_parser, main
 
-LONG_PROMPT = ("Once upon a time, in a small village by the sea, there lived an old fisherman who mended his nets "
-               "every morning and told the children stories about the storms he had seen.")
+LONG_PROMPT = (
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who mended his nets "
+    "every morning and told the children stories about the storms he had seen."
+)
 
 
 @pytest.fixture(scope="module")
@@ -23,11 +26,36 @@ def json_lines(capsys) -> list[dict]:
 
 def test_generate_reports_reuse_and_prefill_steps_from_model_yaml(tiny, tmp_path, capsys):
     config = tmp_path / "model.yaml"
-    config.write_text(yaml.safe_dump({
-        "dtype": "float32", "enable_chunked_prefill": True, "max_num_tokens": 8,
-        "kv_cache_config": {"enable_block_reuse": True, "tokens_per_block": 4, "max_tokens": 1024}}))
-    assert main(["generate", "--model", str(tiny), "--config", str(config), "--prompt", LONG_PROMPT,
-                 "--prompt", LONG_PROMPT, "--max-tokens", "6", "--sequential", "--json"]) == 0
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "dtype": "float32",
+                "enable_chunked_prefill": True,
+                "max_num_tokens": 8,
+                "kv_cache_config": {"enable_block_reuse": True, "tokens_per_block": 4, "max_tokens": 1024},
+            }
+        )
+    )
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(tiny),
+                "--config",
+                str(config),
+                "--prompt",
+                LONG_PROMPT,
+                "--prompt",
+                LONG_PROMPT,
+                "--max-tokens",
+                "6",
+                "--sequential",
+                "--json",
+            ]
+        )
+        == 0
+    )
     first, second = json_lines(capsys)
     assert first["output_token_ids"] == second["output_token_ids"] and first["text"] == second["text"]
     prompt_len = len(first["prompt_token_ids"])
@@ -40,19 +68,42 @@ def test_generate_reports_reuse_and_prefill_steps_from_model_yaml(tiny, tmp_path
 def test_generate_without_reuse_or_chunking(tiny, tmp_path, capsys):
     config = tmp_path / "model.yaml"
     config.write_text(yaml.safe_dump({"kv_cache_config": {"enable_block_reuse": False}}))
-    assert main(["generate", "--model", str(tiny), "--config", str(config), "--prompt", LONG_PROMPT,
-                 "--prompt", LONG_PROMPT, "--max-tokens", "4", "--sequential", "--json"]) == 0
+    assert (
+        main(
+            [
+                "generate",
+                "--model",
+                str(tiny),
+                "--config",
+                str(config),
+                "--prompt",
+                LONG_PROMPT,
+                "--prompt",
+                LONG_PROMPT,
+                "--max-tokens",
+                "4",
+                "--sequential",
+                "--json",
+            ]
+        )
+        == 0
+    )
     records = json_lines(capsys)
     assert [r["stats"]["kv_cache_reused_blocks"] for r in records] == [0, 0]
     assert [r["stats"]["prefill_steps"] for r in records] == [1, 1]
 
 
-@pytest.mark.parametrize("argv, key", [
-    # Streams long enough to outlast the long prompt (on the tiny model a step takes about a millisecond).
-    (["bench", "chunked", "--streams", "2", "--stream-tokens", "600", "--long-prompt", "200", "--chunk", "32"],
-     "p99_itl_ratio_on_vs_off"),
-    (["bench", "reuse", "--requests", "4", "--system-prompt", "200"], "ttft_speedup_on_vs_off"),
-])
+@pytest.mark.parametrize(
+    "argv, key",
+    [
+        # Streams long enough to outlast the long prompt (on the tiny model a step takes about a millisecond).
+        (
+            ["bench", "chunked", "--streams", "2", "--stream-tokens", "600", "--long-prompt", "200", "--chunk", "32"],
+            "p99_itl_ratio_on_vs_off",
+        ),
+        (["bench", "reuse", "--requests", "4", "--system-prompt", "200"], "ttft_speedup_on_vs_off"),
+    ],
+)
 def test_bench_scenarios_print_one_json_object(tiny, capsys, argv, key):
     assert main(argv + ["--model", str(tiny), "--json"]) == 0
     (result,) = json_lines(capsys)
@@ -73,14 +124,17 @@ def test_bench_engine_refuses_an_empty_length_range(tiny, capsys):
     assert "--min-output 16 / --max-output 8: need min <= max" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("argv, shown", [
-    (["bench", "engine", "--requests", "0"], "0"),
-    (["bench", "chunked", "--streams", "0"], "0"),
-    (["bench", "reuse", "--system-prompt", "-5"], "-5"),
-    (["bench", "spec", "--prompts", "0"], "0"),
-    (["bench", "lora", "--requests", "x"], "'x'"),
-    (["bench", "bls-spec", "--draft-model", "D", "--max-tokens", "0"], "0"),
-])
+@pytest.mark.parametrize(
+    "argv, shown",
+    [
+        (["bench", "engine", "--requests", "0"], "0"),
+        (["bench", "chunked", "--streams", "0"], "0"),
+        (["bench", "reuse", "--system-prompt", "-5"], "-5"),
+        (["bench", "spec", "--prompts", "0"], "0"),
+        (["bench", "lora", "--requests", "x"], "'x'"),
+        (["bench", "bls-spec", "--draft-model", "D", "--max-tokens", "0"], "0"),
+    ],
+)
 def test_bench_counts_below_one_are_refused_before_anything_loads(argv, shown, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(argv + ["--model", "no-such-folder"])

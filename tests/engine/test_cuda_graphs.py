@@ -3,22 +3,28 @@
 On a CPU (the default) the capture is replaced by eager runs of the very forward a graph would hold, over the same
 static, padded inputs: that checks the padding rows, the scratch block and the widths; TRITONLLM_TEST_DEVICE=cuda
 captures and replays real graphs."""
+
 import os
 
 import pytest
 import torch
 from transformers import AutoTokenizer
 
+from tritonllm.checkpoints.tiny import build_tiny_model
 from tritonllm.engine.config import ConfigError, EngineConfig
 from tritonllm.engine.embedded import cuda_graphs
 from tritonllm.engine.embedded.engine import EmbeddedEngine
 from tritonllm.engine.graph_settings import CudaGraphSettings, default_batch_sizes, parse_cuda_graph_config
 from tritonllm.engine.types import SamplingParams
-from tritonllm.checkpoints.tiny import build_tiny_model
 
 DEVICE = os.environ.get("TRITONLLM_TEST_DEVICE", "cpu")
-PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog, and then", "Once upon a time, in a small village",
-           "Caf\u00e9 cr\u00e8me", "In the beginning the engineers wrote a scheduler. It admitted requests as they"]
+PROMPTS = [
+    "Hello",
+    "The quick brown fox jumps over the lazy dog, and then",
+    "Once upon a time, in a small village",
+    "Caf\u00e9 cr\u00e8me",
+    "In the beginning the engineers wrote a scheduler. It admitted requests as they",
+]
 MAX_TOKENS = [70, 12, 30, 5, 22]  # the batch shrinks as answers end: 5, 4, 3, 2, 1 rows
 
 
@@ -38,8 +44,9 @@ def test_the_older_use_cuda_graph_switch_still_works():
         config = EngineConfig.from_dict({"model": "m", "pytorch_backend_config": {"use_cuda_graph": switch}})
         assert config.cuda_graph_config == expected and not config.extra
     with pytest.raises(ConfigError, match="not both"):
-        EngineConfig.from_dict({"model": "m", "cuda_graph_config": {},
-                                "pytorch_backend_config": {"use_cuda_graph": True}})
+        EngineConfig.from_dict(
+            {"model": "m", "cuda_graph_config": {}, "pytorch_backend_config": {"use_cuda_graph": True}}
+        )
     with pytest.raises(ConfigError, match="use_cuda_graph must be true or false"):
         EngineConfig.from_dict({"model": "m", "pytorch_backend_config": {"use_cuda_graph": "no"}})
 
@@ -47,8 +54,7 @@ def test_the_older_use_cuda_graph_switch_still_works():
 def test_sizes_follow_tensorrt_llm():
     assert parse_cuda_graph_config({}).batch_sizes == (1, 2, 4, *range(8, 129, 8))
     assert parse_cuda_graph_config({"enable_padding": False}).batch_sizes == (*range(1, 32), 32, 64, 128)
-    assert parse_cuda_graph_config({"max_batch_size": 40, "enable_padding": False}).batch_sizes == (
-        *range(1, 33), 40)
+    assert parse_cuda_graph_config({"max_batch_size": 40, "enable_padding": False}).batch_sizes == (*range(1, 33), 40)
     assert default_batch_sizes(1000, padding=False)[-4:] == (128, 256, 512, 1000)
     assert default_batch_sizes(256, padding=True)[-4:] == (120, 128, 192, 256)
 
@@ -68,15 +74,18 @@ def test_a_batch_runs_in_its_own_size_or_padded_to_the_next():
     assert [padded.graph_batch_size(n) for n in (1, 2, 3, 8, 9)] == [2, 2, 8, 8, None]
 
 
-@pytest.mark.parametrize("value, named", [
-    ([1, 2], "must be a mapping or null"),
-    ({"batch_size": [1]}, "unknown key(s) ['batch_size']"),
-    ({"batch_sizes": []}, "batch_sizes must be a non-empty list"),
-    ({"batch_sizes": [0, 2]}, "batch_sizes must be a non-empty list"),
-    ({"batch_sizes": [1, 4], "max_batch_size": 8}, "max_batch_size=8 must equal the largest"),
-    ({"max_batch_size": -1}, "max_batch_size must be an integer >= 0"),
-    ({"enable_padding": "yes"}, "enable_padding must be true or false"),
-])
+@pytest.mark.parametrize(
+    "value, named",
+    [
+        ([1, 2], "must be a mapping or null"),
+        ({"batch_size": [1]}, "unknown key(s) ['batch_size']"),
+        ({"batch_sizes": []}, "batch_sizes must be a non-empty list"),
+        ({"batch_sizes": [0, 2]}, "batch_sizes must be a non-empty list"),
+        ({"batch_sizes": [1, 4], "max_batch_size": 8}, "max_batch_size=8 must equal the largest"),
+        ({"max_batch_size": -1}, "max_batch_size must be an integer >= 0"),
+        ({"enable_padding": "yes"}, "enable_padding must be true or false"),
+    ],
+)
 def test_bad_settings_name_the_key(value, named):
     with pytest.raises(ConfigError, match="cuda_graph_config") as error:
         EngineConfig.from_dict({"model": "m", "cuda_graph_config": value})
@@ -91,13 +100,24 @@ def tiny(tmp_path_factory):
 
 
 def run(model_dir, prompts, eos, graphs, attn_backend="VANILLA"):
-    engine = EmbeddedEngine(EngineConfig.from_dict({
-        "model": str(model_dir), "dtype": "float32", "device": DEVICE, "max_batch_size": 8, "max_seq_len": 256,
-        "kv_cache_config": {"tokens_per_block": 4, "max_tokens": 1024}, "cuda_graph_config": graphs,
-        "attn_backend": attn_backend}))
+    engine = EmbeddedEngine(
+        EngineConfig.from_dict(
+            {
+                "model": str(model_dir),
+                "dtype": "float32",
+                "device": DEVICE,
+                "max_batch_size": 8,
+                "max_seq_len": 256,
+                "kv_cache_config": {"tokens_per_block": 4, "max_tokens": 1024},
+                "cuda_graph_config": graphs,
+                "attn_backend": attn_backend,
+            }
+        )
+    )
     try:
-        handles = [engine.generate_async(ids, SamplingParams(max_tokens=n, end_id=eos))
-                   for ids, n in zip(prompts, MAX_TOKENS)]
+        handles = [
+            engine.generate_async(ids, SamplingParams(max_tokens=n, end_id=eos)) for ids, n in zip(prompts, MAX_TOKENS)
+        ]
         outputs = [h.result().outputs[0].token_ids for h in handles]
         stats = engine.wait_idle()
         assert stats.num_free_blocks == stats.num_total_blocks
@@ -111,8 +131,7 @@ def test_padded_graphs_give_the_eager_tokens(tiny, graphs_on_this_device, attn_b
     model_dir, prompts, eos = tiny
     expected, no_graphs = run(model_dir, prompts, eos, None)
     assert no_graphs is None
-    outputs, graphs = run(model_dir, prompts, eos, {"batch_sizes": [1, 2, 4, 8], "enable_padding": True},
-                          attn_backend)
+    outputs, graphs = run(model_dir, prompts, eos, {"batch_sizes": [1, 2, 4, 8], "enable_padding": True}, attn_backend)
     assert outputs == expected
     sizes = {batch for batch, _, _ in graphs.graphs}
     widths = {width for _, _, width in graphs.graphs}
@@ -147,9 +166,17 @@ def test_without_padding_only_the_listed_sizes_use_graphs(tiny, graphs_on_this_d
 
 def test_padding_rows_write_only_the_scratch_block(tiny, graphs_on_this_device):
     model_dir, prompts, eos = tiny
-    engine = EmbeddedEngine(EngineConfig.from_dict({
-        "model": str(model_dir), "dtype": "float32", "device": DEVICE,
-        "kv_cache_config": {"tokens_per_block": 4, "max_tokens": 64}, "cuda_graph_config": {}}))
+    engine = EmbeddedEngine(
+        EngineConfig.from_dict(
+            {
+                "model": str(model_dir),
+                "dtype": "float32",
+                "device": DEVICE,
+                "kv_cache_config": {"tokens_per_block": 4, "max_tokens": 64},
+                "cuda_graph_config": {},
+            }
+        )
+    )
     try:
         core = engine.core
         assert len(core.runner.kv_caches[0][0]) == core.block_manager.num_blocks + 1
@@ -161,20 +188,29 @@ def test_padding_rows_write_only_the_scratch_block(tiny, graphs_on_this_device):
 def decode_metadata(slots, tables, context_lens, block_size=4):
     from tritonllm.engine.embedded.attention import step_metadata
 
-    return step_metadata(slots, tables, list(range(len(slots))), [1] * len(slots), context_lens, block_size,
-                         [None] * len(slots), "cpu", torch.float32)
+    return step_metadata(
+        slots,
+        tables,
+        list(range(len(slots))),
+        [1] * len(slots),
+        context_lens,
+        block_size,
+        [None] * len(slots),
+        "cpu",
+        torch.float32,
+    )
 
 
 def test_loading_fewer_rows_turns_the_rest_back_into_padding_rows():
-    graph = cuda_graphs._Graph(seqs=4, rows=1, width=4, block_size=4, scratch_slot=40, dtype=torch.float32,
-                               device="cpu")
+    graph = cuda_graphs._Graph(
+        seqs=4, rows=1, width=4, block_size=4, scratch_slot=40, dtype=torch.float32, device="cpu"
+    )
 
     def load(ids, positions, meta):
         where = torch.from_numpy(cuda_graphs.placement(meta, 1))
         graph.load(torch.tensor(ids), torch.tensor(positions), meta, where, cuda_graphs.visible_keys(meta, 1, 16))
 
-    load([5, 6, 7], [13, 10, 7], decode_metadata([13, 22, 7], [[1, 2, 3, 3], [4, 5, 5, 5], [6, 1, 1, 1]],
-                                                 [14, 11, 8]))
+    load([5, 6, 7], [13, 10, 7], decode_metadata([13, 22, 7], [[1, 2, 3, 3], [4, 5, 5, 5], [6, 1, 1, 1]], [14, 11, 8]))
     assert graph.slots.tolist() == [13, 22, 7, 40]
     load([8], [5], decode_metadata([9], [[2, 3]], [6]))  # the long ones ended: two blocks wide now
     assert graph.slots.tolist() == [9, 40, 40, 40]  # the rows of the ended ones write nowhere that matters
@@ -186,8 +222,9 @@ def test_a_draft_tree_is_padded_to_its_rows_with_its_own_mask():
     from tritonllm.engine.embedded.attention import step_metadata
 
     tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # root and two siblings
-    meta = step_metadata([9, 10, 11, 3], [[0, 2, 1, 1], [5]], [0, 3], [3, 1], [12, 4], 4, [tree, None], "cpu",
-                         torch.float32)
+    meta = step_metadata(
+        [9, 10, 11, 3], [[0, 2, 1, 1], [5]], [0, 3], [3, 1], [12, 4], 4, [tree, None], "cpu", torch.float32
+    )
     assert cuda_graphs.placement(meta, 4).tolist() == [0, 1, 2, 4]
     visible = cuda_graphs.visible_keys(meta, 4, 16)
     assert visible[0, 0].nonzero().flatten().tolist() == list(range(10))  # the root: context and itself
@@ -199,11 +236,27 @@ def test_a_draft_tree_is_padded_to_its_rows_with_its_own_mask():
 def test_a_step_that_padding_would_swell_runs_eagerly():
     from tritonllm.engine.embedded.attention import step_metadata
 
-    graphs = cuda_graphs.DecodeGraphs(model=None, kv_caches=[], settings=parse_cuda_graph_config({}), block_size=4,
-                                      max_blocks_per_seq=64, scratch_block=99, device=torch.device("cpu"))
+    graphs = cuda_graphs.DecodeGraphs(
+        model=None,
+        kv_caches=[],
+        settings=parse_cuda_graph_config({}),
+        block_size=4,
+        max_blocks_per_seq=64,
+        scratch_block=99,
+        device=torch.device("cpu"),
+    )
     decodes, prompt = 64, 20  # every decode would be padded to the prompt's 32 rows: 2,304 rows for 84 tokens
     lens = [1] * decodes + [prompt]
-    meta = step_metadata(list(range(sum(lens))), [[0]] * (decodes + 1), [*range(decodes), decodes], lens,
-                         [3] * decodes + [prompt], 4, [None] * (decodes + 1), "cpu", torch.float32)
+    meta = step_metadata(
+        list(range(sum(lens))),
+        [[0]] * (decodes + 1),
+        [*range(decodes), decodes],
+        lens,
+        [3] * decodes + [prompt],
+        4,
+        [None] * (decodes + 1),
+        "cpu",
+        torch.float32,
+    )
     tokens = torch.zeros(sum(lens), dtype=torch.long)
     assert graphs.run(tokens, tokens, meta) is None and not graphs.graphs

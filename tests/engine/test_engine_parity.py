@@ -1,16 +1,17 @@
 """The embedded engine against Hugging Face transformers on the same weights: greedy, fp32, token for token.
 
 TRITONLLM_TEST_DEVICE=cuda runs both sides on the GPU (the CPU is the default)."""
+
 import os
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tritonllm.checkpoints.tiny import build_tiny_model
 from tritonllm.engine.config import EngineConfig
 from tritonllm.engine.embedded.engine import EmbeddedEngine
 from tritonllm.engine.types import SamplingParams
-from tritonllm.checkpoints.tiny import build_tiny_model
 
 PROMPTS = [
     "Hello",
@@ -30,17 +31,28 @@ def hf_greedy(model_dir, prompt_ids: list[list[int]], max_new: int, eos_id: int)
     with torch.inference_mode():
         for ids in prompt_ids:
             input_ids = torch.tensor([ids], device=DEVICE)
-            generated = model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
-                                       max_new_tokens=max_new, do_sample=False, eos_token_id=eos_id,
-                                       pad_token_id=eos_id)[0, len(ids):].tolist()
+            generated = model.generate(
+                input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=max_new,
+                do_sample=False,
+                eos_token_id=eos_id,
+                pad_token_id=eos_id,
+            )[0, len(ids) :].tolist()
             # The engine, like TensorRT-LLM, does not return the end token.
-            outputs.append(generated[:generated.index(eos_id)] if eos_id in generated else generated)
+            outputs.append(generated[: generated.index(eos_id)] if eos_id in generated else generated)
     return outputs
 
 
 def make_engine(model_dir, **overrides) -> EmbeddedEngine:
-    args = {"model": str(model_dir), "dtype": "float32", "device": DEVICE, "max_batch_size": 8,
-            "max_num_tokens": 512, "kv_cache_config": {"tokens_per_block": 8, "max_tokens": 4096}}
+    args = {
+        "model": str(model_dir),
+        "dtype": "float32",
+        "device": DEVICE,
+        "max_batch_size": 8,
+        "max_num_tokens": 512,
+        "kv_cache_config": {"tokens_per_block": 8, "max_tokens": 4096},
+    }
     args.update(overrides)
     return EmbeddedEngine(EngineConfig.from_dict(args))
 
@@ -95,8 +107,11 @@ def test_all_at_once_and_joining_mid_flight_match_hf(tiny):
 def test_preemption_keeps_outputs_identical(tiny):
     model_dir, tokenizer, prompt_ids, expected = tiny
     longest = max(len(ids) for ids in prompt_ids) + MAX_NEW
-    engine = make_engine(model_dir, kv_cache_config={"tokens_per_block": 4, "max_tokens": longest + 16},
-                         scheduler_config={"capacity_scheduler_policy": "MAX_UTILIZATION"})
+    engine = make_engine(
+        model_dir,
+        kv_cache_config={"tokens_per_block": 4, "max_tokens": longest + 16},
+        scheduler_config={"capacity_scheduler_policy": "MAX_UTILIZATION"},
+    )
     try:
         outputs = [h.result() for h in [engine.generate_async(ids, greedy(tokenizer)) for ids in prompt_ids]]
         assert [o.outputs[0].token_ids for o in outputs] == expected
@@ -122,8 +137,10 @@ def test_abort_mid_stream_frees_every_block(tiny):
     model_dir, tokenizer, prompt_ids, _ = tiny
     engine = make_engine(model_dir)
     try:
-        handles = [engine.generate_async(ids, greedy(tokenizer, max_tokens=200, ignore_eos=True), streaming=True)
-                   for ids in prompt_ids]
+        handles = [
+            engine.generate_async(ids, greedy(tokenizer, max_tokens=200, ignore_eos=True), streaming=True)
+            for ids in prompt_ids
+        ]
         next(iter(handles[0]))
         for handle in handles[::2]:
             handle.abort()
@@ -138,9 +155,10 @@ def test_abort_mid_stream_frees_every_block(tiny):
 @pytest.mark.slow
 def test_smollm2_matches_hf(smollm2_dir):
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
-                                             add_generation_prompt=True)
-               for q in ("What is the capital of France?", "Write a haiku about the sea.")]
+    prompts = [
+        tokenizer.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
+        for q in ("What is the capital of France?", "Write a haiku about the sea.")
+    ]
     prompt_ids = [tokenizer.encode(p) for p in prompts] + [tokenizer.encode("The history of Rome begins")]
     expected = hf_greedy(smollm2_dir, prompt_ids, 20, tokenizer.eos_token_id)
     engine = make_engine(smollm2_dir, kv_cache_config={"tokens_per_block": 16, "max_tokens": 2048})

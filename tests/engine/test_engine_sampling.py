@@ -1,11 +1,12 @@
 """Sampling features and request validation of the embedded engine, on the tiny llama."""
+
 import pytest
 from transformers import AutoTokenizer
 
+from tritonllm.checkpoints.tiny import build_tiny_model
 from tritonllm.engine.config import ConfigError, EngineConfig
 from tritonllm.engine.embedded.engine import EmbeddedEngine
 from tritonllm.engine.types import InvalidRequestError, SamplingParams
-from tritonllm.checkpoints.tiny import build_tiny_model
 
 PROMPT = "The quick brown fox jumps over the lazy dog, and then"
 
@@ -14,9 +15,19 @@ PROMPT = "The quick brown fox jumps over the lazy dog, and then"
 def setup(tmp_path_factory):
     model_dir = build_tiny_model(tmp_path_factory.mktemp("tiny"), seed=3, arch="llama")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    engine = EmbeddedEngine(EngineConfig.from_dict({
-        "model": str(model_dir), "dtype": "float32", "device": "cpu", "max_batch_size": 8, "max_seq_len": 256,
-        "max_num_tokens": 256, "kv_cache_config": {"tokens_per_block": 8, "max_tokens": 2048}}))
+    engine = EmbeddedEngine(
+        EngineConfig.from_dict(
+            {
+                "model": str(model_dir),
+                "dtype": "float32",
+                "device": "cpu",
+                "max_batch_size": 8,
+                "max_seq_len": 256,
+                "max_num_tokens": 256,
+                "kv_cache_config": {"tokens_per_block": 8, "max_tokens": 2048},
+            }
+        )
+    )
     yield engine, tokenizer, tokenizer.encode(PROMPT)
     stats = engine.wait_idle()
     assert stats.num_free_blocks == stats.num_total_blocks
@@ -61,7 +72,7 @@ def test_end_id_stops_before_the_end_token(setup):
     greedy = tokens(engine, ids)
     stop_at = 5
     out = run(engine, ids, end_id=greedy[stop_at])[0]
-    assert out.token_ids == greedy[:greedy.index(greedy[stop_at])] and out.finish_reason == "stop"
+    assert out.token_ids == greedy[: greedy.index(greedy[stop_at])] and out.finish_reason == "stop"
 
 
 def test_stop_words_include_the_word_and_stop(setup):
@@ -80,7 +91,7 @@ def test_bad_words_are_never_produced(setup):
     assert single not in tokens(engine, ids, bad_words=[[single]])
     pair = greedy[1:3]  # ban greedy[2] only right after greedy[1]
     out = tokens(engine, ids, bad_words=[pair])
-    assert all(out[i:i + 2] != pair for i in range(len(out) - 1))
+    assert all(out[i : i + 2] != pair for i in range(len(out) - 1))
 
 
 def test_embedding_bias_forces_a_token(setup):
@@ -115,14 +126,17 @@ def test_log_probs_are_consistent(setup):
     assert out.cumulative_logprob == pytest.approx(sum(out.logprobs), abs=1e-4)
 
 
-@pytest.mark.parametrize("params, message", [
-    (dict(max_tokens=0), "max_tokens must be an integer > 0"),
-    (dict(max_tokens=-3), "max_tokens must be an integer > 0"),
-    (dict(top_p=0.0, temperature=1.0), "top_p must be in (0, 1]"),
-    (dict(top_p=1.5, temperature=1.0), "top_p must be in (0, 1]"),
-    (dict(temperature=-0.5), "temperature must be >= 0"),
-    (dict(max_tokens=250), "exceeds max_seq_len 256"),
-])
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        (dict(max_tokens=0), "max_tokens must be an integer > 0"),
+        (dict(max_tokens=-3), "max_tokens must be an integer > 0"),
+        (dict(top_p=0.0, temperature=1.0), "top_p must be in (0, 1]"),
+        (dict(top_p=1.5, temperature=1.0), "top_p must be in (0, 1]"),
+        (dict(temperature=-0.5), "temperature must be >= 0"),
+        (dict(max_tokens=250), "exceeds max_seq_len 256"),
+    ],
+)
 def test_bad_sampling_values_are_clear_errors(setup, params, message):
     engine, _, ids = setup
     with pytest.raises(InvalidRequestError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -138,7 +152,7 @@ def test_prompt_longer_than_max_seq_len_is_an_error(setup):
 def test_token_outside_vocabulary_and_empty_prompt_are_errors(setup):
     engine, _, _ = setup
     with pytest.raises(InvalidRequestError, match="outside the vocabulary"):
-        engine.generate_async([5, 10 ** 6], SamplingParams(max_tokens=4))
+        engine.generate_async([5, 10**6], SamplingParams(max_tokens=4))
     with pytest.raises(InvalidRequestError, match="prompt is empty"):
         engine.generate_async([], SamplingParams(max_tokens=4))
 
@@ -148,8 +162,14 @@ def test_unsupported_settings_fail_at_start(tmp_path):
     with pytest.raises(ConfigError, match="speculative_config.decoding_type"):
         EngineConfig.from_dict({"model": str(model_dir), "speculative_config": {"x": 1}})
     with pytest.raises(InvalidRequestError, match="speculative_model_dir: .*an EAGLE-3 draft has one layer"):
-        EmbeddedEngine(EngineConfig.from_dict({"model": str(model_dir), "speculative_config": {
-            "decoding_type": "Eagle3", "speculative_model_dir": str(model_dir)}}))
+        EmbeddedEngine(
+            EngineConfig.from_dict(
+                {
+                    "model": str(model_dir),
+                    "speculative_config": {"decoding_type": "Eagle3", "speculative_model_dir": str(model_dir)},
+                }
+            )
+        )
     with pytest.raises(InvalidRequestError, match="unknown_key"):
         EmbeddedEngine(EngineConfig.from_dict({"model": str(model_dir), "unknown_key": 3}))
 
@@ -166,7 +186,7 @@ def test_a_draft_trees_greedy_rows_are_chosen_at_once_as_row_by_row():
         return Sequence(0, 0, 0, [1, 2, 3], SamplingParams(max_tokens=8, **params))
 
     plain = seq()
-    expected = [sample(logits[row:row + 1].clone(), [plain]) for row in range(5)]
+    expected = [sample(logits[row : row + 1].clone(), [plain]) for row in range(5)]
     assert plain_greedy_choices(plain, logits) == [(tokens[0], logprobs[0]) for tokens, logprobs in expected]
     # Rows a processor changes (or will, as tokens are committed along the tree) are left to `sample`.
     for params in ({"repetition_penalty": 1.2}, {"bad_words": [[4]]}, {"min_tokens": 2}, {"temperature": 0.7}):

@@ -3,10 +3,18 @@ interpreter, on CUDA compiled): greedy output equal to Hugging Face's in fp32 on
 16, GQA, Qwen3's head 24), whole prompts, chunked prefill and preemption; random traffic (prefix reuse, chunks,
 preemption, aborts, beams) and speculative draft trees equal to the portable engine's answers, eagerly and in CUDA
 graphs (on CPU, eager runs of the padded forward a graph would hold)."""
+
 import pytest
 
-from ..spec_decode.test_engine_spec import SETTINGS, assert_all_blocks_free, make_engine as make_spec_engine
-from ..spec_decode.test_engine_spec import medusa_dir, model_dir, other_draft_dir, methods  # noqa: F401
+from ..spec_decode.test_engine_spec import (  # noqa: F401
+    SETTINGS,
+    assert_all_blocks_free,
+    medusa_dir,
+    methods,
+    model_dir,
+    other_draft_dir,
+)
+from ..spec_decode.test_engine_spec import make_engine as make_spec_engine
 from ..traffic import mismatches, random_traffic, send
 from .test_engine_parity import greedy, make_engine, tiny  # noqa: F401 (fixture)
 
@@ -45,17 +53,34 @@ def solo(model_dir):  # noqa: F811
 
 
 # Few cases, short contexts: the interpreter runs each kernel program in Python.
-@pytest.mark.parametrize("method, setting, seed, graphs", [
-    (None, "chunked_reuse", 41, False), (None, "preempting", 42, True), ("medusa", "preempting", 43, True)])
-def test_traffic_and_draft_trees_keep_the_portable_answers(model_dir, other_draft_dir, medusa_dir, solo,  # noqa
-                                                          request, method, setting, seed, graphs):
+@pytest.mark.parametrize(
+    "method, setting, seed, graphs",
+    [(None, "chunked_reuse", 41, False), (None, "preempting", 42, True), ("medusa", "preempting", 43, True)],
+)
+def test_traffic_and_draft_trees_keep_the_portable_answers(
+    model_dir,
+    other_draft_dir,
+    medusa_dir,
+    solo,  # noqa
+    request,
+    method,
+    setting,
+    seed,
+    graphs,
+):
     if graphs:
         request.getfixturevalue("graphs_on_this_device")
     spec = methods(model_dir, other_draft_dir, medusa_dir)[method] if method else None
     traffic = random_traffic(seed, count=16, vocab=400, beams=spec is None)
-    engine = make_spec_engine(model_dir, spec, max_beam_width=1 if spec else 2, max_seq_len=128, **TRITON,
-                              **SETTINGS[setting],
-                              **({} if graphs else {"cuda_graph_config": None}))
+    engine = make_spec_engine(
+        model_dir,
+        spec,
+        max_beam_width=1 if spec else 2,
+        max_seq_len=128,
+        **TRITON,
+        **SETTINGS[setting],
+        **({} if graphs else {"cuda_graph_config": None}),
+    )
     try:
         results = send(engine, traffic)
         assert_all_blocks_free(engine)
@@ -77,8 +102,10 @@ def test_attn_backend_is_checked_and_resolved_per_device(monkeypatch):
         EngineConfig.from_dict({"model": "m", "attn_backend": "fast"})
     with pytest.raises(ConfigError, match="load_format must be one of"):
         EngineConfig.from_dict({"model": "m", "load_format": "random"})
-    assert any("FLASHINFER" in p for p in EngineConfig.from_dict({"model": "m", "attn_backend": "FLASHINFER"})
-               .embedded_unsupported())
+    assert any(
+        "FLASHINFER" in p
+        for p in EngineConfig.from_dict({"model": "m", "attn_backend": "FLASHINFER"}).embedded_unsupported()
+    )
     assert resolve_backend("TRTLLM", torch.device("cpu")) == "VANILLA"  # the CPU's fastest is the portable path
     assert resolve_backend("VANILLA", torch.device("cuda")) == "VANILLA"
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)

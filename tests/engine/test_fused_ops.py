@@ -2,6 +2,7 @@
 RMSNorm with and without the residual add, rotary in place on a strided view of a fused qkv output, SiLU-gated
 multiply; fp32 to 1e-5, bf16 to 1e-2 (relative, compared in fp32). On CPU the kernels run in Triton's interpreter
 (small sizes: it is slow); on CUDA compiled, with larger sizes, CUDA-graph replay and a recompile check on top."""
+
 import os
 import sys
 
@@ -20,9 +21,11 @@ if not CUDA:
     from triton.runtime.interpreter import InterpretedFunction
 
     if not isinstance(fo._rms_norm_kernel, InterpretedFunction):
-        pytest.skip(f"no CUDA, and the Triton kernels were compiled without TRITON_INTERPRET=1 (triton imported "
-                    f"first: {'triton' in sys.modules}); set TRITON_INTERPRET=1 before triton is imported",
-                    allow_module_level=True)
+        pytest.skip(
+            f"no CUDA, and the Triton kernels were compiled without TRITON_INTERPRET=1 (triton imported "
+            f"first: {'triton' in sys.modules}); set TRITON_INTERPRET=1 before triton is imported",
+            allow_module_level=True,
+        )
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 EPS = 1e-6
@@ -122,7 +125,8 @@ def test_rms_norm_of_no_rows():
 # ----------------------------------------------------------------------------------------------------------------
 
 ROTARY_SHAPES = [(1, 16, 4, 64), (3, 16, 4, 128), (17, 16, 4, 64), (64, 16, 4, 128), (5, 4, 2, 80)] + (
-    [(300, 32, 8, 128), (9, 64, 8, 96)] if CUDA else [])
+    [(300, 32, 8, 128), (9, 64, 8, 96)] if CUDA else []
+)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -131,16 +135,16 @@ def test_rotary_in_place_on_a_qkv_slice(num_tokens, heads, kv_heads, head_dim, d
     """q and k rotate together as a [T, heads + kv_heads, D] view of the fused qkv output; v is not touched."""
     gen = torch.Generator().manual_seed(num_tokens * heads + head_dim)
     qkv = randn(gen, num_tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype)
-    q_and_k = qkv[:, :(heads + kv_heads) * head_dim].view(num_tokens, heads + kv_heads, head_dim)
+    q_and_k = qkv[:, : (heads + kv_heads) * head_dim].view(num_tokens, heads + kv_heads, head_dim)
     cos, sin = rope_tables(gen, num_tokens, head_dim, dtype)
     expected = apply_rotary(q_and_k, cos, sin)
     before = q_and_k.clone()
-    v_before = qkv[:, (heads + kv_heads) * head_dim:].clone()
+    v_before = qkv[:, (heads + kv_heads) * head_dim :].clone()
     assert fo.rotary_inplace(q_and_k, cos, sin) is q_and_k
     assert q_and_k.data_ptr() == qkv.data_ptr()
-    assert_close(qkv[:, :(heads + kv_heads) * head_dim].view_as(expected), expected)
+    assert_close(qkv[:, : (heads + kv_heads) * head_dim].view_as(expected), expected)
     assert_rounded_once(q_and_k, apply_rotary(before.float(), cos.float(), sin.float()))
-    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], v_before)
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim :], v_before)
 
 
 def test_rotary_general_tables_and_strided_heads():
@@ -180,6 +184,7 @@ def test_silu_and_mul_equals_torch(num_rows, size, dtype):
 # Argument checks
 # ----------------------------------------------------------------------------------------------------------------
 
+
 def test_bad_arguments_are_refused():
     x = torch.zeros(4, 64, device=DEVICE)
     w = torch.ones(64, device=DEVICE)
@@ -210,10 +215,11 @@ def test_bad_arguments_are_refused():
 # GPU only: CUDA graphs and compiled variants
 # ----------------------------------------------------------------------------------------------------------------
 
+
 def _layer_ops(hidden, residual, qkv, cos, sin, gate_up, weight, heads):
     head_dim = cos.shape[1]
     normed, sums = fo.rms_norm(hidden, weight, EPS, residual=residual)
-    q_and_k = qkv[:, :heads * head_dim].view(qkv.shape[0], heads, head_dim)
+    q_and_k = qkv[:, : heads * head_dim].view(qkv.shape[0], heads, head_dim)
     fo.rotary_inplace(q_and_k, cos, sin)
     return normed, sums, fo.silu_and_mul(gate_up)
 
@@ -223,8 +229,14 @@ def test_kernels_replay_in_a_cuda_graph():
     """Captured once, replayed over new inputs copied into the same tensors: the results of eager runs."""
     gen = torch.Generator().manual_seed(3)
     tokens, hidden_size, heads, head_dim, inter = 4, 896, 18, 64, 4864
-    widths = {"hidden": hidden_size, "residual": hidden_size, "qkv": (heads + 2) * head_dim, "cos": head_dim,
-              "sin": head_dim, "gate_up": 2 * inter}
+    widths = {
+        "hidden": hidden_size,
+        "residual": hidden_size,
+        "qkv": (heads + 2) * head_dim,
+        "cos": head_dim,
+        "sin": head_dim,
+        "gate_up": 2 * inter,
+    }
     static = {name: rows(gen, tokens, width, torch.bfloat16) for name, width in widths.items()}
     weight = randn(gen, hidden_size, dtype=torch.bfloat16) + 1
     side = torch.cuda.Stream()
@@ -262,8 +274,16 @@ def test_token_counts_compile_nothing_new():
         hidden, residual = rows(gen, tokens, 576, torch.bfloat16), rows(gen, tokens, 576, torch.bfloat16)
         qkv = rows(gen, tokens, 15 * 64, torch.bfloat16)
         cos, sin = rope_tables(gen, tokens, 64, torch.bfloat16)
-        _layer_ops(hidden, residual, qkv, cos, sin, rows(gen, tokens, 2 * 1536, torch.bfloat16),
-                   torch.ones(576, dtype=torch.bfloat16, device=DEVICE), heads=12)
+        _layer_ops(
+            hidden,
+            residual,
+            qkv,
+            cos,
+            sin,
+            rows(gen, tokens, 2 * 1536, torch.bfloat16),
+            torch.ones(576, dtype=torch.bfloat16, device=DEVICE),
+            heads=12,
+        )
         now = [_compiled_variants(k) for k in kernels]
         counts = counts or now
         assert now == counts, f"token count {tokens} compiled new variants: {counts} -> {now}"

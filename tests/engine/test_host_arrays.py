@@ -1,5 +1,6 @@
 """One upload for a step's arrays: each comes back with its values and shape, int32 where asked, and starting on a
 16-byte boundary (Triton compiles a kernel variant per pointer alignment)."""
+
 import numpy as np
 import torch
 

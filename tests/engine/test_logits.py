@@ -1,12 +1,13 @@
 """Context and generation logits and log-probs against Hugging Face on the same weights (fp32)."""
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tritonllm.checkpoints.tiny import build_tiny_model
 from tritonllm.engine.config import EngineConfig
 from tritonllm.engine.embedded.engine import EmbeddedEngine
 from tritonllm.engine.types import SamplingParams
-from tritonllm.checkpoints.tiny import build_tiny_model
 
 PROMPT = "Once upon a time, in a small village by the sea, there lived an old fisherman who"
 
@@ -20,8 +21,13 @@ def setup(request, tmp_path_factory):
 
 
 def make_engine(model_dir, **overrides):
-    args = {"model": str(model_dir), "dtype": "float32", "device": "cpu", "max_num_tokens": 512,
-            "kv_cache_config": {"tokens_per_block": 8, "max_tokens": 2048}}
+    args = {
+        "model": str(model_dir),
+        "dtype": "float32",
+        "device": "cpu",
+        "max_num_tokens": 512,
+        "kv_cache_config": {"tokens_per_block": 8, "max_tokens": 2048},
+    }
     args.update(overrides)
     return EmbeddedEngine(EngineConfig.from_dict(args))
 
@@ -30,8 +36,9 @@ def make_engine(model_dir, **overrides):
 def test_context_and_generation_logits_equal_hf(setup, chunked):
     model_dir, tokenizer, hf, ids = setup
     engine = make_engine(model_dir, enable_chunked_prefill=chunked, max_num_tokens=8 if chunked else 512)
-    params = SamplingParams(max_tokens=8, ignore_eos=True, logprobs=True, return_context_logits=True,
-                            return_generation_logits=True)
+    params = SamplingParams(
+        max_tokens=8, ignore_eos=True, logprobs=True, return_context_logits=True, return_generation_logits=True
+    )
     try:
         engine.generate(ids, params)  # a cached prompt must not shorten the context logits
         output = engine.generate(ids, params)
@@ -39,12 +46,18 @@ def test_context_and_generation_logits_equal_hf(setup, chunked):
         engine.shutdown()
     completion = output.outputs[0]
     with torch.inference_mode():
-        reference = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                                max_new_tokens=8, do_sample=False, output_logits=True,
-                                return_dict_in_generate=True, pad_token_id=tokenizer.eos_token_id,
-                                eos_token_id=None)
+        reference = hf.generate(
+            torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=8,
+            do_sample=False,
+            output_logits=True,
+            return_dict_in_generate=True,
+            pad_token_id=tokenizer.eos_token_id,
+            eos_token_id=None,
+        )
         context = hf(torch.tensor([ids])).logits[0]
-    assert completion.token_ids == reference.sequences[0, len(ids):].tolist()
+    assert completion.token_ids == reference.sequences[0, len(ids) :].tolist()
     assert output.context_logits.shape == (len(ids), hf.config.vocab_size)
     torch.testing.assert_close(output.context_logits, context, atol=1e-4, rtol=1e-4)
     expected_generation = torch.cat(reference.logits)  # [8, vocab]
@@ -59,8 +72,9 @@ def test_streamed_generation_logits_come_with_their_tokens(setup):
     engine = make_engine(model_dir)
     try:
         rows = []
-        for update in engine.generate_async(ids, SamplingParams(max_tokens=5, ignore_eos=True,
-                                                                return_generation_logits=True), streaming=True):
+        for update in engine.generate_async(
+            ids, SamplingParams(max_tokens=5, ignore_eos=True, return_generation_logits=True), streaming=True
+        ):
             diff = update.outputs[0].generation_logits_diff
             assert diff.shape[0] == len(update.outputs[0].token_ids_diff)
             rows.append(diff)

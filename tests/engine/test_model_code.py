@@ -1,4 +1,5 @@
 """The embedded engine's Llama-family model code against Hugging Face transformers, on tiny random models."""
+
 import json
 import shutil
 
@@ -6,10 +7,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from tritonllm.checkpoints.tiny import ARCHITECTURES, build_tiny_model
 from tritonllm.engine.embedded.attention import AttentionMetadata, build_decode_mask
 from tritonllm.engine.embedded.loader import ModelLoadError, load_model, read_model_config
 from tritonllm.engine.embedded.network.model_config import ModelConfig
-from tritonllm.checkpoints.tiny import ARCHITECTURES, build_tiny_model
 
 BLOCK_SIZE = 4
 PROMPT = [301, 279, 349, 223, 22, 26, 14, 20, 547, 887, 837, 397, 237, 235, 223, 2, 1, 55]
@@ -25,8 +26,14 @@ def prefill(model, config, ids: list[int], caches=None):
     num_blocks = -(-len(ids) // BLOCK_SIZE) + 1
     caches = caches or empty_caches(config, num_blocks)
     length = len(ids)
-    meta = AttentionMetadata(slot_mapping=torch.arange(length), block_tables=torch.arange(num_blocks)[None],
-                             query_starts=[0], query_lens=[length], context_lens=[length], block_size=BLOCK_SIZE)
+    meta = AttentionMetadata(
+        slot_mapping=torch.arange(length),
+        block_tables=torch.arange(num_blocks)[None],
+        query_starts=[0],
+        query_lens=[length],
+        context_lens=[length],
+        block_size=BLOCK_SIZE,
+    )
     with torch.no_grad():
         hidden = model(torch.tensor(ids), torch.arange(length), meta, caches)
         return model.compute_logits(hidden), caches
@@ -36,9 +43,15 @@ def decode_step(model, token: int, position: int, caches):
     """One more token of the same sequence, through the batched decode path."""
     num_blocks = caches[0][0].shape[0]
     context = position + 1
-    meta = AttentionMetadata(slot_mapping=torch.tensor([position]), block_tables=torch.arange(num_blocks)[None],
-                             query_starts=[0], query_lens=[1], context_lens=[context], block_size=BLOCK_SIZE,
-                             decode_mask=build_decode_mask([context], BLOCK_SIZE, num_blocks, "cpu"))
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor([position]),
+        block_tables=torch.arange(num_blocks)[None],
+        query_starts=[0],
+        query_lens=[1],
+        context_lens=[context],
+        block_size=BLOCK_SIZE,
+        decode_mask=build_decode_mask([context], BLOCK_SIZE, num_blocks, "cpu"),
+    )
     with torch.no_grad():
         hidden = model(torch.tensor([token]), torch.tensor([position]), meta, caches)
         return model.compute_logits(hidden)[0]
@@ -84,8 +97,9 @@ def test_greedy_decoding_matches_hf_generate(tiny_dir):
         step_logits = decode_step(model, generated[-1], len(prompt) + len(generated) - 1, caches)
         generated.append(int(step_logits.argmax()))
     hf = AutoModelForCausalLM.from_pretrained(tiny_dir, dtype=torch.float32).eval()
-    expected = hf.generate(torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
-                           do_sample=False)[0, len(prompt):].tolist()
+    expected = hf.generate(
+        torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False
+    )[0, len(prompt) :].tolist()
     assert generated == expected
     assert len(set(generated)) > 3  # the tiny models must not collapse into repeating one token
 
@@ -104,11 +118,23 @@ def test_bfloat16_load_keeps_logits_in_float32(tiny_dir):
 ROPE_VARIANTS = {
     "linear": {"rope_type": "linear", "factor": 2.0},
     "dynamic": {"rope_type": "dynamic", "factor": 2.0},
-    "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 64},
+    "llama3": {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    },
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64},
-    "yarn_mscale": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 0.8,
-                    "mscale_all_dim": 0.5, "beta_fast": 16, "beta_slow": 2},
+    "yarn_mscale": {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "mscale": 0.8,
+        "mscale_all_dim": 0.5,
+        "beta_fast": 16,
+        "beta_slow": 2,
+    },
 }
 
 
@@ -140,8 +166,16 @@ def test_transformers4_rope_scaling_is_read(llama_dir, tmp_path):
 
 
 def raw_config(**overrides):
-    base = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=100, hidden_size=64,
-                intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    base = dict(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        vocab_size=100,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     return {**base, **overrides}
 
 
@@ -157,23 +191,56 @@ def test_model_config_fields(tiny_dir):
     assert config.head_dim == raw.get("head_dim", raw["hidden_size"] // raw["num_attention_heads"])
     assert config.kv_bytes_per_token(torch.float32) == 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4
     assert config.kv_bytes_per_token(torch.bfloat16) * 2 == config.kv_bytes_per_token(torch.float32)
-    assert (config.vocab_size, config.max_position_embeddings, config.torch_dtype) == (raw["vocab_size"], 4096,
-                                                                                       "float32")
+    assert (config.vocab_size, config.max_position_embeddings, config.torch_dtype) == (
+        raw["vocab_size"],
+        4096,
+        "float32",
+    )
     assert config.eos_token_id == 2 and config.sliding_window is None
     assert config.tie_word_embeddings == raw["tie_word_embeddings"]
 
 
-@pytest.mark.parametrize("overrides, window", [
-    (dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=4096), 4096),
-    (dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=None), None),
-    (dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=True, sliding_window=2048,
-          max_window_layers=0), 2048),
-    (dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=True, sliding_window=2048,
-          max_window_layers=2), None),  # every layer is below max_window_layers: no layer slides
-    (dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=False, sliding_window=2048), None),
-    (dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", use_sliding_window=True, sliding_window=1024,
-          layer_types=["full_attention", "sliding_attention"]), 1024),
-])
+@pytest.mark.parametrize(
+    "overrides, window",
+    [
+        (dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=4096), 4096),
+        (dict(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=None), None),
+        (
+            dict(
+                architectures=["Qwen2ForCausalLM"],
+                model_type="qwen2",
+                use_sliding_window=True,
+                sliding_window=2048,
+                max_window_layers=0,
+            ),
+            2048,
+        ),
+        (
+            dict(
+                architectures=["Qwen2ForCausalLM"],
+                model_type="qwen2",
+                use_sliding_window=True,
+                sliding_window=2048,
+                max_window_layers=2,
+            ),
+            None,
+        ),  # every layer is below max_window_layers: no layer slides
+        (
+            dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=False, sliding_window=2048),
+            None,
+        ),
+        (
+            dict(
+                architectures=["Qwen3ForCausalLM"],
+                model_type="qwen3",
+                use_sliding_window=True,
+                sliding_window=1024,
+                layer_types=["full_attention", "sliding_attention"],
+            ),
+            1024,
+        ),
+    ],
+)
 def test_sliding_window_recorded_only_when_in_use(overrides, window):
     assert ModelConfig.from_dict(raw_config(**overrides)).sliding_window == window
 
@@ -213,12 +280,13 @@ def test_llama_biases_match_hf(llama_dir, tmp_path):
 def test_smollm2_logits_match_hf_and_it_knows_paris(smollm2_dir):
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
-    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                           return_dict=True)["input_ids"]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=True)[
+        "input_ids"
+    ]
     hf = AutoModelForCausalLM.from_pretrained(smollm2_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         expected = hf(torch.tensor([prompt])).logits[0]
-        answer = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt):].tolist()
+        answer = hf.generate(torch.tensor([prompt]), max_new_tokens=12, do_sample=False)[0, len(prompt) :].tolist()
     assert "Paris" in tokenizer.decode(answer, skip_special_tokens=True)
 
     model, config = load_model(smollm2_dir, torch.float32, "cpu")

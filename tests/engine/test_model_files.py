@@ -1,4 +1,5 @@
 """Model folders: the tiny random models, the SmolLM2 conversion, and the loader's errors on broken folders."""
+
 import json
 import shutil
 
@@ -7,12 +8,18 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tritonllm.engine.embedded.loader import ModelLoadError, load_model, read_model_config
 from tritonllm.checkpoints.tiny import ARCHITECTURES, EOS_TOKEN_ID, PAD_TOKEN_ID, build_tiny_model, corpus_text
+from tritonllm.engine.embedded.loader import ModelLoadError, load_model, read_model_config
 
 MULTI_BYTE_TEXT = "Renée's crème brûlée, Ångström, 北京, 你好 🌊😊 — <|im_end|> 48,213"
-TINY_FILES = {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-              "special_tokens_map.json"}
+TINY_FILES = {
+    "config.json",
+    "model.safetensors",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+}
 
 
 @pytest.fixture(scope="module")
@@ -25,6 +32,7 @@ def broken_copy(source, tmp_path, name="broken"):
 
 
 # ---- tiny models ----
+
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_tiny_model_is_byte_identical_for_a_seed(arch, tmp_path):
@@ -90,8 +98,9 @@ def test_chat_template_renders_chatml(tiny_llama):
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Où est la gare ?"}]
     text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    assert text == ("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nOù est la gare ?<|im_end|>\n"
-                    "<|im_start|>assistant\n")
+    assert text == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nOù est la gare ?<|im_end|>\n<|im_start|>assistant\n"
+    )
     ids = tokenizer(text)["input_ids"]
     assert ids.count(1) == 3 and ids.count(EOS_TOKEN_ID) == 2  # special tokens are single ids
 
@@ -102,6 +111,7 @@ def test_unknown_tiny_architecture_is_rejected(tmp_path):
 
 
 # ---- loader ----
+
 
 def test_loader_reads_sharded_checkpoints(tiny_llama, tmp_path):
     model_dir = broken_copy(tiny_llama, tmp_path, "sharded")
@@ -209,6 +219,7 @@ def test_unexpected_tensor_is_named(tiny_llama, tmp_path):
 
 
 # ---- SmolLM2 ----
+
 
 @pytest.mark.slow
 def test_smollm2_folder_is_complete_and_portable(smollm2_dir):

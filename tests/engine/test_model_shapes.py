@@ -1,5 +1,6 @@
 """Weightless model folders (`tritonllm model shape`) and the loader's `load_format="dummy"`: the published shapes
 are read alike by the engine and transformers, and dummy weights are complete, tame and the same on every load."""
+
 import json
 import math
 
@@ -8,19 +9,24 @@ import torch
 from tokenizers import Tokenizer
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+from tritonllm.checkpoints.shapes import SHAPE_NAMES, SHAPES, write_model_shape, write_shape_folder
+from tritonllm.checkpoints.tiny import ARCHITECTURES, build_tiny_model, tiny_config, trained_tokenizer_json
 from tritonllm.commands.main import main
 from tritonllm.engine.config import EngineConfig
 from tritonllm.engine.embedded.engine import EmbeddedEngine
 from tritonllm.engine.embedded.loader import DUMMY_STD, ModelLoadError, load_model, read_model_config
 from tritonllm.engine.embedded.network.layers import RMSNorm
 from tritonllm.engine.types import SamplingParams
-from tritonllm.checkpoints.shapes import SHAPE_NAMES, SHAPES, write_model_shape, write_shape_folder
-from tritonllm.checkpoints.tiny import ARCHITECTURES, build_tiny_model, tiny_config, trained_tokenizer_json
 
 SHAPE_FILES = {"config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"}
 # Parameter counts of the released models, in millions (embeddings included, a tied head counted once).
-RELEASED_MILLIONS = {"smollm2-135m": 134.5, "qwen2.5-0.5b": 494.0, "qwen3-0.6b": 596.0, "llama-3.2-1b": 1235.8,
-                     "llama-3.1-8b": 8030.3}
+RELEASED_MILLIONS = {
+    "smollm2-135m": 134.5,
+    "qwen2.5-0.5b": 494.0,
+    "qwen3-0.6b": 596.0,
+    "llama-3.2-1b": 1235.8,
+    "llama-3.1-8b": 8030.3,
+}
 
 
 def tiny_vocab() -> int:
@@ -33,6 +39,7 @@ def weightless_tiny(tmp_path, arch="llama", **changes):
 
 # ---- shapes ----
 
+
 @pytest.mark.parametrize("name", SHAPE_NAMES)
 def test_each_shape_is_a_weightless_folder_the_engine_reads(name, tmp_path):
     folder = write_model_shape(name, tmp_path / name)
@@ -40,7 +47,10 @@ def test_each_shape_is_a_weightless_folder_the_engine_reads(name, tmp_path):
     config = read_model_config(folder)
     published = SHAPES[name]
     assert (config.num_layers, config.hidden_size, config.vocab_size) == (
-        published["num_hidden_layers"], published["hidden_size"], published["vocab_size"])
+        published["num_hidden_layers"],
+        published["hidden_size"],
+        published["vocab_size"],
+    )
     assert config.head_dim == published.get("head_dim", published["hidden_size"] // published["num_attention_heads"])
     assert config.qkv_bias == (published["model_type"] == "qwen2")
     assert config.qk_norm == (published["model_type"] == "qwen3")
@@ -78,6 +88,7 @@ def test_each_shape_loads_with_dummy_weights(name, tmp_path):
 
 # ---- dummy weights ----
 
+
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_dummy_load_is_complete_tame_and_the_same_every_time(arch, tmp_path):
     folder = weightless_tiny(tmp_path, arch)
@@ -109,13 +120,23 @@ def test_dummy_load_ignores_weight_files_and_auto_still_needs_them(tmp_path):
 def test_engine_generates_from_a_deep_dummy_model_in_bfloat16(tmp_path):
     # 32 layers in bf16: dummy weights must keep activations finite (a NaN or inf shows in the log-probabilities).
     folder = weightless_tiny(tmp_path, "qwen3", num_hidden_layers=32, hidden_size=256, intermediate_size=768)
-    engine = EmbeddedEngine(EngineConfig.from_dict({
-        "model": str(folder), "dtype": "bfloat16", "device": "cpu", "load_format": "dummy", "max_seq_len": 128,
-        "kv_cache_config": {"max_tokens": 512}}))
+    engine = EmbeddedEngine(
+        EngineConfig.from_dict(
+            {
+                "model": str(folder),
+                "dtype": "bfloat16",
+                "device": "cpu",
+                "load_format": "dummy",
+                "max_seq_len": 128,
+                "kv_cache_config": {"max_tokens": 512},
+            }
+        )
+    )
     try:
-        outputs = [engine.generate_async(list(range(3, 3 + n)), SamplingParams(max_tokens=5, ignore_eos=True,
-                                                                               logprobs=True))
-                   for n in (4, 20)]
+        outputs = [
+            engine.generate_async(list(range(3, 3 + n)), SamplingParams(max_tokens=5, ignore_eos=True, logprobs=True))
+            for n in (4, 20)
+        ]
         for output in (handle.result().outputs[0] for handle in outputs):
             assert len(output.token_ids) == 5
             assert all(math.isfinite(value) for value in output.logprobs)

@@ -4,13 +4,18 @@ sequence that ended in the last step computes one token too many, which is dropp
 overlap (nothing to gain); these tests switch it on there, so the pipelining logic runs in CI. Random traffic
 (arrivals mid-flight, streaming, aborts, refused requests, stop words, sampled requests, beams, which make steps
 wait for their tokens) keeps every greedy answer and frees every block, eagerly and in CUDA graphs."""
+
 import pytest
 
 from tritonllm.engine.config import EngineConfig
 from tritonllm.engine.embedded import engine_core
 
-from ..spec_decode.test_engine_spec import SETTINGS, assert_all_blocks_free, make_engine
-from ..spec_decode.test_engine_spec import model_dir  # noqa: F401 (fixture)
+from ..spec_decode.test_engine_spec import (
+    SETTINGS,
+    assert_all_blocks_free,
+    make_engine,
+    model_dir,  # noqa: F401 (fixture)
+)
 from ..traffic import mismatches, preemptions, random_traffic, send
 
 VOCAB = 400
@@ -28,15 +33,25 @@ def solo(model_dir):  # noqa: F811
     engine.shutdown()
 
 
-@pytest.mark.parametrize("setting, seed, graphs", [("preempting", 31, False), ("chunked_reuse", 32, False),
-                                                   ("plain", 33, True), ("preempting", 34, True)])
-def test_overlapped_traffic_keeps_every_greedy_answer(model_dir, solo, overlap_on_cpu, request,  # noqa: F811
-                                                     setting, seed, graphs):
+@pytest.mark.parametrize(
+    "setting, seed, graphs",
+    [("preempting", 31, False), ("chunked_reuse", 32, False), ("plain", 33, True), ("preempting", 34, True)],
+)
+def test_overlapped_traffic_keeps_every_greedy_answer(
+    model_dir,
+    solo,
+    overlap_on_cpu,
+    request,  # noqa: F811
+    setting,
+    seed,
+    graphs,
+):
     if graphs:
         request.getfixturevalue("graphs_on_this_device")
     traffic = random_traffic(seed, count=40, vocab=VOCAB, beams=True)
-    engine = make_engine(model_dir, max_beam_width=2, **SETTINGS[setting],
-                         **({} if graphs else {"cuda_graph_config": None}))
+    engine = make_engine(
+        model_dir, max_beam_width=2, **SETTINGS[setting], **({} if graphs else {"cuda_graph_config": None})
+    )
     try:
         results = send(engine, traffic)
         assert_all_blocks_free(engine)
@@ -51,8 +66,10 @@ def test_overlapped_traffic_keeps_every_greedy_answer(model_dir, solo, overlap_o
 
 
 def test_overlap_is_on_for_cuda_only_and_the_switch_turns_it_off():
-    on, off = EngineConfig.from_dict({"model": "m"}), EngineConfig.from_dict({"model": "m",
-                                                                             "disable_overlap_scheduler": True})
+    on, off = (
+        EngineConfig.from_dict({"model": "m"}),
+        EngineConfig.from_dict({"model": "m", "disable_overlap_scheduler": True}),
+    )
     import torch
 
     assert engine_core.overlap_wanted(on, torch.device("cuda"))

@@ -1,19 +1,22 @@
 """Chunked prefill and KV prefix reuse change how prompts are computed, never what comes out."""
+
 import itertools
 
 import pytest
 from transformers import AutoTokenizer
 
+from tritonllm.checkpoints.tiny import build_tiny_model
 from tritonllm.engine.config import EngineConfig
 from tritonllm.engine.embedded.block_manager import BlockManager
 from tritonllm.engine.embedded.engine import EmbeddedEngine
 from tritonllm.engine.embedded.sequence import Sequence
 from tritonllm.engine.types import SamplingParams
-from tritonllm.checkpoints.tiny import build_tiny_model
 
 BLOCK = 4
-SYSTEM = ("You are a careful assistant. Answer briefly, cite the text you were given, and never invent facts "
-          "that the text does not hold. ")
+SYSTEM = (
+    "You are a careful assistant. Answer briefly, cite the text you were given, and never invent facts "
+    "that the text does not hold. "
+)
 QUESTIONS = ["What is the capital?", "Name two rivers.", "Who wrote the letter?", "When did it rain last?"]
 
 
@@ -26,11 +29,20 @@ def tiny(tmp_path_factory):
 
 
 def make_engine(model_dir, chunked: bool, reuse: bool, kv_tokens: int = 4096, policy="GUARANTEED_NO_EVICT"):
-    return EmbeddedEngine(EngineConfig.from_dict({
-        "model": str(model_dir), "dtype": "float32", "device": "cpu", "max_batch_size": 8,
-        "max_num_tokens": 16 if chunked else 512, "enable_chunked_prefill": chunked,
-        "scheduler_config": {"capacity_scheduler_policy": policy},
-        "kv_cache_config": {"tokens_per_block": BLOCK, "max_tokens": kv_tokens, "enable_block_reuse": reuse}}))
+    return EmbeddedEngine(
+        EngineConfig.from_dict(
+            {
+                "model": str(model_dir),
+                "dtype": "float32",
+                "device": "cpu",
+                "max_batch_size": 8,
+                "max_num_tokens": 16 if chunked else 512,
+                "enable_chunked_prefill": chunked,
+                "scheduler_config": {"capacity_scheduler_policy": policy},
+                "kv_cache_config": {"tokens_per_block": BLOCK, "max_tokens": kv_tokens, "enable_block_reuse": reuse},
+            }
+        )
+    )
 
 
 def greedy(tokenizer, max_tokens=16):

@@ -1,5 +1,6 @@
 """The sampler's batched draw: unseeded rows drawn together on the logits' device follow softmax(logits / T) cut
 by each row's own top-k / top-p; greedy and seeded rows in the same batch keep their own rules."""
+
 import math
 
 import torch
@@ -14,8 +15,17 @@ ROWS = 4000
 
 def _seqs(count: int, **params) -> list[Sequence]:
     seed = params.get("seed")
-    return [Sequence(i, i, 0, [1], SamplingParams(max_tokens=4, **params),
-                     generator=None if seed is None else torch.Generator().manual_seed(seed)) for i in range(count)]
+    return [
+        Sequence(
+            i,
+            i,
+            0,
+            [1],
+            SamplingParams(max_tokens=4, **params),
+            generator=None if seed is None else torch.Generator().manual_seed(seed),
+        )
+        for i in range(count)
+    ]
 
 
 def _frequencies(tokens: list[int]) -> list[float]:
@@ -46,7 +56,7 @@ def test_top_k_and_top_p_cut_each_row_by_its_own_setting():
     torch.manual_seed(2)
     seqs = _seqs(ROWS // 2, temperature=1.0, top_k=2) + _seqs(ROWS // 2, temperature=1.0, top_p=0.5)
     tokens, _ = sample(_logits(ROWS), seqs)
-    top_k, top_p = tokens[:ROWS // 2], tokens[ROWS // 2:]
+    top_k, top_p = tokens[: ROWS // 2], tokens[ROWS // 2 :]
     assert set(top_k) == {0, 1} and abs(_frequencies(top_k)[0] - 2 / 3) < 0.04
     assert set(top_p) == {0}
 

@@ -1,4 +1,5 @@
 """Block manager and scheduler logic, without a model."""
+
 import pytest
 
 from tritonllm.engine.embedded.block_manager import BlockManager
@@ -36,8 +37,9 @@ def test_block_manager_grow_and_free_returns_every_block():
 
 def test_prefill_and_decode_share_one_step_budget():
     manager = BlockManager(num_blocks=64, block_size=4)
-    scheduler = Scheduler(manager, max_batch_size=8, max_num_tokens=16, enable_chunked_prefill=False,
-                          guaranteed_no_evict=False)
+    scheduler = Scheduler(
+        manager, max_batch_size=8, max_num_tokens=16, enable_chunked_prefill=False, guaranteed_no_evict=False
+    )
     first = make_seq(0, 10)
     scheduler.add(first)
     assert run_step(scheduler).num_new_tokens == [10]
@@ -70,8 +72,9 @@ def test_chunked_prefill_splits_a_long_prompt():
 
 def test_max_batch_size_limits_running_sequences():
     manager = BlockManager(num_blocks=64, block_size=4)
-    scheduler = Scheduler(manager, max_batch_size=2, max_num_tokens=100, enable_chunked_prefill=False,
-                          guaranteed_no_evict=False)
+    scheduler = Scheduler(
+        manager, max_batch_size=2, max_num_tokens=100, enable_chunked_prefill=False, guaranteed_no_evict=False
+    )
     seqs = [make_seq(i, 3) for i in range(3)]
     for seq in seqs:
         scheduler.add(seq)
@@ -121,16 +124,20 @@ def test_remove_frees_blocks_of_waiting_and_running(chunked):
 
 
 def make_prioritised(seq_id, priority, prompt_len=4):
-    return Sequence(seq_id, seq_id, 0, list(range(1, prompt_len + 1)),
-                    SamplingParams(max_tokens=2, priority=priority))
+    return Sequence(seq_id, seq_id, 0, list(range(1, prompt_len + 1)), SamplingParams(max_tokens=2, priority=priority))
 
 
 def test_waiting_requests_are_admitted_by_priority_then_arrival():
     manager = BlockManager(num_blocks=64, block_size=4)
-    scheduler = Scheduler(manager, max_batch_size=1, max_num_tokens=64, enable_chunked_prefill=False,
-                          guaranteed_no_evict=False)
-    low, default, high, default_later = (make_prioritised(0, 0.1), make_prioritised(1, None),
-                                         make_prioritised(2, 0.9), make_prioritised(3, 0.5))
+    scheduler = Scheduler(
+        manager, max_batch_size=1, max_num_tokens=64, enable_chunked_prefill=False, guaranteed_no_evict=False
+    )
+    low, default, high, default_later = (
+        make_prioritised(0, 0.1),
+        make_prioritised(1, None),
+        make_prioritised(2, 0.9),
+        make_prioritised(3, 0.5),
+    )
     for seq in (low, default, high, default_later):
         scheduler.add(seq)
     order = []
@@ -142,8 +149,9 @@ def test_waiting_requests_are_admitted_by_priority_then_arrival():
 
 def test_preemption_takes_the_lowest_priority_first():
     manager = BlockManager(num_blocks=4, block_size=4)
-    scheduler = Scheduler(manager, max_batch_size=8, max_num_tokens=64, enable_chunked_prefill=False,
-                          guaranteed_no_evict=False)
+    scheduler = Scheduler(
+        manager, max_batch_size=8, max_num_tokens=64, enable_chunked_prefill=False, guaranteed_no_evict=False
+    )
     low, high = make_prioritised(0, 0.2, prompt_len=8), make_prioritised(1, 0.8, prompt_len=8)
     scheduler.add(high)
     scheduler.add(low)
@@ -158,8 +166,13 @@ def decoding_with_drafts(num_seqs, draft_len, max_num_tokens, window=()):
     from tritonllm.engine.embedded.speculation.methods import StepDraft
     from tritonllm.spec_decode.tree import DraftTree
 
-    scheduler = Scheduler(BlockManager(num_blocks=64, block_size=4), max_batch_size=8, max_num_tokens=max_num_tokens,
-                          enable_chunked_prefill=False, guaranteed_no_evict=False)
+    scheduler = Scheduler(
+        BlockManager(num_blocks=64, block_size=4),
+        max_batch_size=8,
+        max_num_tokens=max_num_tokens,
+        enable_chunked_prefill=False,
+        guaranteed_no_evict=False,
+    )
     seqs = [make_seq(i, 2, max_tokens=16) for i in range(num_seqs)]
     for seq in seqs:
         scheduler.add(seq)

@@ -3,6 +3,7 @@ chunks over a cached prefix, decode rows, draft trees, GQA and MHA, odd head and
 tables. The kernels' caches hold NaN / Inf in every slot no query may see (the reference's hold finite garbage
 there), so reading one is an error. On CPU the kernels run in Triton's interpreter; on CUDA compiled, with a few
 larger cases and CUDA-graph capture on top."""
+
 import os
 import sys
 
@@ -22,9 +23,11 @@ if not CUDA:
     from triton.runtime.interpreter import InterpretedFunction
 
     if not isinstance(tk._prefill_kernel, InterpretedFunction):
-        pytest.skip(f"no CUDA, and the Triton kernels were compiled without TRITON_INTERPRET=1 (triton imported "
-                    f"first: {'triton' in sys.modules}); set TRITON_INTERPRET=1 before triton is imported",
-                    allow_module_level=True)
+        pytest.skip(
+            f"no CUDA, and the Triton kernels were compiled without TRITON_INTERPRET=1 (triton imported "
+            f"first: {'triton' in sys.modules}); set TRITON_INTERPRET=1 before triton is imported",
+            allow_module_level=True,
+        )
 
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 SCALE = 0.37
@@ -38,8 +41,7 @@ class Step:
     `caches` are the kernels' (NaN / Inf in every slot outside a context), `ref_caches` the reference's (finite
     there); both equal everywhere else. New K/V are written into `caches` here; the reference writes its own."""
 
-    def __init__(self, seed, q_lens, ctx_lens, heads, kv_heads, head_dim, block_size, dtype, first_row=0,
-                 tails=None):
+    def __init__(self, seed, q_lens, ctx_lens, heads, kv_heads, head_dim, block_size, dtype, first_row=0, tails=None):
         self.gen = torch.Generator().manual_seed(seed)
         self.q_lens, self.ctx_lens, self.block_size, self.first_row = q_lens, ctx_lens, block_size, first_row
         self.tails = tails or [None] * len(q_lens)
@@ -47,9 +49,10 @@ class Step:
         counts = [blocks_for(c, block_size) for c in ctx_lens]
         num_blocks = sum(counts) + 3
         order = torch.randperm(num_blocks, generator=self.gen).tolist()
-        self.tables = [order[sum(counts[:i]):sum(counts[:i + 1])] for i in range(len(counts))]
-        self.slots = [self.slot(s, p) for s, (q_len, ctx) in enumerate(zip(q_lens, ctx_lens))
-                      for p in range(ctx - q_len, ctx)]
+        self.tables = [order[sum(counts[:i]) : sum(counts[: i + 1])] for i in range(len(counts))]
+        self.slots = [
+            self.slot(s, p) for s, (q_len, ctx) in enumerate(zip(q_lens, ctx_lens)) for p in range(ctx - q_len, ctx)
+        ]
         hidden = torch.ones(num_blocks * block_size, dtype=torch.bool)
         hidden[[self.slot(s, p) for s, ctx in enumerate(ctx_lens) for p in range(ctx)]] = False
         shape = (num_blocks, block_size, kv_heads, head_dim)
@@ -66,8 +69,17 @@ class Step:
         return torch.randn(shape, generator=self.gen).to(dtype).to(DEVICE)
 
     def reference(self) -> torch.Tensor:
-        meta = step_metadata(self.slots, self.tables, self.starts, self.q_lens, self.ctx_lens, self.block_size,
-                             self.tails, DEVICE, self.q.dtype)
+        meta = step_metadata(
+            self.slots,
+            self.tables,
+            self.starts,
+            self.q_lens,
+            self.ctx_lens,
+            self.block_size,
+            self.tails,
+            DEVICE,
+            self.q.dtype,
+        )
         return portable_attention(self.q, self.k, self.v, *self.ref_caches, meta, SCALE)
 
     def int_tensor(self, values):
@@ -91,21 +103,31 @@ class Step:
             q[self.placement(starts)] = self.q
         tiles = tk.prefill_tiles(self.q_lens, heads, kv_heads, tokens_per_seq)
         out = torch.full_like(q, float("nan"))
-        tk.prefill_attention(q, *self.caches, self.block_tables(), self.int_tensor(starts),
-                             self.int_tensor(self.q_lens), self.int_tensor(self.ctx_lens), SCALE,
-                             tuple(torch.from_numpy(t).to(DEVICE) for t in tiles), tree=tree, out=out)
+        tk.prefill_attention(
+            q,
+            *self.caches,
+            self.block_tables(),
+            self.int_tensor(starts),
+            self.int_tensor(self.q_lens),
+            self.int_tensor(self.ctx_lens),
+            SCALE,
+            tuple(torch.from_numpy(t).to(DEVICE) for t in tiles),
+            tree=tree,
+            out=out,
+        )
         return out, starts
 
     def placement(self, starts):
-        return torch.tensor([start + i for start, q_len in zip(starts, self.q_lens) for i in range(q_len)],
-                            device=DEVICE)
+        return torch.tensor(
+            [start + i for start, q_len in zip(starts, self.q_lens) for i in range(q_len)], device=DEVICE
+        )
 
 
 def _poisoned(cache, hidden):
     """A copy of `cache` with NaN, Inf and -Inf in the slots where `hidden` (over flat slots) is set."""
     flat = cache.clone().flatten(0, 1)
     poison = torch.tensor([float("nan"), float("inf"), float("-inf")], device=cache.device).repeat(len(hidden))
-    flat[hidden.to(cache.device)] = poison[:len(hidden)][hidden.to(cache.device), None, None].to(cache.dtype)
+    flat[hidden.to(cache.device)] = poison[: len(hidden)][hidden.to(cache.device), None, None].to(cache.dtype)
     return flat.view(cache.shape)
 
 
@@ -131,8 +153,15 @@ def random_mask(gen, size):
 PREFILL_CASES = {  # name: (q_lens, ctx_lens, heads, kv_heads, head_dim, block_size, dtype)
     "one whole prompt": ([37], [37], 4, 2, 16, 16, torch.float32),
     "chunk over a cached prefix, MHA": ([20], [70], 4, 4, 24, 4, torch.float32),
-    "prompts, chunks, decode rows, prefix-hit suffixes": ([13, 5, 1, 1, 9, 3], [13, 41, 30, 1, 25, 3],
-                                                          4, 2, 24, 4, torch.float32),
+    "prompts, chunks, decode rows, prefix-hit suffixes": (
+        [13, 5, 1, 1, 9, 3],
+        [13, 41, 30, 1, 25, 3],
+        4,
+        2,
+        24,
+        4,
+        torch.float32,
+    ),
     "GQA 14/2, head 64": ([30, 1, 17], [30, 77, 50], 14, 2, 64, 32, torch.float32),
     "GQA 16/8, head 128": ([12, 4], [12, 100], 16, 8, 128, 16, torch.float32),
     "several tiles of queries and keys": ([200, 64], [260, 64], 2, 2, 16, 16, torch.float32),
@@ -153,8 +182,7 @@ def test_prefill_equals_portable(name):
 TREE_CASES = {  # name: (q_lens, ctx_lens, tree sizes (0: none), arbitrary masks, heads, kv_heads, block_size, dtype)
     "tree only": ([5], [40], [5], False, 4, 2, 4, torch.float32),
     "causal queries before the tree": ([9], [30], [4], False, 4, 2, 16, torch.float32),
-    "trees and plain sequences mixed": ([7, 6, 12, 1], [19, 6, 48, 33], [7, 6, 0, 0], False, 4, 2, 4,
-                                        torch.float32),
+    "trees and plain sequences mixed": ([7, 6, 12, 1], [19, 6, 48, 33], [7, 6, 0, 0], False, 4, 2, 4, torch.float32),
     # 16 tokens a tile: tiles cut through the 40-node tree, and key tile 128.. holds tree keys
     "non-causal masks, tiles inside the tree": ([70, 9], [150, 30], [40, 5], True, 16, 2, 16, torch.float32),
     "bf16 trees, GQA 16/8": ([9, 4], [30, 20], [4, 4], False, 16, 8, 16, torch.bfloat16),
@@ -192,38 +220,46 @@ def test_graph_tiles_zero_padding_rows_and_compute_real_ones(heads, kv_heads, ro
 
 def test_int64_metadata_and_strided_queries():
     """Tables, lengths and tiles as int64 (the portable metadata's dtype); q a view into a wider projection."""
+
     def long(values):
         return torch.as_tensor(values, dtype=torch.long, device=DEVICE)
 
     def strided(q):
         wide = torch.zeros(q.shape[0], 2 * q.shape[1], q.shape[2], dtype=q.dtype, device=DEVICE)
-        wide[:, :q.shape[1]] = q
-        return wide[:, :q.shape[1]]
+        wide[:, : q.shape[1]] = q
+        return wide[:, : q.shape[1]]
 
     step = Step(5, [6, 1, 4], [30, 19, 4], 4, 2, 16, 4, torch.float32)
     tiles = tuple(long(t) for t in tk.prefill_tiles(step.q_lens, 4, 2))
-    out = tk.prefill_attention(strided(step.q), *step.caches, step.block_tables().long(), long(step.starts),
-                               long(step.q_lens), long(step.ctx_lens), SCALE, tiles)
+    out = tk.prefill_attention(
+        strided(step.q),
+        *step.caches,
+        step.block_tables().long(),
+        long(step.starts),
+        long(step.q_lens),
+        long(step.ctx_lens),
+        SCALE,
+        tiles,
+    )
     assert_close(out, step.reference())
     step = Step(6, [1, 1], [30, 19], 4, 2, 16, 4, torch.float32)
     tables = step.block_tables(40).long()
-    out = tk.decode_attention(strided(step.q), *step.caches, tables, long(step.ctx_lens), SCALE,
-                              tables.shape[1] * 4)
+    out = tk.decode_attention(strided(step.q), *step.caches, tables, long(step.ctx_lens), SCALE, tables.shape[1] * 4)
     assert_close(out, step.reference())
 
 
-@pytest.mark.parametrize("dtype, kv_heads, head_dim", [(torch.float32, 2, 16), (torch.bfloat16, 3, 24),
-                                                       (torch.bfloat16, 8, 128)])
+@pytest.mark.parametrize(
+    "dtype, kv_heads, head_dim", [(torch.float32, 2, 16), (torch.bfloat16, 3, 24), (torch.bfloat16, 8, 128)]
+)
 def test_store_kv_equals_write_kv(dtype, kv_heads, head_dim):
     """The one-launch store puts exactly what write_kv puts where it puts it, from views of a fused qkv row, and
     nothing anywhere else (padding rows aim at a scratch slot, as in CUDA graphs)."""
     gen = torch.Generator().manual_seed(7)
     tokens, blocks, block_size = 5, 6, 4
     qkv = torch.randn(tokens, 4 + 2 * kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
-    k, v = qkv[:, 4:4 + kv_heads], qkv[:, 4 + kv_heads:]
+    k, v = qkv[:, 4 : 4 + kv_heads], qkv[:, 4 + kv_heads :]
     slots = torch.tensor([3, 17, 4, 22, 23], device=DEVICE)
-    caches = [torch.randn(blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE)
-              for _ in range(2)]
+    caches = [torch.randn(blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype).to(DEVICE) for _ in range(2)]
     expected = [cache.clone() for cache in caches]
     write_kv(k, v, *expected, slots)
     tk.store_kv(k, v, *caches, slots)
@@ -267,8 +303,9 @@ def test_decode_equals_portable(name):
     seq_lens, extra, heads, kv_heads, head_dim, block_size, dtype = DECODE_CASES[name]
     step = Step(len(name), [1] * len(seq_lens), seq_lens, heads, kv_heads, head_dim, block_size, dtype)
     tables = step.block_tables(extra)
-    out = tk.decode_attention(step.q, *step.caches, tables, step.int_tensor(seq_lens), SCALE,
-                              tables.shape[1] * block_size)
+    out = tk.decode_attention(
+        step.q, *step.caches, tables, step.int_tensor(seq_lens), SCALE, tables.shape[1] * block_size
+    )
     assert_close(out, step.reference())
 
 
@@ -276,8 +313,7 @@ def test_decode_equals_portable(name):
 def test_decode_of_a_sequence_without_keys_is_zero(max_seq_len):
     """A CUDA graph's padding sequences have no keys: zeros, not NaN, with one split or many."""
     step = Step(8, [1, 1], [40, 1], 4, 2, 16, 4, torch.float32)
-    out = tk.decode_attention(step.q, *step.caches, step.block_tables(), step.int_tensor([40, 0]), SCALE,
-                              max_seq_len)
+    out = tk.decode_attention(step.q, *step.caches, step.block_tables(), step.int_tensor([40, 0]), SCALE, max_seq_len)
     assert (out[1] == 0).all()
     assert_close(out[:1], step.reference()[:1])
 
@@ -295,14 +331,14 @@ def test_decode_splits_fill_the_gpu_within_bounds():
 # GPU only: sizes of a real model, and CUDA graphs
 # ---------------------------------------------------------------------------------------------------------------
 
+
 @gpu_only
 def test_large_decode_on_gpu():
     gen = torch.Generator().manual_seed(0)
     seq_lens = torch.randint(1500, 2001, (64,), generator=gen).tolist()
     step = Step(0, [1] * 64, seq_lens, 32, 8, 128, 32, torch.bfloat16)
     tables = step.block_tables()
-    out = tk.decode_attention(step.q, *step.caches, tables, step.int_tensor(seq_lens), SCALE,
-                              tables.shape[1] * 32)
+    out = tk.decode_attention(step.q, *step.caches, tables, step.int_tensor(seq_lens), SCALE, tables.shape[1] * 32)
     assert_close(out, step.reference())
 
 
@@ -320,20 +356,24 @@ def test_kernels_replay_in_a_cuda_graph():
     first = Step(1, [1, 4, 2], [100, 300, 50], heads, kv_heads, 64, 16, torch.bfloat16)
     second = Step(2, [3, 1, 4], [260, 20, 90], heads, kv_heads, 64, 16, torch.bfloat16)
     width = max(len(t) for t in first.tables + second.tables)
-    static = dict(q=torch.zeros(3 * rows_per_seq, heads, 64, dtype=torch.bfloat16, device=DEVICE),
-                  tables=torch.zeros(3, width, dtype=torch.int32, device=DEVICE),
-                  q_lens=torch.zeros(3, dtype=torch.int32, device=DEVICE),
-                  seq_lens=torch.zeros(3, dtype=torch.int32, device=DEVICE))
+    static = dict(
+        q=torch.zeros(3 * rows_per_seq, heads, 64, dtype=torch.bfloat16, device=DEVICE),
+        tables=torch.zeros(3, width, dtype=torch.int32, device=DEVICE),
+        q_lens=torch.zeros(3, dtype=torch.int32, device=DEVICE),
+        seq_lens=torch.zeros(3, dtype=torch.int32, device=DEVICE),
+    )
     caches = [torch.cat([a, b]) for a, b in zip(first.caches, second.caches)]
     offset = first.caches[0].shape[0]
     starts = torch.arange(0, 3 * rows_per_seq, rows_per_seq, dtype=torch.int32, device=DEVICE)
     tiles = tuple(torch.from_numpy(t).to(DEVICE) for t in tk.prefill_tiles([0] * 3, heads, kv_heads, rows_per_seq))
 
     def forward():
-        prefill = tk.prefill_attention(static["q"], *caches, static["tables"], starts, static["q_lens"],
-                                       static["seq_lens"], SCALE, tiles)
-        decode = tk.decode_attention(static["q"][::rows_per_seq], *caches, static["tables"], static["seq_lens"],
-                                     SCALE, width * 16)
+        prefill = tk.prefill_attention(
+            static["q"], *caches, static["tables"], starts, static["q_lens"], static["seq_lens"], SCALE, tiles
+        )
+        decode = tk.decode_attention(
+            static["q"][::rows_per_seq], *caches, static["tables"], static["seq_lens"], SCALE, width * 16
+        )
         return prefill, decode
 
     def load(step, block_offset):
@@ -341,7 +381,7 @@ def test_kernels_replay_in_a_cuda_graph():
         static["q"][step.placement(starts.tolist())] = step.q
         static["tables"].zero_()
         for i, table in enumerate(step.tables):
-            static["tables"][i, :len(table)] = torch.tensor(table, device=DEVICE) + block_offset
+            static["tables"][i, : len(table)] = torch.tensor(table, device=DEVICE) + block_offset
         static["q_lens"].copy_(step.int_tensor(step.q_lens))
         static["seq_lens"].copy_(step.int_tensor(step.ctx_lens))
 

@@ -1,6 +1,7 @@
 """The TensorRT-LLM adapter against a recording stand-in of the LLM API (tests/engine/fake_tensorrt_llm.py):
 what LLM() and SamplingParams are built with, how outputs come back (streaming deltas, finals, callbacks, abort),
 stats, shutdown, and engine selection. The real library is never imported here."""
+
 from __future__ import annotations
 
 import asyncio
@@ -14,9 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tritonllm.engine import create_engine
+from tritonllm.engine import create_engine, trtllm_args, trtllm_outputs
 from tritonllm.engine import trtllm as adapter
-from tritonllm.engine import trtllm_args, trtllm_outputs
 from tritonllm.engine.config import ConfigError, EngineConfig
 from tritonllm.engine.seam import EngineError
 from tritonllm.engine.types import InvalidRequestError, SamplingParams
@@ -63,32 +63,63 @@ def params(**overrides) -> SamplingParams:
 
 # -- LLM() arguments ------------------------------------------------------------------------------------------
 
+
 def test_llm_kwargs_maps_every_engine_setting(fake):
-    config = EngineConfig.from_dict({
-        "model": "org/llama", "tokenizer": "org/llama-tokenizer", "engine": "tensorrt_llm", "device": "cuda",
-        "dtype": "bfloat16", "max_batch_size": 16, "max_num_tokens": 4096, "max_seq_len": 2048,
-        "max_beam_width": 2, "enable_chunked_prefill": True, "tensor_parallel_size": 2, "pipeline_parallel_size": 1,
-        "backend": "pytorch", "normalize_log_probs": False,
-        "kv_cache_config": {"enable_block_reuse": False, "tokens_per_block": 64, "max_tokens": 100000,
-                            "free_gpu_memory_fraction": 0.5},
-        "scheduler_config": {"capacity_scheduler_policy": "MAX_UTILIZATION"},
-        # keys EngineConfig does not know go through unchanged
-        "enable_iter_perf_stats": True, "cuda_graph_config": {"batch_sizes": [1, 2, 4]},
-    })
+    config = EngineConfig.from_dict(
+        {
+            "model": "org/llama",
+            "tokenizer": "org/llama-tokenizer",
+            "engine": "tensorrt_llm",
+            "device": "cuda",
+            "dtype": "bfloat16",
+            "max_batch_size": 16,
+            "max_num_tokens": 4096,
+            "max_seq_len": 2048,
+            "max_beam_width": 2,
+            "enable_chunked_prefill": True,
+            "tensor_parallel_size": 2,
+            "pipeline_parallel_size": 1,
+            "backend": "pytorch",
+            "normalize_log_probs": False,
+            "kv_cache_config": {
+                "enable_block_reuse": False,
+                "tokens_per_block": 64,
+                "max_tokens": 100000,
+                "free_gpu_memory_fraction": 0.5,
+            },
+            "scheduler_config": {"capacity_scheduler_policy": "MAX_UTILIZATION"},
+            # keys EngineConfig does not know go through unchanged
+            "enable_iter_perf_stats": True,
+            "cuda_graph_config": {"batch_sizes": [1, 2, 4]},
+        }
+    )
     engine = adapter.TensorRTLLMEngine(config)
     try:
         llm = engine.llm
         kwargs = llm.called_with
         kv, scheduler = kwargs.pop("kv_cache_config"), kwargs.pop("scheduler_config")
         assert kwargs == {
-            "model": "org/llama", "tokenizer": "org/llama-tokenizer", "dtype": "bfloat16",
-            "max_batch_size": 16, "max_num_tokens": 4096, "max_seq_len": 2048, "max_beam_width": 2,
-            "enable_chunked_prefill": True, "tensor_parallel_size": 2, "pipeline_parallel_size": 1,
-            "backend": "pytorch", "enable_iter_perf_stats": True, "cuda_graph_config": {"batch_sizes": [1, 2, 4]},
+            "model": "org/llama",
+            "tokenizer": "org/llama-tokenizer",
+            "dtype": "bfloat16",
+            "max_batch_size": 16,
+            "max_num_tokens": 4096,
+            "max_seq_len": 2048,
+            "max_beam_width": 2,
+            "enable_chunked_prefill": True,
+            "tensor_parallel_size": 2,
+            "pipeline_parallel_size": 1,
+            "backend": "pytorch",
+            "enable_iter_perf_stats": True,
+            "cuda_graph_config": {"batch_sizes": [1, 2, 4]},
         }
         assert isinstance(kv, fake.KvCacheConfig)
-        assert kv.called_with == {"enable_block_reuse": False, "tokens_per_block": 64, "max_tokens": 100000,
-                                  "free_gpu_memory_fraction": 0.5}
+        assert kv.called_with == {
+            "enable_block_reuse": False,
+            "tokens_per_block": 64,
+            "max_tokens": 100000,
+            "free_gpu_memory_fraction": 0.5,
+        }
         assert isinstance(scheduler, fake.SchedulerConfig)
         assert scheduler.called_with == {"capacity_scheduler_policy": fake.CapacitySchedulerPolicy.MAX_UTILIZATION}
     finally:
@@ -97,29 +128,53 @@ def test_llm_kwargs_maps_every_engine_setting(fake):
 
 def test_llm_kwargs_leaves_unset_settings_to_the_library(fake):
     kwargs = trtllm_args.llm_kwargs(EngineConfig(model="m", engine="tensorrt_llm"), fake)
-    assert set(kwargs) == {"model", "dtype", "tensor_parallel_size", "pipeline_parallel_size", "max_batch_size",
-                           "max_num_tokens", "max_beam_width", "enable_chunked_prefill", "kv_cache_config",
-                           "scheduler_config"}
+    assert set(kwargs) == {
+        "model",
+        "dtype",
+        "tensor_parallel_size",
+        "pipeline_parallel_size",
+        "max_batch_size",
+        "max_num_tokens",
+        "max_beam_width",
+        "enable_chunked_prefill",
+        "kv_cache_config",
+        "scheduler_config",
+    }
     assert kwargs["scheduler_config"].capacity_scheduler_policy is fake.CapacitySchedulerPolicy.GUARANTEED_NO_EVICT
-    assert kwargs["kv_cache_config"].called_with == {"enable_block_reuse": True, "tokens_per_block": 32,
-                                                     "max_tokens": None, "free_gpu_memory_fraction": 0.9}
+    assert kwargs["kv_cache_config"].called_with == {
+        "enable_block_reuse": True,
+        "tokens_per_block": 32,
+        "max_tokens": None,
+        "free_gpu_memory_fraction": 0.9,
+    }
 
 
 def test_llm_kwargs_passes_lora_and_speculative_settings(fake):
-    config = EngineConfig(model="m", enable_lora=True, lora_config={"lora_dir": ["a"]},
-                          speculative_config={"decoding_type": "NGram", "max_draft_len": 4})
+    config = EngineConfig(
+        model="m",
+        enable_lora=True,
+        lora_config={"lora_dir": ["a"]},
+        speculative_config={"decoding_type": "NGram", "max_draft_len": 4},
+    )
     kwargs = trtllm_args.llm_kwargs(config, fake)
     assert kwargs["enable_lora"] is True
     assert kwargs["lora_config"] == {"lora_dir": ["a"]}
     assert kwargs["speculative_config"] == {"decoding_type": "NGram", "max_draft_len": 4}
 
 
-@pytest.mark.parametrize("spec, message", [
-    ({"decoding_type": "Medusa", "speculative_model_dir": "/heads", "min_path_probability": 0.1},
-     "speculative_config.min_path_probability is an extension of the embedded engine"),
-    ({"decoding_type": "Eagle", "speculative_model_dir": "builtin:smollm2"},
-     "speculative_model_dir=builtin:smollm2: the drafters shipped with tritonllm"),
-])
+@pytest.mark.parametrize(
+    "spec, message",
+    [
+        (
+            {"decoding_type": "Medusa", "speculative_model_dir": "/heads", "min_path_probability": 0.1},
+            "speculative_config.min_path_probability is an extension of the embedded engine",
+        ),
+        (
+            {"decoding_type": "Eagle", "speculative_model_dir": "builtin:smollm2"},
+            "speculative_model_dir=builtin:smollm2: the drafters shipped with tritonllm",
+        ),
+    ],
+)
 def test_embedded_only_speculative_settings_are_refused_naming_the_key(fake, spec, message):
     with pytest.raises(ConfigError, match=message):
         trtllm_args.llm_kwargs(EngineConfig(model="m", speculative_config=spec), fake)
@@ -140,20 +195,57 @@ def test_an_unknown_extra_key_reaches_the_library_which_refuses_it(fake):
 
 # -- SamplingParams -------------------------------------------------------------------------------------------
 
+
 def test_sampling_params_maps_every_field(fake):
     ours = SamplingParams(
-        max_tokens=20, end_id=2, pad_id=0, n=2, temperature=0.7, top_k=40, top_p=0.9, seed=1234, min_tokens=3,
-        repetition_penalty=1.1, presence_penalty=0.2, frequency_penalty=0.3, stop_token_ids=[7, 8],
-        stop_words=[[11, 12], [13]], bad_words=[[21], [22, 23, 24]], embedding_bias=[0.0, -1.5, 2.0],
-        logprobs=True, ignore_eos=True, length_penalty=0.8, early_stopping=1, return_perf_metrics=True)
+        max_tokens=20,
+        end_id=2,
+        pad_id=0,
+        n=2,
+        temperature=0.7,
+        top_k=40,
+        top_p=0.9,
+        seed=1234,
+        min_tokens=3,
+        repetition_penalty=1.1,
+        presence_penalty=0.2,
+        frequency_penalty=0.3,
+        stop_token_ids=[7, 8],
+        stop_words=[[11, 12], [13]],
+        bad_words=[[21], [22, 23, 24]],
+        embedding_bias=[0.0, -1.5, 2.0],
+        logprobs=True,
+        ignore_eos=True,
+        length_penalty=0.8,
+        early_stopping=1,
+        return_perf_metrics=True,
+    )
     theirs = trtllm_args.trtllm_sampling_params(ours, fake)
     assert isinstance(theirs, fake.SamplingParams)
-    expected = {"max_tokens": 20, "end_id": 2, "pad_id": 0, "n": 2, "best_of": 2, "use_beam_search": False,
-                "temperature": 0.7, "top_k": 40, "top_p": 0.9, "seed": 1234, "min_tokens": 3,
-                "repetition_penalty": 1.1, "presence_penalty": 0.2, "frequency_penalty": 0.3,
-                "stop_token_ids": [7, 8], "logprobs": 1, "ignore_eos": True, "length_penalty": 0.8,
-                "early_stopping": 1, "return_perf_metrics": True, "detokenize": False,
-                "include_stop_str_in_output": True}
+    expected = {
+        "max_tokens": 20,
+        "end_id": 2,
+        "pad_id": 0,
+        "n": 2,
+        "best_of": 2,
+        "use_beam_search": False,
+        "temperature": 0.7,
+        "top_k": 40,
+        "top_p": 0.9,
+        "seed": 1234,
+        "min_tokens": 3,
+        "repetition_penalty": 1.1,
+        "presence_penalty": 0.2,
+        "frequency_penalty": 0.3,
+        "stop_token_ids": [7, 8],
+        "logprobs": 1,
+        "ignore_eos": True,
+        "length_penalty": 0.8,
+        "early_stopping": 1,
+        "return_perf_metrics": True,
+        "detokenize": False,
+        "include_stop_str_in_output": True,
+    }
     assert {name: getattr(theirs, name) for name in expected} == expected
     assert theirs.embedding_bias.dtype == torch.float32
     assert theirs.embedding_bias.tolist() == [0.0, -1.5, 2.0]
@@ -162,7 +254,10 @@ def test_sampling_params_maps_every_field(fake):
     assert theirs._get_bad_words() == [[21], [22, 23, 24]]
     reasons = [reason for reason, _ in theirs._get_stop_reasons_and_words()]
     assert reasons[:2] == [7, 8]
-    assert [trtllm_outputs.stop_reason_from_trtllm(r, "stop", ours.stop_words, 2) for r in reasons[2:]] == [[11, 12], [13]]
+    assert [trtllm_outputs.stop_reason_from_trtllm(r, "stop", ours.stop_words, 2) for r in reasons[2:]] == [
+        [11, 12],
+        [13],
+    ]
 
 
 def test_sampling_params_defaults_leave_the_library_defaults(fake):
@@ -223,9 +318,11 @@ def test_our_own_checks_run_before_the_library(engine):
 
 # -- outputs --------------------------------------------------------------------------------------------------
 
+
 def test_streaming_updates_carry_only_new_tokens(engine, fake):
-    engine.llm.scripts.append([fake.Update([5]), fake.Update([5, 6, 7]),
-                               fake.Update([5, 6, 7, 8], finish_reason="length")])
+    engine.llm.scripts.append(
+        [fake.Update([5]), fake.Update([5, 6, 7]), fake.Update([5, 6, 7, 8], finish_reason="length")]
+    )
     outputs = collect(engine.generate_async([1, 2, 3], params(), streaming=True))
     assert [o.outputs[0].token_ids_diff for o in outputs] == [[5], [6, 7], [8]]
     assert [o.finished for o in outputs] == [False, False, True]
@@ -235,9 +332,14 @@ def test_streaming_updates_carry_only_new_tokens(engine, fake):
 
 
 def test_streaming_with_two_sequences_keeps_each_delta_apart(engine, fake):
-    engine.llm.scripts.append([fake.Update([5], index=0), fake.Update([6], index=1),
-                               fake.Update([5, 7], index=0, finish_reason="length"),
-                               fake.Update([6, 8], index=1, finish_reason="stop")])
+    engine.llm.scripts.append(
+        [
+            fake.Update([5], index=0),
+            fake.Update([6], index=1),
+            fake.Update([5, 7], index=0, finish_reason="length"),
+            fake.Update([6, 8], index=1, finish_reason="stop"),
+        ]
+    )
     outputs = collect(engine.generate_async([1], params(n=2, temperature=0.8), streaming=True))
     diffs = [[c.token_ids_diff for c in o.outputs] for o in outputs]
     assert diffs == [[[5], []], [[], [6]], [[7], []], [[], [8]]]
@@ -298,8 +400,9 @@ def test_every_request_is_submitted_on_the_one_loop_thread(engine):
 
 def test_stop_reasons_come_back_in_our_terms(engine, fake):
     stop_words = [[3, 4], [9, 10]]
-    engine.llm.scripts.append([fake.Update([5, 9, 10], finish_reason="stop",
-                                           stop_reason=f"{trtllm_args.STOP_WORD_PREFIX}1")])
+    engine.llm.scripts.append(
+        [fake.Update([5, 9, 10], finish_reason="stop", stop_reason=f"{trtllm_args.STOP_WORD_PREFIX}1")]
+    )
     final = engine.generate_async([1], params(stop_words=stop_words)).result(WAIT)
     assert final.outputs[0].stop_reason == [9, 10]
     engine.llm.scripts.append([fake.Update([5, 7], finish_reason="stop", stop_reason=7)])
@@ -308,13 +411,17 @@ def test_stop_reasons_come_back_in_our_terms(engine, fake):
 
 def test_logprobs_and_perf_metrics_are_converted(engine, fake):
     perf = fake.RequestPerfMetrics(
-        timing_metrics=fake.TimingMetrics(arrival_time=datetime.timedelta(seconds=100, microseconds=1),
-                                          first_scheduled_time=datetime.timedelta(seconds=100, microseconds=2),
-                                          first_token_time=datetime.timedelta(seconds=101),
-                                          last_token_time=datetime.timedelta(seconds=102)),
-        kv_cache_metrics=fake.KvCacheMetrics(num_total_allocated_blocks=3, num_new_allocated_blocks=2,
-                                             num_reused_blocks=1),
-        speculative_decoding=fake.SpeculativeDecodingMetrics(total_accepted_draft_tokens=4, total_draft_tokens=6))
+        timing_metrics=fake.TimingMetrics(
+            arrival_time=datetime.timedelta(seconds=100, microseconds=1),
+            first_scheduled_time=datetime.timedelta(seconds=100, microseconds=2),
+            first_token_time=datetime.timedelta(seconds=101),
+            last_token_time=datetime.timedelta(seconds=102),
+        ),
+        kv_cache_metrics=fake.KvCacheMetrics(
+            num_total_allocated_blocks=3, num_new_allocated_blocks=2, num_reused_blocks=1
+        ),
+        speculative_decoding=fake.SpeculativeDecodingMetrics(total_accepted_draft_tokens=4, total_draft_tokens=6),
+    )
     top = [{5: fake.Logprob(-0.5, 1), 9: fake.Logprob(-2.0, 2)}, {9: fake.Logprob(-0.1, 1), 6: fake.Logprob(-3.0, 2)}]
     engine.llm.scripts.append([fake.Update([5, 6], finish_reason="length", logprobs=top, request_perf_metrics=perf)])
     completion = engine.generate_async([1], params(logprobs=True, return_perf_metrics=True)).result(WAIT).outputs[0]
@@ -323,20 +430,25 @@ def test_logprobs_and_perf_metrics_are_converted(engine, fake):
     metrics = completion.request_perf_metrics
     assert metrics.arrival_time_ns == 100_000_001_000 and metrics.first_scheduled_time_ns == 100_000_002_000
     assert metrics.first_token_time_ns == 101_000_000_000 and metrics.last_token_time_ns == 102_000_000_000
-    assert (metrics.kv_cache_alloc_total_blocks, metrics.kv_cache_alloc_new_blocks,
-            metrics.kv_cache_reused_blocks) == (3, 2, 1)
+    assert (metrics.kv_cache_alloc_total_blocks, metrics.kv_cache_alloc_new_blocks, metrics.kv_cache_reused_blocks) == (
+        3,
+        2,
+        1,
+    )
     assert (metrics.total_draft_tokens, metrics.total_accepted_draft_tokens) == (6, 4)
     assert metrics.num_preemptions == 0 and metrics.prefill_steps == 0  # the library does not report these
 
 
 def test_float_logprobs_and_a_library_cumulative_logprob_pass_through(engine, fake):
-    engine.llm.scripts.append([fake.Update([5, 6], finish_reason="length", logprobs=[-1.0, -2.0],
-                                           cumulative_logprob=-3.25)])
+    engine.llm.scripts.append(
+        [fake.Update([5, 6], finish_reason="length", logprobs=[-1.0, -2.0], cumulative_logprob=-3.25)]
+    )
     completion = engine.generate_async([1], params(logprobs=True)).result(WAIT).outputs[0]
     assert completion.logprobs == [-1.0, -2.0] and completion.cumulative_logprob == -3.25
 
 
 # -- abort, ids, stats, shutdown ------------------------------------------------------------------------------
+
 
 def test_abort_reaches_the_library_and_ends_the_request(engine, fake):
     engine.llm.scripts.append([fake.Update([5]), fake.WAIT_FOR_ABORT])
@@ -376,8 +488,14 @@ def test_stats_use_iteration_stats_when_the_library_has_them(engine, fake):
     engine.llm.scripts.append([fake.WAIT_FOR_ABORT])
     handle = engine.generate_async([1], params())
     engine.llm.stats_records.append({"iter": 41, "numActiveRequests": 1, "numQueuedRequests": 0})
-    engine.llm.stats_records.append({"iter": 42, "numActiveRequests": 1, "numQueuedRequests": 2,
-                                     "kvCacheStats": {"maxNumBlocks": 100, "freeNumBlocks": 60, "tokensPerBlock": 64}})
+    engine.llm.stats_records.append(
+        {
+            "iter": 42,
+            "numActiveRequests": 1,
+            "numQueuedRequests": 2,
+            "kvCacheStats": {"maxNumBlocks": 100, "freeNumBlocks": 60, "tokensPerBlock": 64},
+        }
+    )
     stats = engine.stats()
     assert (stats.num_steps, stats.num_running, stats.num_waiting) == (42, 1, 2)
     assert (stats.num_total_blocks, stats.num_free_blocks, stats.tokens_per_block) == (100, 60, 64)
@@ -428,6 +546,7 @@ def test_a_failing_library_result_fails_only_its_request(engine, fake, monkeypat
 
 # -- selection ------------------------------------------------------------------------------------------------
 
+
 def test_create_engine_picks_the_adapter(fake):
     engine = create_engine(EngineConfig(model="m", engine="tensorrt_llm"))
     try:
@@ -447,8 +566,9 @@ def test_a_missing_library_gives_a_clear_error(monkeypatch):
 def test_sampling_params_lookahead_config_becomes_the_executor_binding(fake):
     from tritonllm.spec_decode.config import LookaheadConfig
 
-    ours = SamplingParams(max_tokens=5, lookahead_config=LookaheadConfig(max_window_size=3, max_ngram_size=4,
-                                                                         max_verification_set_size=2))
+    ours = SamplingParams(
+        max_tokens=5, lookahead_config=LookaheadConfig(max_window_size=3, max_ngram_size=4, max_verification_set_size=2)
+    )
     theirs = trtllm_args.trtllm_sampling_params(ours, fake)
     assert theirs.lookahead_config == fake.bindings.executor.LookaheadDecodingConfig(3, 4, 2)
     assert trtllm_args.trtllm_sampling_params(SamplingParams(max_tokens=5), fake).lookahead_config is None
@@ -460,9 +580,15 @@ def test_attention_backend_and_overlap_switch_pass_through_only_when_set():
 
     default = _optional_llm_kwargs(EngineConfig.from_dict({"model": "m"}))
     assert not {"attn_backend", "disable_overlap_scheduler", "load_format"} & set(default)
-    chosen = _optional_llm_kwargs(EngineConfig.from_dict({"model": "m", "attn_backend": "flashinfer",
-                                                          "disable_overlap_scheduler": True, "load_format": "DUMMY"}))
-    assert (chosen["attn_backend"], chosen["disable_overlap_scheduler"], chosen["load_format"]) == \
-        ("FLASHINFER", True, "dummy")
+    chosen = _optional_llm_kwargs(
+        EngineConfig.from_dict(
+            {"model": "m", "attn_backend": "flashinfer", "disable_overlap_scheduler": True, "load_format": "DUMMY"}
+        )
+    )
+    assert (chosen["attn_backend"], chosen["disable_overlap_scheduler"], chosen["load_format"]) == (
+        "FLASHINFER",
+        True,
+        "dummy",
+    )
     with pytest.raises(ConfigError, match="TRITON"):
         _optional_llm_kwargs(EngineConfig.from_dict({"model": "m", "attn_backend": "TRITON"}))

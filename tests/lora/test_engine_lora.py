@@ -1,5 +1,6 @@
 """The embedded engine with LoRA adapters against the PEFT-merged Hugging Face model: greedy, fp32, token for token,
 one adapter at a time and several adapters (and the base model) in one batch."""
+
 from __future__ import annotations
 
 import os
@@ -15,16 +16,29 @@ from tritonllm.lora.convert import CONFIG_NPY, WEIGHTS_NPY, convert_peft_folder
 DEVICE = os.environ.get("TRITONLLM_TEST_DEVICE", "cpu")
 ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 MLP = ["gate_proj", "up_proj", "down_proj"]
-PROMPTS = ["Hello", "The quick brown fox jumps over the lazy dog, and then",
-           "Once upon a time, in a small village by the sea, there lived an old fisherman who"]
+PROMPTS = [
+    "Hello",
+    "The quick brown fox jumps over the lazy dog, and then",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+]
 MAX_NEW = 16
 
 
 def make_engine(model_dir, **lora_config) -> EmbeddedEngine:
-    return EmbeddedEngine(EngineConfig.from_dict({
-        "model": str(model_dir), "dtype": "float32", "device": DEVICE, "max_batch_size": 8, "max_num_tokens": 512,
-        "kv_cache_config": {"tokens_per_block": 8, "max_tokens": 4096}, "enable_lora": True,
-        "lora_config": lora_config}))
+    return EmbeddedEngine(
+        EngineConfig.from_dict(
+            {
+                "model": str(model_dir),
+                "dtype": "float32",
+                "device": DEVICE,
+                "max_batch_size": 8,
+                "max_num_tokens": 512,
+                "kv_cache_config": {"tokens_per_block": 8, "max_tokens": 4096},
+                "enable_lora": True,
+                "lora_config": lora_config,
+            }
+        )
+    )
 
 
 def greedy(tokenizer) -> SamplingParams:
@@ -43,16 +57,18 @@ def base_tokens(tiny_llama, tiny_tokenizer, prompt_ids, merged_reference):
 
 @pytest.mark.parametrize("rslora", [False, True], ids=["lora", "rslora"])
 @pytest.mark.parametrize("targets", [ATTENTION, MLP, ATTENTION + MLP], ids=["attention", "mlp", "both"])
-def test_adapter_matches_peft_merged_model(tiny_llama, tiny_tokenizer, prompt_ids, base_tokens, peft_factory,
-                                           merged_reference, tmp_path, targets, rslora):
+def test_adapter_matches_peft_merged_model(
+    tiny_llama, tiny_tokenizer, prompt_ids, base_tokens, peft_factory, merged_reference, tmp_path, targets, rslora
+):
     peft_dir = peft_factory(tiny_llama, tmp_path / "adapter", targets, rank=4, alpha=8, rslora=rslora, seed=1)
     expected = merged_reference(tiny_llama, peft_dir, prompt_ids, MAX_NEW, tiny_tokenizer.eos_token_id)
     assert expected != base_tokens  # the adapter changes the output, so the comparison means something
     engine = make_engine(tiny_llama)
     try:
         lora = LoRARequest("adapter", 7, str(peft_dir))
-        got = [engine.generate(ids, greedy(tiny_tokenizer), lora_request=lora).outputs[0].token_ids
-               for ids in prompt_ids]
+        got = [
+            engine.generate(ids, greedy(tiny_tokenizer), lora_request=lora).outputs[0].token_ids for ids in prompt_ids
+        ]
         assert got == expected
         assert engine.wait_idle().num_free_blocks == engine.wait_idle().num_total_blocks
     finally:
@@ -63,11 +79,12 @@ def test_adapter_matches_peft_merged_model(tiny_llama, tiny_tokenizer, prompt_id
 def two_adapters(tiny_llama, tiny_tokenizer, prompt_ids, peft_factory, merged_reference, tmp_path_factory):
     work = tmp_path_factory.mktemp("two_adapters")
     first = peft_factory(tiny_llama, work / "first", ATTENTION + MLP, rank=4, seed=11)
-    second = peft_factory(tiny_llama, work / "second", ["q_proj", "v_proj", "down_proj"], rank=8, seed=12,
-                          rslora=True)
+    second = peft_factory(tiny_llama, work / "second", ["q_proj", "v_proj", "down_proj"], rank=8, seed=12, rslora=True)
     eos = tiny_tokenizer.eos_token_id
-    return {"first": (first, merged_reference(tiny_llama, first, prompt_ids, MAX_NEW, eos)),
-            "second": (second, merged_reference(tiny_llama, second, prompt_ids, MAX_NEW, eos))}
+    return {
+        "first": (first, merged_reference(tiny_llama, first, prompt_ids, MAX_NEW, eos)),
+        "second": (second, merged_reference(tiny_llama, second, prompt_ids, MAX_NEW, eos)),
+    }
 
 
 def test_base_and_two_adapters_in_one_batch(tiny_llama, tiny_tokenizer, prompt_ids, base_tokens, two_adapters):
@@ -80,8 +97,9 @@ def test_base_and_two_adapters_in_one_batch(tiny_llama, tiny_tokenizer, prompt_i
         for task_id, name in ((1, "first"), (2, "second")):
             path, expected = two_adapters[name]
             for ids, want in zip(prompt_ids, expected):
-                handle = engine.generate_async(ids, greedy(tiny_tokenizer),
-                                               lora_request=LoRARequest(name, task_id, str(path)))
+                handle = engine.generate_async(
+                    ids, greedy(tiny_tokenizer), lora_request=LoRARequest(name, task_id, str(path))
+                )
                 jobs.append((handle, want))
         assert [h.result().outputs[0].token_ids for h, _ in jobs] == [want for _, want in jobs]
         assert engine.core.lora.slots.num_loads == 2
@@ -89,8 +107,7 @@ def test_base_and_two_adapters_in_one_batch(tiny_llama, tiny_tokenizer, prompt_i
         engine.shutdown()
 
 
-def test_converted_tensors_give_the_peft_folder_tokens(tiny_llama, tiny_tokenizer, prompt_ids, two_adapters,
-                                                       tmp_path):
+def test_converted_tensors_give_the_peft_folder_tokens(tiny_llama, tiny_tokenizer, prompt_ids, two_adapters, tmp_path):
     """The converter's .npy pair sent in memory, then the id alone, then the folder preloaded by name."""
     path, expected = two_adapters["second"]
     weights_file, config_file = convert_peft_folder(path, tmp_path / "npy", dtype="float32")
@@ -100,12 +117,12 @@ def test_converted_tensors_give_the_peft_folder_tokens(tiny_llama, tiny_tokenize
     engine = make_engine(tiny_llama, lora_dir=str(tmp_path / "dir"))
     try:
         params = greedy(tiny_tokenizer)
-        first = engine.generate(prompt_ids[1], params, LoRARequest(lora_int_id=42, lora_weights=weights,
-                                                                   lora_config=config))
+        first = engine.generate(
+            prompt_ids[1], params, LoRARequest(lora_int_id=42, lora_weights=weights, lora_config=config)
+        )
         again = engine.generate(prompt_ids[1], params, LoRARequest(lora_int_id=42))
         by_name = engine.generate(prompt_ids[1], params, LoRARequest(lora_name="second"))
-        assert first.outputs[0].token_ids == again.outputs[0].token_ids == by_name.outputs[0].token_ids \
-            == expected[1]
+        assert first.outputs[0].token_ids == again.outputs[0].token_ids == by_name.outputs[0].token_ids == expected[1]
     finally:
         engine.shutdown()
 
@@ -117,9 +134,11 @@ def test_fp16_tensors_are_close_to_the_peft_folder(tiny_llama, tiny_tokenizer, p
     assert (tmp_path / WEIGHTS_NPY).is_file() and (tmp_path / CONFIG_NPY).is_file()
     engine = make_engine(tiny_llama)
     try:
-        out = engine.generate(prompt_ids[2], greedy(tiny_tokenizer),
-                              LoRARequest(lora_int_id=5, lora_weights=np.load(weights_file),
-                                          lora_config=np.load(config_file)))
+        out = engine.generate(
+            prompt_ids[2],
+            greedy(tiny_tokenizer),
+            LoRARequest(lora_int_id=5, lora_weights=np.load(weights_file), lora_config=np.load(config_file)),
+        )
         assert out.outputs[0].token_ids[:4] == expected[2][:4]
     finally:
         engine.shutdown()
@@ -137,11 +156,11 @@ def test_errors_name_the_id_or_tensor(tiny_llama, tiny_tokenizer, prompt_ids, tw
         with pytest.raises(InvalidRequestError, match="lora_task_id 3: lora_config is missing"):
             engine.generate(prompt_ids[0], params, LoRARequest(lora_int_id=3, lora_weights=weights))
         with pytest.raises(InvalidRequestError, match="rank 8 is above max_lora_rank 4"):
-            engine.generate(prompt_ids[0], params, LoRARequest(lora_int_id=3, lora_weights=weights,
-                                                               lora_config=config))
+            engine.generate(prompt_ids[0], params, LoRARequest(lora_int_id=3, lora_weights=weights, lora_config=config))
         with pytest.raises(InvalidRequestError, match="lora_weights row 0 .* does not match the model"):
-            engine.generate(prompt_ids[0], params, LoRARequest(lora_int_id=3, lora_weights=weights[:, :, :100],
-                                                               lora_config=config))
+            engine.generate(
+                prompt_ids[0], params, LoRARequest(lora_int_id=3, lora_weights=weights[:, :, :100], lora_config=config)
+            )
         with pytest.raises(InvalidRequestError, match="unknown LoRA adapter name 'nope'"):
             engine.generate(prompt_ids[0], params, LoRARequest(lora_name="nope"))
         # the engine still serves the base model
@@ -151,8 +170,7 @@ def test_errors_name_the_id_or_tensor(tiny_llama, tiny_tokenizer, prompt_ids, tw
 
 
 def test_lora_request_without_enable_lora_is_refused(tiny_llama, tiny_tokenizer, prompt_ids):
-    engine = EmbeddedEngine(EngineConfig.from_dict({"model": str(tiny_llama), "dtype": "float32",
-                                                    "device": DEVICE}))
+    engine = EmbeddedEngine(EngineConfig.from_dict({"model": str(tiny_llama), "dtype": "float32", "device": DEVICE}))
     try:
         with pytest.raises(InvalidRequestError, match="LoRA is not enabled"):
             engine.generate(prompt_ids[0], greedy(tiny_tokenizer), LoRARequest(lora_int_id=1))
@@ -160,17 +178,32 @@ def test_lora_request_without_enable_lora_is_refused(tiny_llama, tiny_tokenizer,
         engine.shutdown()
 
 
-@pytest.mark.parametrize("spec", [
-    {"decoding_type": "NGram", "max_draft_len": 4, "max_matching_ngram_size": 2},
-    {"decoding_type": "Lookahead", "max_window_size": 3, "max_ngram_size": 3, "max_verification_set_size": 3},
-], ids=["ngram", "lookahead"])
-def test_speculation_with_adapters_keeps_each_adapters_greedy_tokens(tiny_llama, tiny_tokenizer, prompt_ids,
-                                                                      base_tokens, two_adapters, spec):
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"decoding_type": "NGram", "max_draft_len": 4, "max_matching_ngram_size": 2},
+        {"decoding_type": "Lookahead", "max_window_size": 3, "max_ngram_size": 3, "max_verification_set_size": 3},
+    ],
+    ids=["ngram", "lookahead"],
+)
+def test_speculation_with_adapters_keeps_each_adapters_greedy_tokens(
+    tiny_llama, tiny_tokenizer, prompt_ids, base_tokens, two_adapters, spec
+):
     """Drafts are verified by the forward of the request's own adapter, so speculation never changes its tokens."""
-    engine = EmbeddedEngine(EngineConfig.from_dict({
-        "model": str(tiny_llama), "dtype": "float32", "device": DEVICE, "max_batch_size": 8, "max_num_tokens": 512,
-        "kv_cache_config": {"tokens_per_block": 8, "max_tokens": 4096}, "enable_lora": True,
-        "speculative_config": spec}))
+    engine = EmbeddedEngine(
+        EngineConfig.from_dict(
+            {
+                "model": str(tiny_llama),
+                "dtype": "float32",
+                "device": DEVICE,
+                "max_batch_size": 8,
+                "max_num_tokens": 512,
+                "kv_cache_config": {"tokens_per_block": 8, "max_tokens": 4096},
+                "enable_lora": True,
+                "speculative_config": spec,
+            }
+        )
+    )
     # Repetitive prompts give the model-free drafters something to propose.
     prompts = [ids * 3 for ids in prompt_ids]
     try:
@@ -178,8 +211,14 @@ def test_speculation_with_adapters_keeps_each_adapters_greedy_tokens(tiny_llama,
         for task_id, name in ((1, "first"), (2, "second")):
             path = two_adapters[name][0]
             for ids in prompts:
-                jobs.append((engine.generate_async(ids, greedy(tiny_tokenizer),
-                                                   lora_request=LoRARequest(name, task_id, str(path))), name))
+                jobs.append(
+                    (
+                        engine.generate_async(
+                            ids, greedy(tiny_tokenizer), lora_request=LoRARequest(name, task_id, str(path))
+                        ),
+                        name,
+                    )
+                )
         got = [handle.result().outputs[0] for handle, _ in jobs]
     finally:
         engine.shutdown()
@@ -188,8 +227,9 @@ def test_speculation_with_adapters_keeps_each_adapters_greedy_tokens(tiny_llama,
         want = [plain.generate(ids, greedy(tiny_tokenizer)).outputs[0].token_ids for ids in prompts]
         for task_id, name in ((1, "first"), (2, "second")):
             lora = LoRARequest(name, task_id, str(two_adapters[name][0]))
-            want += [plain.generate(ids, greedy(tiny_tokenizer), lora_request=lora).outputs[0].token_ids
-                     for ids in prompts]
+            want += [
+                plain.generate(ids, greedy(tiny_tokenizer), lora_request=lora).outputs[0].token_ids for ids in prompts
+            ]
     finally:
         plain.shutdown()
     assert [o.token_ids for o in got] == want

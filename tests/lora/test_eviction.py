@@ -1,6 +1,7 @@
 """The adapter cache inside the engine: least recently used adapters go first, adapters of requests in flight
 never do, and an evicted id without weights gets TensorRT-LLM's error. Driven step by step on the synchronous
 EngineCore, so "in flight" is exact, not a race."""
+
 from __future__ import annotations
 
 import pytest
@@ -14,9 +15,18 @@ from tritonllm.lora.cache import AdapterCache, LoraCacheError
 
 
 def make_core(model_dir, **lora_config) -> EngineCore:
-    return EngineCore(EngineConfig.from_dict({
-        "model": str(model_dir), "dtype": "float32", "device": "cpu", "max_batch_size": 8,
-        "kv_cache_config": {"tokens_per_block": 8, "max_tokens": 2048}, "lora_config": lora_config}))
+    return EngineCore(
+        EngineConfig.from_dict(
+            {
+                "model": str(model_dir),
+                "dtype": "float32",
+                "device": "cpu",
+                "max_batch_size": 8,
+                "kv_cache_config": {"tokens_per_block": 8, "max_tokens": 2048},
+                "lora_config": lora_config,
+            }
+        )
+    )
 
 
 def run_until_done(core: EngineCore, request) -> list[int]:
@@ -28,8 +38,10 @@ def run_until_done(core: EngineCore, request) -> list[int]:
 @pytest.fixture(scope="module")
 def adapters(tiny_llama, peft_factory, tmp_path_factory):
     work = tmp_path_factory.mktemp("evict")
-    return {name: str(peft_factory(tiny_llama, work / name, ["q_proj", "v_proj", "down_proj"], seed=seed))
-            for name, seed in (("a", 1), ("b", 2), ("c", 3), ("d", 4))}
+    return {
+        name: str(peft_factory(tiny_llama, work / name, ["q_proj", "v_proj", "down_proj"], seed=seed))
+        for name, seed in (("a", 1), ("b", 2), ("c", 3), ("d", 4))
+    }
 
 
 def test_lru_eviction_keeps_requests_in_flight(tiny_llama, tiny_tokenizer, adapters):
@@ -61,8 +73,10 @@ def test_max_loras_bounds_the_adapters_of_a_step(tiny_llama, tiny_tokenizer, ada
     prompt = tiny_tokenizer.encode("Hello there")
     core = make_core(tiny_llama, max_cpu_loras=4, max_loras=2)
     params = SamplingParams(max_tokens=6, ignore_eos=True)
-    requests = [core.add_request(i, prompt, params, LoRARequest(name, i, adapters[name]))
-                for i, name in enumerate("abc", start=1)]
+    requests = [
+        core.add_request(i, prompt, params, LoRARequest(name, i, adapters[name]))
+        for i, name in enumerate("abc", start=1)
+    ]
     requests.append(core.add_request(9, prompt, params))  # the base model needs no slot
     seen = 0
     while any(not r.finished for r in requests):

@@ -1,4 +1,5 @@
 """PEFT folders and TensorRT-LLM's lora_weights / lora_config tensors: layout, round trips, refusals."""
+
 from __future__ import annotations
 
 import json
@@ -20,8 +21,14 @@ SHAPES = ModuleShapes.of_model(hidden=64, intermediate=160, q_size=64, kv_size=3
 
 @pytest.fixture(scope="module")
 def peft_dir(tiny_llama, peft_factory, tmp_path_factory):
-    return peft_factory(tiny_llama, tmp_path_factory.mktemp("fmt") / "a", ["q_proj", "k_proj", "gate_proj", "up_proj",
-                                                                          "down_proj"], rank=4, alpha=6, rslora=True)
+    return peft_factory(
+        tiny_llama,
+        tmp_path_factory.mktemp("fmt") / "a",
+        ["q_proj", "k_proj", "gate_proj", "up_proj", "down_proj"],
+        rank=4,
+        alpha=6,
+        rslora=True,
+    )
 
 
 def test_peft_folder_folds_the_rslora_scale_into_b(peft_dir):
@@ -43,9 +50,9 @@ def test_tensor_layout_is_trtllm_s(peft_dir):
     assert config[0, :5].tolist() == [[1, 0, 4], [2, 0, 4], [5, 0, 4], [6, 0, 4], [7, 0, 4]]
     a, b = adapter.weights[(0, "k_proj")]
     row = weights[0, 1]
-    assert np.array_equal(row[:4 * 64], a.reshape(-1).numpy())  # in-weights [rank, hidden]
-    assert np.array_equal(row[4 * 64:4 * 64 + 32 * 4], b.reshape(-1).numpy())  # out-weights [out, rank]
-    assert not row[4 * 64 + 32 * 4:].any()  # padding
+    assert np.array_equal(row[: 4 * 64], a.reshape(-1).numpy())  # in-weights [rank, hidden]
+    assert np.array_equal(row[4 * 64 : 4 * 64 + 32 * 4], b.reshape(-1).numpy())  # out-weights [out, rank]
+    assert not row[4 * 64 + 32 * 4 :].any()  # padding
     assert weights.shape[2] == 4 * (64 + 160)  # the longest row: gate/up/down
     back = adapter_from_tensors(weights, config, SHAPES)
     assert back.weights.keys() == adapter.weights.keys()
@@ -91,8 +98,9 @@ def test_convert_command_writes_the_npy_pair(peft_dir, tmp_path, capsys):
 
 
 def test_settings_are_typed_and_checked():
-    settings = LoraSettings.from_dict({"max_loras": 2, "max_cpu_loras": 3, "lora_dir": "/x",
-                                       "lora_target_modules": ["attn_q", "mlp_gate"]})
+    settings = LoraSettings.from_dict(
+        {"max_loras": 2, "max_cpu_loras": 3, "lora_dir": "/x", "lora_target_modules": ["attn_q", "mlp_gate"]}
+    )
     assert settings.lora_dir == ("/x",) and settings.lora_target_modules == ("q_proj", "up_proj")
     assert module_named("mlp_h_to_4h").hf_name == "gate_proj"
     with pytest.raises(LoraSettingsError, match="max_cpu_loras=1 must be >= max_loras=2"):

@@ -1,5 +1,6 @@
 """The TensorRT-LLM adapter passes a folder LoRARequest to the library's generate_async, and refuses in-memory
 tensors (its LLM API has no way to take them), on the fake `tensorrt_llm` of tests/engine."""
+
 from __future__ import annotations
 
 import importlib.util
@@ -29,8 +30,9 @@ def engine(monkeypatch):
 
 
 def test_folder_adapter_reaches_the_library(engine, tmp_path):
-    handle = engine.generate_async([1, 2, 3], SamplingParams(max_tokens=4, end_id=2),
-                                   lora_request=LoRARequest("fr", 3, str(tmp_path)))
+    handle = engine.generate_async(
+        [1, 2, 3], SamplingParams(max_tokens=4, end_id=2), lora_request=LoRARequest("fr", 3, str(tmp_path))
+    )
     handle.result(timeout=10)
     sent = engine.llm.generate_calls[-1]["lora_request"]
     assert (sent.lora_name, sent.lora_int_id, sent.lora_path) == ("fr", 3, str(tmp_path))
@@ -40,6 +42,10 @@ def test_folder_adapter_reaches_the_library(engine, tmp_path):
 
 def test_in_memory_tensors_are_refused_by_name(engine):
     with pytest.raises(InvalidRequestError, match="lora_weights / lora_config"):
-        engine.generate_async([1], SamplingParams(max_tokens=2, end_id=2),
-                              lora_request=LoRARequest(lora_int_id=1, lora_weights=np.zeros((1, 4)),
-                                                       lora_config=np.zeros((1, 3), dtype=np.int32)))
+        engine.generate_async(
+            [1],
+            SamplingParams(max_tokens=2, end_id=2),
+            lora_request=LoRARequest(
+                lora_int_id=1, lora_weights=np.zeros((1, 4)), lora_config=np.zeros((1, 3), dtype=np.int32)
+            ),
+        )

@@ -1,5 +1,6 @@
 """The serving tests run the Triton models against tests/fake_pb_utils.py: loaded once here and registered as the
 module `fake_pb_utils`, so that each test module can `import fake_pb_utils as fake`."""
+
 import importlib.util
 import sys
 from pathlib import Path

@@ -1,6 +1,7 @@
 """The BLS draft/target loop against scripted draft and target models (token rules, no engine): the output is the
 target's own greedy sequence whatever the draft proposes, rounds end on max_tokens and on the end id, streams send
 one piece per round, and the draft logits reach the target."""
+
 import numpy as np
 import pytest
 
@@ -44,8 +45,10 @@ class ScriptedModel:
         else:
             for _ in range(inputs["request_output_len"].item()):
                 out.append(self.rule(context + out))
-        outputs = {"output_ids": np.array(out, np.int32).reshape(1, 1, -1),
-                   "sequence_length": np.array([[len(out)]], np.int32)}
+        outputs = {
+            "output_ids": np.array(out, np.int32).reshape(1, 1, -1),
+            "sequence_length": np.array([[len(out)]], np.int32),
+        }
         if self.vocab_logits and inputs.get("return_generation_logits", np.array([[False]])).item():
             outputs["generation_logits"] = np.zeros((1, 1, len(out), VOCAB), np.float32)
         yield LlmResponse(outputs, final=True)
@@ -65,15 +68,26 @@ def greedy(prompt, count, end_id=-1):
 
 
 def request_inputs(prompt, max_tokens, end_id=-1):
-    return {"input_ids": np.array([prompt], np.int32), "input_lengths": np.array([[len(prompt)]], np.int32),
-            "request_output_len": np.array([[max_tokens]], np.int32), "end_id": np.array([[end_id]], np.int32),
-            "temperature": np.array([[0.0]], np.float32)}
+    return {
+        "input_ids": np.array([prompt], np.int32),
+        "input_lengths": np.array([[len(prompt)]], np.int32),
+        "request_output_len": np.array([[max_tokens]], np.int32),
+        "end_id": np.array([[end_id]], np.int32),
+        "temperature": np.array([[0.0]], np.float32),
+    }
 
 
 def run(prompt, max_tokens, streaming, k=4, end_id=-1, use_logits=False, draft=None):
     target, draft = ScriptedModel(target_next), draft or ScriptedModel(draft_next)
-    call = SpeculativeCall(target, draft, request_inputs(prompt, max_tokens, end_id), SpeculationSettings(k, use_logits),
-                           streaming=streaming, echo_prompt=False, request_id="r")
+    call = SpeculativeCall(
+        target,
+        draft,
+        request_inputs(prompt, max_tokens, end_id),
+        SpeculationSettings(k, use_logits),
+        streaming=streaming,
+        echo_prompt=False,
+        request_id="r",
+    )
     return call, list(call.responses()), target, draft
 
 
@@ -93,8 +107,9 @@ def test_output_is_the_targets_greedy_sequence(max_tokens, streaming):
         assert responses[1].outputs["detok_prefix_ids"].reshape(-1).tolist()[-1] == tokens_of(responses[:1])[-1]
     if max_tokens > 1:
         assert call.accepted < call.drafted  # the draft is wrong now and then, and that was noticed
-    assert all(c["request_output_len"].item() == len(c.get("draft_input_ids", np.zeros((1, 0)))[0]) + 1
-               for c in target.calls)
+    assert all(
+        c["request_output_len"].item() == len(c.get("draft_input_ids", np.zeros((1, 0)))[0]) + 1 for c in target.calls
+    )
 
 
 def test_a_perfect_draft_is_accepted_whole():
@@ -113,8 +128,9 @@ def test_the_end_id_ends_the_loop_and_is_not_returned():
 
 
 def test_draft_logits_go_to_the_target():
-    _, _, target, draft = run([1, 2, 3], 10, streaming=False, use_logits=True,
-                              draft=ScriptedModel(draft_next, vocab_logits=True))
+    _, _, target, draft = run(
+        [1, 2, 3], 10, streaming=False, use_logits=True, draft=ScriptedModel(draft_next, vocab_logits=True)
+    )
     verifying = [c for c in target.calls if "draft_input_ids" in c]
     assert verifying and all(c["draft_logits"].shape == (1, c["draft_input_ids"].shape[1], VOCAB) for c in verifying)
     assert all(c["return_generation_logits"].item() for c in draft.calls)

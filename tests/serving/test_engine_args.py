@@ -1,4 +1,5 @@
 """load_tensorrt_llm_settings: model.yaml + config.pbtxt parameters -> typed engine and Triton settings."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -7,8 +8,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tritonllm.engine.config import ConfigError
 from tritonllm.deploy.repo import build_repo
+from tritonllm.engine.config import ConfigError
 from tritonllm.triton.engine_args import KNOWN_PARAMETERS, TensorrtLLMSettings, load_tensorrt_llm_settings
 from tritonllm.triton.params import ParameterError
 
@@ -52,6 +53,7 @@ def load(model_dir: Path, **params) -> TensorrtLLMSettings:
 
 # ------------------------------------------------------------------------------------------------ defaults
 
+
 def test_defaults_with_only_the_model(model_dir):
     settings = load(model_dir)
     engine = settings.engine
@@ -73,9 +75,20 @@ def test_settings_are_frozen(model_dir):
 
 @pytest.mark.parametrize("unset", ["", "  ", "${max_beam_width}"])
 def test_empty_and_unfilled_parameters_are_unset(model_dir, unset):
-    names = ("max_beam_width", "enable_kv_cache_reuse", "kv_cache_free_gpu_mem_fraction", "batch_scheduler_policy",
-             "exclude_input_in_output", "cancellation_check_period_ms", "engine", "lora_prefetch_dir",
-             "guided_decoding_backend", "decoding_mode", "enable_trt_overlap", "max_attention_window_size")
+    names = (
+        "max_beam_width",
+        "enable_kv_cache_reuse",
+        "kv_cache_free_gpu_mem_fraction",
+        "batch_scheduler_policy",
+        "exclude_input_in_output",
+        "cancellation_check_period_ms",
+        "engine",
+        "lora_prefetch_dir",
+        "guided_decoding_backend",
+        "decoding_mode",
+        "enable_trt_overlap",
+        "max_attention_window_size",
+    )
     settings = load(model_dir, **{name: unset for name in names})
     assert settings == load(model_dir)
 
@@ -87,18 +100,42 @@ def test_an_unfilled_model_path_is_an_error_naming_it(model_dir):
 
 # ------------------------------------------------------------------------------------------------ mapping
 
+
 def test_parameters_map_onto_llm_arguments(model_dir):
-    settings = load(model_dir, tokenizer_dir="/tok", max_beam_width="1", max_tokens_in_paged_kv_cache="4096",
-                    kv_cache_free_gpu_mem_fraction="0.5", enable_kv_cache_reuse="false",
-                    enable_chunked_context="true", batch_scheduler_policy="max_utilization",
-                    normalize_log_probs="0", engine="embedded", dtype="float32", device="cpu",
-                    max_num_tokens="512", max_seq_len="1024", max_batch_size="32",
-                    exclude_input_in_output="yes", cancellation_check_period_ms="20", stats_check_period_ms="50")
+    settings = load(
+        model_dir,
+        tokenizer_dir="/tok",
+        max_beam_width="1",
+        max_tokens_in_paged_kv_cache="4096",
+        kv_cache_free_gpu_mem_fraction="0.5",
+        enable_kv_cache_reuse="false",
+        enable_chunked_context="true",
+        batch_scheduler_policy="max_utilization",
+        normalize_log_probs="0",
+        engine="embedded",
+        dtype="float32",
+        device="cpu",
+        max_num_tokens="512",
+        max_seq_len="1024",
+        max_batch_size="32",
+        exclude_input_in_output="yes",
+        cancellation_check_period_ms="20",
+        stats_check_period_ms="50",
+    )
     engine = settings.engine
-    assert (engine.model, engine.tokenizer, engine.engine, engine.dtype, engine.device) == \
-        (MODEL, "/tok", "embedded", "float32", "cpu")
-    assert (engine.max_num_tokens, engine.max_seq_len, engine.max_batch_size, engine.max_beam_width) == \
-        (512, 1024, 32, 1)
+    assert (engine.model, engine.tokenizer, engine.engine, engine.dtype, engine.device) == (
+        MODEL,
+        "/tok",
+        "embedded",
+        "float32",
+        "cpu",
+    )
+    assert (engine.max_num_tokens, engine.max_seq_len, engine.max_batch_size, engine.max_beam_width) == (
+        512,
+        1024,
+        32,
+        1,
+    )
     assert engine.kv_cache_config.max_tokens == 4096 and engine.kv_cache_config.free_gpu_memory_fraction == 0.5
     assert engine.kv_cache_config.enable_block_reuse is False
     assert engine.enable_chunked_prefill is True and engine.normalize_log_probs is False
@@ -107,8 +144,19 @@ def test_parameters_map_onto_llm_arguments(model_dir):
     assert (settings.cancellation_check_period_ms, settings.stats_check_period_ms) == (20, 50)
 
 
-@pytest.mark.parametrize("text, expected", [("1", True), ("true", True), ("True", True), ("yes", True),
-                                            ("0", False), ("false", False), ("FALSE", False), ("no", False)])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("1", True),
+        ("true", True),
+        ("True", True),
+        ("yes", True),
+        ("0", False),
+        ("false", False),
+        ("FALSE", False),
+        ("no", False),
+    ],
+)
 def test_bool_spellings(model_dir, text, expected):
     assert load(model_dir, enable_kv_cache_reuse=text).engine.kv_cache_config.enable_block_reuse is expected
 
@@ -127,10 +175,18 @@ def test_unknown_parameters_are_reported_not_fatal(model_dir):
 
 # ------------------------------------------------------------------------------------------------ model.yaml
 
+
 def test_yaml_gives_engine_arguments_and_parameters_override_them(model_dir):
-    path = write_yaml(model_dir, {"model": "/from/yaml", "max_num_tokens": 1024, "max_batch_size": 16,
-                                  "kv_cache_config": {"tokens_per_block": 64, "enable_block_reuse": False},
-                                  "triton_config": {"decoupled": True}})
+    path = write_yaml(
+        model_dir,
+        {
+            "model": "/from/yaml",
+            "max_num_tokens": 1024,
+            "max_batch_size": 16,
+            "kv_cache_config": {"tokens_per_block": 64, "enable_block_reuse": False},
+            "triton_config": {"decoupled": True},
+        },
+    )
     settings = load(model_dir, max_tokens_in_paged_kv_cache="2048")
     engine = settings.engine
     assert settings.engine_args_path == path
@@ -191,49 +247,76 @@ def test_the_shipped_template_loads_after_build(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------------------------------------ bad values
 
-@pytest.mark.parametrize("name, value", [
-    ("max_beam_width", "abc"), ("max_beam_width", "0"),
-    ("max_tokens_in_paged_kv_cache", "0"), ("max_tokens_in_paged_kv_cache", "lots"),
-    ("kv_cache_free_gpu_mem_fraction", "1.5"), ("kv_cache_free_gpu_mem_fraction", "0"),
-    ("kv_cache_free_gpu_mem_fraction", "half"),
-    ("enable_kv_cache_reuse", "maybe"), ("enable_chunked_context", "sure"), ("normalize_log_probs", "2"),
-    ("exclude_input_in_output", "nope"),
-    ("batch_scheduler_policy", "fifo"),
-    ("engine", "vllm"), ("dtype", "int8"), ("device", "tpu"),
-    ("max_num_tokens", "0"), ("max_seq_len", "1"), ("max_batch_size", "-1"), ("max_batch_size", "8.5"),
-    ("cancellation_check_period_ms", "0"), ("stats_check_period_ms", "often"),
-    ("gpt_model_type", "dynamic"),
-    ("decoding_mode", "greedy"),
-    ("multi_block_mode", "x"), ("cuda_graph_mode", "x"), ("enable_context_fmha_fp32_acc", "x"),
-    ("kv_cache_onboard_blocks", "x"), ("cuda_graph_cache_size", "-1"), ("iter_stats_max_iterations", "x"),
-    ("request_stats_max_iterations", "-5"), ("lora_cache_optimal_adapter_size", "x"),
-    ("lora_cache_max_adapter_size", "-1"), ("lora_cache_host_memory_bytes", "1GB"),
-    ("lora_cache_gpu_memory_fraction", "2"), ("cross_kv_cache_fraction", "-0.1"),
-    ("gpu_device_ids", "gpu0"), ("kv_cache_host_memory_bytes", "x"), ("num_nodes", "0"),
-    ("enable_trt_overlap", "perhaps"),
-])
+
+@pytest.mark.parametrize(
+    "name, value",
+    [
+        ("max_beam_width", "abc"),
+        ("max_beam_width", "0"),
+        ("max_tokens_in_paged_kv_cache", "0"),
+        ("max_tokens_in_paged_kv_cache", "lots"),
+        ("kv_cache_free_gpu_mem_fraction", "1.5"),
+        ("kv_cache_free_gpu_mem_fraction", "0"),
+        ("kv_cache_free_gpu_mem_fraction", "half"),
+        ("enable_kv_cache_reuse", "maybe"),
+        ("enable_chunked_context", "sure"),
+        ("normalize_log_probs", "2"),
+        ("exclude_input_in_output", "nope"),
+        ("batch_scheduler_policy", "fifo"),
+        ("engine", "vllm"),
+        ("dtype", "int8"),
+        ("device", "tpu"),
+        ("max_num_tokens", "0"),
+        ("max_seq_len", "1"),
+        ("max_batch_size", "-1"),
+        ("max_batch_size", "8.5"),
+        ("cancellation_check_period_ms", "0"),
+        ("stats_check_period_ms", "often"),
+        ("gpt_model_type", "dynamic"),
+        ("decoding_mode", "greedy"),
+        ("multi_block_mode", "x"),
+        ("cuda_graph_mode", "x"),
+        ("enable_context_fmha_fp32_acc", "x"),
+        ("kv_cache_onboard_blocks", "x"),
+        ("cuda_graph_cache_size", "-1"),
+        ("iter_stats_max_iterations", "x"),
+        ("request_stats_max_iterations", "-5"),
+        ("lora_cache_optimal_adapter_size", "x"),
+        ("lora_cache_max_adapter_size", "-1"),
+        ("lora_cache_host_memory_bytes", "1GB"),
+        ("lora_cache_gpu_memory_fraction", "2"),
+        ("cross_kv_cache_fraction", "-0.1"),
+        ("gpu_device_ids", "gpu0"),
+        ("kv_cache_host_memory_bytes", "x"),
+        ("num_nodes", "0"),
+        ("enable_trt_overlap", "perhaps"),
+    ],
+)
 def test_bad_values_name_the_parameter(model_dir, name, value):
     with pytest.raises(ParameterError, match=f"'{name}'"):
         load(model_dir, **{name: value})
 
 
-@pytest.mark.parametrize("name, value, why", [
-    ("decoding_mode", "redrafter", "not supported"),
-    ("guided_decoding_backend", "xgrammar", "not supported yet"),
-    ("enable_trt_overlap", "true", "deprecated"),
-    ("enable_trt_overlap", "1", "deprecated"),
-    ("gpt_model_type", "V1", "static"),
-    ("encoder_model_path", "/enc", "encoder-decoder"),
-    ("participant_ids", "0", "not supported"),
-    ("worker_path", "/bin/worker", "deprecated"),
-    ("kv_cache_host_memory_bytes", "1000000", "host memory"),
-    ("sink_token_length", "4", "attention sinks"),
-    ("num_nodes", "2", "multi-node"),
-    ("gpu_weights_percent", "0.5", "weight streaming"),
-    ("speculative_decoding_fast_logits", "true", "fast logits"),
-    ("max_attention_window_size", "1024", "sliding-window"),
-    ("max_attention_window_size", "512,1024", "per-layer"),
-])
+@pytest.mark.parametrize(
+    "name, value, why",
+    [
+        ("decoding_mode", "redrafter", "not supported"),
+        ("guided_decoding_backend", "xgrammar", "not supported yet"),
+        ("enable_trt_overlap", "true", "deprecated"),
+        ("enable_trt_overlap", "1", "deprecated"),
+        ("gpt_model_type", "V1", "static"),
+        ("encoder_model_path", "/enc", "encoder-decoder"),
+        ("participant_ids", "0", "not supported"),
+        ("worker_path", "/bin/worker", "deprecated"),
+        ("kv_cache_host_memory_bytes", "1000000", "host memory"),
+        ("sink_token_length", "4", "attention sinks"),
+        ("num_nodes", "2", "multi-node"),
+        ("gpu_weights_percent", "0.5", "weight streaming"),
+        ("speculative_decoding_fast_logits", "true", "fast logits"),
+        ("max_attention_window_size", "1024", "sliding-window"),
+        ("max_attention_window_size", "512,1024", "per-layer"),
+    ],
+)
 def test_unbuilt_features_fail_with_a_clear_error(model_dir, name, value, why):
     with pytest.raises(ParameterError, match=f"'{name}'.*{why}"):
         load(model_dir, **{name: value})
@@ -247,16 +330,31 @@ def test_a_window_covering_max_seq_len_is_harmless(model_dir):
 
 def test_harmless_contract_parameters_are_accepted(model_dir):
     harmless = {
-        "FORCE_CPU_ONLY_INPUT_TENSORS": "no", "gpt_model_type": "inflight_fused_batching",
+        "FORCE_CPU_ONLY_INPUT_TENSORS": "no",
+        "gpt_model_type": "inflight_fused_batching",
         "executor_worker_path": "/opt/tritonserver/backends/tensorrtllm/trtllmExecutorWorker",
-        "multi_block_mode": "true", "cuda_graph_mode": "false", "cuda_graph_cache_size": "0",
-        "enable_context_fmha_fp32_acc": "false", "gpu_device_ids": "0,1", "kv_cache_onboard_blocks": "true",
-        "iter_stats_max_iterations": "1000", "request_stats_max_iterations": "0",
-        "lora_cache_optimal_adapter_size": "8", "lora_cache_max_adapter_size": "64",
-        "lora_cache_gpu_memory_fraction": "0.05", "lora_cache_host_memory_bytes": "1073741824",
-        "decoding_mode": "top_k_top_p", "enable_trt_overlap": "false", "kv_cache_host_memory_bytes": "0",
-        "sink_token_length": "0", "num_nodes": "1", "gpu_weights_percent": "1.0", "cross_kv_cache_fraction": "0.5",
-        "speculative_decoding_fast_logits": "false", "medusa_choices": "{0, 0}", "lookahead_window_size": "4",
+        "multi_block_mode": "true",
+        "cuda_graph_mode": "false",
+        "cuda_graph_cache_size": "0",
+        "enable_context_fmha_fp32_acc": "false",
+        "gpu_device_ids": "0,1",
+        "kv_cache_onboard_blocks": "true",
+        "iter_stats_max_iterations": "1000",
+        "request_stats_max_iterations": "0",
+        "lora_cache_optimal_adapter_size": "8",
+        "lora_cache_max_adapter_size": "64",
+        "lora_cache_gpu_memory_fraction": "0.05",
+        "lora_cache_host_memory_bytes": "1073741824",
+        "decoding_mode": "top_k_top_p",
+        "enable_trt_overlap": "false",
+        "kv_cache_host_memory_bytes": "0",
+        "sink_token_length": "0",
+        "num_nodes": "1",
+        "gpu_weights_percent": "1.0",
+        "cross_kv_cache_fraction": "0.5",
+        "speculative_decoding_fast_logits": "false",
+        "medusa_choices": "{0, 0}",
+        "lookahead_window_size": "4",
         "xgrammar_tokenizer_info_path": "/x.json",
     }
     settings = load(model_dir, **harmless)
@@ -266,11 +364,21 @@ def test_harmless_contract_parameters_are_accepted(model_dir):
 
 # ------------------------------------------------------------------------------------------------ speculative
 
+
 def test_lookahead_decoding_mode_becomes_speculative_config(model_dir):
-    settings = load(model_dir, decoding_mode="lookahead", lookahead_window_size="3", lookahead_ngram_size="4",
-                    lookahead_verification_set_size="2")
-    assert settings.engine.speculative_config == {"decoding_type": "Lookahead", "max_window_size": 3,
-                                                  "max_ngram_size": 4, "max_verification_set_size": 2}
+    settings = load(
+        model_dir,
+        decoding_mode="lookahead",
+        lookahead_window_size="3",
+        lookahead_ngram_size="4",
+        lookahead_verification_set_size="2",
+    )
+    assert settings.engine.speculative_config == {
+        "decoding_type": "Lookahead",
+        "max_window_size": 3,
+        "max_ngram_size": 4,
+        "max_verification_set_size": 2,
+    }
     spec = settings.engine.speculative_settings()
     assert (spec.max_window_size, spec.max_ngram_size, spec.max_verification_set_size) == (3, 4, 2)
 
@@ -285,8 +393,11 @@ def test_medusa_and_eagle_decoding_modes_take_their_choices_and_the_folder_from_
     kind = mode.capitalize()
     write_yaml(model_dir, {"speculative_config": {"decoding_type": kind, "speculative_model_dir": "/heads"}})
     settings = load(model_dir, decoding_mode=mode, **{f"{mode}_choices": "{0}, {0, 0}, {1}"})
-    assert settings.engine.speculative_config == {"decoding_type": kind, "speculative_model_dir": "/heads",
-                                                  f"{mode}_choices": "{0}, {0, 0}, {1}"}
+    assert settings.engine.speculative_config == {
+        "decoding_type": kind,
+        "speculative_model_dir": "/heads",
+        f"{mode}_choices": "{0}, {0, 0}, {1}",
+    }
     assert settings.engine.speculative_settings().max_total_draft_tokens == 3
     with pytest.raises(ConfigError, match="speculative_model_dir"):
         load(_empty(model_dir), decoding_mode=mode)  # no speculative_config in model.yaml: no heads / layer

@@ -1,19 +1,18 @@
 """The LLM models' Prometheus gauges, against a fake pb_utils: names and labels of the contract (row 28), values
 from the engine's stats and the process's memory, and a refresh thread that keeps them current."""
+
 from __future__ import annotations
 
 import dataclasses
 import sys
 import time
 
+import fake_pb_utils as fake  # registered by conftest.py
 import pytest
 
 from tritonllm.engine.seam import EngineStats
 from tritonllm.triton.llm_metrics import FAMILIES, GAUGES, EngineMetrics, gauge_values
 from tritonllm.triton.runtime_memory import runtime_memory
-
-
-import fake_pb_utils as fake  # registered by conftest.py
 
 
 @pytest.fixture(autouse=True)
@@ -24,8 +23,17 @@ def pb_utils(monkeypatch):
 
 
 def stats(**changes) -> EngineStats:
-    values = dict(num_total_blocks=100, num_free_blocks=100, tokens_per_block=32, num_running=0, num_waiting=0,
-                  num_steps=0, max_seq_len=1024, max_batch_size=8, max_num_tokens=8192)
+    values = dict(
+        num_total_blocks=100,
+        num_free_blocks=100,
+        tokens_per_block=32,
+        num_running=0,
+        num_waiting=0,
+        num_steps=0,
+        max_seq_len=1024,
+        max_batch_size=8,
+        max_num_tokens=8192,
+    )
     return EngineStats(**{**values, **changes})
 
 
@@ -43,10 +51,14 @@ def test_every_family_and_label_value_of_the_contract_is_exported():
     contract = {
         "nv_trt_llm_request_metrics": ("request_type", {"active", "max", "scheduled", "context", "waiting"}),
         "nv_trt_llm_runtime_memory_metrics": ("memory_type", {"cpu", "gpu", "pinned"}),
-        "nv_trt_llm_kv_cache_block_metrics": ("kv_cache_block_type", {"max", "free", "used", "tokens_per", "fraction", "reused"}),
-        "nv_trt_llm_inflight_batcher_metrics": ("inflight_batcher_specific_metric",
-                                                {"total_context_tokens", "generation_requests", "micro_batch_id",
-                                                 "paused_requests"}),
+        "nv_trt_llm_kv_cache_block_metrics": (
+            "kv_cache_block_type",
+            {"max", "free", "used", "tokens_per", "fraction", "reused"},
+        ),
+        "nv_trt_llm_inflight_batcher_metrics": (
+            "inflight_batcher_specific_metric",
+            {"total_context_tokens", "generation_requests", "micro_batch_id", "paused_requests"},
+        ),
         "nv_trt_llm_general_metrics": ("general_type", {"timestamp", "iteration_counter"}),
     }
     assert {name: (label, set(kinds)) for name, (_, label, kinds) in FAMILIES.items()} == contract
@@ -79,8 +91,9 @@ def test_iteration_details_the_engine_does_not_report_read_as_zero_and_running_r
 
 
 def test_iteration_details_are_used_when_the_engine_reports_them():
-    detailed = dataclasses.replace(stats(num_running=3), num_context_requests=1, num_context_tokens=120,
-                                   num_paused_requests=2)
+    detailed = dataclasses.replace(
+        stats(num_running=3), num_context_requests=1, num_context_tokens=120, num_paused_requests=2
+    )
     values = gauge_values(detailed, 0.0, MEMORY)
     assert values[("nv_trt_llm_request_metrics", "context")] == 1
     assert values[("nv_trt_llm_inflight_batcher_metrics", "generation_requests")] == 2
@@ -89,8 +102,12 @@ def test_iteration_details_are_used_when_the_engine_reports_them():
 
 
 def test_an_empty_cache_has_a_zero_fraction():
-    assert gauge_values(stats(num_total_blocks=0, num_free_blocks=0), 0.0, MEMORY)[
-        ("nv_trt_llm_kv_cache_block_metrics", "fraction")] == 0.0
+    assert (
+        gauge_values(stats(num_total_blocks=0, num_free_blocks=0), 0.0, MEMORY)[
+            ("nv_trt_llm_kv_cache_block_metrics", "fraction")
+        ]
+        == 0.0
+    )
 
 
 def test_runtime_memory_reports_this_process_without_starting_cuda():

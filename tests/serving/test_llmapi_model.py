@@ -1,6 +1,7 @@
 """The LLM-API `tensorrt_llm` model run in-process: a repository from `build_llmapi_repo` for a tiny random model,
 the real embedded engine, and a fake pb_utils standing in for Triton (auto_complete_config, requests, senders,
 metrics). The real server is exercised by tests/e2e/test_llmapi.py."""
+
 from __future__ import annotations
 
 import json
@@ -8,16 +9,15 @@ import sys
 import time
 from pathlib import Path
 
+import fake_pb_utils as fake  # registered by conftest.py
 import numpy as np
 import pytest
 
-from tritonllm.engine import SamplingParams
-from tritonllm.deploy.llmapi_repo import build_llmapi_repo
 from tritonllm.checkpoints.tiny import build_tiny_model
+from tritonllm.deploy.llmapi_repo import build_llmapi_repo
+from tritonllm.engine import SamplingParams
 from tritonllm.triton.llmapi_inflight import LLMAPIInflightRequests
 
-
-import fake_pb_utils as fake  # registered by conftest.py
 PROMPT = "The lamp turned"
 TYPES = {bool: np.bool_, int: np.int32, float: np.float32}
 
@@ -39,8 +39,14 @@ def model(repo):
 
     instance = TritonPythonModel()
     config = TritonPythonModel.auto_complete_config(fake.ModelConfig({"name": "tensorrt_llm"})).as_dict()
-    instance.initialize({"model_config": json.dumps(config), "model_name": "tensorrt_llm", "model_version": "1",
-                         "model_repository": str(repo / "tensorrt_llm")})
+    instance.initialize(
+        {
+            "model_config": json.dumps(config),
+            "model_name": "tensorrt_llm",
+            "model_version": "1",
+            "model_repository": str(repo / "tensorrt_llm"),
+        }
+    )
     try:
         yield instance
     finally:
@@ -103,7 +109,7 @@ def test_auto_complete_takes_triton_config_from_model_yaml(model, repo):
 
 
 def test_a_plain_request_gets_one_final_response_with_typed_outputs(model):
-    (response, flags), = run(model, request(sampling_param_max_tokens=6, **ALL_OUTPUTS))
+    ((response, flags),) = run(model, request(sampling_param_max_tokens=6, **ALL_OUTPUTS))
     assert flags == fake.TRITONSERVER_RESPONSE_COMPLETE_FINAL
     values = outputs(response)
     assert values["text_output"].dtype == object and values["text_output"].shape == (1,)
@@ -115,12 +121,12 @@ def test_a_plain_request_gets_one_final_response_with_typed_outputs(model):
 
 
 def test_only_the_requested_optional_outputs_are_sent(model):
-    (response, _), = run(model, request(sampling_param_max_tokens=2))
+    ((response, _),) = run(model, request(sampling_param_max_tokens=2))
     assert set(outputs(response)) == {"text_output"}
 
 
 def test_streaming_sends_cumulative_text_ending_as_the_plain_answer(model):
-    (plain, _), = run(model, request(sampling_param_max_tokens=12, sampling_param_exclude_input_from_output=True))
+    ((plain, _),) = run(model, request(sampling_param_max_tokens=12, sampling_param_exclude_input_from_output=True))
     sent = run(model, request(sampling_param_max_tokens=12, streaming=True, return_finish_reason=True))
     texts = [text(response) for response, _ in sent]
     assert len(sent) > 1 and [flags for _, flags in sent][-1] == fake.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -130,28 +136,43 @@ def test_streaming_sends_cumulative_text_ending_as_the_plain_answer(model):
 
 
 def test_a_stop_string_ends_the_answer_and_is_named_as_the_stop_reason(model):
-    (plain, _), = run(model, request(sampling_param_max_tokens=24, sampling_param_exclude_input_from_output=True))
+    ((plain, _),) = run(model, request(sampling_param_max_tokens=24, sampling_param_exclude_input_from_output=True))
     full = text(plain)
     stop = full[6:9]
     assert stop.strip(), f"pick another slice of {full!r}"
-    (response, _), = run(model, request(sampling_param_max_tokens=24, sampling_param_exclude_input_from_output=True,
-                                        sampling_param_stop=np.array([stop.encode()], dtype=object), **ALL_OUTPUTS))
+    ((response, _),) = run(
+        model,
+        request(
+            sampling_param_max_tokens=24,
+            sampling_param_exclude_input_from_output=True,
+            sampling_param_stop=np.array([stop.encode()], dtype=object),
+            **ALL_OUTPUTS,
+        ),
+    )
     values = outputs(response)
-    assert text(response) == full[:full.index(stop)]
+    assert text(response) == full[: full.index(stop)]
     assert values["finish_reason"].tolist() == [b"stop"] and values["stop_reason"].tolist() == [stop.encode()]
     wait_idle(model)  # the engine request was stopped and its blocks freed
 
 
 def test_best_of_returns_the_most_likely_of_its_samples(model):
-    inputs = dict(sampling_param_max_tokens=5, sampling_param_temperature=1.0, sampling_param_best_of=3,
-                  sampling_param_seed=np.array([7], dtype=np.uint64), sampling_param_exclude_input_from_output=True,
-                  return_cumulative_logprob=True)
-    (response, _), = run(model, request(**inputs))
+    inputs = dict(
+        sampling_param_max_tokens=5,
+        sampling_param_temperature=1.0,
+        sampling_param_best_of=3,
+        sampling_param_seed=np.array([7], dtype=np.uint64),
+        sampling_param_exclude_input_from_output=True,
+        return_cumulative_logprob=True,
+    )
+    ((response, _),) = run(model, request(**inputs))
     values = outputs(response)
     assert values["text_output"].shape == (1,)
-    samples = model.engine.generate(model.inflight.tokenizer.encode(PROMPT, add_special_tokens=True),
-                                    SamplingParams(max_tokens=5, temperature=1.0, n=3, seed=7, logprobs=True,
-                                                   end_id=model.inflight.tokenizer.end_id))
+    samples = model.engine.generate(
+        model.inflight.tokenizer.encode(PROMPT, add_special_tokens=True),
+        SamplingParams(
+            max_tokens=5, temperature=1.0, n=3, seed=7, logprobs=True, end_id=model.inflight.tokenizer.end_id
+        ),
+    )
     best = max(samples.outputs, key=lambda c: c.cumulative_logprob)
     assert values["cumulative_logprob"][0] == pytest.approx(best.cumulative_logprob, abs=1e-3)
 
@@ -174,13 +195,16 @@ def test_a_cancelled_request_aborts_its_engine_request(model):
     assert wait_idle(model).num_steps - steps_before < 150
 
 
-@pytest.mark.parametrize("inputs, named", [
-    (dict(prompt=None), "text_input"),
-    (dict(sampling_param_max_tokens=0), "sampling_param_max_tokens"),
-    (dict(sampling_param_max_tokens=1000), "sampling_param_max_tokens"),  # beyond max_seq_len 256
-])
+@pytest.mark.parametrize(
+    "inputs, named",
+    [
+        (dict(prompt=None), "text_input"),
+        (dict(sampling_param_max_tokens=0), "sampling_param_max_tokens"),
+        (dict(sampling_param_max_tokens=1000), "sampling_param_max_tokens"),  # beyond max_seq_len 256
+    ],
+)
 def test_errors_name_the_input_and_carry_na_text(model, inputs, named):
-    (response, flags), = run(model, request(**inputs))
+    ((response, flags),) = run(model, request(**inputs))
     assert flags == fake.TRITONSERVER_RESPONSE_COMPLETE_FINAL
     assert response.has_error() and f"'{named}'" in response.error().message()
     assert response.error().code() == fake.TritonError.INVALID_ARG
@@ -192,7 +216,7 @@ def test_streaming_is_refused_when_the_model_is_not_decoupled(model):
     try:
         req = request(streaming=True)
         server.submit(req)
-        (response, _), = req.get_response_sender().sent
+        ((response, _),) = req.get_response_sender().sent
         assert "'streaming'" in response.error().message()
     finally:
         server.shutdown()

@@ -1,4 +1,5 @@
 """The LLM-API model's template (contract 1.3 tensors), its model.yaml settings, and `tritonllm repo build --llmapi`."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -7,9 +8,9 @@ import pytest
 import yaml
 
 from tritonllm.commands.main import main as cli_main
-from tritonllm.engine.config import ConfigError
 from tritonllm.deploy.llmapi_repo import build_llmapi_repo, llmapi_template
 from tritonllm.deploy.repo import RepoError, build_repo
+from tritonllm.engine.config import ConfigError
 from tritonllm.triton.llmapi_config import load_llmapi_settings, read_triton_config
 
 text_format = pytest.importorskip("google.protobuf.text_format")
@@ -33,8 +34,12 @@ CONTRACT_INPUTS = {  # name -> (data type, dims, optional)
     "return_cumulative_logprob": ("TYPE_BOOL", [1], True),
     "stop": ("TYPE_BOOL", [1], True),
 }
-CONTRACT_OUTPUTS = {"text_output": ("TYPE_STRING", [-1]), "finish_reason": ("TYPE_STRING", [-1]),
-                    "stop_reason": ("TYPE_STRING", [-1]), "cumulative_logprob": ("TYPE_FP32", [-1])}
+CONTRACT_OUTPUTS = {
+    "text_output": ("TYPE_STRING", [-1]),
+    "finish_reason": ("TYPE_STRING", [-1]),
+    "stop_reason": ("TYPE_STRING", [-1]),
+    "cumulative_logprob": ("TYPE_FP32", [-1]),
+}
 
 
 @pytest.fixture
@@ -68,8 +73,14 @@ def test_the_template_model_yaml_is_complete_except_for_the_model(tmp_path):
 
 
 def test_build_writes_only_the_llmapi_model_with_a_loadable_model_yaml(fake_model, tmp_path):
-    repo = build_llmapi_repo(fake_model, tmp_path / "repo", streaming=False, max_seq_len=512,
-                             kv_cache_max_tokens=4096, engine_args={"kv_cache_config.tokens_per_block": 16})
+    repo = build_llmapi_repo(
+        fake_model,
+        tmp_path / "repo",
+        streaming=False,
+        max_seq_len=512,
+        kv_cache_max_tokens=4096,
+        engine_args={"kv_cache_config.tokens_per_block": 16},
+    )
     assert sorted(p.name for p in repo.iterdir()) == ["tensorrt_llm"]
     version = repo / "tensorrt_llm" / "1"
     data = yaml.safe_load((version / "model.yaml").read_text())
@@ -91,12 +102,15 @@ def test_a_relative_model_path_is_relative_to_model_yaml(fake_model, tmp_path):
     assert load_llmapi_settings(version).engine.model == str(fake_model.resolve())
 
 
-@pytest.mark.parametrize("triton_config, message", [
-    ({"max_batch_size": 8, "decoupled": True}, "max_batch_size = 8 must be 0"),
-    ({"decoupled": "yes"}, "decoupled = 'yes' must be true or false"),
-    ({"decoupled": True, "batching": 1}, "unknown key"),
-    (None, "triton_config must be a mapping"),
-])
+@pytest.mark.parametrize(
+    "triton_config, message",
+    [
+        ({"max_batch_size": 8, "decoupled": True}, "max_batch_size = 8 must be 0"),
+        ({"decoupled": "yes"}, "decoupled = 'yes' must be true or false"),
+        ({"decoupled": True, "batching": 1}, "unknown key"),
+        (None, "triton_config must be a mapping"),
+    ],
+)
 def test_bad_triton_config_is_refused_naming_the_key(fake_model, tmp_path, triton_config, message):
     version = build_llmapi_repo(fake_model, tmp_path / "repo") / "tensorrt_llm" / "1"
     data = yaml.safe_load((version / "model.yaml").read_text())
@@ -116,8 +130,12 @@ def test_llm_config_path_picks_another_file(fake_model, tmp_path, monkeypatch):
 
 def test_keys_the_embedded_engine_cannot_honour_fail_the_build(fake_model, tmp_path):
     with pytest.raises(RepoError, match="cannot honour: pytorch_backend_config"):
-        build_llmapi_repo(fake_model, tmp_path / "repo", engine="embedded",
-                          engine_args={"pytorch_backend_config": {"enable_overlap_scheduler": True}})
+        build_llmapi_repo(
+            fake_model,
+            tmp_path / "repo",
+            engine="embedded",
+            engine_args={"pytorch_backend_config": {"enable_overlap_scheduler": True}},
+        )
     with pytest.raises(RepoError, match="unknown key"):
         build_llmapi_repo(fake_model, tmp_path / "repo", engine_args={"kv_cache_config.colour": "blue"})
     assert not (tmp_path / "repo" / "tensorrt_llm").exists()
@@ -139,9 +157,27 @@ def test_an_existing_llmapi_model_is_replaced_only_with_overwrite(fake_model, tm
 
 def test_the_cli_builds_it_with_typed_params(fake_model, tmp_path, capsys):
     out = tmp_path / "repo"
-    assert cli_main(["repo", "build", "--llmapi", "--model", str(fake_model), "--out", str(out), "--no-streaming",
-                     "--max-batch-size", "4", "--param", "kv_cache_config.enable_block_reuse=false",
-                     "--param", "max_num_tokens=1024"]) == 0
+    assert (
+        cli_main(
+            [
+                "repo",
+                "build",
+                "--llmapi",
+                "--model",
+                str(fake_model),
+                "--out",
+                str(out),
+                "--no-streaming",
+                "--max-batch-size",
+                "4",
+                "--param",
+                "kv_cache_config.enable_block_reuse=false",
+                "--param",
+                "max_num_tokens=1024",
+            ]
+        )
+        == 0
+    )
     assert "LLM-API" in capsys.readouterr().out
     settings = load_llmapi_settings(out / "tensorrt_llm" / "1")
     assert settings.engine.max_batch_size == 4 and settings.engine.max_num_tokens == 1024
@@ -150,8 +186,22 @@ def test_the_cli_builds_it_with_typed_params(fake_model, tmp_path, capsys):
 
 def test_triton_config_params_are_honoured_or_refused_never_dropped(fake_model, tmp_path):
     out = tmp_path / "repo"
-    assert cli_main(["repo", "build", "--llmapi", "--model", str(fake_model), "--out", str(out),
-                     "--param", "triton_config.decoupled=false"]) == 0
+    assert (
+        cli_main(
+            [
+                "repo",
+                "build",
+                "--llmapi",
+                "--model",
+                str(fake_model),
+                "--out",
+                str(out),
+                "--param",
+                "triton_config.decoupled=false",
+            ]
+        )
+        == 0
+    )
     assert load_llmapi_settings(out / "tensorrt_llm" / "1").triton.decoupled is False
     with pytest.raises(RepoError, match="triton_config.max_batch_size = 8 must be 0"):
         build_llmapi_repo(fake_model, tmp_path / "other", engine_args={"triton_config.max_batch_size": 8})

@@ -1,17 +1,16 @@
 """Request conversion of the LLM-API model (contract 1.3 inputs -> prompt + SamplingParams), against a fake
 pb_utils; every refusal names the input."""
+
 from __future__ import annotations
 
 import sys
 
+import fake_pb_utils as fake  # registered by conftest.py
 import numpy as np
 import pytest
 
 from tritonllm.triton.llmapi_request import convert_request, name_inputs
 from tritonllm.triton.pb import InputError
-
-
-import fake_pb_utils as fake  # registered by conftest.py
 
 
 @pytest.fixture(autouse=True)
@@ -53,10 +52,17 @@ def test_defaults_follow_tensorrt_llm_sampling_params():
 
 
 def test_sampling_inputs_reach_the_engine_params():
-    job = convert(sampling_param_temperature=0.5, sampling_param_top_k=4, sampling_param_top_p=0.9,
-                  sampling_param_frequency_penalty=0.1, sampling_param_presence_penalty=0.2,
-                  sampling_param_max_tokens=7, sampling_param_seed=np.array([2**40], dtype=np.uint64),
-                  sampling_param_exclude_input_from_output=True, streaming=True)
+    job = convert(
+        sampling_param_temperature=0.5,
+        sampling_param_top_k=4,
+        sampling_param_top_p=0.9,
+        sampling_param_frequency_penalty=0.1,
+        sampling_param_presence_penalty=0.2,
+        sampling_param_max_tokens=7,
+        sampling_param_seed=np.array([2**40], dtype=np.uint64),
+        sampling_param_exclude_input_from_output=True,
+        streaming=True,
+    )
     params = job.params
     assert (params.temperature, params.top_k, params.max_tokens, params.seed) == (0.5, 4, 7, 2**40)
     assert params.top_p == pytest.approx(0.9) and params.frequency_penalty == pytest.approx(0.1)
@@ -77,17 +83,20 @@ def test_cumulative_logprob_and_best_of_turn_log_probs_on():
     assert convert(return_finish_reason=True, return_stop_reason=True).outputs.finish_reason
 
 
-@pytest.mark.parametrize("inputs, named", [
-    (dict(prompt=None), "text_input"),
-    (dict(prompt="x", sampling_param_max_tokens=0), "sampling_param_max_tokens"),
-    (dict(sampling_param_top_p=0.0), "sampling_param_top_p"),
-    (dict(sampling_param_temperature=-1.0), "sampling_param_temperature"),
-    (dict(sampling_param_top_k=-2), "sampling_param_top_k"),
-    (dict(sampling_param_best_of=0), "sampling_param_best_of"),
-    (dict(sampling_param_best_of=2, streaming=True), "sampling_param_best_of"),
-    (dict(sampling_param_max_tokens=np.array([3, 4], dtype=np.int32)), "sampling_param_max_tokens"),
-    (dict(sampling_param_max_tokens=np.array([3.0], dtype=np.float32)), "sampling_param_max_tokens"),
-])
+@pytest.mark.parametrize(
+    "inputs, named",
+    [
+        (dict(prompt=None), "text_input"),
+        (dict(prompt="x", sampling_param_max_tokens=0), "sampling_param_max_tokens"),
+        (dict(sampling_param_top_p=0.0), "sampling_param_top_p"),
+        (dict(sampling_param_temperature=-1.0), "sampling_param_temperature"),
+        (dict(sampling_param_top_k=-2), "sampling_param_top_k"),
+        (dict(sampling_param_best_of=0), "sampling_param_best_of"),
+        (dict(sampling_param_best_of=2, streaming=True), "sampling_param_best_of"),
+        (dict(sampling_param_max_tokens=np.array([3, 4], dtype=np.int32)), "sampling_param_max_tokens"),
+        (dict(sampling_param_max_tokens=np.array([3.0], dtype=np.float32)), "sampling_param_max_tokens"),
+    ],
+)
 def test_bad_inputs_are_refused_naming_the_input(inputs, named):
     with pytest.raises(InputError, match=f"'{named}'"):
         convert(**inputs)
@@ -106,7 +115,9 @@ def test_streaming_needs_decoupled_mode():
 
 
 def test_engine_messages_get_the_inputs_they_are_about():
-    assert name_inputs("prompt length 9 + max_tokens 300 = 309 exceeds max_seq_len 256") == \
-        "inputs 'text_input', 'sampling_param_max_tokens': prompt length 9 + max_tokens 300 = 309 exceeds " \
+    assert (
+        name_inputs("prompt length 9 + max_tokens 300 = 309 exceeds max_seq_len 256")
+        == "inputs 'text_input', 'sampling_param_max_tokens': prompt length 9 + max_tokens 300 = 309 exceeds "
         "max_seq_len 256"
+    )
     assert name_inputs("the engine is tired") == "the engine is tired"

@@ -1,5 +1,6 @@
 """SequenceText: the cumulative text of a generated sequence (LLM-API model) with complete characters only, cut at
 stop strings, every response a prefix of the final text."""
+
 from __future__ import annotations
 
 import pytest

@@ -1,4 +1,5 @@
 """docs/metrics.md and docs/grafana-dashboard.json stay in step with the metrics the models export."""
+
 from __future__ import annotations
 
 import json
@@ -42,7 +43,12 @@ def test_the_dashboard_queries_only_exported_metrics_and_label_values():
 
 def test_the_dashboard_covers_requests_kv_blocks_token_lengths_and_latency_quantiles():
     exprs = "\n".join(dashboard_expressions())
-    for needed in ("nv_trt_llm_request_metrics", "nv_trt_llm_kv_cache_block_metrics", "nv_llm_input_token_len_bucket",
-                   "nv_llm_output_token_len_bucket", "histogram_quantile(0.9, sum by (le) (rate("
-                   "nv_llm_time_to_first_token_seconds_bucket", "nv_llm_inter_token_latency_seconds_bucket"):
+    for needed in (
+        "nv_trt_llm_request_metrics",
+        "nv_trt_llm_kv_cache_block_metrics",
+        "nv_llm_input_token_len_bucket",
+        "nv_llm_output_token_len_bucket",
+        "histogram_quantile(0.9, sum by (le) (rate(nv_llm_time_to_first_token_seconds_bucket",
+        "nv_llm_inter_token_latency_seconds_bucket",
+    ):
         assert needed in exprs

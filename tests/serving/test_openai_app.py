@@ -1,5 +1,6 @@
 """The OpenAI routes against a scripted Triton stream (no server): answer shapes, SSE framing, usage, stop
 strings, n, errors in OpenAI's shape, and a Triton that cannot be reached."""
+
 from __future__ import annotations
 
 import json
@@ -12,11 +13,11 @@ pytest.importorskip("fastapi", reason="the OpenAI frontend needs fastapi (ci/req
 from starlette.testclient import TestClient  # noqa: E402
 
 from tritonllm.checkpoints.tiny import build_tiny_model  # noqa: E402
+from tritonllm.deploy.tritonserver import free_port  # noqa: E402
 from tritonllm.openai_api.app import create_app  # noqa: E402
 from tritonllm.openai_api.config import FrontendConfig  # noqa: E402
 from tritonllm.openai_api.service import OpenAIService  # noqa: E402
 from tritonllm.openai_api.triton_client import StreamResponse, backend_error  # noqa: E402
-from tritonllm.deploy.tritonserver import free_port  # noqa: E402
 
 PIECES = ["Hello", " wor", "ld", ". The", " end"]
 
@@ -39,11 +40,16 @@ class ScriptedTriton:
         if self.error:
             raise backend_error(model, self.error)
         n = int(inputs["num_return_sequences"][0, 0]) if "num_return_sequences" in inputs else 1
-        for piece in self.pieces[:int(inputs["max_tokens"][0, 0])]:
+        for piece in self.pieces[: int(inputs["max_tokens"][0, 0])]:
             for sequence in range(n):
-                yield StreamResponse({"text_output": np.array([piece.encode()], dtype=object),
-                                      "output_log_probs": np.array([[[-0.5]]], dtype=np.float32),
-                                      "sequence_index": np.array([[sequence]], dtype=np.int32)}, final=False)
+                yield StreamResponse(
+                    {
+                        "text_output": np.array([piece.encode()], dtype=object),
+                        "output_log_probs": np.array([[[-0.5]]], dtype=np.float32),
+                        "sequence_index": np.array([[sequence]], dtype=np.int32),
+                    },
+                    final=False,
+                )
         yield StreamResponse({}, final=True)
 
     async def close(self):
@@ -72,7 +78,7 @@ def scripted(tiny_dir):
 def sse_payloads(response) -> list:
     lines = [line for line in response.text.split("\n\n") if line]
     assert lines[-1] == "data: [DONE]"
-    return [json.loads(line[len("data: "):]) for line in lines[:-1]]
+    return [json.loads(line[len("data: ") :]) for line in lines[:-1]]
 
 
 def assert_openai_error(response, status, param=None, code=None):
@@ -96,8 +102,11 @@ def test_whole_completion_counts_tokens_and_reports_length(scripted, tiny_dir):
     assert answer["object"] == "text_completion" and answer["choices"][0]["text"] == "".join(PIECES)
     assert answer["choices"][0]["finish_reason"] == "length"
     prompt_tokens = len(service.tokenizer.encode("Hi there", add_special_tokens=True))
-    assert answer["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 5,
-                               "total_tokens": prompt_tokens + 5}
+    assert answer["usage"] == {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": 5,
+        "total_tokens": prompt_tokens + 5,
+    }
     sent = triton.requests[-1]
     assert sent["text_input"][0, 0] == b"Hi there" and sent["stream"][0, 0] and sent["return_log_probs"][0, 0]
     assert sent["temperature"][0, 0] == 1.0 and "stop_words" not in sent  # completions: no end-of-turn stops
@@ -105,9 +114,16 @@ def test_whole_completion_counts_tokens_and_reports_length(scripted, tiny_dir):
 
 def test_chat_stream_is_sse_with_role_deltas_finish_usage_and_done(scripted):
     client, triton, _ = scripted
-    response = client.post("/v1/chat/completions", json={
-        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "stream": True,
-        "stream_options": {"include_usage": True}})
+    response = client.post(
+        "/v1/chat/completions",
+        json={
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "hi"}],
+            "max_tokens": 4,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        },
+    )
     assert response.headers["content-type"].startswith("text/event-stream")
     chunks = sse_payloads(response)
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": "Hello"}
@@ -133,8 +149,9 @@ def test_stop_string_cuts_the_text_before_it_and_finishes_with_stop(scripted):
 
 def test_n_and_several_prompts_number_the_choices(scripted):
     client, triton, _ = scripted
-    answer = client.post("/v1/completions", json={"model": "tiny", "prompt": ["a", "b"], "n": 2,
-                                                  "max_tokens": 2}).json()
+    answer = client.post(
+        "/v1/completions", json={"model": "tiny", "prompt": ["a", "b"], "n": 2, "max_tokens": 2}
+    ).json()
     assert [c["index"] for c in answer["choices"]] == [0, 1, 2, 3]
     assert all(c["text"] == "Hello wor" for c in answer["choices"])
     assert answer["usage"]["completion_tokens"] == 8
@@ -151,24 +168,35 @@ def test_a_lora_name_picks_its_adapter_and_the_base_name_none(scripted):
 
 def test_chat_logprobs_carry_each_tokens_text(scripted):
     client, _, _ = scripted
-    answer = client.post("/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "x"}],
-                                                       "max_tokens": 3, "logprobs": True}).json()
+    answer = client.post(
+        "/v1/chat/completions",
+        json={"model": "tiny", "messages": [{"role": "user", "content": "x"}], "max_tokens": 3, "logprobs": True},
+    ).json()
     content = answer["choices"][0]["logprobs"]["content"]
     assert [e["token"] for e in content] == PIECES[:3] and all(e["logprob"] == -0.5 for e in content)
 
 
 def test_errors_in_openai_shape(scripted):
     client, _, _ = scripted
-    assert_openai_error(client.post("/v1/completions", json={"model": "nope", "prompt": "x"}), 404, "model",
-                        "model_not_found")
-    assert_openai_error(client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "top_p": 2}), 400,
-                        "top_p")
-    assert_openai_error(client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 64}),
-                        400, "max_tokens", "context_length_exceeded")
-    assert_openai_error(client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "echo": True}), 422,
-                        "echo", "unsupported_parameter")
-    assert_openai_error(client.post("/v1/completions", content=b"{not json", headers={"Content-Type":
-                                                                                    "application/json"}), 400)
+    assert_openai_error(
+        client.post("/v1/completions", json={"model": "nope", "prompt": "x"}), 404, "model", "model_not_found"
+    )
+    assert_openai_error(client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "top_p": 2}), 400, "top_p")
+    assert_openai_error(
+        client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 64}),
+        400,
+        "max_tokens",
+        "context_length_exceeded",
+    )
+    assert_openai_error(
+        client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "echo": True}),
+        422,
+        "echo",
+        "unsupported_parameter",
+    )
+    assert_openai_error(
+        client.post("/v1/completions", content=b"{not json", headers={"Content-Type": "application/json"}), 400
+    )
     assert_openai_error(client.get("/v1/nothing-here"), 404)
 
 
@@ -176,8 +204,9 @@ def test_a_backend_error_before_any_text_is_an_http_error(tiny_dir):
     client, _ = make_client(tiny_dir, ScriptedTriton(error="input 'temperature' must be >= 0"))
     with client:
         for stream in (False, True):
-            response = client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2,
-                                                            "stream": stream})
+            response = client.post(
+                "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2, "stream": stream}
+            )
             assert_openai_error(response, 400)
 
 
@@ -186,8 +215,9 @@ def test_triton_unreachable_is_a_503(tiny_dir):
     with client:
         assert_openai_error(client.get("/health"), 503, code="service_unavailable")
         for stream in (False, True):
-            response = client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2,
-                                                            "stream": stream})
+            response = client.post(
+                "/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 2, "stream": stream}
+            )
             assert_openai_error(response, 503, code="service_unavailable")
 
 

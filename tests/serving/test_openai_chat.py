@@ -1,5 +1,6 @@
 """Chat templates: the frontend's prompt is the model's own template with the generation prompt, and the
 template's end-of-turn tokens stop generation."""
+
 from __future__ import annotations
 
 import json
@@ -10,14 +11,18 @@ from tritonllm.checkpoints.tiny import build_tiny_model
 from tritonllm.openai_api.chat import ChatTemplate, end_of_turn_tokens
 from tritonllm.openai_api.errors import BadRequest
 
-CONVERSATION = [{"role": "system", "content": "You answer in one word."},
-                {"role": "user", "content": "Capital of France?"},
-                {"role": "assistant", "content": "Paris."},
-                {"role": "user", "content": "And of Italy?"}]
+CONVERSATION = [
+    {"role": "system", "content": "You answer in one word."},
+    {"role": "user", "content": "Capital of France?"},
+    {"role": "assistant", "content": "Paris."},
+    {"role": "user", "content": "And of Italy?"},
+]
 
-LLAMA3_STYLE = ("{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
-                "{{ m['content'] }}<|eot_id|>{% endfor %}"
-                "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}")
+LLAMA3_STYLE = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{{ m['content'] }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
 
 
 @pytest.fixture(scope="module")
@@ -44,8 +49,9 @@ def test_chatml_end_of_turn_is_im_end(tokenizer, tiny_dir):
 
 
 def test_template_end_of_turn_token_and_generation_config_eos_ids(tokenizer, tiny_dir, tmp_path):
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|eot_id|>", "<|start_header_id|>",
-                                                                "<|end_header_id|>"]})
+    tokenizer.add_special_tokens(
+        {"additional_special_tokens": ["<|eot_id|>", "<|start_header_id|>", "<|end_header_id|>"]}
+    )
     tokenizer.chat_template = LLAMA3_STYLE
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [0, 2]}))
     stops = end_of_turn_tokens(tokenizer, tmp_path)
@@ -65,7 +71,7 @@ class BosAddingTokenizer:
         while text:
             if text.startswith(self.bos_token):  # special tokens in the text are parsed, as HF tokenizers do
                 ids.append(self.bos_token_id)
-                text = text[len(self.bos_token):]
+                text = text[len(self.bos_token) :]
             else:
                 ids.append(ord(text[0]))
                 text = text[1:]
@@ -81,7 +87,7 @@ def test_a_bos_the_tokenizer_adds_itself_is_not_sent_twice():
     assert template.adds_bos
     rendered = template.render(CONVERSATION)
     full = tokenizer.apply_chat_template(CONVERSATION, add_generation_prompt=True)
-    assert rendered == full[len("<s>"):]
+    assert rendered == full[len("<s>") :]
     # preprocessing tokenizes with add_special_tokens: the engine sees the template's ids, one BOS
     assert tokenizer.encode(rendered) == tokenizer.encode(full, add_special_tokens=False)
 

@@ -1,4 +1,5 @@
 """OpenAI request bodies: checked fields, the errors naming them, and the typed objects they become."""
+
 from __future__ import annotations
 
 import pytest
@@ -7,9 +8,19 @@ pytest.importorskip("fastapi", reason="the OpenAI frontend needs fastapi (ci/req
 
 from tritonllm.openai_api.errors import BadRequest, ModelNotFound, PromptTooLong, ServiceUnavailable, Unsupported  # noqa: E402
 from tritonllm.openai_api.generation import prepare_prompt  # noqa: E402
-from tritonllm.openai_api.schemas import (ChatCompletionBody, CompletionBody, chat_max_tokens, chat_messages,  # noqa: E402
-                                          check_chat_fields, check_completion_fields, completion_prompts,
-                                          include_usage, parse_body, sampling_of, stop_strings)
+from tritonllm.openai_api.schemas import (
+    ChatCompletionBody,
+    CompletionBody,
+    chat_max_tokens,
+    chat_messages,  # noqa: E402
+    check_chat_fields,
+    check_completion_fields,
+    completion_prompts,
+    include_usage,
+    parse_body,
+    sampling_of,
+    stop_strings,
+)
 
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
 
@@ -20,10 +31,24 @@ def bad_field(body_class, body) -> BadRequest:
     return caught.value
 
 
-@pytest.mark.parametrize("field, value", [("temperature", 2.5), ("temperature", -1), ("top_p", 0), ("n", 0),
-                                          ("n", 17), ("max_tokens", 0), ("seed", -1), ("presence_penalty", 3),
-                                          ("frequency_penalty", -2.5), ("stop", ["ok", ""]), ("stop", 5),
-                                          ("stream", "sometimes"), ("model", "")])
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("temperature", 2.5),
+        ("temperature", -1),
+        ("top_p", 0),
+        ("n", 0),
+        ("n", 17),
+        ("max_tokens", 0),
+        ("seed", -1),
+        ("presence_penalty", 3),
+        ("frequency_penalty", -2.5),
+        ("stop", ["ok", ""]),
+        ("stop", 5),
+        ("stream", "sometimes"),
+        ("model", ""),
+    ],
+)
 def test_a_bad_value_is_a_400_naming_its_field(field, value):
     error = bad_field(ChatCompletionBody, {**CHAT, field: value})
     assert error.status == 400 and error.param == field and field in error.message
@@ -38,8 +63,10 @@ def test_nested_fields_are_named_by_their_path():
 
 
 def test_stream_options_need_stream_and_the_body_must_be_an_object():
-    assert "stream_options" in bad_field(CompletionBody, {"model": "m", "prompt": "x",
-                                                          "stream_options": {"include_usage": True}}).message
+    assert (
+        "stream_options"
+        in bad_field(CompletionBody, {"model": "m", "prompt": "x", "stream_options": {"include_usage": True}}).message
+    )
     assert bad_field(CompletionBody, ["not", "an", "object"]).status == 400
 
 
@@ -51,15 +78,28 @@ def test_unknown_fields_are_ignored_and_defaults_follow_openai():
 
 
 def test_null_fields_count_as_not_sent():
-    body = parse_body(ChatCompletionBody, {**CHAT, "n": None, "stream": None, "logprobs": None, "stop": None,
-                                           "temperature": None})
+    body = parse_body(
+        ChatCompletionBody, {**CHAT, "n": None, "stream": None, "logprobs": None, "stop": None, "temperature": None}
+    )
     assert body.n == 1 and body.stream is False and body.logprobs is False and stop_strings(body) == ()
 
 
 def test_stop_usage_and_extensions():
-    body = parse_body(CompletionBody, {"model": "m", "prompt": ["a", "b"], "stop": "END", "stream": True,
-                                       "stream_options": {"include_usage": True}, "top_k": 5, "min_tokens": 2,
-                                       "max_tokens": 8, "seed": 7, "temperature": 0})
+    body = parse_body(
+        CompletionBody,
+        {
+            "model": "m",
+            "prompt": ["a", "b"],
+            "stop": "END",
+            "stream": True,
+            "stream_options": {"include_usage": True},
+            "top_k": 5,
+            "min_tokens": 2,
+            "max_tokens": 8,
+            "seed": 7,
+            "temperature": 0,
+        },
+    )
     assert stop_strings(body) == ("END",) and include_usage(body) and completion_prompts(body) == ("a", "b")
     sampling = sampling_of(body, body.max_tokens)
     assert (sampling.top_k, sampling.min_tokens, sampling.seed, sampling.temperature) == (5, 2, 7, 0.0)
@@ -78,17 +118,24 @@ def test_max_completion_tokens_wins_and_must_agree_with_max_tokens():
     assert caught.value.param == "max_completion_tokens"
 
 
-@pytest.mark.parametrize("extra, param", [({"tools": [{"type": "function"}]}, "tools"),
-                                          ({"response_format": {"type": "json_object"}}, "response_format.type"),
-                                          ({"logprobs": True, "top_logprobs": 2}, "top_logprobs")])
+@pytest.mark.parametrize(
+    "extra, param",
+    [
+        ({"tools": [{"type": "function"}]}, "tools"),
+        ({"response_format": {"type": "json_object"}}, "response_format.type"),
+        ({"logprobs": True, "top_logprobs": 2}, "top_logprobs"),
+    ],
+)
 def test_chat_features_not_built_are_a_422_naming_them(extra, param):
     with pytest.raises(Unsupported) as caught:
         check_chat_fields(parse_body(ChatCompletionBody, {**CHAT, **extra}))
     assert caught.value.status == 422 and caught.value.param == param
 
 
-@pytest.mark.parametrize("extra, param", [({"echo": True}, "echo"), ({"suffix": "x"}, "suffix"),
-                                          ({"best_of": 3}, "best_of"), ({"logprobs": 2}, "logprobs")])
+@pytest.mark.parametrize(
+    "extra, param",
+    [({"echo": True}, "echo"), ({"suffix": "x"}, "suffix"), ({"best_of": 3}, "best_of"), ({"logprobs": 2}, "logprobs")],
+)
 def test_completion_features_not_built_are_a_422_naming_them(extra, param):
     with pytest.raises(Unsupported) as caught:
         check_completion_fields(parse_body(CompletionBody, {"model": "m", "prompt": "x", **extra}))
@@ -103,13 +150,28 @@ def test_token_id_prompts_and_logit_bias_are_refused():
 
 
 def test_chat_messages_join_text_parts_and_map_developer_to_system():
-    body = parse_body(ChatCompletionBody, {"model": "m", "messages": [
-        {"role": "developer", "content": "be brief"},
-        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}], "name": "ann"}]})
-    assert chat_messages(body) == [{"role": "system", "content": "be brief"},
-                                   {"role": "user", "content": "ab", "name": "ann"}]
-    image = parse_body(ChatCompletionBody, {"model": "m", "messages": [
-        {"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]})
+    body = parse_body(
+        ChatCompletionBody,
+        {
+            "model": "m",
+            "messages": [
+                {"role": "developer", "content": "be brief"},
+                {
+                    "role": "user",
+                    "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+                    "name": "ann",
+                },
+            ],
+        },
+    )
+    assert chat_messages(body) == [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "ab", "name": "ann"},
+    ]
+    image = parse_body(
+        ChatCompletionBody,
+        {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+    )
     with pytest.raises(Unsupported) as caught:
         chat_messages(image)
     assert caught.value.param == "messages.0.content.0"

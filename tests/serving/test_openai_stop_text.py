@@ -1,4 +1,5 @@
 """Stop strings on streamed text: cut where the first one begins, never sent, never taken back."""
+
 from __future__ import annotations
 
 import pytest
@@ -13,8 +14,15 @@ def stream(pieces, stops) -> tuple[list[str], bool]:
     return sent, trimmer.stopped
 
 
-@pytest.mark.parametrize("pieces", [["Hello wor", "ld. STOP here"], ["Hello world. S", "T", "OP here"],
-                                    ["H", "ello world. ST", "OP", " here"], ["Hello world. STOP here"]])
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        ["Hello wor", "ld. STOP here"],
+        ["Hello world. S", "T", "OP here"],
+        ["H", "ello world. ST", "OP", " here"],
+        ["Hello world. STOP here"],
+    ],
+)
 def test_text_ends_before_the_stop_string_however_it_is_split(pieces):
     sent, stopped = stream(pieces, ["STOP"])
     assert "".join(sent) == "Hello world. " and stopped

@@ -1,4 +1,5 @@
 """A model process whose tritonserver is gone exits by itself (parent_watch), instead of living on under init."""
+
 import subprocess
 import sys
 import time

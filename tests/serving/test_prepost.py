@@ -1,4 +1,5 @@
 """The preprocessing and postprocessing models executed with a fake pb_utils (no server), and the pb plumbing."""
+
 from __future__ import annotations
 
 import json
@@ -17,7 +18,7 @@ from tritonllm.triton.params import ParameterError
 TEXT = ["Hello world, the quick brown fox jumps over the lazy dog.", "Streaming keeps spaces: naïve café 🙂"] * 10
 
 
-import fake_pb_utils as fake  # registered by conftest.py
+import fake_pb_utils as fake  # noqa: E402  (registered by conftest.py)
 
 
 @pytest.fixture(autouse=True)
@@ -39,13 +40,20 @@ def tokenizer_dir(tmp_path_factory) -> str:
         data["model"]["vocab"].setdefault(f"<0x{byte:02X}>", len(data["model"]["vocab"]))
     data["model"]["byte_fallback"] = True
     tokenizer = Tokenizer.from_str(json.dumps(data))
-    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                           decoders.Strip(" ", 1, 0)])
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     tokenizer.post_processor = processors.TemplateProcessing(
-        single="<s> $A", special_tokens=[("<s>", tokenizer.token_to_id("<s>"))])
+        single="<s> $A", special_tokens=[("<s>", tokenizer.token_to_id("<s>"))]
+    )
     directory = tmp_path_factory.mktemp("tokenizer")
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                            clean_up_tokenization_spaces=False).save_pretrained(str(directory))
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        clean_up_tokenization_spaces=False,
+    ).save_pretrained(str(directory))
     return str(directory)
 
 
@@ -83,8 +91,10 @@ def error_of(response) -> str:
 
 
 def query(*texts, output_len=16, **inputs) -> "fake.InferenceRequest":
-    batch = {"QUERY": [[text.encode()] for text in texts],
-             "REQUEST_OUTPUT_LEN": np.full((len(texts), 1), output_len, dtype=np.int32)}
+    batch = {
+        "QUERY": [[text.encode()] for text in texts],
+        "REQUEST_OUTPUT_LEN": np.full((len(texts), 1), output_len, dtype=np.int32),
+    }
     batch.update(inputs)
     return fake.InferenceRequest(batch)
 
@@ -92,6 +102,7 @@ def query(*texts, output_len=16, **inputs) -> "fake.InferenceRequest":
 # ---------------------------------------------------------------------------------------------------------------
 # pb plumbing
 # ---------------------------------------------------------------------------------------------------------------
+
 
 def test_input_errors_name_the_input_and_the_rule():
     request = fake.InferenceRequest({"max_tokens": np.array([[1.0]], dtype=np.float32)})
@@ -154,6 +165,7 @@ def test_output_tensor_and_string_tensor():
 # preprocessing
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def test_preprocessing_parameters(tokenizer_dir, tmp_path):
     with pytest.raises(ParameterError, match="'tokenizer_dir' is required"):
         make_pre("${tokenizer_dir}")
@@ -189,12 +201,16 @@ def test_preprocessing_without_special_tokens(tokenizer_dir, hf):
 
 
 def test_preprocessing_words_bias_and_ids(tokenizer_dir, hf):
-    request = query("Hello", "world",
-                    STOP_WORDS_DICT=[[b"fox", b""], [b"", b""]],  # an HTTP "stop_words": "" is [[b""]]
-                    BAD_WORDS_DICT=[[b"lazy dog", b"quick"], [b"dog", b""]],
-                    EMBEDDING_BIAS_WORDS=[[b"fox"], [b""]],
-                    EMBEDDING_BIAS_WEIGHTS=np.array([[2.0], [0.0]], dtype=np.float32),
-                    END_ID=np.array([[5], [6]], dtype=np.int32), PAD_ID=np.array([[7], [8]], dtype=np.int32))
+    request = query(
+        "Hello",
+        "world",
+        STOP_WORDS_DICT=[[b"fox", b""], [b"", b""]],  # an HTTP "stop_words": "" is [[b""]]
+        BAD_WORDS_DICT=[[b"lazy dog", b"quick"], [b"dog", b""]],
+        EMBEDDING_BIAS_WORDS=[[b"fox"], [b""]],
+        EMBEDDING_BIAS_WEIGHTS=np.array([[2.0], [0.0]], dtype=np.float32),
+        END_ID=np.array([[5], [6]], dtype=np.int32),
+        PAD_ID=np.array([[7], [8]], dtype=np.int32),
+    )
     result = outputs(make_pre(tokenizer_dir).execute([request])[0])
     fox = hf.encode("fox", add_special_tokens=False)
     assert result["STOP_WORDS_IDS"].shape == (2, 2, len(fox))
@@ -211,29 +227,50 @@ def test_preprocessing_words_bias_and_ids(tokenizer_dir, hf):
 
 
 def test_preprocessing_empty_stop_words_from_http(tokenizer_dir):
-    result = outputs(make_pre(tokenizer_dir).execute([query("Hi", STOP_WORDS_DICT=[[b""]],
-                                                            BAD_WORDS_DICT=[[b""]])])[0])
+    result = outputs(make_pre(tokenizer_dir).execute([query("Hi", STOP_WORDS_DICT=[[b""]], BAD_WORDS_DICT=[[b""]])])[0])
     assert result["STOP_WORDS_IDS"].shape == result["BAD_WORDS_IDS"].shape == (1, 2, 0)
 
 
 BAD_PREPROCESSING_REQUESTS = [
     ({"REQUEST_OUTPUT_LEN": np.array([[4]], dtype=np.int32)}, "input 'QUERY' is required"),
-    ({"QUERY": [[b"hi"]], "REQUEST_OUTPUT_LEN": np.array([[4.0]], dtype=np.float32)},
-     "input 'REQUEST_OUTPUT_LEN' must be INT32, got FP32"),
+    (
+        {"QUERY": [[b"hi"]], "REQUEST_OUTPUT_LEN": np.array([[4.0]], dtype=np.float32)},
+        "input 'REQUEST_OUTPUT_LEN' must be INT32, got FP32",
+    ),
     ({"QUERY": [[b"hi"]]}, "input 'REQUEST_OUTPUT_LEN' is required"),
-    ({"QUERY": np.array([[b"\xc3("]], dtype=object), "REQUEST_OUTPUT_LEN": np.array([[4]], dtype=np.int32)},
-     "input 'QUERY' must be UTF-8"),
-    ({"QUERY": [[b"hi"]], "REQUEST_OUTPUT_LEN": np.array([[4]], dtype=np.int32),
-      "EMBEDDING_BIAS_WORDS": [[b"a", b"b"]], "EMBEDDING_BIAS_WEIGHTS": np.array([[1.0]], dtype=np.float32)},
-     "'EMBEDDING_BIAS_WORDS' and 'EMBEDDING_BIAS_WEIGHTS' must have the same length"),
-    ({"QUERY": [[b"hi"]], "REQUEST_OUTPUT_LEN": np.array([[4]], dtype=np.int32), "DECODER_QUERY": [[b"x"]]},
-     "input 'DECODER_QUERY' is not supported"),
-    ({"QUERY": [[b"hi"]], "REQUEST_OUTPUT_LEN": np.array([[4]], dtype=np.int32), "IMAGE_URL": [[b"http://x"]]},
-     "input 'IMAGE_URL' is not supported: multimodal"),
-    ({"QUERY": [[b"hi"]], "REQUEST_OUTPUT_LEN": np.array([[4]], dtype=np.int32),
-      "PROMPT_TABLE_EXTRA_ID": np.array([[1]], dtype=np.uint64)}, "input 'PROMPT_TABLE_EXTRA_ID' is not supported"),
-    ({"QUERY": [[b"hi"], [b"ho"]], "REQUEST_OUTPUT_LEN": np.array([[4]], dtype=np.int32)},
-     "input 'REQUEST_OUTPUT_LEN' must have batch size 2"),
+    (
+        {"QUERY": np.array([[b"\xc3("]], dtype=object), "REQUEST_OUTPUT_LEN": np.array([[4]], dtype=np.int32)},
+        "input 'QUERY' must be UTF-8",
+    ),
+    (
+        {
+            "QUERY": [[b"hi"]],
+            "REQUEST_OUTPUT_LEN": np.array([[4]], dtype=np.int32),
+            "EMBEDDING_BIAS_WORDS": [[b"a", b"b"]],
+            "EMBEDDING_BIAS_WEIGHTS": np.array([[1.0]], dtype=np.float32),
+        },
+        "'EMBEDDING_BIAS_WORDS' and 'EMBEDDING_BIAS_WEIGHTS' must have the same length",
+    ),
+    (
+        {"QUERY": [[b"hi"]], "REQUEST_OUTPUT_LEN": np.array([[4]], dtype=np.int32), "DECODER_QUERY": [[b"x"]]},
+        "input 'DECODER_QUERY' is not supported",
+    ),
+    (
+        {"QUERY": [[b"hi"]], "REQUEST_OUTPUT_LEN": np.array([[4]], dtype=np.int32), "IMAGE_URL": [[b"http://x"]]},
+        "input 'IMAGE_URL' is not supported: multimodal",
+    ),
+    (
+        {
+            "QUERY": [[b"hi"]],
+            "REQUEST_OUTPUT_LEN": np.array([[4]], dtype=np.int32),
+            "PROMPT_TABLE_EXTRA_ID": np.array([[1]], dtype=np.uint64),
+        },
+        "input 'PROMPT_TABLE_EXTRA_ID' is not supported",
+    ),
+    (
+        {"QUERY": [[b"hi"], [b"ho"]], "REQUEST_OUTPUT_LEN": np.array([[4]], dtype=np.int32)},
+        "input 'REQUEST_OUTPUT_LEN' must have batch size 2",
+    ),
 ]
 
 
@@ -259,6 +296,7 @@ def test_preprocessing_unexpected_failure_is_answered_and_logged(tokenizer_dir, 
 # postprocessing
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def tokens_request(rows, width=None, prefix=None, is_final=None):
     """rows[b][beam] = token list; TOKENS_BATCH padded with -1 like tensorrt_llm's output_ids."""
     width = width or max(len(seq) for beams in rows for seq in beams)
@@ -266,7 +304,7 @@ def tokens_request(rows, width=None, prefix=None, is_final=None):
     lengths = np.zeros((len(rows), len(rows[0])), dtype=np.int32)
     for b, beams in enumerate(rows):
         for beam, seq in enumerate(beams):
-            tokens[b, beam, :len(seq)] = seq
+            tokens[b, beam, : len(seq)] = seq
             lengths[b, beam] = len(seq)
     inputs = {"TOKENS_BATCH": tokens, "SEQUENCE_LENGTH": lengths}
     if prefix is not None:
@@ -294,8 +332,8 @@ def stream_through_postprocessing(model, ids, chunk, k=tok.DETOKENIZE_PREFIX_TOK
     """Send `ids` chunk by chunk with PREFIX_IDS left-padded with -1 to width k, as tensorrt_llm would."""
     deltas = []
     for start in range(0, len(ids), chunk):
-        new = ids[start:start + chunk]
-        window = tok.prefix_window(ids[:start + len(new)], len(new), k)
+        new = ids[start : start + chunk]
+        window = tok.prefix_window(ids[: start + len(new)], len(new), k)
         prefix = np.array([[[-1] * (k - len(window)) + window]], dtype=np.int32)
         last = start + chunk >= len(ids)
         response = model.execute([tokens_request([[new]], prefix=prefix, is_final=[last])])[0]
@@ -316,34 +354,49 @@ def test_postprocessing_streams_deltas_with_prefix_ids(tokenizer_dir, hf, chunk)
 def test_postprocessing_mixed_streaming_and_whole_requests(tokenizer_dir, hf):
     ids = hf.encode("Hello world", add_special_tokens=False)
     model = make_post(tokenizer_dir)
-    streaming = tokens_request([[ids[2:]]], prefix=np.array([[[-1] * 6 + ids[:2]]], dtype=np.int32),
-                               is_final=[False])
+    streaming = tokens_request([[ids[2:]]], prefix=np.array([[[-1] * 6 + ids[:2]]], dtype=np.int32), is_final=[False])
     responses = model.execute([tokens_request([[ids]]), streaming])
     assert outputs(responses[0])["OUTPUT"][0].decode() == "Hello world"
-    assert outputs(responses[1])["OUTPUT"][0].decode() == hf.decode(ids)[len(hf.decode(ids[:2])):]
+    assert outputs(responses[1])["OUTPUT"][0].decode() == hf.decode(ids)[len(hf.decode(ids[:2])) :]
 
 
 BAD_POSTPROCESSING_REQUESTS = [
     ({"SEQUENCE_LENGTH": np.array([[1]], dtype=np.int32)}, "input 'TOKENS_BATCH' is required"),
-    ({"TOKENS_BATCH": np.array([[[5]]], dtype=np.int64), "SEQUENCE_LENGTH": np.array([[1]], dtype=np.int32)},
-     "input 'TOKENS_BATCH' must be INT32, got INT64"),
-    ({"TOKENS_BATCH": np.array([[[5]]], dtype=np.int32), "SEQUENCE_LENGTH": np.array([[2]], dtype=np.int32)},
-     "input 'SEQUENCE_LENGTH' must be between 0 and 1"),
-    ({"TOKENS_BATCH": np.array([[[5]]], dtype=np.int32), "SEQUENCE_LENGTH": np.array([1], dtype=np.int32)},
-     "input 'SEQUENCE_LENGTH' must have shape [1, 1]"),
-    ({"TOKENS_BATCH": np.array([[[-1]]], dtype=np.int32), "SEQUENCE_LENGTH": np.array([[1]], dtype=np.int32)},
-     "input 'TOKENS_BATCH' must not hold negative token ids"),
-    ({"TOKENS_BATCH": np.array([[[5]]], dtype=np.int32), "SEQUENCE_LENGTH": np.array([[1]], dtype=np.int32),
-      "PREFIX_IDS": np.array([[4]], dtype=np.int32)}, "input 'PREFIX_IDS' must have shape"),
+    (
+        {"TOKENS_BATCH": np.array([[[5]]], dtype=np.int64), "SEQUENCE_LENGTH": np.array([[1]], dtype=np.int32)},
+        "input 'TOKENS_BATCH' must be INT32, got INT64",
+    ),
+    (
+        {"TOKENS_BATCH": np.array([[[5]]], dtype=np.int32), "SEQUENCE_LENGTH": np.array([[2]], dtype=np.int32)},
+        "input 'SEQUENCE_LENGTH' must be between 0 and 1",
+    ),
+    (
+        {"TOKENS_BATCH": np.array([[[5]]], dtype=np.int32), "SEQUENCE_LENGTH": np.array([1], dtype=np.int32)},
+        "input 'SEQUENCE_LENGTH' must have shape [1, 1]",
+    ),
+    (
+        {"TOKENS_BATCH": np.array([[[-1]]], dtype=np.int32), "SEQUENCE_LENGTH": np.array([[1]], dtype=np.int32)},
+        "input 'TOKENS_BATCH' must not hold negative token ids",
+    ),
+    (
+        {
+            "TOKENS_BATCH": np.array([[[5]]], dtype=np.int32),
+            "SEQUENCE_LENGTH": np.array([[1]], dtype=np.int32),
+            "PREFIX_IDS": np.array([[4]], dtype=np.int32),
+        },
+        "input 'PREFIX_IDS' must have shape",
+    ),
 ]
 
 
-@pytest.mark.parametrize("inputs, message", BAD_POSTPROCESSING_REQUESTS,
-                         ids=[m for _, m in BAD_POSTPROCESSING_REQUESTS])
+@pytest.mark.parametrize(
+    "inputs, message", BAD_POSTPROCESSING_REQUESTS, ids=[m for _, m in BAD_POSTPROCESSING_REQUESTS]
+)
 def test_postprocessing_bad_request_does_not_disturb_the_batch(tokenizer_dir, hf, inputs, message):
     ids = hf.encode("fine", add_special_tokens=False)
-    responses = make_post(tokenizer_dir).execute([tokens_request([[ids]]), fake.InferenceRequest(inputs),
-                                                  tokens_request([[ids]])])
+    responses = make_post(tokenizer_dir).execute(
+        [tokens_request([[ids]]), fake.InferenceRequest(inputs), tokens_request([[ids]])]
+    )
     assert message in error_of(responses[1])
     assert outputs(responses[0])["OUTPUT"][0] == outputs(responses[2])["OUTPUT"][0] == b"fine"
 

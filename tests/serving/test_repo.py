@@ -1,4 +1,5 @@
 """The model-repository template against the interface contract, and build_repo / fill_template / validate_repo."""
+
 from __future__ import annotations
 
 import shutil
@@ -7,8 +8,17 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tritonllm.deploy.repo import (MODEL_NAMES, RepoError, build_repo, fill_template, parse_substitutions, placeholders,
-                            structural_placeholders, template_dir, validate_repo)
+from tritonllm.deploy.repo import (
+    MODEL_NAMES,
+    RepoError,
+    build_repo,
+    fill_template,
+    parse_substitutions,
+    placeholders,
+    structural_placeholders,
+    template_dir,
+    validate_repo,
+)
 
 text_format = pytest.importorskip("google.protobuf.text_format")
 model_config_pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2")
@@ -43,16 +53,26 @@ PREPROCESSING_INPUTS = inputs(
     ("PROMPT_TABLE_EXTRA_ID", "TYPE_UINT64", [1], OPT, False, False),
 )
 PREPROCESSING_OUTPUTS = {
-    "INPUT_ID": ("TYPE_INT32", [-1]), "REQUEST_INPUT_LEN": ("TYPE_INT32", [1]),
-    "DECODER_INPUT_ID": ("TYPE_INT32", [-1]), "REQUEST_DECODER_INPUT_LEN": ("TYPE_INT32", [1]),
-    "BAD_WORDS_IDS": ("TYPE_INT32", [2, -1]), "STOP_WORDS_IDS": ("TYPE_INT32", [2, -1]),
-    "EMBEDDING_BIAS": ("TYPE_FP32", [-1]), "REQUEST_OUTPUT_LEN": ("TYPE_INT32", [-1]),
-    "OUT_END_ID": ("TYPE_INT32", [1]), "OUT_PAD_ID": ("TYPE_INT32", [1]),
-    "OUT_PROMPT_TABLE_EXTRA_IDS": ("TYPE_UINT64", [-1]), "PIXEL_VALUES": ("TYPE_FP16", [-1, -1, -1, -1]),
-    "ASPECT_RATIO_IDS": ("TYPE_INT64", [-1]), "ASPECT_RATIO_MASK": ("TYPE_INT64", [-1, -1]),
-    "CROSS_ATTENTION_MASK": ("TYPE_INT64", [-1, -1, -1]), "IMAGE_SIZES": ("TYPE_INT64", [2]),
-    "IS_VIDEO_INPUT": ("TYPE_BOOL", [1]), "ATTENTION_MASK": ("TYPE_INT64", [-1]),
-    "IMAGE_GRID_THW": ("TYPE_INT64", [3]), "VISION_INPUT_ID": ("TYPE_INT32", [-1]),
+    "INPUT_ID": ("TYPE_INT32", [-1]),
+    "REQUEST_INPUT_LEN": ("TYPE_INT32", [1]),
+    "DECODER_INPUT_ID": ("TYPE_INT32", [-1]),
+    "REQUEST_DECODER_INPUT_LEN": ("TYPE_INT32", [1]),
+    "BAD_WORDS_IDS": ("TYPE_INT32", [2, -1]),
+    "STOP_WORDS_IDS": ("TYPE_INT32", [2, -1]),
+    "EMBEDDING_BIAS": ("TYPE_FP32", [-1]),
+    "REQUEST_OUTPUT_LEN": ("TYPE_INT32", [-1]),
+    "OUT_END_ID": ("TYPE_INT32", [1]),
+    "OUT_PAD_ID": ("TYPE_INT32", [1]),
+    "OUT_PROMPT_TABLE_EXTRA_IDS": ("TYPE_UINT64", [-1]),
+    "PIXEL_VALUES": ("TYPE_FP16", [-1, -1, -1, -1]),
+    "ASPECT_RATIO_IDS": ("TYPE_INT64", [-1]),
+    "ASPECT_RATIO_MASK": ("TYPE_INT64", [-1, -1]),
+    "CROSS_ATTENTION_MASK": ("TYPE_INT64", [-1, -1, -1]),
+    "IMAGE_SIZES": ("TYPE_INT64", [2]),
+    "IS_VIDEO_INPUT": ("TYPE_BOOL", [1]),
+    "ATTENTION_MASK": ("TYPE_INT64", [-1]),
+    "IMAGE_GRID_THW": ("TYPE_INT64", [3]),
+    "VISION_INPUT_ID": ("TYPE_INT32", [-1]),
 }
 RAGGED = lambda name, dtype, dims: (name, dtype, dims, OPT, False, True)  # noqa: E731
 TENSORRT_LLM_INPUTS = inputs(
@@ -67,19 +87,51 @@ TENSORRT_LLM_INPUTS = inputs(
     ("decoder_input_lengths", "TYPE_INT32", [1], OPT, True, False),
     RAGGED("draft_logits", "TYPE_FP32", [-1, -1]),  # ${logits_datatype}
     ("draft_acceptance_threshold", "TYPE_FP32", [1], OPT, True, False),
-    *scalar_opts("TYPE_INT32", "end_id", "pad_id", "beam_width", "runtime_top_k", "runtime_top_p_reset_ids",
-                 "min_tokens", "min_length", "prompt_vocab_size", reshape=True),
+    *scalar_opts(
+        "TYPE_INT32",
+        "end_id",
+        "pad_id",
+        "beam_width",
+        "runtime_top_k",
+        "runtime_top_p_reset_ids",
+        "min_tokens",
+        "min_length",
+        "prompt_vocab_size",
+        reshape=True,
+    ),
     RAGGED("stop_words_list", "TYPE_INT32", [2, -1]),
     RAGGED("bad_words_list", "TYPE_INT32", [2, -1]),
     RAGGED("embedding_bias", "TYPE_FP32", [-1]),
-    *scalar_opts("TYPE_FP32", "temperature", "runtime_top_p", "runtime_top_p_min", "runtime_top_p_decay",
-                 "len_penalty", "repetition_penalty", "beam_search_diversity_rate", "presence_penalty",
-                 "frequency_penalty", "priority", reshape=True),
-    *scalar_opts("TYPE_BOOL", "early_stopping", "return_log_probs", "return_context_logits",
-                 "return_generation_logits", "return_perf_metrics", "exclude_input_in_output", "stop", "streaming",
-                 reshape=True),
+    *scalar_opts(
+        "TYPE_FP32",
+        "temperature",
+        "runtime_top_p",
+        "runtime_top_p_min",
+        "runtime_top_p_decay",
+        "len_penalty",
+        "repetition_penalty",
+        "beam_search_diversity_rate",
+        "presence_penalty",
+        "frequency_penalty",
+        "priority",
+        reshape=True,
+    ),
+    *scalar_opts(
+        "TYPE_BOOL",
+        "early_stopping",
+        "return_log_probs",
+        "return_context_logits",
+        "return_generation_logits",
+        "return_perf_metrics",
+        "exclude_input_in_output",
+        "stop",
+        "streaming",
+        reshape=True,
+    ),
     *scalar_opts("TYPE_UINT64", "seed", "lora_task_id", reshape=True),
-    *scalar_opts("TYPE_STRING", "lora_name"),  # ours; no reshape: Triton 2.51 garbles a reshaped STRING from an ensemble
+    *scalar_opts(
+        "TYPE_STRING", "lora_name"
+    ),  # ours; no reshape: Triton 2.51 garbles a reshaped STRING from an ensemble
     RAGGED("prompt_embedding_table", "TYPE_FP16", [-1, -1]),
     RAGGED("prompt_table_extra_ids", "TYPE_UINT64", [-1]),
     RAGGED("cross_attention_mask", "TYPE_BOOL", [-1, -1]),
@@ -89,32 +141,48 @@ TENSORRT_LLM_INPUTS = inputs(
     RAGGED("lora_config", "TYPE_INT32", [-1, 3]),
     RAGGED("context_phase_params", "TYPE_UINT8", [-1]),
     RAGGED("skip_cross_attn_blocks", "TYPE_BOOL", [1]),
-    *[RAGGED(f"retention_token_range_{part}", "TYPE_INT32", [-1])
-      for part in ("starts", "ends", "priorities", "durations_ms")],
+    *[
+        RAGGED(f"retention_token_range_{part}", "TYPE_INT32", [-1])
+        for part in ("starts", "ends", "priorities", "durations_ms")
+    ],
     RAGGED("retention_decode_priority", "TYPE_INT32", [1]),
     RAGGED("retention_decode_duration_ms", "TYPE_INT32", [1]),
     RAGGED("guided_decoding_guide_type", "TYPE_STRING", [1]),
     RAGGED("guided_decoding_guide", "TYPE_STRING", [1]),
-    *[RAGGED(f"lookahead_{part}", "TYPE_INT32", [1]) for part in ("window_size", "ngram_size",
-                                                                   "verification_set_size")],
+    *[
+        RAGGED(f"lookahead_{part}", "TYPE_INT32", [1])
+        for part in ("window_size", "ngram_size", "verification_set_size")
+    ],
 )
 PERF_METRICS = {
-    "kv_cache_alloc_new_blocks": ("TYPE_INT32", [1]), "kv_cache_reused_blocks": ("TYPE_INT32", [1]),
-    "kv_cache_alloc_total_blocks": ("TYPE_INT32", [1]), "arrival_time_ns": ("TYPE_INT64", [1]),
-    "first_scheduled_time_ns": ("TYPE_INT64", [1]), "first_token_time_ns": ("TYPE_INT64", [1]),
-    "last_token_time_ns": ("TYPE_INT64", [1]), "acceptance_rate": ("TYPE_FP32", [1]),
-    "total_accepted_draft_tokens": ("TYPE_INT32", [1]), "total_draft_tokens": ("TYPE_INT32", [1]),
+    "kv_cache_alloc_new_blocks": ("TYPE_INT32", [1]),
+    "kv_cache_reused_blocks": ("TYPE_INT32", [1]),
+    "kv_cache_alloc_total_blocks": ("TYPE_INT32", [1]),
+    "arrival_time_ns": ("TYPE_INT64", [1]),
+    "first_scheduled_time_ns": ("TYPE_INT64", [1]),
+    "first_token_time_ns": ("TYPE_INT64", [1]),
+    "last_token_time_ns": ("TYPE_INT64", [1]),
+    "acceptance_rate": ("TYPE_FP32", [1]),
+    "total_accepted_draft_tokens": ("TYPE_INT32", [1]),
+    "total_draft_tokens": ("TYPE_INT32", [1]),
 }
 COMMON_OUTPUTS = {
-    "cum_log_probs": ("TYPE_FP32", [-1]), "output_log_probs": ("TYPE_FP32", [-1, -1]),
-    "context_logits": ("TYPE_FP32", [-1, -1]), "generation_logits": ("TYPE_FP32", [-1, -1, -1]),
-    "batch_index": ("TYPE_INT32", [1]), "sequence_index": ("TYPE_INT32", [1]), **PERF_METRICS,
+    "cum_log_probs": ("TYPE_FP32", [-1]),
+    "output_log_probs": ("TYPE_FP32", [-1, -1]),
+    "context_logits": ("TYPE_FP32", [-1, -1]),
+    "generation_logits": ("TYPE_FP32", [-1, -1, -1]),
+    "batch_index": ("TYPE_INT32", [1]),
+    "sequence_index": ("TYPE_INT32", [1]),
+    **PERF_METRICS,
 }
 TENSORRT_LLM_OUTPUTS = {
-    "output_ids": ("TYPE_INT32", [-1, -1]), "sequence_length": ("TYPE_INT32", [-1]),
-    "context_phase_params": ("TYPE_UINT8", [-1]), **COMMON_OUTPUTS,
+    "output_ids": ("TYPE_INT32", [-1, -1]),
+    "sequence_length": ("TYPE_INT32", [-1]),
+    "context_phase_params": ("TYPE_UINT8", [-1]),
+    **COMMON_OUTPUTS,
     # our additions for streaming detokenization
-    "detok_prefix_ids": ("TYPE_INT32", [-1, -1]), "detok_is_final": ("TYPE_BOOL", [1]),
+    "detok_prefix_ids": ("TYPE_INT32", [-1, -1]),
+    "detok_is_final": ("TYPE_BOOL", [1]),
     "cancel_key": ("TYPE_STRING", [1]),  # ours: stops a cancelled ensemble stream's generation
 }
 POSTPROCESSING_INPUTS = inputs(
@@ -128,17 +196,39 @@ ENSEMBLE_INPUTS = inputs(
     ("text_input", "TYPE_STRING", [1], REQ, False, False),
     ("max_tokens", "TYPE_INT32", [1], REQ, False, False),
     *scalar_opts("TYPE_STRING", "decoder_text_input"),
-    *scalar_opts("TYPE_INT32", "num_return_sequences", "end_id", "pad_id", "top_k", "min_tokens", "min_length",
-                 "beam_width", "prompt_vocab_size"),
-    *scalar_opts("TYPE_FP32", "top_p", "temperature", "length_penalty", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty"),
-    *scalar_opts("TYPE_BOOL", "exclude_input_in_output", "return_log_probs", "return_context_logits",
-                 "return_generation_logits", "return_perf_metrics", "stream"),
+    *scalar_opts(
+        "TYPE_INT32",
+        "num_return_sequences",
+        "end_id",
+        "pad_id",
+        "top_k",
+        "min_tokens",
+        "min_length",
+        "beam_width",
+        "prompt_vocab_size",
+    ),
+    *scalar_opts(
+        "TYPE_FP32",
+        "top_p",
+        "temperature",
+        "length_penalty",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+    ),
+    *scalar_opts(
+        "TYPE_BOOL",
+        "exclude_input_in_output",
+        "return_log_probs",
+        "return_context_logits",
+        "return_generation_logits",
+        "return_perf_metrics",
+        "stream",
+    ),
     *scalar_opts("TYPE_UINT64", "seed", "prompt_table_extra_id", "lora_task_id"),
     *scalar_opts("TYPE_STRING", "lora_name"),  # ours
     *scalar_opts("TYPE_FP32", "priority"),  # ours
-    *[(name, "TYPE_STRING", [-1], OPT, False, False) for name in ("bad_words", "stop_words",
-                                                                   "embedding_bias_words")],
+    *[(name, "TYPE_STRING", [-1], OPT, False, False) for name in ("bad_words", "stop_words", "embedding_bias_words")],
     ("embedding_bias_weights", "TYPE_FP32", [-1], OPT, False, False),
     ("prompt_embedding_table", "TYPE_FP16", [-1, -1], OPT, False, False),
     RAGGED("lora_weights", "TYPE_FP16", [-1, -1]),
@@ -149,25 +239,48 @@ ENSEMBLE_INPUTS = inputs(
 BLS_INPUTS = inputs(
     ("text_input", "TYPE_STRING", [1], REQ, False, False),
     ("max_tokens", "TYPE_INT32", [1], REQ, False, False),
-    *scalar_opts("TYPE_STRING", "decoder_text_input", "image_url_input", "guided_decoding_guide_type",
-                 "guided_decoding_guide"),
+    *scalar_opts(
+        "TYPE_STRING", "decoder_text_input", "image_url_input", "guided_decoding_guide_type", "guided_decoding_guide"
+    ),
     ("image_input", "TYPE_FP16", [-1, 3, -1, -1], OPT, False, False),
     ("image_bytes_input", "TYPE_UINT8", [-1, -1, -1, -1], OPT, False, False),
     ("video_bytes_input", "TYPE_UINT8", [-1, -1, -1, -1], OPT, False, False),
-    *scalar_opts("TYPE_INT32", "end_id", "pad_id", "top_k", "min_tokens", "min_length", "beam_width",
-                 "prompt_vocab_size", "num_draft_tokens"),
-    *scalar_opts("TYPE_FP32", "top_p", "temperature", "length_penalty", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty"),
+    *scalar_opts(
+        "TYPE_INT32",
+        "end_id",
+        "pad_id",
+        "top_k",
+        "min_tokens",
+        "min_length",
+        "beam_width",
+        "prompt_vocab_size",
+        "num_draft_tokens",
+    ),
+    *scalar_opts(
+        "TYPE_FP32",
+        "top_p",
+        "temperature",
+        "length_penalty",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+    ),
     *scalar_opts("TYPE_BOOL", "exclude_input_in_output", "stream"),
-    *scalar_opts("TYPE_BOOL", "return_log_probs", "return_context_logits", "return_generation_logits",
-                 "use_draft_logits", "return_perf_metrics", reshape=True),
+    *scalar_opts(
+        "TYPE_BOOL",
+        "return_log_probs",
+        "return_context_logits",
+        "return_generation_logits",
+        "use_draft_logits",
+        "return_perf_metrics",
+        reshape=True,
+    ),
     *scalar_opts("TYPE_INT32", "num_return_sequences", reshape=True),
     *scalar_opts("TYPE_UINT64", "seed", "prompt_table_extra_id"),
     *scalar_opts("TYPE_UINT64", "lora_task_id", reshape=True),
     *scalar_opts("TYPE_STRING", "lora_name", reshape=True),  # ours
     *scalar_opts("TYPE_FP32", "priority", reshape=True),  # ours
-    *[(name, "TYPE_STRING", [-1], OPT, False, False) for name in ("bad_words", "stop_words",
-                                                                   "embedding_bias_words")],
+    *[(name, "TYPE_STRING", [-1], OPT, False, False) for name in ("bad_words", "stop_words", "embedding_bias_words")],
     ("embedding_bias_weights", "TYPE_FP32", [-1], OPT, False, False),
     ("prompt_embedding_table", "TYPE_FP16", [-1, -1], OPT, False, False),  # ${prompt_embedding_table_data_type}
     RAGGED("lora_weights", "TYPE_FP16", [-1, -1]),
@@ -182,34 +295,93 @@ CONTRACT = {
 }
 # Every placeholder TensorRT-LLM's templates have, so fill_template command lines written for them still work.
 ANCHOR_PLACEHOLDERS = {
-    "preprocessing": {"triton_max_batch_size", "max_queue_delay_microseconds", "max_queue_size", "tokenizer_dir",
-                      "add_special_tokens", "multimodal_model_path", "engine_dir", "max_num_images",
-                      "preprocessing_instance_count"},
-    "postprocessing": {"triton_max_batch_size", "tokenizer_dir", "skip_special_tokens",
-                       "postprocessing_instance_count"},
+    "preprocessing": {
+        "triton_max_batch_size",
+        "max_queue_delay_microseconds",
+        "max_queue_size",
+        "tokenizer_dir",
+        "add_special_tokens",
+        "multimodal_model_path",
+        "engine_dir",
+        "max_num_images",
+        "preprocessing_instance_count",
+    },
+    "postprocessing": {
+        "triton_max_batch_size",
+        "tokenizer_dir",
+        "skip_special_tokens",
+        "postprocessing_instance_count",
+    },
     "ensemble": {"triton_max_batch_size", "logits_datatype"},
-    "tensorrt_llm_bls": {"triton_max_batch_size", "decoupled_mode", "bls_instance_count", "accumulate_tokens",
-                         "tensorrt_llm_model_name", "tensorrt_llm_draft_model_name", "multimodal_encoders_name",
-                         "logits_datatype", "prompt_embedding_table_data_type"},
+    "tensorrt_llm_bls": {
+        "triton_max_batch_size",
+        "decoupled_mode",
+        "bls_instance_count",
+        "accumulate_tokens",
+        "tensorrt_llm_model_name",
+        "tensorrt_llm_draft_model_name",
+        "multimodal_encoders_name",
+        "logits_datatype",
+        "prompt_embedding_table_data_type",
+    },
     "tensorrt_llm": {
-        "triton_backend", "triton_max_batch_size", "decoupled_mode", "max_queue_delay_microseconds", "max_queue_size",
-        "encoder_input_features_data_type", "logits_datatype", "max_beam_width", "batching_strategy", "engine_dir",
-        "encoder_engine_dir", "max_tokens_in_paged_kv_cache", "max_attention_window_size", "sink_token_length",
-        "batch_scheduler_policy", "kv_cache_free_gpu_mem_fraction", "cross_kv_cache_fraction",
-        "kv_cache_host_memory_bytes", "kv_cache_onboard_blocks", "enable_trt_overlap", "exclude_input_in_output",
-        "cancellation_check_period_ms", "stats_check_period_ms", "iter_stats_max_iterations",
-        "request_stats_max_iterations", "enable_kv_cache_reuse", "normalize_log_probs", "enable_chunked_context",
-        "gpu_device_ids", "participant_ids", "num_nodes", "lora_cache_optimal_adapter_size",
-        "lora_cache_max_adapter_size", "lora_cache_gpu_memory_fraction", "lora_cache_host_memory_bytes",
-        "lora_prefetch_dir", "decoding_mode", "lookahead_window_size", "lookahead_ngram_size",
-        "lookahead_verification_set_size", "medusa_choices", "eagle_choices", "gpu_weights_percent",
-        "enable_context_fmha_fp32_acc", "multi_block_mode", "cuda_graph_mode", "cuda_graph_cache_size",
-        "speculative_decoding_fast_logits", "tokenizer_dir", "guided_decoding_backend",
-        "xgrammar_tokenizer_info_path"},
+        "triton_backend",
+        "triton_max_batch_size",
+        "decoupled_mode",
+        "max_queue_delay_microseconds",
+        "max_queue_size",
+        "encoder_input_features_data_type",
+        "logits_datatype",
+        "max_beam_width",
+        "batching_strategy",
+        "engine_dir",
+        "encoder_engine_dir",
+        "max_tokens_in_paged_kv_cache",
+        "max_attention_window_size",
+        "sink_token_length",
+        "batch_scheduler_policy",
+        "kv_cache_free_gpu_mem_fraction",
+        "cross_kv_cache_fraction",
+        "kv_cache_host_memory_bytes",
+        "kv_cache_onboard_blocks",
+        "enable_trt_overlap",
+        "exclude_input_in_output",
+        "cancellation_check_period_ms",
+        "stats_check_period_ms",
+        "iter_stats_max_iterations",
+        "request_stats_max_iterations",
+        "enable_kv_cache_reuse",
+        "normalize_log_probs",
+        "enable_chunked_context",
+        "gpu_device_ids",
+        "participant_ids",
+        "num_nodes",
+        "lora_cache_optimal_adapter_size",
+        "lora_cache_max_adapter_size",
+        "lora_cache_gpu_memory_fraction",
+        "lora_cache_host_memory_bytes",
+        "lora_prefetch_dir",
+        "decoding_mode",
+        "lookahead_window_size",
+        "lookahead_ngram_size",
+        "lookahead_verification_set_size",
+        "medusa_choices",
+        "eagle_choices",
+        "gpu_weights_percent",
+        "enable_context_fmha_fp32_acc",
+        "multi_block_mode",
+        "cuda_graph_mode",
+        "cuda_graph_cache_size",
+        "speculative_decoding_fast_logits",
+        "tokenizer_dir",
+        "guided_decoding_backend",
+        "xgrammar_tokenizer_info_path",
+    },
 }
 
 
 # ------------------------------------------------------------------------------------------------ helpers
+
 
 @pytest.fixture
 def fake_model(tmp_path) -> Path:
@@ -234,8 +406,16 @@ def dtype_name(tensor) -> str:
 
 
 def declared_inputs(config) -> dict:
-    return {t.name: (dtype_name(t), list(t.dims), t.optional, t.HasField("reshape") and list(t.reshape.shape) == [],
-                     t.allow_ragged_batch) for t in config.input}
+    return {
+        t.name: (
+            dtype_name(t),
+            list(t.dims),
+            t.optional,
+            t.HasField("reshape") and list(t.reshape.shape) == [],
+            t.allow_ragged_batch,
+        )
+        for t in config.input
+    }
 
 
 def declared_outputs(config) -> dict:
@@ -247,6 +427,7 @@ def parameters(config) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ contract
+
 
 @pytest.mark.parametrize("model", MODEL_NAMES)
 def test_every_contract_input_is_declared_exactly(built, model):
@@ -291,6 +472,7 @@ def test_template_keeps_every_anchor_placeholder():
 
 # ------------------------------------------------------------------------------------------------ ensemble wiring
 
+
 def test_ensemble_wiring_is_consistent(built):
     configs = {name: parse(built / name / "config.pbtxt") for name in MODEL_NAMES}
     ensemble = configs["ensemble"]
@@ -324,6 +506,7 @@ def test_ensemble_wires_the_detokenization_tensors_and_min_length(built):
 
 # ------------------------------------------------------------------------------------------------ build_repo
 
+
 def test_build_leaves_no_placeholder_and_fills_the_parameters(built, fake_model):
     for path in built.rglob("*"):
         if path.is_file():
@@ -344,18 +527,36 @@ def test_build_leaves_no_placeholder_and_fills_the_parameters(built, fake_model)
 
 
 def test_build_options_reach_the_configs(fake_model, tmp_path):
-    repo = build_repo(fake_model, tmp_path / "repo", streaming=False, max_batch_size=4, engine="embedded",
-                      preprocessing_instances=2, postprocessing_instances=3, dtype="float32", device="cpu",
-                      max_seq_len=512, max_num_tokens=256, kv_cache_max_tokens=4096,
-                      parameters={"batch_scheduler_policy": "max_utilization", "max_batch_size": 16,
-                                  "exclude_input_in_output": True, "decoding_mode": None,
-                                  "gpt_model_type": "inflight_batching"})
+    repo = build_repo(
+        fake_model,
+        tmp_path / "repo",
+        streaming=False,
+        max_batch_size=4,
+        engine="embedded",
+        preprocessing_instances=2,
+        postprocessing_instances=3,
+        dtype="float32",
+        device="cpu",
+        max_seq_len=512,
+        max_num_tokens=256,
+        kv_cache_max_tokens=4096,
+        parameters={
+            "batch_scheduler_policy": "max_utilization",
+            "max_batch_size": 16,
+            "exclude_input_in_output": True,
+            "decoding_mode": None,
+            "gpt_model_type": "inflight_batching",
+        },
+    )
     trt = parse(repo / "tensorrt_llm" / "config.pbtxt")
     assert trt.model_transaction_policy.decoupled is False and trt.max_batch_size == 4
     params = parameters(trt)
     assert (params["engine"], params["dtype"], params["device"]) == ("embedded", "float32", "cpu")
-    assert (params["max_seq_len"], params["max_num_tokens"], params["max_tokens_in_paged_kv_cache"]) == \
-        ("512", "256", "4096")
+    assert (params["max_seq_len"], params["max_num_tokens"], params["max_tokens_in_paged_kv_cache"]) == (
+        "512",
+        "256",
+        "4096",
+    )
     assert params["batch_scheduler_policy"] == "max_utilization" and params["max_batch_size"] == "16"
     assert params["exclude_input_in_output"] == "true" and params["decoding_mode"] == ""
     assert params["gpt_model_type"] == "inflight_batching", "a parameter key reaches its differently named placeholder"
@@ -365,8 +566,11 @@ def test_build_options_reach_the_configs(fake_model, tmp_path):
 
 
 def test_build_fills_the_bls_parameters(fake_model, tmp_path):
-    repo = build_repo(fake_model, tmp_path / "repo", parameters={
-        "bls_instance_count": 4, "accumulate_tokens": True, "triton_grpc_url": "localhost:9001"})
+    repo = build_repo(
+        fake_model,
+        tmp_path / "repo",
+        parameters={"bls_instance_count": 4, "accumulate_tokens": True, "triton_grpc_url": "localhost:9001"},
+    )
     bls = parse(repo / "tensorrt_llm_bls" / "config.pbtxt")
     assert bls.instance_group[0].count == 4
     assert parameters(bls)["accumulate_tokens"] == "true"
@@ -382,16 +586,21 @@ def test_build_resolves_a_relative_model_folder(fake_model, tmp_path, monkeypatc
 def test_build_ships_the_model_files(built):
     for name in ("preprocessing", "tensorrt_llm", "postprocessing"):
         assert f"from tritonllm.models.{name} import TritonPythonModel" in (built / name / "1" / "model.py").read_text()
-    assert "from tritonllm.models.bls import TritonPythonModel" in \
-        (built / "tensorrt_llm_bls" / "1" / "model.py").read_text()
+    assert (
+        "from tritonllm.models.bls import TritonPythonModel"
+        in (built / "tensorrt_llm_bls" / "1" / "model.py").read_text()
+    )
     engine_args = yaml.safe_load((built / "tensorrt_llm" / "1" / "model.yaml").read_text())
     assert engine_args["engine"] == "auto" and "triton_config" in engine_args and "model" not in engine_args
 
 
-@pytest.mark.parametrize("broken, message", [
-    ("config.json", "config.json"),
-    ("tokenizer.json", "tokenizer"),
-])
+@pytest.mark.parametrize(
+    "broken, message",
+    [
+        ("config.json", "config.json"),
+        ("tokenizer.json", "tokenizer"),
+    ],
+)
 def test_build_rejects_an_incomplete_model_folder(fake_model, tmp_path, broken, message):
     (fake_model / broken).unlink()
     with pytest.raises(RepoError, match=message):
@@ -404,21 +613,24 @@ def test_build_rejects_a_missing_model_folder(tmp_path):
         build_repo(tmp_path / "nope", tmp_path / "repo")
 
 
-@pytest.mark.parametrize("options, message", [
-    ({"max_batch_size": 0}, "max_batch_size"),
-    ({"preprocessing_instances": 0}, "preprocessing_instances"),
-    ({"postprocessing_instances": -1}, "postprocessing_instances"),
-    ({"max_seq_len": 1}, "max_seq_len"),
-    ({"max_num_tokens": 0}, "max_num_tokens"),
-    ({"kv_cache_max_tokens": 2.5}, "kv_cache_max_tokens"),
-    ({"max_batch_size": True}, "max_batch_size"),
-    ({"engine": "vllm"}, "engine"),
-    ({"dtype": "int4"}, "dtype"),
-    ({"device": "tpu"}, "device"),
-    ({"kv_cache_free_gpu_mem_fraction": 0.0}, "kv_cache_free_gpu_mem_fraction"),
-    ({"parameters": {"no_such_placeholder": 1}}, "no_such_placeholder"),
-    ({"parameters": {"gpu_device_ids": 'a"b'}}, "gpu_device_ids"),
-])
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"max_batch_size": 0}, "max_batch_size"),
+        ({"preprocessing_instances": 0}, "preprocessing_instances"),
+        ({"postprocessing_instances": -1}, "postprocessing_instances"),
+        ({"max_seq_len": 1}, "max_seq_len"),
+        ({"max_num_tokens": 0}, "max_num_tokens"),
+        ({"kv_cache_max_tokens": 2.5}, "kv_cache_max_tokens"),
+        ({"max_batch_size": True}, "max_batch_size"),
+        ({"engine": "vllm"}, "engine"),
+        ({"dtype": "int4"}, "dtype"),
+        ({"device": "tpu"}, "device"),
+        ({"kv_cache_free_gpu_mem_fraction": 0.0}, "kv_cache_free_gpu_mem_fraction"),
+        ({"parameters": {"no_such_placeholder": 1}}, "no_such_placeholder"),
+        ({"parameters": {"gpu_device_ids": 'a"b'}}, "gpu_device_ids"),
+    ],
+)
 def test_build_rejects_bad_options(fake_model, tmp_path, options, message):
     with pytest.raises(RepoError, match=message):
         build_repo(fake_model, tmp_path / "repo", **options)
@@ -448,13 +660,16 @@ def test_template_dir_honours_the_environment(tmp_path, monkeypatch):
 
 # ------------------------------------------------------------------------------------------------ fill_template
 
+
 @pytest.fixture
 def config_file(tmp_path) -> Path:
     path = tmp_path / "config.pbtxt"
-    path.write_text('max_batch_size: ${triton_max_batch_size}\n'
-                    'queue: ${max_queue_size} ${max_queue_delay_microseconds}\n'
-                    'parameters: { key: "gpu_device_ids" value: { string_value: "${gpu_device_ids}" } }\n'
-                    'parameters: { key: "tokenizer_dir" value: { string_value: "${tokenizer_dir}" } }\n')
+    path.write_text(
+        "max_batch_size: ${triton_max_batch_size}\n"
+        "queue: ${max_queue_size} ${max_queue_delay_microseconds}\n"
+        'parameters: { key: "gpu_device_ids" value: { string_value: "${gpu_device_ids}" } }\n'
+        'parameters: { key: "tokenizer_dir" value: { string_value: "${tokenizer_dir}" } }\n'
+    )
     return path
 
 
@@ -498,8 +713,11 @@ def test_the_bls_filled_as_the_backends_docs_fill_it_has_no_structural_placehold
 
     target = tmp_path / "tensorrt_llm_bls"
     shutil.copytree(template_dir() / "tensorrt_llm_bls", target)
-    fill_template(target / "config.pbtxt", "triton_max_batch_size:64,decoupled_mode:False,bls_instance_count:1,"
-                  "accumulate_tokens:False,logits_datatype:TYPE_FP32")
+    fill_template(
+        target / "config.pbtxt",
+        "triton_max_batch_size:64,decoupled_mode:False,bls_instance_count:1,"
+        "accumulate_tokens:False,logits_datatype:TYPE_FP32",
+    )
     text = (target / "config.pbtxt").read_text()
     assert 'name: "prompt_embedding_table" data_type: TYPE_FP16' in text
     assert not structural_placeholders(text), structural_placeholders(text)
@@ -509,14 +727,17 @@ def test_fill_template_accepts_a_mapping(config_file):
     assert "max_batch_size: 2" in fill_template(config_file, {"triton_max_batch_size": "2"}, in_place=False)
 
 
-@pytest.mark.parametrize("text, expected", [
-    ("a:1,b:2", {"a": "1", "b": "2"}),
-    ("ids:0\\,1\\,2", {"ids": "0,1,2"}),
-    ("path:C\\:/models,x:", {"path": "C:/models", "x": ""}),
-    ("url:http://host:80/x", {"url": "http://host:80/x"}),
-    ("a:1,,b:2,", {"a": "1", "b": "2"}),
-    ("back:a\\\\b", {"back": "a\\b"}),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("a:1,b:2", {"a": "1", "b": "2"}),
+        ("ids:0\\,1\\,2", {"ids": "0,1,2"}),
+        ("path:C\\:/models,x:", {"path": "C:/models", "x": ""}),
+        ("url:http://host:80/x", {"url": "http://host:80/x"}),
+        ("a:1,,b:2,", {"a": "1", "b": "2"}),
+        ("back:a\\\\b", {"back": "a\\b"}),
+    ],
+)
 def test_parse_substitutions(text, expected):
     assert parse_substitutions(text) == expected
 
@@ -529,15 +750,18 @@ def test_parse_substitutions_rejects_pairs_without_a_key(text):
 
 # ------------------------------------------------------------------------------------------------ validate_repo
 
+
 def test_validate_repo_lists_unfilled_structural_placeholders(tmp_path):
     repo = tmp_path / "repo"
     shutil.copytree(template_dir(), repo)
     errors = "\n".join(validate_repo(repo))
-    for expected in ("tensorrt_llm/config.pbtxt",
-                     "max_batch_size holds the unfilled placeholder ${triton_max_batch_size}",
-                     "decoupled holds the unfilled placeholder ${decoupled_mode}",
-                     "data_type holds the unfilled placeholder ${logits_datatype}",
-                     "count holds the unfilled placeholder ${preprocessing_instance_count}"):
+    for expected in (
+        "tensorrt_llm/config.pbtxt",
+        "max_batch_size holds the unfilled placeholder ${triton_max_batch_size}",
+        "decoupled holds the unfilled placeholder ${decoupled_mode}",
+        "data_type holds the unfilled placeholder ${logits_datatype}",
+        "count holds the unfilled placeholder ${preprocessing_instance_count}",
+    ):
         assert expected in errors
     assert "tokenizer_dir" not in errors, "placeholders in parameter values are harmless (unset)"
 
@@ -546,17 +770,23 @@ def test_validate_repo_after_fill_template_is_clean(tmp_path, fake_model):
     repo = tmp_path / "repo"
     shutil.copytree(template_dir(), repo)
     fill_template(repo / "ensemble" / "config.pbtxt", "triton_max_batch_size:8,logits_datatype:TYPE_FP32")
-    fill_template(repo / "preprocessing" / "config.pbtxt", f"triton_max_batch_size:8,tokenizer_dir:{fake_model},"
-                  "preprocessing_instance_count:1")
+    fill_template(
+        repo / "preprocessing" / "config.pbtxt",
+        f"triton_max_batch_size:8,tokenizer_dir:{fake_model},preprocessing_instance_count:1",
+    )
     fill_template(repo / "postprocessing" / "config.pbtxt", "triton_max_batch_size:8,postprocessing_instance_count:1")
-    fill_template(repo / "tensorrt_llm" / "config.pbtxt",
-                  f"triton_backend:python,triton_max_batch_size:8,decoupled_mode:true,engine_dir:{fake_model},"
-                  "encoder_input_features_data_type:TYPE_FP16,logits_datatype:TYPE_FP32")
+    fill_template(
+        repo / "tensorrt_llm" / "config.pbtxt",
+        f"triton_backend:python,triton_max_batch_size:8,decoupled_mode:true,engine_dir:{fake_model},"
+        "encoder_input_features_data_type:TYPE_FP16,logits_datatype:TYPE_FP32",
+    )
     # TensorRT-LLM's documented command line for its BLS template
-    fill_template(repo / "tensorrt_llm_bls" / "config.pbtxt",
-                  "triton_max_batch_size:8,decoupled_mode:False,bls_instance_count:1,accumulate_tokens:False,"
-                  "tensorrt_llm_model_name:tensorrt_llm,tensorrt_llm_draft_model_name:,multimodal_encoders_name:,"
-                  "prompt_embedding_table_data_type:TYPE_FP16,logits_datatype:TYPE_FP32")
+    fill_template(
+        repo / "tensorrt_llm_bls" / "config.pbtxt",
+        "triton_max_batch_size:8,decoupled_mode:False,bls_instance_count:1,accumulate_tokens:False,"
+        "tensorrt_llm_model_name:tensorrt_llm,tensorrt_llm_draft_model_name:,multimodal_encoders_name:,"
+        "prompt_embedding_table_data_type:TYPE_FP16,logits_datatype:TYPE_FP32",
+    )
     assert validate_repo(repo) == []
     parse(repo / "tensorrt_llm" / "config.pbtxt")  # parses although parameters still hold placeholders
 

@@ -1,18 +1,25 @@
 """Per-request histograms (token lengths, time to first token, inter-token latency) against a fake pb_utils, and the
 sender thread's hook that feeds them."""
+
 from __future__ import annotations
 
 import sys
 import time
 
+import fake_pb_utils as fake  # registered by conftest.py
 import pytest
 
 from tritonllm.engine.types import CompletionOutput, RequestOutput, RequestPerfMetrics
-from tritonllm.triton.request_metrics import (HISTOGRAMS, INPUT_TOKENS, INTER_TOKEN_LATENCY, OUTPUT_TOKENS,
-                                              TIME_TO_FIRST_TOKEN, RequestMetrics, observe_request)
+from tritonllm.triton.request_metrics import (
+    HISTOGRAMS,
+    INPUT_TOKENS,
+    INTER_TOKEN_LATENCY,
+    OUTPUT_TOKENS,
+    TIME_TO_FIRST_TOKEN,
+    RequestMetrics,
+    observe_request,
+)
 
-
-import fake_pb_utils as fake  # registered by conftest.py
 MS = 1_000_000  # nanoseconds
 
 
@@ -23,17 +30,23 @@ def pb_utils(monkeypatch):
     return fake
 
 
-def completion(tokens: int, first_ms: float = 0, last_ms: float = 0, index: int = 0,
-               arrival_ms: float = 1) -> CompletionOutput:
-    timing = RequestPerfMetrics(arrival_time_ns=int(arrival_ms * MS), first_token_time_ns=int(first_ms * MS),
-                                last_token_time_ns=int(last_ms * MS))
-    return CompletionOutput(index=index, token_ids=list(range(tokens)), finish_reason="length",
-                            request_perf_metrics=timing)
+def completion(
+    tokens: int, first_ms: float = 0, last_ms: float = 0, index: int = 0, arrival_ms: float = 1
+) -> CompletionOutput:
+    timing = RequestPerfMetrics(
+        arrival_time_ns=int(arrival_ms * MS),
+        first_token_time_ns=int(first_ms * MS),
+        last_token_time_ns=int(last_ms * MS),
+    )
+    return CompletionOutput(
+        index=index, token_ids=list(range(tokens)), finish_reason="length", request_perf_metrics=timing
+    )
 
 
 def finished(prompt_len: int, *completions: CompletionOutput) -> RequestOutput:
-    return RequestOutput(request_id=1, prompt_token_ids=list(range(prompt_len)), outputs=list(completions),
-                         finished=True)
+    return RequestOutput(
+        request_id=1, prompt_token_ids=list(range(prompt_len)), outputs=list(completions), finished=True
+    )
 
 
 def test_an_observation_counts_prompt_and_generated_tokens_and_derives_latencies():
@@ -45,8 +58,9 @@ def test_an_observation_counts_prompt_and_generated_tokens_and_derives_latencies
 
 
 def test_every_sequence_of_a_row_adds_its_tokens_and_its_own_latency():
-    observation = observe_request(finished(3, completion(4, first_ms=11, last_ms=41),
-                                           completion(2, first_ms=6, last_ms=16, index=1)))
+    observation = observe_request(
+        finished(3, completion(4, first_ms=11, last_ms=41), completion(2, first_ms=6, last_ms=16, index=1))
+    )
     assert observation.output_tokens == 6
     assert observation.time_to_first_token == pytest.approx(0.005)  # the earliest first token
     assert sorted(observation.inter_token_latencies) == [pytest.approx(0.010), pytest.approx(0.010)]
@@ -118,11 +132,20 @@ def test_the_sender_thread_reports_each_finished_row_once():
     from tritonllm.triton.llm_inflight import LLMInflightRequests
 
     seen = []
-    server = LLMInflightRequests(_ScriptedEngine(), decoupled=True, exclude_input_in_output=True,
-                              cancellation_check_ms=10, on_finished=seen.append)
-    request = fake.InferenceRequest({"input_ids": np.array([[5, 6, 7], [8, 9, 0]], dtype=np.int32),
-                                     "input_lengths": np.array([3, 2], dtype=np.int32),
-                                     "request_output_len": np.array([3, 3], dtype=np.int32)})
+    server = LLMInflightRequests(
+        _ScriptedEngine(),
+        decoupled=True,
+        exclude_input_in_output=True,
+        cancellation_check_ms=10,
+        on_finished=seen.append,
+    )
+    request = fake.InferenceRequest(
+        {
+            "input_ids": np.array([[5, 6, 7], [8, 9, 0]], dtype=np.int32),
+            "input_lengths": np.array([3, 2], dtype=np.int32),
+            "request_output_len": np.array([3, 3], dtype=np.int32),
+        }
+    )
     server.submit(request)
     wait_finished(request)
     server.shutdown()
@@ -137,15 +160,20 @@ def test_a_failing_metrics_hook_does_not_cost_the_client_its_response():
     def broken(_output):
         raise RuntimeError("metrics down")
 
-    server = LLMInflightRequests(_ScriptedEngine(), decoupled=True, exclude_input_in_output=True,
-                              cancellation_check_ms=10, on_finished=broken)
-    request = fake.InferenceRequest({"input_ids": np.array([[5, 6]], dtype=np.int32),
-                                     "input_lengths": np.array([2], dtype=np.int32),
-                                     "request_output_len": np.array([3], dtype=np.int32)})
+    server = LLMInflightRequests(
+        _ScriptedEngine(), decoupled=True, exclude_input_in_output=True, cancellation_check_ms=10, on_finished=broken
+    )
+    request = fake.InferenceRequest(
+        {
+            "input_ids": np.array([[5, 6]], dtype=np.int32),
+            "input_lengths": np.array([2], dtype=np.int32),
+            "request_output_len": np.array([3], dtype=np.int32),
+        }
+    )
     server.submit(request)
     wait_finished(request)
     server.shutdown()
-    (response, _flags), = request.get_response_sender().sent
+    ((response, _flags),) = request.get_response_sender().sent
     assert not response.has_error()
 
 
@@ -158,6 +186,7 @@ def test_speculative_requests_add_their_draft_counts_and_acceptance_rate(pb_util
     drafted.request_perf_metrics.total_draft_tokens, drafted.request_perf_metrics.total_accepted_draft_tokens = 8, 6
     metrics.observe(finished(3, plain))
     metrics.observe(finished(3, drafted))
-    observed = {name: metrics.histograms[name].observations
-                for name in (DRAFT_TOKENS, ACCEPTED_DRAFT_TOKENS, ACCEPTANCE_RATE)}
+    observed = {
+        name: metrics.histograms[name].observations for name in (DRAFT_TOKENS, ACCEPTED_DRAFT_TOKENS, ACCEPTANCE_RATE)
+    }
     assert observed == {DRAFT_TOKENS: [8], ACCEPTED_DRAFT_TOKENS: [6], ACCEPTANCE_RATE: [0.75]}

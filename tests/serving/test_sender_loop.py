@@ -1,5 +1,6 @@
 """The sender thread shared by both `tensorrt_llm` flavours: an event that fails is answered with an error and
 the loop goes on for the others; a client that went away is reported once; stopping waits for what is active."""
+
 import threading
 import time
 from types import SimpleNamespace

@@ -1,14 +1,15 @@
 """The stop channel: a cancelled ensemble stream's postprocessing step stops the `tensorrt_llm` request behind it
 (Triton 2.51 tells only the steps it schedules after the cancel), and that request then ends with the final flag
 alone, never an error."""
+
 import sys
 import threading
 import time
 
+import fake_pb_utils as fake
 import numpy as np
 import pytest
 
-import fake_pb_utils as fake
 from tritonllm.engine.types import CompletionOutput, RequestOutput
 from tritonllm.triton.stop_channel import StopChannel, send_stop
 
@@ -73,10 +74,15 @@ class _StreamingEngine:
 
 
 def _streaming_request(**kwargs):
-    return fake.InferenceRequest({"input_ids": np.array([[5, 6, 7]], dtype=np.int32),
-                                  "input_lengths": np.array([[3]], dtype=np.int32),
-                                  "request_output_len": np.array([[50]], dtype=np.int32),
-                                  "streaming": np.array([[True]])}, **kwargs)
+    return fake.InferenceRequest(
+        {
+            "input_ids": np.array([[5, 6, 7]], dtype=np.int32),
+            "input_lengths": np.array([[3]], dtype=np.int32),
+            "request_output_len": np.array([[50]], dtype=np.int32),
+            "streaming": np.array([[True]]),
+        },
+        **kwargs,
+    )
 
 
 def _server(engine):
@@ -126,8 +132,11 @@ def test_postprocessing_stops_the_generation_of_a_cancelled_request_once_and_sti
     sent = []
     monkeypatch.setattr(post, "send_stop", sent.append)
     postprocessor = post.Postprocessor(_FakeTokenizer())
-    inputs = {"TOKENS_BATCH": np.array([[[1, 2]]], dtype=np.int32), "SEQUENCE_LENGTH": np.array([[2]], dtype=np.int32),
-              "CANCEL_KEY": np.array([[b"tritonllm-stop-1-ab#cd"]], dtype=object)}
+    inputs = {
+        "TOKENS_BATCH": np.array([[[1, 2]]], dtype=np.int32),
+        "SEQUENCE_LENGTH": np.array([[2]], dtype=np.int32),
+        "CANCEL_KEY": np.array([[b"tritonllm-stop-1-ab#cd"]], dtype=object),
+    }
     for cancelled in (False, True, True):
         response = postprocessor.respond(fake.InferenceRequest(inputs, cancelled=cancelled))
         assert not response.has_error()

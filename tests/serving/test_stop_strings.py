@@ -1,4 +1,5 @@
 """The one text-level stop-string matcher (BLS, LLM-API model, OpenAI front)."""
+
 from tritonllm.stop_strings import StopStrings
 
 

@@ -3,6 +3,7 @@
 Three decoder families: byte-level BPE (GPT-2, Llama 3, Qwen), SentencePiece-style Metaspace, and Metaspace with
 byte fallback (Llama 2, Mistral), where characters outside the vocabulary become runs of <0xXX> tokens.
 """
+
 from __future__ import annotations
 
 import json
@@ -44,8 +45,9 @@ def build_byte_level() -> Tokenizer:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=_special(),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=_special(), initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tokenizer.train_from_iterator(TRAINING_TEXT, trainer)
     return tokenizer
 
@@ -71,22 +73,32 @@ def build_metaspace_byte_fallback() -> Tokenizer:
         vocab.setdefault(f"<0x{byte:02X}>", len(vocab))
     data["model"]["byte_fallback"] = True
     tokenizer = Tokenizer.from_str(json.dumps(data))
-    tokenizer.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                           decoders.Strip(" ", 1, 0)])
+    tokenizer.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), decoders.Strip(" ", 1, 0)]
+    )
     return tokenizer
 
 
-BUILDERS = {"byte_level": build_byte_level, "metaspace": build_metaspace,
-            "metaspace_byte_fallback": build_metaspace_byte_fallback}
+BUILDERS = {
+    "byte_level": build_byte_level,
+    "metaspace": build_metaspace,
+    "metaspace_byte_fallback": build_metaspace_byte_fallback,
+}
 
 
 def save_tokenizer(tokenizer: Tokenizer, directory, with_bos: bool = True) -> str:
     """Save as a Hugging Face tokenizer folder; `with_bos` prepends <s> when special tokens are added."""
     if with_bos:
         tokenizer.post_processor = processors.TemplateProcessing(
-            single="<s> $A", special_tokens=[("<s>", tokenizer.token_to_id("<s>"))])
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
-                            clean_up_tokenization_spaces=False).save_pretrained(str(directory))
+            single="<s> $A", special_tokens=[("<s>", tokenizer.token_to_id("<s>"))]
+        )
+    PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer,
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        clean_up_tokenization_spaces=False,
+    ).save_pretrained(str(directory))
     return str(directory)
 
 
@@ -104,6 +116,7 @@ def metaspace(tmp_path_factory) -> tok.LoadedTokenizer:
 # ---------------------------------------------------------------------------------------------------------------
 # Loading
 # ---------------------------------------------------------------------------------------------------------------
+
 
 def test_load_sets_pad_to_eos_and_computes_constants_once(loaded):
     hf = loaded.hf
@@ -135,13 +148,19 @@ class _NoVocabulary:
 
 
 def test_per_request_functions_never_recompute_the_vocabulary(metaspace):
-    guarded = tok.LoadedTokenizer(hf=_NoVocabulary(metaspace.hf), vocab_size=metaspace.vocab_size,
-                                  end_id=metaspace.end_id, pad_id=metaspace.pad_id)
+    guarded = tok.LoadedTokenizer(
+        hf=_NoVocabulary(metaspace.hf),
+        vocab_size=metaspace.vocab_size,
+        end_id=metaspace.end_id,
+        pad_id=metaspace.pad_id,
+    )
     tok.encode_prompts(guarded, ["hello world"], True)
     tok.to_word_list_format(guarded, [["hello"]])
     assert tok.embedding_bias(guarded, [["hello"]], [[1.0]]).shape == (1, metaspace.vocab_size)
     ids = metaspace.encode("hello world", False)
-    assert tok.detokenize_delta(guarded, ids[:2], ids[2:], True) == metaspace.decode(ids)[len(metaspace.decode(ids[:2])):]
+    assert (
+        tok.detokenize_delta(guarded, ids[:2], ids[2:], True) == metaspace.decode(ids)[len(metaspace.decode(ids[:2])) :]
+    )
 
 
 def test_tokenizer_without_pad_or_eos_gets_usable_defaults():
@@ -154,6 +173,7 @@ def test_tokenizer_without_pad_or_eos_gets_usable_defaults():
 # Prompts, word lists, embedding bias
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def test_encode_prompts_right_pads_a_batch_of_three(metaspace):
     texts = ["Hello world", "a", "The quick brown fox jumps over the lazy dog."]
     ids, lengths = tok.encode_prompts(metaspace, texts, add_special_tokens=True)
@@ -162,15 +182,15 @@ def test_encode_prompts_right_pads_a_batch_of_three(metaspace):
     assert lengths.tolist() == [len(row) for row in expected]
     assert ids.shape == (3, max(lengths))
     for row, want in zip(ids, expected):
-        assert row[:len(want)].tolist() == want
-        assert set(row[len(want):].tolist()) <= {metaspace.pad_id}
+        assert row[: len(want)].tolist() == want
+        assert set(row[len(want) :].tolist()) <= {metaspace.pad_id}
     assert ids[1, -1] == metaspace.pad_id  # the short row really is padded
     assert expected[0][0] == metaspace.hf.convert_tokens_to_ids("<s>")
 
 
 def test_encode_prompts_without_special_tokens(metaspace):
     ids, lengths = tok.encode_prompts(metaspace, ["Hello"], add_special_tokens=False)
-    assert ids[0, :lengths[0]].tolist() == metaspace.hf.encode("Hello", add_special_tokens=False)
+    assert ids[0, : lengths[0]].tolist() == metaspace.hf.encode("Hello", add_special_tokens=False)
 
 
 def test_word_list_format(metaspace):
@@ -224,6 +244,7 @@ def test_embedding_bias_length_mismatch_names_both_inputs(metaspace):
 # Incremental detokenization
 # ---------------------------------------------------------------------------------------------------------------
 
+
 def test_prefix_window():
     sequence = list(range(20))
     assert tok.prefix_window(sequence, 3, 8) == list(range(9, 17))
@@ -240,7 +261,7 @@ def stream(tokenizer, ids, chunk_sizes, skip_special_tokens=True, final_alone=Fa
     while sent < len(ids):
         count = chunk_sizes[index % len(chunk_sizes)]
         index += 1
-        new = ids[sent:sent + count]
+        new = ids[sent : sent + count]
         sent += len(new)
         prefix = tok.prefix_window(ids[:sent], len(new))
         last = sent == len(ids) and not final_alone

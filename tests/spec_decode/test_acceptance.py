@@ -1,6 +1,7 @@
 """Verification (the rule the engine runs too): greedy acceptance is exact along chains and trees; sampled
 verification keeps the target distribution (a statistical test on a 6-token vocabulary with a bound computed from
 the sample count)."""
+
 import math
 
 import pytest
@@ -15,6 +16,7 @@ FAILURE_PROBABILITY = 1e-6
 
 
 # ---- greedy ---------------------------------------------------------------------------------------------------
+
 
 def test_greedy_chain_accepts_the_matching_prefix_and_adds_the_target_token():
     tree = DraftTree.chain([5, 7, 9])
@@ -49,6 +51,7 @@ def test_greedy_wrong_row_count_is_an_error():
 
 
 # ---- sampling: a Markov target over a tiny vocabulary ---------------------------------------------------------
+
 
 def _transition_matrix(seed: int, sharpness: float) -> torch.Tensor:
     generator = torch.Generator().manual_seed(seed)
@@ -126,8 +129,11 @@ def total_variation_bound(num_samples: int, num_cells: int, failure_probability:
 BOUND = total_variation_bound(NUM_SAMPLES, VOCAB * VOCAB, FAILURE_PROBABILITY)
 
 
-@pytest.mark.parametrize("step", [_step_sampled_chain, _step_deterministic_chain, _step_tree],
-                         ids=["chain-with-draft-probs", "chain-one-hot", "tree-one-hot"])
+@pytest.mark.parametrize(
+    "step",
+    [_step_sampled_chain, _step_deterministic_chain, _step_tree],
+    ids=["chain-with-draft-probs", "chain-one-hot", "tree-one-hot"],
+)
 def test_speculative_sampling_keeps_the_target_distribution_of_two_tokens(step):
     assert BOUND < 0.032
     assert _total_variation(step) <= BOUND

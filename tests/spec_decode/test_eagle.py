@@ -6,6 +6,7 @@ chunked prefill with prefix reuse, preemption, requests joining mid-flight, CUDA
 counted per request and every KV block (the target's and the draft layer's) free afterwards. A target whose next
 token depends only on the current one, with a draft layer that computes the same function, gets every top-1 draft
 accepted. TRITONLLM_TEST_DEVICE=cuda runs the engine and the proposer on the GPU (the CPU is the default)."""
+
 import json
 import os
 import shutil
@@ -15,17 +16,17 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from tritonllm.checkpoints.tiny import build_tiny_model
 from tritonllm.engine.embedded.loader import load_model
 from tritonllm.engine.embedded.network.model_config import ModelLoadError
 from tritonllm.engine.embedded.speculation.eagle import load_eagle, random_eagle, save_eagle
 from tritonllm.engine.embedded.speculation.eagle3 import random_eagle3
 from tritonllm.engine.embedded.speculation.eagle_proposer import EagleProposer
 from tritonllm.engine.types import InvalidRequestError, SamplingParams
-from tritonllm.checkpoints.tiny import build_tiny_model
 from tritonllm.spec_decode.proposer import ProposalInput
 
-from .test_engine_spec import assert_all_blocks_free as assert_target_blocks_free
 from .test_engine_spec import SETTINGS  # plain, chunked prefill with prefix reuse, preempting
+from .test_engine_spec import assert_all_blocks_free as assert_target_blocks_free
 from .test_engine_spec import make_engine as spec_engine
 
 BLOCK = 4
@@ -37,22 +38,28 @@ DEVICE = os.environ.get("TRITONLLM_TEST_DEVICE", "cpu")
 
 @pytest.fixture(scope="module")
 def targets(tmp_path_factory):
-    return {arch: build_tiny_model(tmp_path_factory.mktemp(f"target_{arch}"), seed=5, arch=arch)
-            for arch in ("llama", "qwen2")}
+    return {
+        arch: build_tiny_model(tmp_path_factory.mktemp(f"target_{arch}"), seed=5, arch=arch)
+        for arch in ("llama", "qwen2")
+    }
 
 
 @pytest.fixture(scope="module")
 def eagles(tmp_path_factory, targets):
-    return {arch: random_eagle(target, tmp_path_factory.mktemp(f"eagle_{arch}"), seed=1)
-            for arch, target in targets.items()}
+    return {
+        arch: random_eagle(target, tmp_path_factory.mktemp(f"eagle_{arch}"), seed=1) for arch, target in targets.items()
+    }
 
 
 @pytest.fixture(scope="module")
 def eagle3s(tmp_path_factory, targets):
     """EAGLE-3 drafts reading both of the tiny targets' layers (EAGLE-3's default layers need more)."""
-    return {arch: random_eagle3(target, tmp_path_factory.mktemp(f"eagle3_{arch}"), seed=1, draft_vocab_size=400,
-                                capture_layers=[0, 1])
-            for arch, target in targets.items()}
+    return {
+        arch: random_eagle3(
+            target, tmp_path_factory.mktemp(f"eagle3_{arch}"), seed=1, draft_vocab_size=400, capture_layers=[0, 1]
+        )
+        for arch, target in targets.items()
+    }
 
 
 def make_engine(model_dir, spec=None, **overrides):
@@ -73,7 +80,7 @@ def eagle_spec(eagle_dir, tree=False, version="Eagle", **extra):
 
 def run_batch(engine, prompts=PROMPTS, join_late=False):
     """All prompts at once, or (join_late) the last ones sent once the first request streams tokens."""
-    params = [SamplingParams(max_tokens=n, end_id=2) for n in MAX_TOKENS[:len(prompts)]]
+    params = [SamplingParams(max_tokens=n, end_id=2) for n in MAX_TOKENS[: len(prompts)]]
     if not join_late:
         handles = [engine.generate_async(p, sp) for p, sp in zip(prompts, params)]
     else:
@@ -127,11 +134,15 @@ def test_greedy_output_is_plain_greedy(targets, eagles, eagle3s, references, ver
 
 @pytest.mark.parametrize("tree", [False, True], ids=["chain", "tree"])
 @pytest.mark.parametrize("version", ["Eagle", "Eagle3"])
-def test_target_steps_in_cuda_graphs_stay_plain_greedy(targets, eagles, eagle3s, references, version, tree,
-                                                       graphs_on_this_device):
+def test_target_steps_in_cuda_graphs_stay_plain_greedy(
+    targets, eagles, eagle3s, references, version, tree, graphs_on_this_device
+):
     drafts = eagles if version == "Eagle" else eagle3s
-    engine = make_engine(targets["llama"], eagle_spec(drafts["llama"], tree, version),
-                         cuda_graph_config={"batch_sizes": [1, 2, 4], "enable_padding": True})
+    engine = make_engine(
+        targets["llama"],
+        eagle_spec(drafts["llama"], tree, version),
+        cuda_graph_config={"batch_sizes": [1, 2, 4], "enable_padding": True},
+    )
     try:
         assert [o.token_ids for o in run_batch(engine)] == references["llama"]
         assert any(rows > 1 for _, rows, _ in engine.core.runner.graphs.graphs)  # verification in graphs
@@ -143,8 +154,9 @@ def test_target_steps_in_cuda_graphs_stay_plain_greedy(targets, eagles, eagle3s,
 def test_aborted_and_sampled_requests_release_the_draft_state(targets, eagles):
     engine = make_engine(targets["qwen2"], eagle_spec(eagles["qwen2"], tree=True))
     try:
-        handle = engine.generate_async(PROMPTS[2], SamplingParams(max_tokens=200, end_id=2, ignore_eos=True),
-                                       streaming=True)
+        handle = engine.generate_async(
+            PROMPTS[2], SamplingParams(max_tokens=200, end_id=2, ignore_eos=True), streaming=True
+        )
         stream = iter(handle)
         next(stream), next(stream)
         handle.abort()
@@ -156,6 +168,7 @@ def test_aborted_and_sampled_requests_release_the_draft_state(targets, eagles):
 
 
 # ---- a target the draft layer can mimic exactly ---------------------------------------------------------------
+
 
 @pytest.fixture(scope="module")
 def bigram(tmp_path_factory, targets):
@@ -210,6 +223,7 @@ def test_a_draft_that_mimics_the_target_gets_every_top1_draft_accepted(bigram, t
 
 # ---- the proposer against a dense reference of the draft layer ------------------------------------------------
 
+
 def dense_layer(draft, embeds, features, positions):
     """The draft layer over one whole causal sequence, without the paged cache (an independent reference)."""
     layer, attn = draft.layer, draft.layer.self_attn
@@ -227,8 +241,13 @@ def dense_layer(draft, embeds, features, positions):
     v = v.view(len(positions), attn.num_kv_heads, attn.head_dim)
     repeat = attn.num_heads // attn.num_kv_heads
     k, v = k.repeat_interleave(repeat, 1), v.repeat_interleave(repeat, 1)
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
-                                         scale=attn.scale).transpose(0, 1).reshape(len(positions), -1)
+    out = (
+        F.scaled_dot_product_attention(
+            q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=attn.scale
+        )
+        .transpose(0, 1)
+        .reshape(len(positions), -1)
+    )
     x = x + F.linear(out, attn.o_proj.weight, attn.o_proj.bias)
     return x + layer.mlp(layer.post_attention_layernorm(x))
 
@@ -239,7 +258,7 @@ def reference_outputs(draft, target, tokens, features, first):
     embed = target.embed_tokens.weight
     committed = list(range(first, len(tokens) - 1))
     base_embeds = embed[torch.tensor([tokens[j + 1] for j in committed], device=embed.device)]
-    base_features = features[first:len(tokens) - 1]
+    base_features = features[first : len(tokens) - 1]
 
     def output(drafted):
         embeds = torch.cat([base_embeds] + [embed[[t]] for t in drafted])
@@ -285,16 +304,30 @@ def reference_dynamic(draft, target, tokens, features, first, k, depth, total):
     return ([nodes[i][1][-1] for i in kept], [index.get(nodes[i][1][:-1], -1) for i in kept])
 
 
-@pytest.mark.parametrize("choices", [None, TREE, [[0], [1], [0, 0], [1, 0], [1, 1], [0, 0, 0], [1, 0, 0]]],
-                         ids=["chain", "tree", "wide_tree"])
+@pytest.mark.parametrize(
+    "choices",
+    [None, TREE, [[0], [1], [0, 0], [1, 0], [1, 1], [0, 0, 0], [1, 0, 0]]],
+    ids=["chain", "tree", "wide_tree"],
+)
 def test_drafts_are_the_draft_layers_own_top_k(targets, eagles, choices):
     torch.manual_seed(0)
     target, target_config = load_model(targets["qwen2"], torch.float32, DEVICE)
     draft = load_eagle(eagles["qwen2"], device=DEVICE, target=target_config)
-    proposer = EagleProposer(draft, target, 3, choices, num_blocks=64, block_size=BLOCK, dtype=torch.float32,
-                             device=torch.device(DEVICE))
-    dynamic = EagleProposer(draft, target, 3, None, num_blocks=64, block_size=BLOCK, dtype=torch.float32,
-                            device=torch.device(DEVICE), dynamic_top_k=2, total_tokens=5)
+    proposer = EagleProposer(
+        draft, target, 3, choices, num_blocks=64, block_size=BLOCK, dtype=torch.float32, device=torch.device(DEVICE)
+    )
+    dynamic = EagleProposer(
+        draft,
+        target,
+        3,
+        None,
+        num_blocks=64,
+        block_size=BLOCK,
+        dtype=torch.float32,
+        device=torch.device(DEVICE),
+        dynamic_top_k=2,
+        total_tokens=5,
+    )
     tokens = [int(t) for t in torch.randint(3, 900, (30,))]
     features = torch.randn(len(tokens), draft.hidden_size).to(DEVICE) * 2
     paths = sorted(choices or [[0], [0, 0], [0, 0, 0]], key=lambda p: (len(p), p))  # the tree's node order
@@ -302,16 +335,15 @@ def test_drafts_are_the_draft_layers_own_top_k(targets, eagles, choices):
     # A shadow that starts at position 3 (a reused prefix), is fed in uneven pieces and drafts three times.
     proposer.observe(7, 3, features[3:10])
     for end in (12, 19, 30):
-        proposer.observe(7, proposer.shadows[7].next_position, features[proposer.shadows[7].next_position:end - 1])
+        proposer.observe(7, proposer.shadows[7].next_position, features[proposer.shadows[7].next_position : end - 1])
         (tree,) = proposer.propose([ProposalInput(7, tokens[:end])])
         assert tree.tokens == reference_tree(draft, target, tokens[:end], features, 3, paths, k)
         assert proposer.shadows[7].num_stable == end - 1 - 3  # drafted slots dropped
         if choices is None:  # EAGLE-2's dynamic tree (top-k 2, 3 deep, 5 nodes) over the same inputs
             start = dynamic.shadows[7].next_position if 7 in dynamic.shadows else 3
-            dynamic.observe(7, start, features[start:end - 1])
+            dynamic.observe(7, start, features[start : end - 1])
             (tree,) = dynamic.propose([ProposalInput(7, tokens[:end])])
-            assert (tree.tokens, tree.parents) == reference_dynamic(draft, target, tokens[:end], features, 3, 2, 3,
-                                                                    5)
+            assert (tree.tokens, tree.parents) == reference_dynamic(draft, target, tokens[:end], features, 3, 2, 3, 5)
     (short,) = proposer.propose([ProposalInput(7, tokens, max_draft_tokens=2)])
     assert len(short) == 0  # nothing new observed since the last proposal: no draft
     proposer.release(7)
@@ -319,6 +351,7 @@ def test_drafts_are_the_draft_layers_own_top_k(targets, eagles, choices):
 
 
 # ---- the checkpoint folder ------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("pickle", [False, True], ids=["safetensors", "bin"])
 def test_round_trip_and_ignored_embedding(targets, eagles, tmp_path, pickle):
@@ -333,8 +366,13 @@ def test_round_trip_and_ignored_embedding(targets, eagles, tmp_path, pickle):
     assert set(again.checkpoint_state()) == set(draft.checkpoint_state())
     for key, value in draft.checkpoint_state().items():
         assert torch.equal(again.checkpoint_state()[key], value), key
-    assert {"fc.weight", "fc.bias", "layers.0.self_attn.q_proj.weight", "layers.0.mlp.gate_proj.weight",
-            "layers.0.post_attention_layernorm.weight"} <= set(draft.checkpoint_state())
+    assert {
+        "fc.weight",
+        "fc.bias",
+        "layers.0.self_attn.q_proj.weight",
+        "layers.0.mlp.gate_proj.weight",
+        "layers.0.post_attention_layernorm.weight",
+    } <= set(draft.checkpoint_state())
     assert not any("input_layernorm" in key for key in draft.checkpoint_state())
     qwen = load_eagle(eagles["qwen2"]).checkpoint_state()
     assert "layers.0.self_attn.q_proj.bias" in qwen and "layers.0.self_attn.o_proj.bias" not in qwen
@@ -403,15 +441,34 @@ def _other_size_eagle(eagle_dir, tmp_path):
 
 # ---- the command line -----------------------------------------------------------------------------------------
 
+
 def test_generate_json_lines_report_draft_counts(bigram, tmp_path, capsys):
     from tritonllm.commands.main import main as cli_main
 
     target, eagle_dir = bigram
     config = tmp_path / "model.yaml"
-    config.write_text(f"speculative_config:\n  decoding_type: Eagle\n  max_draft_len: 3\n"
-                      f"  speculative_model_dir: {eagle_dir}\n")
-    assert cli_main(["generate", "--model", str(target), "--config", str(config), "--prompt", "hello there",
-                     "--prompt", "a b c d", "--max-tokens", "12", "--json"]) == 0
+    config.write_text(
+        f"speculative_config:\n  decoding_type: Eagle\n  max_draft_len: 3\n  speculative_model_dir: {eagle_dir}\n"
+    )
+    assert (
+        cli_main(
+            [
+                "generate",
+                "--model",
+                str(target),
+                "--config",
+                str(config),
+                "--prompt",
+                "hello there",
+                "--prompt",
+                "a b c d",
+                "--max-tokens",
+                "12",
+                "--json",
+            ]
+        )
+        == 0
+    )
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     assert len(records) == 2
     for record in records:
@@ -422,8 +479,28 @@ def test_generate_json_lines_report_draft_counts(bigram, tmp_path, capsys):
 def test_bench_spec_runs_with_eagle(targets, eagles, capsys):
     from tritonllm.commands.main import main as cli_main
 
-    assert cli_main(["bench", "spec", "--model", str(targets["qwen2"]), "--method", "eagle", "--spec-model-dir",
-                     str(eagles["qwen2"]), "--draft-len", "2", "--prompts", "1", "--max-tokens", "8", "--json"]) == 0
+    assert (
+        cli_main(
+            [
+                "bench",
+                "spec",
+                "--model",
+                str(targets["qwen2"]),
+                "--method",
+                "eagle",
+                "--spec-model-dir",
+                str(eagles["qwen2"]),
+                "--draft-len",
+                "2",
+                "--prompts",
+                "1",
+                "--max-tokens",
+                "8",
+                "--json",
+            ]
+        )
+        == 0
+    )
     result = json.loads([line for line in capsys.readouterr().out.splitlines() if line.startswith("{")][-1])
     assert result["method"] == "Eagle" and result["identical_outputs"]
     assert result["speculative_config"]["max_draft_len"] == 2

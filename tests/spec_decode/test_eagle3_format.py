@@ -3,6 +3,7 @@ matches a dense reference written from the checkpoint's own tensors (features fr
 draft's own output without it), its head scores with its lm_head and proposes target ids through d2t, and bad
 folders fail naming the tensor or setting. The tiny targets have two layers, too few for the default capture
 layers, so their drafts name theirs; a config-only eight-layer target covers the default (three layers, fc 3H)."""
+
 import json
 
 import pytest
@@ -36,9 +37,11 @@ def eagles(tmp_path_factory, targets, deep_target):
     def make(name, target, **options):
         return random_eagle3(target, tmp_path_factory.mktemp(name), seed=1, **options)
 
-    return {"llama": make("eagle3_llama", targets["llama"], draft_vocab_size=100, capture_layers=TWO_LAYERS),
-            "qwen2": make("eagle3_qwen2", targets["qwen2"], capture_layers=TWO_LAYERS),
-            "deep": make("eagle3_deep", deep_target, draft_vocab_size=100)}
+    return {
+        "llama": make("eagle3_llama", targets["llama"], draft_vocab_size=100, capture_layers=TWO_LAYERS),
+        "qwen2": make("eagle3_qwen2", targets["qwen2"], capture_layers=TWO_LAYERS),
+        "deep": make("eagle3_deep", deep_target, draft_vocab_size=100),
+    }
 
 
 def target_config(target_dir):
@@ -47,11 +50,11 @@ def target_config(target_dir):
 
 def load(eagle_dir, target_dir, **options):
     config = target_config(target_dir)
-    return load_eagle3(eagle_dir, torch.float32, "cpu", target=config, target_num_layers=config.num_layers,
-                       **options)
+    return load_eagle3(eagle_dir, torch.float32, "cpu", target=config, target_num_layers=config.num_layers, **options)
 
 
 # ---- the checkpoint folder ------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("pickle", [False, True], ids=["safetensors", "bin"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
@@ -85,8 +88,10 @@ def test_the_format_s_shapes_and_draft_vocabulary(targets, eagles):
     ids = torch.arange(100) + saved["d2t"]
     assert saved["d2t"].dtype == torch.int64 and torch.all(ids[1:] > ids[:-1])
     assert int(ids.max()) < target_config(targets["llama"]).vocab_size
-    assert torch.equal(load_file(str(eagles["qwen2"] / "model.safetensors"))["d2t"], torch.zeros(
-        target_config(targets["qwen2"]).vocab_size, dtype=torch.long))  # the whole vocabulary by default
+    assert torch.equal(
+        load_file(str(eagles["qwen2"] / "model.safetensors"))["d2t"],
+        torch.zeros(target_config(targets["qwen2"]).vocab_size, dtype=torch.long),
+    )  # the whole vocabulary by default
 
 
 def test_capture_layers_come_from_the_config_the_argument_or_the_default(targets, eagles, deep_target):
@@ -97,6 +102,7 @@ def test_capture_layers_come_from_the_config_the_argument_or_the_default(targets
 
 
 # ---- the layer against a dense reference ----------------------------------------------------------------------
+
 
 def rms_norm(x, weight, eps=1e-6):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * weight
@@ -126,7 +132,7 @@ def dense_layer(state, embeds, h, positions, heads=4, kv_heads=2, head_dim=16):
     k = rotate(F.linear(x, w["self_attn.k_proj.weight"]).view(tokens, kv_heads, head_dim), positions)
     v = F.linear(x, w["self_attn.v_proj.weight"]).view(tokens, kv_heads, head_dim)
     k, v = (t.repeat_interleave(heads // kv_heads, 1).transpose(0, 1) for t in (k, v))
-    scores = q.transpose(0, 1) @ k.transpose(1, 2) / head_dim ** 0.5
+    scores = q.transpose(0, 1) @ k.transpose(1, 2) / head_dim**0.5
     scores = scores.masked_fill(torch.ones(tokens, tokens, dtype=torch.bool).triu(1), float("-inf"))
     out = (scores.softmax(-1) @ v).transpose(0, 1).reshape(tokens, -1)
     h = h + F.linear(out, w["self_attn.o_proj.weight"])
@@ -143,8 +149,9 @@ def paged_forward(draft, embeds, features, positions, pieces):
     outputs, start = [], 0
     for length in pieces:
         end = start + length
-        attn = step_metadata(list(range(start, end)), [list(range(8))], [0], [length], [end], BLOCK, [None], "cpu",
-                             torch.float32)
+        attn = step_metadata(
+            list(range(start, end)), [list(range(8))], [0], [length], [end], BLOCK, [None], "cpu", torch.float32
+        )
         outputs.append(draft(embeds[start:end], features[start:end], positions[start:end], attn, cache))
         start = end
     return torch.cat(outputs)
@@ -183,6 +190,7 @@ def test_the_head_scores_with_its_own_lm_head_and_maps_through_d2t(targets, eagl
 
 # ---- bad folders ----------------------------------------------------------------------------------------------
 
+
 def test_bad_folders_name_what_is_wrong(targets, eagles, tmp_path):
     source, target = eagles["llama"], targets["llama"]
     good = load_file(str(source / "model.safetensors"))
@@ -204,8 +212,13 @@ def test_bad_folders_name_what_is_wrong(targets, eagles, tmp_path):
     fails(r"midlayer.self_attn.q_proj.weight has shape \[64, 64\], expected \[64, 128\]")
     write({**good, "midlayer.self_attn.q_proj.bias": torch.zeros(64)})
     fails("unexpected tensor midlayer.self_attn.q_proj.bias in the EAGLE-3 weights")
-    write({**good, "t2d": torch.ones(config["vocab_size"], dtype=torch.bool),
-           "embed_tokens.weight": torch.zeros(config["vocab_size"], 64)})
+    write(
+        {
+            **good,
+            "t2d": torch.ones(config["vocab_size"], dtype=torch.bool),
+            "embed_tokens.weight": torch.zeros(config["vocab_size"], 64),
+        }
+    )
     load(tmp_path, target)  # the format's optional tensors are ignored
     write({**good, "d2t": good["d2t"] + 5000})
     fails(r"d2t maps draft ids outside the vocabulary \[0, ")
@@ -226,14 +239,17 @@ def test_bad_folders_name_what_is_wrong(targets, eagles, tmp_path):
     fails(r"capture layer 5 is outside", capture_layers=[0, 5])  # eagle3_layers_to_capture overrides the config
     fails(r"capture layers \[1, 1\] must be at least two distinct", capture_layers=[1, 1])
     write(good, {"eagle_config": {}})
-    fails(r"default capture layers \[1, 0, -2\] do not fit a target of 2 layers; set "
-          r"eagle_aux_hidden_state_layer_ids")
+    fails(
+        r"default capture layers \[1, 0, -2\] do not fit a target of 2 layers; set "
+        r"eagle_aux_hidden_state_layer_ids"
+    )
 
 
 def test_the_wrong_eagle_version_is_refused_naming_the_right_one(targets, eagles, tmp_path):
     eagle12 = random_eagle(targets["llama"], tmp_path / "eagle12", seed=1)
-    with pytest.raises(ModelLoadError, match="an EAGLE-1/2 draft .*layers.0.*use decoding_type Eagle for it, "
-                                             "not Eagle3"):
+    with pytest.raises(
+        ModelLoadError, match="an EAGLE-1/2 draft .*layers.0.*use decoding_type Eagle for it, not Eagle3"
+    ):
         load(eagle12, targets["llama"], capture_layers=TWO_LAYERS)
     with pytest.raises(ModelLoadError, match="an EAGLE-3 draft .*use decoding_type: Eagle3"):
         load_eagle(eagles["llama"])

@@ -3,17 +3,18 @@ lengths, with chunked prefill, prefix reuse and preemption; drafts are counted p
 free afterwards; external draft tokens (draft_input_ids) are verified in one target step.
 
 TRITONLLM_TEST_DEVICE=cuda runs the engines on the GPU (the CPU is the default)."""
+
 import os
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from tritonllm.checkpoints.tiny import build_tiny_model
 from tritonllm.engine.config import ConfigError, EngineConfig
 from tritonllm.engine.embedded.engine import EmbeddedEngine
 from tritonllm.engine.embedded.speculation.eagle3 import random_eagle3
 from tritonllm.engine.types import InvalidRequestError, SamplingParams
-from tritonllm.checkpoints.tiny import build_tiny_model
 from tritonllm.spec_decode.medusa import MedusaHeads, save_medusa
 
 DEVICE = os.environ.get("TRITONLLM_TEST_DEVICE", "cpu")
@@ -52,27 +53,47 @@ def methods(model_dir, other_draft_dir, medusa_dir):
     return {
         "ngram": {"decoding_type": "NGram", "max_draft_len": 4, "max_matching_ngram_size": 3},
         "draft_same": {"decoding_type": "DraftTarget", "max_draft_len": 3, "speculative_model_dir": str(model_dir)},
-        "draft_other": {"decoding_type": "DraftTarget", "max_draft_len": 2,
-                        "speculative_model_dir": str(other_draft_dir)},
-        "medusa": {"decoding_type": "Medusa", "speculative_model_dir": str(medusa_dir),
-                   "medusa_choices": [[0], [1], [0, 0], [1, 0], [0, 1], [0, 0, 0]]},
-        "lookahead": {"decoding_type": "Lookahead", "max_window_size": 3, "max_ngram_size": 3,
-                      "max_verification_set_size": 3},
+        "draft_other": {
+            "decoding_type": "DraftTarget",
+            "max_draft_len": 2,
+            "speculative_model_dir": str(other_draft_dir),
+        },
+        "medusa": {
+            "decoding_type": "Medusa",
+            "speculative_model_dir": str(medusa_dir),
+            "medusa_choices": [[0], [1], [0, 0], [1, 0], [0, 1], [0, 0, 0]],
+        },
+        "lookahead": {
+            "decoding_type": "Lookahead",
+            "max_window_size": 3,
+            "max_ngram_size": 3,
+            "max_verification_set_size": 3,
+        },
     }
 
 
 SETTINGS = {
     "plain": {},
-    "chunked_reuse": {"enable_chunked_prefill": True, "max_num_tokens": 16,
-                      "kv_cache_config": {"tokens_per_block": BLOCK, "max_tokens": 4096, "enable_block_reuse": True}},
-    "preempting": {"scheduler_config": {"capacity_scheduler_policy": "MAX_UTILIZATION"},
-                   "kv_cache_config": {"tokens_per_block": BLOCK, "max_tokens": 160, "enable_block_reuse": False}},
+    "chunked_reuse": {
+        "enable_chunked_prefill": True,
+        "max_num_tokens": 16,
+        "kv_cache_config": {"tokens_per_block": BLOCK, "max_tokens": 4096, "enable_block_reuse": True},
+    },
+    "preempting": {
+        "scheduler_config": {"capacity_scheduler_policy": "MAX_UTILIZATION"},
+        "kv_cache_config": {"tokens_per_block": BLOCK, "max_tokens": 160, "enable_block_reuse": False},
+    },
 }
 
 
 def make_engine(model_dir, spec=None, **overrides):
-    args = {"model": str(model_dir), "dtype": "float32", "device": DEVICE, "max_batch_size": 8,
-            "kv_cache_config": {"tokens_per_block": BLOCK, "max_tokens": 4096}}
+    args = {
+        "model": str(model_dir),
+        "dtype": "float32",
+        "device": DEVICE,
+        "max_batch_size": 8,
+        "kv_cache_config": {"tokens_per_block": BLOCK, "max_tokens": 4096},
+    }
     args.update(overrides)
     if spec is not None:
         args["speculative_config"] = spec
@@ -80,8 +101,9 @@ def make_engine(model_dir, spec=None, **overrides):
 
 
 def run_batch(engine, prompts=PROMPTS, **knobs):
-    handles = [engine.generate_async(p, SamplingParams(max_tokens=n, end_id=2, **knobs))
-               for p, n in zip(prompts, MAX_TOKENS)]
+    handles = [
+        engine.generate_async(p, SamplingParams(max_tokens=n, end_id=2, **knobs)) for p, n in zip(prompts, MAX_TOKENS)
+    ]
     return [h.result().outputs[0] for h in handles]
 
 
@@ -131,8 +153,12 @@ def test_greedy_output_is_plain_greedy(model_dir, other_draft_dir, medusa_dir, r
 def test_stop_words_max_tokens_and_logits_stay_exact(model_dir, reference):
     """Accepted tokens go through the finish rules one by one: a stop word inside an accepted run ends there."""
     stop = reference[0][10:12]
-    plain, spec = make_engine(model_dir), make_engine(model_dir, {"decoding_type": "DraftTarget", "max_draft_len": 4,
-                                                                   "speculative_model_dir": str(model_dir)})
+    plain, spec = (
+        make_engine(model_dir),
+        make_engine(
+            model_dir, {"decoding_type": "DraftTarget", "max_draft_len": 4, "speculative_model_dir": str(model_dir)}
+        ),
+    )
     try:
         knobs = dict(stop_words=[stop], logprobs=True, return_generation_logits=True)
         want, got = run_batch(plain, **knobs), run_batch(spec, **knobs)
@@ -151,8 +177,12 @@ def test_stop_words_max_tokens_and_logits_stay_exact(model_dir, reference):
 
 def test_seeded_sampling_draws_the_same_tokens(model_dir):
     """Each committed token is drawn from the target's row with the sequence's generator, as without drafts."""
-    plain, spec = make_engine(model_dir), make_engine(model_dir, {"decoding_type": "DraftTarget", "max_draft_len": 3,
-                                                                   "speculative_model_dir": str(model_dir)})
+    plain, spec = (
+        make_engine(model_dir),
+        make_engine(
+            model_dir, {"decoding_type": "DraftTarget", "max_draft_len": 3, "speculative_model_dir": str(model_dir)}
+        ),
+    )
     try:
         knobs = dict(temperature=0.8, top_k=20, seed=7)
         want, got = run_batch(plain, **knobs), run_batch(spec, **knobs)
@@ -192,13 +222,20 @@ def test_external_draft_logits_use_rejection_sampling(model_dir, reference):
         params = SamplingParams(max_tokens=5, temperature=1.0, seed=3, draft_tokens=drafts, draft_logits=logits)
         out = engine.generate(PROMPTS[2], params).outputs[0]
         assert len(out.token_ids) == 5 and out.request_perf_metrics.total_draft_tokens == 4
-        threshold = SamplingParams(max_tokens=5, temperature=1.0, seed=3, draft_tokens=drafts, draft_logits=logits,
-                                   draft_acceptance_threshold=1.0)
+        threshold = SamplingParams(
+            max_tokens=5,
+            temperature=1.0,
+            seed=3,
+            draft_tokens=drafts,
+            draft_logits=logits,
+            draft_acceptance_threshold=1.0,
+        )
         out = engine.generate(PROMPTS[2], threshold).outputs[0]
         assert len(out.token_ids) == 5
         with pytest.raises(InvalidRequestError, match=r"draft_logits must be \[4, vocab\]"):
-            engine.generate_async(PROMPTS[2], SamplingParams(max_tokens=5, draft_tokens=drafts,
-                                                             draft_logits=logits[:2]))
+            engine.generate_async(
+                PROMPTS[2], SamplingParams(max_tokens=5, draft_tokens=drafts, draft_logits=logits[:2])
+            )
         with pytest.raises(InvalidRequestError, match="draft token id"):
             engine.generate_async(PROMPTS[2], SamplingParams(max_tokens=5, draft_tokens=[vocab + 3]))
         assert_all_blocks_free(engine)
@@ -208,8 +245,9 @@ def test_external_draft_logits_use_rejection_sampling(model_dir, reference):
 
 def test_configuration_errors_name_the_key(model_dir, other_draft_dir, tmp_path):
     with pytest.raises(ConfigError, match="speculative_config.max_draft_lenn"):
-        EngineConfig.from_dict({"model": str(model_dir), "speculative_config": {"decoding_type": "NGram",
-                                                                              "max_draft_lenn": 3}})
+        EngineConfig.from_dict(
+            {"model": str(model_dir), "speculative_config": {"decoding_type": "NGram", "max_draft_lenn": 3}}
+        )
     with pytest.raises(InvalidRequestError, match="speculative_config.speculative_model_dir"):
         make_engine(model_dir, {"decoding_type": "Medusa", "speculative_model_dir": str(tmp_path)})
     with pytest.raises(InvalidRequestError, match="speculative_config.speculative_model_dir"):
@@ -228,24 +266,31 @@ def test_smollm2_greedy_output_is_plain_greedy_for_every_method(smollm2_dir, tmp
     from tritonllm.spec_decode.training.distill import bench_requests, chat_ids
 
     tokenizer = AutoTokenizer.from_pretrained(smollm2_dir)
-    prompts = [chat_ids(tokenizer, bench_requests("rewrite", 1)[0]), tokenizer.encode("Hello"),
-               tokenizer.encode("Write a short list of fruits and their colours:")]
+    prompts = [
+        chat_ids(tokenizer, bench_requests("rewrite", 1)[0]),
+        tokenizer.encode("Hello"),
+        tokenizer.encode("Write a short list of fruits and their colours:"),
+    ]
     embedding = load_file(str(smollm2_dir / "model.safetensors"))["model.embed_tokens.weight"].float()
     heads = MedusaHeads(embedding.shape[1], embedding.shape[0], num_heads=2)
     heads.copy_lm_head(embedding)
     medusa = save_medusa(heads, tmp_path / "medusa")
     eagle3 = random_eagle3(smollm2_dir, tmp_path / "eagle3", seed=1, draft_vocab_size=4096)  # layers 1, 14, 26
-    specs = [{"decoding_type": "NGram", "max_draft_len": 4},
-             {"decoding_type": "Lookahead", "max_window_size": 3, "max_ngram_size": 3, "max_verification_set_size": 3},
-             {"decoding_type": "DraftTarget", "max_draft_len": 3, "speculative_model_dir": str(smollm2_dir)},
-             {"decoding_type": "Medusa", "speculative_model_dir": str(medusa), "medusa_choices": [[0], [1], [0, 0]]},
-             {"decoding_type": "Eagle3", "speculative_model_dir": str(eagle3), "eagle_choices": [[0], [1], [0, 0]]}]
+    specs = [
+        {"decoding_type": "NGram", "max_draft_len": 4},
+        {"decoding_type": "Lookahead", "max_window_size": 3, "max_ngram_size": 3, "max_verification_set_size": 3},
+        {"decoding_type": "DraftTarget", "max_draft_len": 3, "speculative_model_dir": str(smollm2_dir)},
+        {"decoding_type": "Medusa", "speculative_model_dir": str(medusa), "medusa_choices": [[0], [1], [0, 0]]},
+        {"decoding_type": "Eagle3", "speculative_model_dir": str(eagle3), "eagle_choices": [[0], [1], [0, 0]]},
+    ]
     results = []
     for spec in [None] + specs:
         engine = make_engine(smollm2_dir, spec, kv_cache_config={"tokens_per_block": 16, "max_tokens": 4096})
         try:
-            handles = [engine.generate_async(p, SamplingParams(max_tokens=n, end_id=tokenizer.eos_token_id))
-                       for p, n in zip(prompts, [40, 12, 24])]
+            handles = [
+                engine.generate_async(p, SamplingParams(max_tokens=n, end_id=tokenizer.eos_token_id))
+                for p, n in zip(prompts, [40, 12, 24])
+            ]
             results.append([h.result().outputs[0] for h in handles])
             assert_all_blocks_free(engine)
         finally:
@@ -263,10 +308,28 @@ def test_generate_json_lines_report_draft_counts(model_dir, tmp_path, capsys):
     from tritonllm.commands.main import main as cli_main
 
     config = tmp_path / "model.yaml"
-    config.write_text(f"speculative_config:\n  decoding_type: DraftTarget\n  max_draft_len: 3\n"
-                      f"  speculative_model_dir: {model_dir}\n")
-    assert cli_main(["generate", "--model", str(model_dir), "--config", str(config), "--prompt", "hello there",
-                     "--prompt", "a b c d", "--max-tokens", "12", "--json"]) == 0
+    config.write_text(
+        f"speculative_config:\n  decoding_type: DraftTarget\n  max_draft_len: 3\n  speculative_model_dir: {model_dir}\n"
+    )
+    assert (
+        cli_main(
+            [
+                "generate",
+                "--model",
+                str(model_dir),
+                "--config",
+                str(config),
+                "--prompt",
+                "hello there",
+                "--prompt",
+                "a b c d",
+                "--max-tokens",
+                "12",
+                "--json",
+            ]
+        )
+        == 0
+    )
     records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert len(records) == 2
     for record in records:
@@ -275,18 +338,24 @@ def test_generate_json_lines_report_draft_counts(model_dir, tmp_path, capsys):
         assert stats["acceptance_rate"] == 1.0
 
 
-def test_per_request_lookahead_configs_mix_in_one_batch_and_stay_greedy(model_dir, other_draft_dir, medusa_dir,
-                                                                         reference):
+def test_per_request_lookahead_configs_mix_in_one_batch_and_stay_greedy(
+    model_dir, other_draft_dir, medusa_dir, reference
+):
     """Each request may narrow the engine's lookahead (TensorRT-LLM's SamplingParams.lookahead_config)."""
     from tritonllm.spec_decode.config import LookaheadConfig
 
     engine = make_engine(model_dir, methods(model_dir, other_draft_dir, medusa_dir)["lookahead"])
-    own = [LookaheadConfig(max_window_size=2, max_ngram_size=2, max_verification_set_size=1), None,
-           LookaheadConfig(max_window_size=3, max_ngram_size=3, max_verification_set_size=3),
-           LookaheadConfig(max_window_size=1, max_ngram_size=3, max_verification_set_size=2)]
+    own = [
+        LookaheadConfig(max_window_size=2, max_ngram_size=2, max_verification_set_size=1),
+        None,
+        LookaheadConfig(max_window_size=3, max_ngram_size=3, max_verification_set_size=3),
+        LookaheadConfig(max_window_size=1, max_ngram_size=3, max_verification_set_size=2),
+    ]
     try:
-        handles = [engine.generate_async(p, SamplingParams(max_tokens=n, end_id=2, lookahead_config=c))
-                   for p, n, c in zip(PROMPTS, MAX_TOKENS, own)]
+        handles = [
+            engine.generate_async(p, SamplingParams(max_tokens=n, end_id=2, lookahead_config=c))
+            for p, n, c in zip(PROMPTS, MAX_TOKENS, own)
+        ]
         outputs = [h.result().outputs[0] for h in handles]
         assert [o.token_ids for o in outputs] == reference
         assert outputs[0].request_perf_metrics.total_draft_tokens > 0
@@ -311,8 +380,10 @@ def test_a_request_can_opt_out_of_speculation_in_a_speculating_batch(model_dir, 
     token per step, the others in the batch still speculate, and every output stays plain greedy."""
     engine = make_engine(model_dir, {"decoding_type": "NGram", "max_draft_len": 4, "max_matching_ngram_size": 3})
     try:
-        handles = [engine.generate_async(p, SamplingParams(max_tokens=n, end_id=2, speculate=i % 2 == 0))
-                   for i, (p, n) in enumerate(zip(PROMPTS, MAX_TOKENS))]
+        handles = [
+            engine.generate_async(p, SamplingParams(max_tokens=n, end_id=2, speculate=i % 2 == 0))
+            for i, (p, n) in enumerate(zip(PROMPTS, MAX_TOKENS))
+        ]
         outputs = [h.result().outputs[0] for h in handles]
         assert_all_blocks_free(engine)
     finally:
@@ -323,8 +394,9 @@ def test_a_request_can_opt_out_of_speculation_in_a_speculating_batch(model_dir, 
 
 
 @pytest.mark.parametrize("method", ["ngram", "draft_same", "medusa", "lookahead"])
-def test_verification_steps_in_cuda_graphs_stay_plain_greedy(model_dir, other_draft_dir, medusa_dir, reference,
-                                                              method, graphs_on_this_device):
+def test_verification_steps_in_cuda_graphs_stay_plain_greedy(
+    model_dir, other_draft_dir, medusa_dir, reference, method, graphs_on_this_device
+):
     spec = methods(model_dir, other_draft_dir, medusa_dir)[method]
     engine = make_engine(model_dir, spec, cuda_graph_config={"batch_sizes": [1, 2, 4, 8], "enable_padding": True})
     try:

@@ -1,5 +1,6 @@
 """Lookahead: the pool, the window's attention mask and positions (checked by an oracle that fails on any
 incoherent view), and greedy output identical to plain greedy decoding with fewer forwards."""
+
 import pytest
 import torch
 

@@ -1,4 +1,5 @@
 """Prompt-lookup proposals: longest suffix match first, what followed it, capped by the draft budget."""
+
 from tritonllm.spec_decode.config import NGramConfig
 from tritonllm.spec_decode.ngram import NGramProposer, find_continuation
 from tritonllm.spec_decode.proposer import ProposalInput
@@ -33,8 +34,12 @@ def test_continuation_is_cut_at_the_end_of_the_history():
 
 def test_proposer_returns_chains_capped_by_each_inputs_budget():
     proposer = NGramProposer(NGramConfig(max_draft_len=3, max_matching_ngram_size=2))
-    trees = proposer.propose([ProposalInput(0, [1, 2, 3, 4, 5, 1, 2]),
-                              ProposalInput(1, [1, 2, 3, 4, 5, 1, 2], max_draft_tokens=1),
-                              ProposalInput(2, [9, 8, 7])])
+    trees = proposer.propose(
+        [
+            ProposalInput(0, [1, 2, 3, 4, 5, 1, 2]),
+            ProposalInput(1, [1, 2, 3, 4, 5, 1, 2], max_draft_tokens=1),
+            ProposalInput(2, [9, 8, 7]),
+        ]
+    )
     assert [t.tokens for t in trees] == [[3, 4, 5], [3], []]
     assert all(t.is_chain for t in trees)

@@ -6,18 +6,19 @@ draft the engine loads, and greedy output with it is plain greedy output. A draf
 drafted to its tokens (the top-k come from its rows alone), leaves greedy output exact, and bad ones are refused
 naming the tensor. The shipped SmolLM2 draft loads (and, slow, keeps greedy output with drafts accepted), and
 `bench spec --method medusa` prunes the heads' default tree."""
+
 import json
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tritonllm.checkpoints.tiny import build_tiny_model
 from tritonllm.commands.main import main
 from tritonllm.engine.embedded.attention import step_metadata
 from tritonllm.engine.embedded.network.model_config import ModelLoadError
 from tritonllm.engine.embedded.speculation.eagle import load_eagle, random_eagle
 from tritonllm.engine.types import InvalidRequestError, SamplingParams
-from tritonllm.checkpoints.tiny import build_tiny_model
 from tritonllm.spec_decode.checkpoint_files import CheckpointError, frequent_tokens
 from tritonllm.spec_decode.medusa import MedusaHeads, load_medusa, save_medusa
 from tritonllm.spec_decode.training.train_eagle import dense_passes
@@ -46,8 +47,17 @@ def paged(draft, embed, tokens, features, positions):
     config = draft.config
     blocks = len(tokens) // BLOCK + 1
     cache = tuple(torch.zeros(blocks, BLOCK, config.num_kv_heads, config.head_dim) for _ in range(2))
-    attn = step_metadata(list(range(len(tokens))), [list(range(blocks))], [0], [len(tokens)], [len(tokens)], BLOCK,
-                         [None], "cpu", torch.float32)
+    attn = step_metadata(
+        list(range(len(tokens))),
+        [list(range(blocks))],
+        [0],
+        [len(tokens)],
+        [len(tokens)],
+        BLOCK,
+        [None],
+        "cpu",
+        torch.float32,
+    )
     return draft(embed[torch.tensor(tokens)], features, torch.tensor(positions), attn, cache)
 
 
@@ -62,20 +72,55 @@ def test_dense_passes_equal_the_paged_draft_layer_drafting_k_deep(target, tmp_pa
     committed = paged(draft, embed, tokens[1:], features[0, :-1], list(range(width - 1)))
     torch.testing.assert_close(first[0, :-1], committed, atol=1e-5, rtol=1e-5)
     for j in (0, 4, 9):  # drafting from root j + 1: rows 0..j committed, then the draft's own nodes
-        context = tokens[1:j + 2]
-        two = paged(draft, embed, context + [tokens[j + 2]], torch.cat([features[0, :j + 1], first[0, j:j + 1]]),
-                    list(range(j + 2)))
+        context = tokens[1 : j + 2]
+        two = paged(
+            draft,
+            embed,
+            context + [tokens[j + 2]],
+            torch.cat([features[0, : j + 1], first[0, j : j + 1]]),
+            list(range(j + 2)),
+        )
         torch.testing.assert_close(two[-1], second[0, j], atol=1e-5, rtol=1e-5)
-        three = paged(draft, embed, context + tokens[j + 2:j + 4],
-                      torch.cat([features[0, :j + 1], first[0, j:j + 1], second[0, j:j + 1]]), list(range(j + 3)))
+        three = paged(
+            draft,
+            embed,
+            context + tokens[j + 2 : j + 4],
+            torch.cat([features[0, : j + 1], first[0, j : j + 1], second[0, j : j + 1]]),
+            list(range(j + 3)),
+        )
         torch.testing.assert_close(three[-1], third[0, j], atol=1e-5, rtol=1e-5)
 
 
 def test_cli_trains_a_draft_that_keeps_greedy_output_exact(target, plain_outputs, tmp_path, capsys):
     out = tmp_path / "draft"
-    assert main(["spec", "train-eagle", "--model", str(target), "--out", str(out), "--steps", "6", "--batch", "4",
-                 "--distill-prompts", "12", "--distill-own-requests", "6", "--distill-max-tokens", "24",
-                 "--eval-every", "3", "--draft-vocab", "40", "--json"]) == 0
+    assert (
+        main(
+            [
+                "spec",
+                "train-eagle",
+                "--model",
+                str(target),
+                "--out",
+                str(out),
+                "--steps",
+                "6",
+                "--batch",
+                "4",
+                "--distill-prompts",
+                "12",
+                "--distill-own-requests",
+                "6",
+                "--distill-max-tokens",
+                "24",
+                "--eval-every",
+                "3",
+                "--draft-vocab",
+                "40",
+                "--json",
+            ]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["draft_vocab"] == 40 and len(report["depth_accuracy"]) == 3 and report["tokens"] > 0
     assert json.loads((out / "config.json").read_text())["draft_vocab_size"] == 40
@@ -113,11 +158,14 @@ def test_eagle_drafts_come_from_the_draft_vocabulary_only(target, plain_outputs,
     assert proposed and all(set(tree.tokens) <= allowed for tree in proposed)
 
 
-@pytest.mark.parametrize("bad, message", [
-    (torch.tensor([1.0, 2.0]), "non-empty 1-D tensor of token ids"),
-    (torch.tensor([4, 4, 5]), "repeats token ids"),
-    (torch.tensor([1, 100000]), r"outside the vocabulary \[0, "),
-])
+@pytest.mark.parametrize(
+    "bad, message",
+    [
+        (torch.tensor([1.0, 2.0]), "non-empty 1-D tensor of token ids"),
+        (torch.tensor([4, 4, 5]), "repeats token ids"),
+        (torch.tensor([1, 100000]), r"outside the vocabulary \[0, "),
+    ],
+)
 def test_bad_draft_vocabularies_are_refused_naming_the_tensor(target, tmp_path, bad, message):
     folder = random_eagle(target, tmp_path / "eagle", seed=1)
     state = load_file(str(folder / "model.safetensors"))
@@ -151,8 +199,11 @@ def test_engine_greedy_output_with_shared_medusa_heads_and_a_vocabulary(target, 
     torch.manual_seed(0)
     heads = MedusaHeads(hidden_size, 0, num_heads=3, shared_lm_head=True)
     save_medusa(heads, tmp_path, draft_vocab=torch.arange(0, 256, 2))
-    spec = {"decoding_type": "Medusa", "speculative_model_dir": str(tmp_path),
-            "medusa_choices": [[0], [1], [0, 0], [0, 0, 0]]}
+    spec = {
+        "decoding_type": "Medusa",
+        "speculative_model_dir": str(tmp_path),
+        "medusa_choices": [[0], [1], [0, 0], [0, 0, 0]],
+    }
     engine = make_engine(target, spec)
     try:
         outputs = run_batch(engine)
@@ -160,7 +211,7 @@ def test_engine_greedy_output_with_shared_medusa_heads_and_a_vocabulary(target, 
         engine.shutdown()
     assert [o.token_ids for o in outputs] == plain_outputs
     assert sum(o.request_perf_metrics.total_draft_tokens for o in outputs) > 0
-    save_medusa(heads, tmp_path, draft_vocab=torch.tensor([1, 10 ** 6]))
+    save_medusa(heads, tmp_path, draft_vocab=torch.tensor([1, 10**6]))
     with pytest.raises(InvalidRequestError, match="draft_vocab holds token ids past the model's vocabulary"):
         make_engine(target, spec)
 
@@ -192,8 +243,9 @@ def test_shipped_smollm2_draft_keeps_greedy_output_and_gets_drafts_accepted(smol
     for name, config in (("plain", None), ("eagle", spec)):
         engine = make_engine(smollm2_dir, config, kv_cache_config={"tokens_per_block": 16, "max_tokens": 4096})
         try:
-            handles = [engine.generate_async(p, SamplingParams(max_tokens=48, end_id=tokenizer.eos_token_id))
-                       for p in prompts]
+            handles = [
+                engine.generate_async(p, SamplingParams(max_tokens=48, end_id=tokenizer.eos_token_id)) for p in prompts
+            ]
             outputs[name] = [h.result().outputs[0] for h in handles]
         finally:
             engine.shutdown()
@@ -207,8 +259,28 @@ def test_shipped_smollm2_draft_keeps_greedy_output_and_gets_drafts_accepted(smol
 def test_bench_spec_medusa_prunes_the_heads_default_tree_on_the_chat_task(target, tmp_path, capsys):
     hidden_size = json.loads((target / "config.json").read_text())["hidden_size"]
     save_medusa(MedusaHeads(hidden_size, 0, num_heads=2, shared_lm_head=True), tmp_path)
-    assert main(["bench", "spec", "--model", str(target), "--method", "medusa", "--spec-model-dir", str(tmp_path),
-                 "--task", "chat", "--prompts", "1", "--max-tokens", "8", "--json"]) == 0
+    assert (
+        main(
+            [
+                "bench",
+                "spec",
+                "--model",
+                str(target),
+                "--method",
+                "medusa",
+                "--spec-model-dir",
+                str(tmp_path),
+                "--task",
+                "chat",
+                "--prompts",
+                "1",
+                "--max-tokens",
+                "8",
+                "--json",
+            ]
+        )
+        == 0
+    )
     result = json.loads([line for line in capsys.readouterr().out.splitlines() if line.startswith("{")][-1])
     assert result["task"] == "chat" and result["identical_outputs"]
     assert result["speculative_config"]["min_path_probability"] == 0.15

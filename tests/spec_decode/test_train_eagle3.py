@@ -6,23 +6,30 @@ loss and lifts top-1 agreement above the untrained draft's on its training data;
 default capture layers writes a draft that `load_eagle3` loads and the engine runs, greedy output unchanged; the
 last layer cannot be captured. The tiny target gets eight layers (random weights), enough for the default
 capture layers (1, 3, 4); its tiny two-layer sibling could only capture layer 0."""
+
 import json
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from tritonllm.checkpoints.hf_files import write_json
+from tritonllm.checkpoints.tiny import build_tiny_model, random_weights
 from tritonllm.commands.main import main
 from tritonllm.engine.config import ConfigError
 from tritonllm.engine.embedded.network.model_config import ModelConfig, ModelLoadError
 from tritonllm.engine.embedded.speculation.eagle3 import eagle3_config_for, load_eagle3, random_eagle3
-from tritonllm.checkpoints.hf_files import write_json
-from tritonllm.checkpoints.tiny import build_tiny_model, random_weights
 from tritonllm.spec_decode.training.frozen_base import base_outputs, load_base
 from tritonllm.spec_decode.training.train_eagle import Target, base_and_data, frequent_choices, train_draft
-from tritonllm.spec_decode.training.train_eagle3 import (Eagle3TrainSettings, dense_passes, depth_accuracy,
-                                                         draft_ids, draft_loss, initial_draft,
-                                                         trainable_capture_layers)
+from tritonllm.spec_decode.training.train_eagle3 import (
+    Eagle3TrainSettings,
+    dense_passes,
+    depth_accuracy,
+    draft_ids,
+    draft_loss,
+    initial_draft,
+    trainable_capture_layers,
+)
 
 from .test_eagle import eagle_spec
 from .test_eagle3_format import dense_layer
@@ -59,8 +66,8 @@ def test_dense_passes_equal_the_draft_layer_drafting_k_deep(target, tmp_path):
     for j in (0, 4, 8):  # drafting from root j + 1: rows 0..j committed, then the draft's own nodes
         for depth in range(3):
             own = [passes[d][0, j] for d in range(depth)]
-            embeds = embed[torch.cat((tokens[1:j + 2], tokens[j + 2:j + 2 + depth]))]
-            h = torch.cat([committed_h[:j + 1]] + [o[None] for o in own])
+            embeds = embed[torch.cat((tokens[1 : j + 2], tokens[j + 2 : j + 2 + depth]))]
+            h = torch.cat([committed_h[: j + 1]] + [o[None] for o in own])
             expected = dense_layer(state, embeds, h, torch.arange(j + 1 + depth))[-1]
             torch.testing.assert_close(passes[depth][0, j], expected, atol=1e-5, rtol=1e-5)
 
@@ -76,8 +83,9 @@ def test_features_are_the_captured_layer_outputs_side_by_side(target):
 
 
 def test_training_lowers_the_loss_and_beats_the_untrained_draft_on_its_data(target):
-    settings = Eagle3TrainSettings(steps=40, batch_sequences=8, learning_rate=3e-3, eval_every=40,
-                                   draft_vocab=200, capture_layers=CAPTURE, **SMALL)
+    settings = Eagle3TrainSettings(
+        steps=40, batch_sequences=8, learning_rate=3e-3, eval_every=40, draft_vocab=200, capture_layers=CAPTURE, **SMALL
+    )
     base, (train, validation, _) = base_and_data(target, settings, None, CAPTURE)
     embed, lm_head = Target.of(base).embed, Target.of(base).lm_head
     vocab = frequent_choices(train, Target.of(base), settings.draft_vocab)
@@ -85,20 +93,55 @@ def test_training_lowers_the_loss_and_beats_the_untrained_draft_on_its_data(targ
     draft = initial_draft(config, CAPTURE, vocab, base)
     to_draft = draft_ids(vocab, len(lm_head))
     before = depth_accuracy(draft, embed, train, settings.passes)
-    losses, _ = train_draft(draft, train, None, settings, None,
-                            lambda batch, scale: draft_loss(draft, embed, to_draft, batch, settings, scale),
-                            lambda data: depth_accuracy(draft, embed, data, settings.passes))
+    losses, _ = train_draft(
+        draft,
+        train,
+        None,
+        settings,
+        None,
+        lambda batch, scale: draft_loss(draft, embed, to_draft, batch, settings, scale),
+        lambda data: depth_accuracy(draft, embed, data, settings.passes),
+    )
     after = depth_accuracy(draft, embed, train, settings.passes)
     assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
     assert after[0] > before[0] + 0.1 and sum(after) > sum(before)
 
 
-def test_cli_trains_a_draft_with_the_default_layers_that_keeps_greedy_output_exact(target, plain_outputs, tmp_path,
-                                                                                   capsys):
+def test_cli_trains_a_draft_with_the_default_layers_that_keeps_greedy_output_exact(
+    target, plain_outputs, tmp_path, capsys
+):
     out = tmp_path / "draft"
-    assert main(["spec", "train-eagle", "--eagle3", "--model", str(target), "--out", str(out), "--steps", "6",
-                 "--batch", "4", "--distill-prompts", "12", "--distill-own-requests", "6", "--distill-max-tokens",
-                 "24", "--eval-every", "3", "--draft-vocab", "40", "--save-dtype", "bfloat16", "--json"]) == 0
+    assert (
+        main(
+            [
+                "spec",
+                "train-eagle",
+                "--eagle3",
+                "--model",
+                str(target),
+                "--out",
+                str(out),
+                "--steps",
+                "6",
+                "--batch",
+                "4",
+                "--distill-prompts",
+                "12",
+                "--distill-own-requests",
+                "6",
+                "--distill-max-tokens",
+                "24",
+                "--eval-every",
+                "3",
+                "--draft-vocab",
+                "40",
+                "--save-dtype",
+                "bfloat16",
+                "--json",
+            ]
+        )
+        == 0
+    )
     report = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert report["eagle3"] and report["capture_layers"] == [1, 3, 4] and report["draft_vocab"] == 40
     assert len(report["depth_accuracy"]) == 3 and report["tokens"] > 0

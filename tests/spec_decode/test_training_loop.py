@@ -1,6 +1,7 @@
 """The trainers' step loop: a time limit stops the steps early, keeps the best weights checked so far (a last check
 included) and says so; without one every step runs. Both trainers refuse a negative `--time-limit` (test_medusa:
 train-medusa stops at it)."""
+
 import logging
 
 import pytest
@@ -44,8 +45,9 @@ def test_a_deadline_stops_the_steps_and_keeps_a_last_checked_state(monkeypatch, 
     monkeypatch.setattr(training_loop.time, "monotonic", Clock())
     weight, optimizer, schedule, best, batch_loss, checked = _setup()
     with caplog.at_level(logging.WARNING, logger="tritonllm.spec_decode"):
-        losses, kept = run_steps(batch_loss, optimizer, schedule, steps=100, eval_every=4, best=best, desc="t",
-                                 progress=False, stop_at=5.5)
+        losses, kept = run_steps(
+            batch_loss, optimizer, schedule, steps=100, eval_every=4, best=best, desc="t", progress=False, stop_at=5.5
+        )
     assert len(losses) == 5  # the clock reads 1..5 before steps 1..5, then 6 >= 5.5
     assert kept == 5 and len(checked) == 2  # the check at step 4 and a last one at step 5
     assert "time limit reached after 5 of 100 steps" in caplog.text
@@ -53,8 +55,9 @@ def test_a_deadline_stops_the_steps_and_keeps_a_last_checked_state(monkeypatch, 
 
 def test_without_a_deadline_every_step_runs():
     weight, optimizer, schedule, best, batch_loss, checked = _setup()
-    losses, kept = run_steps(batch_loss, optimizer, schedule, steps=8, eval_every=4, best=best, desc="t",
-                             progress=False)
+    losses, kept = run_steps(
+        batch_loss, optimizer, schedule, steps=8, eval_every=4, best=best, desc="t", progress=False
+    )
     assert len(losses) == 8 and kept == 8 and len(checked) == 2
 
 
@@ -68,4 +71,3 @@ def test_a_negative_time_limit_is_refused_naming_the_flag(command, tmp_path, cap
 
     assert main(["spec", command, "--model", str(tmp_path), "--out", str(tmp_path / "out"), "--time-limit", "-1"]) != 0
     assert "--time-limit must be >= 0 seconds, got -1.0" in capsys.readouterr().err
-

@@ -2,6 +2,7 @@
 one coherent sequence (committed context plus the new tokens its mask row allows), else it fails the test. Its
 greedy next token is a fixed function of the last three visible tokens, which makes repeated phrases likely, so
 n-gram pools and Jacobi windows find accepted drafts."""
+
 import torch
 
 VOCAB = 23
@@ -35,4 +36,4 @@ def greedy_reference(prompt, max_new_tokens):
     sequence = list(prompt)
     for _ in range(max_new_tokens):
         sequence.append(next_token(sequence))
-    return sequence[len(prompt):]
+    return sequence[len(prompt) :]

@@ -1,6 +1,7 @@
 """Beam-search requests inside the engine core: turning one step's log-probs into the next live beams (forking and
 pruning sequences, sharing their KV blocks), and what such a request reports. The ranking rules themselves are in
 `beam_search.BeamSearch`."""
+
 from __future__ import annotations
 
 import time
@@ -23,8 +24,15 @@ class BeamRequests:
     """Given the core's scheduler and block manager, how it copies a KV block, numbers a new sequence and
     finishes one, and its max_seq_len."""
 
-    def __init__(self, scheduler: Scheduler, block_manager: BlockManager, copy_block: Callable[[int, int], None],
-                 new_seq_id: Callable[[], int], finish_sequence: Callable[[Sequence, str], None], max_seq_len: int):
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        block_manager: BlockManager,
+        copy_block: Callable[[int, int], None],
+        new_seq_id: Callable[[], int],
+        finish_sequence: Callable[[Sequence, str], None],
+        max_seq_len: int,
+    ):
         self.scheduler = scheduler
         self.block_manager = block_manager
         self.copy_block = copy_block
@@ -87,10 +95,18 @@ class BeamRequests:
         return children
 
     def _fork(self, parent: Sequence) -> Sequence:
-        child = Sequence(self.new_seq_id(), parent.request_id, parent.index, parent.prompt_token_ids, parent.params,
-                         output_token_ids=list(parent.output_token_ids), logprobs=list(parent.logprobs),
-                         cumulative_logprob=parent.cumulative_logprob, metrics=replace(parent.metrics),
-                         lora=parent.lora)
+        child = Sequence(
+            self.new_seq_id(),
+            parent.request_id,
+            parent.index,
+            parent.prompt_token_ids,
+            parent.params,
+            output_token_ids=list(parent.output_token_ids),
+            logprobs=list(parent.logprobs),
+            cumulative_logprob=parent.cumulative_logprob,
+            metrics=replace(parent.metrics),
+            lora=parent.lora,
+        )
         if parent.status is SequenceStatus.RUNNING and self.block_manager.fork(parent, child, self.copy_block):
             child.status = SequenceStatus.RUNNING
             self.scheduler.running.append(child)
@@ -106,14 +122,29 @@ def beam_snapshot(request: EngineRequest) -> RequestOutput:
     beam = request.beam
     assert beam is not None  # a beam request
     if beam.done:
-        outputs = [CompletionOutput(index=i, token_ids=list(h.token_ids), logprobs=list(h.logprobs),
-                                    cumulative_logprob=h.cumulative_logprob, finish_reason=h.finish_reason,
-                                    stop_reason=h.stop_reason, request_perf_metrics=metrics)
-                   for i, h in enumerate(beam.results(request.params.n))]
+        outputs = [
+            CompletionOutput(
+                index=i,
+                token_ids=list(h.token_ids),
+                logprobs=list(h.logprobs),
+                cumulative_logprob=h.cumulative_logprob,
+                finish_reason=h.finish_reason,
+                stop_reason=h.stop_reason,
+                request_perf_metrics=metrics,
+            )
+            for i, h in enumerate(beam.results(request.params.n))
+        ]
     else:
-        outputs = [CompletionOutput(index=seq.index, token_ids=list(seq.output_token_ids),
-                                    logprobs=list(seq.logprobs), cumulative_logprob=seq.cumulative_logprob,
-                                    finish_reason=seq.finish_reason, stop_reason=seq.stop_reason,
-                                    request_perf_metrics=replace(seq.metrics))
-                   for seq in request.seqs[:request.params.n]]
+        outputs = [
+            CompletionOutput(
+                index=seq.index,
+                token_ids=list(seq.output_token_ids),
+                logprobs=list(seq.logprobs),
+                cumulative_logprob=seq.cumulative_logprob,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+                request_perf_metrics=replace(seq.metrics),
+            )
+            for seq in request.seqs[: request.params.n]
+        ]
     return RequestOutput(request.request_id, request.prompt_token_ids, outputs, finished=request.finished)

@@ -13,6 +13,7 @@ The search stops when no live beam can beat the worst kept hypothesis (the `earl
 `early_stopping` (TensorRT-LLM's integer): 1 stops as soon as `beam_width` hypotheses are done; 0 or unset uses
 HF's default heuristic (a live beam's score at its current length); any other value is HF's "never" (a
 live beam's best possible score at the maximum length when `length_penalty` > 0)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -69,11 +70,17 @@ class BeamSearch:
 
     # -- one step ---------------------------------------------------------------------------------------------
 
-    def top_continuations(self, beams: list[Sequence], logprobs: torch.Tensor,
-                          ends: Callable[[Sequence, int], tuple[Optional[str], StopCause]]) -> list[Continuation]:
+    def top_continuations(
+        self,
+        beams: list[Sequence],
+        logprobs: torch.Tensor,
+        ends: Callable[[Sequence, int], tuple[Optional[str], StopCause]],
+    ) -> list[Continuation]:
         """logprobs: [len(beams), vocab] processed log-probs. The best 2 * beam_width continuations, best first."""
-        scores = torch.tensor([b.cumulative_logprob for b in beams], dtype=logprobs.dtype,
-                              device=logprobs.device)[:, None] + logprobs
+        scores = (
+            torch.tensor([b.cumulative_logprob for b in beams], dtype=logprobs.dtype, device=logprobs.device)[:, None]
+            + logprobs
+        )
         vocab = logprobs.shape[1]
         k = min(2 * self.beam_width, scores.numel())
         top_scores, top_index = torch.topk(scores.reshape(-1), k)
@@ -81,15 +88,16 @@ class BeamSearch:
         for score, index in zip(top_scores.tolist(), top_index.tolist()):
             parent, token = divmod(index, vocab)
             reason, stop = ends(beams[parent], token)
-            candidates.append(Continuation(parent, token, float(logprobs[parent, token]), score, reason is not None,
-                                           reason, stop))
+            candidates.append(
+                Continuation(parent, token, float(logprobs[parent, token]), score, reason is not None, reason, stop)
+            )
         return candidates
 
     def select(self, beams: list[Sequence], candidates: list[Continuation]) -> list[Continuation]:
         """Record finished hypotheses; return the continuations that become the next live beams."""
         generated_len = len(beams[0].output_token_ids) + 1  # every live beam has the same length
-        self._add_hypotheses(beams, candidates[:self.beam_width], generated_len)
-        survivors = [c for c in candidates if not c.ends][:self.beam_width]
+        self._add_hypotheses(beams, candidates[: self.beam_width], generated_len)
+        survivors = [c for c in candidates if not c.ends][: self.beam_width]
         if not survivors:
             self.done = True
             return []
@@ -115,11 +123,19 @@ class BeamSearch:
             logprobs = parent.logprobs + ([candidate.logprob] if keep_token else [])
             stop = candidate.stop_reason
             stop_reason = None if isinstance(stop, str) else stop  # the only text is "end_id"
-            self.hypotheses.append(Hypothesis(candidate.score / generated_len ** self.length_penalty, tokens,
-                                              logprobs, candidate.score, candidate.finish_reason, stop_reason))
+            self.hypotheses.append(
+                Hypothesis(
+                    candidate.score / generated_len**self.length_penalty,
+                    tokens,
+                    logprobs,
+                    candidate.score,
+                    candidate.finish_reason,
+                    stop_reason,
+                )
+            )
         # Stable: among equal scores the earlier hypothesis stays ahead, as HF's merge keeps it.
         self.hypotheses.sort(key=lambda h: -h.score)
-        del self.hypotheses[self.beam_width:]
+        del self.hypotheses[self.beam_width :]
 
     def _update_stop_rule(self, best_live_score: float, generated_len: int) -> None:
         """HF's heuristic: keep going while the best live beam could still beat the worst kept hypothesis."""
@@ -127,7 +143,7 @@ class BeamSearch:
             return
         never = self.early_stopping not in (0, 1)
         length = self.max_new_tokens if never and self.length_penalty > 0 else generated_len
-        best_possible = best_live_score / length ** self.length_penalty
+        best_possible = best_live_score / length**self.length_penalty
         self.improvement_possible = best_possible > self.hypotheses[-1].score
 
     def results(self, n: int) -> list[Hypothesis]:

@@ -8,6 +8,7 @@ with its own tokens (and an extra key: the LoRA adapter or a salt), so equal has
 block keeps its hash and contents until its space is needed; free blocks are handed out least recently freed first.
 A new sequence starts from the longest chain of cached blocks matching its tokens, never including the block of its
 last token: that token's logits must be computed."""
+
 from __future__ import annotations
 
 from collections import OrderedDict
@@ -56,7 +57,7 @@ class BlockManager:
         tokens = seq.all_token_ids()
         matched, parent = [], None
         for index in range((len(tokens) - 1) // self.block_size):
-            block_tokens = tuple(tokens[index * self.block_size:(index + 1) * self.block_size])
+            block_tokens = tuple(tokens[index * self.block_size : (index + 1) * self.block_size])
             parent = chain_hash(parent, block_tokens, extra_key)
             block = self.cached.get(parent)
             if block is None or self.block_tokens[block] != block_tokens:  # tokens guard against collisions
@@ -95,7 +96,7 @@ class BlockManager:
         while len(seq.block_hashes) < full:
             index = len(seq.block_hashes)
             tokens = tokens or seq.all_token_ids()
-            block_tokens = tuple(tokens[index * self.block_size:(index + 1) * self.block_size])
+            block_tokens = tuple(tokens[index * self.block_size : (index + 1) * self.block_size])
             parent = seq.block_hashes[-1] if seq.block_hashes else None
             block_hash = chain_hash(parent, block_tokens, extra_key)
             seq.block_hashes.append(block_hash)
@@ -139,7 +140,7 @@ class BlockManager:
         computed = parent.num_computed_tokens
         if computed == 0:
             return False
-        shared = parent.block_table[:blocks_for(computed, self.block_size)]
+        shared = parent.block_table[: blocks_for(computed, self.block_size)]
         partial = computed % self.block_size != 0
         if partial and not self.free_blocks:
             return False

@@ -10,6 +10,7 @@ one memory pool. Padding rows write their K/V into a scratch block that belongs 
 
 Steps with LoRA adapters, with more than MAX_GRAPH_ROWS new tokens in a sequence (prompts) or that padding would
 swell (MAX_PADDING) run eagerly."""
+
 from __future__ import annotations
 
 import logging
@@ -67,14 +68,26 @@ class _Graph:
         self.tables = torch.zeros(seqs, width, **long)
         self.mask = torch.full((seqs, 1, rows, width * block_size), float("-inf"), dtype=dtype, device=device)
         self.mask[..., 0] = 0  # a padding row sees one key, so its softmax stays finite
-        self.attn = AttentionMetadata(slot_mapping=self.slots, block_tables=self.tables,
-                                      query_starts=list(range(0, seqs * rows, rows)), query_lens=[rows] * seqs,
-                                      context_lens=[1] * seqs, block_size=block_size, decode_mask=self.mask)
+        self.attn = AttentionMetadata(
+            slot_mapping=self.slots,
+            block_tables=self.tables,
+            query_starts=list(range(0, seqs * rows, rows)),
+            query_lens=[rows] * seqs,
+            context_lens=[1] * seqs,
+            block_size=block_size,
+            decode_mask=self.mask,
+        )
         self.replay: Optional[Callable[[], None]] = None
         self.hidden: Optional[torch.Tensor] = None
 
-    def load(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
-             placement: torch.Tensor, visible: torch.Tensor) -> None:
+    def load(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        placement: torch.Tensor,
+        visible: torch.Tensor,
+    ) -> None:
         """This step's rows at their `placement`; every other row becomes a padding row (its slot the scratch
         block's; stale ids, block ids and masks of earlier steps stay, valid and harmless)."""
         seqs = _load_rows(self, input_ids, positions, attn, placement)
@@ -102,9 +115,15 @@ class _KernelGraph:
         kernel = KernelMetadata(self.slots, self.tables, self.seq_lens, max_width * block_size, decode=rows == 1)
         if rows > 1:
             self._add_query_buffers(kernel, seqs, rows, kernels, device)
-        self.attn = AttentionMetadata(slot_mapping=self.slots, block_tables=self.tables,
-                                      query_starts=list(range(0, seqs * rows, rows)), query_lens=[rows] * seqs,
-                                      context_lens=[1] * seqs, block_size=block_size, kernel=kernel)
+        self.attn = AttentionMetadata(
+            slot_mapping=self.slots,
+            block_tables=self.tables,
+            query_starts=list(range(0, seqs * rows, rows)),
+            query_lens=[rows] * seqs,
+            context_lens=[1] * seqs,
+            block_size=block_size,
+            kernel=kernel,
+        )
         self.replay: Optional[Callable[[], None]] = None
         self.hidden: Optional[torch.Tensor] = None
 
@@ -115,16 +134,19 @@ class _KernelGraph:
         self.query_lens = torch.zeros(seqs, **int32)
         self.tree_lens = torch.zeros(seqs, **int32)
         self.tree_masks = torch.zeros(seqs * rows * rows, dtype=torch.bool, device=device)
-        tile_seqs, tile_starts = prefill_tiles([rows] * seqs, kernels.num_heads, kernels.num_kv_heads,
-                                               tokens_per_seq=rows)
+        tile_seqs, tile_starts = prefill_tiles(
+            [rows] * seqs, kernels.num_heads, kernels.num_kv_heads, tokens_per_seq=rows
+        )
         kernel.query_starts = torch.arange(0, seqs * rows, rows, **int32)
         kernel.query_lens = self.query_lens
         kernel.tiles = (torch.from_numpy(tile_seqs).to(device), torch.from_numpy(tile_starts).to(device))
-        kernel.tree = TreeMasks(self.tree_lens, torch.arange(0, seqs * rows * rows, rows * rows, **int32),
-                                self.tree_masks)
+        kernel.tree = TreeMasks(
+            self.tree_lens, torch.arange(0, seqs * rows * rows, rows * rows, **int32), self.tree_masks
+        )
 
-    def load(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
-             placement: torch.Tensor) -> None:
+    def load(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, placement: torch.Tensor
+    ) -> None:
         """This step's rows at their `placement`; the other rows and sequences become padding."""
         seqs = _load_rows(self, input_ids, positions, attn, placement)
         kernel = attn.kernel
@@ -147,17 +169,18 @@ class _KernelGraph:
         for seq, tail in enumerate(attn.tail_masks):
             if tail is not None:
                 lens[seq] = size = tail.shape[0]
-                masks[seq, :size * size] = tail.reshape(-1).cpu().numpy()
+                masks[seq, : size * size] = tail.reshape(-1).cpu().numpy()
         host = HostArrays()
         host.add("lens", lens, int32=True)
         host.add("masks", masks)
         arrays = host.upload(self.tree_lens.device)
         self.tree_lens[:seqs].copy_(arrays["lens"])
-        self.tree_masks[:seqs * rows * rows].copy_(arrays["masks"].reshape(-1))
+        self.tree_masks[: seqs * rows * rows].copy_(arrays["masks"].reshape(-1))
 
 
-def _load_rows(graph, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
-               placement: torch.Tensor) -> int:
+def _load_rows(
+    graph, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, placement: torch.Tensor
+) -> int:
     """Either graph's ids, positions, slots (padding rows: the scratch slot) and block tables for this step;
     returns its number of sequences."""
     graph.slots.fill_(graph.scratch_slot)
@@ -179,7 +202,7 @@ def visible_keys(attn: AttentionMetadata, rows: int, width: int) -> torch.Tensor
     for seq, tail in enumerate(attn.tail_masks or ()):
         if tail is not None:
             size, query, context = tail.shape[0], attn.query_lens[seq], attn.context_lens[seq]
-            visible[seq, query - size:query, context - size:context] = tail.cpu().numpy()
+            visible[seq, query - size : query, context - size : context] = tail.cpu().numpy()
     return torch.from_numpy(visible)
 
 
@@ -202,8 +225,17 @@ def _power_of_two(value: int) -> int:
 
 
 class DecodeGraphs:
-    def __init__(self, model: torch.nn.Module, kv_caches: list, settings: CudaGraphSettings, block_size: int,
-                 max_blocks_per_seq: int, scratch_block: int, device: torch.device, kernels=None):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        kv_caches: list,
+        settings: CudaGraphSettings,
+        block_size: int,
+        max_blocks_per_seq: int,
+        scratch_block: int,
+        device: torch.device,
+        kernels=None,
+    ):
         self.model = model
         self.kernels = kernels  # attention.triton_backend.TritonAttention, or None: the portable backend's graphs
         self.kv_caches = kv_caches
@@ -265,12 +297,18 @@ class DecodeGraphs:
             graph = self._new_graph(seqs, rows, width)
             try:
                 graph.replay, graph.hidden = capture(
-                    lambda: self.model(graph.input_ids, graph.positions, graph.attn, self.kv_caches), self.pool)
+                    lambda: self.model(graph.input_ids, graph.positions, graph.attn, self.kv_caches), self.pool
+                )
             except RuntimeError as error:
                 log.warning("capturing a CUDA graph failed (%s); decode steps run without graphs from now on", error)
                 self.failed = True
                 return None
             self.graphs[(seqs, rows, width)] = graph
-            log.debug("captured a CUDA graph for %d sequences x %d rows, up to %d cached tokens a sequence (%.0f ms)",
-                      seqs, rows, width * self.block_size, (time.perf_counter() - started) * 1e3)
+            log.debug(
+                "captured a CUDA graph for %d sequences x %d rows, up to %d cached tokens a sequence (%.0f ms)",
+                seqs,
+                rows,
+                width * self.block_size,
+                (time.perf_counter() - started) * 1e3,
+            )
         return graph

@@ -1,4 +1,5 @@
 """Where the embedded engine runs, in which dtype, and how many tokens of KV cache it can afford."""
+
 from __future__ import annotations
 
 import logging
@@ -52,8 +53,14 @@ def available_memory_bytes(device: torch.device) -> int:
     raise RuntimeError("cannot read MemAvailable from /proc/meminfo")
 
 
-def kv_cache_token_budget(config: EngineConfig, model_config, dtype: torch.dtype, device: torch.device,
-                          max_seq_len: int, reserved_bytes: int = 0) -> int:
+def kv_cache_token_budget(
+    config: EngineConfig,
+    model_config,
+    dtype: torch.dtype,
+    device: torch.device,
+    max_seq_len: int,
+    reserved_bytes: int = 0,
+) -> int:
     """`kv_cache_config.max_tokens` if given; else the free-memory fraction (of GPU memory, or of available host
     memory on CPU) of what is free once `reserved_bytes` (activations, CUDA graphs: memory_profile.py) are set
     aside, capped at what `max_batch_size` sequences of `max_seq_len` tokens can use."""

@@ -3,6 +3,7 @@
 One background thread owns the `EngineCore` and steps it while there is work; callers talk to it through a command
 queue. `generate_async` validates the request at once (so a bad request fails its caller only) and returns a
 `RequestHandle` (the seam's: iterable, async-iterable over `RequestOutput`s, with `abort()`)."""
+
 from __future__ import annotations
 
 import itertools
@@ -50,10 +51,15 @@ class EmbeddedEngine:
 
     # -- public API -------------------------------------------------------------------------------------------
 
-    def generate_async(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                       streaming: bool = False, request_id: Optional[int] = None,
-                       on_output: Optional[Callable[[RequestHandle, object], None]] = None,
-                       lora_request: Optional[LoRARequest] = None) -> RequestHandle:
+    def generate_async(
+        self,
+        prompt_token_ids: list[int],
+        sampling_params: SamplingParams,
+        streaming: bool = False,
+        request_id: Optional[int] = None,
+        on_output: Optional[Callable[[RequestHandle, object], None]] = None,
+        lora_request: Optional[LoRARequest] = None,
+    ) -> RequestHandle:
         """`lora_request`: the adapter to run with (by id, name, folder or in-memory tensors); None: base model."""
         if self._stopped.is_set():
             raise EngineError("the engine has been shut down")
@@ -66,8 +72,9 @@ class EmbeddedEngine:
         self._commands.put(("add", handle, list(prompt_token_ids), sampling_params, lora))
         return handle
 
-    def generate(self, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                 lora_request: Optional[LoRARequest] = None) -> RequestOutput:
+    def generate(
+        self, prompt_token_ids: list[int], sampling_params: SamplingParams, lora_request: Optional[LoRARequest] = None
+    ) -> RequestOutput:
         return self.generate_async(prompt_token_ids, sampling_params, lora_request=lora_request).result()
 
     def abort(self, request_id: int) -> None:

@@ -1,5 +1,6 @@
 """The embedded engine's synchronous core: admits requests, runs one scheduled step at a time, applies sampled
 tokens and finish rules. Not thread-safe: `EmbeddedEngine` drives it from one thread."""
+
 from __future__ import annotations
 
 import itertools
@@ -63,25 +64,54 @@ class EngineCore:
         self.block_manager = BlockManager(num_blocks, block_size, config.kv_cache_config.enable_block_reuse)
         self.lora = _lora_runtime(config, self.model_config, self.dtype, self.device)
         self.scheduler = Scheduler(
-            self.block_manager, config.max_batch_size, config.max_num_tokens, config.enable_chunked_prefill,
+            self.block_manager,
+            config.max_batch_size,
+            config.max_num_tokens,
+            config.enable_chunked_prefill,
             guaranteed_no_evict=config.scheduler_config.capacity_scheduler_policy == "GUARANTEED_NO_EVICT",
-            max_loras=self.lora.settings.max_loras if self.lora else None)
+            max_loras=self.lora.settings.max_loras if self.lora else None,
+        )
         # With graphs, one block more than the block manager hands out: padding rows write their K/V there.
-        self.runner = ModelRunner(self.model, mc.num_layers, mc.num_kv_heads, mc.head_dim,
-                                  num_blocks + (graph_settings is not None), block_size, self.dtype, self.device)
+        self.runner = ModelRunner(
+            self.model,
+            mc.num_layers,
+            mc.num_kv_heads,
+            mc.head_dim,
+            num_blocks + (graph_settings is not None),
+            block_size,
+            self.dtype,
+            self.device,
+        )
         self.runner.kernels = kernels
         if graph_settings is not None:
-            self.runner.graphs = DecodeGraphs(self.model, self.runner.kv_caches, graph_settings, block_size,
-                                              blocks_for(self.max_seq_len, block_size), scratch_block=num_blocks,
-                                              device=self.device, kernels=kernels)
-            log.info("CUDA graphs for decode and verification steps of batch sizes %s%s (each captured on first use)",
-                     ", ".join(map(str, graph_settings.batch_sizes)),
-                     ", smaller batches padded up" if graph_settings.enable_padding else "")
+            self.runner.graphs = DecodeGraphs(
+                self.model,
+                self.runner.kv_caches,
+                graph_settings,
+                block_size,
+                blocks_for(self.max_seq_len, block_size),
+                scratch_block=num_blocks,
+                device=self.device,
+                kernels=kernels,
+            )
+            log.info(
+                "CUDA graphs for decode and verification steps of batch sizes %s%s (each captured on first use)",
+                ", ".join(map(str, graph_settings.batch_sizes)),
+                ", smaller batches padded up" if graph_settings.enable_padding else "",
+            )
         self.runner.lora = self.lora
-        self.speculator = Speculator(TargetParts(self.model, self.model_config, self.runner, self.block_manager,
-                                                 self.dtype, self.device), config.speculative_settings())
-        self.beams = BeamRequests(self.scheduler, self.block_manager, self.runner.copy_block, self.new_seq_id,
-                                  self.finish_sequence, self.max_seq_len)
+        self.speculator = Speculator(
+            TargetParts(self.model, self.model_config, self.runner, self.block_manager, self.dtype, self.device),
+            config.speculative_settings(),
+        )
+        self.beams = BeamRequests(
+            self.scheduler,
+            self.block_manager,
+            self.runner.copy_block,
+            self.new_seq_id,
+            self.finish_sequence,
+            self.max_seq_len,
+        )
         self.requests: dict[int, EngineRequest] = {}
         self.overlap = overlap_wanted(config, self.device)
         self.num_host_bound = 0  # live requests whose steps need their latest tokens on the host (no overlap)
@@ -90,23 +120,43 @@ class EngineCore:
         self.num_overlapped_steps = 0
         self.last_context_tokens = 0
         self._seq_ids = itertools.count()
-        log.info("embedded engine ready: %s on %s (%s), %s attention, %d KV blocks x %d tokens, max_seq_len %d, "
-                 "max_batch_size %d, max_num_tokens %d", config.model, self.device, self.dtype, self.attn_backend,
-                 num_blocks, block_size, self.max_seq_len, config.max_batch_size, config.max_num_tokens)
+        log.info(
+            "embedded engine ready: %s on %s (%s), %s attention, %d KV blocks x %d tokens, max_seq_len %d, "
+            "max_batch_size %d, max_num_tokens %d",
+            config.model,
+            self.device,
+            self.dtype,
+            self.attn_backend,
+            num_blocks,
+            block_size,
+            self.max_seq_len,
+            config.max_batch_size,
+            config.max_num_tokens,
+        )
 
     def _num_kv_blocks(self, kernels, graphs: bool) -> int:
         """KV blocks for the memory left once the activations of a full step (and, with CUDA graphs, their pool) are
         set aside: measured by one forward at max_num_tokens (memory_profile.py; CUDA only)."""
         config, block_size = self.config, self.config.kv_cache_config.tokens_per_block
-        activations = activation_bytes(self.model, self.model_config, self.dtype, self.device,
-                                       config.max_num_tokens, self.max_seq_len, config.max_batch_size, block_size,
-                                       kernels)
+        activations = activation_bytes(
+            self.model,
+            self.model_config,
+            self.dtype,
+            self.device,
+            config.max_num_tokens,
+            self.max_seq_len,
+            config.max_batch_size,
+            block_size,
+            kernels,
+        )
         reserved = activations * (2 if graphs else 1)
-        budget = kv_cache_token_budget(config, self.model_config, self.dtype, self.device, self.max_seq_len,
-                                       reserved)
+        budget = kv_cache_token_budget(config, self.model_config, self.dtype, self.device, self.max_seq_len, reserved)
         if reserved:
-            log.info("%.2f GiB set aside for activations%s before sizing the KV cache", reserved / 2 ** 30,
-                     " and CUDA graphs" if graphs else "")
+            log.info(
+                "%.2f GiB set aside for activations%s before sizing the KV cache",
+                reserved / 2**30,
+                " and CUDA graphs" if graphs else "",
+            )
         return max(1, budget // block_size)
 
     def new_seq_id(self) -> int:
@@ -127,8 +177,9 @@ class EngineCore:
         """Raise InvalidRequestError for a request this engine can never run."""
         params.validate(self.max_seq_len)
         if params.beam_width > self.config.max_beam_width:
-            raise InvalidRequestError(f"beam_width={params.beam_width} exceeds the engine's max_beam_width "
-                                      f"{self.config.max_beam_width}")
+            raise InvalidRequestError(
+                f"beam_width={params.beam_width} exceeds the engine's max_beam_width {self.config.max_beam_width}"
+            )
         prompt_len = len(prompt_token_ids)
         if prompt_len == 0:
             raise InvalidRequestError("the prompt is empty: at least one input token is required")
@@ -138,33 +189,42 @@ class EngineCore:
             raise InvalidRequestError(f"input token id {bad[0]} is outside the vocabulary [0, {vocab})")
         total = prompt_len + params.max_tokens
         if total > self.max_seq_len:
-            raise InvalidRequestError(f"prompt length {prompt_len} + max_tokens {params.max_tokens} = {total} "
-                                      f"exceeds max_seq_len {self.max_seq_len}")
+            raise InvalidRequestError(
+                f"prompt length {prompt_len} + max_tokens {params.max_tokens} = {total} "
+                f"exceeds max_seq_len {self.max_seq_len}"
+            )
         if not self.config.enable_chunked_prefill and prompt_len > self.config.max_num_tokens:
-            raise InvalidRequestError(f"prompt length {prompt_len} exceeds max_num_tokens "
-                                      f"{self.config.max_num_tokens} (enable chunked prefill for longer prompts)")
+            raise InvalidRequestError(
+                f"prompt length {prompt_len} exceeds max_num_tokens "
+                f"{self.config.max_num_tokens} (enable chunked prefill for longer prompts)"
+            )
         bad = [t for t in params.draft_tokens or () if not 0 <= t < vocab]
         if bad:
-            raise InvalidRequestError(f"draft token id {bad[0]} (draft_input_ids) is outside the vocabulary "
-                                      f"[0, {vocab})")
+            raise InvalidRequestError(
+                f"draft token id {bad[0]} (draft_input_ids) is outside the vocabulary [0, {vocab})"
+            )
         if params.draft_logits is not None and params.draft_logits.shape[-1] != vocab:
-            raise InvalidRequestError(f"draft_logits has {params.draft_logits.shape[-1]} columns, the vocabulary "
-                                      f"{vocab}")
+            raise InvalidRequestError(
+                f"draft_logits has {params.draft_logits.shape[-1]} columns, the vocabulary {vocab}"
+            )
         if params.lookahead_config is not None:
             self.speculator.check_lookahead(params.lookahead_config)
         needed = blocks_for(total, self.block_manager.block_size) * params.beam_width
         if needed > self.block_manager.num_blocks:
             beams = f" ({params.beam_width} beams)" if params.beam_width > 1 else ""
-            raise InvalidRequestError(f"the request needs {needed} KV blocks{beams} but the cache holds only "
-                                      f"{self.block_manager.num_blocks}")
+            raise InvalidRequestError(
+                f"the request needs {needed} KV blocks{beams} but the cache holds only {self.block_manager.num_blocks}"
+            )
 
     def prepare_lora(self, lora_request) -> Optional[AdapterRef]:
         """Check a LoRARequest on the caller's thread (None without one)."""
         if lora_request is None:
             return None
         if self.lora is None:
-            raise InvalidRequestError("this request names a LoRA adapter but LoRA is not enabled (set enable_lora: "
-                                      "true / lora_config in model.yaml)")
+            raise InvalidRequestError(
+                "this request names a LoRA adapter but LoRA is not enabled (set enable_lora: "
+                "true / lora_config in model.yaml)"
+            )
         from tritonllm.lora.runtime import AdapterRef, LoraRequestError
 
         if isinstance(lora_request, AdapterRef):
@@ -174,8 +234,9 @@ class EngineCore:
         except (LoraRequestError, ValueError) as exc:
             raise InvalidRequestError(str(exc)) from None
 
-    def add_request(self, request_id: int, prompt_token_ids: list[int], params: SamplingParams,
-                    lora_request=None) -> EngineRequest:
+    def add_request(
+        self, request_id: int, prompt_token_ids: list[int], params: SamplingParams, lora_request=None
+    ) -> EngineRequest:
         self.validate(prompt_token_ids, params)
         if request_id in self.requests:
             raise InvalidRequestError(f"request id {request_id} is already running")
@@ -185,8 +246,15 @@ class EngineCore:
             most_tokens = min(params.max_tokens, self.max_seq_len - len(prompt_token_ids))
             request.beam = BeamSearch.for_params(params, most_tokens)
         for index in range(1 if request.beam else params.n):
-            seq = Sequence(self.new_seq_id(), request_id, index, request.prompt_token_ids, params,
-                           generator=_generator(params.seed, index), lora=lora)
+            seq = Sequence(
+                self.new_seq_id(),
+                request_id,
+                index,
+                request.prompt_token_ids,
+                params,
+                generator=_generator(params.seed, index),
+                lora=lora,
+            )
             request.seqs.append(seq)
             self.scheduler.add(seq)
         self.requests[request_id] = request
@@ -282,8 +350,10 @@ class EngineCore:
         for row, seq in enumerate(out.seqs):
             seq.pending_tokens += 1
             seq.pending_row = row
-            seq.final_pending = (len(seq.output_token_ids) + seq.pending_tokens >= seq.params.max_tokens
-                                 or seq.num_tokens >= self.max_seq_len)
+            seq.final_pending = (
+                len(seq.output_token_ids) + seq.pending_tokens >= seq.params.max_tokens
+                or seq.num_tokens >= self.max_seq_len
+            )
         updated = self._resolve_pending()
         for seq in batch.seqs:
             self.block_manager.register_full_blocks(seq, seq.cache_key)
@@ -385,16 +455,23 @@ class EngineCore:
 
     def stats(self) -> EngineStats:
         return EngineStats(
-            num_total_blocks=self.block_manager.num_blocks, num_free_blocks=self.block_manager.num_free_blocks,
-            tokens_per_block=self.block_manager.block_size, num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting), num_steps=self.num_steps, max_seq_len=self.max_seq_len,
-            max_batch_size=self.config.max_batch_size, max_num_tokens=self.config.max_num_tokens,
+            num_total_blocks=self.block_manager.num_blocks,
+            num_free_blocks=self.block_manager.num_free_blocks,
+            tokens_per_block=self.block_manager.block_size,
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_steps=self.num_steps,
+            max_seq_len=self.max_seq_len,
+            max_batch_size=self.config.max_batch_size,
+            max_num_tokens=self.config.max_num_tokens,
             num_cached_blocks=self.block_manager.num_cached_free_blocks,
             num_reused_blocks=self.block_manager.num_reused_blocks,
-            num_context_requests=sum(1 for s in self.scheduler.running
-                                     if s.num_computed_tokens < len(s.prompt_token_ids)),
+            num_context_requests=sum(
+                1 for s in self.scheduler.running if s.num_computed_tokens < len(s.prompt_token_ids)
+            ),
             num_context_tokens=self.last_context_tokens,
-            num_paused_requests=sum(1 for s in self.scheduler.waiting if s.metrics.num_preemptions))
+            num_paused_requests=sum(1 for s in self.scheduler.waiting if s.metrics.num_preemptions),
+        )
 
 
 def snapshot(request: EngineRequest, mark_delivered: bool) -> RequestOutput:
@@ -403,19 +480,31 @@ def snapshot(request: EngineRequest, mark_delivered: bool) -> RequestOutput:
         return beam_snapshot(request)
     outputs = []
     for seq in request.seqs:
-        generation_logits = torch.stack(seq.generation_logits) if seq.params.return_generation_logits and \
-            seq.generation_logits else None
-        outputs.append(CompletionOutput(
-            index=seq.index, token_ids=list(seq.output_token_ids), logprobs=list(seq.logprobs),
-            cumulative_logprob=seq.cumulative_logprob, finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason, request_perf_metrics=replace(seq.metrics),
-            generation_logits=generation_logits, _diff_start=seq.num_delivered_tokens))
+        generation_logits = (
+            torch.stack(seq.generation_logits)
+            if seq.params.return_generation_logits and seq.generation_logits
+            else None
+        )
+        outputs.append(
+            CompletionOutput(
+                index=seq.index,
+                token_ids=list(seq.output_token_ids),
+                logprobs=list(seq.logprobs),
+                cumulative_logprob=seq.cumulative_logprob,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+                request_perf_metrics=replace(seq.metrics),
+                generation_logits=generation_logits,
+                _diff_start=seq.num_delivered_tokens,
+            )
+        )
         if mark_delivered:
             seq.num_delivered_tokens = len(seq.output_token_ids)
     first = request.seqs[0]
     context_logits = torch.cat(first.context_logits) if first.context_logits else None
-    return RequestOutput(request.request_id, request.prompt_token_ids, outputs, finished=request.finished,
-                         context_logits=context_logits)
+    return RequestOutput(
+        request.request_id, request.prompt_token_ids, outputs, finished=request.finished, context_logits=context_logits
+    )
 
 
 def overlap_wanted(config: EngineConfig, device: torch.device) -> bool:
@@ -434,14 +523,24 @@ def fused_kernels_wanted(attn_backend: str, device: torch.device) -> bool:
 def needs_host_tokens(params: SamplingParams) -> bool:
     """Whether a request's next step depends on its latest tokens on the host (logit processors, beams, external
     drafts, lookahead, logits to return), so that steps must not run ahead of them."""
-    return bool(params.beam_width > 1 or params.embedding_bias is not None or params.bad_words
-                or params.min_tokens or params.repetition_penalty not in (None, 1.0) or params.presence_penalty
-                or params.frequency_penalty or params.draft_tokens or params.lookahead_config is not None
-                or params.return_context_logits or params.return_generation_logits)
+    return bool(
+        params.beam_width > 1
+        or params.embedding_bias is not None
+        or params.bad_words
+        or params.min_tokens
+        or params.repetition_penalty not in (None, 1.0)
+        or params.presence_penalty
+        or params.frequency_penalty
+        or params.draft_tokens
+        or params.lookahead_config is not None
+        or params.return_context_logits
+        or params.return_generation_logits
+    )
 
 
-def _lora_runtime(config: EngineConfig, model_config, dtype: torch.dtype,
-                  device: torch.device) -> Optional[LoraRuntime]:
+def _lora_runtime(
+    config: EngineConfig, model_config, dtype: torch.dtype, device: torch.device
+) -> Optional[LoraRuntime]:
     """The LoRA runtime (adapter cache, device slots, preloaded adapters), or None when LoRA is off."""
     settings = config.lora_settings()
     if settings is None:
@@ -460,5 +559,5 @@ def _generator(seed: Optional[int], index: int) -> torch.Generator:
     if seed is None:
         generator.seed()
     else:
-        generator.manual_seed((seed + index) % (2 ** 63))
+        generator.manual_seed((seed + index) % (2**63))
     return generator

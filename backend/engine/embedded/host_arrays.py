@@ -3,6 +3,7 @@ one copy: packed into one pinned host buffer, copied without blocking the host, 
 
 Every `torch.tensor(list, device="cuda")` is a copy that makes the host wait for the GPU; a step that made a few
 of them waited for the previous step's work each time. On CPU the arrays are used in place, with no copy."""
+
 from __future__ import annotations
 
 import numpy as np
@@ -59,7 +60,7 @@ def _padded(array: np.ndarray) -> np.ndarray:
 def _views(flat: torch.Tensor, parts: list[tuple[str, np.ndarray]]) -> dict[str, torch.Tensor]:
     views, offset = {}, 0
     for name, array in parts:
-        views[name] = flat[offset:offset + array.size].view(array.shape)
+        views[name] = flat[offset : offset + array.size].view(array.shape)
         offset += _padded_size(array)
     return views
 

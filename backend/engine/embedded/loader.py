@@ -4,6 +4,7 @@ Weights go straight into parameters allocated in the target dtype on the target 
 `ModelLoadError` that names the file or tensor at fault. With `load_format="dummy"` (TensorRT-LLM's
 LoadFormat.DUMMY) only config.json is read and every parameter gets seeded random values instead, for benchmarks
 that need a model's shape but not its weights."""
+
 from __future__ import annotations
 
 import re
@@ -19,8 +20,14 @@ from .network.layers import RMSNorm
 from .network.llama import LlamaForCausalLM, WeightSlot
 from .network.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelLoadError
 
-__all__ = ["LOAD_FORMATS", "ModelLoadError", "ModelConfig", "SUPPORTED_ARCHITECTURES", "load_model",
-           "read_model_config"]
+__all__ = [
+    "LOAD_FORMATS",
+    "ModelLoadError",
+    "ModelConfig",
+    "SUPPORTED_ARCHITECTURES",
+    "load_model",
+    "read_model_config",
+]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -35,8 +42,10 @@ DUMMY_STD = 0.02
 
 def read_model_config(model_dir: Union[str, Path]) -> ModelConfig:
     model_dir = Path(model_dir)
-    config = ModelConfig.from_dict(read_json_object(model_dir / "config.json", "config.json", ModelLoadError),
-                                   source=str(model_dir / "config.json"))
+    config = ModelConfig.from_dict(
+        read_json_object(model_dir / "config.json", "config.json", ModelLoadError),
+        source=str(model_dir / "config.json"),
+    )
     # generation_config.json's end tokens are the ones generation stops on (Llama 3 lists several there).
     generation_file = model_dir / "generation_config.json"
     if generation_file.is_file():
@@ -46,8 +55,9 @@ def read_model_config(model_dir: Union[str, Path]) -> ModelConfig:
     return config
 
 
-def load_model(model_dir: Union[str, Path], dtype: torch.dtype, device: Union[str, torch.device],
-               load_format: str = "auto") -> tuple[LlamaForCausalLM, ModelConfig]:
+def load_model(
+    model_dir: Union[str, Path], dtype: torch.dtype, device: Union[str, torch.device], load_format: str = "auto"
+) -> tuple[LlamaForCausalLM, ModelConfig]:
     """The model of a folder, on `device` in `dtype`. `load_format`: "auto" reads the safetensors weights; "dummy"
     reads config.json alone (weight files need not exist) and fills every parameter with seeded random values."""
     if load_format not in LOAD_FORMATS:

@@ -5,6 +5,7 @@ fraction applies to the memory left once the model and its activations are accou
 One forward of a full token budget (`max_num_tokens` prompt tokens) over a scratch cache, then the LM head and
 the sampler's work over a full batch of rows; the peak above the weights is the activations' share. CUDA graphs
 keep a pool of their own besides, which is at most another such peak (a graph's step holds fewer tokens)."""
+
 from __future__ import annotations
 
 import logging
@@ -21,8 +22,17 @@ log = logging.getLogger("tritonllm.engine")
 
 
 @torch.inference_mode()
-def activation_bytes(model, model_config, dtype: torch.dtype, device: torch.device, num_tokens: int,
-                     max_seq_len: int, max_rows: int, block_size: int, kernels=None) -> int:
+def activation_bytes(
+    model,
+    model_config,
+    dtype: torch.dtype,
+    device: torch.device,
+    num_tokens: int,
+    max_seq_len: int,
+    max_rows: int,
+    block_size: int,
+    kernels=None,
+) -> int:
     """Peak bytes allocated, above what is allocated now, by one step of `num_tokens` tokens (in sequences of at
     most `max_seq_len`) and by logits and sampling over `max_rows` rows. 0 off CUDA."""
     if device.type != "cuda":

@@ -1,5 +1,6 @@
 """Owns the model and its paged KV cache; runs a scheduled batch (as flat inputs: step_inputs.py) and returns
 next-token logits for the sequences whose every known token is now computed."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -38,8 +39,17 @@ class StepOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, num_layers: int, num_kv_heads: int, head_dim: int, num_blocks: int,
-                 block_size: int, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        model: LlamaForCausalLM,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ):
         self.model = model
         self.block_size = block_size
         self.device = device
@@ -48,6 +58,7 @@ class ModelRunner:
         self.graphs: Optional[DecodeGraphs] = None  # set when decode steps replay CUDA graphs
         self.kernels: Optional[TritonAttention] = None  # set with attn_backend TRITON; None: portable
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
+
         # Blocks are zeroed when first handed out (see `zero_blocks`), so the cache can start uninitialised.
         def empty() -> torch.Tensor:
             return torch.empty(shape, dtype=dtype, device=device)
@@ -55,8 +66,9 @@ class ModelRunner:
         self.kv_caches = [(empty(), empty()) for _ in range(num_layers)]
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch, new_blocks: list[int],
-                last_tokens: Optional[torch.Tensor] = None) -> StepOutput:
+    def execute(
+        self, batch: ScheduledBatch, new_blocks: list[int], last_tokens: Optional[torch.Tensor] = None
+    ) -> StepOutput:
         """Runs the step; returns next-token logits for the sampling sequences (and stores context logits).
         `last_tokens`: the previous step's sampled tokens on the device, where sequences with a pending token
         (overlap scheduler) find their input at their `pending_row`."""
@@ -76,10 +88,11 @@ class ModelRunner:
             seq.context_logits.append(self.model.compute_logits(hidden[self._long(indices)]).float().cpu())
         all_hidden = None
         if self.keep_all_hidden:
-            all_hidden = [(seq, seq.num_computed_tokens, features[start:start + num - seq.num_draft_tokens])
-                          for seq, num, start in zip(batch.seqs, batch.num_new_tokens, inputs.attn.query_starts)]
-        return StepOutput(logits, features[inputs.logits_indices], inputs.sampling_seqs, inputs.first_rows,
-                          all_hidden)
+            all_hidden = [
+                (seq, seq.num_computed_tokens, features[start : start + num - seq.num_draft_tokens])
+                for seq, num, start in zip(batch.seqs, batch.num_new_tokens, inputs.attn.query_starts)
+            ]
+        return StepOutput(logits, features[inputs.logits_indices], inputs.sampling_seqs, inputs.first_rows, all_hidden)
 
     def _split(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(final-norm hidden states, what drafters read): the same tensor, unless the model also returned the
@@ -113,12 +126,14 @@ class ModelRunner:
             k_cache[target].copy_(k_cache[source])
             v_cache[target].copy_(v_cache[source])
 
-    def prepare(self, batch: ScheduledBatch, masks: bool = True,
-                last_tokens: Optional[torch.Tensor] = None) -> StepInputs:
+    def prepare(
+        self, batch: ScheduledBatch, masks: bool = True, last_tokens: Optional[torch.Tensor] = None
+    ) -> StepInputs:
         """The step's flat inputs (step_inputs.py); `masks` False leaves the portable backend's attention masks
         out. A pending token's input comes from `last_tokens`."""
-        return step_inputs(batch, self.block_size, self.device, self.kv_caches[0][0].dtype, masks, self.kernels,
-                           last_tokens)
+        return step_inputs(
+            batch, self.block_size, self.device, self.kv_caches[0][0].dtype, masks, self.kernels, last_tokens
+        )
 
     def _long(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -1,4 +1,5 @@
 """One request inside the engine core: its live sequences (several for a beam search) and what they share."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field

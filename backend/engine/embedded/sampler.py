@@ -5,6 +5,7 @@ presence / frequency penalties; then greedy argmax, or temperature, top-k, top-p
 its own generator, so that it gives the same tokens whatever else is in the batch; the others together on the
 device). Log-probs are the log-softmax
 of the processed logits (after temperature, before top-k/top-p truncation)."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -72,8 +73,9 @@ def chosen_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
 
 def _scaled(logits: torch.Tensor, seqs: list[Sequence]) -> torch.Tensor:
     """Each sampled row divided by its temperature (greedy rows unchanged)."""
-    temperatures = [1.0 if seq.params.greedy or seq.params.temperature is None else seq.params.temperature
-                    for seq in seqs]
+    temperatures = [
+        1.0 if seq.params.greedy or seq.params.temperature is None else seq.params.temperature for seq in seqs
+    ]
     if all(t == 1.0 for t in temperatures):
         return logits
     divisors = torch.tensor(temperatures, dtype=logits.dtype)
@@ -92,8 +94,11 @@ def _draw_rows(logits: torch.Tensor, tokens: torch.Tensor, seqs: list[Sequence],
     if free:
         index = HostArrays.one(free, logits.device) if len(free) < len(seqs) else None
         chosen = logits if index is None else logits.index_select(0, index)
-        filtered = torch.stack([_filtered(chosen[i], seqs[row].params) for i, row in enumerate(free)]) \
-            if any(_truncates(seqs[row].params) for row in free) else chosen
+        filtered = (
+            torch.stack([_filtered(chosen[i], seqs[row].params) for i, row in enumerate(free)])
+            if any(_truncates(seqs[row].params) for row in free)
+            else chosen
+        )
         drawn = _race(filtered)
         if index is None:
             tokens.copy_(drawn)
@@ -128,8 +133,12 @@ def plain_greedy_choices(seq: Sequence, logits: torch.Tensor) -> Optional[list[t
 def _processors_idle(seq: Sequence) -> bool:
     """Whether `_process_row` leaves this sequence's rows as they are, now and after more tokens."""
     params = seq.params
-    return (params.embedding_bias is None and not params.bad_words and not _has_penalty(params)
-            and not _min_tokens_pending(seq))
+    return (
+        params.embedding_bias is None
+        and not params.bad_words
+        and not _has_penalty(params)
+        and not _min_tokens_pending(seq)
+    )
 
 
 @torch.inference_mode()
@@ -171,7 +180,7 @@ def banned_by_words(token_ids: list[int], words: list[list[int]]) -> list[int]:
     banned = []
     for word in words:
         head = word[:-1]
-        if not head or token_ids[-len(head):] == head:
+        if not head or token_ids[-len(head) :] == head:
             banned.append(word[-1])
     return banned
 
@@ -185,8 +194,7 @@ def end_tokens(seq: Sequence) -> list[int]:
 
 
 def _has_penalty(params) -> bool:
-    return bool((params.repetition_penalty not in (None, 1.0)) or params.presence_penalty
-                or params.frequency_penalty)
+    return bool((params.repetition_penalty not in (None, 1.0)) or params.presence_penalty or params.frequency_penalty)
 
 
 def _apply_penalties(row: torch.Tensor, seq: Sequence) -> None:

@@ -8,6 +8,7 @@ When blocks run out, the most recently admitted running sequence of the lowest p
 are freed and it goes back to the front of the queue to be recomputed. With GUARANTEED_NO_EVICT a sequence is
 admitted only when blocks for its whole output are available on top of what the running ones may still need, so
 preemption does not happen; MAX_UTILIZATION admits as soon as the prompt fits."""
+
 from __future__ import annotations
 
 from collections import deque
@@ -33,8 +34,15 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_batch_size: int, max_num_tokens: int,
-                 enable_chunked_prefill: bool, guaranteed_no_evict: bool, max_loras: int | None = None):
+    def __init__(
+        self,
+        block_manager: BlockManager,
+        max_batch_size: int,
+        max_num_tokens: int,
+        enable_chunked_prefill: bool,
+        guaranteed_no_evict: bool,
+        max_loras: int | None = None,
+    ):
         self.block_manager = block_manager
         self.max_loras = max_loras  # distinct LoRA adapters among running sequences (so in any step)
         self.max_batch_size = max_batch_size
@@ -85,8 +93,9 @@ class Scheduler:
             seq.status = SequenceStatus.WAITING
             seq.metrics.num_preemptions += 1
             self.waiting.append(seq)
-        self.waiting = deque(sorted(self.waiting, key=lambda s: (-s.priority, s.metrics.arrival_time_ns,
-                                                                 s.request_id, s.index)))
+        self.waiting = deque(
+            sorted(self.waiting, key=lambda s: (-s.priority, s.metrics.arrival_time_ns, s.request_id, s.index))
+        )
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         running = [seq for seq in self.running if seq.status is SequenceStatus.RUNNING]
@@ -97,8 +106,9 @@ class Scheduler:
             if seq.draft is None and seq.num_tokens - seq.num_computed_tokens == 1:
                 num_tokens = 1  # a plain decode, the common case: its one token
             else:  # a draft is an optional extra: it may not take the one token each later running one needs
-                num_tokens = self._tokens_to_schedule(seq, budget, first=batch.is_empty,
-                                                      draft_budget=budget - (len(running) - position - 1))
+                num_tokens = self._tokens_to_schedule(
+                    seq, budget, first=batch.is_empty, draft_budget=budget - (len(running) - position - 1)
+                )
             if num_tokens == 0:
                 continue
             if not self._grow_or_preempt(seq, seq.num_computed_tokens + num_tokens, batch):
@@ -151,8 +161,9 @@ class Scheduler:
             batch.add(seq, num_tokens)
             budget -= num_tokens
 
-    def _tokens_to_schedule(self, seq: Sequence, budget: int, first: bool, computed: int | None = None,
-                            draft_budget: int | None = None) -> int:
+    def _tokens_to_schedule(
+        self, seq: Sequence, budget: int, first: bool, computed: int | None = None, draft_budget: int | None = None
+    ) -> int:
         known = seq.num_tokens - (seq.num_computed_tokens if computed is None else computed)
         room = (budget if draft_budget is None else min(budget, draft_budget)) - known
         if seq.draft is not None and seq.num_draft_tokens > room:

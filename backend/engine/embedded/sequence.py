@@ -3,6 +3,7 @@
 One request with `n` samples becomes `n` sequences. A sequence's KV cache catches up with its tokens: each step
 computes `num_tokens - num_computed_tokens` tokens (or a budget-limited chunk of them), and a new token is sampled
 only once every known token has been computed. Preemption resets `num_computed_tokens` to 0 (recompute)."""
+
 from __future__ import annotations
 
 import enum
@@ -110,8 +111,8 @@ class Sequence:
         if end <= prompt_len:
             return self.prompt_token_ids[start:end]
         if start >= prompt_len:
-            return self.output_token_ids[start - prompt_len:end - prompt_len]
-        return self.prompt_token_ids[start:] + self.output_token_ids[:end - prompt_len]
+            return self.output_token_ids[start - prompt_len : end - prompt_len]
+        return self.prompt_token_ids[start:] + self.output_token_ids[: end - prompt_len]
 
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids

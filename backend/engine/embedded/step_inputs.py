@@ -5,6 +5,7 @@ A sequence with a speculative draft (`seq.draft`) also feeds the draft's tokens 
 root): draft token i goes to the KV slot of position root + 1 + i and is rotated for position root + its offset,
 and logits come back for the root and every draft token. A sequence whose last token was sampled on the device and
 not yet read by the host (overlap scheduler) gets it there, from the last step's tokens."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -109,28 +110,68 @@ class StepBuilder:
         self.logits_indices += range(end - rows, end)
         self.sampling_seqs.append(seq)
 
-    def build(self, batch: ScheduledBatch, device: torch.device, dtype: torch.dtype, masks: bool, kernels,
-              last_tokens: Optional[torch.Tensor]) -> StepInputs:
+    def build(
+        self,
+        batch: ScheduledBatch,
+        device: torch.device,
+        dtype: torch.dtype,
+        masks: bool,
+        kernels,
+        last_tokens: Optional[torch.Tensor],
+    ) -> StepInputs:
         """Upload everything in one copy; pending tokens are then copied in from `last_tokens` on the device."""
         host = HostArrays()
         for name in ("input_ids", "positions", "logits_indices", "pending_rows", "pending_sources"):
             host.add(name, getattr(self, name))
         query_lens = list(batch.num_new_tokens)
-        add_step_arrays(host, self.slots, [seq.block_table for seq in batch.seqs], self.query_starts, query_lens,
-                        self.context_lens, self.block_size, self.tail_masks, kernels)
+        add_step_arrays(
+            host,
+            self.slots,
+            [seq.block_table for seq in batch.seqs],
+            self.query_starts,
+            query_lens,
+            self.context_lens,
+            self.block_size,
+            self.tail_masks,
+            kernels,
+        )
         arrays = host.upload(device)
         if self.pending_rows:
             assert last_tokens is not None  # pending tokens are the last step's, which the overlap step hands over
             pending = last_tokens.index_select(0, arrays["pending_sources"])
             arrays["input_ids"].index_copy_(0, arrays["pending_rows"], pending)
-        attn = metadata_from(arrays, self.query_starts, query_lens, self.context_lens, self.block_size,
-                             self.tail_masks, device, dtype, masks, kernels)
-        return StepInputs(arrays["input_ids"], arrays["positions"], attn, arrays["logits_indices"],
-                          self.sampling_seqs, self.context_requests, self.first_rows)
+        attn = metadata_from(
+            arrays,
+            self.query_starts,
+            query_lens,
+            self.context_lens,
+            self.block_size,
+            self.tail_masks,
+            device,
+            dtype,
+            masks,
+            kernels,
+        )
+        return StepInputs(
+            arrays["input_ids"],
+            arrays["positions"],
+            attn,
+            arrays["logits_indices"],
+            self.sampling_seqs,
+            self.context_requests,
+            self.first_rows,
+        )
 
 
-def step_inputs(batch: ScheduledBatch, block_size: int, device: torch.device, dtype: torch.dtype, masks: bool,
-                kernels=None, last_tokens: Optional[torch.Tensor] = None) -> StepInputs:
+def step_inputs(
+    batch: ScheduledBatch,
+    block_size: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    masks: bool,
+    kernels=None,
+    last_tokens: Optional[torch.Tensor] = None,
+) -> StepInputs:
     builder = StepBuilder(block_size)
     for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
         builder.add(seq, num_new)

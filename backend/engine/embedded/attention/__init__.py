@@ -1,6 +1,7 @@
 """Paged attention behind one backend choice (`attn_backend`): the portable PyTorch path (portable.py) and the
 Triton kernels that read the KV blocks in place (triton_backend.py). The model calls `paged_attention`; the step's
 metadata says which backend runs it."""
+
 from __future__ import annotations
 
 import torch
@@ -16,12 +17,29 @@ from .metadata import (
 )
 from .portable import portable_attention, write_kv, zero_blocks
 
-__all__ = ["AttentionMetadata", "add_step_arrays", "attach_masks", "build_decode_mask", "metadata_from",
-           "paged_attention", "sequence_mask", "step_metadata", "write_kv", "zero_blocks"]
+__all__ = [
+    "AttentionMetadata",
+    "add_step_arrays",
+    "attach_masks",
+    "build_decode_mask",
+    "metadata_from",
+    "paged_attention",
+    "sequence_mask",
+    "step_metadata",
+    "write_kv",
+    "zero_blocks",
+]
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
     """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] (this step's, written into the caches first);
     caches: [blocks, block_size, kv_heads, head_dim]. Returns [T, heads, head_dim]."""
     if meta.kernel is not None:

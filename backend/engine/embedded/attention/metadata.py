@@ -1,5 +1,6 @@
 """What every attention backend reads about a step: how the flat token batch maps onto sequences and KV blocks,
 and (for the portable backend) the additive masks built once a step."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -45,8 +46,9 @@ class AttentionMetadata:
         return self.decode_mask is not None
 
 
-def build_decode_mask(context_lens: list[int], block_size: int, num_blocks: int, device,
-                      dtype: torch.dtype | None = None) -> torch.Tensor:
+def build_decode_mask(
+    context_lens: list[int], block_size: int, num_blocks: int, device, dtype: torch.dtype | None = None
+) -> torch.Tensor:
     """[S, 1, 1, num_blocks * block_size]: which gathered positions each sequence sees. Bool, or with `dtype` (the
     queries' dtype) additive 0 / -inf, which SDPA takes as is; a bool mask it converts again in every layer."""
     lens = torch.tensor(context_lens, device=device)
@@ -60,20 +62,47 @@ def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
 
 
-def step_metadata(slots: list[int], block_tables: list[list[int]], query_starts: list[int], query_lens: list[int],
-                  context_lens: list[int], block_size: int, tail_masks: list, device, dtype: torch.dtype,
-                  masks: bool = True, kernels=None) -> AttentionMetadata:
+def step_metadata(
+    slots: list[int],
+    block_tables: list[list[int]],
+    query_starts: list[int],
+    query_lens: list[int],
+    context_lens: list[int],
+    block_size: int,
+    tail_masks: list,
+    device,
+    dtype: torch.dtype,
+    masks: bool = True,
+    kernels=None,
+) -> AttentionMetadata:
     """The metadata of one step from per-sequence lists (`add_step_arrays`, one upload, `metadata_from`)."""
     host = HostArrays()
-    add_step_arrays(host, slots, block_tables, query_starts, query_lens, context_lens, block_size, tail_masks,
-                    kernels)
-    return metadata_from(host.upload(torch.device(device)), query_starts, query_lens, context_lens, block_size,
-                         tail_masks, device, dtype, masks, kernels)
+    add_step_arrays(host, slots, block_tables, query_starts, query_lens, context_lens, block_size, tail_masks, kernels)
+    return metadata_from(
+        host.upload(torch.device(device)),
+        query_starts,
+        query_lens,
+        context_lens,
+        block_size,
+        tail_masks,
+        device,
+        dtype,
+        masks,
+        kernels,
+    )
 
 
-def add_step_arrays(host: HostArrays, slots: list[int], block_tables: list[list[int]], query_starts: list[int],
-                    query_lens: list[int], context_lens: list[int], block_size: int, tail_masks: list,
-                    kernels=None) -> None:
+def add_step_arrays(
+    host: HostArrays,
+    slots: list[int],
+    block_tables: list[list[int]],
+    query_starts: list[int],
+    query_lens: list[int],
+    context_lens: list[int],
+    block_size: int,
+    tail_masks: list,
+    kernels=None,
+) -> None:
     """The step's slots and block tables (cut / padded to its widest context; int32 for kernels), and what the
     kernels (`kernels`: a triton_backend.TritonAttention, or None for the portable path) read besides."""
     max_blocks = max(blocks_for(context, block_size) for context in context_lens)
@@ -83,15 +112,29 @@ def add_step_arrays(host: HostArrays, slots: list[int], block_tables: list[list[
         kernels.add_arrays(host, query_starts, query_lens, context_lens, tail_masks)
 
 
-def metadata_from(arrays: dict[str, torch.Tensor], query_starts: list[int], query_lens: list[int],
-                  context_lens: list[int], block_size: int, tail_masks: list, device, dtype: torch.dtype,
-                  masks: bool = True, kernels=None) -> AttentionMetadata:
+def metadata_from(
+    arrays: dict[str, torch.Tensor],
+    query_starts: list[int],
+    query_lens: list[int],
+    context_lens: list[int],
+    block_size: int,
+    tail_masks: list,
+    device,
+    dtype: torch.dtype,
+    masks: bool = True,
+    kernels=None,
+) -> AttentionMetadata:
     """AttentionMetadata over uploaded arrays: tail masks kept only if some sequence has one; with `kernels`, the
     kernels' metadata; else (unless `masks` is False: a CUDA graph builds its own) the step's attention masks."""
     attn = AttentionMetadata(
-        slot_mapping=arrays["slot_mapping"], block_tables=arrays["block_tables"], query_starts=query_starts,
-        query_lens=query_lens, context_lens=context_lens, block_size=block_size,
-        tail_masks=tail_masks if any(m is not None for m in tail_masks) else None)
+        slot_mapping=arrays["slot_mapping"],
+        block_tables=arrays["block_tables"],
+        query_starts=query_starts,
+        query_lens=query_lens,
+        context_lens=context_lens,
+        block_size=block_size,
+        tail_masks=tail_masks if any(m is not None for m in tail_masks) else None,
+    )
     if kernels is not None:
         attn.kernel = kernels.metadata(arrays, attn.slot_mapping)
     elif masks:
@@ -103,17 +146,22 @@ def attach_masks(attn: AttentionMetadata, device, dtype: torch.dtype) -> None:
     """The masks every layer of an eager forward of the portable backend uses, built once: the decode mask when
     every query is one token (`dtype`: the queries' dtype, see build_decode_mask), else each sequence's own."""
     if all(n == 1 for n in attn.query_lens):
-        attn.decode_mask = build_decode_mask(attn.context_lens, attn.block_size, attn.block_tables.shape[1], device,
-                                             dtype)
+        attn.decode_mask = build_decode_mask(
+            attn.context_lens, attn.block_size, attn.block_tables.shape[1], device, dtype
+        )
     else:
         tails = attn.tail_masks or [None] * len(attn.query_lens)
-        attn.sequence_masks = [None if q_len == ctx_len and tail is None else
-                               sequence_mask(q_len, ctx_len, tail, device, dtype, attn.block_size)
-                               for q_len, ctx_len, tail in zip(attn.query_lens, attn.context_lens, tails)]
+        attn.sequence_masks = [
+            None
+            if q_len == ctx_len and tail is None
+            else sequence_mask(q_len, ctx_len, tail, device, dtype, attn.block_size)
+            for q_len, ctx_len, tail in zip(attn.query_lens, attn.context_lens, tails)
+        ]
 
 
-def sequence_mask(q_len: int, ctx_len: int, tail_mask: torch.Tensor | None, device, dtype: torch.dtype,
-                  block_size: int) -> torch.Tensor:
+def sequence_mask(
+    q_len: int, ctx_len: int, tail_mask: torch.Tensor | None, device, dtype: torch.dtype, block_size: int
+) -> torch.Tensor:
     """[1, 1, q_len, whole blocks of ctx_len] additive mask of a sequence's queries (its last q_len positions) over
     its context: causal, except that the last `len(tail_mask)` queries see each other only where `tail_mask` says.
     Attention reads whole blocks, so the key length changes once a block rather than every step: fewer shapes for
@@ -123,7 +171,5 @@ def sequence_mask(q_len: int, ctx_len: int, tail_mask: torch.Tensor | None, devi
     visible = torch.arange(width, device=device)[None, :] <= query_pos[:, None]
     if tail_mask is not None:  # the tail rows already see all columns before the tail (causal)
         tail = tail_mask.shape[0]
-        visible[q_len - tail:, ctx_len - tail:ctx_len] = tail_mask.to(device)
+        visible[q_len - tail :, ctx_len - tail : ctx_len] = tail_mask.to(device)
     return _additive(visible, dtype)[None, None]
-
-

@@ -1,6 +1,7 @@
 """The portable attention backend (`attn_backend: VANILLA`): plain PyTorch, writes new K/V into the block cache by
 slot, then gathers each sequence's blocks and attends with SDPA and the step's masks. Runs anywhere PyTorch runs
 (the CPU path, and the reference the kernels are tested against); decode-only steps take one batched SDPA call."""
+
 from __future__ import annotations
 
 import torch
@@ -20,16 +21,24 @@ def zero_blocks(caches, block_ids: list[int]) -> None:
         cache.index_fill_(0, index, 0)
 
 
-def write_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def write_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """Store this step's keys and values ([T, kv_heads, head_dim]) at their slots."""
     num_slots = k_cache.shape[0] * k_cache.shape[1]
     k_cache.view(num_slots, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
     v_cache.view(num_slots, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
 
 
-def portable_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
-                    v_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def portable_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
     """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]; caches: [blocks, block_size, kv_heads, head_dim].
     Returns [T, heads, head_dim]."""
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
@@ -38,8 +47,9 @@ def portable_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cach
     out = torch.empty_like(q)
     tail_masks = meta.tail_masks or [None] * len(meta.query_starts)
     masks = meta.sequence_masks or [None] * len(meta.query_starts)
-    for start, q_len, ctx_len, table, tail_mask, mask in zip(meta.query_starts, meta.query_lens, meta.context_lens,
-                                                             meta.block_tables, tail_masks, masks):
+    for start, q_len, ctx_len, table, tail_mask, mask in zip(
+        meta.query_starts, meta.query_lens, meta.context_lens, meta.block_tables, tail_masks, masks
+    ):
         rows = slice(start, start + q_len)
         if q_len == ctx_len and tail_mask is None:  # a whole prompt: its own keys, causal, nothing to gather
             out[rows] = _causal_attention(q[rows], k[rows], v[rows], scale)
@@ -51,8 +61,9 @@ def portable_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cach
 
 
 def _causal_attention(q, k, v, scale):
-    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True,
-                                         scale=scale, enable_gqa=True)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale, enable_gqa=True
+    )
     return out.transpose(0, 1)
 
 
@@ -63,7 +74,7 @@ def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor
 
 def _gather(cache: torch.Tensor, table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
     """The whole blocks holding a sequence's first `length` positions (the mask hides the tail)."""
-    return _gather_blocks(cache, table[:blocks_for(length, block_size)]).flatten(0, 1)
+    return _gather_blocks(cache, table[: blocks_for(length, block_size)]).flatten(0, 1)
 
 
 def _sequence_attention(q, k_cache, v_cache, table, ctx_len, block_size, scale, mask):
@@ -71,8 +82,9 @@ def _sequence_attention(q, k_cache, v_cache, table, ctx_len, block_size, scale, 
     inputs took the slower math path)."""
     keys = _gather(k_cache, table, ctx_len, block_size).transpose(0, 1)[None]  # [1, kv_heads, whole blocks, d]
     values = _gather(v_cache, table, ctx_len, block_size).transpose(0, 1)[None]
-    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], keys, values, attn_mask=mask, scale=scale,
-                                         enable_gqa=True)
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None], keys, values, attn_mask=mask, scale=scale, enable_gqa=True
+    )
     return out[0].transpose(0, 1)
 
 
@@ -82,6 +94,7 @@ def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale):
     keys = _gather_blocks(k_cache, tables).flatten(1, 2).transpose(1, 2)  # [S, kv_heads, max_ctx, d]
     values = _gather_blocks(v_cache, tables).flatten(1, 2).transpose(1, 2)
     queries = q.view(tables.shape[0], -1, *q.shape[1:]).transpose(1, 2)  # [S, heads, Q, d]
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=meta.decode_mask, scale=scale,
-                                         enable_gqa=True)
+    out = F.scaled_dot_product_attention(
+        queries, keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
+    )
     return out.transpose(1, 2).reshape(q.shape)

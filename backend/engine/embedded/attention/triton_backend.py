@@ -5,6 +5,7 @@ prefill launch per layer for all its sequences. Nothing is gathered and no [quer
 
 `KernelMetadata` holds a step's device tensors; the runner builds it once a step (`TritonAttention.metadata`), and
 CUDA graphs keep one per captured shape whose tensors they refill (cuda_graphs.py)."""
+
 from __future__ import annotations
 
 import os
@@ -32,6 +33,7 @@ def triton_usable(device: torch.device) -> Optional[str]:
 @dataclass
 class KernelMetadata:
     """One step's (or one CUDA graph's) inputs of the kernels, all int32 on the device."""
+
     slot_mapping: torch.Tensor  # [T] int64: where this step's K/V go
     block_tables: torch.Tensor  # [S, W]
     seq_lens: torch.Tensor  # [S]: context length after this step's tokens
@@ -47,12 +49,23 @@ class KernelMetadata:
 
         kernels.store_kv(k, v, k_cache, v_cache, self.slot_mapping)
         if self.decode:
-            return kernels.decode_attention(q, k_cache, v_cache, self.block_tables, self.seq_lens, scale,
-                                            self.max_seq_len)
+            return kernels.decode_attention(
+                q, k_cache, v_cache, self.block_tables, self.seq_lens, scale, self.max_seq_len
+            )
         # set for every step that is not decode-only (TritonAttention.metadata, CUDA graphs of several rows)
         assert self.query_starts is not None and self.query_lens is not None and self.tiles is not None
-        return kernels.prefill_attention(q, k_cache, v_cache, self.block_tables, self.query_starts,
-                                         self.query_lens, self.seq_lens, scale, self.tiles, self.tree)
+        return kernels.prefill_attention(
+            q,
+            k_cache,
+            v_cache,
+            self.block_tables,
+            self.query_starts,
+            self.query_lens,
+            self.seq_lens,
+            scale,
+            self.tiles,
+            self.tree,
+        )
 
 
 class TritonAttention:
@@ -64,8 +77,9 @@ class TritonAttention:
         self.block_size = block_size
         self.device = device
 
-    def add_arrays(self, host, query_starts: list[int], query_lens: list[int], context_lens: list[int],
-                   tail_masks: list) -> None:
+    def add_arrays(
+        self, host, query_starts: list[int], query_lens: list[int], context_lens: list[int], tail_masks: list
+    ) -> None:
         """Put what the kernels need besides the block tables into the step's HostArrays (one upload)."""
         from .triton_kernels import prefill_tiles, tree_mask_arrays
 

@@ -22,6 +22,7 @@ comes from torch.empty, nothing syncs with the host.
 On CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1 before triton is imported). Its bfloat16
 arithmetic is wrong, so there (UPCAST) every loaded value is converted to fp32 first and dots run in fp32.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -51,6 +52,7 @@ TREE_BLOCK_N = 16  # tree keys go in narrow tiles: each gathers a [rows, TREE_BL
 # Shared device helpers
 # ----------------------------------------------------------------------------------------------------------------
 
+
 @triton.jit
 def _dot(a, b, IEEE: tl.constexpr):
     """a @ b accumulated in fp32; IEEE: fp32 operands without tf32 rounding."""
@@ -69,8 +71,9 @@ def _key_slots(table_row, keys, key_ok, BLOCK_SIZE: tl.constexpr):
 
 
 @triton.jit
-def _load_kv(cache, block, offset, kv_head, stride_block, stride_slot, stride_head, d, key_ok, d_ok,
-             UPCAST: tl.constexpr):
+def _load_kv(
+    cache, block, offset, kv_head, stride_block, stride_slot, stride_head, d, key_ok, d_ok, UPCAST: tl.constexpr
+):
     """[BLOCK_N, BLOCK_D] rows of one KV head at the given slots; masked keys are not read (0)."""
     rows = block * stride_block + offset * stride_slot + kv_head * stride_head
     tile = tl.load(cache + rows[:, None] + d[None, :], mask=key_ok[:, None] & d_ok[None, :], other=0.0)
@@ -100,17 +103,52 @@ def _online_softmax(scores, v, m, l, acc, IEEE: tl.constexpr):
 # multiple of 16 and per 16-byte alignment of a pointer): the step's metadata are views into one uploaded buffer
 # at varying offsets, and table widths and counts vary, so specialising recompiled kernels mid-run (a second each).
 _STEP_ARGS = ["block_tables", "seq_lens", "stride_table"]
-_PREFILL_STEP_ARGS = _STEP_ARGS + ["query_starts", "query_lens", "tile_seqs", "tile_starts", "tree_lens",
-                                   "tree_starts", "tree_masks", "num_seqs", "num_rows"]
+_PREFILL_STEP_ARGS = _STEP_ARGS + [
+    "query_starts",
+    "query_lens",
+    "tile_seqs",
+    "tile_starts",
+    "tree_lens",
+    "tree_starts",
+    "tree_masks",
+    "num_seqs",
+    "num_rows",
+]
 
 
 @triton.jit(do_not_specialize=_STEP_ARGS)
-def _decode_split_kernel(q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse, scale_log2,
-                         num_heads, stride_qs, stride_qh, stride_os, stride_oh,
-                         stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_table,
-                         GROUP: tl.constexpr, GROUP_P: tl.constexpr, HEAD_DIM: tl.constexpr,
-                         BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+def _decode_split_kernel(
+    q,
+    k_cache,
+    v_cache,
+    block_tables,
+    seq_lens,
+    out,
+    part_out,
+    part_lse,
+    scale_log2,
+    num_heads,
+    stride_qs,
+    stride_qh,
+    stride_os,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_table,
+    GROUP: tl.constexpr,
+    GROUP_P: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     """Program (sequence, KV head, split): the group's query heads over the split's share of the keys. Each
     sequence's keys are cut into NUM_SPLITS equal runs of whole BLOCK_N tiles; one split writes `out` directly,
     several write fp32 partials (normalised output and base-2 log-sum-exp, -inf for an empty run)."""
@@ -127,8 +165,9 @@ def _decode_split_kernel(q, k_cache, v_cache, block_tables, seq_lens, out, part_
     head_ok = member < GROUP
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    queries = tl.load(q + seq * stride_qs + head[:, None] * stride_qh + d[None, :],
-                      mask=head_ok[:, None] & d_ok[None, :], other=0.0)
+    queries = tl.load(
+        q + seq * stride_qs + head[:, None] * stride_qh + d[None, :], mask=head_ok[:, None] & d_ok[None, :], other=0.0
+    )
     if UPCAST:
         queries = queries.to(tl.float32)
 
@@ -148,8 +187,11 @@ def _decode_split_kernel(q, k_cache, v_cache, block_tables, seq_lens, out, part_
 
     result = acc / tl.where(l > 0, l, 1.0)[:, None]
     if NUM_SPLITS == 1:
-        tl.store(out + seq * stride_os + head[:, None] * stride_oh + d[None, :],
-                 result.to(out.dtype.element_ty), mask=head_ok[:, None] & d_ok[None, :])
+        tl.store(
+            out + seq * stride_os + head[:, None] * stride_oh + d[None, :],
+            result.to(out.dtype.element_ty),
+            mask=head_ok[:, None] & d_ok[None, :],
+        )
     else:
         part = (seq * num_heads + head) * NUM_SPLITS + split  # [S, heads, NUM_SPLITS] scratch row
         tl.store(part_out + part[:, None] * HEAD_DIM + d[None, :], result, mask=head_ok[:, None] & d_ok[None, :])
@@ -158,8 +200,18 @@ def _decode_split_kernel(q, k_cache, v_cache, block_tables, seq_lens, out, part_
 
 
 @triton.jit
-def _decode_merge_kernel(part_out, part_lse, out, num_heads, stride_os, stride_oh, HEAD_DIM: tl.constexpr,
-                         BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr, SPLITS_P: tl.constexpr):
+def _decode_merge_kernel(
+    part_out,
+    part_lse,
+    out,
+    num_heads,
+    stride_os,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    SPLITS_P: tl.constexpr,
+):
     """Program (sequence, head): the splits' partial outputs weighted by their share of the softmax sum. Empty
     splits (lse -inf) weigh 0; a sequence with no keys at all gets zeros."""
     seq = tl.program_id(0)
@@ -172,8 +224,7 @@ def _decode_merge_kernel(part_out, part_lse, out, num_heads, stride_os, stride_o
     lse = tl.load(part_lse + part, mask=split_ok, other=float("-inf"))
     top = tl.max(lse, 0)
     weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
-    parts = tl.load(part_out + part[:, None] * HEAD_DIM + d[None, :], mask=split_ok[:, None] & d_ok[None, :],
-                    other=0.0)
+    parts = tl.load(part_out + part[:, None] * HEAD_DIM + d[None, :], mask=split_ok[:, None] & d_ok[None, :], other=0.0)
     total = tl.sum(weight, 0)
     merged = tl.sum(weight[:, None] * parts, 0) / tl.where(total > 0, total, 1.0)
     tl.store(out + seq * stride_os + head * stride_oh + d, merged.to(out.dtype.element_ty), mask=d_ok)
@@ -191,9 +242,16 @@ def decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int) -> int:
     return 1 << (splits.bit_length() - 1)
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                     seq_lens: torch.Tensor, scale: float, max_seq_len: int,
-                     out: torch.Tensor | None = None) -> torch.Tensor:
+def decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    max_seq_len: int,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """One query a sequence: q [S, heads, head_dim], the query of sequence s at position seq_lens[s] - 1 seeing
     keys 0 .. seq_lens[s] - 1. max_seq_len: a host upper bound of seq_lens (e.g. W * block_size), which fixes
     the split count (decode_splits). Returns out [S, heads, head_dim] in q's dtype."""
@@ -211,23 +269,60 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         part_out = torch.empty((num_seqs, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((num_seqs, num_heads, splits), dtype=torch.float32, device=q.device)
     _decode_split_kernel[(num_seqs, num_kv_heads, splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, out, part_out, part_lse, scale * LOG2E, num_heads,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        GROUP=group, GROUP_P=max(16, triton.next_power_of_2(group)), HEAD_DIM=head_dim, BLOCK_D=block_d,
-        BLOCK_SIZE=block_size, BLOCK_N=DECODE_BLOCK_N if block_d <= 128 else DECODE_BLOCK_N // 2,
-        NUM_SPLITS=splits, UPCAST=upcast, IEEE=upcast or q.dtype == torch.float32, num_warps=4, num_stages=2)
+        q,
+        k_cache,
+        v_cache,
+        block_tables,
+        seq_lens,
+        out,
+        part_out,
+        part_lse,
+        scale * LOG2E,
+        num_heads,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group,
+        GROUP_P=max(16, triton.next_power_of_2(group)),
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=DECODE_BLOCK_N if block_d <= 128 else DECODE_BLOCK_N // 2,
+        NUM_SPLITS=splits,
+        UPCAST=upcast,
+        IEEE=upcast or q.dtype == torch.float32,
+        num_warps=4,
+        num_stages=2,
+    )
     if splits > 1:
         _decode_merge_kernel[(num_seqs, num_heads)](
-            part_out, part_lse, out, num_heads, out.stride(0), out.stride(1), HEAD_DIM=head_dim, BLOCK_D=block_d,
-            NUM_SPLITS=splits, SPLITS_P=triton.next_power_of_2(splits), num_warps=4)
+            part_out,
+            part_lse,
+            out,
+            num_heads,
+            out.stride(0),
+            out.stride(1),
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            NUM_SPLITS=splits,
+            SPLITS_P=triton.next_power_of_2(splits),
+            num_warps=4,
+        )
     return out
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Prefill / extend
 # ----------------------------------------------------------------------------------------------------------------
+
 
 @dataclass
 class TreeMasks:
@@ -245,8 +340,10 @@ def tree_mask_arrays(per_seq_masks: list[torch.Tensor | None]) -> tuple[np.ndarr
     """The TreeMasks layout on the host, from each sequence's [n, n] bool mask (None: no tree): lens and starts
     (int32) and the flat masks (uint8, one spare byte at the end so the kernel always gets a real pointer). The
     portable path's `AttentionMetadata.tail_masks` are exactly these per-sequence masks."""
-    flat = [np.zeros(0, np.uint8) if m is None else m.detach().to("cpu", torch.bool).numpy().reshape(-1)
-            for m in per_seq_masks]
+    flat = [
+        np.zeros(0, np.uint8) if m is None else m.detach().to("cpu", torch.bool).numpy().reshape(-1)
+        for m in per_seq_masks
+    ]
     lens = np.array([0 if m is None else m.shape[0] for m in per_seq_masks], np.int32)
     sizes = np.array([f.size for f in flat], np.int64)
     starts = (np.cumsum(sizes) - sizes).astype(np.int32)
@@ -260,8 +357,8 @@ def tree_masks(per_seq_masks: list[torch.Tensor | None], device) -> TreeMasks:
     # One uint8 buffer: lens and starts as int32 (8 bytes a sequence, aligned at 0), then the masks.
     header = np.concatenate([lens, starts]).view(np.uint8)
     buffer = torch.from_numpy(np.concatenate([header, body])).to(device)
-    ints = buffer[:header.size].view(torch.int32)
-    return TreeMasks(lens=ints[:num_seqs], starts=ints[num_seqs:], masks=buffer[header.size:])
+    ints = buffer[: header.size].view(torch.int32)
+    return TreeMasks(lens=ints[:num_seqs], starts=ints[num_seqs:], masks=buffer[header.size :])
 
 
 def tokens_per_tile(num_heads: int, num_kv_heads: int) -> int:
@@ -270,8 +367,9 @@ def tokens_per_tile(num_heads: int, num_kv_heads: int) -> int:
     return max(1, PREFILL_ROWS // triton.next_power_of_2(_group_size(num_heads, num_kv_heads)))
 
 
-def prefill_tiles(query_lens, num_heads: int, num_kv_heads: int,
-                  tokens_per_seq: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def prefill_tiles(
+    query_lens, num_heads: int, num_kv_heads: int, tokens_per_seq: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """The tiles of one prefill_attention launch: (tile_seqs, tile_starts) int32 host arrays, tile j covering
     tokens tile_starts[j] .. + tokens_per_tile(num_heads, num_kv_heads) - 1 of sequence tile_seqs[j]. With
     tokens_per_seq=R (CUDA graphs: R query rows reserved a sequence) the tiles cover R rows of every sequence
@@ -292,11 +390,39 @@ TREE = tl.constexpr(2)
 
 
 @triton.jit
-def _prefill_tile(queries, k_cache, v_cache, table_row, start, end, kv_head, token, q_pos, tree_row, tree_first,
-                  tree_key0, tree_n, tree_mask, m, l, acc, scale_log2,
-                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, d, d_ok,
-                  BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, MASK: tl.constexpr, UPCAST: tl.constexpr,
-                  IEEE: tl.constexpr):
+def _prefill_tile(
+    queries,
+    k_cache,
+    v_cache,
+    table_row,
+    start,
+    end,
+    kv_head,
+    token,
+    q_pos,
+    tree_row,
+    tree_first,
+    tree_key0,
+    tree_n,
+    tree_mask,
+    m,
+    l,
+    acc,
+    scale_log2,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    d,
+    d_ok,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    MASK: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     """Fold keys start .. start + BLOCK_N - 1 (those < end) into the running softmax, hiding per MASK."""
     keys = start + tl.arange(0, BLOCK_N)
     key_ok = keys < end
@@ -307,8 +433,11 @@ def _prefill_tile(queries, k_cache, v_cache, table_row, start, end, kv_head, tok
     if MASK == CAUSAL:  # causal tiles end before the tree: tree rows see all of their keys
         visible = (keys[None, :] <= q_pos[:, None]) | tree_row[:, None]
     if MASK == TREE:  # tree tiles start at the tree's first key: rows before the tree see none of them
-        bits = tl.load(tree_mask + (token - tree_first)[:, None] * tree_n + (keys - tree_key0)[None, :],
-                       mask=tree_row[:, None] & key_ok[None, :], other=0)
+        bits = tl.load(
+            tree_mask + (token - tree_first)[:, None] * tree_n + (keys - tree_key0)[None, :],
+            mask=tree_row[:, None] & key_ok[None, :],
+            other=0,
+        )
         visible = bits != 0
     if MASK != ALL_VISIBLE:
         scores = tl.where(visible & key_ok[None, :], scores, float("-inf"))
@@ -316,13 +445,46 @@ def _prefill_tile(queries, k_cache, v_cache, table_row, start, end, kv_head, tok
 
 
 @triton.jit(do_not_specialize=_PREFILL_STEP_ARGS)
-def _prefill_kernel(q, k_cache, v_cache, out, block_tables, query_starts, query_lens, seq_lens,
-                    tile_seqs, tile_starts, tree_lens, tree_starts, tree_masks, num_seqs, num_rows, scale_log2,
-                    stride_qt, stride_qh, stride_ot, stride_oh,
-                    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, stride_table,
-                    GROUP: tl.constexpr, GROUP_P: tl.constexpr, TOKENS: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
-                    TREE_BLOCK_N: tl.constexpr, HAS_TREE: tl.constexpr, UPCAST: tl.constexpr, IEEE: tl.constexpr):
+def _prefill_kernel(
+    q,
+    k_cache,
+    v_cache,
+    out,
+    block_tables,
+    query_starts,
+    query_lens,
+    seq_lens,
+    tile_seqs,
+    tile_starts,
+    tree_lens,
+    tree_starts,
+    tree_masks,
+    num_seqs,
+    num_rows,
+    scale_log2,
+    stride_qt,
+    stride_qh,
+    stride_ot,
+    stride_oh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    stride_table,
+    GROUP: tl.constexpr,
+    GROUP_P: tl.constexpr,
+    TOKENS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    TREE_BLOCK_N: tl.constexpr,
+    HAS_TREE: tl.constexpr,
+    UPCAST: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     """Program (tile, KV head): TOKENS query tokens of one sequence x the GROUP heads of this KV head (padded to
     GROUP_P) as TOKENS * GROUP_P rows. Keys run in three phases: those every real row sees (before the tile's
     first query and before any tree) unmasked, then causal up to the last key a row can see or the tree, then the
@@ -347,8 +509,11 @@ def _prefill_kernel(q, k_cache, v_cache, out, block_tables, query_starts, query_
     q_pos = seq_len - q_len + token
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
-    queries = tl.load(q + (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
-                      mask=real[:, None] & d_ok[None, :], other=0.0)
+    queries = tl.load(
+        q + (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh + d[None, :],
+        mask=real[:, None] & d_ok[None, :],
+        other=0.0,
+    )
     if UPCAST:
         queries = queries.to(tl.float32)
 
@@ -374,33 +539,132 @@ def _prefill_kernel(q, k_cache, v_cache, out, block_tables, query_starts, query_
     acc = tl.zeros([TOKENS * GROUP_P, BLOCK_D], tl.float32)
     table_row = block_tables + seq * stride_table
     for start in range(0, full_end, BLOCK_N):
-        m, l, acc = _prefill_tile(queries, k_cache, v_cache, table_row, start, full_end, kv_head, token, q_pos,
-                                  tree_row, tree_first, tree_key0, tree_n, tree_mask, m, l, acc, scale_log2,
-                                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, d, d_ok,
-                                  BLOCK_SIZE, BLOCK_N, ALL_VISIBLE, UPCAST, IEEE)
+        m, l, acc = _prefill_tile(
+            queries,
+            k_cache,
+            v_cache,
+            table_row,
+            start,
+            full_end,
+            kv_head,
+            token,
+            q_pos,
+            tree_row,
+            tree_first,
+            tree_key0,
+            tree_n,
+            tree_mask,
+            m,
+            l,
+            acc,
+            scale_log2,
+            stride_kb,
+            stride_ks,
+            stride_kh,
+            stride_vb,
+            stride_vs,
+            stride_vh,
+            d,
+            d_ok,
+            BLOCK_SIZE,
+            BLOCK_N,
+            ALL_VISIBLE,
+            UPCAST,
+            IEEE,
+        )
     for start in range(full_end, causal_end, BLOCK_N):
-        m, l, acc = _prefill_tile(queries, k_cache, v_cache, table_row, start, causal_end, kv_head, token, q_pos,
-                                  tree_row, tree_first, tree_key0, tree_n, tree_mask, m, l, acc, scale_log2,
-                                  stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, d, d_ok,
-                                  BLOCK_SIZE, BLOCK_N, CAUSAL, UPCAST, IEEE)
+        m, l, acc = _prefill_tile(
+            queries,
+            k_cache,
+            v_cache,
+            table_row,
+            start,
+            causal_end,
+            kv_head,
+            token,
+            q_pos,
+            tree_row,
+            tree_first,
+            tree_key0,
+            tree_n,
+            tree_mask,
+            m,
+            l,
+            acc,
+            scale_log2,
+            stride_kb,
+            stride_ks,
+            stride_kh,
+            stride_vb,
+            stride_vs,
+            stride_vh,
+            d,
+            d_ok,
+            BLOCK_SIZE,
+            BLOCK_N,
+            CAUSAL,
+            UPCAST,
+            IEEE,
+        )
     if HAS_TREE:
         for start in range(tree_key0, hi, TREE_BLOCK_N):
-            m, l, acc = _prefill_tile(queries, k_cache, v_cache, table_row, start, hi, kv_head, token, q_pos,
-                                      tree_row, tree_first, tree_key0, tree_n, tree_mask, m, l, acc, scale_log2,
-                                      stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, d, d_ok,
-                                      BLOCK_SIZE, TREE_BLOCK_N, TREE, UPCAST, IEEE)
+            m, l, acc = _prefill_tile(
+                queries,
+                k_cache,
+                v_cache,
+                table_row,
+                start,
+                hi,
+                kv_head,
+                token,
+                q_pos,
+                tree_row,
+                tree_first,
+                tree_key0,
+                tree_n,
+                tree_mask,
+                m,
+                l,
+                acc,
+                scale_log2,
+                stride_kb,
+                stride_ks,
+                stride_kh,
+                stride_vb,
+                stride_vs,
+                stride_vh,
+                d,
+                d_ok,
+                BLOCK_SIZE,
+                TREE_BLOCK_N,
+                TREE,
+                UPCAST,
+                IEEE,
+            )
 
     result = acc / tl.where(l > 0, l, 1.0)[:, None]
     result = tl.where(real[:, None], result, 0.0)
     keep = (member < GROUP) & (token < reserved)
-    tl.store(out + (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
-             result.to(out.dtype.element_ty), mask=keep[:, None] & d_ok[None, :])
+    tl.store(
+        out + (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh + d[None, :],
+        result.to(out.dtype.element_ty),
+        mask=keep[:, None] & d_ok[None, :],
+    )
 
 
-def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
-                      query_starts: torch.Tensor, query_lens: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                      tiles: tuple[torch.Tensor, torch.Tensor], tree: TreeMasks | None = None,
-                      out: torch.Tensor | None = None) -> torch.Tensor:
+def prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    query_starts: torch.Tensor,
+    query_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    tiles: tuple[torch.Tensor, torch.Tensor],
+    tree: TreeMasks | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Every sequence's queries of a step in one launch. q [T, heads, head_dim]; sequence s's queries are rows
     query_starts[s] .. + query_lens[s] - 1 (sequences in order: s's rows end where s + 1's begin, the last's at
     T), causal over its context except for its tree (TreeMasks). tiles: (tile_seqs, tile_starts) int32 device
@@ -424,16 +688,47 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         tree_lens, tree_starts = tree.lens, tree.starts
         masks = tree.masks.view(torch.uint8) if tree.masks.dtype == torch.bool else tree.masks
     _prefill_kernel[(tile_seqs.shape[0], num_kv_heads)](
-        q, k_cache, v_cache, out, block_tables, query_starts, query_lens, seq_lens, tile_seqs, tile_starts,
-        tree_lens, tree_starts, masks, query_starts.shape[0], num_rows, scale * LOG2E,
-        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        GROUP=group, GROUP_P=group_p, TOKENS=tokens, HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_SIZE=block_size,
-        BLOCK_N=PREFILL_BLOCK_N if block_d <= 128 else PREFILL_BLOCK_N // 2, TREE_BLOCK_N=TREE_BLOCK_N,
+        q,
+        k_cache,
+        v_cache,
+        out,
+        block_tables,
+        query_starts,
+        query_lens,
+        seq_lens,
+        tile_seqs,
+        tile_starts,
+        tree_lens,
+        tree_starts,
+        masks,
+        query_starts.shape[0],
+        num_rows,
+        scale * LOG2E,
+        q.stride(0),
+        q.stride(1),
+        out.stride(0),
+        out.stride(1),
+        k_cache.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(0),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        block_tables.stride(0),
+        GROUP=group,
+        GROUP_P=group_p,
+        TOKENS=tokens,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        BLOCK_SIZE=block_size,
+        BLOCK_N=PREFILL_BLOCK_N if block_d <= 128 else PREFILL_BLOCK_N // 2,
+        TREE_BLOCK_N=TREE_BLOCK_N,
         HAS_TREE=tree is not None,
-        UPCAST=upcast, IEEE=upcast or q.dtype == torch.float32,
-        num_warps=8 if tokens * group_p >= 128 else 4, num_stages=2)
+        UPCAST=upcast,
+        IEEE=upcast or q.dtype == torch.float32,
+        num_warps=8 if tokens * group_p >= 128 else 4,
+        num_stages=2,
+    )
     return out
 
 
@@ -441,10 +736,27 @@ def prefill_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 # Storing a step's keys and values
 # ----------------------------------------------------------------------------------------------------------------
 
+
 @triton.jit
-def _store_kv_kernel(k, v, k_cache, v_cache, slot_mapping, stride_kt, stride_kh, stride_vt, stride_vh,
-                     stride_ks, stride_kc, stride_vs, stride_vc, num_kv_heads, HEAD_DIM: tl.constexpr,
-                     BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+def _store_kv_kernel(
+    k,
+    v,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ks,
+    stride_kc,
+    stride_vs,
+    stride_vc,
+    num_kv_heads,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
     """Program (token): its K and V rows [kv_heads, head_dim] into the caches at its slot (slot s of the caches
     viewed as [slots, kv_heads, head_dim]: stride_ks per slot, stride_kc per head)."""
     token = tl.program_id(0).to(tl.int64)
@@ -458,15 +770,18 @@ def _store_kv_kernel(k, v, k_cache, v_cache, slot_mapping, stride_kt, stride_kh,
     tl.store(v_cache + slot * stride_vs + head * stride_vc + d, value, mask=ok)
 
 
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
+def store_kv(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
     """portable.write_kv in one launch: k, v [T, kv_heads, head_dim] (last dim contiguous, any token and head
     strides: views of a fused qkv output) at slots slot_mapping [T] of caches [blocks, block_size, kv_heads,
     head_dim] whose blocks are contiguous runs of slots."""
     num_tokens, num_kv_heads, head_dim = k.shape
     if v.shape != k.shape or k.stride(-1) != 1 or v.stride(-1) != 1 or k_cache.shape != v_cache.shape:
-        raise ValueError(f"keys {tuple(k.shape)} and values {tuple(v.shape)} (contiguous head_dim) do not fit the "
-                         f"caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)}")
+        raise ValueError(
+            f"keys {tuple(k.shape)} and values {tuple(v.shape)} (contiguous head_dim) do not fit the "
+            f"caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
     for cache in (k_cache, v_cache):
         if cache.stride(0) != cache.shape[1] * cache.stride(1) or cache.stride(-1) != 1:
             raise ValueError("a KV cache's blocks must be contiguous runs of slots")
@@ -474,14 +789,31 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         return
     block_h, block_d = triton.next_power_of_2(num_kv_heads), triton.next_power_of_2(head_dim)
     _store_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping, k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-        k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2), num_kv_heads,
-        HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=1 if block_h * block_d <= 256 else 4)
+        k,
+        v,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        num_kv_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=block_h,
+        BLOCK_D=block_d,
+        num_warps=1 if block_h * block_d <= 256 else 4,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Host helpers
 # ----------------------------------------------------------------------------------------------------------------
+
 
 def _group_size(num_heads: int, num_kv_heads: int) -> int:
     if num_heads % num_kv_heads:

@@ -5,6 +5,7 @@ row, which is exactly what decode batches and speculative verification feed it: 
 layer stack cost 53-61 ms at 2-16 rows against 30 ms at one row, while weights packed once for oneDNN cost 19-39 ms
 over the same rows (docs/benchmarks.md). The packed op is the one PyTorch's own compiler emits for CPU linears;
 where it is missing or fails its probe, callers keep the plain path."""
+
 from __future__ import annotations
 
 import functools

@@ -17,6 +17,7 @@ arithmetic is wrong; these kernels never do any: every loaded value is converted
 bf16 cast truncates where a GPU (and torch) rounds to nearest even, so there (ROUND_BF16) the kernels round the
 bits by hand before casting, and give the GPU's results on CPU too.
 """
+
 from __future__ import annotations
 
 import torch
@@ -33,6 +34,7 @@ SILU_BLOCK = 1024  # output columns a silu_and_mul program writes
 # Kernels
 # ----------------------------------------------------------------------------------------------------------------
 
+
 @triton.jit
 def _to(h, dtype: tl.constexpr, ROUND_BF16: tl.constexpr):
     """fp32 h rounded to nearest even in dtype. ROUND_BF16 (the interpreter, bf16): round the bits here, since its
@@ -44,8 +46,22 @@ def _to(h, dtype: tl.constexpr, ROUND_BF16: tl.constexpr):
 
 
 @triton.jit
-def _rms_norm_kernel(x, residual, weight, out, sum_out, eps, num_cols, stride_x, stride_r, stride_o, stride_s,
-                     HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, ROUND_BF16: tl.constexpr):
+def _rms_norm_kernel(
+    x,
+    residual,
+    weight,
+    out,
+    sum_out,
+    eps,
+    num_cols,
+    stride_x,
+    stride_r,
+    stride_o,
+    stride_s,
+    HAS_RESIDUAL: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+):
     """Program (row): out = weight * round(h * rsqrt(mean(h^2) + eps)), h = x (+ residual, rounded and stored to
     sum_out), rounding to out's dtype (a no-op in fp32) and the product rounded once."""
     dtype = out.dtype.element_ty
@@ -65,8 +81,20 @@ def _rms_norm_kernel(x, residual, weight, out, sum_out, eps, num_cols, stride_x,
 
 
 @triton.jit
-def _rotary_kernel(x, cos, sin, num_heads, stride_xt, stride_xh, stride_ct, stride_st,
-                   HALF: tl.constexpr, HALF_P: tl.constexpr, BLOCK_H: tl.constexpr, ROUND_BF16: tl.constexpr):
+def _rotary_kernel(
+    x,
+    cos,
+    sin,
+    num_heads,
+    stride_xt,
+    stride_xh,
+    stride_ct,
+    stride_st,
+    HALF: tl.constexpr,
+    HALF_P: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+):
     """Program (token, head block): rotates pairs (i, i + HALF) of BLOCK_H heads in place, in fp32."""
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -102,16 +130,20 @@ def _silu_and_mul_kernel(gate_up, out, size, stride_in, stride_out, BLOCK: tl.co
 # Launchers
 # ----------------------------------------------------------------------------------------------------------------
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """layers.RMSNorm over the rows of x [T, N] with weight [N] (x's dtype). With residual (x's shape and dtype):
     s = x + residual, rounded to x's dtype as torch's add rounds; returns (rms_norm(s), s), s a new tensor (x and
     residual are left as they are). Outputs are contiguous."""
     _check_rows("x", x)
     num_rows, num_cols = x.shape
     if weight.shape != (num_cols,) or weight.dtype != x.dtype or weight.device != x.device:
-        raise ValueError(f"weight {tuple(weight.shape)} {weight.dtype} on {weight.device} does not fit x "
-                         f"{tuple(x.shape)} {x.dtype} on {x.device} (wanted [{num_cols}], the same dtype and device)")
+        raise ValueError(
+            f"weight {tuple(weight.shape)} {weight.dtype} on {weight.device} does not fit x "
+            f"{tuple(x.shape)} {x.dtype} on {x.device} (wanted [{num_cols}], the same dtype and device)"
+        )
     if num_cols == 0:
         raise ValueError("x has no columns to normalise")
     if weight.stride(0) != 1 and num_cols > 1:
@@ -125,14 +157,29 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     else:
         _check_rows("residual", residual)
         if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
-            raise ValueError(f"residual {tuple(residual.shape)} {residual.dtype} on {residual.device} does not "
-                             f"match x {tuple(x.shape)} {x.dtype} on {x.device}")
+            raise ValueError(
+                f"residual {tuple(residual.shape)} {residual.dtype} on {residual.device} does not "
+                f"match x {tuple(x.shape)} {x.dtype} on {x.device}"
+            )
         sums, residual_arg = torch.empty_like(out), residual
     if num_rows:
         _rms_norm_kernel[(num_rows,)](
-            x, residual_arg, weight, out, sums, eps, num_cols, x.stride(0), residual_arg.stride(0), out.stride(0),
-            sums.stride(0), HAS_RESIDUAL=residual is not None, BLOCK=block, ROUND_BF16=_round_bf16(x),
-            num_warps=4 if block < 2048 else 8 if block < 8192 else 16)
+            x,
+            residual_arg,
+            weight,
+            out,
+            sums,
+            eps,
+            num_cols,
+            x.stride(0),
+            residual_arg.stride(0),
+            out.stride(0),
+            sums.stride(0),
+            HAS_RESIDUAL=residual is not None,
+            BLOCK=block,
+            ROUND_BF16=_round_bf16(x),
+            num_warps=4 if block < 2048 else 8 if block < 8192 else 16,
+        )
     return out if residual is None else (out, sums)
 
 
@@ -151,8 +198,10 @@ def rotary_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
         raise ValueError(f"head_dim {head_dim} is odd: rotary rotates pairs (i, i + head_dim / 2)")
     for name, table in (("cos", cos), ("sin", sin)):
         if table.shape != (num_tokens, head_dim) or table.device != x.device or not table.is_floating_point():
-            raise ValueError(f"{name} {tuple(table.shape)} {table.dtype} on {table.device} does not fit x "
-                             f"{tuple(x.shape)} on {x.device} (wanted a float [{num_tokens}, {head_dim}])")
+            raise ValueError(
+                f"{name} {tuple(table.shape)} {table.dtype} on {table.device} does not fit x "
+                f"{tuple(x.shape)} on {x.device} (wanted a float [{num_tokens}, {head_dim}])"
+            )
         if table.stride(1) != 1:
             raise ValueError(f"{name} needs a contiguous last dimension")
     if num_tokens == 0 or num_heads == 0 or head_dim == 0:
@@ -161,8 +210,20 @@ def rotary_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     half_p = triton.next_power_of_2(half)
     block_h = max(1, min(triton.next_power_of_2(num_heads), ROTARY_BLOCK // half_p))
     _rotary_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
-        x, cos, sin, num_heads, x.stride(0), x.stride(1), cos.stride(0), sin.stride(0),
-        HALF=half, HALF_P=half_p, BLOCK_H=block_h, ROUND_BF16=_round_bf16(x), num_warps=4)
+        x,
+        cos,
+        sin,
+        num_heads,
+        x.stride(0),
+        x.stride(1),
+        cos.stride(0),
+        sin.stride(0),
+        HALF=half,
+        HALF_P=half_p,
+        BLOCK_H=block_h,
+        ROUND_BF16=_round_bf16(x),
+        num_warps=4,
+    )
     return x
 
 
@@ -178,8 +239,15 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if num_rows and size:
         block = min(SILU_BLOCK, triton.next_power_of_2(size))
         _silu_and_mul_kernel[(num_rows, triton.cdiv(size, block))](
-            gate_up, out, size, gate_up.stride(0), out.stride(0), BLOCK=block, ROUND_BF16=_round_bf16(gate_up),
-            num_warps=4)
+            gate_up,
+            out,
+            size,
+            gate_up.stride(0),
+            out.stride(0),
+            BLOCK=block,
+            ROUND_BF16=_round_bf16(gate_up),
+            num_warps=4,
+        )
     return out
 
 

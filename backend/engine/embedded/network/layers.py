@@ -1,6 +1,7 @@
 """Building blocks of Llama-family decoders: RMSNorm, rotary position embedding, SiLU-gated MLP.
 
 All work on flat token batches: `[T, ...]`, no batch dimension."""
+
 from __future__ import annotations
 
 import torch
@@ -103,7 +104,6 @@ class RotaryEmbedding(nn.Module):
         return cos.to(dtype), sin.to(dtype)
 
 
-
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool) -> torch.Tensor:
     """apply_rotary; fused: in place, in one kernel (x [T, heads, head_dim] may be a view of a wider tensor)."""
     if fused and x.stride(-1) == 1:
@@ -122,6 +122,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 class GatedMLP(nn.Module):
     """down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
+
     fused = False  # see use_fused_kernels
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool):

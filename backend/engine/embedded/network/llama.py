@@ -1,6 +1,7 @@
 """Llama-family decoder (Llama, Mistral, Qwen2, Qwen3; so also SmolLM2 and TinyLlama) over the paged KV cache.
 
 Tokens of all sequences in a step are one flat batch `[T, ...]`; `AttentionMetadata` says which belong together."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -22,6 +23,7 @@ _FEW_ROWS = 16
 @dataclass
 class WeightSlot:
     """Where one checkpoint tensor goes: rows `start : start + shape[0]` of `param` (fused projections)."""
+
     param: nn.Parameter
     start: int
     shape: tuple[int, ...]
@@ -40,14 +42,21 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = config.num_kv_heads
         self.head_dim = config.head_dim
         self.split_sizes = [config.q_size, config.kv_size, config.kv_size]
-        self.scale = config.head_dim ** -0.5
+        self.scale = config.head_dim**-0.5
         self.qkv_proj = Linear(config.hidden_size, sum(self.split_sizes), bias=config.qkv_bias)
         self.o_proj = Linear(config.q_size, config.hidden_size, bias=config.o_bias)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
 
-    def forward(self, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionMetadata,
-                kv_cache: KVCache, lora=None) -> torch.Tensor:
+    def forward(
+        self,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_cache: KVCache,
+        lora=None,
+    ) -> torch.Tensor:
         tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         if lora is not None:
@@ -122,8 +131,14 @@ class LlamaForCausalLM(nn.Module):
     def output_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata,
-                kv_caches: list[KVCache], lora=None) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_caches: list[KVCache],
+        lora=None,
+    ) -> torch.Tensor:
         """input_ids, positions: [T]; kv_caches: one (k, v) per layer. Returns final-norm hidden states [T, hidden],
         followed along the last dimension by the outputs of `capture_layers` if any ([T, hidden * (1 + layers)]: one
         tensor, so that a CUDA graph's output holds them too). `lora`: the step's multi-LoRA view
@@ -134,8 +149,9 @@ class LlamaForCausalLM(nn.Module):
         cos, sin = self.rotary_emb(positions, hidden.dtype)
         captured = []
         for index, (layer, kv_cache) in enumerate(zip(self.decoder_layers, kv_caches)):
-            hidden, residual = layer.deferred(hidden, residual, cos, sin, attn, kv_cache,
-                                              None if lora is None else lora.layer(index))
+            hidden, residual = layer.deferred(
+                hidden, residual, cos, sin, attn, kv_cache, None if lora is None else lora.layer(index)
+            )
             if index in self.capture_layers:
                 captured.append(residual + hidden)
         normed = self.norm(hidden) if residual is None else self.norm(hidden, residual=residual)[0]
@@ -154,8 +170,10 @@ class LlamaForCausalLM(nn.Module):
 
     def checkpoint_slots(self) -> dict[str, WeightSlot]:
         """Every tensor a Hugging Face checkpoint of this model must hold, by its HF name."""
-        slots = {"model.embed_tokens.weight": _whole(self.embed_tokens.weight),
-                 "model.norm.weight": _whole(self.norm.weight)}
+        slots = {
+            "model.embed_tokens.weight": _whole(self.embed_tokens.weight),
+            "model.norm.weight": _whole(self.norm.weight),
+        }
         if self.lm_head is not None:
             slots["lm_head.weight"] = _whole(self.lm_head.weight)
         for i, layer in enumerate(self.decoder_layers):
@@ -196,8 +214,10 @@ class NormedDecoderLayer(DecoderLayerParts, Protocol):
 
 def layer_slots(prefix: str, layer: NormedDecoderLayer) -> dict[str, WeightSlot]:
     """Where each checkpoint tensor of one decoder layer (names under `prefix`) goes; EAGLE-3's draft layer too."""
-    return {prefix + "input_layernorm.weight": _whole(layer.input_layernorm.weight),
-            **layer_slots_without_input_norm(prefix, layer)}
+    return {
+        prefix + "input_layernorm.weight": _whole(layer.input_layernorm.weight),
+        **layer_slots_without_input_norm(prefix, layer),
+    }
 
 
 def layer_slots_without_input_norm(prefix: str, layer: DecoderLayerParts) -> dict[str, WeightSlot]:
@@ -210,8 +230,10 @@ def layer_slots_without_input_norm(prefix: str, layer: DecoderLayerParts) -> dic
     }
     qkv_names = [prefix + f"self_attn.{p}_proj" for p in "qkv"]
     gate_up_names = [prefix + "mlp.gate_proj", prefix + "mlp.up_proj"]
-    fused = [(qkv_names, attn.qkv_proj, attn.split_sizes),
-             (gate_up_names, mlp.gate_up_proj, [mlp.intermediate_size] * 2)]
+    fused = [
+        (qkv_names, attn.qkv_proj, attn.split_sizes),
+        (gate_up_names, mlp.gate_up_proj, [mlp.intermediate_size] * 2),
+    ]
     for names, linear, sizes in fused:
         for kind in ("weight", "bias"):
             param = getattr(linear, kind)

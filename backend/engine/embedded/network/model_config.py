@@ -2,6 +2,7 @@
 
 Reads both config dialects: transformers 4.x (`rope_theta` at the top level, `rope_scaling`) and 5.x
 (`rope_parameters`, `dtype`)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -89,8 +90,9 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
     default_head_dim = 128 if model_type == "qwen3" else hidden // heads
     kv_heads = raw.get("num_key_value_heads") or heads
     if heads % kv_heads:
-        raise ModelLoadError(f"{source}: num_attention_heads ({heads}) is not a multiple of "
-                             f"num_key_value_heads ({kv_heads})")
+        raise ModelLoadError(
+            f"{source}: num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv_heads})"
+        )
     return ModelConfig(
         architecture=architecture,
         model_type=model_type,
@@ -121,15 +123,18 @@ def _architecture(raw: dict[str, Any], source: str) -> str:
         if name in SUPPORTED_ARCHITECTURES:
             return name
     if names:
-        raise ModelLoadError(f"{source}: unsupported architecture {', '.join(map(str, names))}; "
-                             f"the embedded engine supports {supported}")
+        raise ModelLoadError(
+            f"{source}: unsupported architecture {', '.join(map(str, names))}; the embedded engine supports {supported}"
+        )
     # No `architectures` list: fall back on model_type.
     model_type = raw.get("model_type")
     for name, known_type in SUPPORTED_ARCHITECTURES.items():
         if model_type == known_type:
             return name
-    raise ModelLoadError(f"{source}: unsupported model_type {model_type!r} (no architectures listed); "
-                         f"the embedded engine supports {supported}")
+    raise ModelLoadError(
+        f"{source}: unsupported model_type {model_type!r} (no architectures listed); "
+        f"the embedded engine supports {supported}"
+    )
 
 
 def _required(raw: dict[str, Any], key: str, source: str) -> Any:
@@ -152,8 +157,9 @@ def _bias_flags(raw: dict[str, Any], model_type: str) -> dict[str, bool]:
         return dict(qkv_bias=attention_bias, o_bias=attention_bias, mlp_bias=False, qk_norm=True)
     if model_type == "mistral":
         return dict(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False)
-    return dict(qkv_bias=attention_bias, o_bias=attention_bias, mlp_bias=bool(raw.get("mlp_bias", False)),
-                qk_norm=False)
+    return dict(
+        qkv_bias=attention_bias, o_bias=attention_bias, mlp_bias=bool(raw.get("mlp_bias", False)), qk_norm=False
+    )
 
 
 def _rope(raw: dict[str, Any], source: str) -> RopeConfig:
@@ -165,15 +171,18 @@ def _rope(raw: dict[str, Any], source: str) -> RopeConfig:
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
     if rope_type not in SUPPORTED_ROPE_TYPES:
-        raise ModelLoadError(f"{source}: RoPE type {rope_type!r} is not supported; "
-                             f"supported types: {', '.join(SUPPORTED_ROPE_TYPES)}")
+        raise ModelLoadError(
+            f"{source}: RoPE type {rope_type!r} is not supported; supported types: {', '.join(SUPPORTED_ROPE_TYPES)}"
+        )
     partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         raise ModelLoadError(f"{source}: partial_rotary_factor {partial} is not supported (only 1.0)")
     if rope_type in ("llama3", "yarn"):
         # Scaled types measure against the pre-training context, which defaults to max_position_embeddings.
-        params.setdefault("original_max_position_embeddings",
-                          raw.get("original_max_position_embeddings", raw.get("max_position_embeddings")))
+        params.setdefault(
+            "original_max_position_embeddings",
+            raw.get("original_max_position_embeddings", raw.get("max_position_embeddings")),
+        )
     return RopeConfig(rope_type=rope_type, theta=float(theta), params=params)
 
 
@@ -188,8 +197,7 @@ def _sliding_window(raw: dict[str, Any], model_type: str, num_layers: int) -> Op
         layer_types = raw.get("layer_types")
         if layer_types is None:
             first_sliding = raw.get("max_window_layers", 28)
-            layer_types = ["sliding_attention" if i >= first_sliding else "full_attention"
-                           for i in range(num_layers)]
+            layer_types = ["sliding_attention" if i >= first_sliding else "full_attention" for i in range(num_layers)]
         return window if window and "sliding_attention" in layer_types else None
     window = raw.get("sliding_window")  # Llama has no sliding window; honour one if a config sets it anyway
     return window or None

@@ -2,6 +2,7 @@
 
 Each function returns `(inv_freq [head_dim // 2], attention_factor)`; the factor multiplies cos and sin. Always
 computed on the CPU (also while a model is built on the meta device), then moved where the model lives."""
+
 from __future__ import annotations
 
 import math
@@ -20,7 +21,7 @@ def rope_frequencies(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, flo
 
 def _wavelength_steps(theta: float, head_dim: int) -> torch.Tensor:
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / head_dim
-    return theta ** exponents
+    return theta**exponents
 
 
 def _base_frequencies(theta: float, head_dim: int) -> torch.Tensor:
@@ -83,8 +84,9 @@ def _yarn(rope: RopeConfig, head_dim: int):
             attention_factor = _yarn_mscale(factor)
     beta_fast = params.get("beta_fast") or 32
     beta_slow = params.get("beta_slow") or 1
-    low, high = _yarn_correction_range(beta_fast, beta_slow, head_dim, rope.theta, old_context,
-                                       params.get("truncate", True))
+    low, high = _yarn_correction_range(
+        beta_fast, beta_slow, head_dim, rope.theta, old_context, params.get("truncate", True)
+    )
     steps = _wavelength_steps(rope.theta, head_dim)
     extrapolated = 1.0 / steps
     interpolated = 1.0 / (factor * steps)

@@ -2,6 +2,7 @@
 config: n-gram and lookahead (tritonllm.spec_decode), Medusa heads (spec_decode.medusa, scored with the target's
 LM head), a draft model (draft_model.py) or an EAGLE draft layer (eagle_proposer.py with eagle.py / eagle3.py).
 A checkpoint that cannot be loaded is an InvalidRequestError naming speculative_config.speculative_model_dir."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -65,20 +66,26 @@ def _medusa_proposer(spec_config, target: TargetParts):
         heads = load_medusa(spec_config.speculative_model_dir, target.dtype, target.device)
         mc = target.model_config
         if heads.draft_vocab is not None and int(heads.draft_vocab.max()) >= mc.vocab_size:
-            raise ModelLoadError(f"the heads' draft_vocab holds token ids past the model's vocabulary "
-                                 f"({mc.vocab_size})")
+            raise ModelLoadError(
+                f"the heads' draft_vocab holds token ids past the model's vocabulary ({mc.vocab_size})"
+            )
         if heads.shared_lm_head:
             # The heads' ResBlocks feed the target's own output head (prepacked on CPU): one matmul for all heads.
             if heads.hidden_size != mc.hidden_size or heads.vocab_size not in (0, mc.vocab_size):
-                raise ModelLoadError(f"heads sharing the base LM head are for hidden size {heads.hidden_size} / "
-                                     f"vocab {heads.vocab_size or '?'}, the model has {mc.hidden_size} / "
-                                     f"{mc.vocab_size}")
+                raise ModelLoadError(
+                    f"heads sharing the base LM head are for hidden size {heads.hidden_size} / "
+                    f"vocab {heads.vocab_size or '?'}, the model has {mc.hidden_size} / "
+                    f"{mc.vocab_size}"
+                )
             heads.share_lm_head(DraftHead(target.model, heads.draft_vocab).logits, mc.vocab_size)
         elif (heads.hidden_size, heads.vocab_size) != (mc.hidden_size, mc.vocab_size):  # own projections
-            raise ModelLoadError(f"heads are for hidden size {heads.hidden_size} / vocab {heads.vocab_size}, the "
-                                 f"model has {mc.hidden_size} / {mc.vocab_size}")
-        return MedusaProposer(heads, spec_config.medusa_choices, spec_config.max_draft_len,
-                              spec_config.min_path_probability)
+            raise ModelLoadError(
+                f"heads are for hidden size {heads.hidden_size} / vocab {heads.vocab_size}, the "
+                f"model has {mc.hidden_size} / {mc.vocab_size}"
+            )
+        return MedusaProposer(
+            heads, spec_config.medusa_choices, spec_config.max_draft_len, spec_config.min_path_probability
+        )
     except (CheckpointError, ModelLoadError) as exc:
         raise InvalidRequestError(f"{WHERE}: {exc}") from None
 
@@ -97,10 +104,20 @@ def _eagle_method(spec_config, target: TargetParts):
         target.model.capture_layers = tuple(draft.capture_layers)
     manager = target.block_manager
     dynamic = spec_config.use_dynamic_tree  # EAGLE-2's tree, else a chain or the static eagle_choices tree
-    return EagleMethod(EagleProposer(draft, target.model, spec_config.max_draft_len, spec_config.eagle_choices,
-                                     manager.num_blocks, manager.block_size, target.dtype, target.device,
-                                     dynamic_top_k=spec_config.dynamic_tree_max_topK if dynamic else None,
-                                     total_tokens=spec_config.max_total_draft_tokens if dynamic else None))
+    return EagleMethod(
+        EagleProposer(
+            draft,
+            target.model,
+            spec_config.max_draft_len,
+            spec_config.eagle_choices,
+            manager.num_blocks,
+            manager.block_size,
+            target.dtype,
+            target.device,
+            dynamic_top_k=spec_config.dynamic_tree_max_topK if dynamic else None,
+            total_tokens=spec_config.max_total_draft_tokens if dynamic else None,
+        )
+    )
 
 
 def _load_eagle_draft(spec_config, target: TargetParts):
@@ -110,5 +127,11 @@ def _load_eagle_draft(spec_config, target: TargetParts):
     folder, mc = spec_config.speculative_model_dir, target.model_config
     if not spec_config.eagle3:
         return load_eagle(folder, target.dtype, target.device, target=mc)
-    return load_eagle3(folder, target.dtype, target.device, target=mc, target_num_layers=mc.num_layers,
-                       capture_layers=spec_config.eagle3_layers_to_capture)
+    return load_eagle3(
+        folder,
+        target.dtype,
+        target.device,
+        target=mc,
+        target_num_layers=mc.num_layers,
+        capture_layers=spec_config.eagle3_layers_to_capture,
+    )

@@ -2,6 +2,7 @@
 only the rows of the drafter's vocabulary (our `draft_vocab` checkpoint extension), so each draft step's head
 multiplies a fraction of the vocabulary. Drafts are only proposals: the target's own output never depends on
 this."""
+
 from __future__ import annotations
 
 from typing import Optional

@@ -4,6 +4,7 @@ Each target sequence has a shadow sequence here. Before drafting, the shadow kee
 that agrees with the target's committed tokens (rejected drafts fall away by that rule, whatever happened in
 between: acceptance, preemption, a stop) and computes the rest in one catch-up forward, whose last row gives the
 first draft token; each further draft token is one single-token forward over all drafting sequences."""
+
 from __future__ import annotations
 
 from typing import Optional
@@ -28,8 +29,9 @@ class DraftModelProposer:
         mc = model_config
         self.max_draft_len = max_draft_len
         self.blocks = BlockManager(num_blocks, block_size)
-        self.runner = ModelRunner(model, mc.num_layers, mc.num_kv_heads, mc.head_dim, num_blocks, block_size,
-                                  dtype, device)
+        self.runner = ModelRunner(
+            model, mc.num_layers, mc.num_kv_heads, mc.head_dim, num_blocks, block_size, dtype, device
+        )
         self.shadows: dict[int, Sequence] = {}
 
     @classmethod
@@ -42,11 +44,20 @@ class DraftModelProposer:
         except ModelLoadError as exc:
             raise InvalidRequestError(f"{where}: {exc}") from None
         if config.vocab_size != target.model_config.vocab_size:
-            raise InvalidRequestError(f"{where}: the draft model's vocabulary ({config.vocab_size}) differs from the "
-                                      f"target's ({target.model_config.vocab_size}); they must share a tokenizer")
+            raise InvalidRequestError(
+                f"{where}: the draft model's vocabulary ({config.vocab_size}) differs from the "
+                f"target's ({target.model_config.vocab_size}); they must share a tokenizer"
+            )
         manager = target.block_manager
-        return cls(model, config, spec_config.max_draft_len, manager.num_blocks, manager.block_size, target.dtype,
-                   target.device)
+        return cls(
+            model,
+            config,
+            spec_config.max_draft_len,
+            manager.num_blocks,
+            manager.block_size,
+            target.dtype,
+            target.device,
+        )
 
     def propose(self, batch: Seq[ProposalInput]) -> list[DraftTree]:
         wanted = {item.seq_id: draft_budget(self.max_draft_len, item) for item in batch}
@@ -54,8 +65,14 @@ class DraftModelProposer:
         for _ in range(max((wanted[s.seq_id] for s in drafting), default=0)):
             active = [s for s in drafting if len(s.output_token_ids) < wanted[s.seq_id]]
             self._forward(active)
-        return [DraftTree.chain(self.shadows[item.seq_id].output_token_ids if item.seq_id in self.shadows
-                                and wanted[item.seq_id] else []) for item in batch]
+        return [
+            DraftTree.chain(
+                self.shadows[item.seq_id].output_token_ids
+                if item.seq_id in self.shadows and wanted[item.seq_id]
+                else []
+            )
+            for item in batch
+        ]
 
     def _synced(self, item: ProposalInput, num_draft: int) -> Optional[Sequence]:
         """The shadow holding `item`'s committed tokens, its KV kept as far as it agrees; None: no draft."""
@@ -65,7 +82,7 @@ class DraftModelProposer:
         shadow = self.shadows.get(item.seq_id)
         if shadow is None:
             shadow = self.shadows[item.seq_id] = Sequence(item.seq_id, item.seq_id, 0, history, _SHADOW_PARAMS)
-        cached = shadow.all_token_ids()[:shadow.num_computed_tokens]
+        cached = shadow.all_token_ids()[: shadow.num_computed_tokens]
         agree = next((i for i, (a, b) in enumerate(zip(cached, history)) if a != b), min(len(cached), len(history)))
         shadow.prompt_token_ids, shadow.output_token_ids = history, []
         shadow.num_computed_tokens = min(agree, len(history) - 1)  # the last token is fed again: it drafts

@@ -9,6 +9,7 @@ final-norm hidden state at position j (for committed positions) or the draft lay
 `draft_vocab` rows, our format extension, when it has one).
 
 Loading failures are ModelLoadErrors naming the file, tensor or setting at fault."""
+
 from __future__ import annotations
 
 import json
@@ -75,8 +76,14 @@ class EagleDraft(nn.Module):
     def hidden_size(self) -> int:
         return self.config.hidden_size
 
-    def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
-                attn: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
         """embeds, features: [T, hidden]; positions: [T]; kv_cache: the layer's (k, v) paged cache."""
         hidden = self.fc(torch.cat((embeds, features.to(embeds.dtype)), dim=-1))
         cos, sin = self.rotary_emb(positions, hidden.dtype)
@@ -97,8 +104,10 @@ class EagleDraft(nn.Module):
 
     def checkpoint_state(self) -> dict[str, torch.Tensor]:
         """The weights under the EAGLE format's key names."""
-        return {name: slot.param.detach().narrow(0, slot.start, slot.shape[0]).contiguous().clone()
-                for name, slot in self.checkpoint_slots().items()}
+        return {
+            name: slot.param.detach().narrow(0, slot.start, slot.shape[0]).contiguous().clone()
+            for name, slot in self.checkpoint_slots().items()
+        }
 
     def pack_for_cpu(self) -> None:
         for module in self.modules():
@@ -108,6 +117,7 @@ class EagleDraft(nn.Module):
 
 # ---- config ---------------------------------------------------------------------------------------------------
 
+
 def eagle_config_for(target_config: dict[str, Any], bias: bool = True) -> dict[str, Any]:
     """An EAGLE-1/2 config.json for a target's config.json: the target's sizes, one Llama layer (q/k/v biases
     kept for Qwen2 targets, as `qkv_bias`), `bias` for fc."""
@@ -115,8 +125,15 @@ def eagle_config_for(target_config: dict[str, Any], bias: bool = True) -> dict[s
     target = ModelConfig.from_dict(target_config, source="the target's config.json")
     if target.qk_norm:
         raise ModelLoadError("EAGLE-1/2 drafts have no q/k norms; a draft for a Qwen3 target is not supported")
-    config.update(architectures=["LlamaForCausalLM"], model_type="llama", num_hidden_layers=1, bias=bias,
-                  qkv_bias=target.qkv_bias, head_dim=target.head_dim, tie_word_embeddings=False)
+    config.update(
+        architectures=["LlamaForCausalLM"],
+        model_type="llama",
+        num_hidden_layers=1,
+        bias=bias,
+        qkv_bias=target.qkv_bias,
+        head_dim=target.head_dim,
+        tie_word_embeddings=False,
+    )
     return config
 
 
@@ -138,9 +155,15 @@ def parse_eagle_config(raw: dict[str, Any], source: str) -> tuple[ModelConfig, b
 
 # ---- checkpoint folder ----------------------------------------------------------------------------------------
 
-def save_eagle(draft: EagleDraft, out_dir: Union[str, Path], config: dict[str, Any],
-               dtype: torch.dtype = torch.float32, pickle: bool = False,
-               draft_vocab: Optional[torch.Tensor] = None) -> Path:
+
+def save_eagle(
+    draft: EagleDraft,
+    out_dir: Union[str, Path],
+    config: dict[str, Any],
+    dtype: torch.dtype = torch.float32,
+    pickle: bool = False,
+    draft_vocab: Optional[torch.Tensor] = None,
+) -> Path:
     """Write `config.json` and the weights (`model.safetensors`, or `pytorch_model.bin` with `pickle`), with
     `draft_vocab` (token ids) if given."""
     state = {key: value.to(dtype) for key, value in draft.checkpoint_state().items()}
@@ -150,8 +173,9 @@ def save_eagle(draft: EagleDraft, out_dir: Union[str, Path], config: dict[str, A
     return write_draft_folder(out_dir, state, dict(config, bias=draft.bias), dtype, pickle)
 
 
-def random_eagle(target_dir: Union[str, Path], out_dir: Union[str, Path], seed: int = 0, bias: bool = True,
-                 scale: float = 1.0) -> Path:
+def random_eagle(
+    target_dir: Union[str, Path], out_dir: Union[str, Path], seed: int = 0, bias: bool = True, scale: float = 1.0
+) -> Path:
     """An untrained EAGLE-1/2 folder for the model in `target_dir` (random weights, for tests and as a start
     for training): weights ~ N(0, scale / fan_in), norms 1."""
     target_config = json.loads((Path(target_dir) / CONFIG_FILE).read_text(encoding="utf-8"))
@@ -170,8 +194,12 @@ def random_eagle(target_dir: Union[str, Path], out_dir: Union[str, Path], seed: 
     return save_eagle(draft, out_dir, config)
 
 
-def load_eagle(model_dir: Union[str, Path], dtype: torch.dtype = torch.float32,
-               device: Union[str, torch.device] = "cpu", target: Optional[ModelConfig] = None) -> EagleDraft:
+def load_eagle(
+    model_dir: Union[str, Path],
+    dtype: torch.dtype = torch.float32,
+    device: Union[str, torch.device] = "cpu",
+    target: Optional[ModelConfig] = None,
+) -> EagleDraft:
     """The EAGLE-1/2 draft in `model_dir` (or `builtin:NAME`, a draft shipped here); with `target`, its hidden size
     and vocabulary must match the target's."""
     with model_load_errors():
@@ -181,18 +209,30 @@ def load_eagle(model_dir: Union[str, Path], dtype: torch.dtype = torch.float32,
         vocab = read_draft_vocab(state, config.vocab_size, folder, "EAGLE")
         if target is not None:
             if config.hidden_size != target.hidden_size:
-                raise ModelLoadError(f"{folder}: the draft's hidden_size is {config.hidden_size}, the target's "
-                                     f"{target.hidden_size}")
+                raise ModelLoadError(
+                    f"{folder}: the draft's hidden_size is {config.hidden_size}, the target's {target.hidden_size}"
+                )
             if config.vocab_size != target.vocab_size:
-                raise ModelLoadError(f"{folder}: the draft's vocab_size is {config.vocab_size}, the target's "
-                                     f"{target.vocab_size}")
+                raise ModelLoadError(
+                    f"{folder}: the draft's vocab_size is {config.vocab_size}, the target's {target.vocab_size}"
+                )
         draft = EagleDraft(config, bias)
-        copy_weights(draft.checkpoint_slots(), state, folder, "EAGLE", IGNORED, hints={
-            "fc.bias": " (config.json says bias is true, the default; set \"bias\": false for an fc without bias)"})
+        copy_weights(
+            draft.checkpoint_slots(),
+            state,
+            folder,
+            "EAGLE",
+            IGNORED,
+            hints={
+                "fc.bias": ' (config.json says bias is true, the default; set "bias": false for an fc without bias)'
+            },
+        )
     embed = state.get("embed_tokens.weight")
     if embed is not None and target is not None and tuple(embed.shape) != (target.vocab_size, target.hidden_size):
-        raise ModelLoadError(f"{folder}: EAGLE tensor embed_tokens.weight has shape {list(embed.shape)}, the "
-                             f"target's embedding is {[target.vocab_size, target.hidden_size]}")
+        raise ModelLoadError(
+            f"{folder}: EAGLE tensor embed_tokens.weight has shape {list(embed.shape)}, the "
+            f"target's embedding is {[target.vocab_size, target.hidden_size]}"
+        )
     draft.draft_vocab = vocab
     draft = draft.to(device=device, dtype=dtype).eval()
     draft.rotary_emb.reset_frequencies(torch.device(device))  # fp32 frequencies whatever the dtype

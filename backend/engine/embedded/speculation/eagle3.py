@@ -7,6 +7,7 @@ takes `cat(input_layernorm(embed(token)), hidden_norm(feature))` ([T, 2H]) while
 feature alone. Drafted positions feed the layer's own output back as the feature (already H wide: no fc). Unlike
 EAGLE-1/2 it has a head of its own, `lm_head(norm(h))` over a smaller draft vocabulary, whose row i proposes target
 token `i + d2t[i]`. tritonllm.spec_decode.training.train_eagle3 trains them; none is shipped."""
+
 from __future__ import annotations
 
 import json
@@ -98,8 +99,14 @@ class Eagle3Draft(nn.Module):
     def hidden_size(self) -> int:
         return self.config.hidden_size
 
-    def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
-                attn: AttentionMetadata, kv_cache: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    def forward(
+        self,
+        embeds: torch.Tensor,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+    ) -> torch.Tensor:
         """embeds: [T, H]; features: [T, F], the target's captured layers (F != H) or the draft's own output."""
         features = features.to(embeds.dtype)
         hidden = self.fc(features) if features.shape[-1] != self.hidden_size else features
@@ -112,17 +119,22 @@ class Eagle3Draft(nn.Module):
 
     def checkpoint_slots(self) -> dict[str, WeightSlot]:
         """Every weight an EAGLE-3 checkpoint must hold, by its name there (d2t, not a weight: checkpoint_state)."""
-        whole = {"fc.weight": self.fc.weight,
-                 EAGLE3_LAYER_PREFIX + "hidden_norm.weight": self.midlayer.hidden_norm.weight,
-                 "norm.weight": self.norm.weight, "lm_head.weight": self.lm_head.weight}
+        whole = {
+            "fc.weight": self.fc.weight,
+            EAGLE3_LAYER_PREFIX + "hidden_norm.weight": self.midlayer.hidden_norm.weight,
+            "norm.weight": self.norm.weight,
+            "lm_head.weight": self.lm_head.weight,
+        }
         slots = {name: WeightSlot(param, 0, tuple(param.shape)) for name, param in whole.items()}
         slots.update(layer_slots(EAGLE3_LAYER_PREFIX, self.midlayer))
         return slots
 
     def checkpoint_state(self) -> dict[str, torch.Tensor]:
         """The weights and d2t under the EAGLE-3 format's key names."""
-        state = {name: slot.param.detach().narrow(0, slot.start, slot.shape[0]).contiguous().clone()
-                 for name, slot in self.checkpoint_slots().items()}
+        state = {
+            name: slot.param.detach().narrow(0, slot.start, slot.shape[0]).contiguous().clone()
+            for name, slot in self.checkpoint_slots().items()
+        }
         rows = torch.arange(len(self.draft_to_target), device=self.draft_to_target.device)
         state[D2T_KEY] = self.draft_to_target - rows
         return state
@@ -135,10 +147,12 @@ class Eagle3Draft(nn.Module):
 
 # ---- config ---------------------------------------------------------------------------------------------------
 
+
 def parse_eagle3_config(raw: dict[str, Any], source: str) -> tuple[ModelConfig, int]:
     """(layer config, draft vocabulary size) from an EAGLE-3 config.json."""
-    config = ModelConfig.from_dict({"num_hidden_layers": 1, **raw, "architectures": ["LlamaForCausalLM"],
-                                    "model_type": "llama"}, source=source)
+    config = ModelConfig.from_dict(
+        {"num_hidden_layers": 1, **raw, "architectures": ["LlamaForCausalLM"], "model_type": "llama"}, source=source
+    )
     if config.num_layers != 1:
         raise ModelLoadError(f"{source}: num_hidden_layers is {config.num_layers}; an EAGLE-3 draft has one layer")
     return config, int(raw.get("draft_vocab_size") or config.vocab_size)
@@ -155,29 +169,41 @@ def resolve_capture_layers(requested: Optional[Sequence[int]], target_num_layers
     if requested is None:
         layers = default_capture_layers(target_num_layers)
         if len(set(layers)) != len(layers) or not all(0 <= layer < target_num_layers for layer in layers):
-            raise ModelLoadError(f"{where}: the default capture layers {list(layers)} do not fit a target of "
-                                 f"{target_num_layers} layers; set eagle_aux_hidden_state_layer_ids in the "
-                                 f"draft's eagle_config (or eagle3_layers_to_capture)")
+            raise ModelLoadError(
+                f"{where}: the default capture layers {list(layers)} do not fit a target of "
+                f"{target_num_layers} layers; set eagle_aux_hidden_state_layer_ids in the "
+                f"draft's eagle_config (or eagle3_layers_to_capture)"
+            )
         return layers
     layers = tuple(int(layer) for layer in requested)
     outside = [layer for layer in layers if not 0 <= layer < target_num_layers]
     if outside:
-        raise ModelLoadError(f"{where}: capture layer {outside[0]} is outside the target's layers "
-                             f"[0, {target_num_layers})")
+        raise ModelLoadError(
+            f"{where}: capture layer {outside[0]} is outside the target's layers [0, {target_num_layers})"
+        )
     if len(set(layers)) != len(layers) or len(layers) < 2:
         raise ModelLoadError(f"{where}: capture layers {list(layers)} must be at least two distinct target layers")
     return tuple(sorted(layers))
 
 
-def eagle3_config_for(target_config: dict[str, Any], draft_vocab_size: int,
-                      capture_layers: Optional[Sequence[int]] = None) -> dict[str, Any]:
+def eagle3_config_for(
+    target_config: dict[str, Any], draft_vocab_size: int, capture_layers: Optional[Sequence[int]] = None
+) -> dict[str, Any]:
     """An EAGLE-3 config.json for a target's config.json: its sizes, one bias-free Llama layer (for Qwen targets
     too: the draft has no q/k biases or norms)."""
     target = ModelConfig.from_dict(target_config, source="the target's config.json")
     config = {key: value for key, value in target_config.items() if key not in TARGET_ONLY_KEYS}
-    config.update(architectures=[EAGLE3_ARCHITECTURE], model_type="llama", num_hidden_layers=1,
-                  head_dim=target.head_dim, attention_bias=False, mlp_bias=False, tie_word_embeddings=False,
-                  draft_vocab_size=draft_vocab_size, target_hidden_size=target.hidden_size)
+    config.update(
+        architectures=[EAGLE3_ARCHITECTURE],
+        model_type="llama",
+        num_hidden_layers=1,
+        head_dim=target.head_dim,
+        attention_bias=False,
+        mlp_bias=False,
+        tie_word_embeddings=False,
+        draft_vocab_size=draft_vocab_size,
+        target_hidden_size=target.hidden_size,
+    )
     if capture_layers is not None:  # the key names the layers whose inputs are these outputs
         config["eagle_config"] = capture_config(capture_layers)
     return config
@@ -185,18 +211,29 @@ def eagle3_config_for(target_config: dict[str, Any], draft_vocab_size: int,
 
 # ---- checkpoint folder ----------------------------------------------------------------------------------------
 
-def save_eagle3(draft: Eagle3Draft, out_dir: Union[str, Path], config: dict[str, Any],
-                dtype: torch.dtype = torch.float32, pickle: bool = False) -> Path:
+
+def save_eagle3(
+    draft: Eagle3Draft,
+    out_dir: Union[str, Path],
+    config: dict[str, Any],
+    dtype: torch.dtype = torch.float32,
+    pickle: bool = False,
+) -> Path:
     """Write `config.json` and the weights (`model.safetensors`, or `pytorch_model.bin` with `pickle`); d2t stays
     int64 whatever `dtype`."""
-    state = {key: value.to(dtype) if value.is_floating_point() else value
-             for key, value in draft.checkpoint_state().items()}
-    return write_draft_folder(out_dir, state, dict(config, draft_vocab_size=len(draft.draft_to_target)), dtype,
-                              pickle)
+    state = {
+        key: value.to(dtype) if value.is_floating_point() else value for key, value in draft.checkpoint_state().items()
+    }
+    return write_draft_folder(out_dir, state, dict(config, draft_vocab_size=len(draft.draft_to_target)), dtype, pickle)
 
 
-def random_eagle3(target_dir: Union[str, Path], out_dir: Union[str, Path], seed: int = 0,
-                  draft_vocab_size: Optional[int] = None, capture_layers: Optional[Sequence[int]] = None) -> Path:
+def random_eagle3(
+    target_dir: Union[str, Path],
+    out_dir: Union[str, Path],
+    seed: int = 0,
+    draft_vocab_size: Optional[int] = None,
+    capture_layers: Optional[Sequence[int]] = None,
+) -> Path:
     """An untrained EAGLE-3 folder for the model in `target_dir` (tests, a start for training): weights
     ~ N(0, 1 / fan_in), norms 1, the draft vocabulary a random sorted subset of the target's (all of it by default)."""
     target_config = json.loads((Path(target_dir) / CONFIG_FILE).read_text(encoding="utf-8"))
@@ -218,9 +255,14 @@ def random_eagle3(target_dir: Union[str, Path], out_dir: Union[str, Path], seed:
     return save_eagle3(draft, out_dir, config)
 
 
-def load_eagle3(model_dir: Union[str, Path], dtype: torch.dtype, device: Union[str, torch.device],
-                target: ModelConfig, target_num_layers: int,
-                capture_layers: Optional[Sequence[int]] = None) -> Eagle3Draft:
+def load_eagle3(
+    model_dir: Union[str, Path],
+    dtype: torch.dtype,
+    device: Union[str, torch.device],
+    target: ModelConfig,
+    target_num_layers: int,
+    capture_layers: Optional[Sequence[int]] = None,
+) -> Eagle3Draft:
     """The EAGLE-3 draft in `model_dir` for `target`; `capture_layers` (eagle3_layers_to_capture) overrides the
     config's eagle_aux_hidden_state_layer_ids."""
     with model_load_errors():
@@ -242,9 +284,11 @@ def load_eagle3(model_dir: Union[str, Path], dtype: torch.dtype, device: Union[s
 
 def _check_target(folder: Path, raw: dict[str, Any], config: ModelConfig, target: ModelConfig) -> None:
     """The draft embeds with the target's table, reads its hidden states and proposes its token ids."""
-    sizes = (("hidden_size", config.hidden_size, target.hidden_size),
-             ("target_hidden_size", raw.get("target_hidden_size") or config.hidden_size, target.hidden_size),
-             ("vocab_size", config.vocab_size, target.vocab_size))
+    sizes = (
+        ("hidden_size", config.hidden_size, target.hidden_size),
+        ("target_hidden_size", raw.get("target_hidden_size") or config.hidden_size, target.hidden_size),
+        ("vocab_size", config.vocab_size, target.vocab_size),
+    )
     for name, ours, theirs in sizes:
         if ours != theirs:
             raise ModelLoadError(f"{folder}: the draft's {name} is {ours}, the target's {theirs}")

@@ -16,6 +16,7 @@ A shadow starts at the first position it sees a hidden state for (0, or the end 
 attends to a shorter context). A sequence that is preempted or finishes is forgotten; one whose positions stop
 lining up with the shadow's (anything unexpected) starts a new shadow. None of this affects what the target
 commits: drafts are only proposals."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -57,6 +58,7 @@ class _Shadow:
 class _Plan:
     """One sequence's proposal in progress. Static trees know their nodes' ranks (`paths`) up front and take each
     token from its parent's top-k; dynamic trees add nodes with explicit tokens and scores as they grow."""
+
     shadow: _Shadow
     tokens: list[int]  # the committed tokens
     paths: list[tuple[int, ...]]  # static: tree nodes (ranks from the root), parents first
@@ -103,9 +105,19 @@ class EagleProposer:
     depth expands the top-k children of the k best nodes of the depth before (by cumulative draft
     log-probability), `max_draft_len` deep, and the `total_tokens` best nodes overall are drafted."""
 
-    def __init__(self, draft, target, max_draft_len: int, choices, num_blocks: int, block_size: int,
-                 dtype: torch.dtype, device: torch.device, dynamic_top_k: Optional[int] = None,
-                 total_tokens: Optional[int] = None):
+    def __init__(
+        self,
+        draft,
+        target,
+        max_draft_len: int,
+        choices,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        dynamic_top_k: Optional[int] = None,
+        total_tokens: Optional[int] = None,
+    ):
         self.draft = draft
         self.target = target  # the target model: its embedding and LM head
         self.head = draft.make_head(target)  # the target's LM head (EAGLE-1/2) or the draft's own (EAGLE-3)
@@ -180,11 +192,12 @@ class EagleProposer:
             return DraftTree([plan.node_token(i) for i in range(len(plan.paths))], list(plan.parents))
         # The best nodes by score (a child never scores above its parent, and ties go to the shallower node, so
         # every kept node's parent is kept), then ordered by depth so that parents come first.
-        best = sorted(range(len(plan.scores)), key=lambda n: (-plan.scores[n], plan.depths[n], n))[:plan.budget]
+        best = sorted(range(len(plan.scores)), key=lambda n: (-plan.scores[n], plan.depths[n], n))[: plan.budget]
         kept = sorted(best, key=lambda n: (plan.depths[n], n))
         index = {node: i for i, node in enumerate(kept)}
-        return DraftTree([plan.node_tokens[n] for n in kept],
-                         [-1 if plan.parents[n] < 0 else index[plan.parents[n]] for n in kept])
+        return DraftTree(
+            [plan.node_tokens[n] for n in kept], [-1 if plan.parents[n] < 0 else index[plan.parents[n]] for n in kept]
+        )
 
     def _grow_dynamic(self, plans: list[_Plan]) -> None:
         """EAGLE-2: the root's top-k, then per depth the top-k children of the k best nodes of the last depth."""
@@ -240,8 +253,9 @@ class EagleProposer:
             start = shadow.first_position + shadow.num_stable
             end = start + shadow.num_pending  # == root position
             features = torch.cat(shadow.pending) if len(shadow.pending) > 1 else shadow.pending[0]
-            rows.append(_Rows(plan, plan.tokens[start + 1:end + 1], features, list(range(start, end)),
-                              shadow.num_stable))
+            rows.append(
+                _Rows(plan, plan.tokens[start + 1 : end + 1], features, list(range(start, end)), shadow.num_stable)
+            )
         outputs = self._forward(rows)
         last = torch.stack([out[-1] for out in outputs])
         top = self._top_k(last)
@@ -268,7 +282,7 @@ class EagleProposer:
             rows.append(_Rows(plan, tokens, features, positions, first_slot, mask))
             plan.fed = fed
         outputs = self._forward(rows)
-        new_outputs = [out[-len(nodes):] for out, nodes in zip(outputs, new_nodes)]  # new nodes come last
+        new_outputs = [out[-len(nodes) :] for out, nodes in zip(outputs, new_nodes)]  # new nodes come last
         for plan, nodes, out in zip(plans, new_nodes, new_outputs):
             for node, hidden in zip(nodes, out):
                 plan.outputs[node] = hidden
@@ -304,12 +318,21 @@ class EagleProposer:
             lens.append(len(row.tokens))
             contexts.append(row.first_slot + len(row.tokens))
             masks.append(row.mask)
-        attn = step_metadata(slots, [r.plan.shadow.slots.block_table for r in rows], starts, lens, contexts, bs, masks,
-                             self.device, self.kv_cache[0].dtype)
+        attn = step_metadata(
+            slots,
+            [r.plan.shadow.slots.block_table for r in rows],
+            starts,
+            lens,
+            contexts,
+            bs,
+            masks,
+            self.device,
+            self.kv_cache[0].dtype,
+        )
         embeds = self.target.embed_tokens(self._long(ids))
         features = torch.cat([row.features for row in rows])
         out = self.draft(embeds, features, self._long(positions), attn, self.kv_cache)
-        return [out[start:start + n] for start, n in zip(starts, lens)]
+        return [out[start : start + n] for start, n in zip(starts, lens)]
 
     def _long(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -4,6 +4,7 @@
 Built on tritonllm.spec_decode: n-gram, Medusa and the draft model are plain `Proposer`s (their trees are wrapped
 as they are); lookahead adds its window tokens to the draft; external draft tokens come with the request. build.py
 picks the method for a speculative config."""
+
 from __future__ import annotations
 
 from typing import Optional, Protocol
@@ -93,11 +94,13 @@ class LookaheadMethod:
             decoder = self._decoder(config)
             state = decoder.new_state(history)
             self.states[item.seq_id] = (decoder, state)
-        step = decoder.build_step(state, history[-1], item.max_draft_tokens, before=history[-1 - NGramPool.CONTEXT:-1])
+        step = decoder.build_step(
+            state, history[-1], item.max_draft_tokens, before=history[-1 - NGramPool.CONTEXT : -1]
+        )
         if len(step.tokens) - 1 > (item.max_draft_tokens or 0) + 1:  # the window would pass the KV reservation
             return None
         nodes = len(step.tree)
-        return StepDraft(step.tree, step.tokens[1 + nodes:], step.position_offsets, step.mask, context=step)
+        return StepDraft(step.tree, step.tokens[1 + nodes :], step.position_offsets, step.mask, context=step)
 
     def after_verify(self, seq: Sequence, draft: StepDraft, argmax: list[int], num_committed: int) -> None:
         if seq.seq_id in self.states and draft.context is not None:
@@ -123,9 +126,9 @@ def external_draft(seq: Sequence, room: int) -> Optional[StepDraft]:
     done = min(len(outputs), len(drafts))
     if outputs[:done] != drafts[:done] or done == len(drafts) or room <= 0:
         return None
-    remaining = drafts[done:done + room]
+    remaining = drafts[done : done + room]
     probs = None
     if params.draft_logits is not None and not params.greedy:
         logits = torch.as_tensor(params.draft_logits, dtype=torch.float32)
-        probs = torch.softmax(logits[done:done + len(remaining)], dim=-1)
+        probs = torch.softmax(logits[done : done + len(remaining)], dim=-1)
     return StepDraft(DraftTree.chain(remaining, probs), pre_matched=done, external=True)

@@ -13,6 +13,7 @@ p(d), the rejection token is drawn from p without d). Drafts with probabilities 
 rejection sampling (`accept_or_resample`). Tokens are committed one by one through the engine's finish rules (end
 id, stop words, max_tokens). Afterwards the KV of rejected positions is dropped: num_computed_tokens falls back to
 the committed tokens, accepted tree nodes are copied down to consecutive slots, tail blocks are freed."""
+
 from __future__ import annotations
 
 import logging
@@ -54,15 +55,21 @@ class Speculator:
         from ...types import InvalidRequestError
 
         if not isinstance(self.config, LookaheadConfig):
-            raise InvalidRequestError("a per-request lookahead config (lookahead_window_size / lookahead_ngram_size /"
-                                      " lookahead_verification_set_size) needs the model instance's lookahead "
-                                      "decoding (decoding_mode: lookahead, or speculative_config decoding_type "
-                                      "Lookahead)")
-        for key, short in (("max_window_size", "window size"), ("max_ngram_size", "n-gram size"),
-                           ("max_verification_set_size", "verification set size")):
+            raise InvalidRequestError(
+                "a per-request lookahead config (lookahead_window_size / lookahead_ngram_size /"
+                " lookahead_verification_set_size) needs the model instance's lookahead "
+                "decoding (decoding_mode: lookahead, or speculative_config decoding_type "
+                "Lookahead)"
+            )
+        for key, short in (
+            ("max_window_size", "window size"),
+            ("max_ngram_size", "n-gram size"),
+            ("max_verification_set_size", "verification set size"),
+        ):
             if getattr(wanted, key) > getattr(self.config, key):
-                raise InvalidRequestError(f"lookahead {short} {getattr(wanted, key)} exceeds the model instance's "
-                                          f"{getattr(self.config, key)}")
+                raise InvalidRequestError(
+                    f"lookahead {short} {getattr(wanted, key)} exceeds the model instance's {getattr(self.config, key)}"
+                )
 
     # -- before the schedule ----------------------------------------------------------------------------------
 
@@ -92,8 +99,12 @@ class Speculator:
     def _room(self, seq: Sequence) -> int:
         """Draft tokens that could still be committed: 0 for sequences not decoding (prefill, waiting, beams) and for
         requests that asked not to speculate."""
-        if (seq.status is not SequenceStatus.RUNNING or seq.num_uncomputed_tokens != 1 or seq.params.beam_width > 1
-                or not seq.params.speculate):
+        if (
+            seq.status is not SequenceStatus.RUNNING
+            or seq.num_uncomputed_tokens != 1
+            or seq.params.beam_width > 1
+            or not seq.params.speculate
+        ):
             return 0
         return seq.params.max_tokens - len(seq.output_token_ids) - 1
 
@@ -145,8 +156,9 @@ class Speculator:
         self._roll_back(seq, root_position, accepted)
         self.remember_hidden(out, index, accepted[-1] + 1 if accepted else 0)
 
-    def _walk(self, seq: Sequence, draft: StepDraft, logits: torch.Tensor, raw: Optional[torch.Tensor],
-              commit: Commit) -> list[int]:
+    def _walk(
+        self, seq: Sequence, draft: StepDraft, logits: torch.Tensor, raw: Optional[torch.Tensor], commit: Commit
+    ) -> list[int]:
         """Commit tokens row by row while they follow the tree (acceptance.walk); returns the accepted node
         indices."""
         tree = draft.tree
@@ -157,7 +169,7 @@ class Speculator:
             if seq.params.return_generation_logits:
                 assert raw is not None  # kept for the generation logits
                 seq.generation_logits.append(raw[row].cpu())
-            token, logprob = choices[row] if choices else self._choose(seq, tree, node, logits[row:row + 1])
+            token, logprob = choices[row] if choices else self._choose(seq, tree, node, logits[row : row + 1])
             commit(seq, token, logprob)
             return token
 
@@ -171,8 +183,9 @@ class Speculator:
             tokens, logprobs = sample(row, [seq])
             return tokens[0], logprobs[0]
         probs, row_logprobs = sampling_probs(row[0], seq)
-        _, token = accept_or_resample(probs, tree.draft_probs[child], tree.tokens[child], seq.generator,
-                                      seq.params.draft_acceptance_threshold)
+        _, token = accept_or_resample(
+            probs, tree.draft_probs[child], tree.tokens[child], seq.generator, seq.params.draft_acceptance_threshold
+        )
         return token, float(row_logprobs[token])
 
     def _count(self, seq: Sequence, draft: StepDraft, num_accepted: int) -> None:
@@ -183,8 +196,11 @@ class Speculator:
 
     def _roll_back(self, seq: Sequence, root_position: int, accepted: list[int]) -> None:
         """Keep the KV of the root and the accepted nodes, at consecutive positions; drop the rest."""
-        moves = [(root_position + 1 + node, root_position + 1 + depth) for depth, node in enumerate(accepted)
-                 if node != depth]
+        moves = [
+            (root_position + 1 + node, root_position + 1 + depth)
+            for depth, node in enumerate(accepted)
+            if node != depth
+        ]
         if moves:
             slot = self.target.block_manager.slot_of
             self.target.runner.copy_slots([slot(seq, src) for src, _ in moves], [slot(seq, dst) for _, dst in moves])

@@ -1,5 +1,6 @@
 """`StepDraft`: what a speculating sequence feeds after its root in one step (`Sequence.draft`). Apart from the
 methods (methods.py) so that the sequence can name its type: it needs nothing of the engine."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
