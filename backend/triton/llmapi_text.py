@@ -3,7 +3,7 @@
 Streaming responses carry the cumulative text, as TensorRT-LLM's LLM API `output.text` is (each response holds
 everything generated so far; a client shows the last one). Two rules keep every response a prefix of the final
 text, so a client never sees text taken back:
-  * a multi-byte character is sent only once it is complete (detokenize_delta holds the partial bytes back);
+  * a multi-byte character is sent only once it is complete (the StreamDecoder holds the partial bytes back);
   * text that could be the beginning of a stop string is held back until the next tokens tell.
 A stop string ends the sequence and is left out of the text (the LLM API's include_stop_str_in_output=False).
 Stop strings are matched on the text, so they stop generation however the tokenizer splits them in context
@@ -13,15 +13,14 @@ from __future__ import annotations
 
 from typing import Any, Optional, Sequence
 
+from ..decode_stream import StreamDecoder
 from ..stop_strings import StopStrings
-from ..tokenizer import detokenize_delta, prefix_window
 
 
 class SequenceText:
     def __init__(self, tokenizer: Any, stop: Sequence[str] = (), skip_special_tokens: bool = True):
-        self.tokenizer = tokenizer
+        self.decoder = StreamDecoder(tokenizer, skip_special_tokens)
         self.stops = StopStrings(stop)
-        self.skip_special_tokens = skip_special_tokens
         self.decoded = ""  # complete characters of every token seen, stop strings included
         self.stop_at: Optional[int] = None  # where the first stop string starts in `decoded`
         self.stopped_by: Optional[str] = None
@@ -38,11 +37,8 @@ class SequenceText:
         new_count = len(token_ids) - self.tokens_seen
         if new_count == 0 and not is_final:
             return
-        prefix = prefix_window(token_ids, new_count)
         searched_from = self.stops.search_start(len(self.decoded))
-        self.decoded += detokenize_delta(
-            self.tokenizer, prefix, token_ids[len(token_ids) - new_count :], is_final, self.skip_special_tokens
-        )
+        self.decoded += self.decoder.add(token_ids[len(token_ids) - new_count :], is_final)
         self.tokens_seen = len(token_ids)
         hit = self.stops.first_start(self.decoded, searched_from)
         if hit is not None:
