@@ -23,11 +23,11 @@ from .cuda_graphs import DecodeGraphs, graphs_supported
 from .device import avoid_cudnn_attention, kv_cache_token_budget, resolve_device, resolve_dtype
 from .loader import load_model, read_model_config
 from .memory_profile import activation_bytes
-from .model_runner import ModelRunner
+from .model_runner import ModelRunner, StepOutput
 from .network.layers import use_fused_kernels
 from .request import EngineRequest
 from .sampler import SampledTokens, sample, sample_on_device
-from .scheduler import Scheduler
+from .scheduler import ScheduledBatch, Scheduler
 from .sequence import Sequence
 from .speculation.build import TargetParts
 from .speculation.speculator import Speculator
@@ -294,27 +294,43 @@ class EngineCore:
     # -- stepping ---------------------------------------------------------------------------------------------
 
     def step(self) -> list[EngineRequest]:
-        """Run one step; returns the requests that produced tokens or finished in it."""
+        """Run one step (schedule, run, postprocess); returns the requests that produced tokens or finished in it."""
         if self._overlapping():
             return list(self._overlapped_step().values())
         updated = self._resolve_pending()  # leaving overlap: the last overlapped step's tokens first
-        self.speculator.propose(self.scheduler.running)
-        batch = self.scheduler.schedule()
+        batch = self._schedule()
         if batch.is_empty:
             return list(updated.values())
-        self._note_scheduled(batch)
+        out = self._run(batch)
+        updated.update(self._postprocess(batch, out))
+        self.num_steps += 1
+        return list(updated.values())
+
+    def _schedule(self) -> ScheduledBatch:
+        """The next batch, with the speculator's drafts for the running sequences proposed first."""
+        self.speculator.propose(self.scheduler.running)
+        batch = self.scheduler.schedule()
+        if not batch.is_empty:
+            self._note_scheduled(batch)
+        return batch
+
+    def _run(self, batch: ScheduledBatch) -> StepOutput:
         out = self.runner.execute(batch, self.block_manager.take_newly_allocated())
         self.speculator.observe(out)
+        return out
+
+    def _postprocess(self, batch: ScheduledBatch, out: StepOutput) -> dict[int, EngineRequest]:
+        """Count what the step computed, register full blocks for reuse, then sample plain sequences and verify
+        the drafted ones."""
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += num_new - seq.num_draft_tokens  # drafts count once accepted
             self.block_manager.register_full_blocks(seq, seq.cache_key)
-        updated.update(self._plain_tokens(out) if out.seqs else {})
+        updated = self._plain_tokens(out) if out.seqs else {}
         for index, seq in enumerate(out.seqs):
             if seq.draft is not None:
                 updated[seq.request_id] = self.requests[seq.request_id]
                 self.speculator.verify(out, index, self._append_token)
-        self.num_steps += 1
-        return list(updated.values())
+        return updated
 
     def _note_scheduled(self, batch) -> None:
         """Per-request metrics of a scheduled step, and how many prompt tokens it computes."""
