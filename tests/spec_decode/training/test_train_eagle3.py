@@ -31,8 +31,8 @@ from tritonllm.spec_decode.training.train_eagle3 import (
     trainable_capture_layers,
 )
 
-from .test_eagle import eagle_spec
-from .test_eagle3_format import dense_layer
+from ..test_eagle import eagle_spec
+from ..test_eagle3_format import dense_layer
 from .test_train_eagle import assert_plain_greedy_with_drafts, plain_outputs  # noqa: F401 (fixture, on `target`)
 
 LAYERS = 8

@@ -23,7 +23,7 @@ from tritonllm.spec_decode.checkpoint_files import CheckpointError, frequent_tok
 from tritonllm.spec_decode.medusa import MedusaHeads, load_medusa, save_medusa
 from tritonllm.spec_decode.training.train_eagle import dense_passes
 
-from .test_eagle import eagle_spec, make_engine, run_batch
+from ..test_eagle import eagle_spec, make_engine, run_batch
 
 BLOCK = 4
 
