@@ -246,6 +246,18 @@ def _repo_commands(sub) -> None:
     fill = kinds.add_parser("fill", help="fill ${placeholders} like the anchor's fill_template.py")
     fill.add_argument("config", help="config.pbtxt to fill in place")
     fill.add_argument("substitutions", help="key:value pairs separated by commas; \\, escapes a comma")
+    fill.add_argument(
+        "-i",
+        "--in_place",
+        action="store_true",
+        help="accepted so that fill_template.py command lines run unchanged; repo fill always writes in place",
+    )
+    fill.add_argument(
+        "--no-check",
+        action="store_true",
+        help="write the file even if Triton could not parse it yet (a file filled in several steps); by default "
+        "an unfilled structural placeholder or a value of the wrong type is an error and nothing is written",
+    )
 
 
 def _serve_command(sub) -> None:
