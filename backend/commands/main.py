@@ -307,6 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
     _bench_commands(sub)
     _repo_commands(sub)
     _serve_command(sub)
+    from tritonllm.commands.launch import add_launch_command
+
+    add_launch_command(sub)
     from tritonllm.commands.lora import add_lora_command
 
     add_lora_command(sub)
@@ -366,6 +369,10 @@ def _run(args) -> int:
         return main(args)
     if args.command == "openai":
         from tritonllm.commands.openai import main
+
+        return main(args)
+    if args.command == "launch":
+        from tritonllm.commands.launch import main
 
         return main(args)
     from tritonllm.commands.serve import main

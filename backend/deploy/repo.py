@@ -342,7 +342,9 @@ def fill_template(
 
 def check_backend(values: Mapping[str, Any]) -> None:
     """`triton_backend` can only be `python`: the backend's docs fill `tensorrtllm`, TensorRT-LLM's C++ backend,
-    which is not here (Triton would fail at load: no backend library for it)."""
+    which is not here (Triton would fail at load: no backend library for it). A Python-based backend of that
+    name (backends/tensorrtllm/model.py) would have to live in the server's backend folder: the repository would
+    then load only under our launcher, and under NVIDIA's server would pick the real C++ backend instead."""
     backend = values.get("triton_backend")
     if backend is not None and str(backend).strip() != "python":
         raise RepoError(
