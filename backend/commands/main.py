@@ -246,6 +246,18 @@ def _repo_commands(sub) -> None:
     fill = kinds.add_parser("fill", help="fill ${placeholders} like the anchor's fill_template.py")
     fill.add_argument("config", help="config.pbtxt to fill in place")
     fill.add_argument("substitutions", help="key:value pairs separated by commas; \\, escapes a comma")
+    fill.add_argument(
+        "-i",
+        "--in_place",
+        action="store_true",
+        help="accepted so that fill_template.py command lines run unchanged; repo fill always writes in place",
+    )
+    fill.add_argument(
+        "--no-check",
+        action="store_true",
+        help="write the file even if Triton could not parse it yet (a file filled in several steps); by default "
+        "an unfilled structural placeholder or a value of the wrong type is an error and nothing is written",
+    )
 
 
 def _serve_command(sub) -> None:
@@ -295,6 +307,9 @@ def build_parser() -> argparse.ArgumentParser:
     _bench_commands(sub)
     _repo_commands(sub)
     _serve_command(sub)
+    from tritonllm.commands.launch import add_launch_command
+
+    add_launch_command(sub)
     from tritonllm.commands.lora import add_lora_command
 
     add_lora_command(sub)
@@ -354,6 +369,10 @@ def _run(args) -> int:
         return main(args)
     if args.command == "openai":
         from tritonllm.commands.openai import main
+
+        return main(args)
+    if args.command == "launch":
+        from tritonllm.commands.launch import main
 
         return main(args)
     from tritonllm.commands.serve import main

@@ -19,7 +19,7 @@ def _parameters(pairs: list[str]) -> dict[str, str]:
 
 def main(args) -> int:
     if args.repo_command == "fill":
-        fill_template(args.config, args.substitutions, in_place=True)
+        fill_template(args.config, args.substitutions, in_place=True, check=not args.no_check)
         print(f"filled {args.config}")
         return 0
     if args.llmapi:

@@ -19,6 +19,7 @@ from pathlib import Path
 from string import Template
 from typing import Any, Iterable, Mapping, Optional
 
+from tritonllm.deploy.pbtxt_check import config_errors
 from tritonllm.engine.config import DEVICE_CHOICES, DTYPE_CHOICES, ENGINE_CHOICES
 
 MODEL_NAMES = ("preprocessing", "tensorrt_llm", "postprocessing", "ensemble", "tensorrt_llm_bls")
@@ -216,7 +217,7 @@ def write_repo(
     try:
         for name in MODEL_NAMES:
             stage_model(template / name, staging / name, values)
-        errors = validate_repo(staging)
+        errors = validate_repo(staging, shown_as=out_dir, templates=template)
         if errors:
             raise RepoError("the built repository is not valid:\n  " + "\n  ".join(errors))
         for name in MODEL_NAMES:
@@ -311,12 +312,15 @@ def format_value(name: str, value: Any) -> str:
 # ---------------------------------------------------------------------------------------------- fill_template
 
 
-def fill_template(config_path: str | Path, substitutions: str | Mapping[str, str], in_place: bool = True) -> str:
+def fill_template(
+    config_path: str | Path, substitutions: str | Mapping[str, str], in_place: bool = True, check: bool = True
+) -> str:
     """TensorRT-LLM's `fill_template.py` semantics: `substitutions` is "key:value,key:value" (`\\,` and `\\:`
     escape), every key must exist as `${key}` in the file, unknown placeholders stay (safe_substitute), and
     max_queue_size / max_queue_delay_microseconds default to 0 (prompt_embedding_table_data_type to TYPE_FP16,
-    which the backend's docs leave out for the BLS). Returns the filled text; writes it back when
-    `in_place`."""
+    which the backend's docs leave out for the BLS). With `check`, a result Triton could not parse (a structural
+    placeholder left unfilled, a value of the wrong type) is refused, naming the line and the parameter, and
+    nothing is written. Returns the filled text; writes it back when `in_place`."""
     path = Path(config_path)
     text = path.read_text()
     values = parse_substitutions(substitutions) if isinstance(substitutions, str) else dict(substitutions)
@@ -327,6 +331,10 @@ def fill_template(config_path: str | Path, substitutions: str | Mapping[str, str
             left = ", ".join(sorted(present)) or "none"
             raise RepoError(f"key '{key}' does not exist as ${{{key}}} in {path} (placeholders left: {left})")
     filled = Template(text).safe_substitute({**FILL_DEFAULTS, **values})
+    if check:
+        errors = config_text_errors(filled, str(path), template=text)
+        if errors:
+            raise RepoError(f"{path} would not load in Triton once filled (nothing written):\n  " + "\n  ".join(errors))
     if in_place:
         path.write_text(filled)
     return filled
@@ -334,7 +342,9 @@ def fill_template(config_path: str | Path, substitutions: str | Mapping[str, str
 
 def check_backend(values: Mapping[str, Any]) -> None:
     """`triton_backend` can only be `python`: the backend's docs fill `tensorrtllm`, TensorRT-LLM's C++ backend,
-    which is not here (Triton would fail at load: no backend library for it)."""
+    which is not here (Triton would fail at load: no backend library for it). A Python-based backend of that
+    name (backends/tensorrtllm/model.py) would have to live in the server's backend folder: the repository would
+    then load only under our launcher, and under NVIDIA's server would pick the real C++ backend instead."""
     backend = values.get("triton_backend")
     if backend is not None and str(backend).strip() != "python":
         raise RepoError(
@@ -396,27 +406,52 @@ def structural_placeholders(text: str) -> set[str]:
 # ---------------------------------------------------------------------------------------------- validate
 
 
-def validate_repo(repo_dir: str | Path) -> list[str]:
-    """Problems that would stop Triton from loading the repository, one line each (empty: none found):
-    unfilled placeholders in structural fields, missing version folders, ensemble steps naming absent models."""
+def validate_repo(
+    repo_dir: str | Path, shown_as: Optional[str | Path] = None, templates: Optional[Path] = None
+) -> list[str]:
+    """Problems that would stop Triton from loading the repository, one line each (empty: none found): a
+    config.pbtxt Triton cannot parse (unfilled structural placeholders, values of the wrong type), missing version
+    folders, ensemble steps naming absent models. Files are named under `shown_as` (default: `repo_dir`); a bad
+    value is traced to its placeholder through the model's template in `templates` (default: the shipped one)."""
     repo = Path(repo_dir)
     if not repo.is_dir():
         return [f"{repo} is not a folder"]
+    shown = Path(shown_as) if shown_as is not None else repo
+    templates = templates if templates is not None else _shipped_templates()
     errors = []
     for config in sorted(repo.glob("*/config.pbtxt")):
         model = config.parent
         text = config.read_text()
-        for lineno, field, line, name in _structural_hits(text):
-            errors.append(
-                f"{model.name}/config.pbtxt:{lineno}: {field} holds the unfilled placeholder ${{{name}}} "
-                f"(fill it: tritonllm repo fill {config} {name}:VALUE)"
-            )
+        template = templates / model.name / "config.pbtxt" if templates is not None else None
+        errors += config_text_errors(
+            text,
+            str(shown / model.name / "config.pbtxt"),
+            template.read_text() if template and template.is_file() else None,
+        )
         if not any(child.is_dir() and child.name.isdigit() for child in model.iterdir()):
             errors.append(f"{model.name}: no version folder (e.g. {model.name}/1/)")
         for step_model in re.findall(r'model_name:\s*"([^"]+)"', text):
             if not (repo / step_model / "config.pbtxt").is_file():
                 errors.append(f"{model.name}/config.pbtxt: ensemble step model '{step_model}' is not in {repo}")
     return errors
+
+
+def config_text_errors(text: str, label: str, template: Optional[str] = None) -> list[str]:
+    """Every unfilled structural placeholder of a config.pbtxt, one line each; if there is none, what stops
+    Triton's parser (`pbtxt_check`), traced to the placeholder whose value is wrong when `template` is given."""
+    errors = [
+        f"{label}:{lineno}: {field} holds the unfilled placeholder ${{{name}}} "
+        f"(fill it: tritonllm repo fill {label} {name}:VALUE)"
+        for lineno, field, _, name in _structural_hits(text)
+    ]
+    return errors or config_errors(text, label, template)
+
+
+def _shipped_templates() -> Optional[Path]:
+    try:
+        return template_dir()
+    except RepoError:
+        return None
 
 
 def _structural_hits(text: str) -> list[tuple[int, str, str, str]]:

@@ -666,7 +666,8 @@ def config_file(tmp_path) -> Path:
     path = tmp_path / "config.pbtxt"
     path.write_text(
         "max_batch_size: ${triton_max_batch_size}\n"
-        "queue: ${max_queue_size} ${max_queue_delay_microseconds}\n"
+        "dynamic_batching { max_queue_delay_microseconds: ${max_queue_delay_microseconds}\n"
+        "  default_queue_policy { max_queue_size: ${max_queue_size} } }\n"
         'parameters: { key: "gpu_device_ids" value: { string_value: "${gpu_device_ids}" } }\n'
         'parameters: { key: "tokenizer_dir" value: { string_value: "${tokenizer_dir}" } }\n'
     )
@@ -676,14 +677,17 @@ def config_file(tmp_path) -> Path:
 def test_fill_template_substitutes_in_place_and_prefills_the_queue(config_file):
     fill_template(config_file, "triton_max_batch_size:4,gpu_device_ids:0\\,1")
     text = config_file.read_text()
-    assert "max_batch_size: 4\n" in text and "queue: 0 0" in text
+    assert "max_batch_size: 4\n" in text
+    assert "microseconds: 0\n" in text and "max_queue_size: 0 }" in text
     assert 'string_value: "0,1"' in text
     assert "${tokenizer_dir}" in text  # not given: left for a later fill
 
 
 def test_fill_template_given_queue_values_win(config_file):
-    text = fill_template(config_file, "max_queue_size:32,max_queue_delay_microseconds:100", in_place=False)
-    assert "queue: 32 100" in text
+    text = fill_template(
+        config_file, "triton_max_batch_size:1,max_queue_size:32,max_queue_delay_microseconds:100", in_place=False
+    )
+    assert "microseconds: 100\n" in text and "max_queue_size: 32 }" in text
     assert "${max_queue_size}" in config_file.read_text(), "in_place=False must not write"
 
 
@@ -700,7 +704,8 @@ def test_triton_backend_tensorrtllm_is_refused_with_the_value_to_use(config_file
     with pytest.raises(RepoError, match="triton_backend 'tensorrtllm'.*use triton_backend:python"):
         fill_template(config_file, "triton_backend:tensorrtllm,triton_max_batch_size:4")
     assert "${triton_backend}" in config_file.read_text()
-    assert 'backend: "python"' in fill_template(config_file, "triton_backend:python", in_place=False)
+    filled = fill_template(config_file, "triton_backend:python,triton_max_batch_size:4", in_place=False)
+    assert 'backend: "python"' in filled
     with pytest.raises(RepoError, match="use triton_backend:python"):
         build_repo(fake_model, tmp_path / "repo", parameters={"triton_backend": "tensorrtllm"})
     assert not (tmp_path / "repo" / "tensorrt_llm").exists()
