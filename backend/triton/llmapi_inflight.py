@@ -5,8 +5,10 @@ always streams its updates here, whatever the client asked for, so stop strings 
 Updates are queued to one sender thread, which keeps each sequence's text (SequenceText) and answers: every update
 that changes the text when the client streams, one response at the end otherwise. Every
 `cancellation_check_period_ms` it asks Triton whether a client went away and then aborts the engine request, which
-frees its KV blocks (TensorRT-LLM's llmapi model never does: contract 1.3); the client gets a CANCELLED error. So
-does a `stop=true` request naming a running request's id. When
+frees its KV blocks (TensorRT-LLM's llmapi model never does: contract 1.3); the client gets a CANCELLED error.
+A `stop=true` request naming a running request's id (TensorRT-LLM's llmapi `stop`) aborts it the same way, but the
+stopped request ends as TensorRT-LLM's does: a last, normal response with the text so far and finish_reason
+"cancelled" (streaming or not); the stop request itself is answered CANCELLED "Request cancelled by client". When
 every sequence's text has reached a stop string the engine request is aborted too: the answer is complete."""
 
 from __future__ import annotations
@@ -87,16 +89,21 @@ class LLMAPIInflightRequests(SenderLoop):
                 self.by_triton_id.setdefault(state.triton_id, []).append(state)
 
     def _stop(self, triton_id: str, sender: Any) -> None:
-        """TensorRT-LLM's llmapi `stop`: abort the requests with this id; the stop request itself is answered with
-        CANCELLED "Request cancelled by client", as there (the stopped requests end CANCELLED too)."""
+        """TensorRT-LLM's llmapi `stop`: abort the running requests with this id (each then answers its text so far,
+        finish_reason "cancelled"); the stop request is answered CANCELLED "Request cancelled by client", as there.
+        An id that names no running request is answered NOT_FOUND and touches nothing (TensorRT-LLM answers
+        CANCELLED either way, which hides a stop that came too late or named the wrong id)."""
         if not triton_id:
             raise InputError("input 'stop': a request id must be provided for request cancellation")
         with self.lock:
-            states = list(self.by_triton_id.get(triton_id, []))
+            states = [state for state in self.by_triton_id.get(triton_id, []) if not state.closed]
+        if not states:
+            message = f"input 'stop': no running request has the id {triton_id!r}; nothing was stopped"
+            send_final(sender, error_response(message, "NOT_FOUND"))
+            return
         for state in states:
             log.info("stop request for %r: aborting engine request %s", triton_id, state.engine_id)
-            state.cancelled = True
-            self.engine.abort(state.engine_id)
+            self.engine.abort(state.engine_id)  # its final output (finish_reason "cancelled") closes it
         send_final(sender, error_response("Request cancelled by client", "CANCELLED"))
 
     # -- sender thread ----------------------------------------------------------------------------------------

@@ -4,6 +4,9 @@ input, and the same metrics as the token-level model."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import e2e_clients as clients
 import numpy as np
 import pytest
@@ -133,33 +136,91 @@ def test_cancelling_a_grpc_stream_aborts_the_engine_request(llmapi_server):
     assert 0 < steps < 400
 
 
-def test_a_stop_request_with_the_running_requests_id_aborts_it(llmapi_server):
-    """TensorRT-LLM's documented cancel: {"text_input": "", "stop": true} under the running request's id (here
-    over HTTP /generate, its `id` being the triton-request-id); both end CANCELLED, the KV blocks are freed."""
-    before = llmapi_server.wait_engine_idle()
-    stream = llmapi_server.grpc_stream()
-    stream.send(
-        MODEL,
-        inputs(sampling_param_max_tokens=llmapi_server.max_seq_len - 16, streaming=True),
-        request_id="llmapi-stop-me",
-    )
-    reply = clients.StreamReply()
-    while len(reply.results) < 3:
-        clients.add_event(reply, *stream.next_event(timeout=30))
-    status, message = llmapi_server.generate_error(
-        {"id": "llmapi-stop-me", "text_input": "", "stop": True}, model=MODEL
-    )
-    assert "Request cancelled by client" in message, (status, message)
-    stream.collect(reply, timeout=30)
-    stream.close()
-    assert reply.error is not None and "cancelled" in reply.error
-    after = llmapi_server.wait_engine_idle(timeout=10)
+def wait_running(server, timeout: float = 30) -> None:
+    """Until the engine runs a request (the gauges refresh every stats_check_period_ms)."""
+    deadline = time.monotonic() + timeout
+    while server.metrics().get(("nv_trt_llm_request_metrics", "active"), 0) < 1:
+        assert time.monotonic() < deadline, "the request never ran"
+        time.sleep(0.02)
+
+
+def in_background(call) -> tuple[threading.Thread, dict]:
+    result: dict = {}
+
+    def target():
+        try:
+            result["value"] = call()
+        except BaseException as exc:  # handed to the test
+            result["error"] = exc
+
+    thread = threading.Thread(target=target)
+    thread.start()
+    return thread, result
+
+
+def assert_freed(server, before) -> None:
+    after = server.wait_engine_idle(timeout=10)
     assert clients.engine_is_idle(after), f"the engine kept the request: {after}"
     steps = (
         after[("nv_trt_llm_general_metrics", "iteration_counter")]
         - before[("nv_trt_llm_general_metrics", "iteration_counter")]
     )
-    assert steps < 400
+    assert steps < server.max_seq_len - 200, f"the stopped request ran {steps} steps: it was not aborted"
+
+
+@pytest.mark.parametrize("endpoint", ["generate", "generate_stream"])
+def test_a_curl_style_stop_with_the_running_requests_id_aborts_it(llmapi_server, endpoint):
+    """TensorRT-LLM's llmapi cancel, as curl sends it: POST /generate {"id": ID, "text_input": "", "stop": true}
+    while POST /generate(_stream) {"id": ID, ...} runs. The stop answers CANCELLED "Request cancelled by client";
+    the running request ends with its text so far and finish_reason "cancelled"; its KV blocks are freed."""
+    before = llmapi_server.wait_engine_idle()
+    body = {
+        "id": f"curl-{endpoint}",
+        "text_input": PROMPT,
+        "sampling_param_max_tokens": llmapi_server.max_seq_len - 16,
+        "sampling_param_exclude_input_from_output": True,
+        "return_finish_reason": True,
+        "streaming": endpoint == "generate_stream",
+    }
+    call = llmapi_server.generate_stream if endpoint == "generate_stream" else llmapi_server.generate
+    thread, result = in_background(lambda: call(body, model=MODEL))
+    wait_running(llmapi_server)
+    status, message = llmapi_server.generate_error({"id": body["id"], "text_input": "", "stop": True}, model=MODEL)
+    thread.join(timeout=60)
+    assert message == "Request cancelled by client", (status, message)
+    assert "error" not in result, result
+    final = result["value"][-1] if endpoint == "generate_stream" else result["value"]
+    assert final["finish_reason"] == "cancelled" and isinstance(final["text_output"], str)
+    assert_freed(llmapi_server, before)
+
+
+def test_a_grpc_stop_request_with_the_running_requests_id_aborts_it(llmapi_server):
+    """The same over gRPC: the stop request carries the running request's request_id."""
+    before = llmapi_server.wait_engine_idle()
+    stream = llmapi_server.grpc_stream()
+    stream.send(
+        MODEL,
+        inputs(sampling_param_max_tokens=llmapi_server.max_seq_len - 16, streaming=True, return_finish_reason=True),
+        request_id="llmapi-stop-me",
+    )
+    reply = clients.StreamReply()
+    while len(reply.results) < 3:
+        clients.add_event(reply, *stream.next_event(timeout=30))
+    stopper = llmapi_server.stream_infer(MODEL, inputs("", stop=True), request_id="llmapi-stop-me")
+    assert stopper.error is not None and "Request cancelled by client" in stopper.error
+    stream.collect(reply, timeout=30)
+    stream.close()
+    assert reply.error is None and reply.results[-1].as_numpy("finish_reason").tolist() == [b"cancelled"]
+    assert_freed(llmapi_server, before)
+
+
+def test_a_stop_for_an_unknown_id_is_answered_clearly_and_disturbs_nobody(llmapi_server):
+    body = {"id": "busy", "text_input": PROMPT, "sampling_param_max_tokens": 64, "return_finish_reason": True}
+    thread, result = in_background(lambda: llmapi_server.generate(body, model=MODEL))
+    status, message = llmapi_server.generate_error({"id": "nobody", "text_input": "", "stop": True}, model=MODEL)
+    thread.join(timeout=60)
+    assert status == 400 and "no running request has the id 'nobody'" in message, (status, message)
+    assert result["value"]["finish_reason"] in ("length", "stop")
 
 
 def test_a_stop_request_without_an_id_is_refused(llmapi_server):

@@ -57,11 +57,11 @@ def model(repo):
             sys.modules["triton_python_backend_utils"] = saved
 
 
-def request(prompt=PROMPT, **inputs) -> fake.InferenceRequest:
+def request(prompt=PROMPT, request_id: str = "", **inputs) -> fake.InferenceRequest:
     tensors = {} if prompt is None else {"text_input": np.array([prompt.encode()], dtype=object)}
     for name, value in inputs.items():
         tensors[name] = value if isinstance(value, np.ndarray) else np.array([value], dtype=TYPES[type(value)])
-    return fake.InferenceRequest(tensors)
+    return fake.InferenceRequest(tensors, request_id=request_id)
 
 
 def run(model, req, timeout: float = 60) -> list:
@@ -193,6 +193,54 @@ def test_a_cancelled_request_aborts_its_engine_request(model):
     assert flags == fake.TRITONSERVER_RESPONSE_COMPLETE_FINAL
     assert last.has_error() and last.error().code() == fake.TritonError.CANCELLED
     assert wait_idle(model).num_steps - steps_before < 150
+
+
+def wait_sent(req, count: int, timeout: float = 30) -> None:
+    sender = req.get_response_sender()
+    deadline = time.monotonic() + timeout
+    while len(sender.sent) < count:
+        assert time.monotonic() < deadline, f"fewer than {count} responses within {timeout}s"
+        time.sleep(0.005)
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_a_stop_request_with_a_running_requests_id_aborts_it_and_both_get_tensorrt_llms_answers(model, streaming):
+    wait_idle(model)
+    steps_before = model.engine.stats().num_steps
+    running = request(request_id="stop-me", sampling_param_max_tokens=200, streaming=streaming, **ALL_OUTPUTS)
+    model.execute([running])
+    if streaming:
+        wait_sent(running, 2)
+    else:  # no response to wait for: wait until the engine runs it
+        deadline = time.monotonic() + 30
+        while model.engine.stats().num_running == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+    ((stop_answer, stop_flags),) = run(model, request("", request_id="stop-me", stop=True))
+    assert stop_flags == fake.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+    assert stop_answer.error().code() == fake.TritonError.CANCELLED
+    assert stop_answer.error().message() == "Request cancelled by client"
+    last, flags = wait_final(running)[-1]
+    assert flags == fake.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+    values = outputs(last)  # a normal last response with the text so far, as TensorRT-LLM's stopped stream ends
+    assert values["finish_reason"].tolist() == [b"cancelled"]
+    assert wait_idle(model).num_steps - steps_before < 150
+
+
+def test_a_stop_request_for_an_unknown_id_is_answered_not_found_and_disturbs_nobody(model):
+    other = request(request_id="busy", sampling_param_max_tokens=40, streaming=True, return_finish_reason=True)
+    model.execute([other])
+    ((answer, _),) = run(model, request("", request_id="nobody", stop=True))
+    assert answer.error().code() == fake.TritonError.NOT_FOUND
+    assert "'nobody'" in answer.error().message() and "'stop'" in answer.error().message()
+    last, _ = wait_final(other)[-1]
+    assert outputs(last)["finish_reason"].tolist() in ([b"length"], [b"stop"])
+
+
+def test_a_stop_request_without_an_id_is_refused_by_name(model):
+    ((answer, _),) = run(model, request("", stop=True))
+    assert answer.error().code() == fake.TritonError.INVALID_ARG
+    assert "'stop'" in answer.error().message() and "request id must be provided" in answer.error().message()
 
 
 @pytest.mark.parametrize(
