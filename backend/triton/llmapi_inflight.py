@@ -20,7 +20,13 @@ from typing import Any, Callable, Optional
 from tritonllm.engine.types import CompletionOutput, InvalidRequestError, RequestOutput
 from tritonllm.triton.llm_request import is_stop_request
 from tritonllm.triton.llmapi_request import LLMAPIRequest, convert_request, name_inputs
-from tritonllm.triton.llmapi_responses import SequenceResult, error_response, inference_response
+from tritonllm.triton.llmapi_responses import (
+    PerfOutputs,
+    SequenceResult,
+    error_response,
+    inference_response,
+    perf_outputs,
+)
 from tritonllm.triton.llmapi_text import SequenceText
 from tritonllm.triton.pb import InputError, send_final, send_response
 from tritonllm.triton.request_metrics import report_finished
@@ -58,6 +64,7 @@ class LLMAPIInflightRequests(SenderLoop):
         self.decoupled = decoupled
         self.on_finished = on_finished
         self.by_triton_id: dict[str, list[RequestState]] = {}
+        self.tokens_per_block = engine.stats().tokens_per_block  # for the kv_cache_missed_block output
         self.start_sending()
 
     # -- called from execute() --------------------------------------------------------------------------------
@@ -82,6 +89,7 @@ class LLMAPIInflightRequests(SenderLoop):
                 state.job.params,
                 streaming=True,
                 on_output=lambda _handle, item: self.events.put((state, item)),
+                lora_request=state.job.lora,
             )
             state.engine_id = handle.request_id
             self.active[handle.request_id] = state
@@ -158,13 +166,21 @@ class LLMAPIInflightRequests(SenderLoop):
             results = [replace(result, text=state.job.prompt + result.text) for result in results]
         return results
 
-    @staticmethod
-    def _result(state: RequestState, completion: CompletionOutput, final: bool) -> SequenceResult:
+    def _result(self, state: RequestState, completion: CompletionOutput, final: bool) -> SequenceResult:
         text = state.texts[completion.index]
+        perf = self._perf(state, completion)
         if not final:
-            return SequenceResult(text.text(final=False), cumulative_logprob=completion.cumulative_logprob)
+            return SequenceResult(text.text(final=False), cumulative_logprob=completion.cumulative_logprob, perf=perf)
         finish_reason = "stop" if text.stopped else completion.finish_reason
-        return SequenceResult(text.text(final=True), finish_reason, text.stopped_by, completion.cumulative_logprob)
+        return SequenceResult(
+            text.text(final=True), finish_reason, text.stopped_by, completion.cumulative_logprob, perf=perf
+        )
+
+    def _perf(self, state: RequestState, completion: CompletionOutput) -> Optional[PerfOutputs]:
+        metrics = completion.request_perf_metrics
+        if not state.job.outputs.perf_metrics or metrics is None:
+            return None
+        return perf_outputs(metrics, len(state.job.prompt_token_ids), self.tokens_per_block)
 
     def _close(self, state: RequestState, response: Any) -> None:
         """Send the request's last response (FINAL flag) and forget it."""

@@ -10,7 +10,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..engine.types import SamplingParams
+from ..engine.types import LoRARequest, SamplingParams
+from .llmapi_lora import LORA_INPUTS, lora_request
 from .pb import InputError, decode_string, optional_input
 
 # input -> (SamplingParams field, Triton type, Python kind)
@@ -28,8 +29,18 @@ INPUT_OF_WORD = {
     **{fld: name for name, (fld, _, _) in SAMPLING_INPUTS.items()},
     "prompt": "text_input",
     "n": "sampling_param_best_of",
+    "lora_task_id": "lora_id",
+    "return_perf_metrics": "sampling_param_return_perf_metrics",
 }
 DEFAULT_MAX_TOKENS = 32  # TensorRT-LLM SamplingParams' default
+# Inputs of TensorRT-LLM's llmapi config.pbtxt that this model declares but cannot serve: input -> why.
+REFUSED_INPUTS = {
+    "image_url": "multimodal prompts are not supported: this model serves text-only models",
+    "sampling_param_logits_post_processor_name": (
+        "named logits post-processors (model.yaml logits_post_processors, Python LogitsProcessor objects of "
+        "TensorRT-LLM) are not supported by the embedded engine"
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -39,6 +50,7 @@ class OutputOptions:
     finish_reason: bool = False
     stop_reason: bool = False
     cumulative_logprob: bool = False
+    perf_metrics: bool = False  # sampling_param_return_perf_metrics: the KV-cache and timing outputs
 
 
 @dataclass
@@ -51,10 +63,12 @@ class LLMAPIRequest:
     best_of: int = 1
     stop: list[str] = field(default_factory=list)
     outputs: OutputOptions = OutputOptions()
+    lora: Optional[LoRARequest] = None
 
 
 def convert_request(request: Any, tokenizer: Any, decoupled: bool) -> LLMAPIRequest:
     """The validated request; `tokenizer` is a LoadedTokenizer (prompt, stop strings, end and pad ids)."""
+    check_refused(request)
     prompt = prompt_text(request)
     streaming = flag(request, "streaming")
     if streaming and not decoupled:
@@ -72,6 +86,7 @@ def convert_request(request: Any, tokenizer: Any, decoupled: bool) -> LLMAPIRequ
         flag(request, "return_finish_reason"),
         flag(request, "return_stop_reason"),
         flag(request, "return_cumulative_logprob"),
+        flag(request, "sampling_param_return_perf_metrics"),
     )
     params = sampling_params(request, tokenizer, best_of, stop, outputs)
     return LLMAPIRequest(
@@ -83,7 +98,16 @@ def convert_request(request: Any, tokenizer: Any, decoupled: bool) -> LLMAPIRequ
         best_of,
         stop,
         outputs,
+        lora_request(request),
     )
+
+
+def check_refused(request: Any) -> None:
+    """Refuse, by name, a declared input this model cannot serve (an empty value counts as absent)."""
+    for name, why in REFUSED_INPUTS.items():
+        array = optional_input(request, name)
+        if array is not None and any(decode_string(value, name) for value in array.reshape(-1)):
+            raise InputError(name, f"cannot be served: {why}")
 
 
 def sampling_params(
@@ -102,8 +126,9 @@ def sampling_params(
         end_id=end_id,
         pad_id=tokenizer.pad_id,
         stop_words=words or None,
-        logprobs=outputs.cumulative_logprob or best_of > 1,
-    )  # best_of ranks by log-prob
+        logprobs=outputs.cumulative_logprob or best_of > 1,  # best_of ranks by log-prob
+        return_perf_metrics=outputs.perf_metrics,
+    )
     try:
         params.validate()
     except ValueError as exc:
@@ -119,6 +144,8 @@ def name_inputs(message: str) -> str:
         name = INPUT_OF_WORD.get(word)
         if name and name not in names:
             names.append(name)
+    if not names and "lora" in message.lower():  # the engine's LoRA refusals ("LoRA is not enabled", ...)
+        names = list(LORA_INPUTS)
     if not names:
         return message
     label = "input" if len(names) == 1 else "inputs"

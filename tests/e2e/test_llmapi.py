@@ -228,6 +228,48 @@ def test_a_stop_request_without_an_id_is_refused(llmapi_server):
     assert status == 400 and "request id must be provided" in message
 
 
+PERF_OUTPUTS = (
+    "kv_cache_reused_block",
+    "kv_cache_missed_block",
+    "kv_cache_alloc_new_blocks",
+    "kv_cache_alloc_total_blocks",
+    "kv_cache_hit_rate",
+    "arrival_time_ns",
+    "first_scheduled_time_ns",
+    "first_token_time_ns",
+    "last_token_time_ns",
+    "acceptance_rate",
+    "total_accepted_draft_tokens",
+    "total_draft_tokens",
+)
+
+
+def test_sampling_param_return_perf_metrics_answers_the_kv_cache_and_timing_outputs_over_http(llmapi_server):
+    body = {"text_input": PROMPT, "sampling_param_max_tokens": 4, "sampling_param_return_perf_metrics": True}
+    reply = llmapi_server.generate(body, model=MODEL)
+    assert set(PERF_OUTPUTS) <= set(reply), reply
+    assert all(
+        isinstance(reply[name], int) for name in PERF_OUTPUTS if name not in ("kv_cache_hit_rate", "acceptance_rate")
+    )
+    assert reply["kv_cache_alloc_new_blocks"] > 0 and reply["kv_cache_missed_block"] >= 1
+    assert 0 < reply["arrival_time_ns"] <= reply["first_token_time_ns"] <= reply["last_token_time_ns"]
+    assert not set(PERF_OUTPUTS) & set(llmapi_server.generate({"text_input": PROMPT}, model=MODEL))
+
+
+@pytest.mark.parametrize(
+    "extra, named",
+    [
+        ({"image_url": "https://example.invalid/cat.png"}, "image_url"),
+        ({"sampling_param_logits_post_processor_name": "json_only"}, "sampling_param_logits_post_processor_name"),
+        ({"lora_name": "mine"}, "lora_id"),
+        ({"lora_id": 3, "lora_name": "mine", "lora_path": "/"}, "lora_id"),  # LoRA is off in this repository
+    ],
+)
+def test_inputs_that_cannot_be_served_are_refused_by_name(llmapi_server, extra, named):
+    status, message = llmapi_server.generate_error({"text_input": PROMPT, **extra}, model=MODEL)
+    assert status == 400 and f"'{named}'" in message, message
+
+
 @pytest.mark.parametrize(
     "values, named",
     [

@@ -283,3 +283,60 @@ def test_finished_requests_feed_the_histograms(model):
     assert 1 <= histograms["nv_llm_output_token_len"].observations[-1] <= 3
     gauges = fake.MetricFamily.families["nv_trt_llm_kv_cache_block_metrics"].metrics
     assert {metric.labels["model"] for metric in gauges} == {"tensorrt_llm"}
+
+
+PERF_OUTPUTS = {
+    "kv_cache_reused_block": np.int32,
+    "kv_cache_missed_block": np.int32,
+    "kv_cache_alloc_new_blocks": np.int32,
+    "kv_cache_alloc_total_blocks": np.int32,
+    "kv_cache_hit_rate": np.float32,
+    "arrival_time_ns": np.int64,
+    "first_scheduled_time_ns": np.int64,
+    "first_token_time_ns": np.int64,
+    "last_token_time_ns": np.int64,
+    "acceptance_rate": np.float32,
+    "total_accepted_draft_tokens": np.int32,
+    "total_draft_tokens": np.int32,
+}
+
+
+def test_return_perf_metrics_adds_the_kv_cache_and_timing_outputs_with_their_declared_types(model):
+    prompt = " ".join(["lamp"] * 80)  # several KV blocks, so that the second request reuses the first one's
+    prompt_blocks = -(-len(model.inflight.tokenizer.encode(prompt, add_special_tokens=True)) // 32)
+    seen = []
+    for _ in range(2):
+        ((response, _),) = run(
+            model, request(prompt, sampling_param_max_tokens=4, sampling_param_return_perf_metrics=True)
+        )
+        values = outputs(response)
+        assert {name: values[name].dtype for name in PERF_OUTPUTS} == PERF_OUTPUTS
+        assert all(values[name].shape == (1,) for name in PERF_OUTPUTS)
+        seen.append({name: values[name][0].item() for name in PERF_OUTPUTS})
+    first, second = seen
+    assert first["kv_cache_reused_block"] == 0 and first["kv_cache_missed_block"] == prompt_blocks
+    assert first["kv_cache_hit_rate"] == 0.0
+    assert second["kv_cache_reused_block"] > 0  # the prefix cache gave the full prompt blocks
+    assert second["kv_cache_reused_block"] + second["kv_cache_missed_block"] == prompt_blocks
+    assert second["kv_cache_hit_rate"] == pytest.approx(second["kv_cache_reused_block"] / prompt_blocks)
+    for metrics in seen:
+        assert metrics["kv_cache_alloc_total_blocks"] >= metrics["kv_cache_alloc_new_blocks"] > 0
+        times = [
+            metrics[n]
+            for n in ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns")
+        ]
+        assert 0 < times[0] <= times[1] <= times[2] <= times[3]
+        assert (metrics["acceptance_rate"], metrics["total_draft_tokens"]) == (0.0, 0)
+    ((plain, _),) = run(model, request(sampling_param_max_tokens=2))
+    assert not set(PERF_OUTPUTS) & set(outputs(plain))  # only when asked for
+
+
+def test_a_lora_request_without_lora_enabled_is_refused_naming_the_lora_inputs(model, tmp_path):
+    adapter = {
+        "lora_id": np.array([3], dtype=np.uint64),
+        "lora_name": np.array([b"mine"], dtype=object),
+        "lora_path": np.array([str(tmp_path).encode()], dtype=object),
+    }
+    ((response, _),) = run(model, request(**adapter))
+    message = response.error().message()
+    assert message.startswith("inputs 'lora_id', 'lora_name', 'lora_path': ") and "LoRA is not enabled" in message

@@ -16,8 +16,11 @@ from tritonllm.triton.llmapi_config import load_llmapi_settings, read_triton_con
 text_format = pytest.importorskip("google.protobuf.text_format")
 model_config_pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2")
 
+# TensorRT-LLM's current triton_backend/all_models/llmapi/tensorrt_llm/config.pbtxt (docs/llmapi-io.md), plus the
+# logits post-processor input its helpers read.
 CONTRACT_INPUTS = {  # name -> (data type, dims, optional)
     "text_input": ("TYPE_STRING", [-1], False),
+    "image_url": ("TYPE_STRING", [-1], True),
     "streaming": ("TYPE_BOOL", [1], True),
     "sampling_param_best_of": ("TYPE_INT32", [1], True),
     "sampling_param_temperature": ("TYPE_FP32", [1], True),
@@ -29,16 +32,34 @@ CONTRACT_INPUTS = {  # name -> (data type, dims, optional)
     "sampling_param_stop": ("TYPE_STRING", [-1], True),
     "sampling_param_seed": ("TYPE_UINT64", [1], True),
     "sampling_param_exclude_input_from_output": ("TYPE_BOOL", [1], True),
+    "sampling_param_return_perf_metrics": ("TYPE_BOOL", [1], True),
+    "sampling_param_logits_post_processor_name": ("TYPE_STRING", [1], True),
     "return_finish_reason": ("TYPE_BOOL", [1], True),
     "return_stop_reason": ("TYPE_BOOL", [1], True),
     "return_cumulative_logprob": ("TYPE_BOOL", [1], True),
     "stop": ("TYPE_BOOL", [1], True),
+    "lora_id": ("TYPE_UINT64", [1], True),
+    "lora_name": ("TYPE_STRING", [1], True),
+    "lora_path": ("TYPE_STRING", [1], True),
+    "lora_ckpt_source": ("TYPE_STRING", [1], True),
 }
 CONTRACT_OUTPUTS = {
     "text_output": ("TYPE_STRING", [-1]),
     "finish_reason": ("TYPE_STRING", [-1]),
     "stop_reason": ("TYPE_STRING", [-1]),
     "cumulative_logprob": ("TYPE_FP32", [-1]),
+    "kv_cache_reused_block": ("TYPE_INT32", [-1]),
+    "kv_cache_missed_block": ("TYPE_INT32", [-1]),
+    "kv_cache_alloc_new_blocks": ("TYPE_INT32", [-1]),
+    "kv_cache_alloc_total_blocks": ("TYPE_INT32", [-1]),
+    "kv_cache_hit_rate": ("TYPE_FP32", [-1]),
+    "arrival_time_ns": ("TYPE_INT64", [1]),
+    "first_scheduled_time_ns": ("TYPE_INT64", [1]),
+    "first_token_time_ns": ("TYPE_INT64", [1]),
+    "last_token_time_ns": ("TYPE_INT64", [1]),
+    "acceptance_rate": ("TYPE_FP32", [1]),
+    "total_accepted_draft_tokens": ("TYPE_INT32", [1]),
+    "total_draft_tokens": ("TYPE_INT32", [1]),
 }
 
 
