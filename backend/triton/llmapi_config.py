@@ -6,14 +6,13 @@ The file holds TensorRT-LLM `LLM()` keyword arguments plus a `triton_config` sec
 
 from __future__ import annotations
 
-import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
 import yaml
 
+from ..checkpoints.model_ref import resolve_model_ref
 from ..engine.config import ConfigError, EngineConfig, load_yaml_args
 from ..tokenizer import LoadedTokenizer, load_tokenizer
 from .engine_args import find_engine_args_file
@@ -76,13 +75,13 @@ def load_llmapi_settings(version_dir: str | Path, model_config: Optional[Mapping
     path = model_yaml_path(version_dir)
     triton = read_triton_config(path)
     args = load_yaml_args(path)
-    model = resolve_model_path(path, args.get("model"), "model")
+    model = resolve_model_ref(args.get("model"), "model", str(path), base_dir=path.parent)
     if model is None:
         raise ConfigError(
             f"{path}: 'model' is unset: name the Hugging Face model folder (tritonllm repo build --llmapi fills it)"
         )
     args["model"] = model
-    tokenizer = resolve_model_path(path, args.get("tokenizer"), "tokenizer") or model
+    tokenizer = resolve_model_ref(args.get("tokenizer"), "tokenizer", str(path), base_dir=path.parent) or model
     args["tokenizer"] = tokenizer
     params = Parameters.from_model_config(model_config or {})
     return LLMAPISettings(
@@ -103,41 +102,6 @@ def load_llmapi_tokenizer(settings: LLMAPISettings) -> LoadedTokenizer:
             f"{settings.yaml_path}: cannot load a tokenizer from {settings.tokenizer_dir} (model or "
             f"tokenizer): {type(error).__name__}: {error}"
         ) from error
-
-
-def resolve_model_path(yaml_path: Path, value: Any, key: str) -> Optional[str]:
-    """A folder named in model.yaml, or a Hugging Face model id (as TensorRT-LLM takes `model`). Relative folders
-    are relative to the yaml's folder, so a repository that carries its model can move; a value that is no folder
-    there and reads as `name` or `org/name` is fetched through huggingface_hub (its cache first)."""
-    if value is None or value == "":
-        return None
-    if not isinstance(value, str):
-        raise ConfigError(f"{yaml_path}: {key} must be a folder path or a Hugging Face model id, got {value!r}")
-    path = Path(value).expanduser()
-    folder = path if path.is_absolute() else (yaml_path.parent / path).resolve()
-    if folder.exists() or path.is_absolute() or value.startswith((".", "~")) or not _HUB_ID.match(value):
-        return str(folder)
-    return hub_snapshot(yaml_path, key, value)
-
-
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-
-
-def hub_snapshot(yaml_path: Path, key: str, repo_id: str) -> str:
-    """The local folder of a Hugging Face model: huggingface_hub's cache (HF_HOME / HF_HUB_CACHE), downloaded
-    into it when missing unless HF_HUB_OFFLINE is set; HF_TOKEN authenticates."""
-    from huggingface_hub import snapshot_download
-
-    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
-    try:
-        return snapshot_download(repo_id, local_files_only=offline)
-    except Exception as exc:  # offline and not cached, unknown id, no network, no access
-        raise ConfigError(
-            f"{yaml_path}: {key} {repo_id!r} is neither a folder (none at "
-            f"{(yaml_path.parent / repo_id).resolve()}) nor a Hugging Face model that could be "
-            f"fetched{' (HF_HUB_OFFLINE is set: only the cache was searched)' if offline else ''}: "
-            f"{type(exc).__name__}: {exc}"
-        ) from exc
 
 
 def _read_yaml(path: Path) -> dict:

@@ -228,23 +228,19 @@ def test_triton_config_params_are_honoured_or_refused_never_dropped(fake_model, 
         build_llmapi_repo(fake_model, tmp_path / "other", engine_args={"triton_config.max_batch_size": 8})
 
 
-def test_model_as_a_hugging_face_id_resolves_through_the_hub_cache(fake_model, tmp_path, monkeypatch):
-    """TensorRT-LLM's documented flow names `model:` by its Hub id; here from a pre-filled cache, offline."""
-    import shutil
-
-    import huggingface_hub.constants
-
-    snapshot = tmp_path / "hub" / "models--acme--tiny-llama" / "snapshots" / "0123abcd"
-    shutil.copytree(fake_model, snapshot)
-    (tmp_path / "hub" / "models--acme--tiny-llama" / "refs").mkdir()
-    (tmp_path / "hub" / "models--acme--tiny-llama" / "refs" / "main").write_text("0123abcd")
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+def test_model_as_a_hugging_face_id_resolves_through_the_hub_cache(fake_model, tmp_path, monkeypatch, fill_hub_cache):
+    """TensorRT-LLM's documented flow names `model:` by its Hub id; here from a pre-filled HF_HOME, offline."""
+    snapshot = fill_hub_cache(tmp_path / "hf_home" / "hub", "acme/tiny-llama", fake_model)
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    version = build_llmapi_repo(fake_model, tmp_path / "repo") / "tensorrt_llm" / "1"
+    version = build_llmapi_repo("acme/tiny-llama", tmp_path / "repo") / "tensorrt_llm" / "1"
     data = yaml.safe_load((version / "model.yaml").read_text())
-    (version / "model.yaml").write_text(yaml.safe_dump({**data, "model": "acme/tiny-llama"}))
+    assert data["model"] == "acme/tiny-llama"  # written as given: the id travels with the repository
     settings = load_llmapi_settings(version)
     assert Path(settings.engine.model) == snapshot and Path(settings.tokenizer_dir) == snapshot
     (version / "model.yaml").write_text(yaml.safe_dump({**data, "model": "acme/not-cached"}))
-    with pytest.raises(ConfigError, match="'acme/not-cached' is neither a folder.*HF_HUB_OFFLINE is set"):
+    with pytest.raises(ConfigError, match="model 'acme/not-cached' is neither a folder.*HF_HUB_OFFLINE is set"):
         load_llmapi_settings(version)
+    with pytest.raises(RepoError, match="model 'acme/other' is neither a folder"):
+        build_llmapi_repo("acme/other", tmp_path / "repo2")
