@@ -18,15 +18,18 @@ from ..tokenizer import LoadedTokenizer, load_tokenizer
 from .engine_args import find_engine_args_file
 from .params import Parameters
 
-TRITON_CONFIG_KEYS = ("max_batch_size", "decoupled")
+# TensorRT-LLM's llmapi model reads these triton_config keys; `multimodal` is refused (text-only models here).
+TRITON_CONFIG_KEYS = ("max_batch_size", "decoupled", "cancellation_check_period_ms", "multimodal")
 
 
 @dataclass(frozen=True)
 class TritonConfig:
-    """model.yaml's `triton_config`: what Triton itself needs to know about the model."""
+    """model.yaml's `triton_config`: what Triton itself needs to know about the model. max_batch_size > 0 makes
+    Triton add a batch dimension to every tensor; each request still carries one prompt (llmapi_inputs.py)."""
 
     max_batch_size: int = 0
     decoupled: bool = False
+    cancellation_check_period_ms: Optional[int] = None  # None: config.pbtxt's parameter, else 100
 
 
 @dataclass(frozen=True)
@@ -54,19 +57,24 @@ def model_yaml_path(version_dir: str | Path) -> Path:
 def read_triton_config(path: Path) -> TritonConfig:
     section = _read_yaml(path).get("triton_config")
     if not isinstance(section, dict):
-        raise ConfigError(f"{path}: triton_config must be a mapping with {' and '.join(TRITON_CONFIG_KEYS)}")
+        raise ConfigError(f"{path}: triton_config must be a mapping with {' and '.join(TRITON_CONFIG_KEYS[:2])}")
     unknown = sorted(set(section) - set(TRITON_CONFIG_KEYS))
     if unknown:
         raise ConfigError(f"{path}: triton_config has unknown key(s) {unknown}; known: {list(TRITON_CONFIG_KEYS)}")
-    batch, decoupled = section.get("max_batch_size", 0), section.get("decoupled", False)
-    if batch != 0:
+    if section.get("multimodal"):
         raise ConfigError(
-            f"{path}: triton_config.max_batch_size = {batch!r} must be 0: each request carries one "
-            "prompt and the engine batches requests itself"
+            f"{path}: triton_config.multimodal = {section['multimodal']!r} is not supported: this model serves "
+            "text-only models (set it false or leave it out)"
         )
+    batch, decoupled = section.get("max_batch_size", 0), section.get("decoupled", False)
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 0:
+        raise ConfigError(f"{path}: triton_config.max_batch_size = {batch!r} must be an integer >= 0")
     if not isinstance(decoupled, bool):
         raise ConfigError(f"{path}: triton_config.decoupled = {decoupled!r} must be true or false")
-    return TritonConfig(max_batch_size=0, decoupled=decoupled)
+    period = section.get("cancellation_check_period_ms")
+    if period is not None and (isinstance(period, bool) or not isinstance(period, int) or period < 1):
+        raise ConfigError(f"{path}: triton_config.cancellation_check_period_ms = {period!r} must be an integer >= 1")
+    return TritonConfig(max_batch_size=batch, decoupled=decoupled, cancellation_check_period_ms=period)
 
 
 def load_llmapi_settings(version_dir: str | Path, model_config: Optional[Mapping[str, Any]] = None) -> LLMAPISettings:
@@ -89,7 +97,8 @@ def load_llmapi_settings(version_dir: str | Path, model_config: Optional[Mapping
         triton=triton,
         tokenizer_dir=tokenizer,
         yaml_path=path,
-        cancellation_check_period_ms=params.int("cancellation_check_period_ms", 100, minimum=1),
+        cancellation_check_period_ms=triton.cancellation_check_period_ms
+        or params.int("cancellation_check_period_ms", 100, minimum=1),
         stats_check_period_ms=params.int("stats_check_period_ms", 100, minimum=1),
     )
 

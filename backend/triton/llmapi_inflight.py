@@ -57,11 +57,14 @@ class LLMAPIInflightRequests(SenderLoop):
         decoupled: bool,
         cancellation_check_ms: int = 100,
         on_finished: Optional[Callable[[RequestOutput], None]] = None,
+        batched: bool = False,
     ):
+        """`batched`: the model has max_batch_size > 0, so inputs and outputs carry a batch dimension (of 1)."""
         super().__init__(cancellation_check_ms, "tritonllm-llmapi-sender")
         self.engine = engine
         self.tokenizer = tokenizer
         self.decoupled = decoupled
+        self.batched = batched
         self.on_finished = on_finished
         self.by_triton_id: dict[str, list[RequestState]] = {}
         self.tokens_per_block = engine.stats().tokens_per_block  # for the kv_cache_missed_block output
@@ -75,12 +78,12 @@ class LLMAPIInflightRequests(SenderLoop):
             if is_stop_request(request):
                 self._stop(request.request_id(), sender)
                 return
-            job = convert_request(request, self.tokenizer, self.decoupled)
+            job = convert_request(request, self.tokenizer, self.decoupled, self.batched)
             self._start(RequestState(sender, job, request.request_id() or ""))
         except InvalidRequestError as exc:  # the engine refused it; say which inputs are concerned
-            send_final(sender, error_response(name_inputs(str(exc))))
+            send_final(sender, self._error(name_inputs(str(exc))))
         except (InputError, ValueError) as exc:
-            send_final(sender, error_response(str(exc)))
+            send_final(sender, self._error(str(exc)))
 
     def _start(self, state: RequestState) -> None:
         with self.lock:  # the sender thread forgets a request under this lock: it must be registered first
@@ -107,18 +110,21 @@ class LLMAPIInflightRequests(SenderLoop):
             states = [state for state in self.by_triton_id.get(triton_id, []) if not state.closed]
         if not states:
             message = f"input 'stop': no running request has the id {triton_id!r}; nothing was stopped"
-            send_final(sender, error_response(message, "NOT_FOUND"))
+            send_final(sender, self._error(message, "NOT_FOUND"))
             return
         for state in states:
             log.info("stop request for %r: aborting engine request %s", triton_id, state.engine_id)
             self.engine.abort(state.engine_id)  # its final output (finish_reason "cancelled") closes it
-        send_final(sender, error_response("Request cancelled by client", "CANCELLED"))
+        send_final(sender, self._error("Request cancelled by client", "CANCELLED"))
+
+    def _error(self, message: str, code_name: str = "INVALID_ARG") -> Any:
+        return error_response(message, code_name, batch_dim=self.batched)
 
     # -- sender thread ----------------------------------------------------------------------------------------
 
     def _fail(self, event: tuple) -> None:
         log.exception("failed to answer an LLM-API request")
-        self._close(event[0], error_response("internal error while sending the response", "INTERNAL"))
+        self._close(event[0], self._error("internal error while sending the response", "INTERNAL"))
 
     def _on_client_gone(self, state: RequestState) -> None:
         log.info("client cancelled an LLM-API request: aborting engine request %s", state.engine_id)
@@ -127,7 +133,7 @@ class LLMAPIInflightRequests(SenderLoop):
 
     def _on_output(self, state: RequestState, item: Any) -> None:
         if isinstance(item, BaseException):
-            self._close(state, error_response(f"the engine failed: {item}", "INTERNAL"))
+            self._close(state, self._error(f"the engine failed: {item}", "INTERNAL"))
             return
         if item.finished:
             report_finished(self.on_finished, item, log)
@@ -135,7 +141,7 @@ class LLMAPIInflightRequests(SenderLoop):
             return  # answered already (every sequence reached a stop string); only the metrics were left
         if state.cancelled:
             if item.finished:
-                self._close(state, error_response("request was cancelled", "CANCELLED"))
+                self._close(state, self._error("request was cancelled", "CANCELLED"))
             return
         if self._update_texts(state, item):
             if not item.finished:

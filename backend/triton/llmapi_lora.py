@@ -11,7 +11,8 @@ import os
 from typing import Any, Optional
 
 from ..engine.types import LoRARequest
-from .pb import InputError, decode_string, optional_input
+from .llmapi_inputs import read_input
+from .pb import InputError, decode_string
 
 LORA_INPUTS = ("lora_id", "lora_name", "lora_path")
 CKPT_SOURCES = ("hf", "nemo")
@@ -55,7 +56,7 @@ def check_ckpt_source(request: Any) -> None:
 
 
 def _scalar(request: Any, name: str, dtype: str) -> Optional[Any]:
-    array = optional_input(request, name, dtype)
+    array = read_input(request, name, dtype)
     if array is None:
         return None
     if array.size != 1:

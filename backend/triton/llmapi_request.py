@@ -11,8 +11,9 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..engine.types import LoRARequest, SamplingParams
+from .llmapi_inputs import BatchedRequest, read_input
 from .llmapi_lora import LORA_INPUTS, lora_request
-from .pb import InputError, decode_string, optional_input
+from .pb import InputError, decode_string
 
 # input -> (SamplingParams field, Triton type, Python kind)
 SAMPLING_INPUTS = {
@@ -51,6 +52,7 @@ class OutputOptions:
     stop_reason: bool = False
     cumulative_logprob: bool = False
     perf_metrics: bool = False  # sampling_param_return_perf_metrics: the KV-cache and timing outputs
+    batch_dim: bool = False  # triton_config.max_batch_size > 0: every output gets a leading batch dim of 1
 
 
 @dataclass
@@ -66,8 +68,11 @@ class LLMAPIRequest:
     lora: Optional[LoRARequest] = None
 
 
-def convert_request(request: Any, tokenizer: Any, decoupled: bool) -> LLMAPIRequest:
-    """The validated request; `tokenizer` is a LoadedTokenizer (prompt, stop strings, end and pad ids)."""
+def convert_request(request: Any, tokenizer: Any, decoupled: bool, batched: bool = False) -> LLMAPIRequest:
+    """The validated request; `tokenizer` is a LoadedTokenizer (prompt, stop strings, end and pad ids). `batched`:
+    the model has max_batch_size > 0, so inputs and outputs carry Triton's batch dimension (of 1)."""
+    if batched:
+        request = BatchedRequest(request)
     check_refused(request)
     prompt = prompt_text(request)
     streaming = flag(request, "streaming")
@@ -87,6 +92,7 @@ def convert_request(request: Any, tokenizer: Any, decoupled: bool) -> LLMAPIRequ
         flag(request, "return_stop_reason"),
         flag(request, "return_cumulative_logprob"),
         flag(request, "sampling_param_return_perf_metrics"),
+        batched,
     )
     params = sampling_params(request, tokenizer, best_of, stop, outputs)
     return LLMAPIRequest(
@@ -105,7 +111,7 @@ def convert_request(request: Any, tokenizer: Any, decoupled: bool) -> LLMAPIRequ
 def check_refused(request: Any) -> None:
     """Refuse, by name, a declared input this model cannot serve (an empty value counts as absent)."""
     for name, why in REFUSED_INPUTS.items():
-        array = optional_input(request, name)
+        array = read_input(request, name)
         if array is not None and any(decode_string(value, name) for value in array.reshape(-1)):
             raise InputError(name, f"cannot be served: {why}")
 
@@ -153,7 +159,7 @@ def name_inputs(message: str) -> str:
 
 
 def prompt_text(request: Any) -> str:
-    array = optional_input(request, "text_input", "STRING")
+    array = read_input(request, "text_input", "STRING")
     if array is None:
         raise InputError("text_input", "is required")
     if array.ndim != 1 or array.size < 1:
@@ -162,7 +168,7 @@ def prompt_text(request: Any) -> str:
 
 
 def stop_strings(request: Any) -> list[str]:
-    array = optional_input(request, "sampling_param_stop", "STRING")
+    array = read_input(request, "sampling_param_stop", "STRING")
     if array is None:
         return []
     return [word for word in (decode_string(value, "sampling_param_stop") for value in array.reshape(-1)) if word]
@@ -170,7 +176,7 @@ def stop_strings(request: Any) -> list[str]:
 
 def scalar(request: Any, name: str, dtype: str, kind: type) -> Optional[Any]:
     """The one value of a dims [1] input, or None when the request does not carry it."""
-    array = optional_input(request, name, dtype)
+    array = read_input(request, name, dtype)
     if array is None:
         return None
     if array.size != 1:

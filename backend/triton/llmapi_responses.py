@@ -102,17 +102,23 @@ def response_tensors(results: list[SequenceResult], options: OutputOptions) -> l
         tensors += [
             output_tensor(name, np.array([getattr(perf, name)], dtype=kind)) for name, kind in PERF_TYPES.items()
         ]
-    return tensors
+    return [with_batch_dim(tensor) for tensor in tensors] if options.batch_dim else tensors
+
+
+def with_batch_dim(tensor: Any) -> Any:
+    """The tensor with Triton's leading batch dimension (of 1), for a model with max_batch_size > 0."""
+    return output_tensor(tensor.name(), tensor.as_numpy()[None])
 
 
 def inference_response(results: list[SequenceResult], options: OutputOptions) -> Any:
     return pb_utils().InferenceResponse(output_tensors=response_tensors(results, options))
 
 
-def error_response(message: str, code_name: str = "INVALID_ARG") -> Any:
+def error_response(message: str, code_name: str = "INVALID_ARG", batch_dim: bool = False) -> Any:
     """An error (code INVALID_ARG, CANCELLED or INTERNAL), with text_output "N/A" as TensorRT-LLM's llmapi model
     answers (clients may read it)."""
     pb = pb_utils()
     code = getattr(pb.TritonError, code_name, None)
     error = pb.TritonError(message) if code is None else pb.TritonError(message, code)
-    return pb.InferenceResponse(output_tensors=[string_tensor("text_output", [ERROR_TEXT])], error=error)
+    text = string_tensor("text_output", [ERROR_TEXT])
+    return pb.InferenceResponse(output_tensors=[with_batch_dim(text) if batch_dim else text], error=error)

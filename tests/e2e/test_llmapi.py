@@ -306,14 +306,47 @@ def test_the_llmapi_model_exports_the_metrics_families(llmapi_server):
     } <= families
 
 
-def test_a_non_decoupled_llmapi_model_answers_once_and_refuses_streaming(tiny_model, tmp_path):
-    from tritonllm.deploy.llmapi_repo import build_llmapi_repo
+def test_a_repo_built_with_triton_config_params_and_a_hub_id_serves_as_built(
+    tiny_model, tmp_path, monkeypatch, fill_hub_cache
+):
+    """`tritonllm repo build --llmapi --model org/name --param triton_config.decoupled=false --param
+    triton_config.max_batch_size=8`: model.yaml keeps both and the id, Triton runs the model as built (its config
+    says so), the id resolves through a hub cache filled here (HF_HOME, offline), and a plain infer answers."""
+    import json
+
+    from tritonllm.commands.main import main as cli_main
     from tritonllm.deploy.tritonserver import Ports, TritonServer
 
-    repo = build_llmapi_repo(tiny_model, tmp_path / "repo", streaming=False, max_seq_len=256)
+    fill_hub_cache(tmp_path / "hf_home" / "hub", "acme/tiny-llama", tiny_model)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))  # the server inherits the environment
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    repo = tmp_path / "repo"
+    argv = ["repo", "build", "--llmapi", "--model", "acme/tiny-llama", "--out", str(repo), "--max-seq-len", "256"]
+    argv += ["--param", "triton_config.decoupled=false", "--param", "triton_config.max_batch_size=8"]
+    assert cli_main(argv) == 0
     with TritonServer(repo, Ports.free(), log_file=tmp_path / "tritonserver.log") as triton:
         server = clients.LiveServer(triton, tmp_path / "tritonserver.log", 256)
+        connection = server.connection()
+        connection.request("GET", f"/v2/models/{MODEL}/config")
+        config = json.loads(connection.getresponse().read())
+        connection.close()
+        assert config["max_batch_size"] == 8 and config["model_transaction_policy"]["decoupled"] is False
+        body = {
+            "inputs": [
+                {"name": "text_input", "shape": [1, 1], "datatype": "BYTES", "data": [PROMPT]},
+                {"name": "sampling_param_max_tokens", "shape": [1, 1], "datatype": "INT32", "data": [4]},
+                {"name": "return_finish_reason", "shape": [1, 1], "datatype": "BOOL", "data": [True]},
+            ]
+        }
+        status, data = server.post(f"/v2/models/{MODEL}/infer", body)
+        outputs = {output["name"]: output for output in json.loads(data)["outputs"]}
+        assert status == 200 and outputs["text_output"]["shape"] == [1, 1]
+        assert outputs["text_output"]["data"][0].startswith(PROMPT)
+        assert outputs["finish_reason"]["data"][0] in ("length", "stop")
         reply = server.generate({"text_input": PROMPT, "sampling_param_max_tokens": 4}, model=MODEL)
         assert reply["text_output"].startswith(PROMPT)
         status, error = server.generate_error({"text_input": PROMPT, "streaming": True}, model=MODEL)
         assert "'streaming'" in error and "decoupled" in error
+    log = (tmp_path / "tritonserver.log").read_text()
+    assert "models--acme--tiny-llama" in log  # the engine ran from the cached snapshot

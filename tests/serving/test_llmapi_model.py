@@ -340,3 +340,25 @@ def test_a_lora_request_without_lora_enabled_is_refused_naming_the_lora_inputs(m
     ((response, _),) = run(model, request(**adapter))
     message = response.error().message()
     assert message.startswith("inputs 'lora_id', 'lora_name', 'lora_path': ") and "LoRA is not enabled" in message
+
+
+def test_with_max_batch_size_every_output_carries_a_batch_dimension_of_one(model):
+    server = LLMAPIInflightRequests(model.engine, model.inflight.tokenizer, decoupled=False, batched=True)
+    try:
+        tensors = {"text_input": np.array([[PROMPT.encode()]], dtype=object)}
+        tensors.update(
+            {name: np.array([[True]]) for name in ("return_finish_reason", "sampling_param_return_perf_metrics")}
+        )
+        req = fake.InferenceRequest(tensors)
+        server.submit(req)
+        ((response, flags),) = wait_final(req)
+        values = outputs(response)
+        assert values["text_output"].shape == (1, 1) and values["text_output"][0, 0].decode().startswith(PROMPT)
+        assert values["finish_reason"].shape == (1, 1) and values["kv_cache_alloc_new_blocks"].shape == (1, 1)
+        bad = fake.InferenceRequest({"text_input": np.array([[b"a"], [b"b"]], dtype=object)})
+        server.submit(bad)
+        ((error, _),) = wait_final(bad)
+        assert "'text_input' carries a batch of 2" in error.error().message()
+        assert [t.as_numpy().shape for t in error.output_tensors()] == [(1, 1)]
+    finally:
+        server.shutdown()

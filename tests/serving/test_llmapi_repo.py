@@ -11,7 +11,7 @@ from tritonllm.commands.main import main as cli_main
 from tritonllm.deploy.llmapi_repo import build_llmapi_repo, llmapi_template
 from tritonllm.deploy.repo import RepoError, build_repo
 from tritonllm.engine.config import ConfigError
-from tritonllm.triton.llmapi_config import load_llmapi_settings, read_triton_config
+from tritonllm.triton.llmapi_config import TritonConfig, load_llmapi_settings, read_triton_config
 
 text_format = pytest.importorskip("google.protobuf.text_format")
 model_config_pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2")
@@ -126,7 +126,10 @@ def test_a_relative_model_path_is_relative_to_model_yaml(fake_model, tmp_path):
 @pytest.mark.parametrize(
     "triton_config, message",
     [
-        ({"max_batch_size": 8, "decoupled": True}, "max_batch_size = 8 must be 0"),
+        ({"max_batch_size": -1, "decoupled": True}, "max_batch_size = -1 must be an integer >= 0"),
+        ({"max_batch_size": True}, "max_batch_size = True must be an integer >= 0"),
+        ({"cancellation_check_period_ms": 0}, "cancellation_check_period_ms = 0 must be an integer >= 1"),
+        ({"multimodal": True}, "triton_config.multimodal = True is not supported"),
         ({"decoupled": "yes"}, "decoupled = 'yes' must be true or false"),
         ({"decoupled": True, "batching": 1}, "unknown key"),
         (None, "triton_config must be a mapping"),
@@ -207,25 +210,19 @@ def test_the_cli_builds_it_with_typed_params(fake_model, tmp_path, capsys):
 
 def test_triton_config_params_are_honoured_or_refused_never_dropped(fake_model, tmp_path):
     out = tmp_path / "repo"
-    assert (
-        cli_main(
-            [
-                "repo",
-                "build",
-                "--llmapi",
-                "--model",
-                str(fake_model),
-                "--out",
-                str(out),
-                "--param",
-                "triton_config.decoupled=false",
-            ]
-        )
-        == 0
-    )
-    assert load_llmapi_settings(out / "tensorrt_llm" / "1").triton.decoupled is False
-    with pytest.raises(RepoError, match="triton_config.max_batch_size = 8 must be 0"):
-        build_llmapi_repo(fake_model, tmp_path / "other", engine_args={"triton_config.max_batch_size": 8})
+    params = ["triton_config.decoupled=false", "triton_config.max_batch_size=8"]
+    params += ["triton_config.cancellation_check_period_ms=25"]
+    argv = ["repo", "build", "--llmapi", "--model", str(fake_model), "--out", str(out)]
+    assert cli_main(argv + [arg for param in params for arg in ("--param", param)]) == 0
+    data = yaml.safe_load((out / "tensorrt_llm" / "1" / "model.yaml").read_text())
+    assert data["triton_config"] == {"max_batch_size": 8, "decoupled": False, "cancellation_check_period_ms": 25}
+    settings = load_llmapi_settings(out / "tensorrt_llm" / "1")
+    assert settings.triton == TritonConfig(max_batch_size=8, decoupled=False, cancellation_check_period_ms=25)
+    assert settings.cancellation_check_period_ms == 25
+    with pytest.raises(RepoError, match=r"triton_config has unknown key\(s\) \['batching'\]"):
+        build_llmapi_repo(fake_model, tmp_path / "other", engine_args={"triton_config.batching": 1})
+    with pytest.raises(RepoError, match="triton_config.multimodal = True is not supported"):
+        build_llmapi_repo(fake_model, tmp_path / "other", engine_args={"triton_config.multimodal": True})
 
 
 def test_model_as_a_hugging_face_id_resolves_through_the_hub_cache(fake_model, tmp_path, monkeypatch, fill_hub_cache):

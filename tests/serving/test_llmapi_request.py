@@ -172,3 +172,27 @@ def test_inputs_the_engine_cannot_serve_are_refused_by_name(name):
 def test_engine_lora_refusals_name_the_lora_inputs():
     message = name_inputs("this request names a LoRA adapter but LoRA is not enabled (set enable_lora: true)")
     assert message.startswith("inputs 'lora_id', 'lora_name', 'lora_path': ")
+
+
+def batched(**tensors) -> fake.InferenceRequest:
+    """A request to a model with max_batch_size > 0: Triton prepends the batch dimension to every input."""
+    return fake.InferenceRequest({name: np.asarray(value)[None] for name, value in tensors.items()})
+
+
+def test_with_a_batch_dimension_one_prompt_per_request_is_read_as_without_it():
+    tensors = {
+        "text_input": np.array([b"Hi"], dtype=object),
+        "sampling_param_max_tokens": np.array([5], dtype=np.int32),
+        "streaming": np.array([True]),
+        "sampling_param_stop": np.array([b"x", b"y"], dtype=object),
+    }
+    job = convert_request(batched(**tensors), CharTokenizer(), decoupled=True, batched=True)
+    plain = convert_request(fake.InferenceRequest(tensors), CharTokenizer(), decoupled=True)
+    assert (job.prompt, job.params, job.streaming, job.stop) == (plain.prompt, plain.params, True, ["x", "y"])
+    assert job.outputs.batch_dim and not plain.outputs.batch_dim
+
+
+def test_a_batch_of_several_prompts_is_refused_by_name():
+    request = fake.InferenceRequest({"text_input": np.array([[b"Hi"], [b"Ho"]], dtype=object)})
+    with pytest.raises(InputError, match="input 'text_input' carries a batch of 2 .*one prompt per request"):
+        convert_request(request, CharTokenizer(), decoupled=True, batched=True)
