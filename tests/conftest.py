@@ -33,3 +33,24 @@ def graphs_on_this_device(monkeypatch):
         monkeypatch.setattr(engine_core, "graphs_supported", lambda device: True)
         monkeypatch.setattr(cuda_graphs, "capture", eager_capture)
     monkeypatch.setattr(cuda_graphs, "MIN_GRAPH_TOKENS", 16)
+
+
+HUB_REVISION = "0123456789abcdef0123456789abcdef01234567"
+
+
+@pytest.fixture
+def fill_hub_cache():
+    """fill(hub, "org/name", files) lays a model out as huggingface_hub caches it (hub/models--org--name/
+    snapshots/<rev>/..., refs/main = <rev>) and returns the snapshot folder: Hub ids resolve offline, no network."""
+    import shutil
+    from pathlib import Path
+
+    def fill(hub: Path, repo_id: str, files_from: Path) -> Path:
+        repo = Path(hub) / f"models--{repo_id.replace('/', '--')}"
+        snapshot = repo / "snapshots" / HUB_REVISION
+        shutil.copytree(files_from, snapshot)
+        (repo / "refs").mkdir()
+        (repo / "refs" / "main").write_text(HUB_REVISION)
+        return snapshot
+
+    return fill

@@ -179,7 +179,11 @@ def _repo_commands(sub) -> None:
     repo = sub.add_parser("repo", help="build or fill a Triton model repository")
     kinds = repo.add_subparsers(dest="repo_command", required=True)
     build = kinds.add_parser("build", help="a ready model repository for a model folder")
-    build.add_argument("--model", required=True, help="Hugging Face model folder")
+    build.add_argument(
+        "--model",
+        required=True,
+        help="Hugging Face model folder (--llmapi: or a Hugging Face model id, resolved through the hub cache)",
+    )
     build.add_argument("--out", required=True, help="repository folder to write")
     build.add_argument(
         "--llmapi",

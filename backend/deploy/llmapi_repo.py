@@ -15,6 +15,7 @@ from typing import Any, Mapping, Optional
 
 import yaml
 
+from tritonllm.checkpoints.model_ref import is_hub_id
 from tritonllm.deploy.repo import (
     RepoError,
     block_bytecode,
@@ -57,9 +58,11 @@ def build_llmapi_repo(
     engine_args: Optional[Mapping[str, Any]] = None,
     overwrite: bool = False,
 ) -> Path:
-    """Write `out_dir/tensorrt_llm` for the Hugging Face model folder `model_dir`. `engine_args` adds or overrides
-    model.yaml keys ("kv_cache_config.tokens_per_block" reaches into a nested config). Returns `out_dir`."""
-    model = check_model_dir(model_dir)
+    """Write `out_dir/tensorrt_llm` for the Hugging Face model folder `model_dir`, or a Hugging Face model id
+    (written as given, so model.yaml names the model as TensorRT-LLM's does; the build resolves it once through the
+    hub cache to check it). `engine_args` adds or overrides model.yaml keys ("kv_cache_config.tokens_per_block"
+    reaches into a nested config). Returns `out_dir`."""
+    model = model_ref(model_dir)
     check_build_numbers(
         max_batch_size=max_batch_size,
         max_seq_len=max_seq_len,
@@ -85,6 +88,13 @@ def build_llmapi_repo(
     # triton_config.* given as engine arguments override the defaults; the load check refuses bad ones by name.
     given = args.pop("triton_config", {})
     return write_llmapi_repo(out, {**args, "triton_config": {"max_batch_size": 0, "decoupled": streaming, **given}})
+
+
+def model_ref(model_dir: str | Path) -> str:
+    """A folder, checked and made absolute; else a Hugging Face id, kept as it is."""
+    if not Path(model_dir).expanduser().exists() and is_hub_id(str(model_dir)):
+        return str(model_dir)
+    return check_model_dir(model_dir)
 
 
 def set_arg(args: dict, key: str, value: Any) -> None:
@@ -118,6 +128,7 @@ def check_loadable(version_dir: Path) -> None:
         settings = load_llmapi_settings(version_dir)
     except ValueError as exc:
         raise RepoError(f"the LLM-API model.yaml would not load: {exc}") from exc
+    check_model_dir(settings.engine.model)  # a Hub id's snapshot must be a model folder too
     problems = settings.engine.embedded_unsupported() if choose_engine(settings.engine) == "embedded" else []
     if problems:
         raise RepoError("the embedded engine (the one engine: auto picks here) cannot honour: " + "; ".join(problems))

@@ -46,7 +46,12 @@ class TritonPythonModel(EngineBackedModel):
 
         def inflight(engine, on_finished):
             return LLMAPIInflightRequests(
-                engine, tokenizer, decoupled, settings.cancellation_check_period_ms, on_finished=on_finished
+                engine,
+                tokenizer,
+                decoupled,
+                settings.cancellation_check_period_ms,
+                on_finished=on_finished,
+                batched=settings.triton.max_batch_size > 0,
             )
 
         self.start(settings.engine, args, settings.stats_check_period_ms, inflight)

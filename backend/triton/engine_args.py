@@ -15,6 +15,7 @@ from typing import Any, Mapping, Optional
 
 import yaml
 
+from tritonllm.checkpoints.model_ref import resolve_model_ref
 from tritonllm.engine.config import (
     DEVICE_CHOICES,
     DTYPE_CHOICES,
@@ -127,6 +128,9 @@ def load_tensorrt_llm_settings(
     check_accepted_parameters(params)
     yaml_path = find_engine_args_file(Path(model_dir), model_version)
     args = load_yaml_args(yaml_path) if yaml_path else {}
+    for key in ("model", "tokenizer"):  # a Hugging Face id resolves through the hub cache; folders stay as given
+        if yaml_path and args.get(key):
+            args[key] = resolve_model_ref(args[key], key, str(yaml_path))
     triton_max_batch_size = _int_field(model_config, "max_batch_size", 0)
     decoupled = is_decoupled(model_config)
     if yaml_path:

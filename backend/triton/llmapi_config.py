@@ -6,28 +6,30 @@ The file holds TensorRT-LLM `LLM()` keyword arguments plus a `triton_config` sec
 
 from __future__ import annotations
 
-import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
 
 import yaml
 
+from ..checkpoints.model_ref import resolve_model_ref
 from ..engine.config import ConfigError, EngineConfig, load_yaml_args
 from ..tokenizer import LoadedTokenizer, load_tokenizer
 from .engine_args import find_engine_args_file
 from .params import Parameters
 
-TRITON_CONFIG_KEYS = ("max_batch_size", "decoupled")
+# TensorRT-LLM's llmapi model reads these triton_config keys; `multimodal` is refused (text-only models here).
+TRITON_CONFIG_KEYS = ("max_batch_size", "decoupled", "cancellation_check_period_ms", "multimodal")
 
 
 @dataclass(frozen=True)
 class TritonConfig:
-    """model.yaml's `triton_config`: what Triton itself needs to know about the model."""
+    """model.yaml's `triton_config`: what Triton itself needs to know about the model. max_batch_size > 0 makes
+    Triton add a batch dimension to every tensor; each request still carries one prompt (llmapi_inputs.py)."""
 
     max_batch_size: int = 0
     decoupled: bool = False
+    cancellation_check_period_ms: Optional[int] = None  # None: config.pbtxt's parameter, else 100
 
 
 @dataclass(frozen=True)
@@ -55,19 +57,24 @@ def model_yaml_path(version_dir: str | Path) -> Path:
 def read_triton_config(path: Path) -> TritonConfig:
     section = _read_yaml(path).get("triton_config")
     if not isinstance(section, dict):
-        raise ConfigError(f"{path}: triton_config must be a mapping with {' and '.join(TRITON_CONFIG_KEYS)}")
+        raise ConfigError(f"{path}: triton_config must be a mapping with {' and '.join(TRITON_CONFIG_KEYS[:2])}")
     unknown = sorted(set(section) - set(TRITON_CONFIG_KEYS))
     if unknown:
         raise ConfigError(f"{path}: triton_config has unknown key(s) {unknown}; known: {list(TRITON_CONFIG_KEYS)}")
-    batch, decoupled = section.get("max_batch_size", 0), section.get("decoupled", False)
-    if batch != 0:
+    if section.get("multimodal"):
         raise ConfigError(
-            f"{path}: triton_config.max_batch_size = {batch!r} must be 0: each request carries one "
-            "prompt and the engine batches requests itself"
+            f"{path}: triton_config.multimodal = {section['multimodal']!r} is not supported: this model serves "
+            "text-only models (set it false or leave it out)"
         )
+    batch, decoupled = section.get("max_batch_size", 0), section.get("decoupled", False)
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 0:
+        raise ConfigError(f"{path}: triton_config.max_batch_size = {batch!r} must be an integer >= 0")
     if not isinstance(decoupled, bool):
         raise ConfigError(f"{path}: triton_config.decoupled = {decoupled!r} must be true or false")
-    return TritonConfig(max_batch_size=0, decoupled=decoupled)
+    period = section.get("cancellation_check_period_ms")
+    if period is not None and (isinstance(period, bool) or not isinstance(period, int) or period < 1):
+        raise ConfigError(f"{path}: triton_config.cancellation_check_period_ms = {period!r} must be an integer >= 1")
+    return TritonConfig(max_batch_size=batch, decoupled=decoupled, cancellation_check_period_ms=period)
 
 
 def load_llmapi_settings(version_dir: str | Path, model_config: Optional[Mapping[str, Any]] = None) -> LLMAPISettings:
@@ -76,13 +83,13 @@ def load_llmapi_settings(version_dir: str | Path, model_config: Optional[Mapping
     path = model_yaml_path(version_dir)
     triton = read_triton_config(path)
     args = load_yaml_args(path)
-    model = resolve_model_path(path, args.get("model"), "model")
+    model = resolve_model_ref(args.get("model"), "model", str(path), base_dir=path.parent)
     if model is None:
         raise ConfigError(
             f"{path}: 'model' is unset: name the Hugging Face model folder (tritonllm repo build --llmapi fills it)"
         )
     args["model"] = model
-    tokenizer = resolve_model_path(path, args.get("tokenizer"), "tokenizer") or model
+    tokenizer = resolve_model_ref(args.get("tokenizer"), "tokenizer", str(path), base_dir=path.parent) or model
     args["tokenizer"] = tokenizer
     params = Parameters.from_model_config(model_config or {})
     return LLMAPISettings(
@@ -90,7 +97,8 @@ def load_llmapi_settings(version_dir: str | Path, model_config: Optional[Mapping
         triton=triton,
         tokenizer_dir=tokenizer,
         yaml_path=path,
-        cancellation_check_period_ms=params.int("cancellation_check_period_ms", 100, minimum=1),
+        cancellation_check_period_ms=triton.cancellation_check_period_ms
+        or params.int("cancellation_check_period_ms", 100, minimum=1),
         stats_check_period_ms=params.int("stats_check_period_ms", 100, minimum=1),
     )
 
@@ -103,41 +111,6 @@ def load_llmapi_tokenizer(settings: LLMAPISettings) -> LoadedTokenizer:
             f"{settings.yaml_path}: cannot load a tokenizer from {settings.tokenizer_dir} (model or "
             f"tokenizer): {type(error).__name__}: {error}"
         ) from error
-
-
-def resolve_model_path(yaml_path: Path, value: Any, key: str) -> Optional[str]:
-    """A folder named in model.yaml, or a Hugging Face model id (as TensorRT-LLM takes `model`). Relative folders
-    are relative to the yaml's folder, so a repository that carries its model can move; a value that is no folder
-    there and reads as `name` or `org/name` is fetched through huggingface_hub (its cache first)."""
-    if value is None or value == "":
-        return None
-    if not isinstance(value, str):
-        raise ConfigError(f"{yaml_path}: {key} must be a folder path or a Hugging Face model id, got {value!r}")
-    path = Path(value).expanduser()
-    folder = path if path.is_absolute() else (yaml_path.parent / path).resolve()
-    if folder.exists() or path.is_absolute() or value.startswith((".", "~")) or not _HUB_ID.match(value):
-        return str(folder)
-    return hub_snapshot(yaml_path, key, value)
-
-
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-
-
-def hub_snapshot(yaml_path: Path, key: str, repo_id: str) -> str:
-    """The local folder of a Hugging Face model: huggingface_hub's cache (HF_HOME / HF_HUB_CACHE), downloaded
-    into it when missing unless HF_HUB_OFFLINE is set; HF_TOKEN authenticates."""
-    from huggingface_hub import snapshot_download
-
-    offline = os.environ.get("HF_HUB_OFFLINE", "").strip().lower() in ("1", "true", "yes", "on")
-    try:
-        return snapshot_download(repo_id, local_files_only=offline)
-    except Exception as exc:  # offline and not cached, unknown id, no network, no access
-        raise ConfigError(
-            f"{yaml_path}: {key} {repo_id!r} is neither a folder (none at "
-            f"{(yaml_path.parent / repo_id).resolve()}) nor a Hugging Face model that could be "
-            f"fetched{' (HF_HUB_OFFLINE is set: only the cache was searched)' if offline else ''}: "
-            f"{type(exc).__name__}: {exc}"
-        ) from exc
 
 
 def _read_yaml(path: Path) -> dict:

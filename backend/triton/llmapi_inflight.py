@@ -5,8 +5,10 @@ always streams its updates here, whatever the client asked for, so stop strings 
 Updates are queued to one sender thread, which keeps each sequence's text (SequenceText) and answers: every update
 that changes the text when the client streams, one response at the end otherwise. Every
 `cancellation_check_period_ms` it asks Triton whether a client went away and then aborts the engine request, which
-frees its KV blocks (TensorRT-LLM's llmapi model never does: contract 1.3); the client gets a CANCELLED error. So
-does a `stop=true` request naming a running request's id. When
+frees its KV blocks (TensorRT-LLM's llmapi model never does: contract 1.3); the client gets a CANCELLED error.
+A `stop=true` request naming a running request's id (TensorRT-LLM's llmapi `stop`) aborts it the same way, but the
+stopped request ends as TensorRT-LLM's does: a last, normal response with the text so far and finish_reason
+"cancelled" (streaming or not); the stop request itself is answered CANCELLED "Request cancelled by client". When
 every sequence's text has reached a stop string the engine request is aborted too: the answer is complete."""
 
 from __future__ import annotations
@@ -18,7 +20,13 @@ from typing import Any, Callable, Optional
 from tritonllm.engine.types import CompletionOutput, InvalidRequestError, RequestOutput
 from tritonllm.triton.llm_request import is_stop_request
 from tritonllm.triton.llmapi_request import LLMAPIRequest, convert_request, name_inputs
-from tritonllm.triton.llmapi_responses import SequenceResult, error_response, inference_response
+from tritonllm.triton.llmapi_responses import (
+    PerfOutputs,
+    SequenceResult,
+    error_response,
+    inference_response,
+    perf_outputs,
+)
 from tritonllm.triton.llmapi_text import SequenceText
 from tritonllm.triton.pb import InputError, send_final, send_response
 from tritonllm.triton.request_metrics import report_finished
@@ -49,13 +57,17 @@ class LLMAPIInflightRequests(SenderLoop):
         decoupled: bool,
         cancellation_check_ms: int = 100,
         on_finished: Optional[Callable[[RequestOutput], None]] = None,
+        batched: bool = False,
     ):
+        """`batched`: the model has max_batch_size > 0, so inputs and outputs carry a batch dimension (of 1)."""
         super().__init__(cancellation_check_ms, "tritonllm-llmapi-sender")
         self.engine = engine
         self.tokenizer = tokenizer
         self.decoupled = decoupled
+        self.batched = batched
         self.on_finished = on_finished
         self.by_triton_id: dict[str, list[RequestState]] = {}
+        self.tokens_per_block = engine.stats().tokens_per_block  # for the kv_cache_missed_block output
         self.start_sending()
 
     # -- called from execute() --------------------------------------------------------------------------------
@@ -66,12 +78,12 @@ class LLMAPIInflightRequests(SenderLoop):
             if is_stop_request(request):
                 self._stop(request.request_id(), sender)
                 return
-            job = convert_request(request, self.tokenizer, self.decoupled)
+            job = convert_request(request, self.tokenizer, self.decoupled, self.batched)
             self._start(RequestState(sender, job, request.request_id() or ""))
         except InvalidRequestError as exc:  # the engine refused it; say which inputs are concerned
-            send_final(sender, error_response(name_inputs(str(exc))))
+            send_final(sender, self._error(name_inputs(str(exc))))
         except (InputError, ValueError) as exc:
-            send_final(sender, error_response(str(exc)))
+            send_final(sender, self._error(str(exc)))
 
     def _start(self, state: RequestState) -> None:
         with self.lock:  # the sender thread forgets a request under this lock: it must be registered first
@@ -80,6 +92,7 @@ class LLMAPIInflightRequests(SenderLoop):
                 state.job.params,
                 streaming=True,
                 on_output=lambda _handle, item: self.events.put((state, item)),
+                lora_request=state.job.lora,
             )
             state.engine_id = handle.request_id
             self.active[handle.request_id] = state
@@ -87,23 +100,31 @@ class LLMAPIInflightRequests(SenderLoop):
                 self.by_triton_id.setdefault(state.triton_id, []).append(state)
 
     def _stop(self, triton_id: str, sender: Any) -> None:
-        """TensorRT-LLM's llmapi `stop`: abort the requests with this id; the stop request itself is answered with
-        CANCELLED "Request cancelled by client", as there (the stopped requests end CANCELLED too)."""
+        """TensorRT-LLM's llmapi `stop`: abort the running requests with this id (each then answers its text so far,
+        finish_reason "cancelled"); the stop request is answered CANCELLED "Request cancelled by client", as there.
+        An id that names no running request is answered NOT_FOUND and touches nothing (TensorRT-LLM answers
+        CANCELLED either way, which hides a stop that came too late or named the wrong id)."""
         if not triton_id:
             raise InputError("input 'stop': a request id must be provided for request cancellation")
         with self.lock:
-            states = list(self.by_triton_id.get(triton_id, []))
+            states = [state for state in self.by_triton_id.get(triton_id, []) if not state.closed]
+        if not states:
+            message = f"input 'stop': no running request has the id {triton_id!r}; nothing was stopped"
+            send_final(sender, self._error(message, "NOT_FOUND"))
+            return
         for state in states:
             log.info("stop request for %r: aborting engine request %s", triton_id, state.engine_id)
-            state.cancelled = True
-            self.engine.abort(state.engine_id)
-        send_final(sender, error_response("Request cancelled by client", "CANCELLED"))
+            self.engine.abort(state.engine_id)  # its final output (finish_reason "cancelled") closes it
+        send_final(sender, self._error("Request cancelled by client", "CANCELLED"))
+
+    def _error(self, message: str, code_name: str = "INVALID_ARG") -> Any:
+        return error_response(message, code_name, batch_dim=self.batched)
 
     # -- sender thread ----------------------------------------------------------------------------------------
 
     def _fail(self, event: tuple) -> None:
         log.exception("failed to answer an LLM-API request")
-        self._close(event[0], error_response("internal error while sending the response", "INTERNAL"))
+        self._close(event[0], self._error("internal error while sending the response", "INTERNAL"))
 
     def _on_client_gone(self, state: RequestState) -> None:
         log.info("client cancelled an LLM-API request: aborting engine request %s", state.engine_id)
@@ -112,7 +133,7 @@ class LLMAPIInflightRequests(SenderLoop):
 
     def _on_output(self, state: RequestState, item: Any) -> None:
         if isinstance(item, BaseException):
-            self._close(state, error_response(f"the engine failed: {item}", "INTERNAL"))
+            self._close(state, self._error(f"the engine failed: {item}", "INTERNAL"))
             return
         if item.finished:
             report_finished(self.on_finished, item, log)
@@ -120,7 +141,7 @@ class LLMAPIInflightRequests(SenderLoop):
             return  # answered already (every sequence reached a stop string); only the metrics were left
         if state.cancelled:
             if item.finished:
-                self._close(state, error_response("request was cancelled", "CANCELLED"))
+                self._close(state, self._error("request was cancelled", "CANCELLED"))
             return
         if self._update_texts(state, item):
             if not item.finished:
@@ -151,13 +172,21 @@ class LLMAPIInflightRequests(SenderLoop):
             results = [replace(result, text=state.job.prompt + result.text) for result in results]
         return results
 
-    @staticmethod
-    def _result(state: RequestState, completion: CompletionOutput, final: bool) -> SequenceResult:
+    def _result(self, state: RequestState, completion: CompletionOutput, final: bool) -> SequenceResult:
         text = state.texts[completion.index]
+        perf = self._perf(state, completion)
         if not final:
-            return SequenceResult(text.text(final=False), cumulative_logprob=completion.cumulative_logprob)
+            return SequenceResult(text.text(final=False), cumulative_logprob=completion.cumulative_logprob, perf=perf)
         finish_reason = "stop" if text.stopped else completion.finish_reason
-        return SequenceResult(text.text(final=True), finish_reason, text.stopped_by, completion.cumulative_logprob)
+        return SequenceResult(
+            text.text(final=True), finish_reason, text.stopped_by, completion.cumulative_logprob, perf=perf
+        )
+
+    def _perf(self, state: RequestState, completion: CompletionOutput) -> Optional[PerfOutputs]:
+        metrics = completion.request_perf_metrics
+        if not state.job.outputs.perf_metrics or metrics is None:
+            return None
+        return perf_outputs(metrics, len(state.job.prompt_token_ids), self.tokens_per_block)
 
     def _close(self, state: RequestState, response: Any) -> None:
         """Send the request's last response (FINAL flag) and forget it."""

@@ -10,8 +10,10 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from ..engine.types import SamplingParams
-from .pb import InputError, decode_string, optional_input
+from ..engine.types import LoRARequest, SamplingParams
+from .llmapi_inputs import BatchedRequest, read_input
+from .llmapi_lora import LORA_INPUTS, lora_request
+from .pb import InputError, decode_string
 
 # input -> (SamplingParams field, Triton type, Python kind)
 SAMPLING_INPUTS = {
@@ -28,8 +30,18 @@ INPUT_OF_WORD = {
     **{fld: name for name, (fld, _, _) in SAMPLING_INPUTS.items()},
     "prompt": "text_input",
     "n": "sampling_param_best_of",
+    "lora_task_id": "lora_id",
+    "return_perf_metrics": "sampling_param_return_perf_metrics",
 }
 DEFAULT_MAX_TOKENS = 32  # TensorRT-LLM SamplingParams' default
+# Inputs of TensorRT-LLM's llmapi config.pbtxt that this model declares but cannot serve: input -> why.
+REFUSED_INPUTS = {
+    "image_url": "multimodal prompts are not supported: this model serves text-only models",
+    "sampling_param_logits_post_processor_name": (
+        "named logits post-processors (model.yaml logits_post_processors, Python LogitsProcessor objects of "
+        "TensorRT-LLM) are not supported by the embedded engine"
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -39,6 +51,8 @@ class OutputOptions:
     finish_reason: bool = False
     stop_reason: bool = False
     cumulative_logprob: bool = False
+    perf_metrics: bool = False  # sampling_param_return_perf_metrics: the KV-cache and timing outputs
+    batch_dim: bool = False  # triton_config.max_batch_size > 0: every output gets a leading batch dim of 1
 
 
 @dataclass
@@ -51,10 +65,15 @@ class LLMAPIRequest:
     best_of: int = 1
     stop: list[str] = field(default_factory=list)
     outputs: OutputOptions = OutputOptions()
+    lora: Optional[LoRARequest] = None
 
 
-def convert_request(request: Any, tokenizer: Any, decoupled: bool) -> LLMAPIRequest:
-    """The validated request; `tokenizer` is a LoadedTokenizer (prompt, stop strings, end and pad ids)."""
+def convert_request(request: Any, tokenizer: Any, decoupled: bool, batched: bool = False) -> LLMAPIRequest:
+    """The validated request; `tokenizer` is a LoadedTokenizer (prompt, stop strings, end and pad ids). `batched`:
+    the model has max_batch_size > 0, so inputs and outputs carry Triton's batch dimension (of 1)."""
+    if batched:
+        request = BatchedRequest(request)
+    check_refused(request)
     prompt = prompt_text(request)
     streaming = flag(request, "streaming")
     if streaming and not decoupled:
@@ -72,6 +91,8 @@ def convert_request(request: Any, tokenizer: Any, decoupled: bool) -> LLMAPIRequ
         flag(request, "return_finish_reason"),
         flag(request, "return_stop_reason"),
         flag(request, "return_cumulative_logprob"),
+        flag(request, "sampling_param_return_perf_metrics"),
+        batched,
     )
     params = sampling_params(request, tokenizer, best_of, stop, outputs)
     return LLMAPIRequest(
@@ -83,7 +104,16 @@ def convert_request(request: Any, tokenizer: Any, decoupled: bool) -> LLMAPIRequ
         best_of,
         stop,
         outputs,
+        lora_request(request),
     )
+
+
+def check_refused(request: Any) -> None:
+    """Refuse, by name, a declared input this model cannot serve (an empty value counts as absent)."""
+    for name, why in REFUSED_INPUTS.items():
+        array = read_input(request, name)
+        if array is not None and any(decode_string(value, name) for value in array.reshape(-1)):
+            raise InputError(name, f"cannot be served: {why}")
 
 
 def sampling_params(
@@ -102,8 +132,9 @@ def sampling_params(
         end_id=end_id,
         pad_id=tokenizer.pad_id,
         stop_words=words or None,
-        logprobs=outputs.cumulative_logprob or best_of > 1,
-    )  # best_of ranks by log-prob
+        logprobs=outputs.cumulative_logprob or best_of > 1,  # best_of ranks by log-prob
+        return_perf_metrics=outputs.perf_metrics,
+    )
     try:
         params.validate()
     except ValueError as exc:
@@ -119,6 +150,8 @@ def name_inputs(message: str) -> str:
         name = INPUT_OF_WORD.get(word)
         if name and name not in names:
             names.append(name)
+    if not names and "lora" in message.lower():  # the engine's LoRA refusals ("LoRA is not enabled", ...)
+        names = list(LORA_INPUTS)
     if not names:
         return message
     label = "input" if len(names) == 1 else "inputs"
@@ -126,7 +159,7 @@ def name_inputs(message: str) -> str:
 
 
 def prompt_text(request: Any) -> str:
-    array = optional_input(request, "text_input", "STRING")
+    array = read_input(request, "text_input", "STRING")
     if array is None:
         raise InputError("text_input", "is required")
     if array.ndim != 1 or array.size < 1:
@@ -135,7 +168,7 @@ def prompt_text(request: Any) -> str:
 
 
 def stop_strings(request: Any) -> list[str]:
-    array = optional_input(request, "sampling_param_stop", "STRING")
+    array = read_input(request, "sampling_param_stop", "STRING")
     if array is None:
         return []
     return [word for word in (decode_string(value, "sampling_param_stop") for value in array.reshape(-1)) if word]
@@ -143,7 +176,7 @@ def stop_strings(request: Any) -> list[str]:
 
 def scalar(request: Any, name: str, dtype: str, kind: type) -> Optional[Any]:
     """The one value of a dims [1] input, or None when the request does not carry it."""
-    array = optional_input(request, name, dtype)
+    array = read_input(request, name, dtype)
     if array is None:
         return None
     if array.size != 1:

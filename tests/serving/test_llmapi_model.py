@@ -57,11 +57,11 @@ def model(repo):
             sys.modules["triton_python_backend_utils"] = saved
 
 
-def request(prompt=PROMPT, **inputs) -> fake.InferenceRequest:
+def request(prompt=PROMPT, request_id: str = "", **inputs) -> fake.InferenceRequest:
     tensors = {} if prompt is None else {"text_input": np.array([prompt.encode()], dtype=object)}
     for name, value in inputs.items():
         tensors[name] = value if isinstance(value, np.ndarray) else np.array([value], dtype=TYPES[type(value)])
-    return fake.InferenceRequest(tensors)
+    return fake.InferenceRequest(tensors, request_id=request_id)
 
 
 def run(model, req, timeout: float = 60) -> list:
@@ -195,6 +195,54 @@ def test_a_cancelled_request_aborts_its_engine_request(model):
     assert wait_idle(model).num_steps - steps_before < 150
 
 
+def wait_sent(req, count: int, timeout: float = 30) -> None:
+    sender = req.get_response_sender()
+    deadline = time.monotonic() + timeout
+    while len(sender.sent) < count:
+        assert time.monotonic() < deadline, f"fewer than {count} responses within {timeout}s"
+        time.sleep(0.005)
+
+
+@pytest.mark.parametrize("streaming", [True, False])
+def test_a_stop_request_with_a_running_requests_id_aborts_it_and_both_get_tensorrt_llms_answers(model, streaming):
+    wait_idle(model)
+    steps_before = model.engine.stats().num_steps
+    running = request(request_id="stop-me", sampling_param_max_tokens=200, streaming=streaming, **ALL_OUTPUTS)
+    model.execute([running])
+    if streaming:
+        wait_sent(running, 2)
+    else:  # no response to wait for: wait until the engine runs it
+        deadline = time.monotonic() + 30
+        while model.engine.stats().num_running == 0:
+            assert time.monotonic() < deadline
+            time.sleep(0.002)
+    ((stop_answer, stop_flags),) = run(model, request("", request_id="stop-me", stop=True))
+    assert stop_flags == fake.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+    assert stop_answer.error().code() == fake.TritonError.CANCELLED
+    assert stop_answer.error().message() == "Request cancelled by client"
+    last, flags = wait_final(running)[-1]
+    assert flags == fake.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+    values = outputs(last)  # a normal last response with the text so far, as TensorRT-LLM's stopped stream ends
+    assert values["finish_reason"].tolist() == [b"cancelled"]
+    assert wait_idle(model).num_steps - steps_before < 150
+
+
+def test_a_stop_request_for_an_unknown_id_is_answered_not_found_and_disturbs_nobody(model):
+    other = request(request_id="busy", sampling_param_max_tokens=40, streaming=True, return_finish_reason=True)
+    model.execute([other])
+    ((answer, _),) = run(model, request("", request_id="nobody", stop=True))
+    assert answer.error().code() == fake.TritonError.NOT_FOUND
+    assert "'nobody'" in answer.error().message() and "'stop'" in answer.error().message()
+    last, _ = wait_final(other)[-1]
+    assert outputs(last)["finish_reason"].tolist() in ([b"length"], [b"stop"])
+
+
+def test_a_stop_request_without_an_id_is_refused_by_name(model):
+    ((answer, _),) = run(model, request("", stop=True))
+    assert answer.error().code() == fake.TritonError.INVALID_ARG
+    assert "'stop'" in answer.error().message() and "request id must be provided" in answer.error().message()
+
+
 @pytest.mark.parametrize(
     "inputs, named",
     [
@@ -235,3 +283,82 @@ def test_finished_requests_feed_the_histograms(model):
     assert 1 <= histograms["nv_llm_output_token_len"].observations[-1] <= 3
     gauges = fake.MetricFamily.families["nv_trt_llm_kv_cache_block_metrics"].metrics
     assert {metric.labels["model"] for metric in gauges} == {"tensorrt_llm"}
+
+
+PERF_OUTPUTS = {
+    "kv_cache_reused_block": np.int32,
+    "kv_cache_missed_block": np.int32,
+    "kv_cache_alloc_new_blocks": np.int32,
+    "kv_cache_alloc_total_blocks": np.int32,
+    "kv_cache_hit_rate": np.float32,
+    "arrival_time_ns": np.int64,
+    "first_scheduled_time_ns": np.int64,
+    "first_token_time_ns": np.int64,
+    "last_token_time_ns": np.int64,
+    "acceptance_rate": np.float32,
+    "total_accepted_draft_tokens": np.int32,
+    "total_draft_tokens": np.int32,
+}
+
+
+def test_return_perf_metrics_adds_the_kv_cache_and_timing_outputs_with_their_declared_types(model):
+    prompt = " ".join(["lamp"] * 80)  # several KV blocks, so that the second request reuses the first one's
+    prompt_blocks = -(-len(model.inflight.tokenizer.encode(prompt, add_special_tokens=True)) // 32)
+    seen = []
+    for _ in range(2):
+        ((response, _),) = run(
+            model, request(prompt, sampling_param_max_tokens=4, sampling_param_return_perf_metrics=True)
+        )
+        values = outputs(response)
+        assert {name: values[name].dtype for name in PERF_OUTPUTS} == PERF_OUTPUTS
+        assert all(values[name].shape == (1,) for name in PERF_OUTPUTS)
+        seen.append({name: values[name][0].item() for name in PERF_OUTPUTS})
+    first, second = seen
+    assert first["kv_cache_reused_block"] == 0 and first["kv_cache_missed_block"] == prompt_blocks
+    assert first["kv_cache_hit_rate"] == 0.0
+    assert second["kv_cache_reused_block"] > 0  # the prefix cache gave the full prompt blocks
+    assert second["kv_cache_reused_block"] + second["kv_cache_missed_block"] == prompt_blocks
+    assert second["kv_cache_hit_rate"] == pytest.approx(second["kv_cache_reused_block"] / prompt_blocks)
+    for metrics in seen:
+        assert metrics["kv_cache_alloc_total_blocks"] >= metrics["kv_cache_alloc_new_blocks"] > 0
+        times = [
+            metrics[n]
+            for n in ("arrival_time_ns", "first_scheduled_time_ns", "first_token_time_ns", "last_token_time_ns")
+        ]
+        assert 0 < times[0] <= times[1] <= times[2] <= times[3]
+        assert (metrics["acceptance_rate"], metrics["total_draft_tokens"]) == (0.0, 0)
+    ((plain, _),) = run(model, request(sampling_param_max_tokens=2))
+    assert not set(PERF_OUTPUTS) & set(outputs(plain))  # only when asked for
+
+
+def test_a_lora_request_without_lora_enabled_is_refused_naming_the_lora_inputs(model, tmp_path):
+    adapter = {
+        "lora_id": np.array([3], dtype=np.uint64),
+        "lora_name": np.array([b"mine"], dtype=object),
+        "lora_path": np.array([str(tmp_path).encode()], dtype=object),
+    }
+    ((response, _),) = run(model, request(**adapter))
+    message = response.error().message()
+    assert message.startswith("inputs 'lora_id', 'lora_name', 'lora_path': ") and "LoRA is not enabled" in message
+
+
+def test_with_max_batch_size_every_output_carries_a_batch_dimension_of_one(model):
+    server = LLMAPIInflightRequests(model.engine, model.inflight.tokenizer, decoupled=False, batched=True)
+    try:
+        tensors = {"text_input": np.array([[PROMPT.encode()]], dtype=object)}
+        tensors.update(
+            {name: np.array([[True]]) for name in ("return_finish_reason", "sampling_param_return_perf_metrics")}
+        )
+        req = fake.InferenceRequest(tensors)
+        server.submit(req)
+        ((response, flags),) = wait_final(req)
+        values = outputs(response)
+        assert values["text_output"].shape == (1, 1) and values["text_output"][0, 0].decode().startswith(PROMPT)
+        assert values["finish_reason"].shape == (1, 1) and values["kv_cache_alloc_new_blocks"].shape == (1, 1)
+        bad = fake.InferenceRequest({"text_input": np.array([[b"a"], [b"b"]], dtype=object)})
+        server.submit(bad)
+        ((error, _),) = wait_final(bad)
+        assert "'text_input' carries a batch of 2" in error.error().message()
+        assert [t.as_numpy().shape for t in error.output_tensors()] == [(1, 1)]
+    finally:
+        server.shutdown()

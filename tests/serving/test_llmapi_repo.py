@@ -11,13 +11,16 @@ from tritonllm.commands.main import main as cli_main
 from tritonllm.deploy.llmapi_repo import build_llmapi_repo, llmapi_template
 from tritonllm.deploy.repo import RepoError, build_repo
 from tritonllm.engine.config import ConfigError
-from tritonllm.triton.llmapi_config import load_llmapi_settings, read_triton_config
+from tritonllm.triton.llmapi_config import TritonConfig, load_llmapi_settings, read_triton_config
 
 text_format = pytest.importorskip("google.protobuf.text_format")
 model_config_pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2")
 
+# TensorRT-LLM's current triton_backend/all_models/llmapi/tensorrt_llm/config.pbtxt (docs/llmapi-io.md), plus the
+# logits post-processor input its helpers read.
 CONTRACT_INPUTS = {  # name -> (data type, dims, optional)
     "text_input": ("TYPE_STRING", [-1], False),
+    "image_url": ("TYPE_STRING", [-1], True),
     "streaming": ("TYPE_BOOL", [1], True),
     "sampling_param_best_of": ("TYPE_INT32", [1], True),
     "sampling_param_temperature": ("TYPE_FP32", [1], True),
@@ -29,16 +32,34 @@ CONTRACT_INPUTS = {  # name -> (data type, dims, optional)
     "sampling_param_stop": ("TYPE_STRING", [-1], True),
     "sampling_param_seed": ("TYPE_UINT64", [1], True),
     "sampling_param_exclude_input_from_output": ("TYPE_BOOL", [1], True),
+    "sampling_param_return_perf_metrics": ("TYPE_BOOL", [1], True),
+    "sampling_param_logits_post_processor_name": ("TYPE_STRING", [1], True),
     "return_finish_reason": ("TYPE_BOOL", [1], True),
     "return_stop_reason": ("TYPE_BOOL", [1], True),
     "return_cumulative_logprob": ("TYPE_BOOL", [1], True),
     "stop": ("TYPE_BOOL", [1], True),
+    "lora_id": ("TYPE_UINT64", [1], True),
+    "lora_name": ("TYPE_STRING", [1], True),
+    "lora_path": ("TYPE_STRING", [1], True),
+    "lora_ckpt_source": ("TYPE_STRING", [1], True),
 }
 CONTRACT_OUTPUTS = {
     "text_output": ("TYPE_STRING", [-1]),
     "finish_reason": ("TYPE_STRING", [-1]),
     "stop_reason": ("TYPE_STRING", [-1]),
     "cumulative_logprob": ("TYPE_FP32", [-1]),
+    "kv_cache_reused_block": ("TYPE_INT32", [-1]),
+    "kv_cache_missed_block": ("TYPE_INT32", [-1]),
+    "kv_cache_alloc_new_blocks": ("TYPE_INT32", [-1]),
+    "kv_cache_alloc_total_blocks": ("TYPE_INT32", [-1]),
+    "kv_cache_hit_rate": ("TYPE_FP32", [-1]),
+    "arrival_time_ns": ("TYPE_INT64", [1]),
+    "first_scheduled_time_ns": ("TYPE_INT64", [1]),
+    "first_token_time_ns": ("TYPE_INT64", [1]),
+    "last_token_time_ns": ("TYPE_INT64", [1]),
+    "acceptance_rate": ("TYPE_FP32", [1]),
+    "total_accepted_draft_tokens": ("TYPE_INT32", [1]),
+    "total_draft_tokens": ("TYPE_INT32", [1]),
 }
 
 
@@ -105,7 +126,10 @@ def test_a_relative_model_path_is_relative_to_model_yaml(fake_model, tmp_path):
 @pytest.mark.parametrize(
     "triton_config, message",
     [
-        ({"max_batch_size": 8, "decoupled": True}, "max_batch_size = 8 must be 0"),
+        ({"max_batch_size": -1, "decoupled": True}, "max_batch_size = -1 must be an integer >= 0"),
+        ({"max_batch_size": True}, "max_batch_size = True must be an integer >= 0"),
+        ({"cancellation_check_period_ms": 0}, "cancellation_check_period_ms = 0 must be an integer >= 1"),
+        ({"multimodal": True}, "triton_config.multimodal = True is not supported"),
         ({"decoupled": "yes"}, "decoupled = 'yes' must be true or false"),
         ({"decoupled": True, "batching": 1}, "unknown key"),
         (None, "triton_config must be a mapping"),
@@ -186,44 +210,34 @@ def test_the_cli_builds_it_with_typed_params(fake_model, tmp_path, capsys):
 
 def test_triton_config_params_are_honoured_or_refused_never_dropped(fake_model, tmp_path):
     out = tmp_path / "repo"
-    assert (
-        cli_main(
-            [
-                "repo",
-                "build",
-                "--llmapi",
-                "--model",
-                str(fake_model),
-                "--out",
-                str(out),
-                "--param",
-                "triton_config.decoupled=false",
-            ]
-        )
-        == 0
-    )
-    assert load_llmapi_settings(out / "tensorrt_llm" / "1").triton.decoupled is False
-    with pytest.raises(RepoError, match="triton_config.max_batch_size = 8 must be 0"):
-        build_llmapi_repo(fake_model, tmp_path / "other", engine_args={"triton_config.max_batch_size": 8})
+    params = ["triton_config.decoupled=false", "triton_config.max_batch_size=8"]
+    params += ["triton_config.cancellation_check_period_ms=25"]
+    argv = ["repo", "build", "--llmapi", "--model", str(fake_model), "--out", str(out)]
+    assert cli_main(argv + [arg for param in params for arg in ("--param", param)]) == 0
+    data = yaml.safe_load((out / "tensorrt_llm" / "1" / "model.yaml").read_text())
+    assert data["triton_config"] == {"max_batch_size": 8, "decoupled": False, "cancellation_check_period_ms": 25}
+    settings = load_llmapi_settings(out / "tensorrt_llm" / "1")
+    assert settings.triton == TritonConfig(max_batch_size=8, decoupled=False, cancellation_check_period_ms=25)
+    assert settings.cancellation_check_period_ms == 25
+    with pytest.raises(RepoError, match=r"triton_config has unknown key\(s\) \['batching'\]"):
+        build_llmapi_repo(fake_model, tmp_path / "other", engine_args={"triton_config.batching": 1})
+    with pytest.raises(RepoError, match="triton_config.multimodal = True is not supported"):
+        build_llmapi_repo(fake_model, tmp_path / "other", engine_args={"triton_config.multimodal": True})
 
 
-def test_model_as_a_hugging_face_id_resolves_through_the_hub_cache(fake_model, tmp_path, monkeypatch):
-    """TensorRT-LLM's documented flow names `model:` by its Hub id; here from a pre-filled cache, offline."""
-    import shutil
-
-    import huggingface_hub.constants
-
-    snapshot = tmp_path / "hub" / "models--acme--tiny-llama" / "snapshots" / "0123abcd"
-    shutil.copytree(fake_model, snapshot)
-    (tmp_path / "hub" / "models--acme--tiny-llama" / "refs").mkdir()
-    (tmp_path / "hub" / "models--acme--tiny-llama" / "refs" / "main").write_text("0123abcd")
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+def test_model_as_a_hugging_face_id_resolves_through_the_hub_cache(fake_model, tmp_path, monkeypatch, fill_hub_cache):
+    """TensorRT-LLM's documented flow names `model:` by its Hub id; here from a pre-filled HF_HOME, offline."""
+    snapshot = fill_hub_cache(tmp_path / "hf_home" / "hub", "acme/tiny-llama", fake_model)
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    version = build_llmapi_repo(fake_model, tmp_path / "repo") / "tensorrt_llm" / "1"
+    version = build_llmapi_repo("acme/tiny-llama", tmp_path / "repo") / "tensorrt_llm" / "1"
     data = yaml.safe_load((version / "model.yaml").read_text())
-    (version / "model.yaml").write_text(yaml.safe_dump({**data, "model": "acme/tiny-llama"}))
+    assert data["model"] == "acme/tiny-llama"  # written as given: the id travels with the repository
     settings = load_llmapi_settings(version)
     assert Path(settings.engine.model) == snapshot and Path(settings.tokenizer_dir) == snapshot
     (version / "model.yaml").write_text(yaml.safe_dump({**data, "model": "acme/not-cached"}))
-    with pytest.raises(ConfigError, match="'acme/not-cached' is neither a folder.*HF_HUB_OFFLINE is set"):
+    with pytest.raises(ConfigError, match="model 'acme/not-cached' is neither a folder.*HF_HUB_OFFLINE is set"):
         load_llmapi_settings(version)
+    with pytest.raises(RepoError, match="model 'acme/other' is neither a folder"):
+        build_llmapi_repo("acme/other", tmp_path / "repo2")

@@ -121,3 +121,78 @@ def test_engine_messages_get_the_inputs_they_are_about():
         "max_seq_len 256"
     )
     assert name_inputs("the engine is tired") == "the engine is tired"
+
+
+def strings(*values: str) -> np.ndarray:
+    return np.array([value.encode() for value in values], dtype=object)
+
+
+def test_return_perf_metrics_reaches_the_engine_params_and_the_output_options():
+    job = convert(sampling_param_return_perf_metrics=True)
+    assert job.params.return_perf_metrics and job.outputs.perf_metrics
+    assert not convert().params.return_perf_metrics
+
+
+def test_a_lora_adapter_is_read_from_lora_id_name_and_path_together(tmp_path):
+    job = convert(lora_id=np.array([7], dtype=np.uint64), lora_name=strings("mine"), lora_path=strings(str(tmp_path)))
+    assert (job.lora.lora_int_id, job.lora.lora_name, job.lora.lora_path) == (7, "mine", str(tmp_path))
+    assert convert().lora is None
+
+
+ADAPTER = {"lora_id": np.array([7], dtype=np.uint64), "lora_name": "mine", "lora_path": "{tmp}"}
+
+
+@pytest.mark.parametrize(
+    "inputs, message",
+    [
+        (dict(lora_name="mine"), "inputs 'lora_id', 'lora_path' missing: lora_id, lora_name and lora_path must all"),
+        (dict(lora_ckpt_source="hf"), "input 'lora_ckpt_source' needs lora_id, lora_name and lora_path"),
+        ({**ADAPTER, "lora_ckpt_source": "nemo"}, "input 'lora_ckpt_source' = \"nemo\" is not supported"),
+        ({**ADAPTER, "lora_ckpt_source": "zip"}, "input 'lora_ckpt_source' must be one of ['hf', 'nemo'], got 'zip'"),
+        ({**ADAPTER, "lora_path": "/no/such/adapter"}, "input 'lora_path' '/no/such/adapter' does not exist"),
+    ],
+)
+def test_lora_inputs_are_refused_by_name(tmp_path, inputs, message):
+    tensors = {
+        name: strings(value.replace("{tmp}", str(tmp_path))) if isinstance(value, str) else value
+        for name, value in inputs.items()
+    }
+    with pytest.raises(InputError) as caught:
+        convert(**tensors)
+    assert message in str(caught.value)
+
+
+@pytest.mark.parametrize("name", ["image_url", "sampling_param_logits_post_processor_name"])
+def test_inputs_the_engine_cannot_serve_are_refused_by_name(name):
+    with pytest.raises(InputError, match=f"input '{name}' cannot be served"):
+        convert(**{name: strings("anything")})
+    assert convert(**{name: strings("")}).prompt == "Hi"  # empty counts as absent, as in TensorRT-LLM
+
+
+def test_engine_lora_refusals_name_the_lora_inputs():
+    message = name_inputs("this request names a LoRA adapter but LoRA is not enabled (set enable_lora: true)")
+    assert message.startswith("inputs 'lora_id', 'lora_name', 'lora_path': ")
+
+
+def batched(**tensors) -> fake.InferenceRequest:
+    """A request to a model with max_batch_size > 0: Triton prepends the batch dimension to every input."""
+    return fake.InferenceRequest({name: np.asarray(value)[None] for name, value in tensors.items()})
+
+
+def test_with_a_batch_dimension_one_prompt_per_request_is_read_as_without_it():
+    tensors = {
+        "text_input": np.array([b"Hi"], dtype=object),
+        "sampling_param_max_tokens": np.array([5], dtype=np.int32),
+        "streaming": np.array([True]),
+        "sampling_param_stop": np.array([b"x", b"y"], dtype=object),
+    }
+    job = convert_request(batched(**tensors), CharTokenizer(), decoupled=True, batched=True)
+    plain = convert_request(fake.InferenceRequest(tensors), CharTokenizer(), decoupled=True)
+    assert (job.prompt, job.params, job.streaming, job.stop) == (plain.prompt, plain.params, True, ["x", "y"])
+    assert job.outputs.batch_dim and not plain.outputs.batch_dim
+
+
+def test_a_batch_of_several_prompts_is_refused_by_name():
+    request = fake.InferenceRequest({"text_input": np.array([[b"Hi"], [b"Ho"]], dtype=object)})
+    with pytest.raises(InputError, match="input 'text_input' carries a batch of 2 .*one prompt per request"):
+        convert_request(request, CharTokenizer(), decoupled=True, batched=True)
