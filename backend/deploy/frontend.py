@@ -115,13 +115,24 @@ class FrontendProcess:
         self.stop()
 
 
+def max_tokens_arguments(args) -> list[str]:
+    """The --max-tokens-* options `serve` got, passed on to the endpoint it starts."""
+    extra = []
+    for name in ("max_tokens_default", "max_tokens_limit"):
+        value = getattr(args, name, None)
+        if value is not None:
+            extra += ["--" + name.replace("_", "-"), str(value)]
+    return extra
+
+
 def start_next_to_server(args, server, repo: Path) -> Optional[FrontendProcess]:
     """For `tritonllm serve --openai-port N`: the frontend on N, once Triton is ready; None without the option."""
     port = getattr(args, "openai_port", None)
     if port is None:
         return None
     model_dir = tokenizer_dir_of_repo(repo)
-    frontend = FrontendProcess(server.grpc_url, model_dir, port, extra=["--served-model-name", model_dir.name])
+    extra = ["--served-model-name", model_dir.name, *max_tokens_arguments(args)]
+    frontend = FrontendProcess(server.grpc_url, model_dir, port, extra=extra)
     print(f"[serve] starting the OpenAI-compatible endpoint on port {port}", flush=True)
     frontend.start()
     print(
