@@ -131,7 +131,15 @@ def main(args) -> int:
     import uvicorn
 
     from tritonllm.openai_api.app import create_app
+    from tritonllm.tokenizer import TokenizerFolderError
 
+    try:
+        app = create_app(config)  # loads the tokenizer: a folder it cannot use fails here, before "serving"
+    except TokenizerFolderError as error:
+        if getattr(args, "verbose", False):
+            raise
+        print(f"tritonllm: error: {error}", file=sys.stderr)
+        return 2
     logging.getLogger("tritonllm.openai").info(
         "serving %s on port %d, backend %s at %s",
         config.model_names,
@@ -139,5 +147,5 @@ def main(args) -> int:
         config.backend_model,
         config.triton_url,
     )
-    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="warning", access_log=False)
+    uvicorn.run(app, host=config.host, port=config.port, log_level="warning", access_log=False)
     return 0

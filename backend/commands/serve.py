@@ -3,13 +3,29 @@ optionally the OpenAI-compatible front beside it; Ctrl-C or SIGTERM stops everyt
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 from pathlib import Path
 
 from tritonllm.deploy.frontend import start_next_to_server
+from tritonllm.deploy.preflight import check_repository
 from tritonllm.deploy.supervisor import Supervisor
 from tritonllm.deploy.tritonserver import Ports, ServerError, TritonServer
+
+
+def add_output_options(serve) -> None:
+    """What `serve` shows of tritonserver's output, and where all of it goes."""
+    serve.add_argument(
+        "--log-file", metavar="FILE", help="also append tritonserver's whole output to FILE (nothing filtered)"
+    )
+    serve.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        default=argparse.SUPPRESS,  # leaves the value of `tritonllm -v serve` as it is
+        help="show all of tritonserver's output (its GPU-less start-up warnings too) and the traceback of an error",
+    )
 
 
 def default_work_dir() -> Path:
@@ -53,7 +69,14 @@ def main(args) -> int:
     _stop_on_sigterm()
     work_dir = Path(args.work_dir) if args.work_dir else default_work_dir()
     repo = _repository_for(args, work_dir)
-    server = TritonServer(repo, Ports(args.http_port, args.grpc_port, args.metrics_port), log_verbose=args.log_verbose)
+    check_repository(repo)
+    server = TritonServer(
+        repo,
+        Ports(args.http_port, args.grpc_port, args.metrics_port),
+        log_file=Path(args.log_file) if args.log_file else None,
+        log_verbose=args.log_verbose,
+        show="all" if args.verbose else "filtered",  # without the GPU-less start-up noise unless --verbose
+    )
     print(f"[serve] starting tritonserver on {repo} (this takes a few seconds: the models import torch)", flush=True)
     server.start()
     print(f"[serve] ready. HTTP {server.http_url}  gRPC {server.grpc_url}  metrics localhost:{args.metrics_port}")

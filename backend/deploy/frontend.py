@@ -5,7 +5,6 @@ launcher for the GIL, and stopping it is stopping a process."""
 
 from __future__ import annotations
 
-import re
 import signal
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import urllib.request
 from pathlib import Path
 from typing import Optional, Sequence
 
+from tritonllm.deploy.preflight import string_parameter
 from tritonllm.deploy.tritonserver import ServerError
 
 
@@ -26,15 +26,14 @@ def tokenizer_dir_of_repo(repo: Path) -> Path:
     """The `tokenizer_dir` a model repository's preprocessing model loads: the model folder to serve."""
     config = Path(repo) / "preprocessing" / "config.pbtxt"
     try:
-        text = config.read_text()
+        tokenizer_dir = string_parameter(config, "tokenizer_dir")
     except OSError:
         raise FrontendStartError(
             f"{config} is missing: the OpenAI endpoint needs the repository's preprocessing model to find the tokenizer"
         ) from None
-    match = re.search(r'key:\s*"tokenizer_dir"\s*value:\s*\{\s*string_value:\s*"([^"]*)"', text)
-    if not match or not match.group(1) or match.group(1).startswith("${"):
+    if not tokenizer_dir or tokenizer_dir.startswith("${"):
         raise FrontendStartError(f"{config} has no tokenizer_dir filled in")
-    return Path(match.group(1))
+    return Path(tokenizer_dir)
 
 
 class FrontendProcess:

@@ -7,6 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from ..tokenizer import tokenizer_folder_problem
+
 BACKEND_MODELS = ("tensorrt_llm_bls", "ensemble")
 # Completion tokens of a request that sets no max_tokens. OpenAI's own default (whatever the context leaves) is
 # thousands of tokens: minutes of generation on a CPU for a plain curl that forgot the field.
@@ -38,6 +40,9 @@ class FrontendConfig:
                 f"--model-dir {self.model_dir} has no config.json: give the Hugging Face "
                 "folder the Triton repository was built from"
             )
+        problem = tokenizer_folder_problem(str(self.model_dir))
+        if problem is not None:
+            raise FrontendConfigError(f"--model-dir {self.model_dir}: {problem} (the tokenizer and chat template)")
         if self.backend_model not in BACKEND_MODELS:
             raise FrontendConfigError(
                 f"--backend-model must be one of {', '.join(BACKEND_MODELS)}, got '{self.backend_model}'"

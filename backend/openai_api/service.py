@@ -31,12 +31,24 @@ from .triton_client import TritonClient
 log = logging.getLogger("tritonllm.openai")
 
 
+def _load_tokenizer(config: FrontendConfig):
+    """The model folder's Hugging Face tokenizer; any failure is a TokenizerFolderError naming --model-dir."""
+    from ..tokenizer import TokenizerFolderError, load_tokenizer
+
+    try:
+        return load_tokenizer(str(config.model_dir)).hf
+    except TokenizerFolderError as error:
+        raise TokenizerFolderError(f"--model-dir {config.model_dir}: {error}") from None
+    except Exception as error:  # transformers and tokenizers raise many types for a file they cannot read
+        raise TokenizerFolderError(
+            f"--model-dir {config.model_dir}: cannot load its tokenizer ({type(error).__name__}: {error})"
+        ) from error
+
+
 class OpenAIService:
     def __init__(self, config: FrontendConfig, tokenizer=None, client: Optional[TritonClient] = None):
         if tokenizer is None:
-            from ..tokenizer import load_tokenizer
-
-            tokenizer = load_tokenizer(str(config.model_dir)).hf
+            tokenizer = _load_tokenizer(config)
         self.config = config
         self.tokenizer = tokenizer
         self.template = ChatTemplate(tokenizer, config.model_dir)

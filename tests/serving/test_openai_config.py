@@ -99,3 +99,22 @@ def test_the_model_folder_of_a_built_repository(tiny_dir, tmp_path):
     assert tokenizer_dir_of_repo(repo).resolve() == tiny_dir.resolve()
     with pytest.raises(FrontendStartError, match="preprocessing"):
         tokenizer_dir_of_repo(tmp_path / "empty")
+
+
+@pytest.mark.parametrize("tokenizer_file", [None, "{not json"])
+def test_openai_without_a_usable_tokenizer_exits_with_one_line_naming_model_dir(
+    tiny_dir, tmp_path, capsys, tokenizer_file
+):
+    from tritonllm.commands.main import main
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    shutil.copy(tiny_dir / "config.json", folder)
+    if tokenizer_file is not None:
+        (folder / "tokenizer.json").write_text(tokenizer_file)
+    assert main(["openai", "--triton-url", "localhost:1", "--model-dir", str(folder), "--port", "0"]) == 2
+    captured = capsys.readouterr()
+    assert "Traceback" not in captured.err + captured.out and "serving" not in captured.err + captured.out
+    (line,) = captured.err.strip().splitlines()
+    expected = "holds no tokenizer" if tokenizer_file is None else "cannot load its tokenizer (JSONDecodeError"
+    assert line.startswith(f"tritonllm: error: --model-dir {folder}") and expected in line
