@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import io
 import json
+import sys
+
+import pytest
 
 from tritonllm.deploy.server_log import (
     ConsoleFilter,
@@ -14,6 +17,7 @@ from tritonllm.deploy.server_log import (
     is_gpu_noise,
     start_failure_causes,
 )
+from tritonllm.triton.params import ParameterError
 from tritonllm.triton.start_errors import start_error_line
 
 NOISE = [
@@ -150,3 +154,26 @@ def test_the_status_table_loses_the_frames_of_a_user_mistake_only():
     shown = [line for line in map(keep, STATUS_TABLE.splitlines()) if line is not None]
     table = STATUS_TABLE.splitlines()
     assert shown == table[:4] + table[7:]  # tensorrt_llm's "At:" and frames gone; the bug's kept
+
+
+def test_a_failing_initialize_logs_one_structured_line_and_still_fails(monkeypatch, tmp_path):
+    import fake_pb_utils as fake
+
+    from tritonllm.models.preprocessing import TritonPythonModel
+
+    monkeypatch.setitem(sys.modules, "triton_python_backend_utils", fake)
+    monkeypatch.setattr(fake.Logger, "records", [])
+    config = {
+        "name": "preprocessing",
+        "parameters": {"tokenizer_dir": {"string_value": str(tmp_path)}},
+    }
+    with pytest.raises(ParameterError):
+        TritonPythonModel().initialize({"model_name": "preprocessing", "model_config": json.dumps(config)})
+    ((level, message),) = fake.Logger.records
+    assert level == "error"
+    # as Triton writes it: the message JSON-escaped on one record line
+    (cause,) = start_failure_causes([f"E1201 19:56:28.686724 23827 start_errors.py:74] {json.dumps(message)}"])
+    assert cause.model == "preprocessing" and cause.traceback is None
+    assert cause.message == f"parameter 'tokenizer_dir' = '{tmp_path}': the folder {tmp_path} holds no tokenizer " + (
+        "(none of tokenizer.json, tokenizer.model, vocab.json, spiece.model, vocab.txt)"
+    )
