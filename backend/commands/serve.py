@@ -11,7 +11,7 @@ from pathlib import Path
 from tritonllm.deploy.frontend import start_next_to_server
 from tritonllm.deploy.preflight import check_repository
 from tritonllm.deploy.supervisor import Supervisor
-from tritonllm.deploy.tritonserver import Ports, ServerError, TritonServer
+from tritonllm.deploy.tritonserver import STOP_GRACE_S, Ports, ServerError, TritonServer
 
 
 def add_output_options(serve) -> None:
@@ -78,7 +78,8 @@ def main(args) -> int:
         show="all" if args.verbose else "filtered",  # without the GPU-less start-up noise unless --verbose
     )
     print(f"[serve] starting tritonserver on {repo} (this takes a few seconds: the models import torch)", flush=True)
-    server.start()
+    if not _start(server):
+        return 0
     print(f"[serve] ready. HTTP {server.http_url}  gRPC {server.grpc_url}  metrics localhost:{args.metrics_port}")
     print(f"[serve] try:\n  {curl_example(server.http_url)}\n[serve] Ctrl-C stops the server.", flush=True)
     frontend = None
@@ -86,12 +87,40 @@ def main(args) -> int:
         frontend = start_next_to_server(args, server, repo)  # None unless --openai-port
         Supervisor(server).run()  # restarts tritonserver after a model process dies; returns on Ctrl-C / SIGTERM
     except KeyboardInterrupt:
-        print("\n[serve] stopping tritonserver", flush=True)
+        _stopping(server)
     except ServerError as exc:
         print(f"[serve] {exc}", flush=True)
         return 1
     finally:
+        _ignore_interrupts()  # a second Ctrl-C or SIGTERM must not cut the stop short (a traceback, a stray server)
         if frontend is not None:
             frontend.stop()
         code = server.stop()
     return 0 if code in (0, None, -signal.SIGTERM) else code
+
+
+def _start(server: TritonServer) -> bool:
+    """Starts the server; False after Ctrl-C or SIGTERM while it starts (it is stopped then). A failed start is
+    raised, once what is left of the server is stopped."""
+    try:
+        server.start()
+        return True
+    except KeyboardInterrupt:
+        _stopping(server)
+        _ignore_interrupts()
+        server.stop()
+        return False
+    except ServerError:
+        _ignore_interrupts()
+        server.stop()  # the stubs of the models that did load
+        raise
+
+
+def _stopping(server: TritonServer) -> None:
+    limit = server.exit_timeout_secs + STOP_GRACE_S
+    print(f"\n[serve] stopping tritonserver (at most {limit} s)", flush=True)
+
+
+def _ignore_interrupts() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)

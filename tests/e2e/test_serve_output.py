@@ -101,6 +101,36 @@ def test_a_tokenizer_folder_without_tokenizer_is_refused_before_tritonserver_sta
     assert time.monotonic() - started < 30  # no model imported torch
 
 
+def test_sigterm_while_starting_stops_the_server_without_a_traceback(tiny_model, tmp_path):
+    repo = build_repo(tiny_model, tmp_path / "repo")
+    output = tmp_path / "serve.out"
+    with output.open("w") as sink:
+        process = subprocess.Popen(serve_command("--repo", str(repo)), stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while "loading: tensorrt_llm" not in output.read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        server_pids = _children(process.pid)
+        assert server_pids, output.read_text()
+    finally:
+        os.kill(process.pid, signal.SIGTERM)
+        process.wait(60)
+    assert process.returncode == 0 and "Traceback" not in output.read_text(), output.read_text()
+    assert "[serve] stopping tritonserver" in output.read_text()
+    assert not [pid for pid in server_pids if Path(f"/proc/{pid}").exists()]  # tritonserver did not outlive serve
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(stat.parent.name))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
 def test_a_good_start_shows_progress_and_no_gpu_noise(tiny_model, tmp_path):
     repo = build_repo(tiny_model, tmp_path / "repo")
     log_file = tmp_path / "server.log"
@@ -115,7 +145,10 @@ def test_a_good_start_shows_progress_and_no_gpu_noise(tiny_model, tmp_path):
         assert "[serve] ready." in output.read_text(), output.read_text()
     finally:
         os.kill(process.pid, signal.SIGTERM)
+        time.sleep(0.5)
+        os.kill(process.pid, signal.SIGTERM)  # a second one while it stops: ignored, the stop completes
         process.wait(60)
+    assert process.returncode == 0 and "Traceback" not in output.read_text()
     lines = output.read_text().splitlines()
     engine = [line for line in lines if "[tritonllm.engine]" in line]
     assert any(" [tritonllm.engine] loading weights: done, " in line for line in engine), lines
