@@ -151,6 +151,7 @@ def test_a_good_start_shows_progress_and_no_gpu_noise(tiny_model, tmp_path):
     assert process.returncode == 0 and "Traceback" not in output.read_text()
     lines = output.read_text().splitlines()
     engine = [line for line in lines if "[tritonllm.engine]" in line]
+    assert any(" [tritonllm.engine] engine code imported (torch with it) in " in line for line in engine), lines
     assert any(" [tritonllm.engine] loading weights: done, " in line for line in engine), lines
     assert any(" [tritonllm.engine] embedded engine ready in " in line for line in engine)
     assert all(line[:9].count(":") == 2 and "logging_bridge.py" not in line for line in engine)  # HH:MM:SS [logger]
