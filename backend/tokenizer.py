@@ -23,6 +23,12 @@ import numpy as np
 # earlier token). A UTF-8 character has at most 4 bytes, so 8 leaves room for a partial character plus context.
 DETOKENIZE_PREFIX_TOKENS = 8
 
+# A Hugging Face tokenizer folder holds at least one of these (fast tokenizer, SentencePiece, BPE, WordPiece).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
+# Vocabulary files under other names (sentencepiece.bpe.model, source.spm, qwen.tiktoken): a folder with one of
+# these is left to transformers, so the check below never refuses a tokenizer that would load.
+_VOCABULARY_SUFFIXES = (".model", ".spm", ".tiktoken")
+
 REPLACEMENT_CHARACTER = "\ufffd"
 # A UTF-8 character spans at most 4 byte tokens, so at most 3 of them continue a character begun earlier.
 _MAX_CHARACTER_TOKENS = 4
@@ -61,8 +67,28 @@ def wrap_tokenizer(hf_tokenizer: Any) -> LoadedTokenizer:
     return LoadedTokenizer(hf=hf_tokenizer, vocab_size=len(hf_tokenizer), end_id=end_id, pad_id=pad_id)
 
 
+class TokenizerFolderError(ValueError):
+    """A tokenizer folder that does not exist or holds no tokenizer file."""
+
+
+def tokenizer_folder_problem(tokenizer_dir: str) -> Optional[str]:
+    """What is wrong with a tokenizer folder before anything tries to load it, or None. Without this check a
+    folder with no tokenizer file fails deep inside transformers, with a message about sentencepiece."""
+    path = os.path.abspath(os.path.expanduser(str(tokenizer_dir)))
+    if not os.path.isdir(path):
+        return f"the folder {path} does not exist"
+    names = os.listdir(path)
+    if not any(name in TOKENIZER_FILES or name.endswith(_VOCABULARY_SUFFIXES) for name in names):
+        return f"the folder {path} holds no tokenizer (none of {', '.join(TOKENIZER_FILES)})"
+    return None
+
+
 def load_tokenizer(tokenizer_dir: str) -> LoadedTokenizer:
-    """Load a Hugging Face tokenizer from a local directory, offline; cached per absolute path."""
+    """Load a Hugging Face tokenizer from a local directory, offline; cached per absolute path.
+    TokenizerFolderError when the folder is missing or holds no tokenizer file."""
+    problem = tokenizer_folder_problem(tokenizer_dir)
+    if problem is not None:
+        raise TokenizerFolderError(problem)
     return _load_cached(os.path.abspath(os.path.expanduser(str(tokenizer_dir))))
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+import traceback
 
 from tritonllm.commands.arg_types import count
 
@@ -297,6 +298,9 @@ def _serve_command(sub) -> None:
         help="max_batch_size of the repository built for --model/--demo (default 8; ignored with --repo)",
     )
     serve.add_argument("--log-verbose", type=int, default=0, help="tritonserver --log-verbose level")
+    from tritonllm.commands.serve import add_output_options
+
+    add_output_options(serve)
     from tritonllm.commands.openai import add_serve_options
 
     add_serve_options(serve)
@@ -407,6 +411,8 @@ def main(argv=None) -> int:
         ParameterError,
         FileNotFoundError,
     ) as exc:
+        if args.verbose:
+            traceback.print_exc()
         print(f"tritonllm: error: {exc}", file=sys.stderr)
         return 2
 

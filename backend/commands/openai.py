@@ -7,7 +7,13 @@ import logging
 import sys
 from pathlib import Path
 
-from tritonllm.openai_api.config import BACKEND_MODELS, FrontendConfig, FrontendConfigError
+from tritonllm.openai_api.config import (
+    BACKEND_MODELS,
+    DEFAULT_MAX_TOKENS,
+    FrontendConfig,
+    FrontendConfigError,
+    default_max_tokens,
+)
 
 DEFAULT_PORT = 9000
 
@@ -43,6 +49,26 @@ def add_openai_command(sub) -> None:
         type=int,
         help="prompt + completion tokens (default: tensorrt_llm's max_seq_len as Triton loaded it)",
     )
+    add_max_tokens_options(openai)
+
+
+def add_max_tokens_options(parser) -> None:
+    """--max-tokens-default and --max-tokens-limit, shared by `openai` and `serve --openai-port`."""
+    parser.add_argument(
+        "--max-tokens-default",
+        type=int,
+        metavar="N",
+        help="completion tokens of a request that sets neither max_tokens nor max_completion_tokens, "
+        "lowered to what the context leaves after the prompt (default: generation_config.json's "
+        f"max_new_tokens, else {DEFAULT_MAX_TOKENS}; never above --max-tokens-limit)",
+    )
+    parser.add_argument(
+        "--max-tokens-limit",
+        type=int,
+        metavar="N",
+        help="the most completion tokens a request may ask for: one asking for more gets an OpenAI "
+        "400 error naming max_tokens, not a shorter answer (default: no limit but the context)",
+    )
 
 
 def add_serve_options(serve) -> None:
@@ -51,6 +77,7 @@ def add_serve_options(serve) -> None:
         type=int,
         help="also serve the OpenAI-compatible endpoint on this port (tensorrt_llm_bls backend)",
     )
+    add_max_tokens_options(serve)
 
 
 def add_bench_command(kinds) -> None:
@@ -79,6 +106,8 @@ def add_bench_command(kinds) -> None:
 
 def config_from_args(args) -> FrontendConfig:
     model_dir = Path(args.model_dir).resolve()
+    limit = args.max_tokens_limit
+    default = args.max_tokens_default if args.max_tokens_default is not None else default_max_tokens(model_dir, limit)
     return FrontendConfig(
         triton_url=args.triton_url,
         model_dir=model_dir,
@@ -88,6 +117,8 @@ def config_from_args(args) -> FrontendConfig:
         max_model_len=args.max_model_len,
         host=args.host,
         port=args.port,
+        max_tokens_default=default,
+        max_tokens_limit=limit,
     )
 
 
@@ -100,7 +131,15 @@ def main(args) -> int:
     import uvicorn
 
     from tritonllm.openai_api.app import create_app
+    from tritonllm.tokenizer import TokenizerFolderError
 
+    try:
+        app = create_app(config)  # loads the tokenizer: a folder it cannot use fails here, before "serving"
+    except TokenizerFolderError as error:
+        if getattr(args, "verbose", False):
+            raise
+        print(f"tritonllm: error: {error}", file=sys.stderr)
+        return 2
     logging.getLogger("tritonllm.openai").info(
         "serving %s on port %d, backend %s at %s",
         config.model_names,
@@ -108,5 +147,5 @@ def main(args) -> int:
         config.backend_model,
         config.triton_url,
     )
-    uvicorn.run(create_app(config), host=config.host, port=config.port, log_level="warning", access_log=False)
+    uvicorn.run(app, host=config.host, port=config.port, log_level="warning", access_log=False)
     return 0

@@ -5,7 +5,6 @@ launcher for the GIL, and stopping it is stopping a process."""
 
 from __future__ import annotations
 
-import re
 import signal
 import subprocess
 import sys
@@ -15,6 +14,7 @@ import urllib.request
 from pathlib import Path
 from typing import Optional, Sequence
 
+from tritonllm.deploy.preflight import string_parameter
 from tritonllm.deploy.tritonserver import ServerError
 
 
@@ -26,15 +26,14 @@ def tokenizer_dir_of_repo(repo: Path) -> Path:
     """The `tokenizer_dir` a model repository's preprocessing model loads: the model folder to serve."""
     config = Path(repo) / "preprocessing" / "config.pbtxt"
     try:
-        text = config.read_text()
+        tokenizer_dir = string_parameter(config, "tokenizer_dir")
     except OSError:
         raise FrontendStartError(
             f"{config} is missing: the OpenAI endpoint needs the repository's preprocessing model to find the tokenizer"
         ) from None
-    match = re.search(r'key:\s*"tokenizer_dir"\s*value:\s*\{\s*string_value:\s*"([^"]*)"', text)
-    if not match or not match.group(1) or match.group(1).startswith("${"):
+    if not tokenizer_dir or tokenizer_dir.startswith("${"):
         raise FrontendStartError(f"{config} has no tokenizer_dir filled in")
-    return Path(match.group(1))
+    return Path(tokenizer_dir)
 
 
 class FrontendProcess:
@@ -115,13 +114,24 @@ class FrontendProcess:
         self.stop()
 
 
+def max_tokens_arguments(args) -> list[str]:
+    """The --max-tokens-* options `serve` got, passed on to the endpoint it starts."""
+    extra = []
+    for name in ("max_tokens_default", "max_tokens_limit"):
+        value = getattr(args, name, None)
+        if value is not None:
+            extra += ["--" + name.replace("_", "-"), str(value)]
+    return extra
+
+
 def start_next_to_server(args, server, repo: Path) -> Optional[FrontendProcess]:
     """For `tritonllm serve --openai-port N`: the frontend on N, once Triton is ready; None without the option."""
     port = getattr(args, "openai_port", None)
     if port is None:
         return None
     model_dir = tokenizer_dir_of_repo(repo)
-    frontend = FrontendProcess(server.grpc_url, model_dir, port, extra=["--served-model-name", model_dir.name])
+    extra = ["--served-model-name", model_dir.name, *max_tokens_arguments(args)]
+    frontend = FrontendProcess(server.grpc_url, model_dir, port, extra=extra)
     print(f"[serve] starting the OpenAI-compatible endpoint on port {port}", flush=True)
     frontend.start()
     print(

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
+from tritonllm.deploy.server_log import OutputPump, describe_start_failure, start_failure_causes
+
 
 class ServerError(RuntimeError):
     pass
@@ -88,8 +90,14 @@ class TritonServer:
         log_verbose: int = 0,
         exit_timeout_secs: int = 10,
         explicit_model_control: bool = False,
+        show: Optional[str] = None,
     ):
+        """`show`: what of the server's output goes to stdout: "all", "filtered" (without the GPU-less noise; our
+        models' lines made readable: server_log.console_line) or "none"; default "none" with a log file, else
+        "all". The log file always gets everything."""
         self.repo = Path(repo).resolve()
+        self.show = show or ("none" if log_file else "all")
+        self.output: Optional[OutputPump] = None
         self.explicit_model_control = explicit_model_control  # every model loaded, then loadable and unloadable
         self.ports = ports or Ports()
         self.log_file = log_file
@@ -122,15 +130,17 @@ class TritonServer:
 
     def start(self, timeout: float = 300.0) -> "TritonServer":
         prepare_python_stub(triton_home())
-        output = open(self.log_file, "ab") if self.log_file else None
+        log = open(self.log_file, "ab") if self.log_file else None
         # Its own process group: the stubs it starts join it, so that kill() ends them all at once.
         self.process = subprocess.Popen(
             self.command(),
             env=server_environment(),
-            stdout=output,
-            stderr=subprocess.STDOUT if output else None,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
             start_new_session=True,
         )
+        assert self.process.stdout is not None
+        self.output = OutputPump(self.process.stdout, self.show, log).start()
         self.wait_ready(timeout)
         return self
 
@@ -144,15 +154,18 @@ class TritonServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.started_process.poll() is not None:
-                raise ServerError(
-                    f"tritonserver exited with code {self.started_process.returncode} while starting"
-                    + (f"; see {self.log_file}" if self.log_file else "")
-                )
+                raise self._start_failure()
             if self.is_ready():
                 return
             time.sleep(0.5)
         self.stop()
         raise ServerError(f"tritonserver was not ready after {timeout:.0f}s")
+
+    def _start_failure(self) -> ServerError:
+        """The exit code and, from the server's last lines, which model failed and why."""
+        lines = self.output.join(timeout=5.0) if self.output is not None else []
+        message = describe_start_failure(self.started_process.returncode, start_failure_causes(lines))
+        return ServerError(message + (f"\n  (the whole server log: {self.log_file})" if self.log_file else ""))
 
     def is_ready(self) -> bool:
         try:

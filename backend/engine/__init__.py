@@ -4,6 +4,8 @@ PyTorch engine (embedded/) and the TensorRT-LLM adapter (trtllm.py)."""
 from __future__ import annotations
 
 import importlib.util
+import logging
+import time
 
 from .config import ConfigError, EngineConfig
 from .seam import Engine, EngineError, EngineStats, RequestHandle
@@ -38,6 +40,12 @@ def create_engine(config: EngineConfig) -> Engine:
         from .trtllm import TensorRTLLMEngine  # imported only when chosen: the library is large and GPU-only
 
         return TensorRTLLMEngine(config)
+    started = time.monotonic()
     from .embedded.engine import EmbeddedEngine
 
+    # Importing torch is most of a start-up's first seconds (several while other models import it too): said, so
+    # that the wait before the first loading line is explained.
+    logging.getLogger("tritonllm.engine").info(
+        "engine code imported (torch with it) in %.1f s", time.monotonic() - started
+    )
     return EmbeddedEngine(config)

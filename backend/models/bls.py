@@ -12,9 +12,11 @@ from ..bls.config import BlsConfig
 from ..bls.llm_calls import ExecTransport, GrpcTransport
 from ..triton.logging_bridge import route_logs_to_triton
 from ..triton.parent_watch import exit_with_parent
+from ..triton.start_errors import reports_start_errors
 
 
 class TritonPythonModel:
+    @reports_start_errors
     def initialize(self, args):
         exit_with_parent()
         route_logs_to_triton()

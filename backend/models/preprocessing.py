@@ -17,6 +17,7 @@ from tritonllm import tokenizer as tok
 from tritonllm.triton import pb
 from tritonllm.triton.params import Parameters
 from tritonllm.triton.parent_watch import exit_with_parent
+from tritonllm.triton.start_errors import reports_start_errors
 from tritonllm.triton.tokenizer_param import load_tokenizer_for_model, required_tokenizer_dir
 
 UNSUPPORTED_INPUTS = {
@@ -137,6 +138,7 @@ class Preprocessor:
 class TritonPythonModel:
     preprocessor: Optional[Preprocessor]  # None after finalize()
 
+    @reports_start_errors
     def initialize(self, args: dict) -> None:
         exit_with_parent()
         params = Parameters.from_model_config(json.loads(args["model_config"]))

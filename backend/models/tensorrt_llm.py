@@ -13,9 +13,11 @@ from ..triton.engine_args import load_tensorrt_llm_settings
 from ..triton.engine_model import EngineBackedModel
 from ..triton.logging_bridge import route_logs_to_triton
 from ..triton.parent_watch import exit_with_parent
+from ..triton.start_errors import reports_start_errors
 
 
 class TritonPythonModel(EngineBackedModel):
+    @reports_start_errors
     def initialize(self, args):
         exit_with_parent()
         route_logs_to_triton()

@@ -185,9 +185,10 @@ def _scalar(value, dtype) -> np.ndarray:
 
 
 def prepare_prompt(
-    text: str, prompt_tokens: int, max_tokens: Optional[int], context_length: int, prompt_param: str
+    text: str, prompt_tokens: int, max_tokens: Optional[int], context_length: int, prompt_param: str, default: int
 ) -> PreparedPrompt:
-    """The prompt with its token budget; PromptTooLong when it does not fit the model's context."""
+    """The prompt with its token budget; PromptTooLong when it does not fit the model's context. Without
+    max_tokens the budget is `default`, lowered to what the context leaves (as vLLM does, never an error)."""
     if prompt_tokens >= context_length:
         raise PromptTooLong(
             f"the prompt has {prompt_tokens} tokens, but this model's context holds "
@@ -195,7 +196,7 @@ def prepare_prompt(
             param=prompt_param,
         )
     if max_tokens is None:
-        return PreparedPrompt(text, prompt_tokens, context_length - prompt_tokens)
+        return PreparedPrompt(text, prompt_tokens, min(default, context_length - prompt_tokens))
     if prompt_tokens + max_tokens > context_length:
         raise PromptTooLong(
             f"the prompt has {prompt_tokens} tokens and {max_tokens} more were asked for, but "

@@ -11,7 +11,7 @@ import numpy as np
 
 from .chat import ChatTemplate
 from .config import FrontendConfig
-from .errors import ModelNotFound
+from .errors import BadRequest, ModelNotFound
 from .generation import Generation, PreparedPrompt, prepare_prompt
 from .schemas import (
     ChatCompletionBody,
@@ -31,12 +31,24 @@ from .triton_client import TritonClient
 log = logging.getLogger("tritonllm.openai")
 
 
+def _load_tokenizer(config: FrontendConfig):
+    """The model folder's Hugging Face tokenizer; any failure is a TokenizerFolderError naming --model-dir."""
+    from ..tokenizer import TokenizerFolderError, load_tokenizer
+
+    try:
+        return load_tokenizer(str(config.model_dir)).hf
+    except TokenizerFolderError as error:
+        raise TokenizerFolderError(f"--model-dir {config.model_dir}: {error}") from None
+    except Exception as error:  # transformers and tokenizers raise many types for a file they cannot read
+        raise TokenizerFolderError(
+            f"--model-dir {config.model_dir}: cannot load its tokenizer ({type(error).__name__}: {error})"
+        ) from error
+
+
 class OpenAIService:
     def __init__(self, config: FrontendConfig, tokenizer=None, client: Optional[TritonClient] = None):
         if tokenizer is None:
-            from ..tokenizer import load_tokenizer
-
-            tokenizer = load_tokenizer(str(config.model_dir)).hf
+            tokenizer = _load_tokenizer(config)
         self.config = config
         self.tokenizer = tokenizer
         self.template = ChatTemplate(tokenizer, config.model_dir)
@@ -71,12 +83,26 @@ class OpenAIService:
             return {}
         return {"lora_name": np.array([[name.encode("utf-8")]], dtype=object)}
 
+    def check_max_tokens(self, max_tokens: Optional[int], field: str) -> None:
+        """Refuses a request above --max-tokens-limit, rather than clamp it as vLLM's override does: a client
+        then learns why its answer would stop short, as OpenAI's own API answers a too large max_tokens."""
+        limit = self.config.max_tokens_limit
+        if limit is not None and max_tokens is not None and max_tokens > limit:
+            raise BadRequest(
+                f"{field} is {max_tokens}, but this server allows at most {limit} completion tokens a request "
+                "(--max-tokens-limit)",
+                param=field,
+            )
+
     # -- requests --------------------------------------------------------------------------------------------
 
     async def chat(self, body: ChatCompletionBody) -> Generation:
         self.check_model(body.model)
         check_chat_fields(body)
         max_tokens = chat_max_tokens(body)
+        self.check_max_tokens(
+            max_tokens, "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        )
         prompt = self.template.render(chat_messages(body))
         request = GenerationRequest(
             model=body.model,
@@ -93,13 +119,14 @@ class OpenAIService:
             self.client,
             self.config.backend_model,
             request,
-            await self._prepare(request.prompts, max_tokens, "messages"),
+            await self._prepare(request.prompts, max_tokens, "messages", body.min_tokens),
             self.adapter_inputs(body.model),
         )
 
     async def completion(self, body: CompletionBody) -> Generation:
         self.check_model(body.model)
         check_completion_fields(body)
+        self.check_max_tokens(body.max_tokens, "max_tokens")
         request = GenerationRequest(
             model=body.model,
             prompts=completion_prompts(body),
@@ -115,18 +142,24 @@ class OpenAIService:
             self.client,
             self.config.backend_model,
             request,
-            await self._prepare(request.prompts, body.max_tokens, "prompt"),
+            await self._prepare(request.prompts, body.max_tokens, "prompt", body.min_tokens),
             self.adapter_inputs(body.model),
         )
 
     async def _prepare(
-        self, prompts: tuple[str, ...], max_tokens: Optional[int], prompt_param: str
+        self, prompts: tuple[str, ...], max_tokens: Optional[int], prompt_param: str, min_tokens: Optional[int]
     ) -> list[PreparedPrompt]:
         context = await self.context_length()
+        default = max(self.config.max_tokens_default, min_tokens or 0)  # min_tokens above it raises the default
         # Counted as the preprocessing step tokenizes (add_special_tokens, the repository default).
         return [
             prepare_prompt(
-                text, len(self.tokenizer.encode(text, add_special_tokens=True)), max_tokens, context, prompt_param
+                text,
+                len(self.tokenizer.encode(text, add_special_tokens=True)),
+                max_tokens,
+                context,
+                prompt_param,
+                default,
             )
             for text in prompts
         ]

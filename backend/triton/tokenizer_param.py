@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..tokenizer import LoadedTokenizer, load_tokenizer
+from ..tokenizer import LoadedTokenizer, TokenizerFolderError, load_tokenizer
 from .params import ParameterError, Parameters
 
 
@@ -19,6 +19,8 @@ def load_tokenizer_for_model(tokenizer_dir: str, model_name: str) -> LoadedToken
     """`load_tokenizer`, with a load failure reported as a bad `tokenizer_dir` parameter of `model_name`."""
     try:
         return load_tokenizer(tokenizer_dir)
+    except TokenizerFolderError as error:
+        raise ParameterError(f"{model_name}: parameter 'tokenizer_dir' = {tokenizer_dir!r}: {error}") from None
     except Exception as error:
         raise ParameterError(
             f"{model_name}: parameter 'tokenizer_dir' = {tokenizer_dir!r}: cannot load a "

@@ -213,6 +213,25 @@ def test_bad_fields_and_long_prompts_are_400s_naming_the_field(server, client):
     assert caught.value.response.json()["error"]["code"] == "context_length_exceeded"
 
 
+def test_max_tokens_default_and_limit(server, tiny_model, tmp_path):
+    """--max-tokens-default for a request without max_tokens (the engine generated no more), --max-tokens-limit
+    refused with a 400 naming the field; min_tokens pins the default's count (random weights may end early)."""
+    process = start_frontend(server, tiny_model, tmp_path, "--max-tokens-default", "5", "--max-tokens-limit", "12")
+    try:
+        with openai.OpenAI(base_url=f"{process.base_url}/v1", api_key="unused", max_retries=0, timeout=120) as c:
+            plain = chat(c, temperature=0)
+            assert plain.usage.completion_tokens <= 5
+            pinned = c.completions.create(model=MODEL, prompt=PROMPT, temperature=0, extra_body={"min_tokens": 5})
+            assert pinned.usage.completion_tokens == 5 and pinned.choices[0].finish_reason == "length"
+            assert chat(c, temperature=0, max_tokens=12).usage.completion_tokens <= 12
+            with pytest.raises(openai.BadRequestError) as caught:
+                chat(c, temperature=0, max_tokens=13)
+            error = caught.value.response.json()["error"]
+            assert error["param"] == "max_tokens" and "at most 12" in error["message"]
+    finally:
+        process.stop()
+
+
 # ---------------------------------------------------------------------------------------------- cancellation
 
 

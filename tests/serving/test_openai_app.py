@@ -61,8 +61,10 @@ def tiny_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny"))
 
 
-def make_client(tiny_dir, triton=None, url="localhost:1"):
-    config = FrontendConfig(triton_url=url, model_dir=tiny_dir, served_model_name="tiny", lora_names=("adapter",))
+def make_client(tiny_dir, triton=None, url="localhost:1", **settings):
+    config = FrontendConfig(
+        triton_url=url, model_dir=tiny_dir, served_model_name="tiny", lora_names=("adapter",), **settings
+    )
     service = OpenAIService(config, client=triton) if triton is not None else OpenAIService(config)
     return TestClient(create_app(config, service)), service
 
@@ -230,3 +232,36 @@ def test_metrics_count_requests_and_tokens(scripted):
     assert 'tritonllm_openai_requests_total{endpoint="/v1/completions",model="unknown",status="404"} 1.0' in text
     assert 'tritonllm_openai_completion_tokens_total{model="tiny"} 3.0' in text
     assert "tritonllm_openai_time_to_first_token_seconds_count" in text
+
+
+def test_max_tokens_default_and_limit(tiny_dir):
+    triton = ScriptedTriton()
+    client, _ = make_client(tiny_dir, triton, max_tokens_default=3, max_tokens_limit=10)
+    chat_body = {"model": "tiny", "messages": [{"role": "user", "content": "x"}]}
+    with client:
+        answer = client.post("/v1/chat/completions", json=chat_body).json()
+        assert int(triton.requests[-1]["max_tokens"][0, 0]) == 3  # no max_tokens: the default
+        assert answer["usage"]["completion_tokens"] == 3 and answer["choices"][0]["finish_reason"] == "length"
+        client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "min_tokens": 5})
+        assert int(triton.requests[-1]["max_tokens"][0, 0]) == 5  # min_tokens above the default raises it
+        client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 10})
+        assert int(triton.requests[-1]["max_tokens"][0, 0]) == 10  # the limit itself is allowed
+        sent = len(triton.requests)
+        too_many = client.post("/v1/completions", json={"model": "tiny", "prompt": "x", "max_tokens": 11})
+        assert_openai_error(too_many, 400, "max_tokens")
+        assert "at most 10" in too_many.json()["error"]["message"]
+        assert_openai_error(
+            client.post("/v1/chat/completions", json={**chat_body, "max_completion_tokens": 11}),
+            400,
+            "max_completion_tokens",
+        )
+        assert len(triton.requests) == sent  # refused before anything reached Triton
+
+
+def test_the_default_max_tokens_never_exceeds_the_context(tiny_dir):
+    triton = ScriptedTriton()  # max_seq_len 64
+    client, service = make_client(tiny_dir, triton, max_tokens_default=1000)
+    with client:
+        client.post("/v1/completions", json={"model": "tiny", "prompt": "x"})
+    prompt_tokens = len(service.tokenizer.encode("x", add_special_tokens=True))
+    assert int(triton.requests[-1]["max_tokens"][0, 0]) == 64 - prompt_tokens

@@ -178,13 +178,15 @@ def test_chat_messages_join_text_parts_and_map_developer_to_system():
 
 
 def test_prompt_budget_against_the_context():
-    assert prepare_prompt("p", 10, None, 100, "prompt").max_tokens == 90
-    assert prepare_prompt("p", 10, 90, 100, "prompt").max_tokens == 90
+    # Without max_tokens: the default, lowered to what the context leaves (never an error for the default).
+    assert prepare_prompt("p", 10, None, 100, "prompt", 16).max_tokens == 16
+    assert prepare_prompt("p", 10, None, 100, "prompt", 500).max_tokens == 90
+    assert prepare_prompt("p", 10, 90, 100, "prompt", 16).max_tokens == 90
     with pytest.raises(PromptTooLong) as caught:
-        prepare_prompt("p", 10, 91, 100, "prompt")
+        prepare_prompt("p", 10, 91, 100, "prompt", 16)
     assert caught.value.param == "max_tokens" and caught.value.code == "context_length_exceeded"
     with pytest.raises(PromptTooLong) as caught:
-        prepare_prompt("p", 100, None, 100, "messages")
+        prepare_prompt("p", 100, None, 100, "messages", 16)
     assert caught.value.param == "messages" and caught.value.status == 400
 
 

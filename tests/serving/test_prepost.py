@@ -171,8 +171,12 @@ def test_preprocessing_parameters(tokenizer_dir, tmp_path):
         make_pre("${tokenizer_dir}")
     with pytest.raises(ParameterError, match="'add_special_tokens'"):
         make_pre(tokenizer_dir, add_special_tokens="maybe")
-    with pytest.raises(ParameterError, match="'tokenizer_dir' = .*cannot load"):
+    with pytest.raises(ParameterError, match="'tokenizer_dir' = .*missing': the folder .* does not exist"):
         make_pre(str(tmp_path / "missing"))
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "tokenizer.json").write_text("{not json")
+    with pytest.raises(ParameterError, match="'tokenizer_dir' = .*broken': cannot load a tokenizer"):
+        make_pre(str(tmp_path / "broken"))
     assert make_pre(tokenizer_dir, add_special_tokens="${add_special_tokens}").preprocessor.add_special_tokens
     assert not make_pre(tokenizer_dir, add_special_tokens="false").preprocessor.add_special_tokens
 

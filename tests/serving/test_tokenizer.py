@@ -132,6 +132,27 @@ def test_load_is_cached_per_directory(tmp_path):
     assert tok.load_tokenizer(directory) is tok.load_tokenizer(str(tmp_path / "tok" / ".." / "tok"))
 
 
+def test_a_folder_without_a_tokenizer_is_refused_before_transformers_tries(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(tok.TokenizerFolderError, match="holds no tokenizer .none of tokenizer.json"):
+        tok.load_tokenizer(str(tmp_path))
+    with pytest.raises(tok.TokenizerFolderError, match="does not exist"):
+        tok.load_tokenizer(str(tmp_path / "missing"))
+    (tmp_path / "sentencepiece.bpe.model").write_bytes(b"")  # another name: left to transformers to judge
+    assert tok.tokenizer_folder_problem(str(tmp_path)) is None
+
+
+def test_the_model_names_its_tokenizer_dir_parameter(tmp_path):
+    from tritonllm.triton.params import ParameterError
+    from tritonllm.triton.tokenizer_param import load_tokenizer_for_model
+
+    with pytest.raises(ParameterError) as caught:
+        load_tokenizer_for_model(str(tmp_path), "preprocessing")
+    message = str(caught.value)
+    assert message.startswith(f"preprocessing: parameter 'tokenizer_dir' = '{tmp_path}': the folder {tmp_path}")
+    assert "sentencepiece" not in message
+
+
 class _NoVocabulary:
     """A tokenizer proxy that fails on any per-call vocabulary-size computation (pain point P13)."""
 

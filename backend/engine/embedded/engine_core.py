@@ -42,6 +42,7 @@ log = logging.getLogger("tritonllm.engine")
 
 class EngineCore:
     def __init__(self, config: EngineConfig):
+        started = time.monotonic()
         problems = config.embedded_unsupported()
         if problems:
             raise InvalidRequestError("the embedded engine cannot honour: " + "; ".join(problems))
@@ -121,8 +122,9 @@ class EngineCore:
         self.last_context_tokens = 0
         self._seq_ids = itertools.count()
         log.info(
-            "embedded engine ready: %s on %s (%s), %s attention, %d KV blocks x %d tokens, max_seq_len %d, "
+            "embedded engine ready in %.1f s: %s on %s (%s), %s attention, %d KV blocks x %d tokens, max_seq_len %d, "
             "max_batch_size %d, max_num_tokens %d",
+            time.monotonic() - started,
             config.model,
             self.device,
             self.dtype,

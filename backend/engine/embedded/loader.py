@@ -7,15 +7,17 @@ that need a model's shape but not its weights."""
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import re
 from pathlib import Path
 from typing import Union
 
 import torch
 from safetensors import safe_open
-from tqdm import tqdm
 
 from ...json_files import read_json_object
+from .load_progress import StepProgress, timed_step
 from .network.layers import RMSNorm
 from .network.llama import LlamaForCausalLM, WeightSlot
 from .network.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelLoadError
@@ -34,6 +36,7 @@ INDEX_FILE = "model.safetensors.index.json"
 # Checkpoint tensors that carry nothing the model needs (old exports saved RoPE's frequencies).
 _HARMLESS_EXTRA = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 LOAD_FORMATS = ("auto", "dummy")
+log = logging.getLogger("tritonllm.engine")
 # Dummy weights: a fixed seed, so that two loads (and two benchmark runs) hold the same values, and a spread small
 # enough that bf16 activations stay finite through many layers (the usual initializer_range of these models).
 DUMMY_SEED = 0
@@ -74,7 +77,9 @@ def load_model(
     else:
         _fill_parameters(model, config, files, device)
     model.rotary_emb.reset_frequencies(device)
-    model.pack_for_cpu()
+    packs = device.type == "cpu" and dtype == torch.float32  # cpu_gemm packs fp32 weights only
+    with timed_step("weights packed for CPU matmuls") if packs else contextlib.nullcontext():
+        model.pack_for_cpu()
     return model.eval(), config
 
 
@@ -125,7 +130,9 @@ def _fill_parameters(model: LlamaForCausalLM, config: ModelConfig, files: list[P
     handles = [(path, _open(path, device)) for path in files]
     total = sum(len(handle.keys()) for _, handle in handles)
     loaded: set[str] = set()
-    with tqdm(total=total, desc="Loading weights", unit="tensor", disable=None) as progress:
+    size = sum(path.stat().st_size for path in files) / 2**20
+    log.info("loading weights: %d tensors from %d file(s), %.0f MiB, onto %s", total, len(files), size, device)
+    with StepProgress("loading weights", total, "tensor") as progress:
         for path, handle in handles:
             for name in handle.keys():
                 slot = slots.get(name)
