@@ -23,6 +23,7 @@ from typing import Callable, Optional
 
 from tritonllm.deploy.pbtxt_check import model_config_message, parse_model_config
 from tritonllm.deploy.repo import validate_repo
+from tritonllm.deploy.server_log import describe_start_failure, start_failure_causes
 from tritonllm.deploy.tritonserver import ServerError, prepare_python_stub, server_environment, triton_home
 
 NGC_TRITONSERVER = "/opt/tritonserver/bin/tritonserver"  # the script's default
@@ -245,12 +246,21 @@ def wait_ready(process: subprocess.Popen, options: LaunchOptions) -> None:
     while time.monotonic() < deadline:
         code = process.poll()
         if code is not None:
-            raise LaunchError(f"tritonserver exited with code {code} while loading the models{where}")
+            raise LaunchError(_failed_start(code, options) + where)
         if is_ready(options.http_port):
             return
         time.sleep(0.5)
     process.terminate()
     raise LaunchError(f"tritonserver was not ready after {options.ready_timeout_s:.0f}s and was stopped{where}")
+
+
+def _failed_start(code: int, options: LaunchOptions) -> str:
+    """The exit code and, when the log went to --log-file, the cause of each failed model read from it."""
+    log = Path(options.log_file)
+    if not options.log or not log.is_file():
+        return f"tritonserver exited with code {code} while loading the models"
+    with log.open(errors="replace") as lines:
+        return describe_start_failure(code, start_failure_causes(lines))
 
 
 def launch(options: LaunchOptions, say: Say = print) -> subprocess.Popen:

@@ -193,3 +193,17 @@ def test_launch_refuses_before_starting_when_the_repository_would_not_load(tmp_p
     monkeypatch.setattr(launch_module, "find_tritonserver", lambda *_: Binary(Path("/t"), None, bundled=False))
     with pytest.raises(LaunchError, match=r"would not load:\n.*max_batch_size holds the unfilled placeholder"):
         launch_module.launch(LaunchOptions(model_repo=tmp_path, force=True), say=print)
+
+
+def test_a_failed_start_logged_to_the_log_file_names_the_model_and_the_cause(tmp_path):
+    log = tmp_path / "triton_log.txt"
+    log.write_text(
+        "E1201 19:56:28.686724 23827 model_lifecycle.cc:642] \"failed to load 'tensorrt_llm' version 1: Internal: "
+        "ParameterError: tensorrt_llm: parameter 'max_beam_width' = 'two' must be an integer\\n\\nAt:\\n  "
+        '/src/backend/triton/params.py(59): _get\\n"\n'
+    )
+    options = LaunchOptions(model_repo=str(tmp_path), log=True, log_file=str(log))
+    text = launch_module._failed_start(1, options)
+    assert text.endswith("model 'tensorrt_llm': parameter 'max_beam_width' = 'two' must be an integer"), text
+    without_log = launch_module._failed_start(1, replace(options, log=False))
+    assert without_log == "tritonserver exited with code 1 while loading the models"
