@@ -1,7 +1,7 @@
 """Sliding-window attention against Hugging Face transformers: the tiny Mistral (a window of TINY_SLIDING_WINDOW
 tokens) with prompts and outputs longer than its window, greedy in fp32, token for token. Alone, together in one
 batch, in chunks, over reused prefixes, with speculative drafts, on both attention backends; and TensorRT-LLM's
-per-layer `max_attention_window` on a model that has no window of its own."""
+per-layer `max_attention_window_size` of the tensorrt_llm model on a model that has no window of its own."""
 
 import json
 import shutil
@@ -12,9 +12,10 @@ from transformers import AutoTokenizer
 from tritonllm.checkpoints.tiny import TINY_SLIDING_WINDOW, build_tiny_model
 from tritonllm.engine.config import ConfigError, EngineConfig
 from tritonllm.engine.embedded.attention.windows import layer_windows
+from tritonllm.engine.embedded.engine import EmbeddedEngine
 from tritonllm.engine.types import InvalidRequestError
 
-from .test_engine_parity import PROMPTS, assert_all_blocks_free, greedy, hf_greedy, make_engine
+from .test_engine_parity import DEVICE, PROMPTS, assert_all_blocks_free, greedy, hf_greedy, make_engine
 
 MAX_NEW = 30
 BACKENDS = ["VANILLA", "TRITON"]
@@ -121,10 +122,12 @@ def test_drafts_deeper_than_the_window_are_refused(mistral):
         make_engine(model_dir, speculative_config=spec)
 
 
-def test_trtllm_per_layer_windows_match_hf(mistral, tmp_path):
-    """A Llama-like model without a window of its own (the Mistral with sliding_window null) given
-    max_attention_window [16, 64] (cycled: layer 0 slides over 16 tokens, layer 1 over 64 = full here) equals HF's
-    Qwen2 layout with the same per-layer windows: transformers' own per-layer sliding, via layer_types."""
+def test_per_layer_max_attention_window_size_matches_hf(mistral, tmp_path):
+    """The tensorrt_llm model's `max_attention_window_size` = "16,4096" (cycled over the layers: layer 0 slides
+    over 16 tokens, layer 1 over 4096 >= max_seq_len, so full) on the Mistral made window-less (sliding_window
+    null) equals transformers' own per-layer sliding: HF's Qwen2 layout with layer_types [sliding, full]."""
+    from tritonllm.triton.engine_args import load_tensorrt_llm_settings
+
     model_dir, tokenizer, prompt_ids, _ = mistral
     full = with_config(model_dir, tmp_path / "full", sliding_window=None)
     per_layer = with_config(
@@ -135,11 +138,24 @@ def test_trtllm_per_layer_windows_match_hf(mistral, tmp_path):
         use_sliding_window=True,
         sliding_window=TINY_SLIDING_WINDOW,
         layer_types=["sliding_attention", "full_attention"],
-        attention_bias=False,
     )
     expected = _hf_greedy_qwen2_without_biases(per_layer, prompt_ids, tokenizer)
-    kv = {"tokens_per_block": 8, "max_tokens": 4096, "max_attention_window": [TINY_SLIDING_WINDOW, 4096]}
-    engine = make_engine(full, kv_cache_config=kv, max_seq_len=256)
+    parameters = {
+        "gpt_model_path": str(full),
+        "max_attention_window_size": f"{TINY_SLIDING_WINDOW},4096",
+        "max_seq_len": "256",
+        "dtype": "float32",
+        "device": DEVICE,
+    }
+    triton_config = {
+        "name": "tensorrt_llm",
+        "max_batch_size": 8,
+        "parameters": {key: {"string_value": value} for key, value in parameters.items()},
+    }
+    (tmp_path / "tensorrt_llm" / "1").mkdir(parents=True)
+    engine_config = load_tensorrt_llm_settings(triton_config, tmp_path / "tensorrt_llm").engine
+    assert engine_config.kv_cache_config.max_attention_window == [TINY_SLIDING_WINDOW, 4096]
+    engine = EmbeddedEngine(engine_config)
     try:
         assert engine.core.attention_windows == (TINY_SLIDING_WINDOW, None)
         assert run_all(engine, tokenizer, prompt_ids) == expected
