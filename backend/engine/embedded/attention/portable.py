@@ -53,8 +53,8 @@ def portable_attention(
         meta.query_starts, meta.query_lens, meta.context_lens, meta.block_tables, tail_masks, masks
     ):
         rows = slice(start, start + q_len)
-        if q_len == ctx_len and tail_mask is None and window is None:  # a whole prompt: causal, nothing to gather
-            out[rows] = _causal_attention(q[rows], k[rows], v[rows], scale)
+        if q_len == ctx_len and tail_mask is None and (window is None or ctx_len <= window):
+            out[rows] = _causal_attention(q[rows], k[rows], v[rows], scale)  # a whole prompt: nothing to gather
             continue
         if mask is None:  # a whole prompt, or metadata not made by step_metadata
             mask = sequence_mask(q_len, ctx_len, tail_mask, q.device, q.dtype, meta.block_size)
