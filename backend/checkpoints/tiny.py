@@ -1,5 +1,6 @@
-"""Tiny random-weight models in Hugging Face format, for fast tests: Llama, Qwen2 (q/k/v biases) and Qwen3
-(q/k norms, head_dim != hidden / heads), each with a real byte-level BPE tokenizer trained on text we ship.
+"""Tiny random-weight models in Hugging Face format, for fast tests: Llama, Mistral (sliding-window attention over
+TINY_SLIDING_WINDOW tokens, so short prompts already outgrow it), Qwen2 (q/k/v biases) and Qwen3 (q/k norms,
+head_dim != hidden / heads), each with a real byte-level BPE tokenizer trained on text we ship.
 
 The same seed and architecture always give byte-identical files."""
 
@@ -24,6 +25,7 @@ EOS_TOKEN_ID = SPECIAL_TOKENS.index(EOS_TOKEN)
 PAD_TOKEN_ID = SPECIAL_TOKENS.index(PAD_TOKEN)
 TOKENIZER_VOCAB_TARGET = 1000
 MAX_POSITION_EMBEDDINGS = 4096
+TINY_SLIDING_WINDOW = 16
 
 _COMMON = dict(
     hidden_size=64,
@@ -51,6 +53,13 @@ _ARCH_CONFIGS: dict[str, dict[str, Any]] = {
         tie_word_embeddings=False,
         attention_bias=False,
         mlp_bias=False,
+    ),
+    "mistral": dict(
+        architectures=["MistralForCausalLM"],
+        model_type="mistral",
+        head_dim=16,
+        tie_word_embeddings=False,
+        sliding_window=TINY_SLIDING_WINDOW,
     ),
     "qwen2": dict(
         architectures=["Qwen2ForCausalLM"],

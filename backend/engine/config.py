@@ -32,8 +32,12 @@ class KvCacheConfig:
     # An explicit token budget wins; otherwise the fraction of free memory (GPU memory, or host memory on CPU).
     max_tokens: Optional[int] = None
     free_gpu_memory_fraction: float = 0.9
+    # Attention window of each layer, in tokens (TensorRT-LLM's key): a list shorter than the layer count repeats
+    # over the layers; a window at least max_seq_len attends to everything. None: full attention.
+    max_attention_window: Optional[list[int]] = None
 
     def validate(self) -> None:
+        check_attention_windows(self.max_attention_window, "kv_cache_config.max_attention_window")
         if self.tokens_per_block < 1:
             raise ConfigError(f"kv_cache_config.tokens_per_block must be >= 1, got {self.tokens_per_block}")
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -42,6 +46,17 @@ class KvCacheConfig:
             raise ConfigError(
                 f"kv_cache_config.free_gpu_memory_fraction must be in (0, 1], got {self.free_gpu_memory_fraction}"
             )
+
+
+def check_attention_windows(windows: Any, name: str) -> None:
+    """A non-empty list of integers >= 1 (TensorRT-LLM refuses a window <= 0), or None."""
+    if windows is None:
+        return
+    if not isinstance(windows, list) or not windows:
+        raise ConfigError(f"{name} must be a non-empty list of integers (one window per layer), got {windows!r}")
+    for window in windows:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ConfigError(f"{name}: every window must be an integer >= 1, got {window!r} in {windows!r}")
 
 
 @dataclass

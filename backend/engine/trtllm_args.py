@@ -43,11 +43,13 @@ def llm_kwargs(config: EngineConfig, trtllm: Any) -> dict[str, Any]:
 
 def trtllm_kv_cache_config(config: EngineConfig, trtllm: Any) -> Any:
     kv = config.kv_cache_config
+    windows = {} if kv.max_attention_window is None else {"max_attention_window": list(kv.max_attention_window)}
     return trtllm.KvCacheConfig(
         enable_block_reuse=kv.enable_block_reuse,
         tokens_per_block=kv.tokens_per_block,
         max_tokens=kv.max_tokens,
         free_gpu_memory_fraction=kv.free_gpu_memory_fraction,
+        **windows,
     )
 
 

@@ -64,7 +64,6 @@ ACCEPTED_PARAMETERS = (
     "xgrammar_tokenizer_info_path",
     "gpt_model_type",
     "decoding_mode",
-    "max_attention_window_size",
     "num_nodes",
     "gpu_weights_percent",
     "speculative_decoding_fast_logits",
@@ -92,6 +91,7 @@ ENGINE_PARAMETERS = (
     "cuda_graph_mode",
     "attn_backend",
     "disable_overlap_scheduler",
+    "max_attention_window_size",
 )
 TRITON_PARAMETERS = ("exclude_input_in_output", "cancellation_check_period_ms", "stats_check_period_ms")
 # Set at all, these ask for something not built; the value does not matter.
@@ -176,6 +176,7 @@ def engine_overrides(params: Parameters) -> dict[str, Any]:
     _put(kv_cache, "max_tokens", params.int("max_tokens_in_paged_kv_cache", minimum=1))
     _put(kv_cache, "free_gpu_memory_fraction", memory_fraction(params, "kv_cache_free_gpu_mem_fraction"))
     _put(kv_cache, "enable_block_reuse", params.bool("enable_kv_cache_reuse"))
+    _put(kv_cache, "max_attention_window", attention_windows(params))
     _put(out, "kv_cache_config", kv_cache or None)
     policy = lowercase_choice(params, "batch_scheduler_policy", tuple(SCHEDULER_POLICY_NAMES))
     if policy is not None:
@@ -305,26 +306,24 @@ def check_unbuilt_features(params: Parameters) -> None:
         not params.bool("speculative_decoding_fast_logits", False),
         "fast logits are not supported",
     )
-    check_attention_window(params)
 
 
-def check_attention_window(params: Parameters) -> None:
-    """A window at least as long as max_seq_len attends to everything, so it is harmless; a shorter one (or a
-    per-layer list) would be sliding-window attention, which is not built."""
+def attention_windows(params: Parameters) -> Optional[list[int]]:
+    """`max_attention_window_size`: one window for every layer, or windows separated by ',' (TensorRT-LLM's
+    backend splits it so), which repeat over the layers; each an integer >= 1."""
     text = params.str("max_attention_window_size")
     if text is None:
-        return
-    max_seq_len = params.int("max_seq_len", minimum=2)
-    try:
-        window = int(text)
-    except ValueError:
-        raise _unbuilt(params, "max_attention_window_size", "per-layer windows are not supported") from None
-    if max_seq_len is None or window < max_seq_len:
-        raise _unbuilt(
-            params,
-            "max_attention_window_size",
-            "sliding-window attention is not supported yet; leave it empty (or >= max_seq_len)",
-        )
+        return None
+    windows = []
+    for part in text.split(","):
+        try:
+            window = int(part)
+        except ValueError:
+            raise _unbuilt(params, "max_attention_window_size", "must be integers separated by ','") from None
+        if window < 1:
+            raise _unbuilt(params, "max_attention_window_size", f"every window must be >= 1, got {window}")
+        windows.append(window)
+    return windows
 
 
 def check_accepted_parameters(params: Parameters) -> None:

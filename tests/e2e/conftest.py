@@ -102,6 +102,27 @@ def draft_server(tiny_model, tmp_path_factory) -> Iterator["clients.LiveServer"]
     )
 
 
+@pytest.fixture(scope="module")
+def tiny_mistral(tmp_path_factory) -> Path:
+    """The tiny Mistral: sliding-window attention over its last TINY_SLIDING_WINDOW tokens, the same tokenizer."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_mistral"), seed=2, arch="mistral")
+
+
+@pytest.fixture(scope="module")
+def window_server(request, tiny_mistral, tmp_path_factory) -> Iterator["clients.LiveServer"]:
+    """The decoupled repository for the tiny Mistral with the tensorrt_llm model's `max_attention_window_size` set
+    to the test module's MAX_ATTENTION_WINDOW_SIZE; module-scoped."""
+    work = tmp_path_factory.mktemp("window")
+    repo = build_repo(
+        tiny_mistral,
+        work / "repo",
+        streaming=True,
+        max_seq_len=MAX_SEQ_LEN,
+        parameters={"max_attention_window_size": request.module.MAX_ATTENTION_WINDOW_SIZE},
+    )
+    yield from _run(repo, work)
+
+
 def _serve(model_dir: Path, work: Path, streaming: bool) -> Iterator["clients.LiveServer"]:
     yield from _run(
         build_repo(

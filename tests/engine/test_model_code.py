@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tritonllm.checkpoints.tiny import ARCHITECTURES, build_tiny_model
+from tritonllm.checkpoints.tiny import ARCHITECTURES, TINY_SLIDING_WINDOW, build_tiny_model
 from tritonllm.engine.embedded.attention import AttentionMetadata, build_decode_mask
 from tritonllm.engine.embedded.loader import ModelLoadError, load_model, read_model_config
 from tritonllm.engine.embedded.network.model_config import ModelConfig
@@ -196,7 +196,8 @@ def test_model_config_fields(tiny_dir):
         4096,
         "float32",
     )
-    assert config.eos_token_id == 2 and config.sliding_window is None
+    window = TINY_SLIDING_WINDOW if raw["model_type"] == "mistral" else None
+    assert config.eos_token_id == 2 and config.sliding_window == window
     assert config.tie_word_embeddings == raw["tie_word_embeddings"]
 
 
@@ -243,6 +244,46 @@ def test_model_config_fields(tiny_dir):
 )
 def test_sliding_window_recorded_only_when_in_use(overrides, window):
     assert ModelConfig.from_dict(raw_config(**overrides)).sliding_window == window
+
+
+@pytest.mark.parametrize(
+    "overrides, windows",
+    [
+        (dict(architectures=["MistralForCausalLM"], model_type="mistral", num_hidden_layers=3), (4096,) * 3),
+        (
+            dict(
+                architectures=["Qwen2ForCausalLM"],
+                model_type="qwen2",
+                num_hidden_layers=3,
+                use_sliding_window=True,
+                sliding_window=64,
+                max_window_layers=1,
+            ),
+            (None, 64, 64),  # transformers: layers at index >= max_window_layers slide
+        ),
+        (
+            dict(
+                architectures=["Qwen3ForCausalLM"],
+                model_type="qwen3",
+                num_hidden_layers=2,
+                use_sliding_window=True,
+                sliding_window=32,
+                layer_types=["sliding_attention", "full_attention"],
+            ),
+            (32, None),
+        ),
+        (dict(num_hidden_layers=2), ()),
+    ],
+)
+def test_each_layer_gets_the_window_transformers_gives_it(overrides, windows):
+    assert ModelConfig.from_dict(raw_config(**overrides)).layer_windows == windows
+
+
+@pytest.mark.parametrize("bad", [-1, 2.5, "16"])
+def test_a_bad_sliding_window_is_a_load_error_naming_it(bad):
+    raw = raw_config(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=bad)
+    with pytest.raises(ModelLoadError, match="sliding_window"):
+        ModelConfig.from_dict(raw)
 
 
 def test_architecture_flags():

@@ -32,6 +32,7 @@ if not CUDA:
 DEVICE = torch.device("cuda" if CUDA else "cpu")
 SCALE = 0.37
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+_long = dict(dtype=torch.long, device=DEVICE)
 gpu_only = pytest.mark.skipif(not CUDA, reason="large cases and CUDA graphs need a GPU")
 
 
@@ -41,7 +42,20 @@ class Step:
     `caches` are the kernels' (NaN / Inf in every slot outside a context), `ref_caches` the reference's (finite
     there); both equal everywhere else. New K/V are written into `caches` here; the reference writes its own."""
 
-    def __init__(self, seed, q_lens, ctx_lens, heads, kv_heads, head_dim, block_size, dtype, first_row=0, tails=None):
+    def __init__(
+        self,
+        seed,
+        q_lens,
+        ctx_lens,
+        heads,
+        kv_heads,
+        head_dim,
+        block_size,
+        dtype,
+        first_row=0,
+        tails=None,
+        window=None,
+    ):
         self.gen = torch.Generator().manual_seed(seed)
         self.q_lens, self.ctx_lens, self.block_size, self.first_row = q_lens, ctx_lens, block_size, first_row
         self.tails = tails or [None] * len(q_lens)
@@ -54,7 +68,14 @@ class Step:
             self.slot(s, p) for s, (q_len, ctx) in enumerate(zip(q_lens, ctx_lens)) for p in range(ctx - q_len, ctx)
         ]
         hidden = torch.ones(num_blocks * block_size, dtype=torch.bool)
-        hidden[[self.slot(s, p) for s, ctx in enumerate(ctx_lens) for p in range(ctx)]] = False
+        # With a window, keys older than every query's window are poison too: the kernels must not read them.
+        oldest = [0 if window is None else max(0, ctx - q - window + 1) for q, ctx in zip(q_lens, ctx_lens)]
+        if window is not None and tails:  # a draft node sits at its root's position plus its depth
+            oldest = [
+                low if t is None else max(0, ctx - q - window + 1 - (q - t.shape[0]))
+                for low, t, q, ctx in zip(oldest, tails, q_lens, ctx_lens)
+            ]
+        hidden[[self.slot(s, p) for s, ctx in enumerate(ctx_lens) for p in range(oldest[s], ctx)]] = False
         shape = (num_blocks, block_size, kv_heads, head_dim)
         self.ref_caches = [self.randn(*shape, dtype=dtype) for _ in range(2)]
         self.caches = [_poisoned(cache, hidden) for cache in self.ref_caches]
@@ -68,7 +89,17 @@ class Step:
     def randn(self, *shape, dtype):
         return torch.randn(shape, generator=self.gen).to(dtype).to(DEVICE)
 
-    def reference(self) -> torch.Tensor:
+    def positions(self) -> torch.Tensor:
+        """[T] each query's position: its key's, or in a draft tree its root's plus its depth (mask row sum - 1)."""
+        positions = []
+        for q_len, ctx, tail in zip(self.q_lens, self.ctx_lens, self.tails):
+            size = 0 if tail is None else tail.shape[0]
+            positions += range(ctx - q_len, ctx - size)
+            if tail is not None:
+                positions += [ctx - size + int(row.sum()) - 1 for row in tail]
+        return torch.tensor(positions, device=DEVICE)
+
+    def reference(self, window=None) -> torch.Tensor:
         meta = step_metadata(
             self.slots,
             self.tables,
@@ -80,7 +111,8 @@ class Step:
             DEVICE,
             self.q.dtype,
         )
-        return portable_attention(self.q, self.k, self.v, *self.ref_caches, meta, SCALE)
+        meta.positions = self.positions()
+        return portable_attention(self.q, self.k, self.v, *self.ref_caches, meta, SCALE, window)
 
     def int_tensor(self, values):
         return torch.tensor(values, dtype=torch.int32, device=DEVICE)
@@ -90,7 +122,7 @@ class Step:
         width = max(len(t) for t in self.tables) + extra_columns
         return self.int_tensor([t + [0] * (width - len(t)) for t in self.tables])
 
-    def prefill(self, tree=None, tokens_per_seq=None, rows=None):
+    def prefill(self, tree=None, tokens_per_seq=None, rows=None, window=None):
         """prefill_attention over this step; with tokens_per_seq=R, queries are laid out R rows a sequence
         (graph style) and the whole padded [rows, heads, head_dim] output comes back, NaN where nothing wrote."""
         heads, kv_heads = self.q.shape[1], self.caches[0].shape[2]
@@ -114,6 +146,8 @@ class Step:
             tuple(torch.from_numpy(t).to(DEVICE) for t in tiles),
             tree=tree,
             out=out,
+            window=window,
+            positions=None if window is None else torch.cat([torch.zeros(self.first_row, **_long), self.positions()]),
         )
         return out, starts
 
@@ -400,3 +434,47 @@ def test_kernels_replay_in_a_cuda_graph():
         eager_prefill, eager_decode = forward()
         assert torch.equal(prefill, eager_prefill) and torch.equal(decode, eager_decode)
         assert_close(prefill[step.placement(starts.tolist())], step.reference())
+
+
+WINDOW_CASES = {  # name: (q_lens, ctx_lens, tree sizes, heads, kv_heads, block_size, window)
+    "a prompt longer than the window": ([37], [37], [0], 4, 2, 4, 8),
+    "a chunk over a prefix, windows crossing key tiles": ([90], [300], [0], 4, 2, 16, 70),
+    "prompts, chunks, decode rows, prefix-hit suffixes": (
+        [13, 5, 1, 1, 9, 3],
+        [13, 41, 30, 1, 25, 3],
+        [0] * 6,
+        4,
+        2,
+        4,
+        6,
+    ),
+    "a window wider than every context": ([20, 1], [20, 33], [0, 0], 4, 4, 4, 64),
+    "draft trees measure from their depth": ([7, 6, 12, 1], [40, 6, 48, 33], [7, 6, 0, 0], 4, 2, 4, 9),
+}
+
+
+@pytest.mark.parametrize("name", WINDOW_CASES)
+def test_windowed_prefill_equals_portable(name):
+    """Each query sees the keys at positions > its own - window (draft nodes: their root's plus their depth);
+    every older key is poison in the kernels' caches."""
+    q_lens, ctx_lens, sizes, heads, kv_heads, block_size, window = WINDOW_CASES[name]
+    gen = torch.Generator().manual_seed(len(name))
+    tails = [random_tree(gen, n) if n else None for n in sizes]
+    step = Step(len(name), q_lens, ctx_lens, heads, kv_heads, 16, block_size, torch.float32, 3, tails, window=window)
+    tree = tk.tree_masks(tails, DEVICE) if any(n for n in sizes) else None
+    out, _ = step.prefill(tree=tree, window=window)
+    reference = step.reference(window)
+    assert_close(out[3:], reference)
+    assert not torch.allclose(reference, step.reference(), atol=1e-3) or window >= max(ctx_lens)
+
+
+@pytest.mark.parametrize("seq_lens, window", [([40, 3, 77], 5), ([1000, 64], 300), ([9], 9)])
+def test_windowed_decode_equals_portable(seq_lens, window):
+    """The decode kernel reads only each sequence's last `window` keys, with one split or several."""
+    step = Step(window, [1] * len(seq_lens), seq_lens, 4, 2, 16, 4, torch.float32, window=window)
+    tables = step.block_tables()
+    for max_seq_len in (64, tables.shape[1] * 4):
+        out = tk.decode_attention(
+            step.q, *step.caches, tables, step.int_tensor(seq_lens), SCALE, max_seq_len, window=window
+        )
+        assert_close(out, step.reference(window))

@@ -149,6 +149,14 @@ def test_llm_kwargs_leaves_unset_settings_to_the_library(fake):
     }
 
 
+def test_llm_kwargs_passes_the_attention_windows(fake):
+    config = EngineConfig.from_dict(
+        {"model": "m", "engine": "tensorrt_llm", "kv_cache_config": {"max_attention_window": [4096, 1024]}}
+    )
+    kv = trtllm_args.llm_kwargs(config, fake)["kv_cache_config"]
+    assert kv.called_with["max_attention_window"] == [4096, 1024]
+
+
 def test_llm_kwargs_passes_lora_and_speculative_settings(fake):
     config = EngineConfig(
         model="m",

@@ -313,8 +313,6 @@ def test_bad_values_name_the_parameter(model_dir, name, value):
         ("num_nodes", "2", "multi-node"),
         ("gpu_weights_percent", "0.5", "weight streaming"),
         ("speculative_decoding_fast_logits", "true", "fast logits"),
-        ("max_attention_window_size", "1024", "sliding-window"),
-        ("max_attention_window_size", "512,1024", "per-layer"),
     ],
 )
 def test_unbuilt_features_fail_with_a_clear_error(model_dir, name, value, why):
@@ -322,10 +320,25 @@ def test_unbuilt_features_fail_with_a_clear_error(model_dir, name, value, why):
         load(model_dir, **{name: value})
 
 
-def test_a_window_covering_max_seq_len_is_harmless(model_dir):
-    assert load(model_dir, max_attention_window_size="4096", max_seq_len="2048").engine.max_seq_len == 2048
-    with pytest.raises(ParameterError, match="max_attention_window_size"):
-        load(model_dir, max_attention_window_size="1024", max_seq_len="2048")
+@pytest.mark.parametrize(
+    "value, windows", [("1024", [1024]), ("512,1024", [512, 1024]), ("4096, 16 ,16", [4096, 16, 16])]
+)
+def test_max_attention_window_size_becomes_the_per_layer_windows(model_dir, value, windows):
+    """One window, or TensorRT-LLM's backend's comma-separated list (repeated over the layers by the engine)."""
+    assert load(model_dir, max_attention_window_size=value).engine.kv_cache_config.max_attention_window == windows
+
+
+def test_max_attention_window_size_overrides_model_yaml(model_dir):
+    write_yaml(model_dir, {"model": MODEL, "kv_cache_config": {"max_attention_window": [8], "tokens_per_block": 16}})
+    kv = load(model_dir, max_attention_window_size="32,64").engine.kv_cache_config
+    assert (kv.max_attention_window, kv.tokens_per_block) == ([32, 64], 16)
+    assert load(model_dir).engine.kv_cache_config.max_attention_window == [8]
+
+
+@pytest.mark.parametrize("value, why", [("0", ">= 1"), ("-16", ">= 1"), ("16,", "integers"), ("1.5", "integers")])
+def test_bad_max_attention_window_size_names_the_parameter(model_dir, value, why):
+    with pytest.raises(ParameterError, match=f"'max_attention_window_size'.*{why}"):
+        load(model_dir, max_attention_window_size=value)
 
 
 def test_harmless_contract_parameters_are_accepted(model_dir):

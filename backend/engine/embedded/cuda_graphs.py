@@ -76,6 +76,7 @@ class _Graph:
             context_lens=[1] * seqs,
             block_size=block_size,
             decode_mask=self.mask,
+            positions=self.positions,
         )
         self.replay: Optional[Callable[[], None]] = None
         self.hidden: Optional[torch.Tensor] = None
@@ -112,7 +113,9 @@ class _KernelGraph:
         self.slots = torch.full((seqs * rows,), scratch_slot, **long)
         self.tables = torch.zeros(seqs, max_width, **int32)
         self.seq_lens = torch.ones(seqs, **int32)
-        kernel = KernelMetadata(self.slots, self.tables, self.seq_lens, max_width * block_size, decode=rows == 1)
+        kernel = KernelMetadata(
+            self.slots, self.tables, self.seq_lens, max_width * block_size, decode=rows == 1, positions=self.positions
+        )
         if rows > 1:
             self._add_query_buffers(kernel, seqs, rows, kernels, device)
         self.attn = AttentionMetadata(
@@ -123,6 +126,7 @@ class _KernelGraph:
             context_lens=[1] * seqs,
             block_size=block_size,
             kernel=kernel,
+            positions=self.positions,
         )
         self.replay: Optional[Callable[[], None]] = None
         self.hidden: Optional[torch.Tensor] = None
@@ -186,6 +190,7 @@ def _load_rows(
     graph.slots.fill_(graph.scratch_slot)
     graph.slots.index_copy_(0, placement, attn.slot_mapping)
     graph.input_ids.index_copy_(0, placement, input_ids)
+    graph.positions.zero_()  # padding rows at 0: a windowed layer still shows them key 0
     graph.positions.index_copy_(0, placement, positions)
     seqs, columns = attn.block_tables.shape
     graph.tables[:seqs, :columns].copy_(attn.block_tables)

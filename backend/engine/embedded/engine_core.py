@@ -16,6 +16,8 @@ from ..seam import EngineStats
 from ..types import CompletionOutput, InvalidRequestError, RequestOutput, SamplingParams
 from .attention import resolve_backend
 from .attention.triton_backend import TritonAttention
+from .attention.windows import describe as describe_windows
+from .attention.windows import layer_windows
 from .beam_requests import BeamRequests, beam_snapshot
 from .beam_search import BeamSearch
 from .block_manager import BlockManager, blocks_for
@@ -53,6 +55,8 @@ class EngineCore:
         self.dtype = resolve_dtype(config.dtype, read_model_config(config.model).torch_dtype, self.device)
         self.model, self.model_config = load_model(config.model, self.dtype, self.device, config.load_format)
         self.max_seq_len = self._max_seq_len()
+        self.attention_windows = self._attention_windows()
+        self.model.set_attention_windows(self.attention_windows)
         mc = self.model_config
         block_size = config.kv_cache_config.tokens_per_block
         kernels = None
@@ -164,10 +168,25 @@ class EngineCore:
     def new_seq_id(self) -> int:
         return next(self._seq_ids)
 
+    def _attention_windows(self) -> tuple[Optional[int], ...]:
+        """Each layer's window (attention/windows.py). Draft nodes measure theirs from their depth, but a tree's
+        own keys are shown whole (every ancestor of a node), so a draft tail must fit in the smallest window."""
+        mc = self.model_config
+        windows = layer_windows(
+            mc.layer_windows, self.config.kv_cache_config.max_attention_window, mc.num_layers, self.max_seq_len
+        )
+        spec = self.config.speculative_settings()
+        smallest = min((w for w in windows if w is not None), default=None)
+        if spec is not None and smallest is not None and 1 + spec.max_total_draft_tokens > smallest:
+            raise InvalidRequestError(
+                f"speculative_config drafts up to {spec.max_total_draft_tokens} tokens a step, which with the root "
+                f"do not fit in the smallest attention window ({smallest}); use fewer draft tokens or a wider window"
+            )
+        log.info("%s", describe_windows(windows))
+        return windows
+
     def _max_seq_len(self) -> int:
         limit = self.model_config.max_position_embeddings
-        if self.model_config.sliding_window:
-            limit = min(limit, self.model_config.sliding_window)
         wanted = self.config.max_seq_len or limit
         if wanted > limit:
             raise InvalidRequestError(f"max_seq_len={wanted} exceeds what the model supports ({limit})")

@@ -39,12 +39,14 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] (this step's, written into the caches first);
-    caches: [blocks, block_size, kv_heads, head_dim]. Returns [T, heads, head_dim]."""
+    caches: [blocks, block_size, kv_heads, head_dim]; window: the layer's attention window (windows.py), None for
+    full attention. Returns [T, heads, head_dim]."""
     if meta.kernel is not None:
-        return meta.kernel.attend(q, k, v, k_cache, v_cache, scale)
-    return portable_attention(q, k, v, k_cache, v_cache, meta, scale)
+        return meta.kernel.attend(q, k, v, k_cache, v_cache, scale, window)
+    return portable_attention(q, k, v, k_cache, v_cache, meta, scale, window)
 
 
 def resolve_backend(requested: str, device: torch.device) -> str:

@@ -40,6 +40,9 @@ class AttentionMetadata:
     sequence_masks: list[torch.Tensor | None] | None = None
     # The Triton backend's device tensors for this step; None: the portable path.
     kernel: KernelMetadata | None = None
+    # [T] each query's position (the model's RoPE positions: a draft node sits at its root's plus its depth), which
+    # windowed layers measure their window from; None: the last q_len positions of each context (no draft trees).
+    positions: torch.Tensor | None = None
 
     @property
     def is_decode_only(self) -> bool:
@@ -135,8 +138,9 @@ def metadata_from(
         block_size=block_size,
         tail_masks=tail_masks if any(m is not None for m in tail_masks) else None,
     )
+    attn.positions = arrays.get("positions")
     if kernels is not None:
-        attn.kernel = kernels.metadata(arrays, attn.slot_mapping)
+        attn.kernel = kernels.metadata(arrays, attn.slot_mapping, attn.positions)
     elif masks:
         attach_masks(attn, device, dtype)
     return attn
@@ -157,6 +161,17 @@ def attach_masks(attn: AttentionMetadata, device, dtype: torch.dtype) -> None:
             else sequence_mask(q_len, ctx_len, tail, device, dtype, attn.block_size)
             for q_len, ctx_len, tail in zip(attn.query_lens, attn.context_lens, tails)
         ]
+
+
+def window_mask(mask: torch.Tensor, query_positions: torch.Tensor, window: int) -> torch.Tensor:
+    """`mask` (additive, [..., Q, K] over key positions 0 .. K - 1) also hiding keys more than `window` - 1 positions
+    before each query: query_positions broadcasts over mask's [..., Q]. Built per windowed layer, from tensors only,
+    so a CUDA graph recomputes it on every replay."""
+    keys = torch.arange(mask.shape[-1], device=mask.device)
+    too_old = keys <= query_positions.to(mask.device)[..., None] - window
+    if mask.dtype == torch.bool:
+        return mask & ~too_old
+    return mask.masked_fill(too_old, float("-inf"))
 
 
 def sequence_mask(

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from ..block_manager import blocks_for
-from .metadata import AttentionMetadata, sequence_mask
+from .metadata import AttentionMetadata, sequence_mask, window_mask
 
 
 def zero_blocks(caches, block_ids: list[int]) -> None:
@@ -38,12 +38,14 @@ def portable_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
     """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]; caches: [blocks, block_size, kv_heads, head_dim].
+    `window`: the layer's attention window (attention/windows.py), None for full attention.
     Returns [T, heads, head_dim]."""
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
     if meta.is_decode_only:
-        return _decode_attention(q, k_cache, v_cache, meta, scale)
+        return _decode_attention(q, k_cache, v_cache, meta, scale, window)
     out = torch.empty_like(q)
     tail_masks = meta.tail_masks or [None] * len(meta.query_starts)
     masks = meta.sequence_masks or [None] * len(meta.query_starts)
@@ -51,13 +53,22 @@ def portable_attention(
         meta.query_starts, meta.query_lens, meta.context_lens, meta.block_tables, tail_masks, masks
     ):
         rows = slice(start, start + q_len)
-        if q_len == ctx_len and tail_mask is None:  # a whole prompt: its own keys, causal, nothing to gather
-            out[rows] = _causal_attention(q[rows], k[rows], v[rows], scale)
-        else:
-            if mask is None:  # metadata not made by step_metadata
-                mask = sequence_mask(q_len, ctx_len, tail_mask, q.device, q.dtype, meta.block_size)
-            out[rows] = _sequence_attention(q[rows], k_cache, v_cache, table, ctx_len, meta.block_size, scale, mask)
+        if q_len == ctx_len and tail_mask is None and (window is None or ctx_len <= window):
+            out[rows] = _causal_attention(q[rows], k[rows], v[rows], scale)  # a whole prompt: nothing to gather
+            continue
+        if mask is None:  # a whole prompt, or metadata not made by step_metadata
+            mask = sequence_mask(q_len, ctx_len, tail_mask, q.device, q.dtype, meta.block_size)
+        if window is not None:
+            mask = window_mask(mask, _query_positions(meta, start, q_len, ctx_len, q.device), window)
+        out[rows] = _sequence_attention(q[rows], k_cache, v_cache, table, ctx_len, meta.block_size, scale, mask)
     return out
+
+
+def _query_positions(meta: AttentionMetadata, start: int, q_len: int, ctx_len: int, device) -> torch.Tensor:
+    """[q_len] positions of a sequence's queries: the step's (draft nodes at their depth), or its last q_len."""
+    if meta.positions is not None:
+        return meta.positions[start : start + q_len]
+    return torch.arange(ctx_len - q_len, ctx_len, device=device)
 
 
 def _causal_attention(q, k, v, scale):
@@ -88,13 +99,23 @@ def _sequence_attention(q, k_cache, v_cache, table, ctx_len, block_size, scale, 
     return out[0].transpose(0, 1)
 
 
-def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale):
+def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale, window: int | None):
     """Every sequence's Q rows (consecutive in q) at once over its gathered blocks."""
     tables = meta.block_tables
     keys = _gather_blocks(k_cache, tables).flatten(1, 2).transpose(1, 2)  # [S, kv_heads, max_ctx, d]
     values = _gather_blocks(v_cache, tables).flatten(1, 2).transpose(1, 2)
     queries = q.view(tables.shape[0], -1, *q.shape[1:]).transpose(1, 2)  # [S, heads, Q, d]
-    out = F.scaled_dot_product_attention(
-        queries, keys, values, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
-    )
+    mask = meta.decode_mask
+    if window is not None:
+        assert mask is not None  # decode-only metadata carries its mask
+        mask = window_mask(mask, _decode_positions(meta, queries.shape[2], q.device)[:, None], window)
+    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
     return out.transpose(1, 2).reshape(q.shape)
+
+
+def _decode_positions(meta: AttentionMetadata, rows: int, device) -> torch.Tensor:
+    """[S, Q] positions of a decode-shaped step's query rows: the step's (CUDA graphs: their static positions,
+    padding rows at 0, which see key 0), or each context's last position (one query a sequence)."""
+    if meta.positions is not None:
+        return meta.positions.view(-1, rows)
+    return torch.tensor(meta.context_lens, device=device)[:, None] - 1

@@ -43,14 +43,15 @@ class KernelMetadata:
     query_lens: Optional[torch.Tensor] = None  # [S]
     tiles: Optional[tuple[torch.Tensor, torch.Tensor]] = None  # (tile_seqs, tile_starts)
     tree: Optional[TreeMasks] = None  # None without draft trees
+    positions: Optional[torch.Tensor] = None  # [T] int64: query positions (draft nodes at their depth), if known
 
-    def attend(self, q, k, v, k_cache, v_cache, scale: float) -> torch.Tensor:
+    def attend(self, q, k, v, k_cache, v_cache, scale: float, window: Optional[int] = None) -> torch.Tensor:
         from . import triton_kernels as kernels
 
         kernels.store_kv(k, v, k_cache, v_cache, self.slot_mapping)
         if self.decode:
             return kernels.decode_attention(
-                q, k_cache, v_cache, self.block_tables, self.seq_lens, scale, self.max_seq_len
+                q, k_cache, v_cache, self.block_tables, self.seq_lens, scale, self.max_seq_len, window=window
             )
         # set for every step that is not decode-only (TritonAttention.metadata, CUDA graphs of several rows)
         assert self.query_starts is not None and self.query_lens is not None and self.tiles is not None
@@ -65,6 +66,8 @@ class KernelMetadata:
             scale,
             self.tiles,
             self.tree,
+            window=window,
+            positions=self.positions,
         )
 
 
@@ -97,11 +100,16 @@ class TritonAttention:
             host.add("tree_starts", starts, int32=True)
             host.add("tree_masks", flat, int32=True)
 
-    def metadata(self, arrays: dict[str, torch.Tensor], slot_mapping: torch.Tensor) -> KernelMetadata:
-        """The step's KernelMetadata from the uploaded arrays (see add_arrays; int32 `block_tables` among them)."""
+    def metadata(
+        self, arrays: dict[str, torch.Tensor], slot_mapping: torch.Tensor, positions: Optional[torch.Tensor] = None
+    ) -> KernelMetadata:
+        """The step's KernelMetadata from the uploaded arrays (see add_arrays; int32 `block_tables` among them);
+        `positions`: the queries' positions, which windowed layers need where a step has draft trees."""
         tables = arrays["block_tables"]
         decode = "query_lens" not in arrays
-        meta = KernelMetadata(slot_mapping, tables, arrays["seq_lens"], tables.shape[1] * self.block_size, decode)
+        meta = KernelMetadata(
+            slot_mapping, tables, arrays["seq_lens"], tables.shape[1] * self.block_size, decode, positions=positions
+        )
         if not decode:
             meta.query_starts, meta.query_lens = arrays["query_starts"], arrays["query_lens"]
             meta.tiles = (arrays["tile_seqs"], arrays["tile_starts"])

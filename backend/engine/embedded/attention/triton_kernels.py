@@ -14,6 +14,8 @@ Semantics: softmax(q k^T * scale) v in fp32 (online softmax in base 2), output i
 sequence s sits at position seq_lens[s] - 1 and sees every key. Prefill: query i of sequence s sits at position
 seq_lens[s] - query_lens[s] + i and sees keys at positions <= its own, except in a draft tree (TreeMasks): the last
 n queries see every key before the tree and, among the tree's n keys, those their mask row allows.
+With a window W (a layer's attention window, attention/windows.py) a query at position p sees, of those, only the
+keys at positions > p - W; a draft node's p is its root's position plus its depth (the step's `positions`).
 
 Both kernels group the query heads that share a KV head into the rows of one program, so each K/V tile is loaded
 once per KV head, and are CUDA-graph capturable: grids and constexprs depend on shapes and host ints only, scratch
@@ -102,7 +104,7 @@ def _online_softmax(scores, v, m, l, acc, IEEE: tl.constexpr):
 # Arguments that change from step to step are not specialised on (Triton compiles a variant per value of 1, per
 # multiple of 16 and per 16-byte alignment of a pointer): the step's metadata are views into one uploaded buffer
 # at varying offsets, and table widths and counts vary, so specialising recompiled kernels mid-run (a second each).
-_STEP_ARGS = ["block_tables", "seq_lens", "stride_table"]
+_STEP_ARGS = ["block_tables", "seq_lens", "stride_table", "window"]
 _PREFILL_STEP_ARGS = _STEP_ARGS + [
     "query_starts",
     "query_lens",
@@ -113,6 +115,7 @@ _PREFILL_STEP_ARGS = _STEP_ARGS + [
     "tree_masks",
     "num_seqs",
     "num_rows",
+    "positions",
 ]
 
 
@@ -127,6 +130,7 @@ def _decode_split_kernel(
     part_out,
     part_lse,
     scale_log2,
+    window,
     num_heads,
     stride_qs,
     stride_qh,
@@ -146,18 +150,24 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    WINDOWED: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    """Program (sequence, KV head, split): the group's query heads over the split's share of the keys. Each
-    sequence's keys are cut into NUM_SPLITS equal runs of whole BLOCK_N tiles; one split writes `out` directly,
-    several write fp32 partials (normalised output and base-2 log-sum-exp, -inf for an empty run)."""
+    """Program (sequence, KV head, split): the group's query heads over the split's share of the keys it sees
+    (all, or WINDOWED the last `window`). Those keys are cut into NUM_SPLITS equal runs of whole BLOCK_N tiles;
+    one split writes `out` directly, several write fp32 partials (normalised output and base-2 log-sum-exp, -inf
+    for an empty run)."""
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len = tl.load(seq_lens + seq)
-    split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * split_len
+    if WINDOWED:
+        first_key = tl.maximum(seq_len - window, 0)
+    else:
+        first_key = seq_len * 0
+    split_len = tl.cdiv(tl.cdiv(seq_len - first_key, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = first_key + split * split_len
     hi = tl.minimum(lo + split_len, seq_len)
 
     member = tl.arange(0, GROUP_P)
@@ -251,10 +261,12 @@ def decode_attention(
     scale: float,
     max_seq_len: int,
     out: torch.Tensor | None = None,
+    window: int | None = None,
 ) -> torch.Tensor:
     """One query a sequence: q [S, heads, head_dim], the query of sequence s at position seq_lens[s] - 1 seeing
-    keys 0 .. seq_lens[s] - 1. max_seq_len: a host upper bound of seq_lens (e.g. W * block_size), which fixes
-    the split count (decode_splits). Returns out [S, heads, head_dim] in q's dtype."""
+    keys 0 .. seq_lens[s] - 1 (with `window`, only the last `window` of them). max_seq_len: a host upper bound of
+    seq_lens (e.g. W * block_size), which fixes the split count (decode_splits). Returns out [S, heads, head_dim]
+    in q's dtype."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = _group_size(num_heads, num_kv_heads)
@@ -278,6 +290,7 @@ def decode_attention(
         part_out,
         part_lse,
         scale * LOG2E,
+        window or 0,
         num_heads,
         q.stride(0),
         q.stride(1),
@@ -297,6 +310,7 @@ def decode_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=DECODE_BLOCK_N if block_d <= 128 else DECODE_BLOCK_N // 2,
         NUM_SPLITS=splits,
+        WINDOWED=window is not None,
         UPCAST=upcast,
         IEEE=upcast or q.dtype == torch.float32,
         num_warps=4,
@@ -405,6 +419,7 @@ def _prefill_tile(
     tree_key0,
     tree_n,
     tree_mask,
+    row_lo,
     m,
     l,
     acc,
@@ -420,12 +435,16 @@ def _prefill_tile(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     MASK: tl.constexpr,
+    WINDOWED: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    """Fold keys start .. start + BLOCK_N - 1 (those < end) into the running softmax, hiding per MASK."""
+    """Fold keys start .. start + BLOCK_N - 1 (those < end) into the running softmax, hiding per MASK and, WINDOWED,
+    the keys before each row's first visible one (row_lo); keys before every row's are not even read."""
     keys = start + tl.arange(0, BLOCK_N)
     key_ok = keys < end
+    if WINDOWED:
+        key_ok = key_ok & (keys >= tl.min(row_lo, 0))
     block, offset = _key_slots(table_row, keys, key_ok, BLOCK_SIZE)
     k = _load_kv(k_cache, block, offset, kv_head, stride_kb, stride_ks, stride_kh, d, key_ok, d_ok, UPCAST)
     v = _load_kv(v_cache, block, offset, kv_head, stride_vb, stride_vs, stride_vh, d, key_ok, d_ok, UPCAST)
@@ -440,7 +459,11 @@ def _prefill_tile(
         )
         visible = bits != 0
     if MASK != ALL_VISIBLE:
+        if WINDOWED:
+            visible = visible & (keys[None, :] >= row_lo[:, None])
         scores = tl.where(visible & key_ok[None, :], scores, float("-inf"))
+    elif WINDOWED:
+        scores = tl.where((keys[None, :] >= row_lo[:, None]) & key_ok[None, :], scores, float("-inf"))
     return _online_softmax(scores, v, m, l, acc, IEEE)
 
 
@@ -459,9 +482,11 @@ def _prefill_kernel(
     tree_lens,
     tree_starts,
     tree_masks,
+    positions,
     num_seqs,
     num_rows,
     scale_log2,
+    window,
     stride_qt,
     stride_qh,
     stride_ot,
@@ -482,13 +507,17 @@ def _prefill_kernel(
     BLOCK_N: tl.constexpr,
     TREE_BLOCK_N: tl.constexpr,
     HAS_TREE: tl.constexpr,
+    WINDOWED: tl.constexpr,
+    HAS_POSITIONS: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
 ):
     """Program (tile, KV head): TOKENS query tokens of one sequence x the GROUP heads of this KV head (padded to
     GROUP_P) as TOKENS * GROUP_P rows. Keys run in three phases: those every real row sees (before the tile's
     first query and before any tree) unmasked, then causal up to the last key a row can see or the tree, then the
-    tree's keys (only for a tile holding tree rows), in narrower tiles since each reads its mask bytes."""
+    tree's keys (only for a tile holding tree rows), in narrower tiles since each reads its mask bytes. WINDOWED,
+    the keys start at the tile's first visible one, and every phase also hides what each row's window leaves out
+    (measured from `positions` where HAS_POSITIONS, else from the row's key position)."""
     tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     seq = tl.load(tile_seqs + tile)
@@ -533,12 +562,23 @@ def _prefill_kernel(
     hi = tl.where(first < q_len, hi, 0)
     full_end = tl.minimum(tl.minimum(seq_len - q_len + first + 1, tree_key0) // BLOCK_N * BLOCK_N, hi)
     causal_end = tl.minimum(hi, tree_key0)
+    if WINDOWED:
+        if HAS_POSITIONS:
+            pos = tl.load(positions + q_start + token, mask=real, other=0).to(tl.int32)
+        else:
+            pos = q_pos
+        row_lo = tl.where(real, pos - window + 1, seq_len)  # each row's first visible key (padding rows: none)
+        tile_lo = tl.maximum(tl.min(row_lo, 0), 0) // BLOCK_N * BLOCK_N
+    else:
+        row_lo = q_pos * 0
+        tile_lo = seq_len * 0
+    causal_start = tl.maximum(full_end, tile_lo)
 
     m = tl.full([TOKENS * GROUP_P], float("-inf"), tl.float32)
     l = tl.zeros([TOKENS * GROUP_P], tl.float32)
     acc = tl.zeros([TOKENS * GROUP_P, BLOCK_D], tl.float32)
     table_row = block_tables + seq * stride_table
-    for start in range(0, full_end, BLOCK_N):
+    for start in range(tile_lo, full_end, BLOCK_N):
         m, l, acc = _prefill_tile(
             queries,
             k_cache,
@@ -554,6 +594,7 @@ def _prefill_kernel(
             tree_key0,
             tree_n,
             tree_mask,
+            row_lo,
             m,
             l,
             acc,
@@ -569,10 +610,11 @@ def _prefill_kernel(
             BLOCK_SIZE,
             BLOCK_N,
             ALL_VISIBLE,
+            WINDOWED,
             UPCAST,
             IEEE,
         )
-    for start in range(full_end, causal_end, BLOCK_N):
+    for start in range(causal_start, causal_end, BLOCK_N):
         m, l, acc = _prefill_tile(
             queries,
             k_cache,
@@ -588,6 +630,7 @@ def _prefill_kernel(
             tree_key0,
             tree_n,
             tree_mask,
+            row_lo,
             m,
             l,
             acc,
@@ -603,6 +646,7 @@ def _prefill_kernel(
             BLOCK_SIZE,
             BLOCK_N,
             CAUSAL,
+            WINDOWED,
             UPCAST,
             IEEE,
         )
@@ -623,6 +667,7 @@ def _prefill_kernel(
                 tree_key0,
                 tree_n,
                 tree_mask,
+                row_lo,
                 m,
                 l,
                 acc,
@@ -638,6 +683,7 @@ def _prefill_kernel(
                 BLOCK_SIZE,
                 TREE_BLOCK_N,
                 TREE,
+                WINDOWED,
                 UPCAST,
                 IEEE,
             )
@@ -664,12 +710,16 @@ def prefill_attention(
     tiles: tuple[torch.Tensor, torch.Tensor],
     tree: TreeMasks | None = None,
     out: torch.Tensor | None = None,
+    window: int | None = None,
+    positions: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Every sequence's queries of a step in one launch. q [T, heads, head_dim]; sequence s's queries are rows
     query_starts[s] .. + query_lens[s] - 1 (sequences in order: s's rows end where s + 1's begin, the last's at
     T), causal over its context except for its tree (TreeMasks). tiles: (tile_seqs, tile_starts) int32 device
     tensors from prefill_tiles. A tile's rows of its sequence past query_lens (up to the next sequence's first
-    row) are written as zeros; rows no tile covers are left as they are. Returns out in q's dtype."""
+    row) are written as zeros; rows no tile covers are left as they are. `window`: see the module's semantics;
+    `positions` [T]: the queries' positions, needed with a window where a step has draft trees (without, a query's
+    position is its key's). Returns out in q's dtype."""
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = _group_size(num_heads, num_kv_heads)
@@ -701,9 +751,11 @@ def prefill_attention(
         tree_lens,
         tree_starts,
         masks,
+        seq_lens if positions is None else positions,  # unused unless HAS_POSITIONS
         query_starts.shape[0],
         num_rows,
         scale * LOG2E,
+        window or 0,
         q.stride(0),
         q.stride(1),
         out.stride(0),
@@ -724,6 +776,8 @@ def prefill_attention(
         BLOCK_N=PREFILL_BLOCK_N if block_d <= 128 else PREFILL_BLOCK_N // 2,
         TREE_BLOCK_N=TREE_BLOCK_N,
         HAS_TREE=tree is not None,
+        WINDOWED=window is not None,
+        HAS_POSITIONS=window is not None and positions is not None,
         UPCAST=upcast,
         IEEE=upcast or q.dtype == torch.float32,
         num_warps=8 if tokens * group_p >= 128 else 4,

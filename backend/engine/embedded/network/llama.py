@@ -5,7 +5,7 @@ Tokens of all sequences in a step are one flat batch `[T, ...]`; `AttentionMetad
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable, Protocol, cast
+from typing import Iterable, Protocol, Sequence, cast
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +47,9 @@ class LlamaAttention(nn.Module):
         self.o_proj = Linear(config.q_size, config.hidden_size, bias=config.o_bias)
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
+        # This layer's attention window (attention/windows.py), None for full attention; a constant once loaded,
+        # so CUDA graphs capture it.
+        self.window: int | None = None
 
     def forward(
         self,
@@ -69,7 +72,7 @@ class LlamaAttention(nn.Module):
             q_and_k = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         # Queries and keys rotate in one go (fewer small ops per layer, which count on CPU).
         q, k = rotate(q_and_k, cos, sin, self.fused).split([self.num_heads, self.num_kv_heads], dim=1)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], attn, self.scale).reshape(tokens, -1)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], attn, self.scale, self.window).reshape(tokens, -1)
         projected = self.o_proj(out)
         return projected if lora is None else lora.apply("o", out, projected)
 
@@ -106,6 +109,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
+        self.set_attention_windows(config.layer_windows or (None,) * config.num_layers)  # the checkpoint's own
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim)
         # Tied models reuse the embedding matrix as the output projection.
@@ -121,6 +125,14 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, Linear):
                 module.pack_for_cpu()
         self.packed_head = pack_weight(self.output_weight)
+
+    def set_attention_windows(self, windows: Sequence[int | None]) -> None:
+        """One window (or None) per layer, before the first forward (and before CUDA graphs capture one); the
+        engine sets the checkpoint's combined with kv_cache_config.max_attention_window (attention/windows.py)."""
+        if len(windows) != len(self.layers):
+            raise ValueError(f"got {len(windows)} attention windows for {len(self.layers)} layers")
+        for layer, window in zip(self.decoder_layers, windows):
+            layer.self_attn.window = window
 
     @property
     def decoder_layers(self) -> Iterable[LlamaDecoderLayer]:

@@ -53,9 +53,10 @@ class ModelConfig:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: RMSNorm over each head of q and k, before RoPE
-    # Set only when the checkpoint really uses sliding-window attention, which this engine does not implement:
-    # the engine caps sequences at this length, where sliding and full attention agree.
+    # Set only when the checkpoint really uses sliding-window attention (on some layer, see layer_windows).
     sliding_window: Optional[int] = None
+    # Each layer's window as transformers applies it (None: full attention); empty without sliding layers.
+    layer_windows: tuple[Optional[int], ...] = ()
     eos_token_id: Union[int, list[int], None] = None
     bos_token_id: Optional[int] = None
     pad_token_id: Optional[int] = None
@@ -93,7 +94,7 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
         raise ModelLoadError(
             f"{source}: num_attention_heads ({heads}) is not a multiple of num_key_value_heads ({kv_heads})"
         )
-    return ModelConfig(
+    config = ModelConfig(
         architecture=architecture,
         model_type=model_type,
         vocab_size=_required(raw, "vocab_size", source),
@@ -107,13 +108,15 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
         max_position_embeddings=raw.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
         rope=_rope(raw, source),
-        sliding_window=_sliding_window(raw, model_type, num_layers),
+        layer_windows=_layer_windows(raw, model_type, num_layers, source),
         eos_token_id=raw.get("eos_token_id"),
         bos_token_id=raw.get("bos_token_id"),
         pad_token_id=raw.get("pad_token_id"),
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
         **_bias_flags(raw, model_type),
     )
+    config.sliding_window = max((w for w in config.layer_windows if w), default=None)
+    return config
 
 
 def _architecture(raw: dict[str, Any], source: str) -> str:
@@ -186,18 +189,30 @@ def _rope(raw: dict[str, Any], source: str) -> RopeConfig:
     return RopeConfig(rope_type=rope_type, theta=float(theta), params=params)
 
 
-def _sliding_window(raw: dict[str, Any], model_type: str, num_layers: int) -> Optional[int]:
+def _layer_windows(raw: dict[str, Any], model_type: str, num_layers: int, source: str) -> tuple[Optional[int], ...]:
+    """Per layer, the window transformers gives it: Mistral slides on every layer (its class default 4096 when
+    the key is absent; null turns it off, and transformers ignores a Mistral `layer_types`); Qwen2 / Qwen3 only with
+    `use_sliding_window`, on the layers `layer_types` calls sliding_attention or else those at index >=
+    `max_window_layers`; Llama has none, but a config that sets one anyway is honoured on every layer."""
     if model_type == "mistral":
-        # Mistral's class default is 4096 when the key is absent; null turns it off.
-        return raw.get("sliding_window", 4096)
-    if model_type in ("qwen2", "qwen3"):
+        window = raw.get("sliding_window", 4096)
+        sliding = [True] * num_layers
+    elif model_type in ("qwen2", "qwen3"):
         if not raw.get("use_sliding_window", False):
-            return None
+            return ()
         window = raw.get("sliding_window", 4096)
         layer_types = raw.get("layer_types")
         if layer_types is None:
             first_sliding = raw.get("max_window_layers", 28)
             layer_types = ["sliding_attention" if i >= first_sliding else "full_attention" for i in range(num_layers)]
-        return window if window and "sliding_attention" in layer_types else None
-    window = raw.get("sliding_window")  # Llama has no sliding window; honour one if a config sets it anyway
-    return window or None
+        if len(layer_types) != num_layers:
+            raise ModelLoadError(f"{source}: layer_types has {len(layer_types)} entries for {num_layers} layers")
+        sliding = [kind == "sliding_attention" for kind in layer_types]
+    else:
+        window = raw.get("sliding_window")
+        sliding = [True] * num_layers
+    if not window or not any(sliding):  # null (or 0, as older configs write "off")
+        return ()
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ModelLoadError(f"{source}: sliding_window must be a positive integer, got {window!r}")
+    return tuple(window if slides else None for slides in sliding)
