@@ -21,9 +21,9 @@ from typing import Any, Iterable, Mapping, Optional
 
 from tritonllm.deploy.pbtxt_check import config_errors
 from tritonllm.engine.config import DEVICE_CHOICES, DTYPE_CHOICES, ENGINE_CHOICES
+from tritonllm.tokenizer import TOKENIZER_FILES
 
 MODEL_NAMES = ("preprocessing", "tensorrt_llm", "postprocessing", "ensemble", "tensorrt_llm_bls")
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "vocab.txt")
 # tensorrt_llm parameters whose placeholder has another name (as in TensorRT-LLM's template); build_repo takes either.
 PLACEHOLDER_OF_PARAMETER = {
     "gpt_model_path": "engine_dir",
