@@ -3,8 +3,6 @@ the adapter folder is read from disk on first use and the answer equals Hugging 
 
 from __future__ import annotations
 
-import json
-import sys
 import time
 
 import fake_pb_utils as fake  # registered by conftest.py
@@ -44,7 +42,7 @@ def adapter(tiny, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def model(tiny, tmp_path_factory):
+def model(tiny, tmp_path_factory, load_llmapi_model):
     repo = build_llmapi_repo(
         tiny,
         tmp_path_factory.mktemp("llmapi") / "repo",
@@ -53,30 +51,8 @@ def model(tiny, tmp_path_factory):
         device="cpu",
         engine_args={"lora_config": {"max_cpu_loras": 2, "max_loras": 2}},
     )
-    saved = sys.modules.get("triton_python_backend_utils")
-    sys.modules["triton_python_backend_utils"] = fake
-    fake.MetricFamily.families = {}
-    fake.model_dir = str(repo / "tensorrt_llm" / "1")
-    from tritonllm.models.llmapi import TritonPythonModel
-
-    instance = TritonPythonModel()
-    config = TritonPythonModel.auto_complete_config(fake.ModelConfig({"name": "tensorrt_llm"})).as_dict()
-    instance.initialize(
-        {
-            "model_config": json.dumps(config),
-            "model_name": "tensorrt_llm",
-            "model_version": "1",
-            "model_repository": str(repo / "tensorrt_llm"),
-        }
-    )
-    try:
+    with load_llmapi_model(repo) as instance:
         yield instance
-    finally:
-        instance.finalize()
-        if saved is None:
-            sys.modules.pop("triton_python_backend_utils", None)
-        else:
-            sys.modules["triton_python_backend_utils"] = saved
 
 
 def answer(model, **extra) -> str:

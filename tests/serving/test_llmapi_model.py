@@ -4,8 +4,6 @@ metrics). The real server is exercised by tests/e2e/test_llmapi.py."""
 
 from __future__ import annotations
 
-import json
-import sys
 import time
 from pathlib import Path
 
@@ -29,32 +27,10 @@ def repo(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def model(repo):
+def model(repo, load_llmapi_model):
     """The loaded model (module-scoped: the engine takes a few seconds), with the fake pb_utils installed."""
-    saved = sys.modules.get("triton_python_backend_utils")
-    sys.modules["triton_python_backend_utils"] = fake
-    fake.MetricFamily.families = {}
-    fake.model_dir = str(repo / "tensorrt_llm" / "1")
-    from tritonllm.models.llmapi import TritonPythonModel
-
-    instance = TritonPythonModel()
-    config = TritonPythonModel.auto_complete_config(fake.ModelConfig({"name": "tensorrt_llm"})).as_dict()
-    instance.initialize(
-        {
-            "model_config": json.dumps(config),
-            "model_name": "tensorrt_llm",
-            "model_version": "1",
-            "model_repository": str(repo / "tensorrt_llm"),
-        }
-    )
-    try:
+    with load_llmapi_model(repo) as instance:
         yield instance
-    finally:
-        instance.finalize()
-        if saved is None:
-            sys.modules.pop("triton_python_backend_utils", None)
-        else:
-            sys.modules["triton_python_backend_utils"] = saved
 
 
 def request(prompt=PROMPT, request_id: str = "", **inputs) -> fake.InferenceRequest:
