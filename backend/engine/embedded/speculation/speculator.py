@@ -98,12 +98,13 @@ class Speculator:
 
     def _room(self, seq: Sequence) -> int:
         """Draft tokens that could still be committed: 0 for sequences not decoding (prefill, waiting, beams) and for
-        requests that asked not to speculate."""
+        requests that asked not to speculate, and guided ones (their grammar is not checked against drafts yet)."""
         if (
             seq.status is not SequenceStatus.RUNNING
             or seq.num_uncomputed_tokens != 1
             or seq.params.beam_width > 1
             or not seq.params.speculate
+            or seq.params.guided
         ):
             return 0
         return seq.params.max_tokens - len(seq.output_token_ids) - 1
