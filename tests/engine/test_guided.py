@@ -302,6 +302,34 @@ def test_a_speculating_engine_decodes_guided_sequences_without_drafts(model_dir)
         engine.shutdown()
 
 
+def test_preemption_and_chunked_prefill_keep_guided_outputs(setup, model_dir):
+    reference, tokenizer, _ = setup
+    prompts = [tokenizer.encode(p) for p in (PROMPT, "Once upon a time there was", "Seven small birds sang")]
+    # Long enough that three do not fit in the cache together (the outputs may end at the length limit).
+    params = SamplingParams(max_tokens=60, guided_decoding=GuidedDecodingParams(json=SCHEMA))
+    expected = [reference.generate(ids, params).outputs[0].token_ids for ids in prompts]
+    longest = max(len(ids) for ids in prompts) + params.max_tokens
+    engine = EmbeddedEngine(
+        engine_config(
+            model_dir,
+            guided_decoding_backend="xgrammar",
+            enable_chunked_prefill=True,
+            max_num_tokens=8,
+            kv_cache_config={"tokens_per_block": 4, "max_tokens": longest + 8},
+            scheduler_config={"capacity_scheduler_policy": "MAX_UTILIZATION"},
+        )
+    )
+    try:
+        timed = SamplingParams(**{**vars(params), "return_perf_metrics": True})
+        outputs = [h.result().outputs[0] for h in [engine.generate_async(ids, timed) for ids in prompts]]
+        assert [out.token_ids for out in outputs] == expected
+        assert all(text(tokenizer, out).startswith("{") for out in outputs)
+        assert sum(out.request_perf_metrics.num_preemptions for out in outputs) > 0
+        assert engine.core.guided.matchers == {}
+    finally:
+        engine.shutdown()
+
+
 def test_guided_requests_keep_the_overlap_scheduler_waiting_for_their_tokens():
     assert needs_host_tokens(SamplingParams(guided_decoding=GuidedDecodingParams(json_object=True)))
     assert not needs_host_tokens(SamplingParams(guided_decoding=GuidedDecodingParams()))

@@ -154,6 +154,12 @@ def build_guided_decoder(backend: Optional[str], tokenizer_dir: str, vocab_size:
     """The engine's guided decoder for `guided_decoding_backend` (None: off), from the tokenizer in `tokenizer_dir`."""
     if backend is None:
         return None
+    try:
+        import xgrammar  # noqa: F401
+    except ImportError as exc:
+        raise InvalidRequestError(
+            f"guided_decoding_backend={backend!r} needs the xgrammar package (pip install xgrammar): {exc}"
+        ) from None
     from transformers import AutoTokenizer
 
     try:
