@@ -251,11 +251,6 @@ class SamplingParams:
             self.beam_width == 1,
             f"guided decoding is not supported with beam search (beam_width={self.beam_width}) yet",
         )
-        _require(
-            not self.draft_tokens and self.lookahead_config is None,
-            "guided decoding does not combine with external draft tokens (draft_input_ids) or a per-request "
-            "lookahead config yet",
-        )
 
     def _validate_draft(self) -> None:
         if not self.draft_tokens:

@@ -283,7 +283,10 @@ def test_an_engine_without_a_backend_refuses_guided_requests(model_dir):
         engine.shutdown()
 
 
-def test_a_speculating_engine_decodes_guided_sequences_without_drafts(model_dir):
+def test_speculative_drafts_are_verified_under_the_grammar(setup, model_dir):
+    reference, tokenizer, ids = setup
+    guides = [GuidedDecodingParams(json=SCHEMA), GuidedDecodingParams(regex=REGEX)]
+    expected = [generate(reference, ids, guide)[0].token_ids for guide in guides]
     engine = EmbeddedEngine(
         engine_config(
             model_dir,
@@ -292,14 +295,26 @@ def test_a_speculating_engine_decodes_guided_sequences_without_drafts(model_dir)
         )
     )
     try:
-        tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        guide = GuidedDecodingParams(regex=REGEX)
-        params = SamplingParams(max_tokens=100, guided_decoding=guide, return_perf_metrics=True)
-        (out,) = engine.generate(tokenizer.encode(PROMPT), params).outputs
-        assert re.fullmatch(REGEX, finished_text(tokenizer, out))
-        assert out.request_perf_metrics.total_draft_tokens == 0
+        outputs = [generate(engine, ids, guide, return_perf_metrics=True)[0] for guide in guides]
+        # Greedy speculation gives the plain greedy output: each row chosen under the grammar as it stands.
+        assert [out.token_ids for out in outputs] == expected
+        assert outputs[0].request_perf_metrics.total_draft_tokens > 0  # JSON's repeats give the n-grams drafts
+        (sampled,) = generate(engine, ids, guides[0], **SAMPLED)
+        check_schema(SCHEMA, json.loads(finished_text(tokenizer, sampled)))
+        assert engine.core.guided.matchers == {}
     finally:
         engine.shutdown()
+
+
+def test_an_external_draft_token_the_grammar_rejects_is_rejected(setup):
+    engine, tokenizer, ids = setup
+    guide = GuidedDecodingParams(regex=REGEX)
+    (plain,) = generate(engine, ids, guide)
+    (never,) = tokenizer.encode("#")  # no output of REGEX holds it
+    drafts = plain.token_ids[:3] + [never] + plain.token_ids[4:8]
+    (out,) = generate(engine, ids, guide, draft_tokens=drafts, return_perf_metrics=True)
+    assert out.token_ids == plain.token_ids
+    assert out.request_perf_metrics.total_accepted_draft_tokens == 3
 
 
 def test_preemption_and_chunked_prefill_keep_guided_outputs(setup, model_dir):

@@ -122,6 +122,7 @@ class EngineCore:
         self.guided = build_guided_decoder(
             config.guided_decoding_backend, config.tokenizer or config.model, self.model_config.vocab_size
         )
+        self.speculator.guide = self.guided
         self.requests: dict[int, EngineRequest] = {}
         self.overlap = overlap_wanted(config, self.device)
         self.num_host_bound = 0  # live requests whose steps need their latest tokens on the host (no overlap)

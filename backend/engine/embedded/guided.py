@@ -5,7 +5,8 @@ past the tokenizer's are never allowed). Compiled grammars are cached per (guide
 same schema share one. Each guided sequence gets its own matcher when its request is added; before a sampling step
 its row of the token bitmask is filled and the logits of the tokens the grammar forbids become -inf, and every
 token the sequence takes advances its matcher. A matcher that accepted a stop token has terminated: the engine then
-ends the sequence as at its end token."""
+ends the sequence as at its end token. Speculative verification masks each draft row after committing the tokens
+before it (speculator.py), so only grammar-valid tokens are ever committed and no matcher needs a rollback."""
 
 from __future__ import annotations
 
