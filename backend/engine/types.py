@@ -245,12 +245,6 @@ class SamplingParams:
             f"guided_decoding must be a GuidedDecodingParams, got {type(self.guided_decoding).__name__}",
         )
         self.guided_decoding.validate()
-        if not self.guided:
-            return
-        _require(
-            self.beam_width == 1,
-            f"guided decoding is not supported with beam search (beam_width={self.beam_width}) yet",
-        )
 
     def _validate_draft(self) -> None:
         if not self.draft_tokens:

@@ -69,7 +69,7 @@ def model_dir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def setup(model_dir):
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    engine = EmbeddedEngine(engine_config(model_dir, guided_decoding_backend="xgrammar"))
+    engine = EmbeddedEngine(engine_config(model_dir, guided_decoding_backend="xgrammar", max_beam_width=3))
     yield engine, tokenizer, tokenizer.encode(PROMPT)
     stats = engine.wait_idle()
     assert stats.num_free_blocks == stats.num_total_blocks
@@ -187,6 +187,27 @@ def test_n_samples_each_follow_the_grammar(setup):
     assert len(set(texts)) > 1  # one matcher per sample: they go their own ways
 
 
+@pytest.mark.parametrize(
+    "guide, language",
+    [(GuidedDecodingParams(regex=REGEX), REGEX), (GuidedDecodingParams(grammar=LIST_GRAMMAR), LIST_LANGUAGE)],
+)
+def test_beam_search_keeps_every_beam_in_the_language(setup, guide, language):
+    engine, tokenizer, ids = setup
+    outputs = generate(engine, ids, guide, beam_width=3, n=3, max_tokens=60)
+    texts = [finished_text(tokenizer, out) for out in outputs]
+    assert all(re.fullmatch(language, t) for t in texts), texts
+    assert len(set(texts)) == 3  # forked beams follow their own grammar states
+    assert engine.wait_idle().num_free_blocks == engine.stats().num_total_blocks
+    assert engine.core.guided.matchers == {}
+
+
+def test_beam_search_output_validates_against_the_schema(setup):
+    engine, tokenizer, ids = setup
+    outputs = generate(engine, ids, GuidedDecodingParams(json=SCHEMA), beam_width=2, n=2)
+    for out in outputs:
+        check_schema(SCHEMA, json.loads(finished_text(tokenizer, out)))
+
+
 def test_min_tokens_leaves_the_end_to_the_grammar(setup):
     engine, tokenizer, ids = setup
     # With end_id set, min_tokens would ban the one token the finished grammar allows.
@@ -264,12 +285,6 @@ def test_a_guide_that_does_not_compile_is_refused_before_any_step(setup, guide, 
     with pytest.raises(InvalidRequestError, match=named):
         engine.generate_async(ids, SamplingParams(max_tokens=8, guided_decoding=guide))
     assert engine.wait_idle().num_steps == steps
-
-
-def test_beam_search_with_a_guide_is_refused_by_name(setup):
-    engine, _, ids = setup
-    with pytest.raises(InvalidRequestError, match="guided decoding is not supported with beam search"):
-        engine.generate_async(ids, SamplingParams(beam_width=2, guided_decoding=GuidedDecodingParams(regex="a")))
 
 
 def test_an_engine_without_a_backend_refuses_guided_requests(model_dir):

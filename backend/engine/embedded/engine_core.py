@@ -110,6 +110,12 @@ class EngineCore:
             TargetParts(self.model, self.model_config, self.runner, self.block_manager, self.dtype, self.device),
             config.speculative_settings(),
         )
+
+        # Grammars over the logits' width (the model's vocabulary, which may pad the tokenizer's).
+        self.guided = build_guided_decoder(
+            config.guided_decoding_backend, config.tokenizer or config.model, self.model_config.vocab_size
+        )
+        self.speculator.guide = self.guided
         self.beams = BeamRequests(
             self.scheduler,
             self.block_manager,
@@ -117,12 +123,8 @@ class EngineCore:
             self.new_seq_id,
             self.finish_sequence,
             self.max_seq_len,
+            self.guided,
         )
-        # Grammars over the logits' width (the model's vocabulary, which may pad the tokenizer's).
-        self.guided = build_guided_decoder(
-            config.guided_decoding_backend, config.tokenizer or config.model, self.model_config.vocab_size
-        )
-        self.speculator.guide = self.guided
         self.requests: dict[int, EngineRequest] = {}
         self.overlap = overlap_wanted(config, self.device)
         self.num_host_bound = 0  # live requests whose steps need their latest tokens on the host (no overlap)
@@ -446,9 +448,10 @@ class EngineCore:
         rows = [row for row, request in enumerate(requests) if request.beam is None]
         if rows:
             plain = [seqs[row] for row in rows]
-            if self.guided is not None:  # beams are never guided (refused): only plain rows can be
-                self.guided.mask(logits, seqs)
-            tokens, logprobs = sample(logits[rows] if len(rows) < len(seqs) else logits, plain)
+            chosen = logits[rows] if len(rows) < len(seqs) else logits
+            if self.guided is not None:  # beam rows are masked in their beam step
+                self.guided.mask(chosen, plain)
+            tokens, logprobs = sample(chosen, plain)
             for seq, token, logprob in zip(plain, tokens, logprobs):
                 updated[seq.request_id] = self.requests[seq.request_id]
                 self._append_token(seq, token, logprob)

@@ -102,6 +102,17 @@ class GuidedDecoder:
     def release(self, seq: Sequence) -> None:
         self.matchers.pop(seq.seq_id, None)
 
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """A beam's child continues from its parent's grammar state (with a matcher of its own)."""
+        if parent.seq_id in self.matchers:
+            self.matchers[child.seq_id] = self.matchers[parent.seq_id].fork()
+
+    def ends_with(self, seq: Sequence, token: int) -> bool:
+        """Whether `token` is one of the stop tokens that end a guided sequence's grammar (beams check a token
+        before any matcher takes it; the mask allows a stop token only where the grammar may end)."""
+        matcher = self.matchers.get(seq.seq_id)
+        return matcher is not None and token in matcher.stop_token_ids
+
     def advance(self, seq: Sequence, token: int) -> Optional[bool]:
         """Feed the sequence's new token to its matcher: True when the grammar has ended with it (a stop token),
         False when it goes on, None when the grammar rejects the token (the mask was not applied to its row)."""
