@@ -22,6 +22,8 @@ SCHEDULER_POLICIES = ("GUARANTEED_NO_EVICT", "MAX_UTILIZATION")
 # TensorRT-LLM's `attn_backend` values. TRTLLM (its default) means, in the embedded engine, its fastest backend for
 # the device: TRITON on CUDA, VANILLA elsewhere. FLASHINFER is refused by the embedded engine (not built in).
 ATTN_BACKENDS = ("TRTLLM", "TRITON", "VANILLA", "FLASHINFER")
+# TensorRT-LLM's `guided_decoding_backend` values (None: guided decoding off); the embedded engine has xgrammar.
+GUIDED_DECODING_BACKENDS = ("xgrammar", "llguidance")
 LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights from config.json alone (TensorRT-LLM's LoadFormat.DUMMY)
 
 
@@ -101,6 +103,8 @@ class EngineConfig:
     # TensorRT-LLM's overlap scheduler: the host prepares step N+1 while the GPU runs step N.
     disable_overlap_scheduler: bool = False
     load_format: str = "auto"
+    # The grammar library of guided decoding (TensorRT-LLM's LLM argument); None refuses guided requests.
+    guided_decoding_backend: Optional[str] = None
     # Keys passed through untouched to TensorRT-LLM (the embedded engine refuses them).
     extra: dict = field(default_factory=dict)
 
@@ -160,6 +164,11 @@ class EngineConfig:
             if not isinstance(value, str) or normal(value) not in choices:
                 raise ConfigError(f"{name} must be one of {choices}, got {value!r}")
             setattr(self, name, normal(value))
+        if self.guided_decoding_backend is not None and self.guided_decoding_backend not in GUIDED_DECODING_BACKENDS:
+            raise ConfigError(
+                f"guided_decoding_backend must be one of {GUIDED_DECODING_BACKENDS} (or unset: off), "
+                f"got {self.guided_decoding_backend!r}"
+            )
         if not isinstance(self.disable_overlap_scheduler, bool):
             raise ConfigError(
                 f"disable_overlap_scheduler must be true or false, got {self.disable_overlap_scheduler!r}"
@@ -210,6 +219,8 @@ class EngineConfig:
                 "attn_backend='FLASHINFER' (FlashInfer is not built into the embedded engine; its "
                 "paged-attention kernels are attn_backend: TRITON, the default on CUDA)"
             )
+        if self.guided_decoding_backend == "llguidance":
+            problems.append("guided_decoding_backend='llguidance' (the embedded engine guides with xgrammar)")
         spec = self.speculative_settings()
         if spec is not None and self.max_beam_width > 1:
             problems.append(

@@ -25,7 +25,7 @@ from .config import EngineConfig
 from .seam import EngineError, EngineStats, RequestHandle
 from .trtllm_args import llm_kwargs, trtllm_sampling_params
 from .trtllm_outputs import completion_from_trtllm, engine_stats_from_iteration
-from .types import InvalidRequestError, RequestOutput, SamplingParams
+from .types import InvalidRequestError, RequestOutput, SamplingParams, require_guided_backend
 
 log = logging.getLogger("tritonllm.engine.trtllm")
 
@@ -226,6 +226,7 @@ class TensorRTLLMEngine:
 
     def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         params.validate(self.config.max_seq_len)
+        require_guided_backend(params, self.config.guided_decoding_backend)
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty: at least one input token is required")
         max_seq_len = self.config.max_seq_len

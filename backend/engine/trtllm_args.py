@@ -66,6 +66,7 @@ def _optional_llm_kwargs(config: EngineConfig) -> dict[str, Any]:
         "backend": config.backend,
         "lora_config": config.lora_config,
         "speculative_config": config.speculative_config,
+        "guided_decoding_backend": config.guided_decoding_backend,
     }
     kwargs: dict[str, Any] = {key: value for key, value in optional.items() if value is not None}
     if config.speculative_config is not None:
@@ -157,6 +158,7 @@ def trtllm_sampling_params(params: SamplingParams, trtllm: Any) -> Any:
         detokenize=False,
         include_stop_str_in_output=True,
         lookahead_config=_lookahead_config(params.lookahead_config, trtllm),
+        guided_decoding=_guided_decoding(params, trtllm),
         **_beam_search_kwargs(params.beam_width),
         **_word_placeholders(params),
     )
@@ -165,6 +167,21 @@ def trtllm_sampling_params(params: SamplingParams, trtllm: Any) -> Any:
     if params.bad_words:
         sampling._bad_word_ids = [list(word) for word in params.bad_words]
     return sampling
+
+
+def _guided_decoding(params: SamplingParams, trtllm: Any):
+    """Ours as the library's `GuidedDecodingParams` (the same field names); None when the request is not guided."""
+    guide = params.guided_decoding
+    if guide is None or not guide.is_set:
+        return None
+    return trtllm.GuidedDecodingParams(
+        json=guide.json,
+        regex=guide.regex,
+        grammar=guide.grammar,
+        json_object=guide.json_object,
+        # The library takes the structural tag as JSON text only.
+        structural_tag=guide.guide()[1] if guide.structural_tag is not None else None,
+    )
 
 
 def _lookahead_config(config, trtllm: Any):

@@ -7,9 +7,10 @@ vocabulary whichever engine runs behind them. The engine works on token ids only
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 if TYPE_CHECKING:
     import torch
@@ -24,6 +25,104 @@ class InvalidRequestError(ValueError):
 def _require(condition: bool, message: str) -> None:
     if not condition:
         raise InvalidRequestError(message)
+
+
+# The guide types of TensorRT-LLM's executor and of the Triton input `guided_decoding_guide_type`.
+GUIDE_TYPES = ("json", "json_schema", "regex", "ebnf_grammar", "structural_tag")
+# The GuidedDecodingParams field that holds each type's guide (`json` needs none: json_object).
+_GUIDE_FIELDS = {"json_schema": "json", "regex": "regex", "ebnf_grammar": "grammar", "structural_tag": "structural_tag"}
+
+
+@dataclass
+class GuidedDecodingParams:
+    """Constrains a request's output to a language (TensorRT-LLM's LLM-API `GuidedDecodingParams`); at most one
+    field is set. `json`: a JSON schema (text or mapping); `json_object`: any JSON object; `regex`: a regular
+    expression the whole output matches; `grammar`: an EBNF grammar (xgrammar's dialect, rule `root`);
+    `structural_tag`: xgrammar's structural tag (JSON text or mapping)."""
+
+    json: Optional[Union[str, dict]] = None
+    regex: Optional[str] = None
+    grammar: Optional[str] = None
+    json_object: bool = False
+    structural_tag: Optional[Union[str, dict]] = None
+
+    @classmethod
+    def from_guide(cls, guide_type: str, guide: Optional[str]) -> "GuidedDecodingParams":
+        """From the executor's pair (`guided_decoding_guide_type`, `guided_decoding_guide`); `json` needs no guide."""
+        _require(
+            guide_type in GUIDE_TYPES, f"guided_decoding_guide_type must be one of {GUIDE_TYPES}, got {guide_type!r}"
+        )
+        if guide_type == "json":
+            return cls(json_object=True)
+        _require(bool(guide), f"guided_decoding_guide_type={guide_type!r} needs a guided_decoding_guide")
+        params = cls()
+        setattr(params, _GUIDE_FIELDS[guide_type], guide)
+        params.validate()
+        return params
+
+    def validate(self) -> None:
+        set_fields = [
+            name for name in ("json", "regex", "grammar", "json_object", "structural_tag") if _is_set(self, name)
+        ]
+        _require(
+            len(set_fields) <= 1,
+            f"guided_decoding: give at most one of json, json_object, regex, grammar, structural_tag; got {set_fields}",
+        )
+        _require(
+            isinstance(self.json_object, bool), f"guided_decoding.json_object must be a bool, got {self.json_object!r}"
+        )
+        for name, kinds in (
+            ("json", (str, dict)),
+            ("regex", (str,)),
+            ("grammar", (str,)),
+            ("structural_tag", (str, dict)),
+        ):
+            value = getattr(self, name)
+            _require(
+                value is None or isinstance(value, kinds),
+                f"guided_decoding.{name} must be {' or '.join(k.__name__ for k in kinds)}, got {type(value).__name__}",
+            )
+        for name in ("json", "structural_tag"):
+            _check_json(f"guided_decoding.{name}", getattr(self, name))
+
+    @property
+    def is_set(self) -> bool:
+        return any(_is_set(self, name) for name in ("json", "regex", "grammar", "json_object", "structural_tag"))
+
+    def guide(self) -> tuple[str, str]:
+        """(guide type, guide text) as the executor names them: the cache key of a compiled grammar."""
+        if self.json_object:
+            return "json", ""
+        if self.json is not None:
+            return "json_schema", _as_text(self.json)
+        if self.regex is not None:
+            return "regex", self.regex
+        if self.grammar is not None:
+            return "ebnf_grammar", self.grammar
+        if self.structural_tag is not None:
+            return "structural_tag", _as_text(self.structural_tag)
+        raise InvalidRequestError("guided_decoding has no guide set")
+
+
+def _is_set(params: GuidedDecodingParams, name: str) -> bool:
+    value = getattr(params, name)
+    return value is not False and value is not None
+
+
+def _as_text(value: Union[str, dict]) -> str:
+    # Keys keep their order: the grammar writes an object's properties in the schema's order.
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _check_json(name: str, value: Any) -> None:
+    """JSON text must parse, a mapping must serialize (what the grammar compiler reads)."""
+    try:
+        if isinstance(value, str):
+            json.loads(value)
+        elif value is not None:
+            json.dumps(value)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequestError(f"{name} is not valid JSON: {exc}") from None
 
 
 @dataclass
@@ -69,6 +168,12 @@ class SamplingParams:
     # False: decode one token per step even when the engine speculates (the baseline `tritonllm bench spec`
     # measures in the same engine, so both sides share one thread pool; not a Triton input).
     speculate: bool = True
+    # Guided decoding (TensorRT-LLM's SamplingParams.guided_decoding): the output follows a schema, regex or grammar.
+    guided_decoding: Optional[GuidedDecodingParams] = None
+
+    @property
+    def guided(self) -> bool:
+        return self.guided_decoding is not None and self.guided_decoding.is_set
 
     @property
     def greedy(self) -> bool:
@@ -130,6 +235,16 @@ class SamplingParams:
             if words:
                 _require(all(len(w) > 0 for w in words), f"{name} must not contain empty sequences")
         self._validate_draft()
+        self._validate_guided()
+
+    def _validate_guided(self) -> None:
+        if self.guided_decoding is None:
+            return
+        _require(
+            isinstance(self.guided_decoding, GuidedDecodingParams),
+            f"guided_decoding must be a GuidedDecodingParams, got {type(self.guided_decoding).__name__}",
+        )
+        self.guided_decoding.validate()
 
     def _validate_draft(self) -> None:
         if not self.draft_tokens:
@@ -154,6 +269,15 @@ class SamplingParams:
                 0 <= self.draft_acceptance_threshold <= 1,
                 f"draft_acceptance_threshold must be in [0, 1], got {self.draft_acceptance_threshold}",
             )
+
+
+def require_guided_backend(params: SamplingParams, backend: Optional[str]) -> None:
+    """A guided request needs an engine started with a grammar library (`guided_decoding_backend`)."""
+    _require(
+        backend is not None or not params.guided,
+        "this request is guided (guided_decoding) but the engine runs without guided decoding: set "
+        "guided_decoding_backend: xgrammar in model.yaml",
+    )
 
 
 @dataclass

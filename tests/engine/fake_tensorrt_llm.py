@@ -8,7 +8,7 @@ TensorRT-LLM cannot be installed here, so the adapter is tested against this mod
       backend; its keyword arguments are checked against the LLM argument model's field names)
   bindings.executor.LookaheadDecodingConfig:
       cpp/include/tensorrt_llm/executor/executor.h (constructor: windowSize, ngramSize, verificationSetSize)
-  SamplingParams:
+  SamplingParams, GuidedDecodingParams:
       tensorrt_llm/sampling_params.py @ b35ac1b64368513d215c57d2ed01d62d910df8da (version.py there: 1.2.0rc2)
   KvCacheConfig, SchedulerConfig, CapacitySchedulerPolicy, LLM argument names (BaseLlmArgs + TorchLlmArgs):
       tensorrt_llm/llmapi/llm_args.py @ 0004396720054fd8e205cbf616f21f0b57c6b412
@@ -168,6 +168,19 @@ LLM_ARGUMENT_NAMES = frozenset(
 
 
 # -- sampling_params.py -----------------------------------------------------------------------------------------
+
+
+@dataclass(slots=True, kw_only=True)
+class GuidedDecodingParams:
+    json: Any = None
+    regex: Optional[str] = None
+    grammar: Optional[str] = None
+    json_object: bool = False
+    structural_tag: Optional[str] = None
+
+    def __post_init__(self):
+        if sum(bool(getattr(self, name)) for name in ("json", "regex", "grammar", "json_object", "structural_tag")) > 1:
+            raise ValueError("Only one guide can be used for a request")
 
 
 @dataclass(slots=True, kw_only=True)

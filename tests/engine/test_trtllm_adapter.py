@@ -19,7 +19,7 @@ from tritonllm.engine import create_engine, trtllm_args, trtllm_outputs
 from tritonllm.engine import trtllm as adapter
 from tritonllm.engine.config import ConfigError, EngineConfig
 from tritonllm.engine.seam import EngineError
-from tritonllm.engine.types import InvalidRequestError, SamplingParams
+from tritonllm.engine.types import GuidedDecodingParams, InvalidRequestError, SamplingParams
 
 WAIT = 5.0  # seconds any single output may take before a test fails instead of hanging
 
@@ -600,3 +600,43 @@ def test_attention_backend_and_overlap_switch_pass_through_only_when_set():
     )
     with pytest.raises(ConfigError, match="TRITON"):
         _optional_llm_kwargs(EngineConfig.from_dict({"model": "m", "attn_backend": "TRITON"}))
+
+
+# -- guided decoding ----------------------------------------------------------------------------------------------
+
+
+def test_guided_decoding_backend_passes_through_when_set(fake):
+    on = trtllm_args.llm_kwargs(
+        EngineConfig(model="m", engine="tensorrt_llm", guided_decoding_backend="xgrammar"), fake
+    )
+    assert on["guided_decoding_backend"] == "xgrammar"
+    assert "guided_decoding_backend" not in trtllm_args.llm_kwargs(EngineConfig(model="m", engine="tensorrt_llm"), fake)
+
+
+@pytest.mark.parametrize(
+    "ours, theirs",
+    [
+        (GuidedDecodingParams(json={"type": "object"}), {"json": {"type": "object"}}),
+        (GuidedDecodingParams(json='{"type": "string"}'), {"json": '{"type": "string"}'}),
+        (GuidedDecodingParams(json_object=True), {"json_object": True}),
+        (GuidedDecodingParams(regex="[ab]+"), {"regex": "[ab]+"}),
+        (GuidedDecodingParams(grammar='root ::= "x"'), {"grammar": 'root ::= "x"'}),
+        (
+            GuidedDecodingParams(structural_tag={"type": "structural_tag"}),
+            {"structural_tag": '{"type": "structural_tag"}'},
+        ),
+    ],
+)
+def test_sampling_params_guided_decoding_becomes_the_library_params(fake, ours, theirs):
+    mapped = trtllm_args.trtllm_sampling_params(SamplingParams(max_tokens=5, guided_decoding=ours), fake)
+    assert isinstance(mapped.guided_decoding, fake.GuidedDecodingParams)
+    defaults = {"json": None, "regex": None, "grammar": None, "json_object": False, "structural_tag": None}
+    got = {name: getattr(mapped.guided_decoding, name) for name in defaults}
+    assert got == {**defaults, **theirs}
+    assert trtllm_args.trtllm_sampling_params(SamplingParams(max_tokens=5), fake).guided_decoding is None
+
+
+def test_a_guided_request_without_a_backend_is_refused_naming_it(engine):
+    guided = params(guided_decoding=GuidedDecodingParams(regex="a+"))
+    with pytest.raises(InvalidRequestError, match="guided_decoding_backend"):
+        engine.generate_async([1, 2, 3], guided)

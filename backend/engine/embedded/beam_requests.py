@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
@@ -18,6 +18,9 @@ from .sampler import beam_logprobs
 from .scheduler import Scheduler
 from .sequence import Sequence, SequenceStatus
 from .stop_rules import matched_stop
+
+if TYPE_CHECKING:
+    from .guided import GuidedDecoder
 
 
 class BeamRequests:
@@ -32,6 +35,7 @@ class BeamRequests:
         new_seq_id: Callable[[], int],
         finish_sequence: Callable[[Sequence, str], None],
         max_seq_len: int,
+        guide: Optional[GuidedDecoder] = None,
     ):
         self.scheduler = scheduler
         self.block_manager = block_manager
@@ -39,6 +43,7 @@ class BeamRequests:
         self.new_seq_id = new_seq_id
         self.finish_sequence = finish_sequence
         self.max_seq_len = max_seq_len
+        self.guide = guide  # masks guided beams' rows; each live beam has its own matcher
 
     def step(self, request: EngineRequest) -> None:
         """Every live beam of `request` has its next-token logits: rank, record finished hypotheses, move on."""
@@ -46,7 +51,11 @@ class BeamRequests:
         logits = torch.stack([request.beam_logits.pop(beam.seq_id) for beam in beams])
         search = request.beam
         assert search is not None  # a beam request
+        if self.guide is not None:
+            self.guide.mask(logits, beams)
         candidates = search.top_continuations(beams, beam_logprobs(logits, beams), self.ending)
+        # A grammar that allows fewer tokens than the search ranks leaves forbidden (-inf) candidates: never taken.
+        candidates = [c for c in candidates if c.score != float("-inf")]
         survivors = search.select(beams, candidates)
         now = time.time_ns()
         for beam in beams:
@@ -64,6 +73,8 @@ class BeamRequests:
         params = seq.params
         if token == params.end_id and not params.ignore_eos:
             return "stop", "end_id"
+        if self.guide is not None and self.guide.ends_with(seq, token):
+            return "stop", "end_id"  # the grammar's stop token ends the beam as the end token does
         stop = matched_stop(params, token, lambda: seq.all_token_ids() + [token])
         if stop is not None:
             return "stop", stop
@@ -87,8 +98,12 @@ class BeamRequests:
             if index not in taken:
                 parent.finish("cancelled")  # a pruned beam: not part of the results
                 self.scheduler.remove(parent)
+                if self.guide is not None:
+                    self.guide.release(parent)
         for index, (child, candidate) in enumerate(zip(children, survivors)):
             child.index = index
+            if self.guide is not None and child.seq_id in self.guide.matchers:
+                self.guide.advance(child, candidate.token)  # allowed by the mask, and not a stop token (ending)
             child.output_token_ids.append(candidate.token)
             child.logprobs.append(candidate.logprob)
             child.cumulative_logprob = candidate.score
@@ -107,6 +122,8 @@ class BeamRequests:
             metrics=replace(parent.metrics),
             lora=parent.lora,
         )
+        if self.guide is not None:
+            self.guide.fork(parent, child)  # the matcher as it stands, before the parent takes its new token
         if parent.status is SequenceStatus.RUNNING and self.block_manager.fork(parent, child, self.copy_block):
             child.status = SequenceStatus.RUNNING
             self.scheduler.running.append(child)

@@ -13,7 +13,7 @@ import torch
 
 from ..config import EngineConfig
 from ..seam import EngineStats
-from ..types import CompletionOutput, InvalidRequestError, RequestOutput, SamplingParams
+from ..types import CompletionOutput, InvalidRequestError, RequestOutput, SamplingParams, require_guided_backend
 from .attention import resolve_backend
 from .attention.triton_backend import TritonAttention
 from .attention.windows import describe as describe_windows
@@ -23,6 +23,7 @@ from .beam_search import BeamSearch
 from .block_manager import BlockManager, blocks_for
 from .cuda_graphs import DecodeGraphs, graphs_supported
 from .device import avoid_cudnn_attention, kv_cache_token_budget, resolve_device, resolve_dtype
+from .guided import build_guided_decoder
 from .loader import load_model, read_model_config
 from .memory_profile import activation_bytes
 from .model_runner import ModelRunner, StepOutput
@@ -109,6 +110,12 @@ class EngineCore:
             TargetParts(self.model, self.model_config, self.runner, self.block_manager, self.dtype, self.device),
             config.speculative_settings(),
         )
+
+        # Grammars over the logits' width (the model's vocabulary, which may pad the tokenizer's).
+        self.guided = build_guided_decoder(
+            config.guided_decoding_backend, config.tokenizer or config.model, self.model_config.vocab_size
+        )
+        self.speculator.guide = self.guided
         self.beams = BeamRequests(
             self.scheduler,
             self.block_manager,
@@ -116,6 +123,7 @@ class EngineCore:
             self.new_seq_id,
             self.finish_sequence,
             self.max_seq_len,
+            self.guided,
         )
         self.requests: dict[int, EngineRequest] = {}
         self.overlap = overlap_wanted(config, self.device)
@@ -197,6 +205,7 @@ class EngineCore:
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise InvalidRequestError for a request this engine can never run."""
         params.validate(self.max_seq_len)
+        require_guided_backend(params, self.config.guided_decoding_backend)
         if params.beam_width > self.config.max_beam_width:
             raise InvalidRequestError(
                 f"beam_width={params.beam_width} exceeds the engine's max_beam_width {self.config.max_beam_width}"
@@ -230,6 +239,8 @@ class EngineCore:
             )
         if params.lookahead_config is not None:
             self.speculator.check_lookahead(params.lookahead_config)
+        if params.guided_decoding is not None and params.guided and self.guided is not None:
+            self.guided.compile(params.guided_decoding)  # a guide that does not compile fails here, cached if it does
         needed = blocks_for(total, self.block_manager.block_size) * params.beam_width
         if needed > self.block_manager.num_blocks:
             beams = f" ({params.beam_width} beams)" if params.beam_width > 1 else ""
@@ -277,6 +288,8 @@ class EngineCore:
                 lora=lora,
             )
             request.seqs.append(seq)
+            if params.guided and self.guided is not None:
+                self.guided.start(seq)
             self.scheduler.add(seq)
         self.requests[request_id] = request
         self.num_host_bound += needs_host_tokens(params)
@@ -306,6 +319,7 @@ class EngineCore:
                 seq.finish("cancelled")
             self.scheduler.remove(seq)
             self.speculator.release(seq)
+            self._release_guide(seq)
         return request
 
     @property
@@ -434,7 +448,10 @@ class EngineCore:
         rows = [row for row, request in enumerate(requests) if request.beam is None]
         if rows:
             plain = [seqs[row] for row in rows]
-            tokens, logprobs = sample(logits[rows] if len(rows) < len(seqs) else logits, plain)
+            chosen = logits[rows] if len(rows) < len(seqs) else logits
+            if self.guided is not None:  # beam rows are masked in their beam step
+                self.guided.mask(chosen, plain)
+            tokens, logprobs = sample(chosen, plain)
             for seq, token, logprob in zip(plain, tokens, logprobs):
                 updated[seq.request_id] = self.requests[seq.request_id]
                 self._append_token(seq, token, logprob)
@@ -461,6 +478,8 @@ class EngineCore:
                 seq.generation_logits.pop()
             self.finish_sequence(seq, "stop", token)
             return
+        if self._guide_ends(seq, token):
+            return
         seq.output_token_ids.append(token)
         seq.logprobs.append(logprob)
         seq.cumulative_logprob += logprob
@@ -470,10 +489,29 @@ class EngineCore:
         elif len(seq.output_token_ids) >= params.max_tokens or seq.num_known_tokens >= self.max_seq_len:
             self.finish_sequence(seq, "length")
 
+    def _guide_ends(self, seq: Sequence, token: int) -> bool:
+        """Advance a guided sequence's matcher with its new token; True when that ended the sequence: the grammar
+        terminated (a stop token, dropped as the end token is), or rejected the token (a bug: then it stops)."""
+        if self.guided is None or seq.seq_id not in self.guided.matchers:
+            return False
+        ended = self.guided.advance(seq, token)
+        if ended is None:
+            log.error("the grammar of request %d rejected its token %d; ending the sequence", seq.request_id, token)
+            self.finish_sequence(seq, "stop")
+            return True
+        if ended:
+            self.finish_sequence(seq, "stop", token)
+        return ended
+
+    def _release_guide(self, seq: Sequence) -> None:
+        if self.guided is not None:
+            self.guided.release(seq)
+
     def finish_sequence(self, seq: Sequence, reason: str, stop_reason=None) -> None:
         seq.finish(reason, stop_reason)
         self.scheduler.remove(seq)
         self.speculator.release(seq)
+        self._release_guide(seq)
         request = self.requests[seq.request_id]
         if request.finished:
             del self.requests[seq.request_id]
@@ -559,9 +597,10 @@ def fused_kernels_wanted(attn_backend: str, device: torch.device) -> bool:
 
 def needs_host_tokens(params: SamplingParams) -> bool:
     """Whether a request's next step depends on its latest tokens on the host (logit processors, beams, external
-    drafts, lookahead, logits to return), so that steps must not run ahead of them."""
+    drafts, lookahead, logits to return, a grammar's mask), so that steps must not run ahead of them."""
     return bool(
-        params.beam_width > 1
+        params.guided
+        or params.beam_width > 1
         or params.embedding_bias is not None
         or params.bad_words
         or params.min_tokens

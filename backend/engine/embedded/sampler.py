@@ -164,9 +164,10 @@ def _process_row(row: torch.Tensor, seq: Sequence) -> None:
 
 
 def _min_tokens_pending(seq: Sequence) -> bool:
-    """Whether the sequence is still short of its min_tokens (its end tokens are banned until then)."""
+    """Whether the sequence is still short of its min_tokens (its end tokens are banned until then). A guided
+    sequence's grammar alone decides where it may end: banning the end token it is left with would leave no token."""
     min_tokens = seq.params.min_tokens
-    return min_tokens is not None and len(seq.output_token_ids) < min_tokens
+    return min_tokens is not None and len(seq.output_token_ids) < min_tokens and not seq.params.guided
 
 
 def _ban(row: torch.Tensor, token_ids) -> None:

@@ -17,7 +17,7 @@ the committed tokens, accepted tree nodes are copied down to consecutive slots, 
 from __future__ import annotations
 
 import logging
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
@@ -29,6 +29,9 @@ from ..sampler import plain_greedy_choices, sample, sampling_probs
 from ..sequence import Sequence, SequenceStatus
 from .build import TargetParts, build_method
 from .methods import StepDraft, external_draft
+
+if TYPE_CHECKING:
+    from ..guided import GuidedDecoder
 
 log = logging.getLogger("tritonllm.engine")
 
@@ -47,6 +50,7 @@ class Speculator:
         # Eagle: the method sees the target's hidden state of every computed position (prompts included).
         self.all_hidden = getattr(self.method, "needs_all_hidden", False)
         target.runner.keep_all_hidden = self.all_hidden
+        self.guide: Optional[GuidedDecoder] = None  # the engine's guided decoder, if it has one
 
     def check_lookahead(self, wanted) -> None:
         """A request's own lookahead (W, N, G) needs the engine's lookahead and must fit within it."""
@@ -160,16 +164,23 @@ class Speculator:
         self, seq: Sequence, draft: StepDraft, logits: torch.Tensor, raw: Optional[torch.Tensor], commit: Commit
     ) -> list[int]:
         """Commit tokens row by row while they follow the tree (acceptance.walk); returns the accepted node
-        indices."""
+        indices. A guided sequence's row is masked by its grammar, advanced by the tokens committed before it, so a
+        draft token the grammar rejects is never chosen: the walk ends there."""
         tree = draft.tree
-        choices = plain_greedy_choices(seq, logits)
+        guide = self.guide if self.guide is not None and seq.seq_id in self.guide.matchers else None
+        choices = None if guide is not None else plain_greedy_choices(seq, logits)
 
         def choose(node: int) -> int:
             row = node + 1
             if seq.params.return_generation_logits:
                 assert raw is not None  # kept for the generation logits
                 seq.generation_logits.append(raw[row].cpu())
-            token, logprob = choices[row] if choices else self._choose(seq, tree, node, logits[row : row + 1])
+            if choices:
+                token, logprob = choices[row]
+            else:
+                if guide is not None:
+                    guide.mask(logits[row : row + 1], [seq])
+                token, logprob = self._choose(seq, tree, node, logits[row : row + 1])
             commit(seq, token, logprob)
             return token
 
