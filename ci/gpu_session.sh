@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine run (the `device` tool): puts the working tree's package on PYTHONPATH (the machine has torch,
 # triton and transformers but no venv of ours), then runs what the arguments name, each logged under $OUT.
-#   bash ci/gpu_session.sh kernels|fused|window|parity|features|bench-quick|bench-qwen3|profile|profile-1 ...
+#   bash ci/gpu_session.sh kernels|fused|window|guided|parity|features|bench-quick|bench-qwen3|profile|profile-1 ...
 # Used by hand for the GPU figures in docs/benchmarks.md; CI never runs it (no GPU there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,6 +42,7 @@ for what in "$@"; do
     kernels) run_tests tests/engine/test_triton_attention.py ;;
     fused) run_tests tests/engine/test_fused_ops.py ;;
     window) run_tests tests/engine/test_sliding_window.py ;;
+    guided) run_tests tests/engine/test_guided.py ;;  # needs xgrammar (its wheels carried, see docs/gpu-runs.md)
     features) run_tests tests/engine/test_beam_search.py tests/lora/test_engine_lora.py tests/spec_decode/test_engine_spec.py \
                 -m "not slow" ;;
     parity) run_tests tests/engine/test_engine_parity.py tests/engine/test_cuda_graphs.py tests/engine/test_sampler_batch.py \

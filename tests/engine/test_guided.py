@@ -5,6 +5,7 @@ token bitmask is not applied. Also the seam's GuidedDecodingParams and the engin
 from __future__ import annotations
 
 import json
+import os
 import re
 
 import pytest
@@ -42,6 +43,8 @@ number ::= [1-9] [0-9]?
 word ::= "\"" [a-z] [a-z]? "\""
 """
 LIST_LANGUAGE = r'\[(?:[1-9][0-9]?|"[a-z][a-z]?")(?:,(?:[1-9][0-9]?|"[a-z][a-z]?")){0,3}\]'
+# TRITONLLM_TEST_DEVICE=cuda runs the engine on the GPU (the bitmask applied on the device).
+DEVICE = os.environ.get("TRITONLLM_TEST_DEVICE", "cpu")
 GREEDY = {}
 SAMPLED = {"temperature": 1.0, "seed": 5}
 
@@ -51,7 +54,7 @@ def engine_config(model_dir, **overrides) -> EngineConfig:
         {
             "model": str(model_dir),
             "dtype": "float32",
-            "device": "cpu",
+            "device": DEVICE,
             "max_batch_size": 8,
             "max_seq_len": 512,
             "max_num_tokens": 256,

@@ -148,10 +148,12 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], 
 
 
 def mask_with_torch(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int], vocab_size: int) -> None:
-    """`apply_bitmask` on any device: the rows' bits unpacked on the host, copied over, applied in place."""
+    """`apply_bitmask` on any device: the rows' packed words (32x smaller than the mask) go to the logits' device,
+    are unpacked there and applied in place."""
     index = torch.tensor(rows, dtype=torch.long)
-    allowed = unpack_bitmask(bitmask.index_select(0, index), vocab_size).to(logits.device, non_blocking=True)
+    words = bitmask.index_select(0, index).to(logits.device, non_blocking=True)
     index = index.to(logits.device, non_blocking=True)
+    allowed = unpack_bitmask(words, vocab_size)
     logits.index_copy_(0, index, logits.index_select(0, index).masked_fill_(~allowed, float("-inf")))
 
 
