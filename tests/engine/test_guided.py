@@ -240,6 +240,17 @@ def test_an_unguided_request_in_the_batch_is_unchanged(setup):
     assert not re.fullmatch(REGEX, tokenizer.decode(alone))
 
 
+def test_a_reused_prefix_keeps_the_guided_output(setup):
+    """The second request finds the prompt's blocks in the cache; its grammar starts from the output, as before."""
+    engine, tokenizer, ids = setup
+    params = SamplingParams(max_tokens=400, guided_decoding=GuidedDecodingParams(json=SCHEMA), return_perf_metrics=True)
+    first = engine.generate(ids * 4, params).outputs[0]
+    again = engine.generate(ids * 4, params).outputs[0]
+    assert again.request_perf_metrics.kv_cache_reused_blocks > 0
+    assert again.token_ids == first.token_ids
+    check_schema(SCHEMA, json.loads(finished_text(tokenizer, again)))
+
+
 def test_abort_frees_the_matcher_and_the_kv_blocks(setup):
     engine, _, ids = setup
     handle = engine.generate_async(

@@ -4,13 +4,14 @@ one adapter at a time and several adapters (and the base model) in one batch."""
 from __future__ import annotations
 
 import os
+import re
 
 import numpy as np
 import pytest
 
 from tritonllm.engine.config import EngineConfig
 from tritonllm.engine.embedded.engine import EmbeddedEngine
-from tritonllm.engine.types import InvalidRequestError, LoRARequest, SamplingParams
+from tritonllm.engine.types import GuidedDecodingParams, InvalidRequestError, LoRARequest, SamplingParams
 from tritonllm.lora.convert import CONFIG_NPY, WEIGHTS_NPY, convert_peft_folder
 
 DEVICE = os.environ.get("TRITONLLM_TEST_DEVICE", "cpu")
@@ -123,6 +124,29 @@ def test_converted_tensors_give_the_peft_folder_tokens(tiny_llama, tiny_tokenize
         again = engine.generate(prompt_ids[1], params, LoRARequest(lora_int_id=42))
         by_name = engine.generate(prompt_ids[1], params, LoRARequest(lora_name="second"))
         assert first.outputs[0].token_ids == again.outputs[0].token_ids == by_name.outputs[0].token_ids == expected[1]
+    finally:
+        engine.shutdown()
+
+
+def test_a_guided_request_with_an_adapter_follows_its_grammar(tiny_llama, tiny_tokenizer, prompt_ids, two_adapters):
+    """The grammar masks the adapter's logits: its output is in the language (random weights never are by chance)."""
+    pattern = r"(red|green|blue)-[0-9]{2,4}\."
+    config = {
+        "model": str(tiny_llama),
+        "dtype": "float32",
+        "device": DEVICE,
+        "kv_cache_config": {"tokens_per_block": 8, "max_tokens": 4096},
+        "enable_lora": True,
+        "guided_decoding_backend": "xgrammar",
+    }
+    engine = EmbeddedEngine(EngineConfig.from_dict(config))
+    try:
+        params = SamplingParams(max_tokens=32, guided_decoding=GuidedDecodingParams(regex=pattern))
+        lora = LoRARequest("first", 1, str(two_adapters["first"][0]))
+        output = engine.generate(prompt_ids[2], params, lora_request=lora).outputs[0]
+        assert output.finish_reason == "stop"
+        assert re.fullmatch(pattern, tiny_tokenizer.decode(output.token_ids, skip_special_tokens=True))
+        assert engine.core.guided.matchers == {}
     finally:
         engine.shutdown()
 
