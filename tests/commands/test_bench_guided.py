@@ -63,3 +63,7 @@ def test_a_short_run_reports_both_sides_the_ratio_validity_and_compile_times(tmp
     assert 0 <= result["valid_outputs"] <= 4 and result["valid_fraction"] == round(result["valid_outputs"] / 4, 3)
     assert result["compile"]["first_request_ms"] > 0 and result["compile"]["cached_request_ms"] > 0
     assert result["grammars_compiled"] == 1 and result["schema"] == SCHEMA and result["device"] == "cpu"
+    cost = result["grammar_step_cost"]
+    assert cost["steps"] >= 1 and cost["mask_ms_per_step"] > 0 and cost["advance_ms_per_step"] > 0
+    assert cost["rejected_tokens"] == 0
+    assert result["grammar_ratio"] > 1
