@@ -112,6 +112,17 @@ def _bench_commands(sub) -> None:
     from tritonllm.commands.spec import add_bench_command as add_spec_bench
 
     add_spec_bench(kinds, _engine_arguments)
+    from tritonllm.commands.bench_guided import __doc__ as guided_doc
+    from tritonllm.commands.bench_guided import add_arguments as add_guided_arguments
+
+    guided = kinds.add_parser(
+        "guided",
+        help="per-token time of guided decoding (a JSON schema, xgrammar) vs unguided, same engine and prompts",
+        description=guided_doc,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    _engine_arguments(guided)
+    add_guided_arguments(guided)
     from tritonllm.commands.bench_bls_spec import add_arguments as add_bls_spec_arguments
 
     add_bls_spec_arguments(
@@ -358,6 +369,8 @@ def _run(args) -> int:
             from tritonllm.commands.bench_openai import main
         elif args.bench_command == "spec":
             from tritonllm.commands.bench_spec import main
+        elif args.bench_command == "guided":
+            from tritonllm.commands.bench_guided import main
         elif args.bench_command == "bls-spec":
             from tritonllm.commands.bench_bls_spec import main
         else:

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from ..engine.types import LoRARequest, SamplingParams
+from .llmapi_guided import GUIDED_INPUTS, guided_decoding
 from .llmapi_inputs import BatchedRequest, read_input
 from .llmapi_lora import LORA_INPUTS, lora_request
 from .pb import InputError, decode_string
@@ -134,6 +135,7 @@ def sampling_params(
         stop_words=words or None,
         logprobs=outputs.cumulative_logprob or best_of > 1,  # best_of ranks by log-prob
         return_perf_metrics=outputs.perf_metrics,
+        guided_decoding=guided_decoding(request),
     )
     try:
         params.validate()
@@ -150,6 +152,8 @@ def name_inputs(message: str) -> str:
         name = INPUT_OF_WORD.get(word)
         if name and name not in names:
             names.append(name)
+    if "guided_decoding" in message:  # a guide that does not compile, or guided decoding off: the compiler's
+        names = list(GUIDED_INPUTS)  # words in it are about the guide, not about sampling inputs
     if not names and "lora" in message.lower():  # the engine's LoRA refusals ("LoRA is not enabled", ...)
         names = list(LORA_INPUTS)
     if not names:

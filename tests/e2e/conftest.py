@@ -69,9 +69,11 @@ def plain_server(tiny_model, tmp_path_factory) -> Iterator["clients.LiveServer"]
 
 @pytest.fixture(scope="module")
 def llmapi_server(tiny_model, tmp_path_factory) -> Iterator["clients.LiveServer"]:
-    """The LLM-API model alone (`tritonllm repo build --llmapi`), decoupled; module-scoped."""
+    """The LLM-API model alone (`tritonllm repo build --llmapi`), decoupled, guided decoding on (model.yaml's
+    `guided_decoding_backend: xgrammar`); module-scoped."""
     work = tmp_path_factory.mktemp("llmapi")
-    yield from _run(build_llmapi_repo(tiny_model, work / "repo", max_seq_len=MAX_SEQ_LEN), work)
+    guided = {"guided_decoding_backend": "xgrammar"}
+    yield from _run(build_llmapi_repo(tiny_model, work / "repo", max_seq_len=MAX_SEQ_LEN, engine_args=guided), work)
 
 
 @pytest.fixture(scope="module")

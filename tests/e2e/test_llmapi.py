@@ -1,15 +1,19 @@
 """The LLM-API `tensorrt_llm` model (contract 1.3) on the real tritonserver: text in, text out over gRPC (plain and
-streaming) and HTTP, typed optional outputs, stop strings, cancellation that frees the engine, errors that name the
-input, and the same metrics as the token-level model."""
+streaming) and HTTP, typed optional outputs, stop strings, guided decoding (a JSON schema, a regex), cancellation
+that frees the engine, errors that name the input, and the same metrics as the token-level model."""
 
 from __future__ import annotations
 
+import json
+import re
 import threading
 import time
 
 import e2e_clients as clients
 import numpy as np
 import pytest
+
+from tritonllm.commands.bench_guided import schema_errors
 
 pytestmark = pytest.mark.server
 
@@ -115,6 +119,55 @@ def test_a_stop_string_ends_the_answer(llmapi_server):
     )
     assert reply.texts()[-1] == full[: full.index(stop)]
     assert reply.results[-1].as_numpy("stop_reason").tolist() == [stop.encode()]
+
+
+GUIDED_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 8},
+        "kind": {"enum": ["cat", "dog"]},
+        "tags": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9}, "maxItems": 2},
+    },
+    "required": ["name", "kind", "tags"],
+}
+GUIDED_REGEX = r"(yes|no), [a-z]{2,4}!"
+
+
+def guided_text(server, guide_type: str, guide: str, streaming: bool) -> str:
+    """The answer to a guided request over HTTP: /generate_stream's last event, or /generate's one reply."""
+    body = {
+        "text_input": PROMPT,
+        "sampling_param_max_tokens": 400,  # the tiny random model writes no JSON by chance: only the guide ends it
+        "sampling_param_exclude_input_from_output": True,
+        "guided_decoding_guide_type": guide_type,
+        "guided_decoding_guide": guide,
+        "return_finish_reason": True,
+    }
+    if streaming:
+        events = server.generate_stream({**body, "streaming": True}, model=MODEL)
+        assert len(events) > 1 and events[-1]["finish_reason"] == "stop"
+        return events[-1]["text_output"]
+    reply = server.generate(body, model=MODEL)
+    assert reply["finish_reason"] == "stop", reply
+    return reply["text_output"]
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["generate", "generate_stream"])
+def test_a_json_schema_guided_answer_parses_and_validates(llmapi_server, streaming):
+    text = guided_text(llmapi_server, "json_schema", json.dumps(GUIDED_SCHEMA), streaming)
+    assert schema_errors(GUIDED_SCHEMA, json.loads(text)) == [], text
+
+
+@pytest.mark.parametrize("streaming", [False, True], ids=["generate", "generate_stream"])
+def test_a_regex_guided_answer_fully_matches(llmapi_server, streaming):
+    text = guided_text(llmapi_server, "regex", GUIDED_REGEX, streaming)
+    assert re.fullmatch(GUIDED_REGEX, text), text
+
+
+def test_a_bad_guide_is_refused_by_name(llmapi_server):
+    body = {"text_input": PROMPT, "guided_decoding_guide_type": "xml", "guided_decoding_guide": "<a/>"}
+    status, message = llmapi_server.generate_error(body, model=MODEL)
+    assert status == 400 and "'guided_decoding_guide_type'" in message, message
 
 
 def test_cancelling_a_grpc_stream_aborts_the_engine_request(llmapi_server):

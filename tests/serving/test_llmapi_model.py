@@ -318,6 +318,13 @@ def test_a_lora_request_without_lora_enabled_is_refused_naming_the_lora_inputs(m
     assert message.startswith("inputs 'lora_id', 'lora_name', 'lora_path': ") and "LoRA is not enabled" in message
 
 
+def test_a_guided_request_without_guided_decoding_backend_is_refused_naming_the_guided_inputs(model):
+    ((response, _),) = run(model, request(guided_decoding_guide_type=np.array([b"json"], dtype=object)))
+    message = response.error().message()
+    assert message.startswith("inputs 'guided_decoding_guide_type', 'guided_decoding_guide': ")
+    assert "guided_decoding_backend: xgrammar" in message
+
+
 def test_with_max_batch_size_every_output_carries_a_batch_dimension_of_one(model):
     server = LLMAPIInflightRequests(model.engine, model.inflight.tokenizer, decoupled=False, batched=True)
     try:

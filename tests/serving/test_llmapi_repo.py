@@ -17,7 +17,7 @@ text_format = pytest.importorskip("google.protobuf.text_format")
 model_config_pb2 = pytest.importorskip("tritonclient.grpc.model_config_pb2")
 
 # TensorRT-LLM's current triton_backend/all_models/llmapi/tensorrt_llm/config.pbtxt (docs/llmapi-io.md), plus the
-# logits post-processor input its helpers read.
+# logits post-processor input its helpers read and the inflight-batcher models' two guided-decoding inputs.
 CONTRACT_INPUTS = {  # name -> (data type, dims, optional)
     "text_input": ("TYPE_STRING", [-1], False),
     "image_url": ("TYPE_STRING", [-1], True),
@@ -34,6 +34,8 @@ CONTRACT_INPUTS = {  # name -> (data type, dims, optional)
     "sampling_param_exclude_input_from_output": ("TYPE_BOOL", [1], True),
     "sampling_param_return_perf_metrics": ("TYPE_BOOL", [1], True),
     "sampling_param_logits_post_processor_name": ("TYPE_STRING", [1], True),
+    "guided_decoding_guide_type": ("TYPE_STRING", [1], True),
+    "guided_decoding_guide": ("TYPE_STRING", [1], True),
     "return_finish_reason": ("TYPE_BOOL", [1], True),
     "return_stop_reason": ("TYPE_BOOL", [1], True),
     "return_cumulative_logprob": ("TYPE_BOOL", [1], True),
