@@ -276,7 +276,8 @@ def require_guided_backend(params: SamplingParams, backend: Optional[str]) -> No
     _require(
         backend is not None or not params.guided,
         "this request is guided (guided_decoding) but the engine runs without guided decoding: set "
-        "guided_decoding_backend: xgrammar in model.yaml",
+        "guided_decoding_backend: xgrammar in model.yaml, or the tensorrt_llm model's config.pbtxt parameter "
+        "guided_decoding_backend to xgrammar",
     )
 
 
