@@ -62,7 +62,7 @@ TO_LLM = {
     "guided_decoding_guide_type": "guided_decoding_guide_type",
     "guided_decoding_guide": "guided_decoding_guide",
 }
-GUIDED_INPUTS = ("guided_decoding_guide_type", "guided_decoding_guide")
+
 # BLS input -> tensorrt_llm input, forwarded as sent ([batch, ...] ragged tensors).
 TO_LLM_AS_IS = ("lora_weights", "lora_config")
 # Inputs whose mere presence asks for a feature that is not built yet.
@@ -230,14 +230,4 @@ def _speculation(request: Any, batch: int) -> Optional[SpeculationSettings]:
     for name in ("return_context_logits", "return_generation_logits"):
         if _row_flag(request, name, 0):
             raise InputError(name, "logits cannot be returned with num_draft_tokens > 0")
-    for name in GUIDED_INPUTS:
-        array = pb.optional_input(request, name)
-        if array is not None and _carries_something(array):
-            # Each round is a new tensorrt_llm request whose grammar would start over at the text so far.
-            raise InputError(
-                name,
-                "(guided decoding) cannot be combined with num_draft_tokens > 0: each draft/target round is a "
-                "new tensorrt_llm request, whose grammar would start again from the beginning; send "
-                "num_draft_tokens 0 (tensorrt_llm's own speculative_config keeps guided output valid)",
-            )
     return SpeculationSettings(count, _row_flag(request, "use_draft_logits", 0))

@@ -13,6 +13,8 @@ from .pb import InputError
 
 GUIDE_TYPE_INPUT = "guided_decoding_guide_type"
 GUIDE_INPUT = "guided_decoding_guide"
+# Ours: the last N prompt tokens are output of this guide already (SamplingParams.guided_prefix_len).
+GUIDE_PREFIX_INPUT = "guided_decoding_prefix_len"
 
 
 def parse_guide(guide_type: str, guide: str) -> Optional[GuidedDecodingParams]:

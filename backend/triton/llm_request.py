@@ -11,7 +11,7 @@ from typing import Any, Optional
 import numpy as np
 
 from ..engine.types import LoRARequest, SamplingParams
-from .guided_inputs import GUIDE_INPUT, GUIDE_TYPE_INPUT, parse_guide
+from .guided_inputs import GUIDE_INPUT, GUIDE_PREFIX_INPUT, GUIDE_TYPE_INPUT, parse_guide
 from .pb import InputError, decode_string, optional_input
 
 # Inputs whose feature is not built yet: sending one is an error, never silently dropped.
@@ -127,6 +127,7 @@ def _convert_row(request, row, ids, length, default_exclude_input, decoupled) ->
         return_perf_metrics=_flag(request, "return_perf_metrics", row, False),
         lookahead_config=_lookahead(request, row),
         guided_decoding=parse_guide(_text(request, GUIDE_TYPE_INPUT, row), _text(request, GUIDE_INPUT, row)),
+        guided_prefix_len=_guided_prefix_len(request, row, length),
         **_draft_inputs(request, row),
     )
     options = RowOptions(
@@ -264,6 +265,16 @@ def _int(request, name, row, required=False) -> Optional[int]:
 def _float(request, name, row) -> Optional[float]:
     value = _scalar(request, name, row)
     return None if value is None else float(value)
+
+
+def _guided_prefix_len(request, row, length) -> int:
+    """How many of the row's last prompt tokens are guided output already (0 when the input is absent)."""
+    value = _int(request, GUIDE_PREFIX_INPUT, row) or 0
+    if not 0 <= value <= length:
+        raise InputError(GUIDE_PREFIX_INPUT, f"= {value} must be in [0, {length}] (the row's input_lengths)")
+    if value and not _text(request, GUIDE_TYPE_INPUT, row).strip():
+        raise InputError(GUIDE_PREFIX_INPUT, f"continues a guided output: it needs input '{GUIDE_TYPE_INPUT}'")
+    return value
 
 
 def _text(request, name, row) -> str:

@@ -3,7 +3,8 @@ matching regex or a sentence of a grammar by chance, so every check fails if the
 session's decoupled repository (`build_repo` fills guided_decoding_backend=xgrammar by default) serves the
 ensemble, the BLS and tensorrt_llm with guided_decoding_guide_type / guided_decoding_guide, streamed and not;
 unguided greedy requests batched with guided ones keep their tokens; bad guides are errors naming the input; and a
-repository speculating with n-gram or Medusa drafts keeps guided output valid."""
+repository speculating with n-gram or Medusa drafts, or through the BLS draft/target loop, keeps guided output
+valid."""
 
 from __future__ import annotations
 
@@ -190,14 +191,6 @@ def test_a_bad_guide_is_an_error_naming_the_input(server, model, guide, words):
         assert word in message, message
 
 
-def test_a_guide_with_the_bls_draft_target_loop_is_refused(server):
-    status, message = server.generate_error(
-        {"text_input": "Hi", "max_tokens": 5, "num_draft_tokens": 2, **{"guided_decoding_guide_type": "json"}},
-        model=BLS,
-    )
-    assert status == 400 and "'guided_decoding_guide_type'" in message and "num_draft_tokens" in message, message
-
-
 # ---------------------------------------------------------------------------------------------- speculation
 
 
@@ -219,8 +212,11 @@ def _speculative_config(method: str, model_dir, work) -> str:
 
 @pytest.fixture(scope="module", params=["NGram", "Medusa"])
 def spec_server(request, tiny_model, tmp_path_factory):
+    from tritonllm.checkpoints.tiny import build_tiny_model
+
     work = tmp_path_factory.mktemp(f"guided_{request.param.lower()}")
-    repo = build_repo(tiny_model, work / "repo", streaming=True, max_seq_len=512)
+    draft = build_tiny_model(work / "draft_model", seed=7)  # for the BLS draft/target loop: other weights
+    repo = build_repo(tiny_model, work / "repo", streaming=True, max_seq_len=512, draft_model_dir=draft)
     with (repo / "tensorrt_llm" / "1" / "model.yaml").open("a") as yaml_file:
         yaml_file.write("\nspeculative_config:\n" + _speculative_config(request.param, tiny_model, work))
     triton = TritonServer(repo, Ports.free(), log_file=work / "tritonserver.log")
@@ -250,3 +246,14 @@ def test_speculation_keeps_guided_output_valid_and_greedy_tokens(server, spec_se
     assert reply.error is None, reply.error
     if spec_server.method == "Medusa":  # n-gram drafts only where the text repeats itself
         assert int(reply.outputs("total_draft_tokens")[-1].reshape(-1)[0]) > 0, "the guided request was speculated"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_bls_draft_target_loop_keeps_guided_output_valid(server, spec_server, stream):
+    """Each round's target call continues the guide past the tokens so far (guided_decoding_prefix_len); the
+    unguided draft's tokens that the grammar forbids are rejected. Greedy: the plain ensemble's guided text."""
+    for kind in ("json_schema", "regex"):
+        want = text_of(server, "ensemble", body(kind), stream=False)
+        got = text_of(spec_server, BLS, body(kind, num_draft_tokens=3), stream)
+        GUIDES[kind][1](got)
+        assert got == want

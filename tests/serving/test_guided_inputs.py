@@ -266,16 +266,72 @@ def test_the_bls_forwards_both_inputs_to_tensorrt_llm():
     assert llm["guided_decoding_guide"].shape == (1, 1)
 
 
-def test_the_bls_refuses_a_guide_with_its_draft_target_loop():
-    with pytest.raises(InputError, match="'guided_decoding_guide'.*num_draft_tokens > 0"):
-        read_request(
-            bls_request(num_draft_tokens=np.array([[3]], np.int32), guided_decoding_guide=strings("a+")),
-            decoupled=True,
+class Recorder:
+    """A tensorrt_llm stand-in for the draft/target loop: answers `count` tokens 7, 8, 9, ... after the context
+    (every draft right), and keeps each call's inputs."""
+
+    def __init__(self):
+        self.calls = []
+
+    def start(self, inputs, request_id):
+        self.calls.append(inputs)
+        return self
+
+    def responses(self):
+        from tritonllm.bls.llm_calls import LlmResponse
+
+        inputs = self.calls[-1]
+        context = inputs["input_ids"][0].tolist()
+        count = int(inputs["request_output_len"].item())
+        out = [7 + len(context) - 3 + i for i in range(count)]
+        yield LlmResponse(
+            {"output_ids": np.array(out, np.int32).reshape(1, 1, -1), "sequence_length": np.array([[count]])}, True
         )
-    read_request(  # an empty guide asks for nothing
-        bls_request(num_draft_tokens=np.array([[3]], np.int32), guided_decoding_guide_type=strings("")),
-        decoupled=True,
+
+    def cancel(self):
+        pass
+
+
+def test_the_bls_draft_target_loop_guides_the_target_past_the_tokens_so_far():
+    from tritonllm.bls.speculative import SpeculationSettings, SpeculativeCall
+
+    target, draft = Recorder(), Recorder()
+    inputs = {
+        "input_ids": np.array([[1, 2, 3]], np.int32),
+        "input_lengths": np.array([[3]], np.int32),
+        "request_output_len": np.array([[9]], np.int32),
+        "guided_decoding_guide_type": strings("regex"),
+        "guided_decoding_guide": strings("[0-9]+"),
+    }
+    call = SpeculativeCall(target, draft, inputs, SpeculationSettings(2, False), False, False, "r")
+    (response,) = list(call.responses())
+    assert response.outputs["output_ids"].reshape(-1).tolist() == list(range(7, 16))
+    assert [int(c["guided_decoding_prefix_len"].item()) for c in target.calls] == [0, 3, 6]
+    assert all(c["guided_decoding_guide_type"].tolist() == [["regex"]] for c in target.calls)
+    assert all(c["guided_decoding_guide"].tolist() == [["[0-9]+"]] for c in target.calls)
+    assert not any(name.startswith("guided_") for c in draft.calls for name in c), "the draft runs unguided"
+    unguided = dict(inputs, guided_decoding_guide_type=strings(""), guided_decoding_guide=strings(""))
+    target = Recorder()
+    list(SpeculativeCall(target, Recorder(), unguided, SpeculationSettings(2, False), False, False, "r").responses())
+    assert not any(name.startswith("guided_") for c in target.calls for name in c)
+
+
+def test_guided_decoding_prefix_len_continues_the_rows_guide():
+    request = llm_request(
+        guided_decoding_guide_type=strings("regex"),
+        guided_decoding_guide=strings("a+"),
+        guided_decoding_prefix_len=np.array([[2]], np.int32),
     )
+    (row,) = convert_request(request, False, True)
+    assert row.params.guided_prefix_len == 2
+    with pytest.raises(InputError, match="'guided_decoding_prefix_len' = 4 must be in \\[0, 3\\]"):
+        convert_request(
+            llm_request(guided_decoding_guide_type=strings("json"), guided_decoding_prefix_len=np.array([[4]])),
+            False,
+            True,
+        )
+    with pytest.raises(InputError, match="'guided_decoding_prefix_len' continues a guided output"):
+        convert_request(llm_request(guided_decoding_prefix_len=np.array([[1]], np.int32)), False, True)
 
 
 # ------------------------------------------------------------------------------------------------ repository builder
