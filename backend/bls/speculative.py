@@ -26,7 +26,8 @@ from ..tokenizer import DETOKENIZE_PREFIX_TOKENS
 from .llm_calls import LlmCall, LlmCancelled, LlmResponse
 
 # The guide's inputs (tensorrt_llm's names), and ours that continues it past the tokens generated so far.
-GUIDED_INPUTS = ("guided_decoding_guide_type", "guided_decoding_guide", "guided_decoding_prefix_len")
+GUIDE_INPUTS = ("guided_decoding_guide_type", "guided_decoding_guide")
+GUIDE_PREFIX_INPUT = "guided_decoding_prefix_len"
 # Inputs of the target request that do not apply to the draft call (or are set per call here).
 PER_CALL = (
     "input_ids",
@@ -42,7 +43,8 @@ PER_CALL = (
     "return_context_logits",
     "return_log_probs",
     "num_return_sequences",
-    *GUIDED_INPUTS,
+    *GUIDE_INPUTS,
+    GUIDE_PREFIX_INPUT,
 )
 
 
@@ -70,8 +72,8 @@ class SpeculativeCall:
         self.base = {name: array for name, array in inputs.items() if name not in PER_CALL}
         # The target's verification follows the request's guide, continued past the tokens generated so far; the
         # draft runs unguided (the target rejects the drafts the grammar forbids).
-        self.guide = {name: inputs[name] for name in GUIDED_INPUTS[:2] if name in inputs}
-        if not _first_text(self.guide.get(GUIDED_INPUTS[0])):
+        self.guide = {name: inputs[name] for name in GUIDE_INPUTS if name in inputs}
+        if not _first_text(self.guide.get(GUIDE_INPUTS[0])):  # no guide type: not guided
             self.guide = {}
         self.prompt = [int(t) for t in inputs["input_ids"][0][: int(inputs["input_lengths"].reshape(-1)[0])]]
         self.max_tokens = int(inputs["request_output_len"].reshape(-1)[0])
@@ -128,7 +130,7 @@ class SpeculativeCall:
         inputs = self._call_inputs(context, len(draft) + 1)
         if self.guide:
             inputs.update(self.guide)
-            inputs[GUIDED_INPUTS[2]] = np.array([[generated]], dtype=np.int32)
+            inputs[GUIDE_PREFIX_INPUT] = np.array([[generated]], dtype=np.int32)
         if draft:
             inputs["draft_input_ids"] = np.array([draft], dtype=np.int32)
             if draft_logits is not None:
