@@ -58,7 +58,11 @@ TO_LLM = {
     "lora_name": "lora_name",
     "priority": "priority",
     "beam_width": "beam_width",
+    # Checked by tensorrt_llm, whose error names the input (and reaches the client as this request's error).
+    "guided_decoding_guide_type": "guided_decoding_guide_type",
+    "guided_decoding_guide": "guided_decoding_guide",
 }
+
 # BLS input -> tensorrt_llm input, forwarded as sent ([batch, ...] ragged tensors).
 TO_LLM_AS_IS = ("lora_weights", "lora_config")
 # Inputs whose mere presence asks for a feature that is not built yet.
@@ -70,8 +74,6 @@ UNSUPPORTED_INPUTS = {
     "video_bytes_input": "multimodal models",
     "prompt_embedding_table": "prompt tables",
     "prompt_table_extra_id": "prompt tables",
-    "guided_decoding_guide_type": "guided decoding",
-    "guided_decoding_guide": "guided decoding",
 }
 # Inputs that ask for a feature not built yet only with some values: (rule that is refused, feature).
 UNSUPPORTED_VALUES: dict = {}

@@ -8,7 +8,11 @@ re-sent context cheap.
 
 Both calls run with end_id -1 (never stop on it) and the loop stops on the real end id itself: a target that
 stopped on it would answer without it, and the loop could not tell that from a short accepted draft. The loop also
-stops at max_tokens, when a round adds nothing, or when the handler closes it (a text stop word)."""
+stops at max_tokens, when a round adds nothing, or when the handler closes it (a text stop word).
+
+A guided request's target calls carry its guide and `guided_decoding_prefix_len` = the tokens generated so far, so
+the grammar continues where the last round left it (its end, too, ends a round short, and the next one adds
+nothing); the draft runs unguided, and the target rejects the draft tokens the grammar forbids."""
 
 from __future__ import annotations
 
@@ -21,6 +25,9 @@ import numpy as np
 from ..tokenizer import DETOKENIZE_PREFIX_TOKENS
 from .llm_calls import LlmCall, LlmCancelled, LlmResponse
 
+# The guide's inputs (tensorrt_llm's names), and ours that continues it past the tokens generated so far.
+GUIDE_INPUTS = ("guided_decoding_guide_type", "guided_decoding_guide")
+GUIDE_PREFIX_INPUT = "guided_decoding_prefix_len"
 # Inputs of the target request that do not apply to the draft call (or are set per call here).
 PER_CALL = (
     "input_ids",
@@ -36,6 +43,8 @@ PER_CALL = (
     "return_context_logits",
     "return_log_probs",
     "num_return_sequences",
+    *GUIDE_INPUTS,
+    GUIDE_PREFIX_INPUT,
 )
 
 
@@ -61,6 +70,11 @@ class SpeculativeCall:
     ):
         self.target, self.draft = target, draft
         self.base = {name: array for name, array in inputs.items() if name not in PER_CALL}
+        # The target's verification follows the request's guide, continued past the tokens generated so far; the
+        # draft runs unguided (the target rejects the drafts the grammar forbids).
+        self.guide = {name: inputs[name] for name in GUIDE_INPUTS if name in inputs}
+        if not _first_text(self.guide.get(GUIDE_INPUTS[0])):  # no guide type: not guided
+            self.guide = {}
         self.prompt = [int(t) for t in inputs["input_ids"][0][: int(inputs["input_lengths"].reshape(-1)[0])]]
         self.max_tokens = int(inputs["request_output_len"].reshape(-1)[0])
         self.end_id = int(inputs["end_id"].reshape(-1)[0]) if "end_id" in inputs else -1
@@ -90,7 +104,7 @@ class SpeculativeCall:
         budget = self.max_tokens - len(generated)
         num_draft = min(self.settings.num_draft_tokens, budget - 1)
         draft_tokens, draft_logits = self._propose(context, num_draft) if num_draft > 0 else ([], None)
-        new = self._verify(context, draft_tokens, draft_logits)
+        new = self._verify(context, draft_tokens, draft_logits, len(generated))
         self.rounds += 1
         self.drafted += len(draft_tokens)
         self.accepted += _common_prefix(draft_tokens, new)
@@ -110,8 +124,13 @@ class SpeculativeCall:
             logits = outputs["generation_logits"][0, 0, : len(tokens)].astype(np.float32)
         return tokens, logits
 
-    def _verify(self, context: list[int], draft: list[int], draft_logits: Optional[np.ndarray]) -> list[int]:
+    def _verify(
+        self, context: list[int], draft: list[int], draft_logits: Optional[np.ndarray], generated: int
+    ) -> list[int]:
         inputs = self._call_inputs(context, len(draft) + 1)
+        if self.guide:
+            inputs.update(self.guide)
+            inputs[GUIDE_PREFIX_INPUT] = np.array([[generated]], dtype=np.int32)
         if draft:
             inputs["draft_input_ids"] = np.array([draft], dtype=np.int32)
             if draft_logits is not None:
@@ -166,6 +185,13 @@ class SpeculativeCall:
             current = self.current
         if current is not None:
             current.cancel()
+
+
+def _first_text(array: Optional[np.ndarray]) -> str:
+    if array is None or array.size == 0:
+        return ""
+    value = array.reshape(-1)[0]
+    return (value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)).strip()
 
 
 def _tokens(outputs: Mapping[str, np.ndarray]) -> list[int]:

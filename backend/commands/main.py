@@ -242,6 +242,14 @@ def _repo_commands(sub) -> None:
     )
     build.add_argument("--kv-cache-max-tokens", type=int, help="KV cache size in tokens")
     build.add_argument(
+        "--guided-decoding-backend",
+        choices=["xgrammar", "none"],
+        default="xgrammar",
+        help="xgrammar (default): requests may carry guided_decoding_guide_type / guided_decoding_guide (JSON "
+        "schemas, regexes, grammars); none: guided requests are refused (not for --llmapi: set "
+        "guided_decoding_backend with --param there)",
+    )
+    build.add_argument(
         "--param",
         action="append",
         default=[],

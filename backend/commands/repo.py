@@ -38,6 +38,7 @@ def main(args) -> int:
         max_seq_len=args.max_seq_len,
         max_num_tokens=args.max_num_tokens,
         kv_cache_max_tokens=args.kv_cache_max_tokens,
+        guided_decoding_backend=None if args.guided_decoding_backend == "none" else args.guided_decoding_backend,
         parameters=parameters,
         overwrite=True,
         draft_model_dir=getattr(args, "draft_model", None),

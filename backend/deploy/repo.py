@@ -20,7 +20,7 @@ from string import Template
 from typing import Any, Iterable, Mapping, Optional
 
 from tritonllm.deploy.pbtxt_check import config_errors
-from tritonllm.engine.config import DEVICE_CHOICES, DTYPE_CHOICES, ENGINE_CHOICES
+from tritonllm.engine.config import DEVICE_CHOICES, DTYPE_CHOICES, ENGINE_CHOICES, GUIDED_DECODING_BACKENDS
 from tritonllm.tokenizer import TOKENIZER_FILES
 
 MODEL_NAMES = ("preprocessing", "tensorrt_llm", "postprocessing", "ensemble", "tensorrt_llm_bls")
@@ -87,6 +87,7 @@ def build_repo(
     enable_kv_cache_reuse: bool = True,
     enable_chunked_context: bool = False,
     exclude_input_in_output: bool = False,
+    guided_decoding_backend: Optional[str] = "xgrammar",
     parameters: Optional[Mapping[str, Any]] = None,
     overwrite: bool = False,
     draft_model_dir: Optional[str | Path] = None,
@@ -96,7 +97,9 @@ def build_repo(
     overrides any placeholder by name, or by its tensorrt_llm parameter key (e.g. {"max_batch_size": 64,
     "gpt_model_type": "inflight_batching"}); None or "" leaves a parameter unset. Other models already in
     `out_dir` are left alone; ours are replaced only with `overwrite`. `draft_model_dir` adds a second engine model,
-    `tensorrt_llm_draft`, for the BLS draft/target loop (`num_draft_tokens`). Returns `out_dir`."""
+    `tensorrt_llm_draft`, for the BLS draft/target loop (`num_draft_tokens`). `guided_decoding_backend`
+    (xgrammar by default, so that guided requests and the OpenAI front's response_format work as built; None: off)
+    fills the tensorrt_llm parameter of that name. Returns `out_dir`."""
     model = check_model_dir(model_dir)
     draft = check_draft_model(model, draft_model_dir) if draft_model_dir is not None else None
     check_build_numbers(
@@ -108,7 +111,11 @@ def build_repo(
         kv_cache_max_tokens=kv_cache_max_tokens,
     )
     check_build_choices(
-        engine=engine, dtype=dtype, device=device, kv_cache_free_gpu_mem_fraction=kv_cache_free_gpu_mem_fraction
+        engine=engine,
+        dtype=dtype,
+        device=device,
+        kv_cache_free_gpu_mem_fraction=kv_cache_free_gpu_mem_fraction,
+        guided_decoding_backend=guided_decoding_backend,
     )
     values = {
         "triton_backend": "python",
@@ -141,6 +148,7 @@ def build_repo(
         "max_num_tokens": max_num_tokens,
         "max_tokens_in_paged_kv_cache": kv_cache_max_tokens,
         "kv_cache_free_gpu_mem_fraction": kv_cache_free_gpu_mem_fraction,
+        "guided_decoding_backend": guided_decoding_backend,
         # tensorrt_llm_bls; triton_grpc_url unset: the BLS reads the port from tritonserver's command line.
         "bls_instance_count": 1,
         "accumulate_tokens": False,
@@ -284,12 +292,18 @@ def check_build_numbers(**numbers: Optional[int]) -> None:
 
 
 def check_build_choices(
-    *, engine: str, dtype: Optional[str], device: Optional[str], kv_cache_free_gpu_mem_fraction: Optional[float]
+    *,
+    engine: str,
+    dtype: Optional[str],
+    device: Optional[str],
+    kv_cache_free_gpu_mem_fraction: Optional[float],
+    guided_decoding_backend: Optional[str] = None,
 ) -> None:
     for name, value, choices in (
         ("engine", engine, ENGINE_CHOICES),
         ("dtype", dtype, DTYPE_CHOICES),
         ("device", device, DEVICE_CHOICES),
+        ("guided_decoding_backend", guided_decoding_backend, GUIDED_DECODING_BACKENDS),
     ):
         if value is not None and value not in choices:
             raise RepoError(f"{name} must be one of {choices}, got {value!r}")

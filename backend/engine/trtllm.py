@@ -227,6 +227,11 @@ class TensorRTLLMEngine:
     def _validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         params.validate(self.config.max_seq_len)
         require_guided_backend(params, self.config.guided_decoding_backend)
+        if params.guided_prefix_len:
+            raise InvalidRequestError(
+                "guided_prefix_len (continuing a guided output) is an extension of the embedded engine; "
+                "TensorRT-LLM has no such setting"
+            )
         if not prompt_token_ids:
             raise InvalidRequestError("the prompt is empty: at least one input token is required")
         max_seq_len = self.config.max_seq_len

@@ -170,6 +170,9 @@ class SamplingParams:
     speculate: bool = True
     # Guided decoding (TensorRT-LLM's SamplingParams.guided_decoding): the output follows a schema, regex or grammar.
     guided_decoding: Optional[GuidedDecodingParams] = None
+    # Continues a guided output: the last `guided_prefix_len` prompt tokens were generated under `guided_decoding`
+    # already (the BLS draft/target loop's later rounds), so the grammar starts after them. Not a TensorRT-LLM field.
+    guided_prefix_len: int = 0
 
     @property
     def guided(self) -> bool:
@@ -238,6 +241,14 @@ class SamplingParams:
         self._validate_guided()
 
     def _validate_guided(self) -> None:
+        _require(
+            isinstance(self.guided_prefix_len, int) and self.guided_prefix_len >= 0,
+            f"guided_prefix_len must be an integer >= 0, got {self.guided_prefix_len!r}",
+        )
+        _require(
+            self.guided or not self.guided_prefix_len,
+            "guided_prefix_len continues a guided output: it needs guided_decoding",
+        )
         if self.guided_decoding is None:
             return
         _require(
@@ -276,7 +287,8 @@ def require_guided_backend(params: SamplingParams, backend: Optional[str]) -> No
     _require(
         backend is not None or not params.guided,
         "this request is guided (guided_decoding) but the engine runs without guided decoding: set "
-        "guided_decoding_backend: xgrammar in model.yaml",
+        "guided_decoding_backend: xgrammar in model.yaml, or the tensorrt_llm model's config.pbtxt parameter "
+        "guided_decoding_backend to xgrammar",
     )
 
 

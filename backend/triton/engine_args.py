@@ -8,6 +8,7 @@ package has not built, fails the load with a `ParameterError` naming the paramet
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,12 +21,14 @@ from tritonllm.engine.config import (
     DEVICE_CHOICES,
     DTYPE_CHOICES,
     ENGINE_CHOICES,
+    GUIDED_DECODING_BACKENDS,
     ConfigError,
     EngineConfig,
     load_yaml_args,
 )
 from tritonllm.triton.params import ParameterError, Parameters
 
+log = logging.getLogger("tritonllm.tensorrt_llm")
 ENGINE_ARGS_FILE = "model.yaml"
 SCHEDULER_POLICY_NAMES = {"max_utilization": "MAX_UTILIZATION", "guaranteed_no_evict": "GUARANTEED_NO_EVICT"}
 BATCHING_STRATEGIES = ("inflight_fused_batching", "inflight_batching")
@@ -92,11 +95,11 @@ ENGINE_PARAMETERS = (
     "attn_backend",
     "disable_overlap_scheduler",
     "max_attention_window_size",
+    "guided_decoding_backend",
 )
 TRITON_PARAMETERS = ("exclude_input_in_output", "cancellation_check_period_ms", "stats_check_period_ms")
 # Set at all, these ask for something not built; the value does not matter.
 UNBUILT_WHEN_SET = {
-    "guided_decoding_backend": "guided decoding is not supported yet",
     "encoder_model_path": "encoder-decoder models are not supported",
     "participant_ids": "multi-process (MPI orchestrator) execution is not supported",
     "worker_path": "worker_path is deprecated; executor_worker_path replaces it (and is not needed here)",
@@ -126,6 +129,12 @@ def load_tensorrt_llm_settings(
     params = Parameters.from_model_config(model_config)
     check_unbuilt_features(params)
     check_accepted_parameters(params)
+    if "xgrammar_tokenizer_info_path" in params:
+        log.warning(
+            "%s: parameter 'xgrammar_tokenizer_info_path' is ignored: the engine derives xgrammar's tokenizer "
+            "info from the tokenizer (tokenizer_dir, else the model folder)",
+            params.model_name,
+        )
     yaml_path = find_engine_args_file(Path(model_dir), model_version)
     args = load_yaml_args(yaml_path) if yaml_path else {}
     for key in ("model", "tokenizer"):  # a Hugging Face id resolves through the hub cache; folders stay as given
@@ -172,6 +181,7 @@ def engine_overrides(params: Parameters) -> dict[str, Any]:
     _put(out, "normalize_log_probs", params.bool("normalize_log_probs"))
     _put(out, "attn_backend", params.str("attn_backend"))  # checked (any case) by EngineConfig, naming the key
     _put(out, "disable_overlap_scheduler", params.bool("disable_overlap_scheduler"))
+    _put(out, "guided_decoding_backend", params.choice("guided_decoding_backend", GUIDED_DECODING_BACKENDS))
     kv_cache: dict[str, Any] = {}
     _put(kv_cache, "max_tokens", params.int("max_tokens_in_paged_kv_cache", minimum=1))
     _put(kv_cache, "free_gpu_memory_fraction", memory_fraction(params, "kv_cache_free_gpu_mem_fraction"))

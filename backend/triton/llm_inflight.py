@@ -20,6 +20,7 @@ from typing import Callable, Optional
 import numpy as np
 
 from tritonllm.engine.types import RequestOutput
+from tritonllm.triton.guided_inputs import is_guide_error, name_guide_error
 from tritonllm.triton.llm_request import EngineRow, convert_request, is_stop_request
 from tritonllm.triton.llm_responses import beam_tensors, merge_batch, sequence_tensors
 from tritonllm.triton.pb import InputError, error_response, output_tensor, pb_utils, send_final, send_response
@@ -100,13 +101,7 @@ class LLMInflightRequests(SenderLoop):
         with self.lock:
             try:
                 for index, row in enumerate(state.rows):
-                    handle = self.engine.generate_async(
-                        row.prompt_token_ids,
-                        row.params,
-                        streaming=row.options.streaming,
-                        on_output=lambda _handle, item, s=state, r=index: self.events.put((s, r, item)),
-                        **({"lora_request": row.lora} if row.lora is not None else {}),
-                    )
+                    handle = self._submit_row(state, index, row)
                     state.engine_ids.append(handle.request_id)
                     self.active[handle.request_id] = state
             except Exception:
@@ -122,6 +117,21 @@ class LLMInflightRequests(SenderLoop):
         if stopped:
             log.info("request %r arrived after its stop: cancelling it", state.triton_id)
             self._cancel(state)
+
+    def _submit_row(self, state: TritonRequestState, index: int, row: EngineRow):
+        try:
+            return self.engine.generate_async(
+                row.prompt_token_ids,
+                row.params,
+                streaming=row.options.streaming,
+                on_output=lambda _handle, item, s=state, r=index: self.events.put((s, r, item)),
+                **({"lora_request": row.lora} if row.lora is not None else {}),
+            )
+        except ValueError as exc:
+            guide = row.params.guided_decoding
+            if guide is not None and is_guide_error(exc):
+                raise name_guide_error(exc, guide) from None
+            raise
 
     def _stop(self, triton_id: str) -> None:
         if not triton_id:

@@ -11,7 +11,8 @@ from typing import Any, Optional
 import numpy as np
 
 from ..engine.types import LoRARequest, SamplingParams
-from .pb import InputError, optional_input
+from .guided_inputs import GUIDE_INPUT, GUIDE_PREFIX_INPUT, GUIDE_TYPE_INPUT, parse_guide
+from .pb import InputError, decode_string, optional_input
 
 # Inputs whose feature is not built yet: sending one is an error, never silently dropped.
 UNSUPPORTED_INPUTS = {
@@ -23,8 +24,6 @@ UNSUPPORTED_INPUTS = {
     "skip_cross_attn_blocks": "multimodal",
     "mrope_rotary_cos_sin": "multimodal",
     "mrope_position_deltas": "multimodal",
-    "guided_decoding_guide_type": "guided decoding",
-    "guided_decoding_guide": "guided decoding",
     "context_phase_params": "disaggregated serving",
     "retention_token_range_starts": "KV cache retention",
     "retention_token_range_ends": "KV cache retention",
@@ -127,6 +126,8 @@ def _convert_row(request, row, ids, length, default_exclude_input, decoupled) ->
         return_generation_logits=_flag(request, "return_generation_logits", row, False),
         return_perf_metrics=_flag(request, "return_perf_metrics", row, False),
         lookahead_config=_lookahead(request, row),
+        guided_decoding=parse_guide(_text(request, GUIDE_TYPE_INPUT, row), _text(request, GUIDE_INPUT, row)),
+        guided_prefix_len=_guided_prefix_len(request, row, length),
         **_draft_inputs(request, row),
     )
     options = RowOptions(
@@ -264,6 +265,22 @@ def _int(request, name, row, required=False) -> Optional[int]:
 def _float(request, name, row) -> Optional[float]:
     value = _scalar(request, name, row)
     return None if value is None else float(value)
+
+
+def _guided_prefix_len(request, row, length) -> int:
+    """How many of the row's last prompt tokens are guided output already (0 when the input is absent)."""
+    value = _int(request, GUIDE_PREFIX_INPUT, row) or 0
+    if not 0 <= value <= length:
+        raise InputError(GUIDE_PREFIX_INPUT, f"= {value} must be in [0, {length}] (the row's input_lengths)")
+    if value and not _text(request, GUIDE_TYPE_INPUT, row).strip():
+        raise InputError(GUIDE_PREFIX_INPUT, f"continues a guided output: it needs input '{GUIDE_TYPE_INPUT}'")
+    return value
+
+
+def _text(request, name, row) -> str:
+    """A per-row STRING input as text; "" when absent."""
+    value = _scalar(request, name, row)
+    return "" if value is None else decode_string(value, name)
 
 
 def _flag(request, name, row, default: bool) -> bool:

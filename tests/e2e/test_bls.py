@@ -205,7 +205,7 @@ def test_http_client_closing_a_bls_stream_frees_the_engine(server, long_stream):
         ({"lora_task_id": 3}, ["LoRA is not enabled", "enable_lora"]),  # this repository runs without LoRA
         ({"num_draft_tokens": 2}, ["'num_draft_tokens'", "draft model", "tensorrt_llm_draft_model_name"]),
         ({"beam_width": 8}, ["beam_width=8", "max_beam_width 4"]),
-        ({"guided_decoding_guide_type": "json"}, ["'guided_decoding_guide_type'", "not supported yet"]),
+        ({"guided_decoding_guide_type": "yaml"}, ["'guided_decoding_guide_type'", "must be one of"]),
         ({"image_url_input": "http://example.com/cat.jpg"}, ["'image_url_input'", "multimodal", "not supported yet"]),
         ({"max_tokens": 5000}, ["max_tokens", "max_seq_len"]),
     ],

@@ -277,6 +277,34 @@ def test_compiled_grammars_are_cached_per_guide(setup):
     assert decoder.num_compiled == before + 2
 
 
+def test_a_continued_output_picks_up_the_grammar_after_its_prefix(setup):
+    """guided_prefix_len: the BLS draft/target loop sends the text so far as the prompt; the rest then follows the
+    grammar from where the prefix left it, and greedy halves join to the whole greedy output."""
+    engine, tokenizer, ids = setup
+    guide = GuidedDecodingParams(json=SCHEMA)
+    (whole,) = generate(engine, ids, guide)
+    cut = len(whole.token_ids) // 2
+    (second,) = generate(engine, ids + whole.token_ids[:cut], guide, guided_prefix_len=cut)
+    assert whole.token_ids[:cut] + second.token_ids == whole.token_ids
+    (unguided_tail,) = generate(engine, ids + whole.token_ids[:cut], guide)  # the grammar starts over: it differs
+    assert unguided_tail.token_ids != second.token_ids
+
+
+def test_a_prefix_that_breaks_the_grammar_is_refused(setup):
+    engine, tokenizer, ids = setup
+    with pytest.raises(InvalidRequestError, match="guided_prefix_len: token .* does not follow the guide"):
+        engine.generate_async(
+            ids, SamplingParams(max_tokens=8, guided_decoding=GuidedDecodingParams(regex="[0-9]+"), guided_prefix_len=3)
+        )
+    with pytest.raises(InvalidRequestError, match="guided_prefix_len=99 exceeds the prompt"):
+        engine.generate_async(
+            ids,
+            SamplingParams(max_tokens=8, guided_decoding=GuidedDecodingParams(json_object=True), guided_prefix_len=99),
+        )
+    with pytest.raises(InvalidRequestError, match="guided_prefix_len continues a guided output"):
+        SamplingParams(guided_prefix_len=2).validate()
+
+
 # -- refusals -----------------------------------------------------------------------------------------------------
 
 

@@ -324,6 +324,20 @@ def test_our_own_checks_run_before_the_library(engine):
     assert engine.llm.generate_calls == []
 
 
+def test_a_continued_guided_output_is_refused_by_name(fake):
+    from tritonllm.engine.types import GuidedDecodingParams
+
+    config = EngineConfig.from_dict({"model": "m", "engine": "tensorrt_llm", "guided_decoding_backend": "xgrammar"})
+    engine = adapter.TensorRTLLMEngine(config)
+    try:
+        guide = GuidedDecodingParams(regex="a+")
+        with pytest.raises(InvalidRequestError, match="guided_prefix_len .* TensorRT-LLM has no such setting"):
+            engine.generate_async([1, 2], params(guided_decoding=guide, guided_prefix_len=1))
+        assert engine.llm.generate_calls == []
+    finally:
+        engine.shutdown()
+
+
 # -- outputs --------------------------------------------------------------------------------------------------
 
 

@@ -107,7 +107,6 @@ def test_lora_inputs_reach_tensorrt_llm():
         ),
         ({"beam_width": np.array([[0]], np.int32)}, "'beam_width' must be >= 1"),
         ({"image_url_input": np.array([["http://x"]], object)}, "multimodal"),
-        ({"guided_decoding_guide": np.array([["{}"]], object)}, "guided decoding"),
         ({"max_tokens": np.array([[0]], np.int32)}, "'max_tokens' must be >= 1"),
         ({"num_return_sequences": np.array([0], np.int32)}, "'num_return_sequences' must be >= 1"),
     ],
@@ -310,14 +309,14 @@ def test_three_sequences_are_tagged_and_final_after_the_last(stand_ins):
 def test_bad_input_is_answered_in_execute_with_an_error_naming_it(stand_ins):
     transport = ScriptedTransport([])
     server = BlsInflightRequests(transport, decoupled=True, accumulate=False, cancellation_check_ms=100)
-    request = bls_request(guided_decoding_guide=np.array([["{}"]], object))
+    request = bls_request(image_url_input=np.array([["http://example.com/cat.jpg"]], object))
     try:
         server.submit(request)
         ((response, flags),) = request.get_response_sender().sent  # answered before submit returned
     finally:
         server.shutdown()
     assert flags == fake.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-    assert response.has_error() and "guided_decoding_guide" in response.error().message()
+    assert response.has_error() and "image_url_input" in response.error().message()
     assert response.error().code() == fake.TritonError.INVALID_ARG
     assert transport.inputs is None, "nothing reached tensorrt_llm"
 

@@ -301,7 +301,6 @@ def test_bad_values_name_the_parameter(model_dir, name, value):
     "name, value, why",
     [
         ("decoding_mode", "redrafter", "not supported"),
-        ("guided_decoding_backend", "xgrammar", "not supported yet"),
         ("enable_trt_overlap", "true", "deprecated"),
         ("enable_trt_overlap", "1", "deprecated"),
         ("gpt_model_type", "V1", "static"),

@@ -149,6 +149,7 @@ TENSORRT_LLM_INPUTS = inputs(
     RAGGED("retention_decode_duration_ms", "TYPE_INT32", [1]),
     RAGGED("guided_decoding_guide_type", "TYPE_STRING", [1]),
     RAGGED("guided_decoding_guide", "TYPE_STRING", [1]),
+    RAGGED("guided_decoding_prefix_len", "TYPE_INT32", [1]),  # ours: the BLS draft/target loop continues a guide
     *[
         RAGGED(f"lookahead_{part}", "TYPE_INT32", [1])
         for part in ("window_size", "ngram_size", "verification_set_size")

@@ -241,6 +241,12 @@ class EngineCore:
             self.speculator.check_lookahead(params.lookahead_config)
         if params.guided_decoding is not None and params.guided and self.guided is not None:
             self.guided.compile(params.guided_decoding)  # a guide that does not compile fails here, cached if it does
+            if params.guided_prefix_len:
+                if params.guided_prefix_len > prompt_len:
+                    raise InvalidRequestError(
+                        f"guided_prefix_len={params.guided_prefix_len} exceeds the prompt's {prompt_len} tokens"
+                    )
+                self.guided.check_prefix(params.guided_decoding, prompt_token_ids[-params.guided_prefix_len :])
         needed = blocks_for(total, self.block_manager.block_size) * params.beam_width
         if needed > self.block_manager.num_blocks:
             beams = f" ({params.beam_width} beams)" if params.beam_width > 1 else ""

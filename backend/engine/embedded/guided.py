@@ -92,12 +92,29 @@ class GuidedDecoder:
     # -- matchers -----------------------------------------------------------------------------------------------
 
     def start(self, seq: Sequence) -> None:
-        """A matcher for a guided sequence, stopping at the request's end id (else the tokenizer's end tokens)."""
+        """A matcher for a guided sequence, stopping at the request's end id (else the tokenizer's end tokens), past
+        the prompt's last `guided_prefix_len` tokens (output of an earlier request it continues)."""
         guide = seq.params.guided_decoding
         assert guide is not None  # only guided sequences get a matcher
         end_id = seq.params.end_id
         stop = [end_id] if end_id is not None and 0 <= end_id < self.vocab_size else None
-        self.matchers[seq.seq_id] = self._xgr.GrammarMatcher(self.compile(guide), override_stop_tokens=stop)
+        matcher = self._xgr.GrammarMatcher(self.compile(guide), override_stop_tokens=stop)
+        prefix = seq.params.guided_prefix_len
+        for token in seq.prompt_token_ids[len(seq.prompt_token_ids) - prefix :] if prefix else ():
+            if not matcher.accept_token(token):  # check_prefix passed it: this cannot happen
+                log.error("the grammar of request %d rejected its prefix token %d", seq.request_id, token)
+                break
+        self.matchers[seq.seq_id] = matcher
+
+    def check_prefix(self, guide: GuidedDecodingParams, tokens: list[int]) -> None:
+        """InvalidRequestError unless `tokens` (an earlier output the request continues) follow the guide."""
+        matcher = self._xgr.GrammarMatcher(self.compile(guide))
+        for position, token in enumerate(tokens):
+            if not matcher.accept_token(token):
+                raise InvalidRequestError(
+                    f"guided_prefix_len: token {token} at position {position} of the continued output does not "
+                    "follow the guide (guided_decoding)"
+                )
 
     def release(self, seq: Sequence) -> None:
         self.matchers.pop(seq.seq_id, None)
