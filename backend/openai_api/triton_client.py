@@ -32,9 +32,9 @@ _REQUEST_FAULTS = (
     "does not compile",  # a guided-decoding schema, regex or grammar
 )
 # Messages that mean this server's models cannot do what a valid request asks: the engine runs without a
-# guided-decoding backend, or the backend model does not declare an input (guided decoding's, on an older
-# repository).
-_SERVER_CANNOT = ("runs without guided decoding", "unexpected inference input")
+# guided-decoding backend, or the backend model does not declare an input, or refuses it as not built (guided
+# decoding's, on an older repository).
+_SERVER_CANNOT = ("runs without guided decoding", "unexpected inference input", "not supported yet")
 
 
 @dataclass

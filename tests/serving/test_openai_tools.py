@@ -171,6 +171,10 @@ def test_backend_errors_about_guides_and_guided_decoding():
     assert isinstance(no_backend, Unsupported) and no_backend.status == 422
     old_repo = backend_error("ensemble", "unexpected inference input 'guided_decoding_guide_type' for model 'ensemble'")
     assert isinstance(old_repo, Unsupported)
+    refused = backend_error(
+        "tensorrt_llm_bls", "input 'guided_decoding_guide' needs guided decoding, which is not supported yet"
+    )
+    assert isinstance(refused, Unsupported)
 
 
 # ---------------------------------------------------------------------------------------------- readers
