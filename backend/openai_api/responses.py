@@ -133,10 +133,9 @@ class AnswerBuilder:
         deltas = reader.feed(event.text) + (reader.end() if event.finish_reason else [])
         self.held_logprobs.setdefault(event.index, []).extend(event.logprobs)
         steps: list[tuple[dict[str, Any], Optional[str]]] = [(_delta_json(delta), None) for delta in deltas]
-        if event.finish_reason:
-            reason = _tool_finish(event.finish_reason) if reader.made_calls else event.finish_reason
-            steps.append(({}, reason))
-        return [self._tool_chunk(event.index, delta, reason) for delta, reason in steps]
+        if event.finish_reason:  # the last chunk: an empty delta with the finish reason, as OpenAI ends a choice
+            steps.append(({}, _tool_finish(event.finish_reason) if reader.made_calls else event.finish_reason))
+        return [self._tool_chunk(event.index, delta, finish) for delta, finish in steps]
 
     def _tool_chunk(self, index: int, delta: dict[str, Any], finish_reason: Optional[str]) -> dict[str, Any]:
         if index not in self.role_sent:

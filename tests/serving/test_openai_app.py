@@ -478,3 +478,19 @@ def test_a_schema_the_backend_cannot_compile_is_a_400_naming_it(tiny_dir):
                 "/v1/chat/completions", json={**ASK, "tools": [WEATHER], "tool_choice": "required", "stream": stream}
             )
             assert_openai_error(tools, 400, "tools")
+
+
+def test_streamed_calls_of_n_choices_keep_apart_and_held_back_logprobs_come_later(tiny_dir):
+    client, _ = tool_client(tiny_dir, ['[{"name": "get_wea', 'ther", "arguments": {"city": ', '"Paris"}}]'])
+    body = {**ASK, "n": 2, "logprobs": True, "tools": [WEATHER], "tool_choice": "required", "stream": True}
+    with client:
+        chunks = sse_payloads(client.post("/v1/chat/completions", json=body))
+    for index in (0, 1):
+        mine = [c for c in chunks if c["choices"] and c["choices"][0]["index"] == index]
+        calls, reasons = streamed_calls(mine)
+        assert [(c["name"], c["arguments"]) for c in calls.values()] == [("get_weather", '{"city": "Paris"}')]
+        assert reasons[-1] == "tool_calls"
+        # the first piece was held back (no name yet): its log-probability comes with the call's first delta
+        logprobs = [entry for c in mine for entry in (c["choices"][0]["logprobs"] or {"content": []})["content"]]
+        assert len(logprobs) == 3 and mine[0]["choices"][0]["delta"]["tool_calls"][0]["function"]["name"]
+        assert len(mine[0]["choices"][0]["logprobs"]["content"]) == 2
