@@ -165,6 +165,19 @@ def test_tool_choice_required_gives_calls_valid_for_their_function(client, sampl
     assert calls[0]["id"].startswith("call_")
 
 
+def test_parallel_tool_calls_may_give_several_each_valid(client):
+    """parallel_tool_calls left at OpenAI's default (true): the guided array of calls, one or more."""
+    fields = {"tools": TOOLS, "tool_choice": "required", "temperature": 1.0, "seed": 8}
+    choice = chat(client, **fields).choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    check_calls(choice.message.tool_calls)
+    _, calls, _ = streamed(chat(client, stream=True, **fields))
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [
+        (call.function.name, call.function.arguments) for call in choice.message.tool_calls
+    ]
+    assert len({c["id"] for c in calls.values()}) == len(calls)
+
+
 def test_a_named_tool_choice_calls_that_function(client):
     fields = {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_weather"}}, **GREEDY}
     choice = chat(client, **fields).choices[0]
