@@ -133,7 +133,7 @@ async def _generate(request: Request, service: OpenAIService, metrics: FrontendM
         if body.model in service.config.model_names:
             record.model = body.model
         generation = await (service.chat(body) if chat else service.completion(body))
-        builder = AnswerBuilder(chat, body.model, generation.request.logprobs)
+        builder = AnswerBuilder(chat, body.model, generation.request.logprobs, generation.request.tool_plan)
         if body.stream:
             return await _stream(generation, builder, record)
         return await _whole(request, generation, builder, record)
@@ -213,10 +213,10 @@ async def _sse(
     try:
         event: Optional[ChoiceEvent] = first
         while event is not None:
-            if event.text or event.finish_reason or builder.logprobs:  # not a step that added no text
-                record.text(event)
-                yield _sse_line(builder.chunk(event, sent.get(event.index, 0)))
-                sent[event.index] = sent.get(event.index, 0) + len(event.text)
+            record.text(event)
+            for chunk in builder.chunks(event, sent.get(event.index, 0)):
+                yield _sse_line(chunk)
+            sent[event.index] = sent.get(event.index, 0) + len(event.text)
             event = await anext(events, None)
         if generation.request.include_usage:
             yield _sse_line(builder.usage_chunk(generation.usage))

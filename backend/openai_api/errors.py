@@ -4,7 +4,8 @@ Status codes used (and nothing else):
   400 a field with a bad value, a prompt too long for the model (code `context_length_exceeded`), a template
       that cannot render the messages;
   404 a model name this server does not serve (code `model_not_found`);
-  422 a valid OpenAI field asking for something this server cannot do yet (code `unsupported_parameter`);
+  422 a valid OpenAI field asking for something this server cannot do yet (code `unsupported_parameter`), the
+      backend's refusal of guided decoding included;
   500 the backend model failed on a request it accepted;
   503 Triton unreachable, or the backend model not ready (code `service_unavailable`)."""
 

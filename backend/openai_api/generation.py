@@ -18,7 +18,7 @@ from typing import AsyncGenerator, Optional
 
 import numpy as np
 
-from .errors import PromptTooLong
+from .errors import OpenAIError, PromptTooLong
 from .schemas import GenerationRequest
 from .stop_text import StopTrimmer
 from .triton_client import StreamResponse, TritonClient
@@ -121,12 +121,15 @@ class Generation:
         choices = self.choices[p]
         inputs = {**backend_inputs(self.prompts[p], self.request), **self.extra_inputs}
         stream = self.client.stream(self.backend_model, inputs, OUTPUTS)
-        async with contextlib.aclosing(stream) as responses:
-            async for response in responses:
-                for event in self._response_events(choices, response):
-                    yield event
-                if all(choice.finish_reason for choice in choices):
-                    return  # every choice hit a stop string: leaving cancels the backend request
+        try:
+            async with contextlib.aclosing(stream) as responses:
+                async for response in responses:
+                    for event in self._response_events(choices, response):
+                        yield event
+                    if all(choice.finish_reason for choice in choices):
+                        return  # every choice hit a stop string: leaving cancels the backend request
+        except OpenAIError as error:
+            raise blame_the_guide(error, self.request) from None
         for choice in choices:
             if choice.finish_reason is None:
                 yield choice.end()
@@ -177,7 +180,23 @@ def backend_inputs(prompt: PreparedPrompt, request: GenerationRequest) -> dict[s
     stop_words = list(request.stop) + list(request.end_of_turn)
     if stop_words:
         inputs["stop_words"] = np.array([[word.encode("utf-8") for word in stop_words]], dtype=object)
+    if request.guide is not None:
+        inputs["guided_decoding_guide_type"] = _text(request.guide.guide_type)
+        if request.guide.guide:  # `json` (any object) needs no guide
+            inputs["guided_decoding_guide"] = _text(request.guide.guide)
     return inputs
+
+
+def _text(value: str) -> np.ndarray:
+    return np.array([[value.encode("utf-8")]], dtype=object)
+
+
+def blame_the_guide(error: OpenAIError, request: GenerationRequest) -> OpenAIError:
+    """A backend error about the guided-decoding inputs names the request field the guide came from (the schema
+    of response_format, or the tools), which is what the client sent."""
+    if request.guide is not None and error.param is None and "guided_decoding" in error.message:
+        error.param = request.guide.param
+    return error
 
 
 def _scalar(value, dtype) -> np.ndarray:

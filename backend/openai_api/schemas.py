@@ -3,16 +3,22 @@ the rest of the frontend uses (`Sampling`, `GenerationRequest`).
 
 Unknown fields are ignored (clients send vendor extras); known fields this server cannot honour are refused
 with a 422 naming them, never silently dropped. `top_k` and `min_tokens` are accepted as extensions (send them
-with the `openai` client's `extra_body`)."""
+with the `openai` client's `extra_body`), and so is `response_format` on text completions.
+
+`response_format`, `tools` and `tool_choice` are kept as sent here and checked by `structured.py` and `tools.py`,
+whose errors name the exact part (`response_format.json_schema.schema`, `tools.0.function.name`)."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .errors import BadRequest, Unsupported
+from .structured import Guide
+from .tools import ToolPlan
 
 MAX_N = 16
 MAX_STOP_STRINGS = 16
@@ -74,10 +80,23 @@ class TextPart(_Body):
     text: Optional[str] = None
 
 
+class CalledFunction(_Body):
+    name: str = Field(min_length=1)
+    arguments: str = "{}"  # JSON text, as OpenAI sends it
+
+
+class MessageToolCall(_Body):
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+    function: CalledFunction
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Union[str, list[TextPart], None] = None
     name: Optional[str] = None
+    tool_calls: Optional[list[MessageToolCall]] = None  # an assistant's calls
+    tool_call_id: Optional[str] = None  # a tool message's answer to a call
 
 
 class ChatCompletionBody(_GenerationBody):
@@ -86,7 +105,10 @@ class ChatCompletionBody(_GenerationBody):
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(None, ge=0, le=20)
     tools: Optional[list[Any]] = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: bool = True
     functions: Optional[list[Any]] = None
+    function_call: Union[str, dict[str, Any], None] = None
     response_format: Optional[dict[str, Any]] = None
 
 
@@ -96,6 +118,7 @@ class CompletionBody(_GenerationBody):
     echo: bool = False
     best_of: Optional[int] = Field(None, ge=1)
     suffix: Optional[str] = None
+    response_format: Optional[dict[str, Any]] = None  # an extension: structured outputs, as in chat
 
 
 # ---------------------------------------------------------------------------------------------- typed results
@@ -128,6 +151,8 @@ class GenerationRequest:
     logprobs: bool
     stream: bool
     include_usage: bool
+    guide: Optional[Guide] = None  # guided decoding (response_format, or tools required / named)
+    tool_plan: Optional[ToolPlan] = None  # how tool calls are read from the text; None: plain content
 
 
 def parse_body(model: type[_Body], body: Any) -> Any:
@@ -206,10 +231,11 @@ def check_completion_fields(body: CompletionBody) -> None:
 
 
 def check_chat_fields(body: ChatCompletionBody) -> None:
-    if body.tools or body.functions:
-        raise Unsupported("tools and function calling are not supported", param="tools" if body.tools else "functions")
-    if body.response_format and body.response_format.get("type", "text") != "text":
-        raise Unsupported("only response_format type 'text' is supported", param="response_format.type")
+    if body.functions or body.function_call:
+        raise Unsupported(
+            "the deprecated functions / function_call are not supported: send tools and tool_choice",
+            param="functions" if body.functions else "function_call",
+        )
     if body.top_logprobs:
         raise Unsupported(
             "the backend returns the log-probability of each chosen token only: top_logprobs must be 0",
@@ -219,8 +245,9 @@ def check_chat_fields(body: ChatCompletionBody) -> None:
         raise BadRequest("top_logprobs needs logprobs: true", param="top_logprobs")
 
 
-def chat_messages(body: ChatCompletionBody) -> list[dict[str, str]]:
-    """The messages as the chat template takes them; text parts are joined, other parts refused."""
+def chat_messages(body: ChatCompletionBody) -> list[dict[str, Any]]:
+    """The messages as the chat template takes them; text parts are joined, other parts refused; an assistant's
+    tool calls carry their arguments as a mapping (what Hugging Face chat templates expect)."""
     messages = []
     for index, message in enumerate(body.messages):
         content = message.content
@@ -235,11 +262,31 @@ def chat_messages(body: ChatCompletionBody) -> list[dict[str, str]]:
                 texts.append(part.text)
             content = "".join(texts)
         role = "system" if message.role == "developer" else message.role
-        entry = {"role": role, "content": content or ""}
+        entry: dict[str, Any] = {"role": role, "content": content or ""}
         if message.name:
             entry["name"] = message.name
+        if message.tool_calls:
+            entry["tool_calls"] = [
+                _template_call(call, f"messages.{index}.tool_calls.{i}") for i, call in enumerate(message.tool_calls)
+            ]
+        if message.tool_call_id:
+            entry["tool_call_id"] = message.tool_call_id
         messages.append(entry)
     return messages
+
+
+def _template_call(call: MessageToolCall, where: str) -> dict[str, Any]:
+    try:
+        arguments = json.loads(call.function.arguments)
+    except ValueError:
+        raise BadRequest(
+            f"{where}.function.arguments must be JSON text, got {call.function.arguments[:80]!r}",
+            param=f"{where}.function.arguments",
+        ) from None
+    entry: dict[str, Any] = {"type": "function", "function": {"name": call.function.name, "arguments": arguments}}
+    if call.id:
+        entry["id"] = call.id
+    return entry
 
 
 def chat_max_tokens(body: ChatCompletionBody) -> Optional[int]:

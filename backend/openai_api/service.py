@@ -26,6 +26,8 @@ from .schemas import (
     sampling_of,
     stop_strings,
 )
+from .structured import Guide, response_format_guide
+from .tools import Function, ToolPlan, parse_tool_choice, parse_tools, plan_tools
 from .triton_client import TritonClient
 
 log = logging.getLogger("tritonllm.openai")
@@ -103,7 +105,10 @@ class OpenAIService:
         self.check_max_tokens(
             max_tokens, "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
         )
-        prompt = self.template.render(chat_messages(body))
+        functions = parse_tools(body.tools)
+        plan, guide = self._answer_plan(body, functions)
+        template_tools = [function.as_template_tool() for function in functions] or None
+        prompt = self.template.render(chat_messages(body), template_tools)
         request = GenerationRequest(
             model=body.model,
             prompts=(prompt,),
@@ -114,6 +119,8 @@ class OpenAIService:
             logprobs=body.logprobs,
             stream=body.stream,
             include_usage=include_usage(body),
+            guide=guide,
+            tool_plan=plan,
         )
         return Generation(
             self.client,
@@ -137,6 +144,7 @@ class OpenAIService:
             logprobs=body.logprobs is not None,
             stream=body.stream,
             include_usage=include_usage(body),
+            guide=response_format_guide(body.response_format),
         )
         return Generation(
             self.client,
@@ -145,6 +153,21 @@ class OpenAIService:
             await self._prepare(request.prompts, body.max_tokens, "prompt", body.min_tokens),
             self.adapter_inputs(body.model),
         )
+
+    def _answer_plan(
+        self, body: ChatCompletionBody, functions: tuple[Function, ...]
+    ) -> tuple[Optional[ToolPlan], Optional[Guide]]:
+        """How the answer is guided and read: by its tool choice, or by its response_format (not both)."""
+        choice = parse_tool_choice(body.tool_choice, functions)
+        plan, tools_guide = plan_tools(functions, choice, body.parallel_tool_calls, self.template.call_format)
+        format_guide = response_format_guide(body.response_format)
+        if format_guide is not None and plan is not None:
+            raise BadRequest(
+                f"response_format {(body.response_format or {}).get('type')!r} cannot go with tool_choice {choice!r}: "
+                "send tool_choice 'none' or drop response_format",
+                param="response_format",
+            )
+        return plan, tools_guide or format_guide
 
     async def _prepare(
         self, prompts: tuple[str, ...], max_tokens: Optional[int], prompt_param: str, min_tokens: Optional[int]

@@ -17,12 +17,24 @@ import numpy as np
 from tritonclient.grpc import InferResult, service_pb2, service_pb2_grpc
 from tritonclient.utils import deserialize_bytes_tensor, np_to_triton_dtype, serialize_byte_tensor, triton_to_np_dtype
 
-from .errors import BackendFailed, BadRequest, PromptTooLong, ServiceUnavailable
+from .errors import BackendFailed, BadRequest, PromptTooLong, ServiceUnavailable, Unsupported
 
 MAX_MESSAGE_BYTES = 2**31 - 1
 HEALTH_TIMEOUT_S = 2.0
 # Words of the backend's error messages that blame the request, not the server.
-_REQUEST_FAULTS = ("input '", "must be", "exceeds", "not supported", "is empty", "outside the vocabulary")
+_REQUEST_FAULTS = (
+    "input '",
+    "must be",
+    "exceeds",
+    "not supported",
+    "is empty",
+    "outside the vocabulary",
+    "does not compile",  # a guided-decoding schema, regex or grammar
+)
+# Messages that mean this server's models cannot do what a valid request asks: the engine runs without a
+# guided-decoding backend, or the backend model does not declare an input, or refuses it as not built (guided
+# decoding's, on an older repository).
+_SERVER_CANNOT = ("runs without guided decoding", "unexpected inference input", "not supported yet")
 
 
 @dataclass
@@ -152,6 +164,8 @@ def is_final(response) -> bool:
 def backend_error(model: str, message: str) -> Exception:
     if "exceeds max_seq_len" in message or "exceeds max_num_tokens" in message:
         return PromptTooLong(f"{model}: {message}")
+    if any(words in message for words in _SERVER_CANNOT):
+        return Unsupported(f"{model} cannot serve this request: {message}")
     if any(word in message for word in _REQUEST_FAULTS):
         return BadRequest(f"{model}: {message}")
     return BackendFailed(f"{model} failed: {message}")

@@ -265,3 +265,232 @@ def test_the_default_max_tokens_never_exceeds_the_context(tiny_dir):
         client.post("/v1/completions", json={"model": "tiny", "prompt": "x"})
     prompt_tokens = len(service.tokenizer.encode("x", add_special_tokens=True))
     assert int(triton.requests[-1]["max_tokens"][0, 0]) == 64 - prompt_tokens
+
+
+# ---------------------------------------------------------------------------------------------- structured outputs
+
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+ASK = {"model": "tiny", "messages": [{"role": "user", "content": "Weather in Paris?"}], "max_tokens": 20}
+CALL_PIECES = ['[{"name": "get_weather", ', '"arguments": {"city": ', '"Paris"}}]']
+
+
+def tool_client(tiny_dir, pieces, error=None, model_dir=None):
+    triton = ScriptedTriton(pieces, error)
+    client, _ = make_client(model_dir or tiny_dir, triton, max_model_len=4096)  # room for the tools in the prompt
+    return client, triton
+
+
+def sent_guide(triton) -> tuple:
+    inputs = triton.requests[-1]
+    guide = inputs.get("guided_decoding_guide")
+    return inputs["guided_decoding_guide_type"][0, 0].decode(), json.loads(guide[0, 0]) if guide is not None else None
+
+
+def test_response_format_json_schema_guides_the_backend_and_the_text_is_the_content(tiny_dir):
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    client, triton = tool_client(tiny_dir, ['{"a"', ": 1}"])
+    with client:
+        answer = client.post(
+            "/v1/chat/completions",
+            json={**ASK, "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}},
+        ).json()
+        assert answer["choices"][0]["message"] == {"role": "assistant", "content": '{"a": 1}'}
+        assert sent_guide(triton) == ("json_schema", schema)
+        client.post(
+            "/v1/completions", json={"model": "tiny", "prompt": "x", "response_format": {"type": "json_object"}}
+        )
+        assert sent_guide(triton) == ("json", None)
+        client.post("/v1/chat/completions", json={**ASK, "response_format": {"type": "text"}})
+        assert "guided_decoding_guide_type" not in triton.requests[-1]
+
+
+def test_tool_choice_required_is_parsed_into_tool_calls(tiny_dir):
+    client, triton = tool_client(tiny_dir, CALL_PIECES)
+    with client:
+        answer = client.post("/v1/chat/completions", json={**ASK, "tools": [WEATHER], "tool_choice": "required"}).json()
+    guide_type, schema = sent_guide(triton)
+    assert guide_type == "json_schema" and schema["type"] == "array" and "maxItems" not in schema
+    choice = answer["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    (call,) = choice["message"]["tool_calls"]
+    assert call["id"].startswith("call_") and call["type"] == "function"
+    assert call["function"] == {"name": "get_weather", "arguments": '{"city": "Paris"}'}
+
+
+def streamed_calls(chunks) -> tuple[dict, list]:
+    """The calls a client assembles from streamed tool_call deltas, and the finish reasons."""
+    calls: dict[int, dict] = {}
+    for chunk in chunks:
+        for delta in chunk["choices"][0]["delta"].get("tool_calls", []) if chunk["choices"] else []:
+            call = calls.setdefault(delta["index"], {"id": delta.get("id"), "name": None, "arguments": ""})
+            call["name"] = delta["function"].get("name", call["name"])
+            call["arguments"] += delta["function"]["arguments"]
+    return calls, [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]]
+
+
+def test_streamed_tool_calls_are_shaped_as_openai_streams_them(tiny_dir):
+    client, _ = tool_client(tiny_dir, CALL_PIECES)
+    with client:
+        response = client.post(
+            "/v1/chat/completions", json={**ASK, "tools": [WEATHER], "tool_choice": "required", "stream": True}
+        )
+    chunks = sse_payloads(response)
+    first = chunks[0]["choices"][0]["delta"]
+    assert first["role"] == "assistant" and first["content"] is None
+    (header,) = first["tool_calls"]
+    assert header["index"] == 0 and header["id"].startswith("call_") and header["type"] == "function"
+    assert header["function"] == {"name": "get_weather", "arguments": ""}
+    later = [c["choices"][0]["delta"] for c in chunks[1:-1]]
+    assert all(set(d) == {"tool_calls"} and set(d["tool_calls"][0]) == {"index", "function"} for d in later)
+    assert chunks[-1]["choices"][0]["delta"] == {} and chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    calls, reasons = streamed_calls(chunks)
+    assert calls == {0: {"id": header["id"], "name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    assert reasons[:-1] == [None] * (len(reasons) - 1)
+
+
+def test_a_named_tool_choice_streams_its_arguments_and_sends_one_call(tiny_dir):
+    client, triton = tool_client(tiny_dir, ['{"city"', ': "Rome"}'])
+    body = {**ASK, "tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+    with client:
+        chunks = sse_payloads(client.post("/v1/chat/completions", json={**body, "stream": True}))
+        whole = client.post("/v1/chat/completions", json=body).json()
+    assert sent_guide(triton) == ("json_schema", WEATHER["function"]["parameters"])
+    calls, reasons = streamed_calls(chunks)
+    assert [(c["name"], c["arguments"]) for c in calls.values()] == [("get_weather", '{"city": "Rome"}')]
+    assert reasons[-1] == "tool_calls" == whole["choices"][0]["finish_reason"]
+    assert whole["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"] == '{"city": "Rome"}'
+
+
+def test_tool_calls_cut_short_finish_with_length(tiny_dir):
+    client, _ = tool_client(tiny_dir, CALL_PIECES)
+    with client:
+        answer = client.post(
+            "/v1/chat/completions", json={**ASK, "max_tokens": 2, "tools": [WEATHER], "tool_choice": "required"}
+        ).json()
+    choice = answer["choices"][0]
+    assert choice["finish_reason"] == "length"
+    assert choice["message"]["tool_calls"][0]["function"]["arguments"] == '{"city": '
+
+
+@pytest.fixture(scope="module")
+def hermes_dir(tiny_dir, tmp_path_factory):
+    """The tiny model with a chat template that has a tool-call format (Hermes' <tool_call> tags)."""
+    folder = tmp_path_factory.mktemp("hermes")
+    for path in tiny_dir.iterdir():
+        (folder / path.name).write_bytes(path.read_bytes())
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config["chat_template"] = (
+        "{% if tools %}<|im_start|>system\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+        "Call a tool as <tool_call>JSON</tool_call><|im_end|>\n{% endif %}"
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+def test_auto_reads_the_templates_tool_call_format_unguided(tiny_dir, hermes_dir):
+    pieces = ["Sure.", "\n<tool_", 'call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}', "\n</tool_call>"]
+    client, triton = tool_client(tiny_dir, pieces, model_dir=hermes_dir)
+    with client:
+        answer = client.post("/v1/chat/completions", json={**ASK, "tools": [WEATHER]}).json()
+        chunks = sse_payloads(client.post("/v1/chat/completions", json={**ASK, "tools": [WEATHER], "stream": True}))
+    assert "guided_decoding_guide_type" not in triton.requests[-1]
+    assert b'"name": "get_weather"' in triton.requests[-1]["text_input"][0, 0]  # the template got the tools
+    message = answer["choices"][0]["message"]
+    assert message["content"] == "Sure." and answer["choices"][0]["finish_reason"] == "tool_calls"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in message["tool_calls"]] == [
+        ("get_weather", {"city": "Oslo"})
+    ]
+    calls, reasons = streamed_calls(chunks)
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [("get_weather", {"city": "Oslo"})]
+    assert "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks) == "Sure."
+    assert reasons[-1] == "tool_calls"
+
+
+def test_tool_choice_none_is_plain_unguided_text(tiny_dir):
+    client, triton = tool_client(tiny_dir, PIECES)
+    with client:
+        answer = client.post("/v1/chat/completions", json={**ASK, "tools": [WEATHER], "tool_choice": "none"}).json()
+    assert answer["choices"][0]["message"] == {"role": "assistant", "content": "".join(PIECES)}
+    assert answer["choices"][0]["finish_reason"] == "stop" and "guided_decoding_guide_type" not in triton.requests[-1]
+
+
+def test_structured_output_errors_name_the_field(tiny_dir):
+    client, triton = tool_client(tiny_dir, CALL_PIECES)
+    schema_format = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}}
+    cases = [
+        ({"tools": [WEATHER]}, 400, "tool_choice"),  # auto: the tiny ChatML template has no tool-call format
+        ({"tools": [{"type": "code_interpreter"}], "tool_choice": "required"}, 400, "tools.0.type"),
+        (
+            {"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "x"}}},
+            400,
+            "tool_choice.function.name",
+        ),
+        ({"tool_choice": "required"}, 400, "tool_choice"),
+        ({"tools": [WEATHER], "tool_choice": "required", "response_format": schema_format}, 400, "response_format"),
+        (
+            {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+            400,
+            "response_format.json_schema.schema",
+        ),
+        ({"functions": [{"name": "f"}]}, 422, "functions"),
+        (
+            {
+                "messages": [
+                    {"role": "user", "content": "hi"},
+                    {
+                        "role": "assistant",
+                        "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}],
+                    },
+                    {"role": "tool", "content": "ok", "tool_call_id": "c"},
+                ],
+                "tools": [WEATHER],
+                "tool_choice": "required",
+            },
+            400,
+            "messages.1.tool_calls",
+        ),
+    ]
+    with client:
+        for extra, status, param in cases:
+            assert_openai_error(client.post("/v1/chat/completions", json={**ASK, **extra}), status, param)
+    assert triton.requests == []  # all refused before anything reached Triton
+
+
+def test_a_schema_the_backend_cannot_compile_is_a_400_naming_it(tiny_dir):
+    error = "input 'guided_decoding_guide': guided_decoding.json (JSON schema) does not compile: bad"
+    client, _ = tool_client(tiny_dir, PIECES, error=error)
+    schema_format = {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}
+    with client:
+        for stream in (False, True):
+            response = client.post(
+                "/v1/chat/completions", json={**ASK, "response_format": schema_format, "stream": stream}
+            )
+            assert_openai_error(response, 400, "response_format.json_schema.schema")
+            tools = client.post(
+                "/v1/chat/completions", json={**ASK, "tools": [WEATHER], "tool_choice": "required", "stream": stream}
+            )
+            assert_openai_error(tools, 400, "tools")
+
+
+def test_streamed_calls_of_n_choices_keep_apart_and_held_back_logprobs_come_later(tiny_dir):
+    client, _ = tool_client(tiny_dir, ['[{"name": "get_wea', 'ther", "arguments": {"city": ', '"Paris"}}]'])
+    body = {**ASK, "n": 2, "logprobs": True, "tools": [WEATHER], "tool_choice": "required", "stream": True}
+    with client:
+        chunks = sse_payloads(client.post("/v1/chat/completions", json=body))
+    for index in (0, 1):
+        mine = [c for c in chunks if c["choices"] and c["choices"][0]["index"] == index]
+        calls, reasons = streamed_calls(mine)
+        assert [(c["name"], c["arguments"]) for c in calls.values()] == [("get_weather", '{"city": "Paris"}')]
+        assert reasons[-1] == "tool_calls"
+        # the first piece was held back (no name yet): its log-probability comes with the call's first delta
+        logprobs = [entry for c in mine for entry in (c["choices"][0]["logprobs"] or {"content": []})["content"]]
+        assert len(logprobs) == 3 and mine[0]["choices"][0]["delta"]["tool_calls"][0]["function"]["name"]
+        assert len(mine[0]["choices"][0]["logprobs"]["content"]) == 2

@@ -103,3 +103,45 @@ def test_no_template_is_a_400(tokenizer, tiny_dir):
     tokenizer.chat_template = None
     with pytest.raises(BadRequest, match="no chat template"):
         ChatTemplate(tokenizer, tiny_dir).render(CONVERSATION)
+
+
+# A Hermes-style template (as Qwen2.5's): tools listed in a system turn, calls written as <tool_call> JSON.
+HERMES_TEMPLATE = (
+    "{% if tools %}<|im_start|>system\nTools:\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}"
+    'Call one as <tool_call>{"name": ..., "arguments": ...}</tool_call><|im_end|>\n{% endif %}'
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{% if m.tool_calls %}{% for c in m.tool_calls %}"
+    "<tool_call>\n{{ {'name': c.function.name, 'arguments': c.function.arguments} | tojson }}\n</tool_call>"
+    "{% endfor %}{% else %}{{ m['content'] }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}
+CALL_HISTORY = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [
+            {"type": "function", "id": "call_1", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+        ],
+    },
+    {"role": "tool", "content": "sunny", "tool_call_id": "call_1"},
+]
+
+
+def test_a_hermes_template_gets_the_tools_and_shows_past_calls(tokenizer, tiny_dir):
+    tokenizer.chat_template = HERMES_TEMPLATE
+    template = ChatTemplate(tokenizer, tiny_dir)
+    assert template.call_format == "hermes" and template.renders_tool_calls
+    rendered = template.render(CALL_HISTORY, [TOOL])
+    assert '"name": "get_weather"' in rendered and "Tools:" in rendered
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in rendered
+    assert "<|im_start|>tool\nsunny<|im_end|>" in rendered
+
+
+def test_a_template_without_tool_support_cannot_show_past_calls(tokenizer, tiny_dir):
+    template = ChatTemplate(tokenizer, tiny_dir)  # the tiny model's ChatML has no tools
+    assert template.call_format is None and not template.renders_tool_calls
+    assert "get_weather" not in template.render(CALL_HISTORY[:1], [TOOL])  # the tools are ignored
+    with pytest.raises(BadRequest, match="tool_calls") as caught:
+        template.render(CALL_HISTORY, [TOOL])
+    assert caught.value.param == "messages.1.tool_calls"

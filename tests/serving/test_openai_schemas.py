@@ -121,8 +121,8 @@ def test_max_completion_tokens_wins_and_must_agree_with_max_tokens():
 @pytest.mark.parametrize(
     "extra, param",
     [
-        ({"tools": [{"type": "function"}]}, "tools"),
-        ({"response_format": {"type": "json_object"}}, "response_format.type"),
+        ({"functions": [{"name": "f"}]}, "functions"),
+        ({"function_call": "auto"}, "function_call"),
         ({"logprobs": True, "top_logprobs": 2}, "top_logprobs"),
     ],
 )
