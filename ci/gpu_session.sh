@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine run (the `device` tool): puts the working tree's package on PYTHONPATH (the machine has torch,
 # triton and transformers but no venv of ours), then runs what the arguments name, each logged under $OUT.
-#   bash ci/gpu_session.sh kernels|fused|window|guided|parity|features|bench-quick|bench-qwen3|profile|profile-1 ...
+#   bash ci/gpu_session.sh kernels|fused|window|guided|parity|features|bench-quick|bench-guided|bench-qwen3|profile|profile-1 ...
 # Used by hand for the GPU figures in docs/benchmarks.md; CI never runs it (no GPU there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -52,6 +52,14 @@ for what in "$@"; do
       bench "qwen2.5 1x128/128" --model "$q" --requests 1 --min-prompt 128 --max-prompt 128 --min-output 128 --max-output 128 --warmup --baseline none
       bench "qwen2.5 256x128/128 hf" --model "$q" --requests 256 --min-prompt 128 --max-prompt 128 --min-output 128 --max-output 128 --max-batch-size 256 --hf-batch-size 256 --warmup
       bench "qwen2.5 nano" --model "$q" --workload nano --warmup --baseline none ;;
+    bench-guided)  # xgrammar's wheels installed first; GUIDED_MODEL: a SmolLM2 folder without weights (docs/gpu-runs.md)
+      printf 'load_format: dummy\n' > /tmp/dummy.yaml
+      for n in 8 64; do
+        echo "== bench guided, $n requests" | tee -a "$OUT/bench.log"
+        timeout "${BENCH_TIMEOUT:-240}" "${TRITONLLM[@]}" bench guided --model "${GUIDED_MODEL:-.whl/smol}" \
+          --config /tmp/dummy.yaml --device cuda --dtype bfloat16 --requests "$n" --rounds 5 --json \
+          2>>"$OUT/bench.log" | tail -1 | tee -a "$OUT/bench-guided.jsonl"
+      done ;;
     bench-qwen3)
       bench "qwen3 nano" --model "$(shape qwen3-0.6b)" --workload nano --warmup --baseline none ;;
     profile-1)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -422,6 +423,44 @@ def test_the_torch_mask_used_off_the_host_equals_xgrammars_kernel():
     assert torch.equal(by_torch[1], logits[1])  # an unguided row is left alone
     allowed = guided.unpack_bitmask(bitmask[:1], vocab)[0]
     assert torch.isinf(by_torch[0][~allowed]).all() and torch.equal(by_torch[0][allowed], logits[0][allowed])
+
+
+def test_json_whitespace_between_elements_is_bounded(setup):
+    """A weak model left free would fill its budget with blanks; JSON_MAX_WHITESPACE caps each run of them."""
+    import xgrammar
+
+    decoder = setup[0].core.guided
+    for guide in (GuidedDecodingParams(json=SCHEMA), GuidedDecodingParams(json_object=True)):
+        matcher = xgrammar.GrammarMatcher(decoder.compile(guide))
+        assert matcher.accept_string("{" + " " * guided.JSON_MAX_WHITESPACE)
+        assert not matcher.accept_string(" ")
+
+
+def test_masks_filled_on_the_thread_pool_equal_those_filled_row_by_row(setup):
+    import xgrammar
+
+    decoder = setup[0].core.guided
+    texts = ['{"name": "a', "{", '{"name": "ab", "kind": "c', '{"name": "", "kind": "dog", "tags": [1', '{"na']
+    seqs = [SimpleNamespace(seq_id=-1 - index) for index in range(len(texts) + 1)]  # the last one unguided
+    for seq, prefix in zip(seqs, texts):
+        decoder.matchers[seq.seq_id] = matcher = xgrammar.GrammarMatcher(
+            decoder.compile(GuidedDecodingParams(json=SCHEMA))
+        )
+        assert matcher.accept_string(prefix)
+    try:
+        logits = torch.randn(len(seqs), decoder.vocab_size, generator=torch.Generator().manual_seed(1))
+        together = logits.clone()
+        decoder.mask(together, seqs)  # len(texts) >= BATCH_FILL_ROWS: the thread pool
+        assert len(texts) >= guided.BATCH_FILL_ROWS
+        for row, seq in enumerate(seqs):
+            alone = logits[row : row + 1].clone()
+            decoder.mask(alone, [seq])
+            assert torch.equal(alone[0], together[row])
+        assert torch.equal(together[-1], logits[-1])
+        assert all(torch.isinf(together[row]).any() for row in range(len(texts)))
+    finally:
+        for seq in seqs:
+            decoder.matchers.pop(seq.seq_id, None)
 
 
 # -- the seam -----------------------------------------------------------------------------------------------------

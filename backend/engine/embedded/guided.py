@@ -28,6 +28,11 @@ log = logging.getLogger("tritonllm.engine")
 
 # xgrammar's errors start with "[time] /path/file.cc:line: "; the rest is the message worth showing.
 _NATIVE_PREFIX = re.compile(r"^\s*\[[\d:.]+\]\s+\S+:\d+:\s*")
+# Whitespace xgrammar lets a JSON output put between two elements: enough to pretty-print a few levels deep, too few
+# for a weak model to spend its whole budget on blanks (unbounded, it often does).
+JSON_MAX_WHITESPACE = 20
+# From this many guided rows on, their masks are filled on xgrammar's thread pool rather than one by one.
+BATCH_FILL_ROWS = 4
 _GUIDE_NAMES = {
     "json": "guided_decoding.json_object",
     "json_schema": "guided_decoding.json (JSON schema)",
@@ -48,7 +53,10 @@ class GuidedDecoder:
         self.vocab_size = vocab_size
         info = xgrammar.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size)
         # Our cache stands in for xgrammar's (bounded by entries, and shared by the guide types alike).
-        self._compiler = xgrammar.GrammarCompiler(info, max_threads=min(8, os.cpu_count() or 1), cache_enabled=False)
+        threads = min(8, os.cpu_count() or 1)
+        self._compiler = xgrammar.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
+        self._batch = xgrammar.BatchGrammarMatcher(max_threads=threads)
+        self._bitmask = xgrammar.allocate_token_bitmask(1, vocab_size)  # grown to the widest batch, then reused
         self._cache: OrderedDict[tuple[str, str], Any] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
@@ -77,9 +85,11 @@ class GuidedDecoder:
         try:
             if guide_type == "json":
                 # Any JSON object (xgrammar's built-in JSON grammar also allows a top-level array).
-                return compiler.compile_json_schema('{"type": "object"}', strict_mode=False)
+                return compiler.compile_json_schema(
+                    '{"type": "object"}', strict_mode=False, max_whitespace_cnt=JSON_MAX_WHITESPACE
+                )
             if guide_type == "json_schema":
-                return compiler.compile_json_schema(guide)
+                return compiler.compile_json_schema(guide, max_whitespace_cnt=JSON_MAX_WHITESPACE)
             if guide_type == "regex":
                 return compiler.compile_regex(guide)
             if guide_type == "ebnf_grammar":
@@ -147,9 +157,15 @@ class GuidedDecoder:
         rows = [row for row, seq in enumerate(seqs) if seq.seq_id in self.matchers]
         if not rows:
             return
-        bitmask = self._xgr.allocate_token_bitmask(len(seqs), self.vocab_size)
-        for row in rows:
-            self.matchers[seqs[row].seq_id].fill_next_token_bitmask(bitmask, row)
+        if self._bitmask.shape[0] < len(seqs):
+            self._bitmask = self._xgr.allocate_token_bitmask(len(seqs), self.vocab_size)
+        bitmask = self._bitmask[: len(seqs)]
+        matchers = [self.matchers[seqs[row].seq_id] for row in rows]
+        if len(rows) >= BATCH_FILL_ROWS:
+            self._batch.batch_fill_next_token_bitmask(matchers, bitmask, indices=rows)
+        else:
+            for row, matcher in zip(rows, matchers):
+                matcher.fill_next_token_bitmask(bitmask, row)
         apply_bitmask(logits, bitmask, rows, self.vocab_size)
 
 
