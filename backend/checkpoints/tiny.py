@@ -30,6 +30,8 @@ MAX_POSITION_EMBEDDINGS = 4096
 TINY_SLIDING_WINDOW = 16
 # The tiny longrope Phi-3's pre-training context: prompts of a few dozen tokens already outgrow it.
 TINY_ORIGINAL_CONTEXT = 32
+_TINY_SHORT_FACTOR = [1.0, 1.02, 1.05, 1.1, 1.2, 1.4, 1.8, 2.0]
+_TINY_LONG_FACTOR = [1.0, 1.5, 2.5, 4.0, 8.0, 16.0, 32.0, 64.0]
 
 _COMMON = dict(
     hidden_size=64,
@@ -92,19 +94,21 @@ _ARCH_CONFIGS: dict[str, dict[str, Any]] = {
         resid_pdrop=0.0,
         embd_pdrop=0.0,
     ),
-    # Phi-3.5's RoPE: one factor per rotated pair (head_dim 16: 8), short and long sets far apart.
+    # Phi-3.5's RoPE: one factor per rotated pair (head_dim 16: 8), short and long sets far apart; in `rope_scaling`
+    # too, where transformers 4.x reads it (5.x takes it over rope_parameters, and they agree).
     "phi3-longrope": dict(
         architectures=["Phi3ForCausalLM"],
         model_type="phi3",
         tie_word_embeddings=False,
         sliding_window=None,
         original_max_position_embeddings=TINY_ORIGINAL_CONTEXT,
+        rope_scaling=dict(type="longrope", short_factor=_TINY_SHORT_FACTOR, long_factor=_TINY_LONG_FACTOR),
         rope_parameters=dict(
             rope_type="longrope",
             rope_theta=10000.0,
             original_max_position_embeddings=TINY_ORIGINAL_CONTEXT,
-            short_factor=[1.0, 1.02, 1.05, 1.1, 1.2, 1.4, 1.8, 2.0],
-            long_factor=[1.0, 1.5, 2.5, 4.0, 8.0, 16.0, 32.0, 64.0],
+            short_factor=_TINY_SHORT_FACTOR,
+            long_factor=_TINY_LONG_FACTOR,
         ),
         resid_pdrop=0.0,
         embd_pdrop=0.0,

@@ -39,9 +39,10 @@ def with_config(model_dir, target, **changes):
 
 
 def with_rope(model_dir, target, **changes):
-    """A copy with the longrope settings changed."""
+    """A copy with the longrope settings changed, in both places the config holds them."""
     config = json.loads((model_dir / "config.json").read_text())
-    return with_config(model_dir, target, rope_parameters={**config["rope_parameters"], **changes})
+    rope = {key: {**config[key], **changes} for key in ("rope_parameters", "rope_scaling")}
+    return with_config(model_dir, target, **rope)
 
 
 def run_all(engine, tokenizer, prompt_ids, max_tokens):
