@@ -310,3 +310,15 @@ def test_su_is_read_as_longrope_and_longrope_is_phi3_only():
     llama = {**phi3_raw(rope_scaling=LONGROPE), "architectures": ["LlamaForCausalLM"], "model_type": "llama"}
     with pytest.raises(ModelLoadError, match="'longrope' is not supported for llama"):
         ModelConfig.from_dict(llama)
+
+
+def test_long_prompts_match_hf_in_cuda_graphs(longrope, long_regime, graphs_on_this_device):
+    """Decode graphs hold the longrope frequencies fixed at load (graphs_on_this_device: eager replays on CPU)."""
+    model_dir, tokenizer = longrope
+    prompt_ids, max_tokens, expected = long_regime
+    engine = make_engine(model_dir)
+    try:
+        assert run_all(engine, tokenizer, prompt_ids, max_tokens) == expected
+        assert engine.core.runner.graphs.replays > 0
+    finally:
+        engine.shutdown()
