@@ -42,7 +42,7 @@ def load_adapter_folder(path: str | Path, shapes: ModuleShapes) -> LoraAdapter:
     """A PEFT folder, or a folder with the converter's `.npy` pair (TensorRT-LLM's `lora_prefetch_dir` layout)."""
     path = Path(path)
     if is_peft_folder(path):
-        return read_peft_folder(path)
+        return read_peft_folder(path, shapes)
     if is_npy_folder(path):
         return adapter_from_tensors(np.load(path / WEIGHTS_NPY), np.load(path / CONFIG_NPY), shapes, source=str(path))
     raise LoraFormatError(

@@ -48,6 +48,12 @@ UNSUPPORTED_IDS = {
     15: "moe_gate",
     16: "moe_router",
 }
+# Projections some checkpoints store fused (Phi-3's qkv_proj and gate_up_proj), so their PEFT adapters target them
+# whole: the parts they stack, in row order. One such adapter is its parts' adapters sharing A, B split by rows.
+FUSED_HF_MODULES = {
+    "qkv_proj": ("q_proj", "k_proj", "v_proj"),
+    "gate_up_proj": ("gate_proj", "up_proj"),
+}
 # Sub-modules of each fused projection, in the order of the projection's output columns.
 GROUPS = {
     "qkv": ("q_proj", "k_proj", "v_proj"),

@@ -2,7 +2,8 @@
 
 Rank and alpha come from the config (`r`, `lora_alpha`, per-module `rank_pattern` / `alpha_pattern`, `use_rslora`);
 the scale `alpha / r` (rsLoRA: `alpha / sqrt(r)`) is folded into B (see adapter.py). Features that change the math
-beyond plain LoRA (DoRA, trained biases, `modules_to_save`, fan-in-fan-out layouts) are refused by name."""
+beyond plain LoRA (DoRA, trained biases, `modules_to_save`, fan-in-fan-out layouts) are refused by name. An adapter
+of a fused projection (Phi-3's `qkv_proj`, `gate_up_proj`) becomes its parts' adapters, given the model's shapes."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 from safetensors import safe_open
 
 from .adapter import LoraAdapter
-from .modules import BY_HF_NAME, LoraFormatError
+from .modules import BY_HF_NAME, FUSED_HF_MODULES, LoraFormatError, ModuleShapes
 
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -59,14 +60,17 @@ def read_peft_config(folder: Path) -> dict[str, Any]:
     return config
 
 
-def read_peft_folder(folder: str | Path) -> LoraAdapter:
+def read_peft_folder(folder: str | Path, shapes: ModuleShapes | None = None) -> LoraAdapter:
+    """`shapes`: the model's, which splitting a fused projection's adapter needs (refused without them)."""
     folder = Path(folder)
     config = read_peft_config(folder)
     pairs = _read_pairs(folder)
     adapter = LoraAdapter(source=str(folder))
     for (layer, module), (a, b) in sorted(pairs.items()):
         scale = _scale(config, module, layer, a.shape[0])
-        adapter.add(layer, module, a.float().contiguous(), (b.float() * scale).contiguous())
+        a, b = a.float().contiguous(), (b.float() * scale).contiguous()
+        for part, part_b in _parts(module, b, shapes, f"{folder / WEIGHTS_FILE}: layer {layer} {module}"):
+            adapter.add(layer, part, a, part_b.contiguous())
     if not adapter.weights:
         raise LoraFormatError(f"{folder / WEIGHTS_FILE}: holds no LoRA weights of a decoder layer")
     return adapter
@@ -87,8 +91,9 @@ def _read_pairs(folder: Path) -> dict[tuple[int, str], tuple[torch.Tensor, torch
                         "projection (embeddings, lm_head and saved modules are not supported)"
                     )
                 layer, module, half = int(match.group(1)), match.group(2), match.group(3)
-                if module not in BY_HF_NAME:
-                    raise LoraFormatError(f"{path}: tensor {name} targets {module}, not one of {', '.join(BY_HF_NAME)}")
+                if module not in BY_HF_NAME and module not in FUSED_HF_MODULES:
+                    known = ", ".join([*BY_HF_NAME, *FUSED_HF_MODULES])
+                    raise LoraFormatError(f"{path}: tensor {name} targets {module}, not one of {known}")
                 halves.setdefault((layer, module), {})[half] = handle.get_tensor(name)
     except LoraFormatError:
         raise
@@ -98,6 +103,19 @@ def _read_pairs(folder: Path) -> dict[tuple[int, str], tuple[torch.Tensor, torch
         if set(pair) != {"A", "B"}:
             raise LoraFormatError(f"{path}: layer {layer} {module} has lora_{''.join(pair)} but not both A and B")
     return {key: (pair["A"], pair["B"]) for key, pair in halves.items()}
+
+
+def _parts(module: str, b: torch.Tensor, shapes: ModuleShapes | None, where: str) -> list[tuple[str, torch.Tensor]]:
+    """(module, B) for a plain module; for a fused one, each part with its rows of B (A is shared)."""
+    parts = FUSED_HF_MODULES.get(module)
+    if parts is None:
+        return [(module, b)]
+    if shapes is None:
+        raise LoraFormatError(f"{where}: a fused {module} adapter can only be read against a model's shapes")
+    sizes = [shapes.shapes[part][1] for part in parts]
+    if b.shape[0] != sum(sizes):
+        raise LoraFormatError(f"{where}: B has {b.shape[0]} rows, the model's {module} {sum(sizes)}")
+    return list(zip(parts, b.split(sizes)))
 
 
 def _scale(config: dict[str, Any], module: str, layer: int, rank: int) -> float:

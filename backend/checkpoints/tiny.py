@@ -1,6 +1,8 @@
 """Tiny random-weight models in Hugging Face format, for fast tests: Llama, Mistral (sliding-window attention over
-TINY_SLIDING_WINDOW tokens, so short prompts already outgrow it), Qwen2 (q/k/v biases) and Qwen3 (q/k norms,
-head_dim != hidden / heads), each with a real byte-level BPE tokenizer trained on text we ship.
+TINY_SLIDING_WINDOW tokens, so short prompts already outgrow it), Qwen2 (q/k/v biases), Qwen3 (q/k norms,
+head_dim != hidden / heads) and Phi-3 (fused qkv and gate-up tensors; `phi3-longrope` with LongRoPE over a
+pre-training context of TINY_ORIGINAL_CONTEXT tokens), each with a real byte-level BPE tokenizer trained on text we
+ship.
 
 The same seed and architecture always give byte-identical files."""
 
@@ -26,6 +28,10 @@ PAD_TOKEN_ID = SPECIAL_TOKENS.index(PAD_TOKEN)
 TOKENIZER_VOCAB_TARGET = 1000
 MAX_POSITION_EMBEDDINGS = 4096
 TINY_SLIDING_WINDOW = 16
+# The tiny longrope Phi-3's pre-training context: prompts of a few dozen tokens already outgrow it.
+TINY_ORIGINAL_CONTEXT = 32
+_TINY_SHORT_FACTOR = [1.0, 1.02, 1.05, 1.1, 1.2, 1.4, 1.8, 2.0]
+_TINY_LONG_FACTOR = [1.0, 1.5, 2.5, 4.0, 8.0, 16.0, 32.0, 64.0]
 
 _COMMON = dict(
     hidden_size=64,
@@ -79,6 +85,34 @@ _ARCH_CONFIGS: dict[str, dict[str, Any]] = {
         sliding_window=None,
         max_window_layers=2,
     ),
+    "phi3": dict(
+        architectures=["Phi3ForCausalLM"],
+        model_type="phi3",
+        tie_word_embeddings=False,
+        sliding_window=None,
+        original_max_position_embeddings=MAX_POSITION_EMBEDDINGS,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+    ),
+    # Phi-3.5's RoPE: one factor per rotated pair (head_dim 16: 8), short and long sets far apart; in `rope_scaling`
+    # too, where transformers 4.x reads it (5.x takes it over rope_parameters, and they agree).
+    "phi3-longrope": dict(
+        architectures=["Phi3ForCausalLM"],
+        model_type="phi3",
+        tie_word_embeddings=False,
+        sliding_window=None,
+        original_max_position_embeddings=TINY_ORIGINAL_CONTEXT,
+        rope_scaling=dict(type="longrope", short_factor=_TINY_SHORT_FACTOR, long_factor=_TINY_LONG_FACTOR),
+        rope_parameters=dict(
+            rope_type="longrope",
+            rope_theta=10000.0,
+            original_max_position_embeddings=TINY_ORIGINAL_CONTEXT,
+            short_factor=_TINY_SHORT_FACTOR,
+            long_factor=_TINY_LONG_FACTOR,
+        ),
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+    ),
 }
 ARCHITECTURES = tuple(_ARCH_CONFIGS)
 
@@ -119,7 +153,23 @@ def random_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]
     for name, shape, kind in _weight_specs(config):
         noise = torch.randn(shape, generator=generator, dtype=torch.float32)
         tensors[name] = _INIT[kind](noise, shape)
-    return tensors
+    return _fused_as_phi3(tensors) if config["model_type"] == "phi3" else tensors
+
+
+def _fused_as_phi3(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Phi-3 checkpoints store q, k, v as one `qkv_proj` and gate, up as one `gate_up_proj`, stacked in that order."""
+    fused = {}
+    for name, tensor in tensors.items():
+        if name.endswith("self_attn.q_proj.weight"):
+            prefix = name[: -len("q_proj.weight")]
+            parts = [tensors[f"{prefix}{p}_proj.weight"] for p in "qkv"]
+            fused[prefix + "qkv_proj.weight"] = torch.cat(parts)
+        elif name.endswith("mlp.gate_proj.weight"):
+            prefix = name[: -len("gate_proj.weight")]
+            fused[prefix + "gate_up_proj.weight"] = torch.cat([tensor, tensors[prefix + "up_proj.weight"]])
+        elif not name.endswith(("k_proj.weight", "v_proj.weight", "up_proj.weight")):
+            fused[name] = tensor
+    return fused
 
 
 # Scales chosen by measurement: greedy decoding stays varied (a tied model whose embeddings dominate the residual

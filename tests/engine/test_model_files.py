@@ -58,7 +58,7 @@ def test_tiny_model_loads_in_transformers_with_random_norms_and_biases(arch, tmp
     assert {t.dtype for t in tensors.values()} == {torch.float32}
     assert any(name.endswith("q_proj.bias") for name in tensors) == (arch == "qwen2")
     assert any(name.endswith("q_norm.weight") for name in tensors) == (arch == "qwen3")
-    assert ("lm_head.weight" in tensors) == (arch in ("llama", "mistral"))  # untied embeddings
+    assert ("lm_head.weight" in tensors) == (arch in ("llama", "mistral", "phi3", "phi3-longrope"))  # untied
 
 
 def test_tiny_config_is_readable_by_transformers_4_and_5(tiny_llama):

@@ -26,7 +26,12 @@ RELEASED_MILLIONS = {
     "qwen3-0.6b": 596.0,
     "llama-3.2-1b": 1235.8,
     "llama-3.1-8b": 8030.3,
+    "phi-3-mini-4k-instruct": 3821.1,
+    "phi-3.5-mini-instruct": 3821.1,
 }
+# The published sliding windows (the engine resolves one past max_seq_len to full attention).
+PUBLISHED_WINDOWS = {"phi-3-mini-4k-instruct": 2047, "phi-3.5-mini-instruct": 262144}
+PUBLISHED_ROPE = {"phi-3.5-mini-instruct": "longrope"}
 
 
 def tiny_vocab() -> int:
@@ -54,8 +59,8 @@ def test_each_shape_is_a_weightless_folder_the_engine_reads(name, tmp_path):
     assert config.head_dim == published.get("head_dim", published["hidden_size"] // published["num_attention_heads"])
     assert config.qkv_bias == (published["model_type"] == "qwen2")
     assert config.qk_norm == (published["model_type"] == "qwen3")
-    assert config.sliding_window is None
-    assert config.rope.rope_type == ("llama3" if name.startswith("llama-3") else "default")
+    assert config.sliding_window == PUBLISHED_WINDOWS.get(name)
+    assert config.rope.rope_type == ("llama3" if name.startswith("llama-3") else PUBLISHED_ROPE.get(name, "default"))
     assert json.loads((folder / "config.json").read_text())["torch_dtype"] == "bfloat16"
 
 

@@ -28,6 +28,7 @@ from .loader import load_model, read_model_config
 from .memory_profile import activation_bytes
 from .model_runner import ModelRunner, StepOutput
 from .network.layers import use_fused_kernels
+from .network.rope import uses_long_factors
 from .request import EngineRequest
 from .sampler import SampledTokens, sample, sample_on_device
 from .scheduler import ScheduledBatch, Scheduler
@@ -56,6 +57,7 @@ class EngineCore:
         self.dtype = resolve_dtype(config.dtype, read_model_config(config.model).torch_dtype, self.device)
         self.model, self.model_config = load_model(config.model, self.dtype, self.device, config.load_format)
         self.max_seq_len = self._max_seq_len()
+        self._fix_rope_context()
         self.attention_windows = self._attention_windows()
         self.model.set_attention_windows(self.attention_windows)
         mc = self.model_config
@@ -192,6 +194,20 @@ class EngineCore:
             )
         log.info("%s", describe_windows(windows))
         return windows
+
+    def _fix_rope_context(self) -> None:
+        """The longest context a step attends over: a sequence's last token is never fed back, so max_seq_len - 1.
+        Fixes longrope's factor set (RotaryEmbedding.set_context_length); other RoPE types ignore it."""
+        rope = self.model_config.rope
+        self.model.rotary_emb.set_context_length(self.max_seq_len - 1)
+        if rope.rope_type == "longrope":
+            long = uses_long_factors(rope, self.max_seq_len - 1)
+            log.info(
+                "longrope: the %s factors for every sequence (max_seq_len %d, original_max_position_embeddings %d)",
+                "long" if long else "short",
+                self.max_seq_len,
+                rope.params["original_max_position_embeddings"],
+            )
 
     def _max_seq_len(self) -> int:
         limit = self.model_config.max_position_embeddings

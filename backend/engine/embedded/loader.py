@@ -21,6 +21,7 @@ from .load_progress import StepProgress, timed_step
 from .network.layers import RMSNorm
 from .network.llama import LlamaForCausalLM, WeightSlot
 from .network.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelLoadError
+from .network.phi3 import Phi3ForCausalLM
 
 __all__ = [
     "LOAD_FORMATS",
@@ -41,6 +42,14 @@ log = logging.getLogger("tritonllm.engine")
 # enough that bf16 activations stay finite through many layers (the usual initializer_range of these models).
 DUMMY_SEED = 0
 DUMMY_STD = 0.02
+# The model class of each architecture whose code is not LlamaForCausalLM itself (the one place that picks it).
+_MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
+    "Phi3ForCausalLM": Phi3ForCausalLM,
+}
+
+
+def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
+    return _MODEL_CLASSES.get(config.architecture, LlamaForCausalLM)
 
 
 def read_model_config(model_dir: Union[str, Path]) -> ModelConfig:
@@ -70,7 +79,7 @@ def load_model(
     files = weight_files(model_dir) if load_format == "auto" else []
     device = torch.device(device)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = model_class(config)(config)
     _allocate_parameters(model, dtype, device)
     if load_format == "dummy":
         _fill_dummy_parameters(model, device)

@@ -87,13 +87,23 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.rope = rope
         self.head_dim = head_dim
+        self.context_len: int | None = None  # None: as transformers starts, before it has seen a sequence
         inv_freq, self.attention_factor = rope_frequencies(rope, head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
 
     def reset_frequencies(self, device) -> None:
         """Recompute the fp32 frequencies on `device` (after the module was built on the meta device)."""
-        inv_freq, _ = rope_frequencies(self.rope, self.head_dim)
+        inv_freq, _ = rope_frequencies(self.rope, self.head_dim, self.context_len)
         self.inv_freq = inv_freq.to(device)
+
+    def set_context_length(self, context_len: int) -> None:
+        """The longest sequence the engine runs, before the first forward. Only longrope (Phi-3) depends on it:
+        transformers picks the long factors once a sequence outgrows original_max_position_embeddings and then
+        rotates every key again with them (it drops its cache); a paged cache whose blocks may be shared cannot
+        rotate its keys again, so the engine fixes one set for its lifetime: the long set when max_seq_len allows
+        sequences past that length, the short set otherwise (see docs on Phi-3)."""
+        self.context_len = context_len
+        self.reset_frequencies(self.inv_freq.device)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """positions: [T] -> (cos, sin), each [T, head_dim] in `dtype`."""

@@ -21,8 +21,13 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
 }
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
+# RoPE types a family accepts where it is narrower than SUPPORTED_ROPE_TYPES (as transformers validates them);
+# longrope is checked against transformers on Phi-3 only.
+_FAMILY_ROPE_TYPES = {"phi3": ("default", "longrope")}
+_GENERAL_ROPE_TYPES = tuple(t for t in SUPPORTED_ROPE_TYPES if t != "longrope")
 DEFAULT_ROPE_THETA = 10000.0
 
 
@@ -107,7 +112,7 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=raw.get("max_position_embeddings", 2048),
         tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        rope=_rope(raw, source),
+        rope=_rope(raw, model_type, source),
         layer_windows=_layer_windows(raw, model_type, num_layers, source),
         eos_token_id=raw.get("eos_token_id"),
         bos_token_id=raw.get("bos_token_id"),
@@ -158,14 +163,14 @@ def _bias_flags(raw: dict[str, Any], model_type: str) -> dict[str, bool]:
         return dict(qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False)
     if model_type == "qwen3":
         return dict(qkv_bias=attention_bias, o_bias=attention_bias, mlp_bias=False, qk_norm=True)
-    if model_type == "mistral":
+    if model_type in ("mistral", "phi3"):  # neither has a bias anywhere, whatever the config says
         return dict(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False)
     return dict(
         qkv_bias=attention_bias, o_bias=attention_bias, mlp_bias=bool(raw.get("mlp_bias", False)), qk_norm=False
     )
 
 
-def _rope(raw: dict[str, Any], source: str) -> RopeConfig:
+def _rope(raw: dict[str, Any], model_type: str, source: str) -> RopeConfig:
     # transformers 5.x gives `rope_scaling` precedence over `rope_parameters` when both are present.
     params = dict(raw.get("rope_scaling") or raw.get("rope_parameters") or {})
     theta = params.pop("rope_theta", None)
@@ -173,27 +178,54 @@ def _rope(raw: dict[str, Any], source: str) -> RopeConfig:
         theta = (raw.get("rope_parameters") or {}).get("rope_theta", raw.get("rope_theta", DEFAULT_ROPE_THETA))
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
-    if rope_type not in SUPPORTED_ROPE_TYPES:
+    if model_type == "phi3" and rope_type in ("su", "yarn"):
+        rope_type = "longrope"  # early Phi-3 configs' names for it, which transformers reads as longrope
+    allowed = _FAMILY_ROPE_TYPES.get(model_type, _GENERAL_ROPE_TYPES)
+    if rope_type not in allowed:
+        supported = ", ".join(allowed)
         raise ModelLoadError(
-            f"{source}: RoPE type {rope_type!r} is not supported; supported types: {', '.join(SUPPORTED_ROPE_TYPES)}"
+            f"{source}: RoPE type {rope_type!r} is not supported for {model_type}; supported types: {supported}"
         )
     partial = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0))
     if partial != 1.0:
         raise ModelLoadError(f"{source}: partial_rotary_factor {partial} is not supported (only 1.0)")
-    if rope_type in ("llama3", "yarn"):
+    params.pop("partial_rotary_factor", None)
+    if rope_type in ("llama3", "yarn", "longrope"):
         # Scaled types measure against the pre-training context, which defaults to max_position_embeddings.
         params.setdefault(
             "original_max_position_embeddings",
             raw.get("original_max_position_embeddings", raw.get("max_position_embeddings")),
         )
+    if rope_type == "longrope":
+        _check_longrope(params, raw, source)
     return RopeConfig(rope_type=rope_type, theta=float(theta), params=params)
+
+
+def _check_longrope(params: dict[str, Any], raw: dict[str, Any], source: str) -> None:
+    """Both factor lists, one number per rotated pair (transformers measures the pairs as hidden / heads / 2); a
+    missing `factor` is the context's stretch, max_position_embeddings / original_max_position_embeddings."""
+    pairs = raw["hidden_size"] // raw["num_attention_heads"] // 2
+    for key in ("short_factor", "long_factor"):
+        factors = params.get(key)
+        if (
+            not isinstance(factors, list)
+            or len(factors) != pairs
+            or not all(isinstance(f, (int, float)) and not isinstance(f, bool) and f > 0 for f in factors)
+        ):
+            raise ModelLoadError(f"{source}: rope_scaling.{key} must be a list of {pairs} positive numbers")
+    original = params["original_max_position_embeddings"]
+    if isinstance(original, bool) or not isinstance(original, int) or original < 1:
+        raise ModelLoadError(f"{source}: original_max_position_embeddings must be a positive integer, got {original!r}")
+    if params.get("factor") is None:
+        params["factor"] = raw.get("max_position_embeddings", 2048) / original
 
 
 def _layer_windows(raw: dict[str, Any], model_type: str, num_layers: int, source: str) -> tuple[Optional[int], ...]:
     """Per layer, the window transformers gives it: Mistral slides on every layer (its class default 4096 when
     the key is absent; null turns it off, and transformers ignores a Mistral `layer_types`); Qwen2 / Qwen3 only with
     `use_sliding_window`, on the layers `layer_types` calls sliding_attention or else those at index >=
-    `max_window_layers`; Llama has none, but a config that sets one anyway is honoured on every layer."""
+    `max_window_layers`; Llama has none, but a config that sets one anyway is honoured on every layer, and so does
+    Phi-3 (transformers applies its `sliding_window` to every layer whenever it is set)."""
     if model_type == "mistral":
         window = raw.get("sliding_window", 4096)
         sliding = [True] * num_layers

@@ -1,7 +1,10 @@
 """RoPE inverse frequencies for each supported scaling type, in fp32 (as Hugging Face computes them).
 
 Each function returns `(inv_freq [head_dim // 2], attention_factor)`; the factor multiplies cos and sin. Always
-computed on the CPU (also while a model is built on the meta device), then moved where the model lives."""
+computed on the CPU (also while a model is built on the meta device), then moved where the model lives.
+
+`context_len` matters to longrope alone: like transformers' `seq_len`, above original_max_position_embeddings it
+picks the long factors, else the short ones (see RotaryEmbedding.set_context_length for how the engine sets it)."""
 
 from __future__ import annotations
 
@@ -12,10 +15,13 @@ import torch
 from .model_config import ModelLoadError, RopeConfig
 
 
-def rope_frequencies(rope: RopeConfig, head_dim: int) -> tuple[torch.Tensor, float]:
+def rope_frequencies(rope: RopeConfig, head_dim: int, context_len: int | None = None) -> tuple[torch.Tensor, float]:
+    if rope.rope_type == "longrope":
+        return _longrope(rope, head_dim, context_len)
     compute = _BY_TYPE.get(rope.rope_type)
     if compute is None:
-        raise ModelLoadError(f"RoPE type {rope.rope_type!r} is not supported; supported types: {', '.join(_BY_TYPE)}")
+        supported = ", ".join([*_BY_TYPE, "longrope"])
+        raise ModelLoadError(f"RoPE type {rope.rope_type!r} is not supported; supported types: {supported}")
     return compute(rope, head_dim)
 
 
@@ -63,6 +69,26 @@ def _llama3(rope: RopeConfig, head_dim: int):
     blended = (1 - smooth) * scaled / factor + smooth * scaled
     in_band = (wavelength >= old_context / high_factor) & (wavelength <= old_context / low_factor)
     return torch.where(in_band, blended, scaled), 1.0
+
+
+def uses_long_factors(rope: RopeConfig, context_len: int | None) -> bool:
+    """longrope: whether a context of `context_len` tokens rotates with the long factors."""
+    original = rope.params.get("original_max_position_embeddings")
+    return bool(context_len and original and context_len > original)
+
+
+def _longrope(rope: RopeConfig, head_dim: int, context_len: int | None):
+    """Phi-3's LongRoPE: each pair's base frequency divided by its own factor, from the short list up to
+    original_max_position_embeddings, the long list past it; cos and sin scaled by sqrt(1 + ln(s) / ln(original))
+    for a stretch s = `factor` > 1 (model_config fills it in as max / original positions), unless given."""
+    original = _param(rope, "original_max_position_embeddings")
+    factor = _param(rope, "factor")
+    attention_factor = rope.params.get("attention_factor")
+    if attention_factor is None:
+        attention_factor = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    key = "long_factor" if uses_long_factors(rope, context_len) else "short_factor"
+    factors = torch.tensor(rope.params[key], dtype=torch.float32, device="cpu")
+    return 1.0 / (factors * _wavelength_steps(rope.theta, head_dim)), float(attention_factor)
 
 
 def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
