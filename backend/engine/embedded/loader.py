@@ -21,6 +21,7 @@ from .load_progress import StepProgress, timed_step
 from .network.layers import RMSNorm
 from .network.llama import LlamaForCausalLM, WeightSlot
 from .network.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelLoadError
+from .network.moe import MoeForCausalLM
 
 __all__ = [
     "LOAD_FORMATS",
@@ -70,7 +71,7 @@ def load_model(
     files = weight_files(model_dir) if load_format == "auto" else []
     device = torch.device(device)
     with torch.device("meta"):
-        model = LlamaForCausalLM(config)
+        model = model_class(config)(config)
     _allocate_parameters(model, dtype, device)
     if load_format == "dummy":
         _fill_dummy_parameters(model, device)
@@ -81,6 +82,11 @@ def load_model(
     with timed_step("weights packed for CPU matmuls") if packs else contextlib.nullcontext():
         model.pack_for_cpu()
     return model.eval(), config
+
+
+def model_class(config: ModelConfig) -> type[LlamaForCausalLM]:
+    """The network code of a checkpoint's architecture: the mixture-of-experts families' own, else Llama's."""
+    return MoeForCausalLM if config.moe is not None else LlamaForCausalLM
 
 
 def weight_files(model_dir: Path) -> list[Path]:
