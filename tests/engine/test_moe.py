@@ -247,6 +247,21 @@ def test_moe_parallelism_is_accepted_at_one_and_refused_above(mixtral):
         EngineConfig.from_dict({"model": "m", "moe_tensor_parallel_size": 0})
 
 
+def test_tensorrt_llm_gets_the_moe_parallelism_only_when_set(monkeypatch):
+    from tritonllm.engine import trtllm_args
+
+    from .test_trtllm_adapter import load_fake
+
+    fake = load_fake(monkeypatch)
+    unset = trtllm_args.llm_kwargs(EngineConfig.from_dict({"model": "m", "engine": "tensorrt_llm"}), fake)
+    assert "moe_expert_parallel_size" not in unset and "moe_tensor_parallel_size" not in unset
+    config = EngineConfig.from_dict(
+        {"model": "m", "engine": "tensorrt_llm", "moe_expert_parallel_size": 2, "moe_tensor_parallel_size": 1}
+    )
+    kwargs = trtllm_args.llm_kwargs(config, fake)
+    assert (kwargs["moe_expert_parallel_size"], kwargs["moe_tensor_parallel_size"]) == (2, 1)
+
+
 def test_tiny_command_writes_the_mixtures(tmp_path, capsys):
     for arch in ("mixtral", "qwen3_moe"):
         assert main(["model", "tiny", "--arch", arch, "--out", str(tmp_path / arch)]) == 0
