@@ -1,8 +1,10 @@
 """Tiny random-weight models in Hugging Face format, for fast tests: Llama, Mistral (sliding-window attention over
 TINY_SLIDING_WINDOW tokens, so short prompts already outgrow it), Qwen2 (q/k/v biases), Qwen3 (q/k norms,
-head_dim != hidden / heads) and Phi-3 (fused qkv and gate-up tensors; `phi3-longrope` with LongRoPE over a
-pre-training context of TINY_ORIGINAL_CONTEXT tokens), each with a real byte-level BPE tokenizer trained on text we
-ship.
+head_dim != hidden / heads), Phi-3 (fused qkv and gate-up tensors; `phi3-longrope` with LongRoPE over a
+pre-training context of TINY_ORIGINAL_CONTEXT tokens) and the mixtures of experts Mixtral (4 experts, top 2),
+Qwen3-MoE (8 experts, top 2, renormalised) and Qwen2-MoE (4 experts, a shared expert, one dense layer), each
+with a real byte-level BPE tokenizer trained on text we ship. Expert weights are saved per expert, under the
+names published checkpoints use.
 
 The same seed and architecture always give byte-identical files."""
 
@@ -113,6 +115,51 @@ _ARCH_CONFIGS: dict[str, dict[str, Any]] = {
         resid_pdrop=0.0,
         embd_pdrop=0.0,
     ),
+    "mixtral": dict(
+        architectures=["MixtralForCausalLM"],
+        model_type="mixtral",
+        head_dim=16,
+        intermediate_size=96,  # each expert's
+        tie_word_embeddings=False,
+        sliding_window=None,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        router_jitter_noise=0.0,
+        output_router_logits=False,
+    ),
+    "qwen3_moe": dict(
+        architectures=["Qwen3MoeForCausalLM"],
+        model_type="qwen3_moe",
+        head_dim=24,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        use_sliding_window=False,
+        sliding_window=None,
+        max_window_layers=2,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        norm_topk_prob=True,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+        output_router_logits=False,
+    ),
+    "qwen2_moe": dict(
+        architectures=["Qwen2MoeForCausalLM"],
+        model_type="qwen2_moe",
+        tie_word_embeddings=False,
+        use_sliding_window=False,
+        sliding_window=None,
+        max_window_layers=2,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=48,
+        shared_expert_intermediate_size=96,
+        norm_topk_prob=False,
+        decoder_sparse_step=1,
+        mlp_only_layers=[1],  # layer 1 keeps a dense MLP of intermediate_size
+        output_router_logits=False,
+    ),
 }
 ARCHITECTURES = tuple(_ARCH_CONFIGS)
 
@@ -179,6 +226,7 @@ _INIT = {
     "linear": lambda noise, shape: noise / math.sqrt(shape[1]),  # keeps activations near unit scale
     "mixing": lambda noise, shape: noise * 2 / math.sqrt(shape[1]),  # q, k, o, down: sharper attention, more mixing
     "head": lambda noise, shape: noise * 0.5,
+    "router": lambda noise, shape: noise * 3 / math.sqrt(shape[1]),  # decided routing: few near-tied experts
     "bias": lambda noise, shape: noise * 0.3,
     "norm": lambda noise, shape: 1.0 + noise * 0.2,
     "final_norm": lambda noise, shape: 3.0 * (1.0 + noise * 0.2),  # spreads the logits
@@ -190,7 +238,7 @@ def _weight_specs(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...], st
     head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
     q_size = config["num_attention_heads"] * head_dim
     kv_size = config["num_key_value_heads"] * head_dim
-    qkv_bias = config["model_type"] == "qwen2" or config.get("attention_bias", False)
+    qkv_bias = config["model_type"] in ("qwen2", "qwen2_moe") or config.get("attention_bias", False)
     specs: list[tuple[str, tuple[int, ...], str]] = [
         ("model.embed_tokens.weight", (config["vocab_size"], hidden), "embedding")
     ]
@@ -205,19 +253,58 @@ def _weight_specs(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...], st
             if qkv_bias:
                 specs.append((p + f"self_attn.{proj}_proj.bias", (rows,), "bias"))
         specs.append((p + "self_attn.o_proj.weight", (hidden, q_size), "mixing"))
-        if config["model_type"] == "qwen3":
+        if config["model_type"] in ("qwen3", "qwen3_moe"):
             specs += [
                 (p + "self_attn.q_norm.weight", (head_dim,), "norm"),
                 (p + "self_attn.k_norm.weight", (head_dim,), "norm"),
             ]
-        specs += [
-            (p + "mlp.gate_proj.weight", (inter, hidden), "linear"),
-            (p + "mlp.up_proj.weight", (inter, hidden), "linear"),
-            (p + "mlp.down_proj.weight", (hidden, inter), "mixing"),
-        ]
+        if _is_sparse_layer(config, i):
+            specs += _moe_specs(config, p)
+        else:
+            specs += _mlp_specs(p + "mlp.", hidden, inter)
     specs.append(("model.norm.weight", (hidden,), "final_norm"))
     if not config["tie_word_embeddings"]:
         specs.append(("lm_head.weight", (config["vocab_size"], hidden), "head"))
+    return specs
+
+
+def _mlp_specs(prefix: str, hidden: int, inter: int) -> list[tuple[str, tuple[int, ...], str]]:
+    return [
+        (prefix + "gate_proj.weight", (inter, hidden), "linear"),
+        (prefix + "up_proj.weight", (inter, hidden), "linear"),
+        (prefix + "down_proj.weight", (hidden, inter), "mixing"),
+    ]
+
+
+def _is_sparse_layer(config: dict[str, Any], index: int) -> bool:
+    if config["model_type"] == "mixtral":
+        return True
+    if config["model_type"] not in ("qwen2_moe", "qwen3_moe"):
+        return False
+    return index not in config["mlp_only_layers"] and (index + 1) % config["decoder_sparse_step"] == 0
+
+
+def _moe_specs(config: dict[str, Any], prefix: str) -> list[tuple[str, tuple[int, ...], str]]:
+    """A sparse block under its checkpoint names: the router, each expert, Qwen2-MoE's shared expert."""
+    hidden = config["hidden_size"]
+    if config["model_type"] == "mixtral":
+        block, experts, inter = prefix + "block_sparse_moe.", config["num_local_experts"], config["intermediate_size"]
+    else:
+        block, experts, inter = prefix + "mlp.", config["num_experts"], config["moe_intermediate_size"]
+    specs: list[tuple[str, tuple[int, ...], str]] = [(block + "gate.weight", (experts, hidden), "router")]
+    for e in range(experts):
+        expert = f"{block}experts.{e}."
+        if config["model_type"] == "mixtral":
+            specs += [
+                (expert + "w1.weight", (inter, hidden), "linear"),
+                (expert + "w2.weight", (hidden, inter), "mixing"),
+                (expert + "w3.weight", (inter, hidden), "linear"),
+            ]
+        else:
+            specs += _mlp_specs(expert, hidden, inter)
+    if config.get("shared_expert_intermediate_size"):
+        specs += _mlp_specs(block + "shared_expert.", hidden, config["shared_expert_intermediate_size"])
+        specs.append((block + "shared_expert_gate.weight", (1, hidden), "linear"))
     return specs
 
 

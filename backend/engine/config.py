@@ -92,6 +92,9 @@ class EngineConfig:
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # How TensorRT-LLM splits a mixture of experts over its tensor-parallel devices (None: its default).
+    moe_expert_parallel_size: Optional[int] = None
+    moe_tensor_parallel_size: Optional[int] = None
     backend: Optional[str] = None
     enable_lora: bool = False
     lora_config: Optional[dict] = None
@@ -144,6 +147,10 @@ class EngineConfig:
         ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
+        for name in ("moe_expert_parallel_size", "moe_tensor_parallel_size"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigError(f"{name} must be an integer >= 1, got {value!r}")
         if self.max_seq_len is not None and (not isinstance(self.max_seq_len, int) or self.max_seq_len < 2):
             raise ConfigError(f"max_seq_len must be an integer >= 2, got {self.max_seq_len!r}")
@@ -214,6 +221,12 @@ class EngineConfig:
         problems = [f"{k}={v!r} (unknown to the embedded engine)" for k, v in self.extra.items()]
         if self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1:
             problems.append("tensor/pipeline parallelism (the embedded engine runs on one device)")
+        for name in ("moe_expert_parallel_size", "moe_tensor_parallel_size"):
+            value = getattr(self, name)
+            if value is not None and value != 1:
+                problems.append(
+                    f"{name}={value} (splitting experts needs several devices; the embedded engine runs on one)"
+                )
         if self.attn_backend == "FLASHINFER":
             problems.append(
                 "attn_backend='FLASHINFER' (FlashInfer is not built into the embedded engine; its "

@@ -67,6 +67,8 @@ def _optional_llm_kwargs(config: EngineConfig) -> dict[str, Any]:
         "lora_config": config.lora_config,
         "speculative_config": config.speculative_config,
         "guided_decoding_backend": config.guided_decoding_backend,
+        "moe_expert_parallel_size": config.moe_expert_parallel_size,
+        "moe_tensor_parallel_size": config.moe_tensor_parallel_size,
     }
     kwargs: dict[str, Any] = {key: value for key, value in optional.items() if value is not None}
     if config.speculative_config is not None:

@@ -56,9 +56,10 @@ def test_tiny_model_loads_in_transformers_with_random_norms_and_biases(arch, tmp
         assert param.std() > 0.05, name  # norm scales and biases too: nothing left at ones or zeros
     tensors = load_file(model_dir / "model.safetensors")
     assert {t.dtype for t in tensors.values()} == {torch.float32}
-    assert any(name.endswith("q_proj.bias") for name in tensors) == (arch == "qwen2")
-    assert any(name.endswith("q_norm.weight") for name in tensors) == (arch == "qwen3")
-    assert ("lm_head.weight" in tensors) == (arch in ("llama", "mistral", "phi3", "phi3-longrope"))  # untied
+    assert any(name.endswith("q_proj.bias") for name in tensors) == (arch in ("qwen2", "qwen2_moe"))
+    assert any(name.endswith("q_norm.weight") for name in tensors) == (arch in ("qwen3", "qwen3_moe"))
+    untied = ("llama", "mistral", "phi3", "phi3-longrope", "mixtral", "qwen3_moe", "qwen2_moe")
+    assert ("lm_head.weight" in tensors) == (arch in untied)
 
 
 def test_tiny_config_is_readable_by_transformers_4_and_5(tiny_llama):

@@ -28,6 +28,8 @@ RELEASED_MILLIONS = {
     "llama-3.1-8b": 8030.3,
     "phi-3-mini-4k-instruct": 3821.1,
     "phi-3.5-mini-instruct": 3821.1,
+    "mixtral-8x7b": 46702.8,  # its card's 46.7B
+    "qwen3-30b-a3b": 30532.1,  # its card's 30.5B
 }
 # The published sliding windows (the engine resolves one past max_seq_len to full attention).
 PUBLISHED_WINDOWS = {"phi-3-mini-4k-instruct": 2047, "phi-3.5-mini-instruct": 262144}
@@ -58,7 +60,7 @@ def test_each_shape_is_a_weightless_folder_the_engine_reads(name, tmp_path):
     )
     assert config.head_dim == published.get("head_dim", published["hidden_size"] // published["num_attention_heads"])
     assert config.qkv_bias == (published["model_type"] == "qwen2")
-    assert config.qk_norm == (published["model_type"] == "qwen3")
+    assert config.qk_norm == (published["model_type"] in ("qwen3", "qwen3_moe"))
     assert config.sliding_window == PUBLISHED_WINDOWS.get(name)
     assert config.rope.rope_type == ("llama3" if name.startswith("llama-3") else PUBLISHED_ROPE.get(name, "default"))
     assert json.loads((folder / "config.json").read_text())["torch_dtype"] == "bfloat16"
@@ -84,7 +86,7 @@ def test_shape_command_writes_a_folder_whose_tokenizer_gives_valid_ids(tmp_path,
 @pytest.mark.parametrize("name", SHAPE_NAMES)
 def test_each_shape_loads_with_dummy_weights(name, tmp_path):
     # One layer, a small vocabulary and MLP keep the attention widths and every kind of parameter at a test's cost.
-    small = {"num_hidden_layers": 1, "vocab_size": 1024, "intermediate_size": 512}
+    small = {"num_hidden_layers": 1, "vocab_size": 1024, "intermediate_size": 512, "moe_intermediate_size": 64}
     folder = write_shape_folder({**SHAPES[name], **small}, tmp_path / name)
     model, config = load_model(folder, torch.bfloat16, "cpu", load_format="dummy")
     assert config.hidden_size == SHAPES[name]["hidden_size"]
@@ -100,7 +102,7 @@ def test_dummy_load_is_complete_tame_and_the_same_every_time(arch, tmp_path):
     first, _ = load_model(folder, torch.float32, "cpu", load_format="dummy")
     second, _ = load_model(folder, torch.float32, "cpu", load_format="dummy")
     norms = {f"{name}.weight" for name, module in first.named_modules() if isinstance(module, RMSNorm)}
-    assert any("q_norm" in name for name in norms) == (arch == "qwen3")
+    assert any("q_norm" in name for name in norms) == (arch in ("qwen3", "qwen3_moe"))
     for (name, param), (_, again) in zip(first.named_parameters(), second.named_parameters()):
         assert torch.equal(param, again), name  # uninitialised storage would differ between loads
         if name in norms:
@@ -109,7 +111,7 @@ def test_dummy_load_is_complete_tame_and_the_same_every_time(arch, tmp_path):
             assert torch.all(param == 0), name
         else:
             assert param.mean().abs() < 0.005 and param.std() == pytest.approx(DUMMY_STD, rel=0.1), name
-    assert any(name.endswith(".bias") for name, _ in first.named_parameters()) == (arch == "qwen2")
+    assert any(name.endswith(".bias") for name, _ in first.named_parameters()) == (arch in ("qwen2", "qwen2_moe"))
 
 
 def test_dummy_load_ignores_weight_files_and_auto_still_needs_them(tmp_path):

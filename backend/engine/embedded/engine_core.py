@@ -646,10 +646,30 @@ def _lora_runtime(
     from tritonllm.lora.modules import LoraFormatError, ModuleShapes
     from tritonllm.lora.runtime import LoraRequestError, LoraRuntime
 
+    if model_config.moe is not None:
+        settings = _attention_only_lora(settings, config.lora_config or {}, model_config.architecture)
     try:
         return LoraRuntime(settings, ModuleShapes.of_config(model_config), dtype, device)
     except (LoraFormatError, LoraRequestError) as exc:
         raise InvalidRequestError(f"lora_config: {exc}") from None
+
+
+_MLP_LORA_MODULES = ("gate_proj", "up_proj", "down_proj")
+
+
+def _attention_only_lora(settings, lora_config: dict, architecture: str):
+    """A mixture of experts takes LoRA on attention only: MLP targets would name expert weights, which no adapter
+    here applies. Named in lora_target_modules they are refused; left to the default (every module), dropped."""
+    import dataclasses
+
+    mlp = [name for name in settings.lora_target_modules if name in _MLP_LORA_MODULES]
+    if mlp and lora_config.get("lora_target_modules"):
+        raise InvalidRequestError(
+            f"lora_config.lora_target_modules: {', '.join(mlp)} of {architecture} are expert weights, and LoRA on "
+            "experts is not supported (target the attention: q_proj, k_proj, v_proj, o_proj)"
+        )
+    attention = tuple(name for name in settings.lora_target_modules if name not in _MLP_LORA_MODULES)
+    return dataclasses.replace(settings, lora_target_modules=attention)
 
 
 def _generator(seed: Optional[int], index: int) -> torch.Generator:

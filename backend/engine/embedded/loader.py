@@ -21,6 +21,7 @@ from .load_progress import StepProgress, timed_step
 from .network.layers import RMSNorm
 from .network.llama import LlamaForCausalLM, WeightSlot
 from .network.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelLoadError
+from .network.moe import MoeForCausalLM
 from .network.phi3 import Phi3ForCausalLM
 
 __all__ = [
@@ -43,8 +44,12 @@ log = logging.getLogger("tritonllm.engine")
 DUMMY_SEED = 0
 DUMMY_STD = 0.02
 # The model class of each architecture whose code is not LlamaForCausalLM itself (the one place that picks it).
+# The network code of each architecture whose layers or checkpoint differ from Llama's (the rest run llama.py).
 _MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "MixtralForCausalLM": MoeForCausalLM,
+    "Qwen2MoeForCausalLM": MoeForCausalLM,
+    "Qwen3MoeForCausalLM": MoeForCausalLM,
 }
 
 

@@ -28,6 +28,10 @@ class WeightSlot:
     start: int
     shape: tuple[int, ...]
 
+    @classmethod
+    def whole(cls, param: nn.Parameter) -> "WeightSlot":
+        return cls(param, 0, tuple(param.shape))
+
     def copy_(self, tensor: torch.Tensor) -> None:
         with torch.no_grad():
             self.param.narrow(0, self.start, self.shape[0]).copy_(tensor)
@@ -78,12 +82,15 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, mlp: nn.Module | None = None):
+        """`mlp`: what follows attention in place of the dense GatedMLP (a mixture-of-experts block, moe.py)."""
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.self_attn = LlamaAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias)
+        self.mlp: nn.Module = (
+            GatedMLP(config.hidden_size, config.intermediate_size, config.mlp_bias) if mlp is None else mlp
+        )
 
     def forward(self, hidden, cos, sin, attn: AttentionMetadata, kv_cache: KVCache, lora=None) -> torch.Tensor:
         """The layer's output: its input plus the attention's and the MLP's."""
@@ -108,7 +115,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(self.build_layer(config, i) for i in range(config.num_layers))
         self.set_attention_windows(config.layer_windows or (None,) * config.num_layers)  # the checkpoint's own
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim)
@@ -117,6 +124,10 @@ class LlamaForCausalLM(nn.Module):
         self.packed_head: torch.Tensor | None = None
         # Layers whose outputs `forward` also returns (EAGLE-3 drafts read them), in ascending order.
         self.capture_layers: tuple[int, ...] = ()
+
+    def build_layer(self, config: ModelConfig, index: int) -> LlamaDecoderLayer:
+        """Decoder layer `index` (families with other MLPs override this)."""
+        return LlamaDecoderLayer(config)
 
     def pack_for_cpu(self) -> None:
         """Prepack every projection and the output head for CPU matmuls (fp32 on CPU only; see cpu_gemm). Costs a
@@ -189,12 +200,15 @@ class LlamaForCausalLM(nn.Module):
         if self.lm_head is not None:
             slots["lm_head.weight"] = _whole(self.lm_head.weight)
         for i, layer in enumerate(self.decoder_layers):
-            slots.update(layer_slots(f"model.layers.{i}.", layer))
+            slots.update(self.layer_slots(f"model.layers.{i}.", layer))
         return slots
+
+    def layer_slots(self, prefix: str, layer: LlamaDecoderLayer) -> dict[str, WeightSlot]:
+        return layer_slots(prefix, layer)
 
 
 def _whole(param: nn.Parameter) -> WeightSlot:
-    return WeightSlot(param, 0, tuple(param.shape))
+    return WeightSlot.whole(param)
 
 
 def _stacked(param: nn.Parameter, sizes: list[int]) -> list[WeightSlot]:
@@ -214,7 +228,7 @@ class DecoderLayerParts(Protocol):
     def post_attention_layernorm(self) -> RMSNorm: ...
 
     @property
-    def mlp(self) -> GatedMLP: ...
+    def mlp(self) -> nn.Module: ...
 
 
 class NormedDecoderLayer(DecoderLayerParts, Protocol):
@@ -234,28 +248,38 @@ def layer_slots(prefix: str, layer: NormedDecoderLayer) -> dict[str, WeightSlot]
 
 def layer_slots_without_input_norm(prefix: str, layer: DecoderLayerParts) -> dict[str, WeightSlot]:
     """layer_slots but for the input norm (EAGLE's draft layer has none)."""
-    attn, mlp = layer.self_attn, layer.mlp
+    if not isinstance(layer.mlp, GatedMLP):
+        raise TypeError(f"{prefix}mlp is a {type(layer.mlp).__name__}, not a dense GatedMLP")
+    return {**attention_slots(prefix, layer), **mlp_slots(prefix + "mlp.", layer.mlp)}
+
+
+def attention_slots(prefix: str, layer: DecoderLayerParts) -> dict[str, WeightSlot]:
+    """The attention's tensors and the norm after it, of one decoder layer."""
+    attn = layer.self_attn
     slots = {
         prefix + "post_attention_layernorm.weight": _whole(layer.post_attention_layernorm.weight),
         prefix + "self_attn.o_proj.weight": _whole(attn.o_proj.weight),
-        prefix + "mlp.down_proj.weight": _whole(mlp.down_proj.weight),
     }
-    qkv_names = [prefix + f"self_attn.{p}_proj" for p in "qkv"]
-    gate_up_names = [prefix + "mlp.gate_proj", prefix + "mlp.up_proj"]
-    fused = [
-        (qkv_names, attn.qkv_proj, attn.split_sizes),
-        (gate_up_names, mlp.gate_up_proj, [mlp.intermediate_size] * 2),
-    ]
-    for names, linear, sizes in fused:
-        for kind in ("weight", "bias"):
-            param = getattr(linear, kind)
-            if param is not None:
-                slots.update({f"{name}.{kind}": slot for name, slot in zip(names, _stacked(param, sizes))})
+    _add_stacked(slots, [prefix + f"self_attn.{p}_proj" for p in "qkv"], attn.qkv_proj, attn.split_sizes)
     if attn.o_proj.bias is not None:
         slots[prefix + "self_attn.o_proj.bias"] = _whole(attn.o_proj.bias)
-    if mlp.down_proj.bias is not None:
-        slots[prefix + "mlp.down_proj.bias"] = _whole(mlp.down_proj.bias)
     if attn.q_norm is not None and attn.k_norm is not None:
         slots[prefix + "self_attn.q_norm.weight"] = _whole(attn.q_norm.weight)
         slots[prefix + "self_attn.k_norm.weight"] = _whole(attn.k_norm.weight)
     return slots
+
+
+def mlp_slots(prefix: str, mlp: GatedMLP) -> dict[str, WeightSlot]:
+    """A dense gated MLP's tensors, named `prefix` + gate_proj / up_proj / down_proj."""
+    slots = {prefix + "down_proj.weight": _whole(mlp.down_proj.weight)}
+    _add_stacked(slots, [prefix + "gate_proj", prefix + "up_proj"], mlp.gate_up_proj, [mlp.intermediate_size] * 2)
+    if mlp.down_proj.bias is not None:
+        slots[prefix + "down_proj.bias"] = _whole(mlp.down_proj.bias)
+    return slots
+
+
+def _add_stacked(slots: dict[str, WeightSlot], names: list[str], linear: Linear, sizes: list[int]) -> None:
+    for kind in ("weight", "bias"):
+        param = getattr(linear, kind)
+        if param is not None:
+            slots.update({f"{name}.{kind}": slot for name, slot in zip(names, _stacked(param, sizes))})

@@ -22,7 +22,11 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "MixtralForCausalLM": "mixtral",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
+MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 # RoPE types a family accepts where it is narrower than SUPPORTED_ROPE_TYPES (as transformers validates them);
 # longrope is checked against transformers on Phi-3 only.
@@ -37,6 +41,22 @@ class RopeConfig:
     theta: float = DEFAULT_ROPE_THETA
     # The type's own settings (factor, low_freq_factor, beta_fast, ...), as written in the config.
     params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class MoeConfig:
+    """The mixture-of-experts settings: each token goes to `top_k` of `num_experts` gated SiLU MLPs, chosen by a
+    softmax router, their outputs weighted by the router's probabilities."""
+
+    num_experts: int
+    top_k: int
+    expert_intermediate_size: int
+    norm_topk_prob: bool  # the top-k probabilities renormalised to sum to 1 (Mixtral always)
+    # Per layer: True where the MLP is the sparse block, False where it is a dense MLP (Qwen's mlp_only_layers).
+    sparse_layers: tuple[bool, ...]
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE's sigmoid-gated shared expert; 0: none
+    # Mixtral weighs expert outputs with fp32 router probabilities; Qwen rounds them to the model's dtype first.
+    fp32_router_weights: bool = False
 
 
 @dataclass
@@ -66,6 +86,7 @@ class ModelConfig:
     bos_token_id: Optional[int] = None
     pad_token_id: Optional[int] = None
     torch_dtype: Optional[str] = None  # as written in config.json (`torch_dtype` or `dtype`); may be None
+    moe: Optional[MoeConfig] = None  # set for mixture-of-experts families (MOE_MODEL_TYPES)
 
     @property
     def q_size(self) -> int:
@@ -118,6 +139,7 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
         bos_token_id=raw.get("bos_token_id"),
         pad_token_id=raw.get("pad_token_id"),
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+        moe=_moe(raw, model_type, num_layers, source) if model_type in MOE_MODEL_TYPES else None,
         **_bias_flags(raw, model_type),
     )
     config.sliding_window = max((w for w in config.layer_windows if w), default=None)
@@ -161,9 +183,11 @@ def _bias_flags(raw: dict[str, Any], model_type: str) -> dict[str, bool]:
     attention_bias = bool(raw.get("attention_bias", False))
     if model_type == "qwen2":  # Qwen2 always has q/k/v biases and no o_proj bias
         return dict(qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False)
-    if model_type == "qwen3":
+    if model_type in ("qwen3", "qwen3_moe"):
         return dict(qkv_bias=attention_bias, o_bias=attention_bias, mlp_bias=False, qk_norm=True)
-    if model_type in ("mistral", "phi3"):  # neither has a bias anywhere, whatever the config says
+    if model_type == "qwen2_moe":  # q/k/v biases unless `qkv_bias` turns them off
+        return dict(qkv_bias=bool(raw.get("qkv_bias", True)), o_bias=False, mlp_bias=False, qk_norm=False)
+    if model_type in ("mistral", "mixtral", "phi3"):  # none has a bias anywhere, whatever the config says
         return dict(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False)
     return dict(
         qkv_bias=attention_bias, o_bias=attention_bias, mlp_bias=bool(raw.get("mlp_bias", False)), qk_norm=False
@@ -229,6 +253,13 @@ def _layer_windows(raw: dict[str, Any], model_type: str, num_layers: int, source
     if model_type == "mistral":
         window = raw.get("sliding_window", 4096)
         sliding = [True] * num_layers
+    elif model_type == "qwen3_moe":  # transformers slides on every layer once use_sliding_window is set
+        window = raw.get("sliding_window", 4096) if raw.get("use_sliding_window", False) else None
+        sliding = [True] * num_layers
+    elif model_type == "qwen2_moe":
+        if raw.get("use_sliding_window", False):
+            raise ModelLoadError(f"{source}: use_sliding_window is not supported for Qwen2-MoE")
+        return ()
     elif model_type in ("qwen2", "qwen3"):
         if not raw.get("use_sliding_window", False):
             return ()
@@ -248,3 +279,40 @@ def _layer_windows(raw: dict[str, Any], model_type: str, num_layers: int, source
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ModelLoadError(f"{source}: sliding_window must be a positive integer, got {window!r}")
     return tuple(window if slides else None for slides in sliding)
+
+
+def _moe(raw: dict[str, Any], model_type: str, num_layers: int, source: str) -> MoeConfig:
+    """Mixtral: `num_local_experts` experts of `intermediate_size` on every layer, top-k renormalised. Qwen-MoE:
+    `num_experts` of `moe_intermediate_size`, `norm_topk_prob`, sparse on the layers (i + 1) %
+    `decoder_sparse_step` == 0 not in `mlp_only_layers`; Qwen2-MoE adds a shared expert."""
+    if model_type == "mixtral":
+        experts_key, size_key = "num_local_experts", "intermediate_size"
+    else:
+        experts_key, size_key = "num_experts", "moe_intermediate_size"
+    num_experts = _positive(raw, experts_key, _required(raw, experts_key, source), source)
+    top_k = _positive(raw, "num_experts_per_tok", raw.get("num_experts_per_tok", 2), source)
+    if top_k > num_experts:
+        raise ModelLoadError(f"{source}: num_experts_per_tok ({top_k}) exceeds {experts_key} ({num_experts})")
+    step = _positive(raw, "decoder_sparse_step", raw.get("decoder_sparse_step", 1), source)
+    dense = raw.get("mlp_only_layers") or []
+    if not isinstance(dense, list) or any(isinstance(i, bool) or not isinstance(i, int) for i in dense):
+        raise ModelLoadError(f"{source}: mlp_only_layers must be a list of layer indices, got {dense!r}")
+    shared = 0
+    if model_type == "qwen2_moe":
+        key = "shared_expert_intermediate_size"
+        shared = _positive(raw, key, _required(raw, key, source), source)
+    return MoeConfig(
+        num_experts=num_experts,
+        top_k=top_k,
+        expert_intermediate_size=_positive(raw, size_key, _required(raw, size_key, source), source),
+        norm_topk_prob=model_type == "mixtral" or bool(raw.get("norm_topk_prob", False)),
+        sparse_layers=tuple(i not in dense and (i + 1) % step == 0 for i in range(num_layers)),
+        shared_expert_intermediate_size=shared,
+        fp32_router_weights=model_type == "mixtral",
+    )
+
+
+def _positive(raw: dict[str, Any], key: str, value: Any, source: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ModelLoadError(f"{source}: {key} must be a positive integer, got {value!r}")
+    return value
