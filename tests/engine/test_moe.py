@@ -4,6 +4,7 @@ portable loop on random inputs (through Triton's interpreter on CPU); LoRA on at
 decoding on a mixture; and what a mixture cannot do, refused by name."""
 
 import json
+import os
 import re
 
 import pytest
@@ -126,13 +127,16 @@ def test_fused_experts_in_the_model_keep_hf_greedy_output(mixtral):
 
 
 def random_experts(tokens, hidden, inter, experts, top_k, dtype=torch.float32, seed=0):
+    """Random inputs of one sparse block, on TRITONLLM_TEST_DEVICE (the kernel runs compiled on CUDA, interpreted on
+    the CPU)."""
     generator = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, hidden, generator=generator).to(dtype)
     gate_up = (torch.randn(experts, 2 * inter, hidden, generator=generator) / hidden**0.5).to(dtype)
     down = (torch.randn(experts, hidden, inter, generator=generator) / inter**0.5).to(dtype)
     logits = torch.randn(tokens, experts, generator=generator)
     weights, ids = route(logits, top_k, renormalize=True)
-    return x, gate_up, down, weights, ids
+    device = torch.device(os.environ.get("TRITONLLM_TEST_DEVICE", "cpu"))
+    return tuple(t.to(device) for t in (x, gate_up, down, weights, ids))
 
 
 @pytest.mark.parametrize(
