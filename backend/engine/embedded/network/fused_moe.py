@@ -18,16 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
+from ..attention.triton_kernels import _dot  # the paged-attention kernels' fp32-accumulating dot
+
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-
-
-@triton.jit
-def _dot(a, b, IEEE: tl.constexpr):
-    if IEEE:
-        c = tl.dot(a, b, input_precision="ieee")
-    else:
-        c = tl.dot(a, b)
-    return c
 
 
 @triton.jit
