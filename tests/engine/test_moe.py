@@ -151,6 +151,32 @@ def test_fused_experts_equal_the_portable_loop(tokens, hidden, inter, experts, t
     torch.testing.assert_close(experts_dense(x, gate_up, down, weights, ids), expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize(
+    "tiles",
+    [
+        fused_moe.MoeTiles(32, fused_moe.Launch(16, 32), fused_moe.Launch(16, 16, 3, num_warps=2, num_stages=2)),
+        fused_moe.MoeTiles(16, fused_moe.Launch(32, 16), fused_moe.Launch(32, 32, split_k=2)),
+    ],
+)
+def test_every_launch_shape_computes_the_same(tiles):
+    """The tile table may pick any shape: a K split of the down projection (parts added atomically) and other
+    blocks give the loop's sums (up to the order of fp32 additions)."""
+    x, gate_up, down, weights, ids = random_experts(11, 40, 72, 5, 2)
+    expected = experts_portable(x, gate_up, down, weights, ids)
+    got = fused_moe.fused_experts(x, gate_up, down, weights, ids, tiles)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_the_tile_table_covers_every_pair_count_and_never_splits_on_cpu():
+    previous = 0
+    for limit, _ in fused_moe.TILE_TABLE:
+        assert limit > previous
+        previous = limit
+    for pairs in (1, 2, 16, 256, 257, 4096, 10**6):
+        assert fused_moe.tiles_for(pairs, torch.device("cpu")).down.split_k == 1
+        assert fused_moe.tiles_for(pairs, torch.device("cuda")).block_m >= 16
+
+
 def test_fused_experts_in_bfloat16_are_close():
     x, gate_up, down, weights, ids = random_experts(9, 32, 48, 4, 2, dtype=torch.bfloat16)
     expected = experts_portable(x.float(), gate_up.float(), down.float(), weights, ids)

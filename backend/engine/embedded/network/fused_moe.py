@@ -8,11 +8,19 @@ projection times the router weight, one output row per pair; the top-k rows of a
 Everything stays on the device (sort, counts, offsets: no host sync, no shape that depends on the routing), so a
 CUDA graph captures it: the grid is sized for the worst padding, and tiles past the real end return at once.
 
+Tile sizes come from a table keyed by the number of (token, expert) pairs (`tiles_for`), measured on an H200 with
+`ci/gpu_moe_kernel.py --sweep`: few pairs want narrow column blocks and the down projection split along its long K
+(more programs in flight to stream the weights), many pairs want tall tiles (each weight tile read once for more
+rows). A split down projection adds its partial sums atomically, so its fp32 sums are not bit-reproducible.
+
 On CPU the kernels run in Triton's interpreter, whose low-precision arithmetic is wrong: there (UPCAST) every
 loaded value is converted to fp32 first. fp32 dots use IEEE precision (no tf32), so an fp32 model computes fp32.
 """
 
 from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -95,10 +103,12 @@ def _down_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
 ):
-    """Program (tile, column block): out[pair] = router_weight[pair] * h[row] W_d[e]^T, in fp32."""
+    """Program (tile, column block, K part): out[pair] = router_weight[pair] * h[row] W_d[e]^T, in fp32; with
+    SPLIT_K > 1 each program adds its part of the K sum to `out` (zeroed by the caller)."""
     tile = tl.program_id(0)
     if tile * BLOCK_M >= tl.load(num_padded):
         return
@@ -110,7 +120,9 @@ def _down_kernel(
     col_ok = cols < hidden
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     w_expert = w + expert * stride_we
-    for k0 in range(0, inter, BLOCK_K):
+    k_part = tl.cdiv(tl.cdiv(inter, SPLIT_K), BLOCK_K) * BLOCK_K
+    k_start = tl.program_id(2) * k_part
+    for k0 in range(k_start, k_start + k_part, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < inter
         a = tl.load(
@@ -125,7 +137,10 @@ def _down_kernel(
     weight = tl.load(router_weights + pair, mask=valid, other=0.0).to(tl.float32)
     acc = acc * weight[:, None]
     out_ptrs = out + pair.to(tl.int64)[:, None] * stride_op + cols[None, :]
-    tl.store(out_ptrs, acc, mask=valid[:, None] & col_ok[None, :])
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc, mask=valid[:, None] & col_ok[None, :])
+    else:
+        tl.atomic_add(out_ptrs, acc, mask=valid[:, None] & col_ok[None, :])
 
 
 def align_by_expert(expert_ids: torch.Tensor, num_experts: int, block_m: int):
@@ -152,41 +167,97 @@ def align_by_expert(expert_ids: torch.Tensor, num_experts: int, block_m: int):
     return sorted_pairs, tile_experts, padded_ends[-1:]
 
 
+@dataclass(frozen=True)
+class Launch:
+    """One kernel's column and K blocks, K split (the down kernel only), warps and pipeline stages."""
+
+    n: int = 64
+    k: int = 64
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class MoeTiles:
+    """Launch shape of the two kernels: rows per tile (one expert each, shared by both) and each kernel's own."""
+
+    block_m: int
+    gate_up: Launch = Launch()
+    down: Launch = Launch()
+
+
+# (largest number of pairs, tiles), in ascending order; the last row covers every larger count. From the sweep of
+# 2026-12-02 on an H200 (Mixtral-8x7B's layer, bf16; docs/gpu-runs.md): each row the fastest shape measured at
+# 1, 8, 64, 256 and 1024 tokens of top-2 routing (2 to 2,048 pairs).
+TILE_TABLE: tuple[tuple[int, MoeTiles], ...] = (
+    (4, MoeTiles(16, Launch(128, 128), Launch(64, 64, split_k=8))),
+    (64, MoeTiles(16, Launch(64, 128, num_stages=4), Launch(32, 128))),
+    (256, MoeTiles(64, Launch(128, 64, num_warps=8, num_stages=4), Launch(64, 64))),
+    (1024, MoeTiles(64, Launch(64, 64, num_stages=4), Launch(64, 64))),
+    (1 << 62, MoeTiles(128, Launch(128, 64, num_warps=8), Launch(128, 64))),
+)
+
+
+def tiles_for(num_pairs: int, device: torch.device) -> MoeTiles:
+    """The table's tiles for `num_pairs`; on CPU (the interpreter, which cannot add atomically in order) never a
+    split K."""
+    tiles = next(t for limit, t in TILE_TABLE if num_pairs <= limit)
+    if device.type != "cuda" and tiles.down.split_k != 1:
+        tiles = dataclasses.replace(tiles, down=dataclasses.replace(tiles.down, split_k=1))
+    return tiles
+
+
+def _fit(block: int, size: int) -> int:
+    """A block no wider than the next power of two of `size` (and at least 16, tl.dot's least)."""
+    return max(16, min(block, triton.next_power_of_2(size)))
+
+
 def fused_experts(
     x: torch.Tensor,
     w_gate_up: torch.Tensor,
     w_down: torch.Tensor,
     router_weights: torch.Tensor,
     expert_ids: torch.Tensor,
+    tiles: MoeTiles | None = None,
 ) -> torch.Tensor:
     """x [T, H]; w_gate_up [E, 2I, H] (gate rows then up rows); w_down [E, H, I]; router_weights, expert_ids
     [T, k]. Returns sum over k of router_weight * down(silu(gate(x)) * up(x)) of each chosen expert, [T, H] in x's
-    dtype (the k terms summed in fp32)."""
+    dtype (the k terms summed in fp32). `tiles`: the launch shape (default: tiles_for the pair count)."""
     _check(x, w_gate_up, w_down, router_weights, expert_ids)
-    num_tokens, hidden = x.shape
-    num_experts, inter = w_down.shape[0], w_down.shape[2]
-    top_k = expert_ids.shape[1]
+    num_tokens = x.shape[0]
     if num_tokens == 0:
         return torch.zeros_like(x)
-    num_pairs = num_tokens * top_k
-    block_m = 16 if num_pairs <= 256 else 64
-    sorted_pairs, tile_experts, num_padded = align_by_expert(expert_ids, num_experts, block_m)
+    num_pairs = num_tokens * expert_ids.shape[1]
+    tiles = tiles or tiles_for(num_pairs, x.device)
+    sorted_pairs, tile_experts, num_padded = align_by_expert(expert_ids, w_down.shape[0], tiles.block_m)
+    routing = (sorted_pairs, tile_experts, num_padded)
+    activated = gate_up_rows(x, w_gate_up, routing, expert_ids.shape[1], tiles)
+    per_pair = down_pairs(activated, w_down, routing, router_weights.contiguous(), num_pairs, tiles)
+    return per_pair.view(num_tokens, -1, x.shape[1]).sum(dim=1).to(x.dtype)
+
+
+def _flags(x: torch.Tensor) -> dict:
+    """UPCAST on the interpreter (see the module's docstring); IEEE dots for fp32."""
+    return {"UPCAST": x.device.type != "cuda", "IEEE": x.dtype == torch.float32}
+
+
+def gate_up_rows(x, w_gate_up, routing, top_k: int, tiles: MoeTiles) -> torch.Tensor:
+    """silu(gate) * up of every padded row, [tiles * block_m, I]."""
+    sorted_pairs, tile_experts, num_padded = routing
+    hidden, inter = x.shape[1], w_gate_up.shape[1] // 2
+    launch = tiles.gate_up
+    block_n, block_k = _fit(launch.n, inter), _fit(launch.k, hidden)
     num_tiles = tile_experts.shape[0]
-    upcast = x.device.type != "cuda"
-    ieee = x.dtype == torch.float32
-    block_k_h = max(16, min(64, triton.next_power_of_2(hidden)))
-    block_k_i = max(16, min(64, triton.next_power_of_2(inter)))
-    block_n_i = max(16, min(64, triton.next_power_of_2(inter)))
-    block_n_h = max(16, min(64, triton.next_power_of_2(hidden)))
-    activated = torch.empty((num_tiles * block_m, inter), dtype=x.dtype, device=x.device)
-    _gate_up_kernel[(num_tiles, triton.cdiv(inter, block_n_i))](
+    activated = torch.empty((num_tiles * tiles.block_m, inter), dtype=x.dtype, device=x.device)
+    _gate_up_kernel[(num_tiles, triton.cdiv(inter, block_n))](
         x,
         w_gate_up,
         activated,
         sorted_pairs,
         tile_experts,
         num_padded,
-        num_pairs,
+        top_k * x.shape[0],  # the number of pairs
         hidden,
         inter,
         x.stride(0),
@@ -194,22 +265,32 @@ def fused_experts(
         w_gate_up.stride(1),
         activated.stride(0),
         TOP_K=top_k,
-        BLOCK_M=block_m,
-        BLOCK_N=block_n_i,
-        BLOCK_K=block_k_h,
-        UPCAST=upcast,
-        IEEE=ieee,
-        num_warps=4,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
+        **_flags(x),
     )
-    per_pair = torch.empty((num_pairs, hidden), dtype=torch.float32, device=x.device)
-    _down_kernel[(num_tiles, triton.cdiv(hidden, block_n_h))](
+    return activated
+
+
+def down_pairs(activated, w_down, routing, router_weights, num_pairs: int, tiles: MoeTiles) -> torch.Tensor:
+    """router_weight * down(row) of every pair, [pairs, H] in fp32."""
+    sorted_pairs, tile_experts, num_padded = routing
+    hidden, inter = w_down.shape[1], w_down.shape[2]
+    launch = tiles.down
+    block_n, block_k = _fit(launch.n, hidden), _fit(launch.k, inter)
+    make = torch.zeros if launch.split_k > 1 else torch.empty  # split parts add into it
+    per_pair = make((num_pairs, hidden), dtype=torch.float32, device=activated.device)
+    _down_kernel[(tile_experts.shape[0], triton.cdiv(hidden, block_n), launch.split_k)](
         activated,
         w_down,
         per_pair,
         sorted_pairs,
         tile_experts,
         num_padded,
-        router_weights.contiguous(),
+        router_weights,
         num_pairs,
         hidden,
         inter,
@@ -217,14 +298,15 @@ def fused_experts(
         w_down.stride(0),
         w_down.stride(1),
         per_pair.stride(0),
-        BLOCK_M=block_m,
-        BLOCK_N=block_n_h,
-        BLOCK_K=block_k_i,
-        UPCAST=upcast,
-        IEEE=ieee,
-        num_warps=4,
+        BLOCK_M=tiles.block_m,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        SPLIT_K=launch.split_k,
+        num_warps=launch.num_warps,
+        num_stages=launch.num_stages,
+        **_flags(activated),
     )
-    return per_pair.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
+    return per_pair
 
 
 def _check(x, w_gate_up, w_down, router_weights, expert_ids) -> None:
