@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine run (the `device` tool): puts the working tree's package on PYTHONPATH (the machine has torch,
 # triton and transformers but no venv of ours), then runs what the arguments name, each logged under $OUT.
-#   bash ci/gpu_session.sh kernels|fused|window|guided|parity|features|bench-quick|bench-guided|moe-kernel|moe-sweep|families|bench-mixtral|bench-qwen3|profile|profile-1 ...
+#   bash ci/gpu_session.sh kernels|fused|window|guided|parity|features|bench-quick|bench-guided|moe-kernel|moe-sweep|families|bench-mixtral|bench-quant|quant-kernels|quant|bench-qwen3|profile|profile-1 ...
 # Used by hand for the GPU figures in docs/benchmarks.md; CI never runs it (no GPU there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -65,6 +65,23 @@ for what in "$@"; do
     families) run_tests tests/engine/test_moe.py tests/engine/test_phi3.py ${FAMILY_TESTS:-} ;;
     bench-mixtral)
       bench "mixtral-8x7b 256x128/128" --model "$(shape mixtral-8x7b)" --requests 256 --min-prompt 128 --max-prompt 128 --min-output 128 --max-output 128 --max-batch-size 256 --warmup --baseline none ;;
+    bench-quant)  # issue 25: Llama-3.1-8B's shape, bf16 against FP8 weights + FP8 KV (256x128/128), and W4A16 at batch 1
+      l=$(shape llama-3.1-8b)
+      printf 'quant_config:\n  quant_algo: FP8\n  kv_cache_quant_algo: FP8\n' > /tmp/fp8.yaml
+      printf 'quant_config:\n  quant_algo: W4A16\n  group_size: 128\n' > /tmp/w4a16.yaml
+      many=(--requests 256 --min-prompt 128 --max-prompt 128 --min-output 128 --max-output 128 --max-batch-size 256 --warmup --baseline none)
+      one=(--requests 1 --min-prompt 128 --max-prompt 128 --min-output 128 --max-output 128 --warmup --baseline none)
+      for variant in ${QUANT_VARIANTS:-bf16-256 fp8-256 bf16-1 w4a16-1 fp8-1}; do
+        case $variant in
+          bf16-256) bench "llama-3.1-8b bf16 256x128/128" --model "$l" "${many[@]}" ;;
+          fp8-256) bench "llama-3.1-8b fp8+fp8kv 256x128/128" --model "$l" --config /tmp/fp8.yaml "${many[@]}" ;;
+          bf16-1) bench "llama-3.1-8b bf16 1x128/128" --model "$l" "${one[@]}" ;;
+          w4a16-1) bench "llama-3.1-8b w4a16 1x128/128" --model "$l" --config /tmp/w4a16.yaml "${one[@]}" ;;
+          fp8-1) bench "llama-3.1-8b fp8+fp8kv 1x128/128" --model "$l" --config /tmp/fp8.yaml "${one[@]}" ;;
+        esac
+      done ;;
+    quant-kernels) python3 ci/gpu_quant_kernels.py 2>&1 | tee -a "$OUT/quant-kernels.jsonl" ;;
+    quant) run_tests tests/engine/test_quant*.py ${QUANT_TESTS:-} ;;
     bench-qwen3)
       bench "qwen3 nano" --model "$(shape qwen3-0.6b)" --workload nano --warmup --baseline none ;;
     profile-1)
