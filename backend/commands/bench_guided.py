@@ -90,9 +90,11 @@ def bench_prompts(count: int) -> list[str]:
 # ---- checking the answers ----
 
 
-def schema_errors(schema: dict, value: Any, where: str = "$") -> list[str]:
+def schema_errors(schema: dict, value: Any, where: str = "$", strict: bool = False) -> list[str]:
     """Where `value` breaks `schema`, for the keywords SCHEMA uses (type, enum, properties, required,
-    additionalProperties, items, min/maxItems, min/maxLength, minimum/maximum); empty when it conforms."""
+    additionalProperties, items, min/maxItems, min/maxLength, minimum/maximum); empty when it conforms. `strict`:
+    an object's keys beyond its properties are errors even where the schema allows them (what a grammar built
+    from the schema emits; the tests check that)."""
     errors: list[str] = []
     if "enum" in schema and value not in schema["enum"]:
         errors.append(f"{where}: {value!r} is not one of {schema['enum']}")
@@ -100,11 +102,11 @@ def schema_errors(schema: dict, value: Any, where: str = "$") -> list[str]:
     if kind is not None and not _has_type(value, kind):
         return errors + [f"{where}: expected {kind}, got {type(value).__name__}"]
     if kind == "object":
-        errors += _object_errors(schema, value, where)
+        errors += _object_errors(schema, value, where, strict)
     elif kind == "array":
         errors += _bounds(len(value), schema, "minItems", "maxItems", f"{where}: {len(value)} items")
         for index, item in enumerate(value):
-            errors += schema_errors(schema.get("items", {}), item, f"{where}[{index}]")
+            errors += schema_errors(schema.get("items", {}), item, f"{where}[{index}]", strict)
     elif kind == "string":
         errors += _bounds(len(value), schema, "minLength", "maxLength", f"{where}: length {len(value)}")
     elif kind in ("integer", "number"):
@@ -121,14 +123,14 @@ def _has_type(value: Any, kind: str) -> bool:
     return isinstance(value, python)
 
 
-def _object_errors(schema: dict, value: dict, where: str) -> list[str]:
+def _object_errors(schema: dict, value: dict, where: str, strict: bool) -> list[str]:
     properties = schema.get("properties", {})
     errors = [f"{where}: missing {key!r}" for key in schema.get("required", ()) if key not in value]
-    if schema.get("additionalProperties") is False:
+    if strict or schema.get("additionalProperties") is False:
         errors += [f"{where}: unexpected {key!r}" for key in value if key not in properties]
     for key, sub in properties.items():
         if key in value:
-            errors += schema_errors(sub, value[key], f"{where}.{key}")
+            errors += schema_errors(sub, value[key], f"{where}.{key}", strict=strict)
     return errors
 
 

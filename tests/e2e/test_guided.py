@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import e2e_clients
 import pytest
 
+from tritonllm.commands.bench_guided import schema_errors
 from tritonllm.deploy.repo import build_repo
 from tritonllm.deploy.tritonserver import Ports, TritonServer
 
@@ -57,15 +58,8 @@ def _assert(ok, text: str) -> None:
 
 
 def check_schema(value) -> None:
-    """SCHEMA's rules, checked by hand (jsonschema is not installed here)."""
-    assert isinstance(value, dict) and set(value) == {"kind", "owner", "tags"}, value
-    assert value["kind"] in ("cat", "dog", "fox"), value
-    owner = value["owner"]
-    assert isinstance(owner, dict) and set(owner) == {"id", "ok"}, value
-    assert type(owner["id"]) is int and 0 <= owner["id"] <= 999 and type(owner["ok"]) is bool, value
-    tags = value["tags"]
-    assert isinstance(tags, list) and len(tags) <= 3, value
-    assert all(type(tag) is int and 0 <= tag <= 99 for tag in tags), value
+    errors = schema_errors(SCHEMA, value, strict=True)
+    assert not errors, (errors, value)
 
 
 def body(guide_type: str, max_tokens: int = MAX_TOKENS, **extra) -> dict:

@@ -14,6 +14,7 @@ import pytest
 
 openai = pytest.importorskip("openai", reason="the OpenAI endpoint tests need the openai client")
 
+from tritonllm.commands.bench_guided import schema_errors  # noqa: E402
 from tritonllm.deploy.frontend import FrontendProcess  # noqa: E402
 from tritonllm.deploy.tritonserver import free_port  # noqa: E402
 
@@ -69,22 +70,9 @@ def chat(client, max_tokens=MAX_TOKENS, **fields):
     return client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=max_tokens, **fields)
 
 
-def check_schema(schema: dict[str, Any], value: Any, where: str = "$") -> None:
-    """`value` against `schema`, for the keywords used here (strict: no properties beyond the schema's)."""
-    if "enum" in schema:
-        assert value in schema["enum"], where
-    kind = schema.get("type")
-    if kind == "object":
-        assert isinstance(value, dict), where
-        assert set(schema.get("required", ())) <= set(value) <= set(schema.get("properties", {})), (where, value)
-        for key, sub in schema.get("properties", {}).items():
-            if key in value:
-                check_schema(sub, value[key], f"{where}.{key}")
-    elif kind == "string":
-        assert isinstance(value, str) and len(value) <= schema.get("maxLength", len(value)), where
-    elif kind == "integer":
-        assert isinstance(value, int) and not isinstance(value, bool), where
-        assert schema.get("minimum", value) <= value <= schema.get("maximum", value), where
+def check_schema(schema: dict[str, Any], value: Any) -> None:
+    errors = schema_errors(schema, value, strict=True)
+    assert not errors, (errors, value)
 
 
 def streamed(stream) -> tuple[str, dict[int, dict[str, str]], list]:

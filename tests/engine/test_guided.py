@@ -14,6 +14,7 @@ import torch
 from transformers import AutoTokenizer
 
 from tritonllm.checkpoints.tiny import build_tiny_model
+from tritonllm.commands.bench_guided import schema_errors
 from tritonllm.engine.config import ConfigError, EngineConfig
 from tritonllm.engine.embedded import guided
 from tritonllm.engine.embedded.engine import EmbeddedEngine
@@ -96,36 +97,8 @@ def finished_text(tokenizer, output) -> str:
 
 
 def check_schema(schema: dict, value) -> None:
-    """Validate `value` against `schema`: with jsonschema where installed, else by hand for the keywords used here."""
-    try:
-        import jsonschema
-    except ImportError:
-        _check_by_hand(schema, value, "$")
-    else:
-        jsonschema.validate(value, schema)
-
-
-def _check_by_hand(schema: dict, value, where: str) -> None:
-    if "enum" in schema:
-        assert value in schema["enum"], where
-    kind = schema.get("type")
-    if kind == "object":
-        assert isinstance(value, dict), where
-        assert set(schema.get("required", ())) <= set(value), where
-        for key, sub in schema.get("properties", {}).items():
-            if key in value:
-                _check_by_hand(sub, value[key], f"{where}.{key}")
-    elif kind == "array":
-        assert isinstance(value, list) and len(value) <= schema.get("maxItems", len(value)), where
-        for index, item in enumerate(value):
-            _check_by_hand(schema["items"], item, f"{where}[{index}]")
-    elif kind == "string":
-        assert isinstance(value, str) and len(value) <= schema.get("maxLength", len(value)), where
-    elif kind == "integer":
-        assert isinstance(value, int) and not isinstance(value, bool), where
-        assert schema.get("minimum", value) <= value <= schema.get("maximum", value), where
-    elif kind == "boolean":
-        assert isinstance(value, bool), where
+    errors = schema_errors(schema, value, strict=True)
+    assert not errors, (errors, value)
 
 
 # -- output in the language -------------------------------------------------------------------------------------
