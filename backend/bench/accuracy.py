@@ -16,7 +16,7 @@ from typing import Any, Callable
 from tritonllm.engine.config import ConfigError, EngineConfig
 from tritonllm.engine.types import SamplingParams
 
-from .scores import NegLogLikelihood, rouge_f_means, token_agreement, window_nll
+from .scores import NegLogLikelihood, require_rouge, rouge_f_means, token_agreement, window_nll
 from .texts import cut_prompts, load_passages, windows
 
 SIDES = ("baseline", "candidate")
@@ -161,6 +161,7 @@ def measure_accuracy(
     their ratio, the ROUGE and token agreement of the candidate's continuations against the baseline's."""
     for side in SIDES:
         check_embedded(configs[side], side)
+    require_rouge()
     workload = prepare_workload(tokenizer, settings)
     say(
         f"{sum(map(len, workload.passages.values()))} passage tokens, {len(workload.prompts)} prompts of "

@@ -12,6 +12,21 @@ import torch
 ROUGE_TYPES = ("rouge1", "rouge2", "rougeL")
 
 
+class MissingDependencyError(RuntimeError):
+    """A package the accuracy bench needs is not installed; the message says which and how to get it."""
+
+
+def require_rouge() -> None:
+    """Fail before any model loads, rather than after both sides ran, when rouge-score is missing."""
+    try:
+        import rouge_score.rouge_scorer  # noqa: F401
+    except ImportError as exc:
+        raise MissingDependencyError(
+            f"the accuracy bench needs rouge-score ({exc}): pip install 'rouge-score==0.1.2' "
+            "(or the package's 'bench' extra)"
+        ) from None
+
+
 @dataclass
 class NegLogLikelihood:
     """A sum of -log p(token | the tokens before it) over `tokens` scored tokens."""

@@ -12,7 +12,10 @@ Without --config the candidate is the baseline again: ratio 1 and ROUGE 1 unless
 
 from __future__ import annotations
 
+import sys
+
 from tritonllm.bench.accuracy import AccuracySettings, check_embedded, measure_accuracy
+from tritonllm.bench.scores import MissingDependencyError, require_rouge
 from tritonllm.commands.arg_types import count
 from tritonllm.commands.bench_report import progress, report
 from tritonllm.commands.generate import build_engine_config
@@ -95,6 +98,11 @@ def main(args) -> int:
     from transformers import AutoTokenizer
 
     configs = side_configs(args)
+    try:
+        require_rouge()
+    except MissingDependencyError as exc:
+        print(f"tritonllm: error: {exc}", file=sys.stderr)
+        return 2
     settings = AccuracySettings(args.prompts, args.prompt_tokens, args.max_tokens, args.window)
     if configs["baseline"].load_format == "dummy" or configs["candidate"].load_format == "dummy":
         progress("warning: load_format dummy: random weights, the perplexities say nothing about the model")

@@ -124,3 +124,13 @@ def test_an_unknown_config_key_is_an_error_naming_it_before_anything_loads(tiny,
     err = capsys.readouterr().err
     assert f"--config {config}: the candidate: the embedded engine cannot honour: dtpye='bfloat16'" in err
     assert "[bench]" not in err  # refused before the tokenizer or any engine
+
+
+def test_a_missing_rouge_score_is_an_error_saying_how_to_install_it(tiny, monkeypatch, capsys):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "rouge_score.rouge_scorer", None)  # import fails as if not installed
+    assert main(["bench", "accuracy", "--model", str(tiny)]) == 2
+    err = capsys.readouterr().err
+    assert "the accuracy bench needs rouge-score" in err and "pip install 'rouge-score==0.1.2'" in err
+    assert "[bench]" not in err
