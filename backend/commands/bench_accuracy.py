@@ -50,7 +50,7 @@ def add_arguments(parser) -> None:
         "--max-tokens",
         type=count,
         default=32,
-        help="most tokens of each continuation (default 32; the end token stops one earlier)",
+        help="most tokens of each continuation (default 32; one stops early at the end token)",
     )
     parser.add_argument(
         "--window",
