@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine run (the `device` tool): puts the working tree's package on PYTHONPATH (the machine has torch,
 # triton and transformers but no venv of ours), then runs what the arguments name, each logged under $OUT.
-#   bash ci/gpu_session.sh kernels|fused|window|guided|parity|features|bench-quick|bench-guided|moe-kernel|moe-sweep|families|bench-mixtral|bench-quant|quant-kernels|quant|bench-qwen3|profile|profile-1 ...
+#   bash ci/gpu_session.sh kernels|fused|window|guided|parity|features|bench-quick|bench-guided|bench-accuracy|moe-kernel|moe-sweep|families|bench-mixtral|bench-quant|quant-kernels|quant|bench-qwen3|profile|profile-1 ...
 # Used by hand for the GPU figures in docs/benchmarks.md; CI never runs it (no GPU there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -59,6 +59,26 @@ for what in "$@"; do
         timeout "${BENCH_TIMEOUT:-240}" "${TRITONLLM[@]}" bench guided --model "${GUIDED_MODEL:-.whl/smol}" \
           --config /tmp/dummy.yaml --device cuda --dtype bfloat16 --requests "$n" --rounds 5 --json \
           2>>"$OUT/bench.log" | tail -1 | tee -a "$OUT/bench-guided.jsonl"
+      done ;;
+    bench-accuracy)  # rouge-score's wheels carried first (rouge_score built here: `pip wheel --no-deps rouge-score==0.1.2`;
+      # absl-py, nltk, six, joblib, defusedxml from pip download). ACC_MODEL: a folder with real weights, if the
+      # machine has one (SmolLM2's 98 MB GGUF is over the carry limit); else SmolLM2's shape with identical dummy
+      # weights on both sides, where only the drift between them means something (perplexities do not).
+      if [ -n "${ACC_MODEL:-}" ]; then acc_model=(--model "$ACC_MODEL"); else acc_model=(--model "$(shape smollm2-135m)" --load-format dummy); fi
+      for name in ${ACC_CANDIDATES:-float32 fp8 fp8-kv w8a16 w4a16}; do
+        case $name in
+          float32) yaml='dtype: float32' ;;
+          fp8) yaml='quant_config: {quant_algo: FP8}' ;;
+          fp8-kv) yaml='kv_cache_config: {dtype: fp8}' ;;
+          w8a16) yaml='quant_config: {quant_algo: W8A16}' ;;
+          w4a16) yaml='quant_config: {quant_algo: W4A16}' ;;
+          *) echo "unknown accuracy candidate $name" >&2; continue ;;
+        esac
+        printf '%s\n' "$yaml" > "/tmp/acc-$name.yaml"
+        echo "== bench accuracy, bfloat16 vs $name ($yaml)" | tee -a "$OUT/bench.log"
+        line=$(timeout "${BENCH_TIMEOUT:-240}" "${TRITONLLM[@]}" bench accuracy "${acc_model[@]}" --device cuda \
+               --dtype bfloat16 --config "/tmp/acc-$name.yaml" --json 2>>"$OUT/bench.log" | tail -1)
+        echo "{\"candidate\": \"$name\", \"result\": ${line:-null}}" | tee -a "$OUT/bench-accuracy.jsonl"
       done ;;
     moe-kernel) python3 ci/gpu_moe_kernel.py 2>&1 | tee -a "$OUT/moe-kernel.jsonl" ;;
     moe-sweep) python3 ci/gpu_moe_kernel.py --sweep 2>&1 | tee -a "$OUT/moe-sweep.jsonl" ;;

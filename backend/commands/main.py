@@ -123,6 +123,18 @@ def _bench_commands(sub) -> None:
     )
     _engine_arguments(guided)
     add_guided_arguments(guided)
+    from tritonllm.commands.bench_accuracy import __doc__ as accuracy_doc
+    from tritonllm.commands.bench_accuracy import add_arguments as add_accuracy_arguments
+
+    add_accuracy_arguments(
+        kinds.add_parser(
+            "accuracy",
+            help="what an engine setting (--config: a quantization, a KV cache dtype) costs in quality: "
+            "perplexity, ROUGE and token agreement against the same model without it",
+            description=accuracy_doc,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+    )
     from tritonllm.commands.bench_bls_spec import add_arguments as add_bls_spec_arguments
 
     add_bls_spec_arguments(
@@ -379,6 +391,8 @@ def _run(args) -> int:
             from tritonllm.commands.bench_spec import main
         elif args.bench_command == "guided":
             from tritonllm.commands.bench_guided import main
+        elif args.bench_command == "accuracy":
+            from tritonllm.commands.bench_accuracy import main
         elif args.bench_command == "bls-spec":
             from tritonllm.commands.bench_bls_spec import main
         else:
