@@ -20,10 +20,13 @@ from tritonllm.engine.embedded.quant.packing import AWQ_ORDER
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def write_compressed_tensors(source: Path, out: Path, preset: str, group_size: int | None = None, fmt=None) -> Path:
+def write_compressed_tensors(
+    source: Path, out: Path, preset: str, group_size: int | None = None, fmt=None, dense_reference=None
+) -> Path:
     """`source` (a tiny model) quantized with compressed-tensors' `preset` (FP8_DYNAMIC, W8A16, W4A16, ...) into
     `out`, in format `fmt` (None: the preset's); lm_head ignored, as llmcompressor's recipes do. A group preset
-    with group_size None is made per channel."""
+    with group_size None is made per channel. `dense_reference`: a folder that gets the unquantized model with
+    each quantized weight replaced by compressed-tensors' own fake_quantize of it (what the checkpoint holds)."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationConfig,
@@ -40,9 +43,14 @@ def write_compressed_tensors(source: Path, out: Path, preset: str, group_size: i
     elif scheme.weights.strategy == "group":
         scheme.weights.strategy, scheme.weights.group_size = QuantizationStrategy.CHANNEL, None
     apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
-    for module in model.modules():
+    fake = {}
+    for name, module in model.named_modules():
         if getattr(module, "quantization_scheme", None) is not None:
             _calibrate_weight(module)
+            fake[name + ".weight"] = _fake_quantized(module)
+    if dense_reference is not None:
+        dense = load_file(source / "model.safetensors")
+        save_file({**dense, **fake}, str(Path(dense_reference) / "model.safetensors"), metadata={"format": "pt"})
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
     compressor.compress_model(model)
     model.save_pretrained(out)
@@ -69,6 +77,15 @@ def _calibrate_weight(module) -> None:
     module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
     if hasattr(module, "weight_zero_point"):
         module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
+
+
+def _fake_quantized(module) -> torch.Tensor:
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+
+    zero = getattr(module, "weight_zero_point", None)
+    if zero is None:
+        zero = torch.zeros_like(module.weight_scale, dtype=torch.int8)
+    return fake_quantize(module.weight.data, module.weight_scale, zero, module.quantization_scheme.weights).clone()
 
 
 def _copy_tokenizer(source: Path, out: Path) -> None:
@@ -115,7 +132,7 @@ def pack_cols(values: torch.Tensor, bits: int, order=None) -> torch.Tensor:
 
 
 def _as_int32(words: torch.Tensor) -> torch.Tensor:
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).contiguous()
 
 
 def write_int4_checkpoint(source: Path, out: Path, method: str, group_size: int, gptq_v1: bool = True):
