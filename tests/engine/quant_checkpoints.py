@@ -21,12 +21,20 @@ PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "
 
 
 def write_compressed_tensors(
-    source: Path, out: Path, preset: str, group_size: int | None = None, fmt=None, dense_reference=None
+    source: Path,
+    out: Path,
+    preset: str,
+    group_size: int | None = None,
+    fmt=None,
+    dense_reference=None,
+    calibration: list[int] | None = None,
 ) -> Path:
     """`source` (a tiny model) quantized with compressed-tensors' `preset` (FP8_DYNAMIC, W8A16, W4A16, ...) into
     `out`, in format `fmt` (None: the preset's); lm_head ignored, as llmcompressor's recipes do. A group preset
     with group_size None is made per channel. `dense_reference`: a folder that gets the unquantized model with
-    each quantized weight replaced by compressed-tensors' own fake_quantize of it (what the checkpoint holds)."""
+    each quantized weight replaced by compressed-tensors' own fake_quantize of it (what the checkpoint holds).
+    `calibration`: token ids whose activations set the static input scales (FP8's static preset): each Linear's
+    largest input magnitude over 448, the min-max observer's scale."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.quantization import (
         QuantizationConfig,
@@ -37,6 +45,7 @@ def write_compressed_tensors(
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    input_max = _input_maxima(model, calibration) if calibration else {}
     scheme = preset_name_to_scheme(preset, ["Linear"])
     if group_size is not None:
         scheme.weights.group_size = group_size
@@ -48,6 +57,8 @@ def write_compressed_tensors(
         if getattr(module, "quantization_scheme", None) is not None:
             _calibrate_weight(module)
             fake[name + ".weight"] = _fake_quantized(module)
+            if name in input_max and hasattr(module, "input_scale"):
+                module.input_scale.data.fill_(input_max[name] / 448.0)
     if dense_reference is not None:
         dense = load_file(source / "model.safetensors")
         save_file({**dense, **fake}, str(Path(dense_reference) / "model.safetensors"), metadata={"format": "pt"})
@@ -57,6 +68,22 @@ def write_compressed_tensors(
     compressor.update_config(str(out))
     _copy_tokenizer(source, out)
     return out
+
+
+def _input_maxima(model, ids: list[int]) -> dict[str, float]:
+    maxima: dict[str, float] = {}
+    hooks = [
+        module.register_forward_pre_hook(
+            lambda m, args, name=name: maxima.__setitem__(name, float(args[0].abs().max()))
+        )
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear)
+    ]
+    with torch.no_grad():
+        model(torch.tensor([ids]))
+    for hook in hooks:
+        hook.remove()
+    return maxima
 
 
 def _calibrate_weight(module) -> None:

@@ -79,6 +79,28 @@ def test_compressed_tensors_checkpoint_matches_transformers(tiny, tmp_path, pres
     assert greedy(model, config, PROMPT[:6]) == hf_greedy(folder, PROMPT[:6])
 
 
+def test_static_fp8_checkpoint_matches_transformers_and_reads_as_quant_method_fp8(tiny_llama, tmp_path):
+    """compressed-tensors' FP8 preset: per-tensor weight scales and a static per-tensor activation scale
+    (calibrated on the prompt). The same tensors under quant_method fp8 (vLLM's per-tensor FP8 layout, which no
+    tool here writes) load to the same logits."""
+    folder = write_compressed_tensors(tiny_llama, tmp_path / "ct", "FP8", calibration=PROMPT)
+    model, config = load_model(folder, torch.float32, "cpu")
+    module = model.layers[0].self_attn.qkv_proj
+    assert module.kind == "fp8" and module.input_scale is not None and float(module.input_scale) > 0
+    assert len(set(module.weight_scale.tolist())) == 3  # q, k and v each brought their per-tensor scale
+    logits, _ = prefill(model, config, PROMPT)
+    torch.testing.assert_close(logits, hf_logits(folder, PROMPT), atol=FP8_ATOL, rtol=0)
+    fp8_folder = shutil.copytree(folder, tmp_path / "fp8")
+    raw = json.loads((folder / "config.json").read_text())
+    raw["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head"]}
+    (fp8_folder / "config.json").write_text(json.dumps(raw))
+    tensors = load_file(folder / "model.safetensors")
+    tensors = {k: v.reshape(()) if k.endswith(("_scale",)) and v.numel() == 1 else v for k, v in tensors.items()}
+    save_file(tensors, str(fp8_folder / "model.safetensors"), metadata={"format": "pt"})
+    same, _ = load_model(fp8_folder, torch.float32, "cpu")
+    torch.testing.assert_close(prefill(same, config, PROMPT)[0], logits, atol=0, rtol=0)
+
+
 def test_asymmetric_int4_matches_compressed_tensors_dequantized_weights(tiny_llama, tmp_path):
     """transformers 5.24 cannot load an asymmetric pack-quantized checkpoint (it expects the zero points
     unpacked), so the reference is the model with compressed-tensors' own fake-quantized weights."""
