@@ -166,3 +166,11 @@ def test_a_quantized_moe_router_is_refused_by_name(tmp_path):
     folder = write_compressed_tensors(source, tmp_path / "ct", "W8A16", None, "naive-quantized")
     with pytest.raises(ModelLoadError, match=r"tensor model.layers.0.mlp.\S+ is quantized, but the embedded engine"):
         load_model(folder, torch.float32, "cpu")
+
+
+def test_a_quantized_checkpoint_with_dummy_weights_is_quantized_from_its_config(tiny_llama, tmp_path):
+    folder = write_compressed_tensors(tiny_llama, tmp_path / "ct", "W4A16", 32)
+    (folder / "model.safetensors").unlink()
+    model, config = load_model(folder, torch.float32, "cpu", load_format="dummy")
+    assert {(m.kind, m.group_size) for m in quant_modules(model)} == {("int4", 32)}
+    assert torch.isfinite(prefill(model, config, PROMPT)[0]).all()

@@ -111,3 +111,15 @@ def test_gptq_zero_point_offset_follows_the_checkpoint_format():
     v2 = from_checkpoint({"quant_method": "gptq", "bits": 4, "group_size": -1, "checkpoint_format": "gptq_v2"})
     assert (v1.gptq_zero_offset, v1.group_size) == (1, 32)
     assert (v2.gptq_zero_offset, v2.group_size) == (0, None)
+
+
+def test_the_embedded_engine_refuses_an_fp8_kv_cache_for_now_and_the_adapter_passes_quant_config():
+    from tritonllm.engine import trtllm_args
+
+    config = EngineConfig.from_dict({"model": "m", "quant_config": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}})
+    assert any(p.startswith("quant_config.kv_cache_quant_algo='FP8'") for p in config.embedded_unsupported())
+    plain = EngineConfig.from_dict({"model": "m", "quant_config": {"quant_algo": "W4A16"}})
+    assert plain.embedded_unsupported() == []
+    kwargs = trtllm_args._optional_llm_kwargs(plain)
+    assert kwargs["quant_config"] == {"quant_algo": "W4A16"}
+    assert "quant_config" not in trtllm_args._optional_llm_kwargs(EngineConfig.from_dict({"model": "m"}))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 from ..network.model_config import ModelLoadError
@@ -89,8 +89,6 @@ def resolve(quant_config: Optional[dict[str, Any]], checkpoint: Optional[dict[st
 def _with_ignore(settings: QuantSettings, excluded: tuple[str, ...]) -> QuantSettings:
     if not excluded:
         return settings
-    from dataclasses import replace
-
     return replace(settings, ignore=settings.ignore + excluded)
 
 
