@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine run (the `device` tool): puts the working tree's package on PYTHONPATH (the machine has torch,
 # triton and transformers but no venv of ours), then runs what the arguments name, each logged under $OUT.
-#   bash ci/gpu_session.sh kernels|fused|window|guided|parity|features|bench-quick|bench-guided|bench-accuracy|moe-kernel|moe-sweep|families|bench-mixtral|bench-quant|quant-kernels|quant|bench-qwen3|profile|profile-1 ...
+#   bash ci/gpu_session.sh kernels|fused|window|guided|parity|features|bench-quick|bench-guided|bench-accuracy|moe-kernel|moe-sweep|families|bench-mixtral|bench-quant|quant-kernels|quant|quant-load|bench-qwen3|profile|profile-1 ...
 # Used by hand for the GPU figures in docs/benchmarks.md; CI never runs it (no GPU there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -82,6 +82,7 @@ for what in "$@"; do
       done ;;
     moe-kernel) python3 ci/gpu_moe_kernel.py 2>&1 | tee -a "$OUT/moe-kernel.jsonl" ;;
     moe-sweep) python3 ci/gpu_moe_kernel.py --sweep 2>&1 | tee -a "$OUT/moe-sweep.jsonl" ;;
+    quant-load) python3 ci/gpu_quant.py "${QUANT_SHAPE:-llama-3.1-8b}" 2>&1 | tee -a "$OUT/quant-load.jsonl" ;;
     families) run_tests tests/engine/test_moe.py tests/engine/test_phi3.py ${FAMILY_TESTS:-} ;;
     bench-mixtral)
       bench "mixtral-8x7b 256x128/128" --model "$(shape mixtral-8x7b)" --requests 256 --min-prompt 128 --max-prompt 128 --min-output 128 --max-output 128 --max-batch-size 256 --warmup --baseline none ;;

@@ -25,6 +25,10 @@ ATTN_BACKENDS = ("TRTLLM", "TRITON", "VANILLA", "FLASHINFER")
 # TensorRT-LLM's `guided_decoding_backend` values (None: guided decoding off); the embedded engine has xgrammar.
 GUIDED_DECODING_BACKENDS = ("xgrammar", "llguidance")
 LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights from config.json alone (TensorRT-LLM's LoadFormat.DUMMY)
+# TensorRT-LLM's QuantConfig: the keys and algorithms the embedded engine knows (docs/quantization.md).
+QUANT_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN", "W8A16", "W4A16", "W4A16_AWQ", "W4A16_GPTQ", None)
+KV_CACHE_QUANT_ALGOS = ("FP8", None)
+QUANT_CONFIG_KEYS = ("quant_algo", "kv_cache_quant_algo", "group_size", "exclude_modules")
 
 
 @dataclass
@@ -48,6 +52,26 @@ class KvCacheConfig:
             raise ConfigError(
                 f"kv_cache_config.free_gpu_memory_fraction must be in (0, 1], got {self.free_gpu_memory_fraction}"
             )
+
+
+def check_quant_config(quant_config: Any) -> None:
+    """TensorRT-LLM's QuantConfig keys with values the embedded engine knows; what quant/settings.py reads."""
+    if quant_config is None:
+        return
+    if not isinstance(quant_config, dict):
+        raise ConfigError(f"quant_config must be a mapping of {list(QUANT_CONFIG_KEYS)}, got {quant_config!r}")
+    unknown = sorted(set(quant_config) - set(QUANT_CONFIG_KEYS))
+    if unknown:
+        raise ConfigError(f"quant_config: unknown key(s) {unknown}; known: {list(QUANT_CONFIG_KEYS)}")
+    for key, allowed in (("quant_algo", QUANT_ALGOS), ("kv_cache_quant_algo", KV_CACHE_QUANT_ALGOS)):
+        if quant_config.get(key) not in allowed:
+            raise ConfigError(f"quant_config.{key} must be one of {list(allowed)}, got {quant_config.get(key)!r}")
+    group = quant_config.get("group_size")
+    if group is not None and (isinstance(group, bool) or not isinstance(group, int) or group < 1):
+        raise ConfigError(f"quant_config.group_size must be an integer >= 1, got {group!r}")
+    excluded = quant_config.get("exclude_modules")
+    if excluded is not None and not (isinstance(excluded, list) and all(isinstance(p, str) for p in excluded)):
+        raise ConfigError(f"quant_config.exclude_modules must be a list of module name patterns, got {excluded!r}")
 
 
 def check_attention_windows(windows: Any, name: str) -> None:
@@ -108,6 +132,8 @@ class EngineConfig:
     load_format: str = "auto"
     # The grammar library of guided decoding (TensorRT-LLM's LLM argument); None refuses guided requests.
     guided_decoding_backend: Optional[str] = None
+    # TensorRT-LLM's QuantConfig as a mapping (QUANT_CONFIG_KEYS); None: the checkpoint as it is quantized, if at all.
+    quant_config: Optional[dict] = None
     # Keys passed through untouched to TensorRT-LLM (the embedded engine refuses them).
     extra: dict = field(default_factory=dict)
 
@@ -155,6 +181,7 @@ class EngineConfig:
         if self.max_seq_len is not None and (not isinstance(self.max_seq_len, int) or self.max_seq_len < 2):
             raise ConfigError(f"max_seq_len must be an integer >= 2, got {self.max_seq_len!r}")
         self._validate_choices()
+        check_quant_config(self.quant_config)
         self.kv_cache_config.validate()
         self.scheduler_config.validate()
         self.lora_settings()
@@ -232,6 +259,9 @@ class EngineConfig:
                 "attn_backend='FLASHINFER' (FlashInfer is not built into the embedded engine; its "
                 "paged-attention kernels are attn_backend: TRITON, the default on CUDA)"
             )
+        if (self.quant_config or {}).get("kv_cache_quant_algo") == "FP8":
+            # The FP8 KV cache is the fp8kv work (kv_cache_fp8); until it lands the embedded engine refuses it.
+            problems.append("quant_config.kv_cache_quant_algo='FP8' (no FP8 KV cache in this build)")
         if self.guided_decoding_backend == "llguidance":
             problems.append("guided_decoding_backend='llguidance' (the embedded engine guides with xgrammar)")
         spec = self.speculative_settings()

@@ -69,6 +69,7 @@ def _optional_llm_kwargs(config: EngineConfig) -> dict[str, Any]:
         "guided_decoding_backend": config.guided_decoding_backend,
         "moe_expert_parallel_size": config.moe_expert_parallel_size,
         "moe_tensor_parallel_size": config.moe_tensor_parallel_size,
+        "quant_config": config.quant_config,
     }
     kwargs: dict[str, Any] = {key: value for key, value in optional.items() if value is not None}
     if config.speculative_config is not None:

@@ -55,7 +55,9 @@ class EngineCore:
         avoid_cudnn_attention(self.device)
         self.attn_backend = resolve_backend(config.attn_backend, self.device)
         self.dtype = resolve_dtype(config.dtype, read_model_config(config.model).torch_dtype, self.device)
-        self.model, self.model_config = load_model(config.model, self.dtype, self.device, config.load_format)
+        self.model, self.model_config = load_model(
+            config.model, self.dtype, self.device, config.load_format, config.quant_config
+        )
         self.max_seq_len = self._max_seq_len()
         self._fix_rope_context()
         self.attention_windows = self._attention_windows()

@@ -11,7 +11,7 @@ import contextlib
 import logging
 import re
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 import torch
 from safetensors import safe_open
@@ -23,6 +23,10 @@ from .network.llama import LlamaForCausalLM, WeightSlot
 from .network.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelLoadError
 from .network.moe import MoeForCausalLM
 from .network.phi3 import Phi3ForCausalLM
+from .quant.checkpoint import fill_dummy, quantized_slots
+from .quant.layout import quantize_layout
+from .quant.linear import QuantLinear
+from .quant.settings import QuantSettings, resolve
 
 __all__ = [
     "LOAD_FORMATS",
@@ -37,6 +41,19 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # Checkpoint tensors that carry nothing the model needs (old exports saved RoPE's frequencies).
 _HARMLESS_EXTRA = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
+# The names quantized checkpoints give a module's tensors besides `weight` (compressed-tensors, AWQ, GPTQ, FP8).
+_QUANTIZED_SUFFIXES = {
+    "weight_packed",
+    "weight_scale",
+    "weight_zero_point",
+    "weight_shape",
+    "input_scale",
+    "weight_scale_inv",
+    "qweight",
+    "qzeros",
+    "scales",
+    "g_idx",
+}
 LOAD_FORMATS = ("auto", "dummy")
 log = logging.getLogger("tritonllm.engine")
 # Dummy weights: a fixed seed, so that two loads (and two benchmark runs) hold the same values, and a spread small
@@ -73,23 +90,33 @@ def read_model_config(model_dir: Union[str, Path]) -> ModelConfig:
 
 
 def load_model(
-    model_dir: Union[str, Path], dtype: torch.dtype, device: Union[str, torch.device], load_format: str = "auto"
+    model_dir: Union[str, Path],
+    dtype: torch.dtype,
+    device: Union[str, torch.device],
+    load_format: str = "auto",
+    quant_config: Optional[dict] = None,
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
     """The model of a folder, on `device` in `dtype`. `load_format`: "auto" reads the safetensors weights; "dummy"
-    reads config.json alone (weight files need not exist) and fills every parameter with seeded random values."""
+    reads config.json alone (weight files need not exist) and fills every parameter with seeded random values.
+    `quant_config`: model.yaml's (TensorRT-LLM's keys); with it, or with a quantized checkpoint, the projections
+    are quantized (quant/settings.py resolves the two; a dummy load quantizes its random weights)."""
     if load_format not in LOAD_FORMATS:
         raise ModelLoadError(f"load_format must be one of {', '.join(LOAD_FORMATS)}, got {load_format!r}")
     model_dir = Path(model_dir)
     config = read_model_config(model_dir)
+    quant = resolve(quant_config, config.quantization_config)
     files = weight_files(model_dir) if load_format == "auto" else []
     device = torch.device(device)
     with torch.device("meta"):
         model = model_class(config)(config)
+        if quant is not None:
+            count = quantize_layout(model, quant)
+            log.info("quantization: %d projections %s (%s, from %s)", count, quant.kind, quant.quant_algo, quant.source)
     _allocate_parameters(model, dtype, device)
     if load_format == "dummy":
         _fill_dummy_parameters(model, device)
     else:
-        _fill_parameters(model, config, files, device)
+        _fill_parameters(model, config, files, device, quant)
     model.rotary_emb.reset_frequencies(device)
     packs = device.type == "cpu" and dtype == torch.float32  # cpu_gemm packs fp32 weights only
     with timed_step("weights packed for CPU matmuls") if packs else contextlib.nullcontext():
@@ -122,6 +149,8 @@ def _allocate_parameters(model: torch.nn.Module, dtype: torch.dtype, device: tor
         for name, param in list(module.named_parameters(recurse=False)):
             storage = torch.empty(param.shape, dtype=dtype, device=device)
             setattr(module, name, torch.nn.Parameter(storage, requires_grad=False))
+        if isinstance(module, QuantLinear):
+            module.allocate(dtype, device)
 
 
 def _fill_dummy_parameters(model: LlamaForCausalLM, device: torch.device) -> None:
@@ -137,10 +166,15 @@ def _fill_dummy_parameters(model: LlamaForCausalLM, device: torch.device) -> Non
                     param.zero_()
                 else:
                     param.normal_(0.0, DUMMY_STD, generator=generator)
+        fill_dummy(model, generator, DUMMY_STD)
 
 
-def _fill_parameters(model: LlamaForCausalLM, config: ModelConfig, files: list[Path], device) -> None:
+def _fill_parameters(
+    model: LlamaForCausalLM, config: ModelConfig, files: list[Path], device, quant: Optional[QuantSettings]
+) -> None:
     slots = model.checkpoint_slots()
+    if quant is not None:
+        slots = quantized_slots(model, slots, quant)
     handles = [(path, _open(path, device)) for path in files]
     total = sum(len(handle.keys()) for _, handle in handles)
     loaded: set[str] = set()
@@ -156,7 +190,7 @@ def _fill_parameters(model: LlamaForCausalLM, config: ModelConfig, files: list[P
                     _load_tensor(handle, name, path, slot)
                     loaded.add(name)
                 progress.update(1)
-    missing = [name for name in slots if name not in loaded]
+    missing = [name for name, slot in slots.items() if name not in loaded and getattr(slot, "required", True)]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
         raise ModelLoadError(f"{files[0].parent}: missing tensor {shown}")
@@ -174,13 +208,19 @@ def _check_extra(name: str, path: Path, config: ModelConfig) -> None:
         return
     if name == "lm_head.weight" and config.tie_word_embeddings:
         return  # a tied model's output projection is its embedding; the saved copy is redundant
+    if name.rsplit(".", 1)[-1] in _QUANTIZED_SUFFIXES:
+        raise ModelLoadError(
+            f"{path}: tensor {name} is quantized, but the embedded engine keeps that module unquantized (only the "
+            "decoder layers' attention and dense MLP projections load quantized: not the embedding, lm_head, MoE "
+            "routers or experts)"
+        )
     raise ModelLoadError(f"{path}: unexpected tensor {name} (not part of a {config.architecture})")
 
 
 def _load_tensor(handle, name: str, path: Path, slot: WeightSlot) -> None:
     try:
         shape = tuple(handle.get_slice(name).get_shape())
-        if shape != slot.shape:
+        if shape != slot.shape and not (_is_scalar(shape) and _is_scalar(slot.shape)):
             raise ModelLoadError(f"{path}: tensor {name} has shape {list(shape)}, expected {list(slot.shape)}")
         tensor = handle.get_tensor(name)
     except ModelLoadError:
@@ -188,3 +228,8 @@ def _load_tensor(handle, name: str, path: Path, slot: WeightSlot) -> None:
     except Exception as err:
         raise ModelLoadError(f"{path}: cannot read tensor {name} ({err})") from None
     slot.copy_(tensor)
+
+
+def _is_scalar(shape: tuple[int, ...]) -> bool:
+    """A scale stored as [] or [1]: checkpoints write either."""
+    return len(shape) <= 1 and all(size == 1 for size in shape)

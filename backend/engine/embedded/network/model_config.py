@@ -87,6 +87,8 @@ class ModelConfig:
     pad_token_id: Optional[int] = None
     torch_dtype: Optional[str] = None  # as written in config.json (`torch_dtype` or `dtype`); may be None
     moe: Optional[MoeConfig] = None  # set for mixture-of-experts families (MOE_MODEL_TYPES)
+    # The checkpoint's own quantization (config.json's quantization_config), as written; quant/settings.py reads it.
+    quantization_config: Optional[dict[str, Any]] = None
 
     @property
     def q_size(self) -> int:
@@ -139,6 +141,7 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
         bos_token_id=raw.get("bos_token_id"),
         pad_token_id=raw.get("pad_token_id"),
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
+        quantization_config=raw.get("quantization_config"),
         moe=_moe(raw, model_type, num_layers, source) if model_type in MOE_MODEL_TYPES else None,
         **_bias_flags(raw, model_type),
     )

@@ -1,0 +1,102 @@
+"""The quantized linear layer: a projection's weight in one internal format (formats.py) as buffers, its bias (if
+any) a parameter in the model dtype, and forward() through kernels.py. LoRA deltas still add to its output (the
+decoder layers call lora.apply after the projection, whatever it is)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from .formats import FP8_DTYPE, INT4_SYMMETRIC_ZERO
+from .quantize import quantize_fp8, quantize_int4, quantize_int8
+
+KINDS = ("fp8", "int8", "int4")
+_OPTIONAL_BUFFERS = ("input_scale", "weight_zero", "qweight")
+
+
+class QuantLinear(nn.Module):
+    """y = x W^T (+ b) with W quantized. Built on the meta device like Linear; `allocate` gives it storage.
+
+    `weight` is the quantized weight for fp8 and int8; for int4 (whose tensor is `qweight`) it is a meta tensor of
+    the dense shape [out, in] that is never allocated: the checkpoint slot builders read a projection's `weight`
+    for its shape, and checkpoint.py replaces those slots with the format's own."""
+
+    weight: torch.Tensor
+    weight_scale: torch.Tensor
+    input_scale: Optional[torch.Tensor]
+    weight_zero: Optional[torch.Tensor]
+    qweight: Optional[torch.Tensor]
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, kind: str, group_size: int, static_input: bool):
+        super().__init__()
+        if kind not in KINDS:
+            raise ValueError(f"unknown quantized weight kind {kind!r}; known: {KINDS}")
+        self.in_features, self.out_features, self.kind = in_features, out_features, kind
+        self.group_size = in_features if kind == "fp8" else group_size
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.static_input = static_input and kind == "fp8"
+        specs = self._tensor_specs(torch.float32)
+        for name in _OPTIONAL_BUFFERS:
+            if name not in specs:
+                self.register_buffer(name, None)  # absent in this kind: reads as None
+        for name, (shape, _) in specs.items():
+            self.register_buffer(name, torch.empty(shape, device="meta"))
+        if kind == "int4":
+            self.weight = torch.empty(out_features, in_features, device="meta")
+
+    @property
+    def groups(self) -> int:
+        return self.in_features // self.group_size
+
+    def _tensor_specs(self, dtype: torch.dtype) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Each buffer's shape and dtype, the scales of int8 and int4 in the model dtype."""
+        out, cols, groups = self.out_features, self.in_features, self.groups
+        if self.kind == "fp8":
+            specs = {"weight": ((out, cols), FP8_DTYPE), "weight_scale": ((out,), torch.float32)}
+            return {**specs, "input_scale": ((), torch.float32)} if self.static_input else specs
+        if self.kind == "int8":
+            return {"weight": ((out, cols), torch.int8), "weight_scale": ((out, groups), dtype)}
+        return {
+            "qweight": ((out, cols // 2), torch.uint8),
+            "weight_scale": ((out, groups), dtype),
+            "weight_zero": ((out, groups), torch.uint8),
+        }
+
+    def allocate(self, dtype: torch.dtype, device: torch.device) -> None:
+        """Storage for every buffer: zeros (a static input scale is the max over fused parts, so it starts at 0),
+        and int4 zero points at 8 (symmetric checkpoints store none)."""
+        for name, (shape, buffer_dtype) in self._tensor_specs(dtype).items():
+            storage = torch.zeros(shape, dtype=buffer_dtype, device=device)
+            if name == "weight_zero":
+                storage.fill_(INT4_SYMMETRIC_ZERO)
+            setattr(self, name, storage)
+
+    def store_rows(self, start: int, dense: torch.Tensor) -> None:
+        """Quantize dense rows [rows, in] (round to nearest) into rows start : start + rows."""
+        rows = dense.shape[0]
+        scale_dtype = self.weight_scale.dtype
+        if self.kind == "fp8":
+            parts = dict(zip(("weight", "weight_scale"), quantize_fp8(dense)))
+        elif self.kind == "int8":
+            parts = dict(zip(("weight", "weight_scale"), quantize_int8(dense, self.group_size, scale_dtype)))
+        else:
+            names = ("qweight", "weight_scale", "weight_zero")
+            parts = dict(zip(names, quantize_int4(dense, self.group_size, scale_dtype)))
+        with torch.no_grad():
+            for name, value in parts.items():
+                getattr(self, name).narrow(0, start, rows).copy_(value)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from . import kernels  # the qkern branch's Triton kernels live there; imported on first use
+
+        if self.kind == "fp8":
+            return kernels.fp8_linear(x, self.weight, self.weight_scale, self.bias, self.input_scale)
+        if self.kind == "int8":
+            return kernels.int8_linear(x, self.weight, self.weight_scale, self.bias, self.group_size)
+        assert self.qweight is not None and self.weight_zero is not None
+        return kernels.int4_linear(x, self.qweight, self.weight_scale, self.weight_zero, self.bias, self.group_size)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, kind={self.kind}, group_size={self.group_size}"

@@ -1,0 +1,29 @@
+"""Unpacking the int32 words that AWQ, GPTQ and compressed-tensors pack their 4- and 8-bit values into."""
+
+from __future__ import annotations
+
+import torch
+
+# AutoAWQ's GEMM layout puts output column ORDER[i] of each group of eight into nibble i of the word; this is the
+# inverse permutation (nibble of each column), which undoes it.
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+AWQ_INVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)
+
+
+def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """int32 words holding 32 // bits unsigned values each, the first in the lowest bits, packed along `dim`
+    (GPTQ's and compressed-tensors' order) -> int32 values, that dim 32 // bits times longer."""
+    per_word = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
+    words = packed.to(torch.int32).unsqueeze(-1)
+    values = (words >> shifts) & ((1 << bits) - 1)  # [..., per_word] along the last dim
+    if dim in (0, -packed.dim()):
+        values = values.movedim(-1, 1)  # [words, per_word, cols]
+        return values.reshape(packed.shape[0] * per_word, *packed.shape[1:])
+    return values.reshape(*packed.shape[:-1], packed.shape[-1] * per_word)
+
+
+def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
+    """AutoAWQ GEMM int32 [rows, cols // 8] -> int32 values [rows, cols] in column order."""
+    values = unpack_int32(packed, 4, dim=1).reshape(packed.shape[0], -1, 8)
+    return values[:, :, list(AWQ_INVERSE_ORDER)].reshape(packed.shape[0], -1)
