@@ -1,0 +1,279 @@
+"""The quantized matmuls (quant/kernels.py) against dequantize-then-matmul on random inputs: the Triton W4A16 and
+W8A16 kernels in each program shape (GEMV, tl.dot, split-K) and the dequantize kernel, at odd M, N past a block,
+group sizes 32 / 64 / 128 and per channel, zero points other than 8, with and without bias; the FP8 activation
+quantizer on CPU and torch._scaled_mm on CUDA only. The kernels run on TRITONLLM_TEST_DEVICE: compiled on CUDA,
+in Triton's interpreter on CPU (tiny shapes: it is slow)."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tritonllm.engine.embedded.quant import kernels
+from tritonllm.engine.embedded.quant import weight_only_kernel as wo
+from tritonllm.engine.embedded.quant.weight_only_kernel import Variant
+
+DEVICE = torch.device(os.environ.get("TRITONLLM_TEST_DEVICE", "cpu"))
+CUDA = DEVICE.type == "cuda"
+cuda_only = pytest.mark.skipif(
+    not CUDA, reason="torch._scaled_mm and the compiled kernels need TRITONLLM_TEST_DEVICE=cuda"
+)
+
+if not CUDA:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(wo._weight_only_matmul_kernel, InterpretedFunction):
+        pytest.skip("the Triton kernels were compiled without TRITON_INTERPRET=1", allow_module_level=True)
+
+
+# ---- the reference: LEAD, a private copy of quant/formats.py's dequantizers; import them once merged ----
+
+
+def pack_int4(values: torch.Tensor) -> torch.Tensor:
+    """uint8 [out, in] of 0..15 -> [out, in // 2], low nibble = even column."""
+    return (values[:, 0::2] | (values[:, 1::2] << 4)).contiguous()
+
+
+def dequantize_int4(qweight, weight_scale, weight_zero, group_size):
+    values = torch.empty(qweight.shape[0], qweight.shape[1] * 2, dtype=torch.uint8, device=qweight.device)
+    values[:, 0::2], values[:, 1::2] = qweight & 0xF, qweight >> 4
+    per_column = torch.arange(values.shape[1], device=qweight.device) // group_size
+    return (values.to(weight_scale.dtype) - weight_zero[:, per_column].to(weight_scale.dtype)) * weight_scale[
+        :, per_column
+    ]
+
+
+def dequantize_int8(weight, weight_scale, group_size):
+    per_column = torch.arange(weight.shape[1], device=weight.device) // group_size
+    return weight.to(weight_scale.dtype) * weight_scale[:, per_column]
+
+
+def reference(x, dense_weight, bias):
+    """The product in fp32 of x and the weight as dequantized into x's dtype."""
+    return F.linear(x.float(), dense_weight.float(), None if bias is None else bias.float())
+
+
+# ---- random quantized weights ----
+
+
+def random_int4(n, k, group_size, dtype=torch.float32, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randint(0, 16, (n, k), generator=generator, dtype=torch.uint8)
+    scale = (torch.rand(n, k // group_size, generator=generator) * 0.02 + 0.005).to(dtype)
+    zero = torch.randint(0, 16, (n, k // group_size), generator=generator, dtype=torch.uint8)
+    assert (zero != 8).any()
+    return pack_int4(values).to(DEVICE), scale.to(DEVICE), zero.to(DEVICE)
+
+
+def random_int8(n, k, group_size, dtype=torch.float32, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randint(-128, 128, (n, k), generator=generator, dtype=torch.int8)
+    scale = (torch.rand(n, k // group_size, generator=generator) * 0.002 + 0.0005).to(dtype)
+    return weight.to(DEVICE), scale.to(DEVICE)
+
+
+def random_x(m, k, dtype=torch.float32, seed=1):
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(dtype).to(DEVICE)
+
+
+def random_bias(n, dtype=torch.float32, seed=2):
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed)).to(dtype).to(DEVICE)
+
+
+GEMV = Variant(block_m=4, block_n=16, block_k=64, use_dot=False)  # groups of 32: two a tile
+GEMV_SPLIT = Variant(block_m=1, block_n=32, block_k=32, split_k=3, use_dot=False)
+DOT = Variant(block_m=16, block_n=32, block_k=32)
+DOT_SPLIT = Variant(block_m=16, block_n=16, block_k=64, split_k=2)  # two groups of 32 a tile
+DOT_SMALL_K = Variant(block_m=16, block_n=16, block_k=16)  # a group spans several tiles
+
+
+# ---- W4A16 ----
+
+
+@pytest.mark.parametrize(
+    "m, n, k, group_size, variant, with_bias",
+    [
+        (1, 40, 128, 128, GEMV_SPLIT, True),
+        (3, 40, 128, 32, GEMV, False),
+        (5, 24, 192, 64, GEMV, True),
+        (1, 40, 96, 96, DOT, False),  # per channel
+        (7, 40, 128, 32, DOT_SPLIT, True),
+        (17, 48, 128, 64, DOT, True),
+        (19, 24, 96, 32, DOT_SMALL_K, False),
+        (2, 40, 160, 32, DOT_SMALL_K, True),  # K not a multiple of the split slices
+    ],
+)
+def test_int4_kernel_equals_dequantize_then_matmul(m, n, k, group_size, variant, with_bias):
+    qweight, scale, zero = random_int4(n, k, group_size)
+    x, bias = random_x(m, k), random_bias(n) if with_bias else None
+    expected = reference(x, dequantize_int4(qweight, scale, zero, group_size), bias)
+    got = wo.weight_only_matmul(x, qweight, scale, zero, bias, group_size, 4, variant)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("variant", [GEMV, DOT_SPLIT])
+def test_int4_kernel_in_bfloat16_is_close(variant):
+    qweight, scale, zero = random_int4(40, 128, 32, dtype=torch.bfloat16)
+    x, bias = random_x(3, 128, torch.bfloat16), random_bias(40, torch.bfloat16)
+    expected = reference(x, dequantize_int4(qweight, scale, zero, 32), bias)
+    got = wo.weight_only_matmul(x, qweight, scale, zero, bias, 32, 4, variant)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+# ---- W8A16 ----
+
+
+@pytest.mark.parametrize(
+    "m, n, k, group_size, variant, with_bias",
+    [
+        (1, 40, 128, 128, GEMV_SPLIT, True),
+        (3, 24, 128, 64, GEMV, False),
+        (9, 40, 96, 96, DOT_SPLIT, True),  # per channel
+        (17, 40, 128, 32, DOT_SMALL_K, True),
+        (4, 40, 128, 32, GEMV, True),
+    ],
+)
+def test_int8_kernel_equals_dequantize_then_matmul(m, n, k, group_size, variant, with_bias):
+    weight, scale = random_int8(n, k, group_size)
+    x, bias = random_x(m, k), random_bias(n) if with_bias else None
+    expected = reference(x, dequantize_int8(weight, scale, group_size), bias)
+    got = wo.weight_only_matmul(x, weight, scale, None, bias, group_size, 8, variant)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+# ---- the dequantize kernel (the large-M path) and the public functions ----
+
+
+@pytest.mark.parametrize("bits, group_size", [(4, 32), (4, 96), (8, 64)])
+def test_the_dequantize_kernel_writes_the_reference_weight(bits, group_size):
+    if bits == 4:
+        qweight, scale, zero = random_int4(40, 192, group_size, dtype=torch.bfloat16)
+        expected = dequantize_int4(qweight, scale, zero, group_size)
+        got = wo.dequantize(qweight, scale, zero, group_size, 4, torch.bfloat16, block_n=16, block_k=64)
+    else:
+        weight, scale = random_int8(40, 192, group_size, dtype=torch.bfloat16)
+        expected = dequantize_int8(weight, scale, group_size)
+        got = wo.dequantize(weight, scale, None, group_size, 8, torch.bfloat16, block_n=16, block_k=64)
+    assert got.dtype == torch.bfloat16
+    if CUDA:
+        assert torch.equal(got, expected)  # one rounding of an exact product, as the reference rounds
+    else:  # the interpreter rounds to bfloat16 its own way: within one step
+        torch.testing.assert_close(got, expected, atol=0, rtol=2**-7)
+
+
+@pytest.mark.parametrize("m", [1, 6, 23])
+def test_int4_and_int8_linear_take_any_leading_shape(m):
+    qweight, scale, zero = random_int4(40, 128, 64)
+    weight, scale8 = random_int8(40, 128, 64)
+    x, bias = random_x(m * 2, 128).reshape(2, m, 128), random_bias(40)
+    got4 = kernels.int4_linear(x, qweight, scale, zero, bias, 64)
+    got8 = kernels.int8_linear(x, weight, scale8, None, 64)
+    assert got4.shape == got8.shape == (2, m, 40)
+    torch.testing.assert_close(
+        got4, reference(x, dequantize_int4(qweight, scale, zero, 64), bias), atol=1e-4, rtol=1e-4
+    )
+    torch.testing.assert_close(got8, reference(x, dequantize_int8(weight, scale8, 64), None), atol=1e-4, rtol=1e-4)
+
+
+def test_the_private_dequantizers_equal_the_tests():
+    qweight, scale, zero = random_int4(24, 64, 32, dtype=torch.bfloat16)
+    assert torch.equal(kernels._dequantize_int4(qweight, scale, zero, 32), dequantize_int4(qweight, scale, zero, 32))
+    weight, scale8 = random_int8(24, 64, 32, dtype=torch.bfloat16)
+    assert torch.equal(kernels._dequantize_int8(weight, scale8, 32), dequantize_int8(weight, scale8, 32))
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 16, 17, 64, 256, 2048])
+def test_the_chosen_variants_are_valid_and_fill_the_gpu_at_decode(m):
+    for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
+        variant = kernels.choose_variant(m, n, k)
+        assert variant.block_m >= min(m, 16) or m > kernels.SMALL_M
+        if m <= kernels.SMALL_M:
+            assert -(-n // variant.block_n) * variant.split_k >= kernels.NUM_SMS
+
+
+def test_bad_quantized_inputs_are_refused_by_name():
+    qweight, scale, zero = random_int4(8, 64, 32)
+    x = random_x(2, 64)
+    with pytest.raises(ValueError, match="group_size must divide"):
+        kernels.int4_linear(x, qweight, scale, zero, None, 48)
+    with pytest.raises(ValueError, match="weight_scale must be \\[8, 2\\]"):
+        kernels.int4_linear(x, qweight, scale[:, :1], zero, None, 32)
+    with pytest.raises(ValueError, match="weight_zero must be uint8"):
+        kernels.int4_linear(x, qweight, scale, zero.to(torch.int32), None, 32)
+    with pytest.raises(ValueError, match="takes 64"):
+        kernels.int4_linear(random_x(2, 32), qweight, scale, zero, None, 32)
+    with pytest.raises(ValueError, match="int8 weight must be 2-D torch.int8"):
+        kernels.int8_linear(x, qweight, scale, None, 32)
+    with pytest.raises(ValueError, match="bias must be \\[8\\]"):
+        kernels.int4_linear(x, qweight, scale, zero, random_bias(9), 32)
+    with pytest.raises(ValueError, match="block_n must be a power of two"):
+        Variant(block_m=1, block_n=24, block_k=32, use_dot=False)
+
+
+# ---- FP8 ----
+
+
+def random_fp8(n, k, seed=3):
+    generator = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(n, k, generator=generator) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale = torch.rand(n, generator=generator) * 1e-3 + 1e-4
+    return weight.to(DEVICE), scale.to(DEVICE)
+
+
+def test_per_token_quantization_scales_each_rows_absmax_to_448():
+    x = random_x(5, 64) * torch.tensor([1.0, 10.0, 0.01, 0.0, 3.0], device=DEVICE)[:, None]
+    x_q, scale = kernels.quantize_per_token(x)
+    assert x_q.dtype == torch.float8_e4m3fn and scale.shape == (5, 1) and scale.dtype == torch.float32
+    peaks = x_q.float().abs().amax(dim=1)
+    assert torch.equal(peaks[[0, 1, 2, 4]], torch.full((4,), 448.0, device=DEVICE))
+    assert not x_q[3].float().any() and torch.isfinite(scale).all() and (scale > 0).all()
+    # e4m3 keeps 3 mantissa bits: each value within 1/16 of itself (the smallest ones within a subnormal step)
+    error = (x_q.float() * scale - x).abs()
+    assert (error <= x.abs() / 16 + scale * 2.0**-9).all()
+
+
+def test_a_static_input_scale_is_used_on_every_row_and_clamps():
+    x = torch.tensor([[1.0, -2.0, 1000.0], [0.5, 0.0, -1000.0]], device=DEVICE)
+    x_q, scale = kernels.quantize_per_token(x, torch.tensor(0.5, device=DEVICE))
+    assert torch.equal(scale, torch.full((2, 1), 0.5, device=DEVICE))
+    assert x_q.float().tolist() == [[2.0, -4.0, 448.0], [1.0, 0.0, -448.0]]
+
+
+def test_fp8_linear_without_fp8_tensor_cores_is_dequantize_then_matmul():
+    if kernels.fp8_supported(DEVICE):
+        pytest.skip("this device has FP8 tensor cores: the CUDA test below covers it")
+    weight, scale = random_fp8(40, 64)
+    x, bias = random_x(3, 64).reshape(1, 3, 64), random_bias(40)
+    expected = F.linear(x, weight.float() * scale[:, None], bias)
+    torch.testing.assert_close(kernels.fp8_linear(x, weight, scale, bias), expected)
+    assert not kernels.fp8_supported(torch.device("cpu"))
+
+
+def test_bad_fp8_inputs_are_refused_by_name():
+    weight, scale = random_fp8(16, 32)
+    x = random_x(2, 32)
+    with pytest.raises(ValueError, match="weight_scale must be \\[16\\]"):
+        kernels.fp8_linear(x, weight, scale[:, None].expand(16, 2), None)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        kernels.fp8_linear(x, weight.float(), scale, None)
+    with pytest.raises(ValueError, match="input_scale must hold one value"):
+        kernels.fp8_linear(x, weight, scale, None, torch.ones(2, device=DEVICE))
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("static", [False, True])
+def test_fp8_scaled_mm_equals_the_emulated_product(dtype, static):
+    if not kernels.fp8_supported(DEVICE):
+        pytest.skip("no FP8 tensor cores on this GPU")
+    weight, scale = random_fp8(96, 128)
+    x, bias = random_x(37, 128, dtype), random_bias(96, dtype)
+    input_scale = torch.tensor(x.float().abs().max().item() / 300, device=DEVICE) if static else None
+    x_q, x_scale = kernels.quantize_per_token(x, input_scale)
+    expected = F.linear(x_q.float() * x_scale, weight.float() * scale[:, None], bias.float())
+    got = kernels.fp8_linear(x, weight, scale, bias, input_scale)
+    assert got.dtype == dtype and got.shape == (37, 96)
+    torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=1e-2)
