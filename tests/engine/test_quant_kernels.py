@@ -98,6 +98,7 @@ DOT_SMALL_K = Variant(block_m=16, block_n=16, block_k=16)  # a group spans sever
         (3, 40, 128, 32, GEMV, False),
         (5, 24, 192, 64, GEMV, True),
         (1, 40, 96, 96, DOT, False),  # per channel
+        (2, 40, 96, 96, GEMV, True),  # per channel, groups and tiles not nested: a scale gathered a weight
         (7, 40, 128, 32, DOT_SPLIT, True),
         (17, 48, 128, 64, DOT, True),
         (19, 24, 96, 32, DOT_SMALL_K, False),
@@ -132,6 +133,7 @@ def test_int4_kernel_in_bfloat16_is_close(variant):
         (1, 40, 128, 128, GEMV_SPLIT, True),
         (3, 24, 128, 64, GEMV, False),
         (9, 40, 96, 96, DOT_SPLIT, True),  # per channel
+        (2, 24, 96, 96, DOT, False),
         (17, 40, 128, 32, DOT_SMALL_K, True),
         (4, 40, 128, 32, GEMV, True),
     ],
@@ -147,14 +149,14 @@ def test_int8_kernel_equals_dequantize_then_matmul(m, n, k, group_size, variant,
 # ---- the dequantize kernel (the large-M path) and the public functions ----
 
 
-@pytest.mark.parametrize("bits, group_size", [(4, 32), (4, 96), (8, 64)])
+@pytest.mark.parametrize("bits, group_size", [(4, 32), (4, 96), (4, 128), (8, 64)])
 def test_the_dequantize_kernel_writes_the_reference_weight(bits, group_size):
     if bits == 4:
-        qweight, scale, zero = random_int4(40, 192, group_size, dtype=torch.bfloat16)
+        qweight, scale, zero = random_int4(40, 384, group_size, dtype=torch.bfloat16)
         expected = dequantize_int4(qweight, scale, zero, group_size)
         got = wo.dequantize(qweight, scale, zero, group_size, 4, torch.bfloat16, block_n=16, block_k=64)
     else:
-        weight, scale = random_int8(40, 192, group_size, dtype=torch.bfloat16)
+        weight, scale = random_int8(40, 384, group_size, dtype=torch.bfloat16)
         expected = dequantize_int8(weight, scale, group_size)
         got = wo.dequantize(weight, scale, None, group_size, 8, torch.bfloat16, block_n=16, block_k=64)
     assert got.dtype == torch.bfloat16
@@ -259,6 +261,8 @@ def test_bad_fp8_inputs_are_refused_by_name():
         kernels.fp8_linear(x, weight, scale[:, None].expand(16, 2), None)
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         kernels.fp8_linear(x, weight.float(), scale, None)
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.fp8_linear(random_x(2, 16), weight.t().contiguous().t()[:, :16], scale, None)
     with pytest.raises(ValueError, match="input_scale must hold one value"):
         kernels.fp8_linear(x, weight, scale, None, torch.ones(2, device=DEVICE))
 

@@ -201,8 +201,11 @@ def _check_bias(bias: torch.Tensor | None, n: int) -> None:
 
 
 def _check_fp8(x, weight, weight_scale, bias, input_scale) -> None:
-    if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2:
-        raise ValueError(f"fp8 weight must be 2-D float8_e4m3fn, got {weight.dtype} {tuple(weight.shape)}")
+    if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2 or not weight.is_contiguous():
+        raise ValueError(
+            f"fp8 weight must be a contiguous 2-D float8_e4m3fn tensor (its transpose is _scaled_mm's column-major "
+            f"operand), got {weight.dtype} {tuple(weight.shape)} strides {weight.stride()}"
+        )
     n, k = weight.shape
     if x.shape[-1] != k:
         raise ValueError(f"x has {x.shape[-1]} input features but the fp8 weight [{n}, {k}] takes {k}")

@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+ONE_GROUP, WHOLE_GROUPS, GATHER = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)  # scale_layout's answers
 
 
 @dataclass(frozen=True)
@@ -68,13 +69,12 @@ def _dequantized_tile(
     stride_z,
     BITS: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
-    ONE_GROUP: tl.constexpr,
+    SCALES: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """[BLOCK_N, BLOCK_K] fp32 weights of output rows `rows`, input columns k0 .. k0 + BLOCK_K (0 past K).
-    ONE_GROUP: the tile lies inside one scale group (GROUP_SIZE a multiple of BLOCK_K, tiles aligned to BLOCK_K),
-    so one scale (and zero) a row is loaded instead of one a weight."""
+    """[BLOCK_N, BLOCK_K] fp32 weights of output rows `rows`, input columns k0 .. k0 + BLOCK_K (0 past K; k0 a
+    multiple of BLOCK_K). SCALES says how the tile meets the scale groups (scale_layout)."""
     row_base = rows.to(tl.int64)[:, None]
     ks = k0 + tl.arange(0, BLOCK_K)
     k_ok = ks < K
@@ -87,20 +87,31 @@ def _dequantized_tile(
     else:
         mask = row_ok[:, None] & k_ok[None, :]
         q = tl.load(w + row_base * stride_w + ks[None, :], mask=mask, other=0).to(tl.float32)
-    if ONE_GROUP:
+    if SCALES == ONE_GROUP:  # one scale (and zero) a row
         group = k0 // GROUP_SIZE
         s = tl.load(scale + rows.to(tl.int64) * stride_s + group, mask=row_ok, other=0.0).to(tl.float32)[:, None]
         if BITS == 4:
             z = tl.load(zero + rows.to(tl.int64) * stride_z + group, mask=row_ok, other=0).to(tl.float32)[:, None]
             q = q - z
-    else:
+        w_tile = q * s
+    elif SCALES == WHOLE_GROUPS:  # BLOCK_K // GROUP_SIZE scales a row, broadcast over their groups
+        groups = k0 // GROUP_SIZE + tl.arange(0, BLOCK_K // GROUP_SIZE)
+        mask = row_ok[:, None] & (groups < K // GROUP_SIZE)[None, :]
+        s = tl.load(scale + row_base * stride_s + groups[None, :], mask=mask, other=0.0).to(tl.float32)
+        q3 = tl.reshape(q, (BLOCK_N, BLOCK_K // GROUP_SIZE, GROUP_SIZE))
+        if BITS == 4:
+            z = tl.load(zero + row_base * stride_z + groups[None, :], mask=mask, other=0).to(tl.float32)
+            q3 = q3 - z[:, :, None]
+        w_tile = tl.reshape(q3 * s[:, :, None], (BLOCK_N, BLOCK_K))
+    else:  # GATHER: groups and tiles do not nest; one scale (and zero) loaded a weight
         groups = (ks // GROUP_SIZE)[None, :]
         mask = row_ok[:, None] & k_ok[None, :]
         s = tl.load(scale + row_base * stride_s + groups, mask=mask, other=0.0).to(tl.float32)
         if BITS == 4:
             z = tl.load(zero + row_base * stride_z + groups, mask=mask, other=0).to(tl.float32)
             q = q - z
-    return q * s
+        w_tile = q * s
+    return w_tile
 
 
 @triton.jit
@@ -122,7 +133,7 @@ def _weight_only_matmul_kernel(
     stride_om,
     BITS: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
-    ONE_GROUP: tl.constexpr,
+    SCALES: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr,
     USE_DOT: tl.constexpr,
@@ -158,7 +169,7 @@ def _weight_only_matmul_kernel(
             stride_z,
             BITS,
             GROUP_SIZE,
-            ONE_GROUP,
+            SCALES,
             BLOCK_N,
             BLOCK_K,
         )
@@ -198,7 +209,7 @@ def _dequantize_kernel(
     stride_o,
     BITS: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
-    ONE_GROUP: tl.constexpr,
+    SCALES: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -207,7 +218,7 @@ def _dequantize_kernel(
     row_ok = rows < N
     k0 = tl.program_id(1) * BLOCK_K
     tile = _dequantized_tile(
-        w, scale, zero, rows, row_ok, k0, K, stride_w, stride_s, stride_z, BITS, GROUP_SIZE, ONE_GROUP, BLOCK_N, BLOCK_K
+        w, scale, zero, rows, row_ok, k0, K, stride_w, stride_s, stride_z, BITS, GROUP_SIZE, SCALES, BLOCK_N, BLOCK_K
     )
     ks = k0 + tl.arange(0, BLOCK_K)
     ptrs = out + rows.to(tl.int64)[:, None] * stride_o + ks[None, :]
@@ -219,8 +230,12 @@ def _zero_arg(zero: torch.Tensor | None, scale: torch.Tensor) -> tuple[torch.Ten
     return (scale, 0) if zero is None else (zero, zero.stride(0))
 
 
-def _one_group(group_size: int, block_k: int) -> bool:
-    return group_size % block_k == 0
+def scale_layout(group_size: int, block_k: int) -> int:
+    """How a BLOCK_K tile (aligned to BLOCK_K) meets the scale groups: inside one, a whole number of them, or
+    neither (a per-channel group of an odd size)."""
+    if group_size % block_k == 0:
+        return ONE_GROUP.value
+    return (WHOLE_GROUPS if block_k % group_size == 0 else GATHER).value
 
 
 def weight_only_matmul(
@@ -269,7 +284,7 @@ def weight_only_matmul(
         out.stride(0),
         BITS=bits,
         GROUP_SIZE=group_size,
-        ONE_GROUP=_one_group(group_size, variant.block_k),
+        SCALES=scale_layout(group_size, variant.block_k),
         HAS_BIAS=bias is not None,
         SPLIT_K=split_k,
         USE_DOT=variant.use_dot,
@@ -313,7 +328,7 @@ def dequantize(
         out.stride(0),
         BITS=bits,
         GROUP_SIZE=group_size,
-        ONE_GROUP=_one_group(group_size, block_k),
+        SCALES=scale_layout(group_size, block_k),
         BLOCK_N=block_n,
         BLOCK_K=block_k,
     )
