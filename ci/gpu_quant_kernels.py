@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from tritonllm.engine.embedded.quant import kernels
+from tritonllm.engine.embedded.quant import fp8_kernel, kernels
 from tritonllm.engine.embedded.quant import weight_only_kernel as wo
 from tritonllm.engine.embedded.quant.weight_only_kernel import Variant
 
@@ -163,6 +163,8 @@ def check_and_time(formats: list[str], ms: tuple[int, ...]) -> None:
                 x_q, x_scale = kernels.quantize_per_token(x)
                 emulated = F.linear(x_q.float() * x_scale, weight["dense"].float())
                 row["rel_err_vs_emulated"] = errors(got, emulated)["rel_err"]
+                row["quantize_us"] = round(timed_us([lambda: fp8_kernel.quantize_rows(x)])[0], 2)
+                row["quantize_torch_us"] = round(timed_us([lambda: kernels.quantize_per_token(x)])[0], 2)
             else:
                 row["variant"] = (
                     str(kernels.choose_variant(m, n, k)) if m <= kernels.SMALL_M else kernels.LARGE_M_STRATEGY

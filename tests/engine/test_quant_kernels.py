@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tritonllm.engine.embedded.quant import kernels
+from tritonllm.engine.embedded.quant import fp8_kernel, kernels
 from tritonllm.engine.embedded.quant import weight_only_kernel as wo
 from tritonllm.engine.embedded.quant.weight_only_kernel import Variant
 
@@ -242,6 +242,26 @@ def test_a_static_input_scale_is_used_on_every_row_and_clamps():
     x_q, scale = kernels.quantize_per_token(x, torch.tensor(0.5, device=DEVICE))
     assert torch.equal(scale, torch.full((2, 1), 0.5, device=DEVICE))
     assert x_q.float().tolist() == [[2.0, -4.0, 448.0], [1.0, 0.0, -448.0]]
+
+
+@pytest.mark.parametrize("m, k, static", [(1, 48, False), (5, 300, False), (3, 5000, False), (4, 300, True)])
+def test_the_triton_activation_quantizer_equals_the_torch_one(m, k, static):
+    """k = 5000: two passes of 4096 columns; x in bf16 as a model would send it; one row all zeros."""
+    x = (random_x(m, k) * 4).to(torch.bfloat16)
+    x[0] = 0
+    input_scale = torch.tensor(0.01, device=DEVICE) if static else None
+    expected_q, expected_scale = kernels.quantize_per_token(x, input_scale)
+    got_q, got_scale = fp8_kernel.quantize_rows(x, input_scale)
+    assert got_q.dtype == torch.float8_e4m3fn and got_q.is_contiguous() and got_scale.shape == (m, 1)
+    torch.testing.assert_close(got_scale, expected_scale, atol=0, rtol=1e-6)
+    got, expected = got_q.float(), expected_q.float()
+    if not CUDA:  # the interpreter's fp8 cast is not the hardware's: it drops the carry of a value rounded up to a
+        # power of two (124.6 -> 64, not 128) and rounds ties away from zero; forgive exactly those
+        dropped = (got * 2 == expected) & (torch.frexp(expected).mantissa.abs() == 0.5)
+        quotient = (x.float() / expected_scale).clamp(-448, 448)
+        tie = (quotient - (got + expected) / 2).abs() <= 1e-6 * quotient.abs()
+        got = torch.where((got != expected) & (dropped | tie), expected, got)
+    assert torch.equal(got, expected)
 
 
 def test_fp8_linear_without_fp8_tensor_cores_is_dequantize_then_matmul():

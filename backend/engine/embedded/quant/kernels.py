@@ -1,9 +1,10 @@
 """Quantized linear layers: y = x W^T + b with W in one of the internal formats (quant design, issue 25).
 
 - fp8_linear: on a GPU with FP8 tensor cores (fp8_supported), x is quantized to float8_e4m3fn per token (its
-  absmax / 448, or the checkpoint's static input_scale) and torch._scaled_mm multiplies with row-wise scales
-  (scale_a [M, 1], scale_b [1, N], fp32). Row-wise scaling is only sure to give bf16 output on every torch and
-  backend (CUTLASS or cuBLAS), so the product and the bias are bf16 and a fp16 / fp32 model casts after.
+  absmax / 448, or the checkpoint's static input_scale; one Triton launch, fp8_kernel.py) and torch._scaled_mm
+  multiplies with row-wise scales (scale_a [M, 1], scale_b [1, N], fp32). Row-wise scaling is only sure to give
+  bf16 output on every torch and backend (CUTLASS or cuBLAS), so the product and the bias are bf16 and a fp16 /
+  fp32 model casts after.
 - int8_linear, int4_linear: Triton kernels (weight_only_kernel.py) that dequantize the weight inside the
   matmul. M <= SMALL_M (decode): a GEMV or a 16-row tl.dot program, split along K when N alone does not fill
   the GPU. Larger M: LARGE_M_STRATEGY, "tiled" (the tl.dot kernel) or "dequantize" (one kernel writes the dense
@@ -20,10 +21,10 @@ import torch
 import torch.nn.functional as F
 
 from . import weight_only_kernel as wo
+from .fp8_kernel import FP8_MAX, MIN_SCALE, quantize_rows
 from .weight_only_kernel import Variant
 
-FP8_MAX = 448.0  # the largest finite float8_e4m3fn
-MIN_FP8_SCALE = 1e-12  # an all-zero row still divides by something
+TRITON_ACTIVATION_QUANT = True  # False: quantize_per_token's torch ops on CUDA too
 
 SMALL_M = 16
 LARGE_M_STRATEGY = "dequantize"  # or "tiled"; ci/gpu_quant_kernels.py times both
@@ -71,7 +72,7 @@ def quantize_per_token(x: torch.Tensor, input_scale: torch.Tensor | None = None)
     the static per-tensor input_scale on every row (values past its range are clamped)."""
     if input_scale is None:
         amax = x.abs().amax(dim=-1, keepdim=True).to(torch.float32)
-        scale = (amax / FP8_MAX).clamp_(min=MIN_FP8_SCALE)
+        scale = (amax / FP8_MAX).clamp_(min=MIN_SCALE)
     else:
         scale = input_scale.to(torch.float32).reshape(1, 1).expand(x.shape[0], 1).contiguous()
     x_q = (x.to(torch.float32) / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
@@ -85,7 +86,7 @@ def _fp8_scaled_mm(
     bias: torch.Tensor | None,
     input_scale: torch.Tensor | None,
 ) -> torch.Tensor:
-    x_q, scale_a = quantize_per_token(x, input_scale)
+    x_q, scale_a = (quantize_rows if TRITON_ACTIVATION_QUANT else quantize_per_token)(x, input_scale)
     out = torch._scaled_mm(
         x_q,
         weight.t(),
