@@ -180,6 +180,16 @@ def test_int4_and_int8_linear_take_any_leading_shape(m):
     torch.testing.assert_close(got8, reference(x, dequantize_int8(weight, scale8, 64), None), atol=1e-4, rtol=1e-4)
 
 
+def test_no_rows_give_no_rows():
+    qweight, scale, zero = random_int4(40, 64, 32)
+    weight, scale8 = random_fp8(32, 64)
+    empty = random_x(0, 64)
+    assert wo.weight_only_matmul(empty, qweight, scale, zero, None, 32, 4, GEMV).shape == (0, 40)
+    assert kernels.int4_linear(empty, qweight, scale, zero, None, 32).shape == (0, 40)
+    assert kernels.fp8_linear(empty.reshape(0, 0, 64), weight, scale8, None).shape == (0, 0, 32)
+    assert fp8_kernel.quantize_rows(empty)[0].shape == (0, 64)
+
+
 def test_the_private_dequantizers_equal_the_tests():
     qweight, scale, zero = random_int4(24, 64, 32, dtype=torch.bfloat16)
     assert torch.equal(kernels._dequantize_int4(qweight, scale, zero, 32), dequantize_int4(qweight, scale, zero, 32))
@@ -211,6 +221,8 @@ def test_bad_quantized_inputs_are_refused_by_name():
         kernels.int8_linear(x, qweight, scale, None, 32)
     with pytest.raises(ValueError, match="bias must be \\[8\\]"):
         kernels.int4_linear(x, qweight, scale, zero, random_bias(9), 32)
+    with pytest.raises(ValueError, match="in x's dtype torch.float32, got torch.bfloat16"):
+        kernels.int4_linear(x, qweight, scale, zero, random_bias(8, torch.bfloat16), 32)
     with pytest.raises(ValueError, match="block_n must be a power of two"):
         Variant(block_m=1, block_n=24, block_k=32, use_dot=False)
 

@@ -110,7 +110,7 @@ def fp8_linear(
     _check_fp8(x, weight, weight_scale, bias, input_scale)
     x2d = _rows(x)
     n, k = weight.shape
-    if fp8_supported(x.device) and k % 16 == 0 and n % 16 == 0:
+    if fp8_supported(x.device) and k % 16 == 0 and n % 16 == 0 and x2d.shape[0] > 0:
         out = _fp8_scaled_mm(x2d, weight, weight_scale, bias, input_scale)
     else:
         out = F.linear(x2d, _dequantize_fp8(weight, weight_scale, x.dtype), bias)
@@ -196,9 +196,11 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x2d if x2d.stride(-1) == 1 and (x2d.shape[0] <= 1 or x2d.stride(0) == x2d.shape[1]) else x2d.contiguous()
 
 
-def _check_bias(bias: torch.Tensor | None, n: int) -> None:
-    if bias is not None and bias.shape != (n,):
-        raise ValueError(f"bias must be [{n}] (one per output row), got {tuple(bias.shape)}")
+def _check_bias(bias: torch.Tensor | None, n: int, dtype: torch.dtype) -> None:
+    if bias is not None and (bias.shape != (n,) or bias.dtype != dtype):
+        raise ValueError(
+            f"bias must be [{n}] (one per output row) in x's dtype {dtype}, got {bias.dtype} {tuple(bias.shape)}"
+        )
 
 
 def _check_fp8(x, weight, weight_scale, bias, input_scale) -> None:
@@ -214,7 +216,7 @@ def _check_fp8(x, weight, weight_scale, bias, input_scale) -> None:
         raise ValueError(f"fp8 weight_scale must be [{n}] (one per output row), got {tuple(weight_scale.shape)}")
     if input_scale is not None and input_scale.numel() != 1:
         raise ValueError(f"fp8 input_scale must hold one value (per tensor), got {tuple(input_scale.shape)}")
-    _check_bias(bias, n)
+    _check_bias(bias, n, x.dtype)
 
 
 def _check_weight_only(x, weight, scale, zero, bias, group_size: int, bits: int) -> None:
@@ -239,4 +241,4 @@ def _check_weight_only(x, weight, scale, zero, bias, group_size: int, bits: int)
     for tensor_name, tensor in (("weight", weight), ("weight_scale", scale), ("weight_zero", zero)):
         if tensor is not None and tensor.stride(-1) != 1:
             raise ValueError(f"{name} {tensor_name} must have a contiguous last dimension")
-    _check_bias(bias, n)
+    _check_bias(bias, n, x.dtype)
