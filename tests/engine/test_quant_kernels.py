@@ -166,18 +166,26 @@ def test_the_dequantize_kernel_writes_the_reference_weight(bits, group_size):
         torch.testing.assert_close(got, expected, atol=0, rtol=2**-7)
 
 
+@pytest.mark.parametrize("strategy", ["dequantize", "tiled"])
 @pytest.mark.parametrize("m", [1, 6, 23])
-def test_int4_and_int8_linear_take_any_leading_shape(m):
+def test_int4_and_int8_linear_take_any_leading_shape(m, strategy, monkeypatch):
+    """2 m rows: a GEMV (2), a 16-row dot split along K (12) and the large-M strategy (46) on the Triton path."""
+    monkeypatch.setattr(kernels, "LARGE_M_STRATEGY", strategy)
     qweight, scale, zero = random_int4(40, 128, 64)
     weight, scale8 = random_int8(40, 128, 64)
     x, bias = random_x(m * 2, 128).reshape(2, m, 128), random_bias(40)
-    got4 = kernels.int4_linear(x, qweight, scale, zero, bias, 64)
-    got8 = kernels.int8_linear(x, weight, scale8, None, 64)
-    assert got4.shape == got8.shape == (2, m, 40)
-    torch.testing.assert_close(
-        got4, reference(x, dequantize_int4(qweight, scale, zero, 64), bias), atol=1e-4, rtol=1e-4
-    )
-    torch.testing.assert_close(got8, reference(x, dequantize_int8(weight, scale8, 64), None), atol=1e-4, rtol=1e-4)
+    expected4 = reference(x, dequantize_int4(qweight, scale, zero, 64), bias)
+    expected8 = reference(x, dequantize_int8(weight, scale8, 64), None)
+    for got4, got8 in (
+        (kernels.int4_linear(x, qweight, scale, zero, bias, 64), kernels.int8_linear(x, weight, scale8, None, 64)),
+        (  # the Triton path itself, on CPU too
+            kernels.weight_only_triton(x, qweight, scale, zero, bias, 64, bits=4),
+            kernels.weight_only_triton(x, weight, scale8, None, None, 64, bits=8),
+        ),
+    ):
+        assert got4.shape == got8.shape == (2, m, 40)
+        torch.testing.assert_close(got4, expected4, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got8, expected8, atol=1e-4, rtol=1e-4)
 
 
 def test_no_rows_give_no_rows():

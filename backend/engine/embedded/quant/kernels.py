@@ -127,7 +127,7 @@ def int8_linear(
     _check_weight_only(x, weight, weight_scale, None, bias, group_size, bits=8)
     if x.device.type != "cuda":
         return F.linear(x, _dequantize_int8(weight, weight_scale, group_size), bias)
-    return _weight_only_cuda(x, weight, weight_scale, None, bias, group_size, bits=8)
+    return weight_only_triton(x, weight, weight_scale, None, bias, group_size, bits=8)
 
 
 def int4_linear(
@@ -143,7 +143,7 @@ def int4_linear(
     _check_weight_only(x, qweight, weight_scale, weight_zero, bias, group_size, bits=4)
     if x.device.type != "cuda":
         return F.linear(x, _dequantize_int4(qweight, weight_scale, weight_zero, group_size), bias)
-    return _weight_only_cuda(x, qweight, weight_scale, weight_zero, bias, group_size, bits=4)
+    return weight_only_triton(x, qweight, weight_scale, weight_zero, bias, group_size, bits=4)
 
 
 def choose_variant(m: int, n: int, k: int) -> Variant:
@@ -168,7 +168,7 @@ def _with_split_k(variant: Variant, n: int, k: int) -> Variant:
     return Variant(**{**variant.__dict__, "split_k": split})
 
 
-def _weight_only_cuda(
+def weight_only_triton(
     x: torch.Tensor,
     weight: torch.Tensor,
     scale: torch.Tensor,
@@ -177,6 +177,7 @@ def _weight_only_cuda(
     group_size: int,
     bits: int,
 ) -> torch.Tensor:
+    """The Triton path of int8_linear / int4_linear (CUDA's; tests also run it on CPU, through the interpreter)."""
     x2d = _rows(x)
     m, k = x2d.shape
     n = weight.shape[0]

@@ -114,7 +114,9 @@ def _dequantized_tile(
     return w_tile
 
 
-@triton.jit
+# M (the step's rows) is not specialised on: Triton compiles a variant for M == 1 and for M % 16 == 0 otherwise,
+# which would recompile mid-run as batches vary (the decode variants are picked from M already).
+@triton.jit(do_not_specialize=["M"])
 def _weight_only_matmul_kernel(
     x,
     w,
