@@ -5,6 +5,9 @@ quantizer on CPU and torch._scaled_mm on CUDA only. The kernels run on TRITONLLM
 in Triton's interpreter on CPU (tiny shapes: it is slow)."""
 
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -233,6 +236,19 @@ def test_bad_quantized_inputs_are_refused_by_name():
         kernels.int4_linear(x, qweight, scale, zero, random_bias(8, torch.bfloat16), 32)
     with pytest.raises(ValueError, match="block_n must be a power of two"):
         Variant(block_m=1, block_n=24, block_k=32, use_dot=False)
+
+
+# ---- compiled for an H200 without one: what the interpreter does not check (constexpr globals, layouts, PTX) ----
+
+
+def test_the_kernels_compile_for_sm90():
+    """quant_sm90_compile.py runs Triton's whole pipeline down to a cubin (its bundled ptxas) for compute
+    capability 9.0, in a process of its own: here the kernels are the interpreter's."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("quant_sm90_compile.py")
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("compiled") == 6, done.stdout
 
 
 # ---- FP8 ----

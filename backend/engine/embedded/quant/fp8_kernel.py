@@ -11,6 +11,7 @@ import triton.language as tl
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 MIN_SCALE = 1e-12  # an all-zero row still divides by something
 MAX_BLOCK = 4096
+_FP8_MAX, _MIN_SCALE = tl.constexpr(FP8_MAX), tl.constexpr(MIN_SCALE)  # what a kernel may read of the module
 
 
 @triton.jit
@@ -27,12 +28,12 @@ def _quantize_rows_kernel(x, out, scales, static_scale, K, stride_x, STATIC: tl.
             cols = k0 + tl.arange(0, BLOCK)
             values = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(values))
-        scale = tl.maximum(tl.max(amax, axis=0) / FP8_MAX, MIN_SCALE)
+        scale = tl.maximum(tl.max(amax, axis=0) / _FP8_MAX, _MIN_SCALE)
     tl.store(scales + row, scale)
     for k0 in range(0, K, BLOCK):
         cols = k0 + tl.arange(0, BLOCK)
         values = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
-        q = tl.clamp(tl.div_rn(values, scale), -FP8_MAX, FP8_MAX)
+        q = tl.clamp(tl.div_rn(values, scale), -_FP8_MAX, _FP8_MAX)
         tl.store(out + row * K + cols, q.to(out.dtype.element_ty), mask=cols < K)
 
 
