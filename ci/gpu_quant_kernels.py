@@ -204,60 +204,60 @@ def sweep_variants(m: int) -> list[Variant | str]:
     return found
 
 
+def time_variant(variant: Variant | str, x: torch.Tensor, weight: dict, rotation: list[dict]) -> tuple[float, float]:
+    """(microseconds a call, relative error against the bf16 product)."""
+    err = errors(call_variant(variant, x, weight["args"]), F.linear(x, weight["dense"]))["rel_err"]
+    calls = [lambda a=a: call_variant(variant, x, a) for a in rotation]
+    return timed_us(calls, min_calls=16 if x.shape[0] >= 256 else 48, repeats=5)[0], err
+
+
+def sweep_shape(fmt: str, name: str, m: int, weight: dict, rotation: list[dict], totals: dict) -> None:
+    """Every variant at one (shape, M): a `sweep` line each, then the shape's `best`; adds to totals[variant]."""
+    n, k = SHAPES[name]
+    x = torch.randn(m, k, device=DEVICE, dtype=DTYPE)
+    dense_us = bf16_us(weight["dense"], x)
+    totals.setdefault("bf16", []).append(dense_us)
+    best: tuple[float, str] | None = None
+    for variant in sweep_variants(m):
+        try:
+            us, err = time_variant(variant, x, weight, rotation)
+        except Exception as error:  # a shape that does not compile or launch (registers, shared memory)
+            emit(kind="sweep-error", format=fmt, shape=name, m=m, variant=str(variant), error=repr(error)[:200])
+            continue
+        emit(kind="sweep", format=fmt, shape=name, m=m, variant=str(variant), us=round(us, 2), rel_err=err)
+        if err < 2e-2:
+            totals.setdefault(str(variant), []).append(us)
+            best = min(best or (us, str(variant)), (us, str(variant)))
+    summary = None if best is None else {"variant": best[1], "us": round(best[0], 2)}
+    emit(kind="best", format=fmt, shape=name, m=m, bf16_us=round(dense_us, 2), best=summary)
+
+
 def sweep(formats: list[str], ms: tuple[int, ...]) -> None:
+    """Per format and M, the variants on every shape; then `best-overall`: the variant of the least total time
+    over the shapes (one choose_variant entry), beside bf16's total."""
     generator = torch.Generator(device=DEVICE).manual_seed(0)
     for fmt in [f for f in formats if f != "fp8"]:
+        totals: dict[int, dict[str, list[float]]] = {m: {} for m in ms}
         for name, (n, k) in SHAPES.items():
             weight = quantized(fmt, n, k, generator)
             rotation = copies(weight["args"])
             for m in ms:
-                x = torch.randn(m, k, device=DEVICE, dtype=DTYPE, generator=generator)
-                expected = F.linear(x, weight["dense"])
-                dense_us = bf16_us(weight["dense"], x)
-                results = []
-                for variant in sweep_variants(m):
-                    try:
-                        err = errors(call_variant(variant, x, weight["args"]), expected)["rel_err"]
-                        us, _ = timed_us(
-                            [lambda a=a: call_variant(variant, x, a) for a in rotation],
-                            min_calls=16 if m >= 256 else 48,
-                            repeats=5,
-                        )
-                    except Exception as error:  # a shape that does not compile (registers, shared memory)
-                        emit(
-                            kind="sweep-error",
-                            format=fmt,
-                            shape=name,
-                            m=m,
-                            variant=str(variant),
-                            error=repr(error)[:200],
-                        )
-                        continue
-                    results.append((us, str(variant), err))
-                    emit(
-                        kind="sweep",
-                        format=fmt,
-                        shape=name,
-                        m=m,
-                        variant=str(variant),
-                        us=round(us, 2),
-                        bf16_us=round(dense_us, 2),
-                        rel_err=err,
-                    )
-                if results:
-                    best = min(r for r in results if r[2] < 2e-2) if any(r[2] < 2e-2 for r in results) else None
-                    emit(
-                        kind="best",
-                        format=fmt,
-                        shape=name,
-                        m=m,
-                        bf16_us=round(dense_us, 2),
-                        best=None
-                        if best is None
-                        else {"variant": best[1], "us": round(best[0], 2), "speedup": round(dense_us / best[0], 2)},
-                    )
+                sweep_shape(fmt, name, m, weight, rotation, totals[m])
             del weight, rotation
             torch.cuda.empty_cache()
+        for m, per_variant in totals.items():
+            complete = {v: sum(t) for v, t in per_variant.items() if len(t) == len(SHAPES) and v != "bf16"}
+            best = min(complete, key=complete.__getitem__) if complete else None
+            bf16_total = sum(per_variant.get("bf16", []))
+            emit(
+                kind="best-overall",
+                format=fmt,
+                m=m,
+                variant=best,
+                total_us=None if best is None else round(complete[best], 2),
+                bf16_total_us=round(bf16_total, 2),
+                speedup=None if best is None else round(bf16_total / complete[best], 2),
+            )
 
 
 def main() -> int:
