@@ -337,3 +337,40 @@ def test_fp8_scaled_mm_equals_the_emulated_product(dtype, static):
     got = kernels.fp8_linear(x, weight, scale, bias, input_scale)
     assert got.dtype == dtype and got.shape == (37, 96)
     torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=1e-2)
+
+
+@cuda_only
+@pytest.mark.parametrize("fmt", ["int4", "int8", "fp8"])
+def test_the_quantized_linears_replay_in_a_cuda_graph(fmt):
+    """Decode runs in CUDA graphs: captured once (split-K's zeroed buffer, the activation quantizer and all), replayed
+    on new inputs."""
+    if fmt == "fp8" and not kernels.fp8_supported(DEVICE):
+        pytest.skip("no FP8 tensor cores on this GPU")
+    if fmt == "int4":
+        qweight, scale, zero = random_int4(4096, 256, 128, dtype=torch.bfloat16)
+
+        def linear(x):
+            return kernels.int4_linear(x, qweight, scale, zero, None, 128)
+    elif fmt == "int8":
+        weight, scale = random_int8(4096, 256, 256, dtype=torch.bfloat16)
+
+        def linear(x):
+            return kernels.int8_linear(x, weight, scale, None, 256)
+    else:
+        weight8, scale8 = random_fp8(4096, 256)
+
+        def linear(x):
+            return kernels.fp8_linear(x, weight8, scale8, None)
+
+    static_x = random_x(1, 256, torch.bfloat16)
+    linear(static_x)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = linear(static_x)
+    outputs = []
+    for seed in (5, 6):
+        static_x.copy_(random_x(1, 256, torch.bfloat16, seed=seed))
+        graph.replay()
+        torch.testing.assert_close(static_out, linear(static_x), atol=1e-3, rtol=1e-2)  # split-K adds in any order
+        outputs.append(static_out.clone())
+    assert not torch.equal(outputs[0], outputs[1])
