@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine run (the `device` tool): puts the working tree's package on PYTHONPATH (the machine has torch,
 # triton and transformers but no venv of ours), then runs what the arguments name, each logged under $OUT.
-#   bash ci/gpu_session.sh kernels|fused|window|guided|parity|features|bench-quick|bench-guided|bench-accuracy|moe-kernel|moe-sweep|families|bench-mixtral|bench-quant|quant-kernels|quant|quant-load|bench-qwen3|profile|profile-1 ...
+#   bash ci/gpu_session.sh kernels|fused|window|guided|parity|features|bench-quick|bench-guided|bench-accuracy|moe-kernel|moe-sweep|families|bench-mixtral|bench-quant|quant|quant-load|quant-tests|quant-kernels|quant-sweep-decode|quant-sweep-prefill|bench-qwen3|profile|profile-1 ...
 # Used by hand for the GPU figures in docs/benchmarks.md; CI never runs it (no GPU there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -83,6 +83,15 @@ for what in "$@"; do
     moe-kernel) python3 ci/gpu_moe_kernel.py 2>&1 | tee -a "$OUT/moe-kernel.jsonl" ;;
     moe-sweep) python3 ci/gpu_moe_kernel.py --sweep 2>&1 | tee -a "$OUT/moe-sweep.jsonl" ;;
     quant-load) python3 ci/gpu_quant.py "${QUANT_SHAPE:-llama-3.1-8b}" 2>&1 | tee -a "$OUT/quant-load.jsonl" ;;
+    quant-tests) run_tests tests/engine/test_quant_kernels.py ;;
+    quant-kernels)  # the default paths checked and timed against bf16; QUANT_ARGS e.g. "--formats int4 --ms 1,8"
+      python3 ci/gpu_quant_kernels.py ${QUANT_ARGS:-} 2>&1 | tee -a "$OUT/quant-kernels.jsonl" ;;
+    quant-sweep-decode)  # the program shapes at M = 1 and 8 (some 100 compiles a format: a few minutes)
+      python3 ci/gpu_quant_kernels.py --sweep --ms 1,8 --formats "${QUANT_FORMATS:-int4,int8}" 2>&1 \
+        | tee -a "$OUT/quant-sweep.jsonl" | grep -v '"sweep"' ;;
+    quant-sweep-prefill)  # the tiled shapes against dequantize + F.linear at M = 64, 256, 2048
+      python3 ci/gpu_quant_kernels.py --sweep --ms 64,256,2048 --formats "${QUANT_FORMATS:-int4,int8}" 2>&1 \
+        | tee -a "$OUT/quant-sweep.jsonl" | grep -v '"sweep"' ;;
     families) run_tests tests/engine/test_moe.py tests/engine/test_phi3.py ${FAMILY_TESTS:-} ;;
     bench-mixtral)
       bench "mixtral-8x7b 256x128/128" --model "$(shape mixtral-8x7b)" --requests 256 --min-prompt 128 --max-prompt 128 --min-output 128 --max-output 128 --max-batch-size 256 --warmup --baseline none ;;
@@ -101,7 +110,6 @@ for what in "$@"; do
           fp8-1) bench "llama-3.1-8b fp8+fp8kv 1x128/128" --model "$l" --config /tmp/fp8.yaml "${one[@]}" ;;
         esac
       done ;;
-    quant-kernels) python3 ci/gpu_quant_kernels.py 2>&1 | tee -a "$OUT/quant-kernels.jsonl" ;;
     quant) run_tests tests/engine/test_quant*.py ${QUANT_TESTS:-} ;;
     bench-qwen3)
       bench "qwen3 nano" --model "$(shape qwen3-0.6b)" --workload nano --warmup --baseline none ;;

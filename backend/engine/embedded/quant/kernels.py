@@ -1,43 +1,115 @@
-"""Quantized matmuls over the internal formats (formats.py).
+"""Quantized linear layers: y = x W^T + b with W in one of the internal formats (quant design, issue 25).
 
-This is the portable path only: dequantize, then F.linear, on any device. The Triton kernels and the FP8
-`torch._scaled_mm` path of the qkern branch replace this file with the same functions and signatures."""
+- fp8_linear: on a GPU with FP8 tensor cores (fp8_supported), x is quantized to float8_e4m3fn per token (its
+  absmax / 448, or the checkpoint's static input_scale; one Triton launch, fp8_kernel.py) and torch._scaled_mm
+  multiplies with row-wise scales (scale_a [M, 1], scale_b [1, N], fp32). Row-wise scaling is only sure to give
+  bf16 output on every torch and backend (CUTLASS or cuBLAS), so the product and the bias are bf16 and a fp16 /
+  fp32 model casts after.
+- int8_linear, int4_linear: Triton kernels (weight_only_kernel.py) that dequantize the weight inside the
+  matmul. M <= SMALL_M (decode): a GEMV or a 16-row tl.dot program, split along K when N alone does not fill
+  the GPU. Larger M: LARGE_M_STRATEGY, "tiled" (the tl.dot kernel) or "dequantize" (one kernel writes the dense
+  weight into a scratch buffer, then F.linear).
+Anywhere else (CPU, an older GPU, shapes _scaled_mm refuses) each falls back to the portable path: dequantize the
+weight into x's dtype, then F.linear.
+"""
 
 from __future__ import annotations
 
-from typing import Optional
+import functools
 
 import torch
 import torch.nn.functional as F
 
-from .formats import FP8_DTYPE, FP8_MAX, dequantize_fp8, dequantize_int4, dequantize_int8
+from . import weight_only_kernel as wo
+from .formats import dequantize_fp8, dequantize_int4, dequantize_int8
+from .fp8_kernel import FP8_MAX, MIN_SCALE, quantize_rows
+from .weight_only_kernel import Variant
+
+TRITON_ACTIVATION_QUANT = True  # False: quantize_per_token's torch ops on CUDA too
+
+SMALL_M = 16
+LARGE_M_STRATEGY = "dequantize"  # or "tiled"; ci/gpu_quant_kernels.py times both
+NUM_SMS = 132  # an H200; split-K aims for two programs an SM
+
+
+# ---- FP8 ------------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def _fp8_capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index) >= (8, 9)
 
 
 def fp8_supported(device: torch.device) -> bool:
-    """FP8 matmuls need compute capability >= 8.9 and torch._scaled_mm."""
+    """FP8 tensor cores (compute capability 8.9: Ada, Hopper and later) and a torch with _scaled_mm."""
     if device.type != "cuda" or not hasattr(torch, "_scaled_mm"):
         return False
-    return torch.cuda.get_device_capability(device) >= (8, 9)
+    return _fp8_capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def quantize_per_token(x: torch.Tensor, input_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (float8_e4m3fn [M, K], fp32 scales [M, 1]) with x ~ x_q * scale: each row's absmax / 448, or
+    the static per-tensor input_scale on every row (values past its range are clamped)."""
+    if input_scale is None:
+        amax = x.abs().amax(dim=-1, keepdim=True).to(torch.float32)
+        scale = (amax / FP8_MAX).clamp_(min=MIN_SCALE)
+    else:
+        scale = input_scale.to(torch.float32).reshape(1, 1).expand(x.shape[0], 1).contiguous()
+    x_q = (x.to(torch.float32) / scale).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return x_q, scale
+
+
+def _fp8_scaled_mm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    input_scale: torch.Tensor | None,
+) -> torch.Tensor:
+    x_q, scale_a = (quantize_rows if TRITON_ACTIVATION_QUANT else quantize_per_token)(x, input_scale)
+    out = torch._scaled_mm(
+        x_q,
+        weight.t(),
+        scale_a=scale_a,
+        scale_b=weight_scale.to(torch.float32).reshape(1, -1),
+        bias=None if bias is None else bias.to(torch.bfloat16),
+        out_dtype=torch.bfloat16,
+    )
+    return out if x.dtype == torch.bfloat16 else out.to(x.dtype)
 
 
 def fp8_linear(
     x: torch.Tensor,
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
-    bias: Optional[torch.Tensor],
-    input_scale: Optional[torch.Tensor] = None,
+    bias: torch.Tensor | None,
+    input_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """y = (x_q * x_scale) @ (w * w_scale)^T in x's dtype; x quantized per token (dynamic) or with `input_scale`."""
-    x_q, x_scale = _quantize_activations(x, input_scale)
-    dense = dequantize_fp8(weight, weight_scale)
-    out = F.linear(x_q.to(torch.float32) * x_scale, dense)
-    return (out if bias is None else out + bias.to(torch.float32)).to(x.dtype)
+    """x [..., K] times weight float8_e4m3fn [N, K] with weight_scale fp32 [N] (per output row); input_scale a
+    static fp32 activation scale (one element) or None (dynamic, per token). Returns [..., N] in x's dtype."""
+    _check_fp8(x, weight, weight_scale, bias, input_scale)
+    x2d = _rows(x)
+    n, k = weight.shape
+    if fp8_supported(x.device) and k % 16 == 0 and n % 16 == 0 and x2d.shape[0] > 0:
+        out = _fp8_scaled_mm(x2d, weight, weight_scale, bias, input_scale)
+    else:  # the same product in fp32, activations quantized as the GPU's are (so CPU accuracy figures are honest)
+        x_q, scale_a = quantize_per_token(x2d, input_scale)
+        out = F.linear(x_q.to(torch.float32) * scale_a, dequantize_fp8(weight, weight_scale))
+        out = (out if bias is None else out + bias.to(torch.float32)).to(x.dtype)
+    return out.reshape(*x.shape[:-1], n)
+
+
+# ---- weight-only int8 / int4 ----------------------------------------------------------------------------------
 
 
 def int8_linear(
-    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: Optional[torch.Tensor], group_size: int
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, bias: torch.Tensor | None, group_size: int
 ) -> torch.Tensor:
-    return F.linear(x, dequantize_int8(weight, weight_scale, group_size).to(x.dtype), bias)
+    """x [..., K] times weight int8 [N, K] with weight_scale [N, K // group_size] in x's dtype. [..., N]."""
+    _check_weight_only(x, weight, weight_scale, None, bias, group_size, bits=8)
+    if x.device.type != "cuda":
+        return F.linear(x, dequantize_int8(weight, weight_scale, group_size), bias)
+    return weight_only_triton(x, weight, weight_scale, None, bias, group_size, bits=8)
 
 
 def int4_linear(
@@ -45,18 +117,111 @@ def int4_linear(
     qweight: torch.Tensor,
     weight_scale: torch.Tensor,
     weight_zero: torch.Tensor,
-    bias: Optional[torch.Tensor],
+    bias: torch.Tensor | None,
     group_size: int,
 ) -> torch.Tensor:
-    dense = dequantize_int4(qweight, weight_scale, weight_zero, group_size)
-    return F.linear(x, dense.to(x.dtype), bias)
+    """x [..., K] times qweight uint8 [N, K // 2] (two columns a byte, low nibble even) with weight_scale
+    [N, K // group_size] in x's dtype and weight_zero uint8 of the same shape: w = (q - zero) * scale. [..., N]."""
+    _check_weight_only(x, qweight, weight_scale, weight_zero, bias, group_size, bits=4)
+    if x.device.type != "cuda":
+        return F.linear(x, dequantize_int4(qweight, weight_scale, weight_zero, group_size), bias)
+    return weight_only_triton(x, qweight, weight_scale, weight_zero, bias, group_size, bits=4)
 
 
-def _quantize_activations(x: torch.Tensor, input_scale: Optional[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """x as fp8 with its scale: one static scalar, or one scale per token (row)."""
-    dense = x.to(torch.float32)
-    if input_scale is not None:
-        scale = input_scale.to(torch.float32).reshape(1, 1)
+def choose_variant(m: int, n: int, k: int) -> Variant:
+    """The program shape for an [m, k] x [k, n] product; defaults until ci/gpu_quant_kernels.py's timings."""
+    if m <= 4:
+        block_m = 1 << (m - 1).bit_length()
+        variant = Variant(block_m=block_m, block_n=32, block_k=128 if block_m <= 2 else 64, use_dot=False)
+    elif m <= SMALL_M:
+        variant = Variant(block_m=16, block_n=64, block_k=128)
+    elif m <= 64:
+        return Variant(block_m=32, block_n=64, block_k=64)
     else:
-        scale = (dense.abs().amax(dim=-1, keepdim=True) / FP8_MAX).clamp(min=1e-12)
-    return (dense / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE), scale
+        return Variant(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
+    return _with_split_k(variant, n, k)
+
+
+def _with_split_k(variant: Variant, n: int, k: int) -> Variant:
+    """Split K until the column blocks times the slices make about two programs an SM."""
+    column_blocks = -(-n // variant.block_n)
+    k_tiles = -(-k // variant.block_k)
+    split = max(1, min(8, (2 * NUM_SMS) // column_blocks, k_tiles))
+    return Variant(**{**variant.__dict__, "split_k": split})
+
+
+def weight_only_triton(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    group_size: int,
+    bits: int,
+) -> torch.Tensor:
+    """The Triton path of int8_linear / int4_linear (CUDA's; tests also run it on CPU, through the interpreter)."""
+    x2d = _rows(x)
+    m, k = x2d.shape
+    n = weight.shape[0]
+    if m > SMALL_M and LARGE_M_STRATEGY == "dequantize":
+        out = F.linear(x2d, wo.dequantize(weight, scale, zero, group_size, bits, x.dtype), bias)
+    else:
+        out = wo.weight_only_matmul(x2d, weight, scale, zero, bias, group_size, bits, choose_variant(m, n, k))
+    return out.reshape(*x.shape[:-1], n)
+
+
+# ---- inputs ---------------------------------------------------------------------------------------------------
+
+
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x as [rows, K] with a contiguous last dimension (the kernels' and _scaled_mm's layout)."""
+    x2d = x.reshape(-1, x.shape[-1])
+    return x2d if x2d.stride(-1) == 1 and (x2d.shape[0] <= 1 or x2d.stride(0) == x2d.shape[1]) else x2d.contiguous()
+
+
+def _check_bias(bias: torch.Tensor | None, n: int, dtype: torch.dtype) -> None:
+    if bias is not None and (bias.shape != (n,) or bias.dtype != dtype):
+        raise ValueError(
+            f"bias must be [{n}] (one per output row) in x's dtype {dtype}, got {bias.dtype} {tuple(bias.shape)}"
+        )
+
+
+def _check_fp8(x, weight, weight_scale, bias, input_scale) -> None:
+    if weight.dtype != torch.float8_e4m3fn or weight.dim() != 2 or not weight.is_contiguous():
+        raise ValueError(
+            f"fp8 weight must be a contiguous 2-D float8_e4m3fn tensor (its transpose is _scaled_mm's column-major "
+            f"operand), got {weight.dtype} {tuple(weight.shape)} strides {weight.stride()}"
+        )
+    n, k = weight.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} input features but the fp8 weight [{n}, {k}] takes {k}")
+    if weight_scale.shape != (n,):
+        raise ValueError(f"fp8 weight_scale must be [{n}] (one per output row), got {tuple(weight_scale.shape)}")
+    if input_scale is not None and input_scale.numel() != 1:
+        raise ValueError(f"fp8 input_scale must hold one value (per tensor), got {tuple(input_scale.shape)}")
+    _check_bias(bias, n, x.dtype)
+
+
+def _check_weight_only(x, weight, scale, zero, bias, group_size: int, bits: int) -> None:
+    name = f"int{bits}"
+    wanted = torch.uint8 if bits == 4 else torch.int8
+    if weight.dtype != wanted or weight.dim() != 2:
+        raise ValueError(f"{name} weight must be 2-D {wanted}, got {weight.dtype} {tuple(weight.shape)}")
+    n, k = weight.shape[0], weight.shape[1] * (2 if bits == 4 else 1)
+    if x.shape[-1] != k:
+        raise ValueError(f"x has {x.shape[-1]} input features but the {name} weight takes {k}")
+    if x.dtype not in wo.DTYPES:
+        raise ValueError(f"x must be one of {wo.DTYPES}, got {x.dtype}")
+    if group_size <= 0 or k % group_size:
+        raise ValueError(f"{name} group_size must divide the {k} input features, got {group_size}")
+    groups = (n, k // group_size)
+    if scale.shape != groups or scale.dtype != x.dtype:
+        raise ValueError(
+            f"{name} weight_scale must be {list(groups)} in x's dtype {x.dtype}, got {scale.dtype} {tuple(scale.shape)}"
+        )
+    if zero is not None and (zero.shape != groups or zero.dtype != torch.uint8):
+        raise ValueError(f"int4 weight_zero must be uint8 {list(groups)}, got {zero.dtype} {tuple(zero.shape)}")
+    for tensor_name, tensor in (("weight", weight), ("weight_scale", scale), ("weight_zero", zero)):
+        if tensor is not None and tensor.stride(-1) != 1:
+            raise ValueError(f"{name} {tensor_name} must have a contiguous last dimension")
+    _check_bias(bias, n, x.dtype)

@@ -1,0 +1,283 @@
+"""The quantized matmuls (quant/kernels.py) on one GPU, on Llama-3.1-8B's projections in bf16: each checked against
+F.linear of the dequantized weight (fp8 also against its emulated product) and timed against the bf16 F.linear at
+several M. `--sweep` times the kernel's program shapes (quant/weight_only_kernel.Variant) and the large-M
+strategies instead, so that one GPU call picks the defaults of kernels.choose_variant. JSON lines on stdout.
+
+Times are CUDA-graph replays (decode runs in graphs; eager launches would time the host), over enough copies of
+each weight to overflow the 50 MB L2, so they are memory-bound where they should be; the median of repeats.
+Run by `bash ci/gpu_session.sh quant-kernels` or `quant-sweep`; CI never runs it (no GPU there)."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import statistics
+import sys
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from tritonllm.engine.embedded.quant import fp8_kernel, kernels
+from tritonllm.engine.embedded.quant import weight_only_kernel as wo
+from tritonllm.engine.embedded.quant.weight_only_kernel import Variant
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
+MS = (1, 8, 64, 256, 2048)
+GROUP_SIZE = 128
+ROTATE_BYTES = 256 << 20  # the copies of a weight that one timing cycles through: 5x the L2
+DTYPE = torch.bfloat16
+DEVICE = torch.device("cuda")
+
+
+def emit(**row) -> None:
+    print(json.dumps(row), flush=True)
+
+
+# ---- weights ----
+
+
+def quantized(fmt: str, n: int, k: int, generator: torch.Generator) -> dict:
+    """Random weights of one format on the GPU, with the dense bf16 weight they stand for."""
+    dev = DEVICE
+    if fmt == "int4":
+        q = torch.randint(0, 256, (n, k // 2), device=dev, dtype=torch.uint8, generator=generator)
+        scale = (torch.rand(n, k // GROUP_SIZE, device=dev, generator=generator) * 0.004 + 0.001).to(DTYPE)
+        zero = torch.randint(0, 16, (n, k // GROUP_SIZE), device=dev, dtype=torch.uint8, generator=generator)
+        args = dict(qweight=q, weight_scale=scale, weight_zero=zero, group_size=GROUP_SIZE)
+        dense = kernels._dequantize_int4(q, scale, zero, GROUP_SIZE)
+    elif fmt == "int8":  # per channel, as TensorRT-LLM's W8A16
+        w = torch.randint(-128, 128, (n, k), device=dev, dtype=torch.int8, generator=generator)
+        scale = (torch.rand(n, 1, device=dev, generator=generator) * 2e-4 + 5e-5).to(DTYPE)
+        args = dict(weight=w, weight_scale=scale, group_size=k)
+        dense = kernels._dequantize_int8(w, scale, k)
+    else:
+        w = (torch.randn(n, k, device=dev, generator=generator) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+        scale = torch.rand(n, device=dev, generator=generator) * 2e-4 + 5e-5
+        args = dict(weight=w, weight_scale=scale)
+        dense = kernels._dequantize_fp8(w, scale, DTYPE)
+    return dict(args=args, dense=dense)
+
+
+def nbytes(args: dict) -> int:
+    return sum(t.numel() * t.element_size() for t in args.values() if isinstance(t, torch.Tensor))
+
+
+def copies(args: dict) -> list[dict]:
+    """The weight and enough clones of it to overflow the L2."""
+    count = max(1, -(-ROTATE_BYTES // nbytes(args)))
+    clones = [
+        {key: value.clone() if isinstance(value, torch.Tensor) else value for key, value in args.items()}
+        for _ in range(count - 1)
+    ]
+    return [args] + clones
+
+
+# ---- the calls ----
+
+
+def call_default(fmt: str, x: torch.Tensor, args: dict) -> torch.Tensor:
+    if fmt == "int4":
+        return kernels.int4_linear(x, bias=None, **args)
+    if fmt == "int8":
+        return kernels.int8_linear(x, bias=None, **args)
+    return kernels.fp8_linear(x, bias=None, **args)
+
+
+def weight_only(args: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int, int]:
+    if "qweight" in args:
+        return args["qweight"], args["weight_scale"], args["weight_zero"], args["group_size"], 4
+    return args["weight"], args["weight_scale"], None, args["group_size"], 8
+
+
+def call_variant(variant: Variant | str, x: torch.Tensor, args: dict) -> torch.Tensor:
+    w, scale, zero, group_size, bits = weight_only(args)
+    if variant == "dequantize":
+        return F.linear(x, wo.dequantize(w, scale, zero, group_size, bits, x.dtype))
+    assert isinstance(variant, Variant)
+    return wo.weight_only_matmul(x, w, scale, zero, None, group_size, bits, variant)
+
+
+# ---- timing ----
+
+
+def timed_us(calls: list[Callable[[], object]], min_calls: int = 48, repeats: int = 7) -> tuple[float, str]:
+    """Median microseconds a call, from CUDA-graph replays of the calls in turn (eager where capture fails)."""
+    for call in calls:
+        call()
+    torch.cuda.synchronize()
+    rounds = max(1, -(-min_calls // len(calls)))
+
+    def run_all():
+        for _ in range(rounds):
+            for call in calls:
+                call()
+
+    mode = "graph"
+    try:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run_all()
+        replay = graph.replay
+    except RuntimeError:
+        mode, replay = "eager", run_all
+    replay()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        replay()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end) * 1000 / (rounds * len(calls)))
+    return statistics.median(times), mode
+
+
+def errors(got: torch.Tensor, expected: torch.Tensor) -> dict:
+    diff = (got.float() - expected.float()).norm() / expected.float().norm().clamp(min=1e-30)
+    return {"rel_err": float(diff), "max_abs_diff": float((got.float() - expected.float()).abs().max())}
+
+
+def bf16_us(dense: torch.Tensor, x: torch.Tensor) -> float:
+    weights = copies({"w": dense})
+    return timed_us([lambda w=w["w"]: F.linear(x, w) for w in weights], min_calls=16 if x.shape[0] >= 256 else 48)[0]
+
+
+# ---- the two runs ----
+
+
+def check_and_time(formats: list[str], ms: tuple[int, ...]) -> None:
+    generator = torch.Generator(device=DEVICE).manual_seed(0)
+    for fmt, (name, (n, k)) in itertools.product(formats, SHAPES.items()):
+        if fmt == "fp8" and not kernels.fp8_supported(DEVICE):
+            emit(kind="skip", format=fmt, reason="no FP8 tensor cores")
+            continue
+        weight = quantized(fmt, n, k, generator)
+        rotation = copies(weight["args"])
+        for m in ms:
+            x = torch.randn(m, k, device=DEVICE, dtype=DTYPE, generator=generator)
+            got = call_default(fmt, x, weight["args"])
+            row = dict(kind="check", format=fmt, shape=name, n=n, k=k, m=m, **errors(got, F.linear(x, weight["dense"])))
+            if fmt == "fp8":
+                x_q, x_scale = kernels.quantize_per_token(x)
+                emulated = F.linear(x_q.float() * x_scale, weight["dense"].float())
+                row["rel_err_vs_emulated"] = errors(got, emulated)["rel_err"]
+                row["quantize_us"] = round(timed_us([lambda: fp8_kernel.quantize_rows(x)])[0], 2)
+                row["quantize_torch_us"] = round(timed_us([lambda: kernels.quantize_per_token(x)])[0], 2)
+            else:
+                row["variant"] = (
+                    str(kernels.choose_variant(m, n, k)) if m <= kernels.SMALL_M else kernels.LARGE_M_STRATEGY
+                )
+            quant_us, mode = timed_us(
+                [lambda a=a: call_default(fmt, x, a) for a in rotation], min_calls=16 if m >= 256 else 48
+            )
+            dense_us = bf16_us(weight["dense"], x)
+            emit(
+                **row,
+                quant_us=round(quant_us, 2),
+                bf16_us=round(dense_us, 2),
+                speedup=round(dense_us / quant_us, 2),
+                timing=mode,
+            )
+        del weight, rotation
+        torch.cuda.empty_cache()
+
+
+def sweep_variants(m: int) -> list[Variant | str]:
+    """The program shapes worth timing at M = m (a few dozen: each compiles once, a second or two)."""
+    found: list[Variant | str] = []
+    if m <= 8:
+        block_m = 1 << (m - 1).bit_length()
+        for bn, bk, split in itertools.product((16, 32, 64), (128, 256, 512), (1, 2, 4, 8)):
+            if block_m * bn * bk <= 16384:
+                for warps in (4, 8) if bk == 512 else (4,):
+                    found.append(Variant(block_m, bn, bk, split_k=split, use_dot=False, num_warps=warps))
+    if m <= 16:
+        for bn, bk, split in itertools.product((32, 64, 128), (64, 128, 256), (1, 2, 4)):
+            found.append(Variant(16, bn, bk, split_k=split))
+    else:
+        for bm, bn, bk, warps in itertools.product((32, 64, 128), (64, 128), (32, 64), (4, 8)):
+            if bm <= max(32, m):
+                found.append(Variant(bm, bn, bk, num_warps=warps, num_stages=3))
+        found.append("dequantize")
+    return found
+
+
+def time_variant(variant: Variant | str, x: torch.Tensor, weight: dict, rotation: list[dict]) -> tuple[float, float]:
+    """(microseconds a call, relative error against the bf16 product)."""
+    err = errors(call_variant(variant, x, weight["args"]), F.linear(x, weight["dense"]))["rel_err"]
+    calls = [lambda a=a: call_variant(variant, x, a) for a in rotation]
+    return timed_us(calls, min_calls=16 if x.shape[0] >= 256 else 48, repeats=5)[0], err
+
+
+def sweep_shape(fmt: str, name: str, m: int, weight: dict, rotation: list[dict], totals: dict) -> None:
+    """Every variant at one (shape, M): a `sweep` line each, then the shape's `best`; adds to totals[variant]."""
+    n, k = SHAPES[name]
+    x = torch.randn(m, k, device=DEVICE, dtype=DTYPE)
+    dense_us = bf16_us(weight["dense"], x)
+    totals.setdefault("bf16", []).append(dense_us)
+    best: tuple[float, str] | None = None
+    for variant in sweep_variants(m):
+        try:
+            us, err = time_variant(variant, x, weight, rotation)
+        except Exception as error:  # a shape that does not compile or launch (registers, shared memory)
+            emit(kind="sweep-error", format=fmt, shape=name, m=m, variant=str(variant), error=repr(error)[:200])
+            continue
+        emit(kind="sweep", format=fmt, shape=name, m=m, variant=str(variant), us=round(us, 2), rel_err=err)
+        if err < 2e-2:
+            totals.setdefault(str(variant), []).append(us)
+            best = min(best or (us, str(variant)), (us, str(variant)))
+    summary = None if best is None else {"variant": best[1], "us": round(best[0], 2)}
+    emit(kind="best", format=fmt, shape=name, m=m, bf16_us=round(dense_us, 2), best=summary)
+
+
+def sweep(formats: list[str], ms: tuple[int, ...]) -> None:
+    """Per format and M, the variants on every shape; then `best-overall`: the variant of the least total time
+    over the shapes (one choose_variant entry), beside bf16's total."""
+    generator = torch.Generator(device=DEVICE).manual_seed(0)
+    for fmt in [f for f in formats if f != "fp8"]:
+        totals: dict[int, dict[str, list[float]]] = {m: {} for m in ms}
+        for name, (n, k) in SHAPES.items():
+            weight = quantized(fmt, n, k, generator)
+            rotation = copies(weight["args"])
+            for m in ms:
+                sweep_shape(fmt, name, m, weight, rotation, totals[m])
+            del weight, rotation
+            torch.cuda.empty_cache()
+        for m, per_variant in totals.items():
+            complete = {v: sum(t) for v, t in per_variant.items() if len(t) == len(SHAPES) and v != "bf16"}
+            best = min(complete, key=complete.__getitem__) if complete else None
+            bf16_total = sum(per_variant.get("bf16", []))
+            emit(
+                kind="best-overall",
+                format=fmt,
+                m=m,
+                variant=best,
+                total_us=None if best is None else round(complete[best], 2),
+                bf16_total_us=round(bf16_total, 2),
+                speedup=None if best is None else round(bf16_total / complete[best], 2),
+            )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sweep", action="store_true", help="time the program shapes instead of the defaults")
+    parser.add_argument("--formats", default="int4,int8,fp8", help="comma-separated of int4, int8, fp8")
+    parser.add_argument("--ms", default=",".join(map(str, MS)), help="comma-separated row counts")
+    args = parser.parse_args()
+    formats = [f for f in args.formats.split(",") if f]
+    ms = tuple(int(m) for m in args.ms.split(","))
+    torch.manual_seed(0)
+    emit(
+        kind="device",
+        name=torch.cuda.get_device_name(),
+        torch=torch.__version__,
+        fp8=kernels.fp8_supported(DEVICE),
+    )
+    (sweep if args.sweep else check_and_time)(formats, ms)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,55 @@
+"""Compiles the quant kernels for compute capability 9.0 (an H200) without a GPU: Triton's whole pipeline, down to a
+cubin through its bundled ptxas. Run by test_quant_kernels.py in a process without TRITON_INTERPRET; prints one
+`compiled ...` line a kernel variant and exits non-zero on the first failure."""
+
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+
+from tritonllm.engine.embedded.quant import fp8_kernel
+from tritonllm.engine.embedded.quant import weight_only_kernel as wo
+from tritonllm.engine.embedded.quant.weight_only_kernel import Variant
+
+TARGET = GPUTarget("cuda", 90, 32)
+
+WEIGHT_ONLY = [  # bits, dtype, variant, group size
+    (4, "bf16", Variant(block_m=1, block_n=32, block_k=128, split_k=2, use_dot=False), 128),
+    (4, "bf16", Variant(block_m=16, block_n=64, block_k=256), 128),  # whole groups a tile
+    (4, "fp16", Variant(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3), 96),  # gathered
+    (8, "fp32", Variant(block_m=4, block_n=32, block_k=64, split_k=3, use_dot=False), 4096),
+]
+
+
+def compile_for_sm90(kernel, pointers: dict, constexprs: dict, **options) -> None:
+    """Scalars not named are int32."""
+    names = kernel.arg_names
+    signature = {n: pointers.get(n, "constexpr" if n in constexprs else "i32") for n in names}
+    fixed = {(names.index(n),): value for n, value in constexprs.items()}
+    compile(ASTSource(fn=kernel, signature=signature, constexprs=fixed), target=TARGET, options=options)
+
+
+def weight_only(bits: int, dtype: str, variant: Variant, group_size: int) -> None:
+    pointers = {name: f"*{dtype}" for name in ("x", "scale", "bias")}
+    pointers |= {"w": "*u8" if bits == 4 else "*i8", "zero": "*u8"}
+    pointers["out"] = "*fp32" if variant.split_k > 1 else f"*{dtype}"
+    scales = wo.scale_layout(group_size, variant.block_k)
+    constexprs = dict(BITS=bits, GROUP_SIZE=group_size, SCALES=scales, HAS_BIAS=True, SPLIT_K=variant.split_k)
+    constexprs |= dict(USE_DOT=variant.use_dot, UPCAST=False, IEEE=dtype == "fp32")
+    constexprs |= dict(BLOCK_M=variant.block_m, BLOCK_N=variant.block_n, BLOCK_K=variant.block_k)
+    options = dict(num_warps=variant.num_warps, num_stages=variant.num_stages)
+    compile_for_sm90(wo._weight_only_matmul_kernel, pointers, constexprs, **options)
+    dequantize = dict(BITS=bits, GROUP_SIZE=group_size, SCALES=scales, BLOCK_N=32, BLOCK_K=variant.block_k)
+    compile_for_sm90(wo._dequantize_kernel, pointers | {"out": f"*{dtype}"}, dequantize, num_warps=4)
+    print("compiled weight-only", bits, dtype, variant, group_size, flush=True)
+
+
+def activation_quantizer(static: bool) -> None:
+    pointers = {"x": "*bf16", "out": "*fp8e4nv", "scales": "*fp32", "static_scale": "*fp32"}
+    compile_for_sm90(fp8_kernel._quantize_rows_kernel, pointers, dict(STATIC=static, BLOCK=4096), num_warps=4)
+    print("compiled the activation quantizer, static", static, flush=True)
+
+
+if __name__ == "__main__":
+    for case in WEIGHT_ONLY:
+        weight_only(*case)
+    for static in (False, True):
+        activation_quantizer(static)

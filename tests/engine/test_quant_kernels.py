@@ -1,0 +1,354 @@
+"""The quantized matmuls (quant/kernels.py) against dequantize-then-matmul on random inputs: the Triton W4A16 and
+W8A16 kernels in each program shape (GEMV, tl.dot, split-K) and the dequantize kernel, at odd M, N past a block,
+group sizes 32 / 64 / 128 and per channel, zero points other than 8, with and without bias; the FP8 activation
+quantizer on CPU and torch._scaled_mm on CUDA only. The kernels run on TRITONLLM_TEST_DEVICE: compiled on CUDA,
+in Triton's interpreter on CPU (tiny shapes: it is slow)."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tritonllm.engine.embedded.quant import fp8_kernel, kernels
+from tritonllm.engine.embedded.quant import weight_only_kernel as wo
+from tritonllm.engine.embedded.quant.formats import dequantize_int4, dequantize_int8, pack_int4
+from tritonllm.engine.embedded.quant.weight_only_kernel import Variant
+
+DEVICE = torch.device(os.environ.get("TRITONLLM_TEST_DEVICE", "cpu"))
+CUDA = DEVICE.type == "cuda"
+cuda_only = pytest.mark.skipif(
+    not CUDA, reason="torch._scaled_mm and the compiled kernels need TRITONLLM_TEST_DEVICE=cuda"
+)
+
+if not CUDA:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(wo._weight_only_matmul_kernel, InterpretedFunction):
+        pytest.skip("the Triton kernels were compiled without TRITON_INTERPRET=1", allow_module_level=True)
+
+
+# ---- the reference: quant/formats.py's dequantizers (tested on their own in test_quant_formats.py) ----
+
+
+def reference(x, dense_weight, bias):
+    """The product in fp32 of x and the weight as dequantized into x's dtype."""
+    return F.linear(x.float(), dense_weight.float(), None if bias is None else bias.float())
+
+
+# ---- random quantized weights ----
+
+
+def random_int4(n, k, group_size, dtype=torch.float32, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randint(0, 16, (n, k), generator=generator, dtype=torch.uint8)
+    scale = (torch.rand(n, k // group_size, generator=generator) * 0.02 + 0.005).to(dtype)
+    zero = torch.randint(0, 16, (n, k // group_size), generator=generator, dtype=torch.uint8)
+    assert (zero != 8).any()
+    return pack_int4(values).to(DEVICE), scale.to(DEVICE), zero.to(DEVICE)
+
+
+def random_int8(n, k, group_size, dtype=torch.float32, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    weight = torch.randint(-128, 128, (n, k), generator=generator, dtype=torch.int8)
+    scale = (torch.rand(n, k // group_size, generator=generator) * 0.002 + 0.0005).to(dtype)
+    return weight.to(DEVICE), scale.to(DEVICE)
+
+
+def random_x(m, k, dtype=torch.float32, seed=1):
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(dtype).to(DEVICE)
+
+
+def random_bias(n, dtype=torch.float32, seed=2):
+    return torch.randn(n, generator=torch.Generator().manual_seed(seed)).to(dtype).to(DEVICE)
+
+
+GEMV = Variant(block_m=4, block_n=16, block_k=64, use_dot=False)  # groups of 32: two a tile
+GEMV_SPLIT = Variant(block_m=1, block_n=32, block_k=32, split_k=3, use_dot=False)
+DOT = Variant(block_m=16, block_n=32, block_k=32)
+DOT_SPLIT = Variant(block_m=16, block_n=16, block_k=64, split_k=2)  # two groups of 32 a tile
+DOT_SMALL_K = Variant(block_m=16, block_n=16, block_k=16)  # a group spans several tiles
+
+
+# ---- W4A16 ----
+
+
+@pytest.mark.parametrize(
+    "m, n, k, group_size, variant, with_bias",
+    [
+        (1, 40, 128, 128, GEMV_SPLIT, True),
+        (3, 40, 128, 32, GEMV, False),
+        (5, 24, 192, 64, GEMV, True),
+        (1, 40, 96, 96, DOT, False),  # per channel
+        (2, 40, 96, 96, GEMV, True),  # per channel, groups and tiles not nested: a scale gathered a weight
+        (7, 40, 128, 32, DOT_SPLIT, True),
+        (17, 48, 128, 64, DOT, True),
+        (19, 24, 96, 32, DOT_SMALL_K, False),
+        (2, 40, 160, 32, DOT_SMALL_K, True),  # K not a multiple of the split slices
+    ],
+)
+def test_int4_kernel_equals_dequantize_then_matmul(m, n, k, group_size, variant, with_bias):
+    qweight, scale, zero = random_int4(n, k, group_size)
+    x, bias = random_x(m, k), random_bias(n) if with_bias else None
+    expected = reference(x, dequantize_int4(qweight, scale, zero, group_size), bias)
+    got = wo.weight_only_matmul(x, qweight, scale, zero, bias, group_size, 4, variant)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("variant", [GEMV, DOT_SPLIT])
+def test_int4_kernel_in_bfloat16_is_close(variant):
+    qweight, scale, zero = random_int4(40, 128, 32, dtype=torch.bfloat16)
+    x, bias = random_x(3, 128, torch.bfloat16), random_bias(40, torch.bfloat16)
+    expected = reference(x, dequantize_int4(qweight, scale, zero, 32), bias)
+    got = wo.weight_only_matmul(x, qweight, scale, zero, bias, 32, 4, variant)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+# ---- W8A16 ----
+
+
+@pytest.mark.parametrize(
+    "m, n, k, group_size, variant, with_bias",
+    [
+        (1, 40, 128, 128, GEMV_SPLIT, True),
+        (3, 24, 128, 64, GEMV, False),
+        (9, 40, 96, 96, DOT_SPLIT, True),  # per channel
+        (2, 24, 96, 96, DOT, False),
+        (17, 40, 128, 32, DOT_SMALL_K, True),
+        (4, 40, 128, 32, GEMV, True),
+    ],
+)
+def test_int8_kernel_equals_dequantize_then_matmul(m, n, k, group_size, variant, with_bias):
+    weight, scale = random_int8(n, k, group_size)
+    x, bias = random_x(m, k), random_bias(n) if with_bias else None
+    expected = reference(x, dequantize_int8(weight, scale, group_size), bias)
+    got = wo.weight_only_matmul(x, weight, scale, None, bias, group_size, 8, variant)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+# ---- the dequantize kernel (the large-M path) and the public functions ----
+
+
+@pytest.mark.parametrize("bits, group_size", [(4, 32), (4, 96), (4, 128), (8, 64)])
+def test_the_dequantize_kernel_writes_the_reference_weight(bits, group_size):
+    if bits == 4:
+        qweight, scale, zero = random_int4(40, 384, group_size, dtype=torch.bfloat16)
+        expected = dequantize_int4(qweight, scale, zero, group_size)
+        got = wo.dequantize(qweight, scale, zero, group_size, 4, torch.bfloat16, block_n=16, block_k=64)
+    else:
+        weight, scale = random_int8(40, 384, group_size, dtype=torch.bfloat16)
+        expected = dequantize_int8(weight, scale, group_size)
+        got = wo.dequantize(weight, scale, None, group_size, 8, torch.bfloat16, block_n=16, block_k=64)
+    assert got.dtype == torch.bfloat16
+    if CUDA:
+        assert torch.equal(got, expected)  # one rounding of an exact product, as the reference rounds
+    else:  # the interpreter rounds to bfloat16 its own way: within one step
+        torch.testing.assert_close(got, expected, atol=0, rtol=2**-7)
+
+
+@pytest.mark.parametrize("strategy", ["dequantize", "tiled"])
+@pytest.mark.parametrize("m", [1, 6, 23])
+def test_int4_and_int8_linear_take_any_leading_shape(m, strategy, monkeypatch):
+    """2 m rows: a GEMV (2), a 16-row dot split along K (12) and the large-M strategy (46) on the Triton path."""
+    monkeypatch.setattr(kernels, "LARGE_M_STRATEGY", strategy)
+    qweight, scale, zero = random_int4(40, 128, 64)
+    weight, scale8 = random_int8(40, 128, 64)
+    x, bias = random_x(m * 2, 128).reshape(2, m, 128), random_bias(40)
+    expected4 = reference(x, dequantize_int4(qweight, scale, zero, 64), bias)
+    expected8 = reference(x, dequantize_int8(weight, scale8, 64), None)
+    for got4, got8 in (
+        (kernels.int4_linear(x, qweight, scale, zero, bias, 64), kernels.int8_linear(x, weight, scale8, None, 64)),
+        (  # the Triton path itself, on CPU too
+            kernels.weight_only_triton(x, qweight, scale, zero, bias, 64, bits=4),
+            kernels.weight_only_triton(x, weight, scale8, None, None, 64, bits=8),
+        ),
+    ):
+        assert got4.shape == got8.shape == (2, m, 40)
+        torch.testing.assert_close(got4, expected4, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(got8, expected8, atol=1e-4, rtol=1e-4)
+
+
+def test_no_rows_give_no_rows():
+    qweight, scale, zero = random_int4(40, 64, 32)
+    weight, scale8 = random_fp8(32, 64)
+    empty = random_x(0, 64)
+    assert wo.weight_only_matmul(empty, qweight, scale, zero, None, 32, 4, GEMV).shape == (0, 40)
+    assert kernels.int4_linear(empty, qweight, scale, zero, None, 32).shape == (0, 40)
+    assert kernels.fp8_linear(empty.reshape(0, 0, 64), weight, scale8, None).shape == (0, 0, 32)
+    assert fp8_kernel.quantize_rows(empty)[0].shape == (0, 64)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 16, 17, 64, 256, 2048])
+def test_the_chosen_variants_are_valid_and_fill_the_gpu_at_decode(m):
+    for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
+        variant = kernels.choose_variant(m, n, k)
+        assert variant.block_m >= min(m, 16) or m > kernels.SMALL_M
+        if m <= kernels.SMALL_M:
+            assert -(-n // variant.block_n) * variant.split_k >= kernels.NUM_SMS
+
+
+def test_bad_quantized_inputs_are_refused_by_name():
+    qweight, scale, zero = random_int4(8, 64, 32)
+    x = random_x(2, 64)
+    with pytest.raises(ValueError, match="group_size must divide"):
+        kernels.int4_linear(x, qweight, scale, zero, None, 48)
+    with pytest.raises(ValueError, match="weight_scale must be \\[8, 2\\]"):
+        kernels.int4_linear(x, qweight, scale[:, :1], zero, None, 32)
+    with pytest.raises(ValueError, match="weight_zero must be uint8"):
+        kernels.int4_linear(x, qweight, scale, zero.to(torch.int32), None, 32)
+    with pytest.raises(ValueError, match="takes 64"):
+        kernels.int4_linear(random_x(2, 32), qweight, scale, zero, None, 32)
+    with pytest.raises(ValueError, match="int8 weight must be 2-D torch.int8"):
+        kernels.int8_linear(x, qweight, scale, None, 32)
+    with pytest.raises(ValueError, match="bias must be \\[8\\]"):
+        kernels.int4_linear(x, qweight, scale, zero, random_bias(9), 32)
+    with pytest.raises(ValueError, match="in x's dtype torch.float32, got torch.bfloat16"):
+        kernels.int4_linear(x, qweight, scale, zero, random_bias(8, torch.bfloat16), 32)
+    with pytest.raises(ValueError, match="block_n must be a power of two"):
+        Variant(block_m=1, block_n=24, block_k=32, use_dot=False)
+
+
+# ---- compiled for an H200 without one: what the interpreter does not check (constexpr globals, layouts, PTX) ----
+
+
+def test_the_kernels_compile_for_sm90():
+    """quant_sm90_compile.py runs Triton's whole pipeline down to a cubin (its bundled ptxas) for compute
+    capability 9.0, in a process of its own: here the kernels are the interpreter's."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    script = Path(__file__).with_name("quant_sm90_compile.py")
+    done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stdout.count("compiled") == 6, done.stdout
+
+
+# ---- FP8 ----
+
+
+def random_fp8(n, k, seed=3):
+    generator = torch.Generator().manual_seed(seed)
+    weight = (torch.randn(n, k, generator=generator) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
+    scale = torch.rand(n, generator=generator) * 1e-3 + 1e-4
+    return weight.to(DEVICE), scale.to(DEVICE)
+
+
+def test_per_token_quantization_scales_each_rows_absmax_to_448():
+    x = random_x(5, 64) * torch.tensor([1.0, 10.0, 0.01, 0.0, 3.0], device=DEVICE)[:, None]
+    x_q, scale = kernels.quantize_per_token(x)
+    assert x_q.dtype == torch.float8_e4m3fn and scale.shape == (5, 1) and scale.dtype == torch.float32
+    peaks = x_q.float().abs().amax(dim=1)
+    assert torch.equal(peaks[[0, 1, 2, 4]], torch.full((4,), 448.0, device=DEVICE))
+    assert not x_q[3].float().any() and torch.isfinite(scale).all() and (scale > 0).all()
+    # e4m3 keeps 3 mantissa bits: each value within 1/16 of itself (the smallest ones within a subnormal step)
+    error = (x_q.float() * scale - x).abs()
+    assert (error <= x.abs() / 16 + scale * 2.0**-9).all()
+
+
+def test_a_static_input_scale_is_used_on_every_row_and_clamps():
+    x = torch.tensor([[1.0, -2.0, 1000.0], [0.5, 0.0, -1000.0]], device=DEVICE)
+    x_q, scale = kernels.quantize_per_token(x, torch.tensor(0.5, device=DEVICE))
+    assert torch.equal(scale, torch.full((2, 1), 0.5, device=DEVICE))
+    assert x_q.float().tolist() == [[2.0, -4.0, 448.0], [1.0, 0.0, -448.0]]
+
+
+@pytest.mark.parametrize("m, k, static", [(1, 48, False), (5, 300, False), (3, 5000, False), (4, 300, True)])
+def test_the_triton_activation_quantizer_equals_the_torch_one(m, k, static):
+    """k = 5000: two passes of 4096 columns; x in bf16 as a model would send it; one row all zeros."""
+    x = (random_x(m, k) * 4).to(torch.bfloat16)
+    x[0] = 0
+    input_scale = torch.tensor(0.01, device=DEVICE) if static else None
+    expected_q, expected_scale = kernels.quantize_per_token(x, input_scale)
+    got_q, got_scale = fp8_kernel.quantize_rows(x, input_scale)
+    assert got_q.dtype == torch.float8_e4m3fn and got_q.is_contiguous() and got_scale.shape == (m, 1)
+    torch.testing.assert_close(got_scale, expected_scale, atol=0, rtol=1e-6)
+    got, expected = got_q.float(), expected_q.float()
+    if not CUDA:  # the interpreter's fp8 cast is not the hardware's: it drops the carry of a value rounded up to a
+        # power of two (124.6 -> 64, not 128) and rounds ties away from zero; forgive exactly those
+        dropped = (got * 2 == expected) & (torch.frexp(expected).mantissa.abs() == 0.5)
+        quotient = (x.float() / expected_scale).clamp(-448, 448)
+        tie = (quotient - (got + expected) / 2).abs() <= 1e-6 * quotient.abs()
+        got = torch.where((got != expected) & (dropped | tie), expected, got)
+    assert torch.equal(got, expected)
+
+
+def test_fp8_linear_without_fp8_tensor_cores_is_dequantize_then_matmul():
+    """Activations quantized per token as on the GPU, then the dequantized product in fp32."""
+    if kernels.fp8_supported(DEVICE):
+        pytest.skip("this device has FP8 tensor cores: the CUDA test below covers it")
+    weight, scale = random_fp8(40, 64)
+    x, bias = random_x(3, 64).reshape(1, 3, 64), random_bias(40)
+    x_q, x_scale = kernels.quantize_per_token(x.reshape(3, 64))
+    rounded = (x_q.float() * x_scale).reshape(1, 3, 64)
+    expected = (F.linear(rounded, weight.float() * scale[:, None]) + bias.float()).to(x.dtype)
+    torch.testing.assert_close(kernels.fp8_linear(x, weight, scale, bias), expected)
+    assert not kernels.fp8_supported(torch.device("cpu"))
+
+
+def test_bad_fp8_inputs_are_refused_by_name():
+    weight, scale = random_fp8(16, 32)
+    x = random_x(2, 32)
+    with pytest.raises(ValueError, match="weight_scale must be \\[16\\]"):
+        kernels.fp8_linear(x, weight, scale[:, None].expand(16, 2), None)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        kernels.fp8_linear(x, weight.float(), scale, None)
+    with pytest.raises(ValueError, match="contiguous"):
+        kernels.fp8_linear(random_x(2, 16), weight.t().contiguous().t()[:, :16], scale, None)
+    with pytest.raises(ValueError, match="input_scale must hold one value"):
+        kernels.fp8_linear(x, weight, scale, None, torch.ones(2, device=DEVICE))
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("static", [False, True])
+def test_fp8_scaled_mm_equals_the_emulated_product(dtype, static):
+    if not kernels.fp8_supported(DEVICE):
+        pytest.skip("no FP8 tensor cores on this GPU")
+    weight, scale = random_fp8(96, 128)
+    x, bias = random_x(37, 128, dtype), random_bias(96, dtype)
+    input_scale = torch.tensor(x.float().abs().max().item() / 300, device=DEVICE) if static else None
+    x_q, x_scale = kernels.quantize_per_token(x, input_scale)
+    expected = F.linear(x_q.float() * x_scale, weight.float() * scale[:, None], bias.float())
+    got = kernels.fp8_linear(x, weight, scale, bias, input_scale)
+    assert got.dtype == dtype and got.shape == (37, 96)
+    torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=1e-2)
+
+
+@cuda_only
+@pytest.mark.parametrize("fmt", ["int4", "int8", "fp8"])
+def test_the_quantized_linears_replay_in_a_cuda_graph(fmt):
+    """Decode runs in CUDA graphs: captured once (split-K's zeroed buffer, the activation quantizer and all), replayed
+    on new inputs."""
+    if fmt == "fp8" and not kernels.fp8_supported(DEVICE):
+        pytest.skip("no FP8 tensor cores on this GPU")
+    if fmt == "int4":
+        qweight, scale, zero = random_int4(4096, 256, 128, dtype=torch.bfloat16)
+
+        def linear(x):
+            return kernels.int4_linear(x, qweight, scale, zero, None, 128)
+    elif fmt == "int8":
+        weight, scale = random_int8(4096, 256, 256, dtype=torch.bfloat16)
+
+        def linear(x):
+            return kernels.int8_linear(x, weight, scale, None, 256)
+    else:
+        weight8, scale8 = random_fp8(4096, 256)
+
+        def linear(x):
+            return kernels.fp8_linear(x, weight8, scale8, None)
+
+    static_x = random_x(1, 256, torch.bfloat16)
+    linear(static_x)  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        static_out = linear(static_x)
+    outputs = []
+    for seed in (5, 6):
+        static_x.copy_(random_x(1, 256, torch.bfloat16, seed=seed))
+        graph.replay()
+        torch.testing.assert_close(static_out, linear(static_x), atol=1e-3, rtol=1e-2)  # split-K adds in any order
+        outputs.append(static_out.clone())
+    assert not torch.equal(outputs[0], outputs[1])
