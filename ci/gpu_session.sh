@@ -99,12 +99,14 @@ for what in "$@"; do
       l=$(shape llama-3.1-8b)
       printf 'quant_config:\n  quant_algo: FP8\n  kv_cache_quant_algo: FP8\n' > /tmp/fp8.yaml
       printf 'quant_config:\n  quant_algo: W4A16\n  group_size: 128\n' > /tmp/w4a16.yaml
+      printf 'quant_config:\n  quant_algo: FP8\n' > /tmp/fp8w.yaml
       many=(--requests 256 --min-prompt 128 --max-prompt 128 --min-output 128 --max-output 128 --max-batch-size 256 --warmup --baseline none)
       one=(--requests 1 --min-prompt 128 --max-prompt 128 --min-output 128 --max-output 128 --warmup --baseline none)
       for variant in ${QUANT_VARIANTS:-bf16-256 fp8-256 bf16-1 w4a16-1 fp8-1}; do
         case $variant in
           bf16-256) bench "llama-3.1-8b bf16 256x128/128" --model "$l" "${many[@]}" ;;
           fp8-256) bench "llama-3.1-8b fp8+fp8kv 256x128/128" --model "$l" --config /tmp/fp8.yaml "${many[@]}" ;;
+          fp8w-256) bench "llama-3.1-8b fp8 weights 256x128/128" --model "$l" --config /tmp/fp8w.yaml "${many[@]}" ;;
           bf16-1) bench "llama-3.1-8b bf16 1x128/128" --model "$l" "${one[@]}" ;;
           w4a16-1) bench "llama-3.1-8b w4a16 1x128/128" --model "$l" --config /tmp/w4a16.yaml "${one[@]}" ;;
           fp8-1) bench "llama-3.1-8b fp8+fp8kv 1x128/128" --model "$l" --config /tmp/fp8.yaml "${one[@]}" ;;
