@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from tritonllm.engine.embedded.quant import fp8_kernel, kernels
+from tritonllm.engine.embedded.quant import formats, fp8_kernel, kernels
 from tritonllm.engine.embedded.quant import weight_only_kernel as wo
 from tritonllm.engine.embedded.quant.weight_only_kernel import Variant
 
@@ -46,17 +46,17 @@ def quantized(fmt: str, n: int, k: int, generator: torch.Generator) -> dict:
         scale = (torch.rand(n, k // GROUP_SIZE, device=dev, generator=generator) * 0.004 + 0.001).to(DTYPE)
         zero = torch.randint(0, 16, (n, k // GROUP_SIZE), device=dev, dtype=torch.uint8, generator=generator)
         args = dict(qweight=q, weight_scale=scale, weight_zero=zero, group_size=GROUP_SIZE)
-        dense = kernels._dequantize_int4(q, scale, zero, GROUP_SIZE)
+        dense = formats.dequantize_int4(q, scale, zero, GROUP_SIZE)
     elif fmt == "int8":  # per channel, as TensorRT-LLM's W8A16
         w = torch.randint(-128, 128, (n, k), device=dev, dtype=torch.int8, generator=generator)
         scale = (torch.rand(n, 1, device=dev, generator=generator) * 2e-4 + 5e-5).to(DTYPE)
         args = dict(weight=w, weight_scale=scale, group_size=k)
-        dense = kernels._dequantize_int8(w, scale, k)
+        dense = formats.dequantize_int8(w, scale, k)
     else:
         w = (torch.randn(n, k, device=dev, generator=generator) * 100).clamp(-448, 448).to(torch.float8_e4m3fn)
         scale = torch.rand(n, device=dev, generator=generator) * 2e-4 + 5e-5
         args = dict(weight=w, weight_scale=scale)
-        dense = kernels._dequantize_fp8(w, scale, DTYPE)
+        dense = formats.dequantize_fp8(w, scale, DTYPE)
     return dict(args=args, dense=dense)
 
 
