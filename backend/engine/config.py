@@ -25,6 +25,8 @@ ATTN_BACKENDS = ("TRTLLM", "TRITON", "VANILLA", "FLASHINFER")
 # TensorRT-LLM's `guided_decoding_backend` values (None: guided decoding off); the embedded engine has xgrammar.
 GUIDED_DECODING_BACKENDS = ("xgrammar", "llguidance")
 LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights from config.json alone (TensorRT-LLM's LoadFormat.DUMMY)
+# TensorRT-LLM's KvCacheConfig.dtype: "auto" keeps the model's dtype, "fp8" stores keys and values as float8 e4m3.
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 @dataclass
@@ -37,9 +39,13 @@ class KvCacheConfig:
     # Attention window of each layer, in tokens (TensorRT-LLM's key): a list shorter than the layer count repeats
     # over the layers; a window at least max_seq_len attends to everything. None: full attention.
     max_attention_window: Optional[list[int]] = None
+    # The cache's element type (KV_CACHE_DTYPES); quant_config.kv_cache_quant_algo FP8 also asks for fp8.
+    dtype: str = "auto"
 
     def validate(self) -> None:
         check_attention_windows(self.max_attention_window, "kv_cache_config.max_attention_window")
+        if self.dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_config.dtype must be one of {KV_CACHE_DTYPES}, got {self.dtype!r}")
         if self.tokens_per_block < 1:
             raise ConfigError(f"kv_cache_config.tokens_per_block must be >= 1, got {self.tokens_per_block}")
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -48,6 +54,16 @@ class KvCacheConfig:
             raise ConfigError(
                 f"kv_cache_config.free_gpu_memory_fraction must be in (0, 1], got {self.free_gpu_memory_fraction}"
             )
+
+
+def kv_cache_fp8(config: "EngineConfig") -> bool:
+    """Whether the KV cache holds float8 e4m3: `kv_cache_config.dtype: fp8`, or TensorRT-LLM's
+    `quant_config.kv_cache_quant_algo: FP8` (read with getattr: an EngineConfig without quant_config has none)."""
+    if config.kv_cache_config.dtype == "fp8":
+        return True
+    quant = getattr(config, "quant_config", None) or {}
+    algo = quant.get("kv_cache_quant_algo") if isinstance(quant, dict) else getattr(quant, "kv_cache_quant_algo", None)
+    return algo is not None and str(algo).upper() == "FP8"
 
 
 def check_attention_windows(windows: Any, name: str) -> None:
