@@ -188,3 +188,25 @@ def test_the_checkpoints_scales_are_applied(tiny, tmp_path):
     crushed = {f"model.layers.{i}.self_attn.v_scale": torch.tensor(1e-5) for i in range(2)}
     context, _, _ = _logits(_with_tensors(tiny, tmp_path / "crushed", crushed), "fp8", prompt)
     assert _relative(context, ref_context) > 2 * UNQUANTIZED_TOLERANCE
+
+
+def _greedy_batch(engine, prompts):
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    return [h.result().outputs[0].token_ids for h in [engine.generate_async(p, params) for p in prompts]]
+
+
+def test_portable_cuda_graphs_over_an_fp8_cache_keep_the_eager_answers(tiny, request):
+    """The portable backend's graphs build their masks in the model's dtype (an FP8 cache's cannot hold -inf)."""
+    prompts = [list(range(3, 3 + n)) for n in (5, 11, 17)]
+    eager = EmbeddedEngine(config(tiny, "fp8", cuda_graph_config=None, max_batch_size=4))
+    try:
+        expected = _greedy_batch(eager, prompts)
+    finally:
+        eager.shutdown()
+    request.getfixturevalue("graphs_on_this_device")
+    engine = EmbeddedEngine(config(tiny, "fp8", max_batch_size=4))
+    try:
+        assert _greedy_batch(engine, prompts) == expected
+        assert engine.core.runner.graphs.replays > 0
+    finally:
+        engine.shutdown()

@@ -843,19 +843,19 @@ def _store_kv_kernel(
     ok = (head < num_kv_heads) & (d < HEAD_DIM)
     key = tl.load(k + token * stride_kt + head * stride_kh + d, mask=ok)
     if QUANTIZE:
-        key = _to_fp8(key, k_scale, k_cache.dtype.element_ty)
+        key = _scaled_in_range(key, k_scale).to(k_cache.dtype.element_ty)
     tl.store(k_cache + slot * stride_ks + head * stride_kc + d, key, mask=ok)
     value = tl.load(v + token * stride_vt + head * stride_vh + d, mask=ok)
     if QUANTIZE:
-        value = _to_fp8(value, v_scale, v_cache.dtype.element_ty)
+        value = _scaled_in_range(value, v_scale).to(v_cache.dtype.element_ty)
     tl.store(v_cache + slot * stride_vs + head * stride_vc + d, value, mask=ok)
 
 
 @triton.jit
-def _to_fp8(x, scale, fp8_type: tl.constexpr):
-    """fp8_cache.quantize: x / scale in fp32, clamped to +-FP8_MAX, rounded to nearest even."""
+def _scaled_in_range(x, scale):
+    """fp8_cache.quantize before its rounding: x / scale in fp32, clamped to +-FP8_MAX."""
     scaled = x.to(tl.float32) / scale
-    return tl.minimum(tl.maximum(scaled, -FP8_MAX), FP8_MAX).to(fp8_type)
+    return tl.minimum(tl.maximum(scaled, -FP8_MAX), FP8_MAX)
 
 
 def store_kv(
