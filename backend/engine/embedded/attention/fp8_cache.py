@@ -24,8 +24,10 @@ def as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def quantize(values: torch.Tensor, scale: float) -> torch.Tensor:
-    """values / scale in fp32, clamped to +-FP8_MAX, rounded to float8 e4m3 (nearest even)."""
-    scaled = values.float() if scale == 1.0 else values.float() / scale
+    """values * (1 / scale) in fp32, clamped to +-FP8_MAX, rounded to float8 e4m3 (nearest even). A product by
+    the fp32 reciprocal, not a quotient, so the store kernel (whose fp32 division is not IEEE-exact on GPUs)
+    rounds the very same numbers."""
+    scaled = values.float() if scale == 1.0 else values.float() * (1.0 / scale)
     return scaled.clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
 
 

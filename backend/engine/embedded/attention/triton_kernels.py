@@ -826,8 +826,8 @@ def _store_kv_kernel(
     stride_vs,
     stride_vc,
     num_kv_heads,
-    k_scale,
-    v_scale,
+    k_inv_scale,
+    v_inv_scale,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
@@ -835,7 +835,7 @@ def _store_kv_kernel(
 ):
     """Program (token): its K and V rows [kv_heads, head_dim] into the caches at its slot (slot s of the caches
     viewed as [slots, kv_heads, head_dim]: stride_ks per slot, stride_kc per head); QUANTIZE (FP8 caches):
-    divided by the scale and clamped first."""
+    times 1 / scale and clamped first."""
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping + token).to(tl.int64)
     head = tl.arange(0, BLOCK_H)[:, None]
@@ -843,18 +843,18 @@ def _store_kv_kernel(
     ok = (head < num_kv_heads) & (d < HEAD_DIM)
     key = tl.load(k + token * stride_kt + head * stride_kh + d, mask=ok)
     if QUANTIZE:
-        key = _scaled_in_range(key, k_scale).to(k_cache.dtype.element_ty)
+        key = _scaled_in_range(key, k_inv_scale).to(k_cache.dtype.element_ty)
     tl.store(k_cache + slot * stride_ks + head * stride_kc + d, key, mask=ok)
     value = tl.load(v + token * stride_vt + head * stride_vh + d, mask=ok)
     if QUANTIZE:
-        value = _scaled_in_range(value, v_scale).to(v_cache.dtype.element_ty)
+        value = _scaled_in_range(value, v_inv_scale).to(v_cache.dtype.element_ty)
     tl.store(v_cache + slot * stride_vs + head * stride_vc + d, value, mask=ok)
 
 
 @triton.jit
-def _scaled_in_range(x, scale):
-    """fp8_cache.quantize before its rounding: x / scale in fp32, clamped to +-FP8_MAX."""
-    scaled = x.to(tl.float32) / scale
+def _scaled_in_range(x, inv_scale):
+    """fp8_cache.quantize before its rounding: x * (1 / scale) in fp32, clamped to +-FP8_MAX."""
+    scaled = x.to(tl.float32) * inv_scale
     return tl.minimum(tl.maximum(scaled, -FP8_MAX), FP8_MAX)
 
 
@@ -899,8 +899,8 @@ def store_kv(
         v_cache.stride(1),
         v_cache.stride(2),
         num_kv_heads,
-        k_scale,
-        v_scale,
+        1.0 / k_scale,
+        1.0 / v_scale,
         HEAD_DIM=head_dim,
         BLOCK_H=block_h,
         BLOCK_D=block_d,
