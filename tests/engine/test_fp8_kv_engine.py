@@ -48,6 +48,19 @@ def test_kv_cache_dtype_is_checked_and_quant_config_turns_fp8_on():
     assert not kv_cache_fp8(weights_only)  # type: ignore[arg-type]
 
 
+def test_kernels_on_gpus_without_float8_conversions_are_refused_by_name(monkeypatch):
+    """Triton's float8 e4m3 conversions need compute capability 8.9; the portable path runs on older GPUs."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    fp8 = EngineConfig.from_dict({"model": "m", "kv_cache_config": {"dtype": "fp8"}})
+    cuda = torch.device("cuda")
+    with pytest.raises(ConfigError, match=r"kv_cache_config.dtype='fp8' with the Triton .* 8.9 or newer.* is 8.0"):
+        device_module.resolve_kv_cache_dtype(fp8, torch.bfloat16, cuda, "TRITON")
+    assert device_module.resolve_kv_cache_dtype(fp8, torch.bfloat16, cuda, "VANILLA") == FP8
+    assert (
+        device_module.resolve_kv_cache_dtype(EngineConfig(model="m"), torch.bfloat16, cuda, "TRITON") == torch.bfloat16
+    )
+
+
 @pytest.mark.parametrize("dtype, ratio", [("float32", 4), ("bfloat16", 2)])
 def test_an_fp8_cache_holds_more_blocks_in_the_same_bytes(tiny, monkeypatch, dtype, ratio):
     """Sized by free memory (no max_tokens): the same bytes hold 4x the blocks of an fp32 cache, 2x a bf16 one."""
