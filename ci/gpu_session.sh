@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine run (the `device` tool): puts the working tree's package on PYTHONPATH (the machine has torch,
 # triton and transformers but no venv of ours), then runs what the arguments name, each logged under $OUT.
-#   bash ci/gpu_session.sh kernels|fused|window|guided|parity|features|bench-quick|bench-guided|bench-accuracy|moe-kernel|moe-sweep|families|bench-mixtral|bench-quant|quant|quant-load|quant-tests|quant-kernels|quant-sweep-decode|quant-sweep-prefill|bench-qwen3|profile|profile-1 ...
+#   bash ci/gpu_session.sh kernels|fused|window|guided|parity|features|bench-quick|bench-guided|bench-accuracy|moe-kernel|moe-sweep|fp8-kv|families|bench-mixtral|bench-quant|quant|quant-load|quant-tests|quant-kernels|quant-sweep-decode|quant-sweep-prefill|bench-qwen3|profile|profile-1 ...
 # Used by hand for the GPU figures in docs/benchmarks.md; CI never runs it (no GPU there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -92,6 +92,9 @@ for what in "$@"; do
     quant-sweep-prefill)  # the tiled shapes against dequantize + F.linear at M = 64, 256, 2048
       python3 ci/gpu_quant_kernels.py --sweep --ms 64,256,2048 --formats "${QUANT_FORMATS:-int4,int8}" 2>&1 \
         | tee -a "$OUT/quant-sweep.jsonl" | grep -v '"sweep"' ;;
+    fp8-kv)  # the FP8 KV cache: kernels against the portable path, decode time fp8 vs bf16; then its tests on CUDA
+      python3 ci/gpu_fp8_kv.py 2>&1 | tee -a "$OUT/fp8-kv.jsonl"
+      run_tests tests/engine/test_fp8_kv_cache.py tests/engine/test_fp8_kv_engine.py ;;
     families) run_tests tests/engine/test_moe.py tests/engine/test_phi3.py ${FAMILY_TESTS:-} ;;
     bench-mixtral)
       bench "mixtral-8x7b 256x128/128" --model "$(shape mixtral-8x7b)" --requests 256 --min-prompt 128 --max-prompt 128 --min-output 128 --max-output 128 --max-batch-size 256 --warmup --baseline none ;;

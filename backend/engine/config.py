@@ -29,6 +29,8 @@ LOAD_FORMATS = ("auto", "dummy")  # dummy: random weights from config.json alone
 QUANT_ALGOS = ("FP8", "FP8_PER_CHANNEL_PER_TOKEN", "W8A16", "W4A16", "W4A16_AWQ", "W4A16_GPTQ", None)
 KV_CACHE_QUANT_ALGOS = ("FP8", None)
 QUANT_CONFIG_KEYS = ("quant_algo", "kv_cache_quant_algo", "group_size", "exclude_modules")
+# TensorRT-LLM's KvCacheConfig.dtype: "auto" keeps the model's dtype, "fp8" stores keys and values as float8 e4m3.
+KV_CACHE_DTYPES = ("auto", "fp8")
 
 
 @dataclass
@@ -41,9 +43,13 @@ class KvCacheConfig:
     # Attention window of each layer, in tokens (TensorRT-LLM's key): a list shorter than the layer count repeats
     # over the layers; a window at least max_seq_len attends to everything. None: full attention.
     max_attention_window: Optional[list[int]] = None
+    # The cache's element type (KV_CACHE_DTYPES); quant_config.kv_cache_quant_algo FP8 also asks for fp8.
+    dtype: str = "auto"
 
     def validate(self) -> None:
         check_attention_windows(self.max_attention_window, "kv_cache_config.max_attention_window")
+        if self.dtype not in KV_CACHE_DTYPES:
+            raise ConfigError(f"kv_cache_config.dtype must be one of {KV_CACHE_DTYPES}, got {self.dtype!r}")
         if self.tokens_per_block < 1:
             raise ConfigError(f"kv_cache_config.tokens_per_block must be >= 1, got {self.tokens_per_block}")
         if self.max_tokens is not None and self.max_tokens < 1:
@@ -72,6 +78,12 @@ def check_quant_config(quant_config: Any) -> None:
     excluded = quant_config.get("exclude_modules")
     if excluded is not None and not (isinstance(excluded, list) and all(isinstance(p, str) for p in excluded)):
         raise ConfigError(f"quant_config.exclude_modules must be a list of module name patterns, got {excluded!r}")
+
+
+def kv_cache_fp8(config: "EngineConfig") -> bool:
+    """Whether the KV cache holds float8 e4m3: `kv_cache_config.dtype: fp8`, or TensorRT-LLM's
+    `quant_config.kv_cache_quant_algo: FP8` (check_quant_config has checked its value)."""
+    return config.kv_cache_config.dtype == "fp8" or (config.quant_config or {}).get("kv_cache_quant_algo") == "FP8"
 
 
 def check_attention_windows(windows: Any, name: str) -> None:
@@ -259,9 +271,6 @@ class EngineConfig:
                 "attn_backend='FLASHINFER' (FlashInfer is not built into the embedded engine; its "
                 "paged-attention kernels are attn_backend: TRITON, the default on CUDA)"
             )
-        if (self.quant_config or {}).get("kv_cache_quant_algo") == "FP8":
-            # The FP8 KV cache is the fp8kv work (kv_cache_fp8); until it lands the embedded engine refuses it.
-            problems.append("quant_config.kv_cache_quant_algo='FP8' (no FP8 KV cache in this build)")
         if self.guided_decoding_backend == "llguidance":
             problems.append("guided_decoding_backend='llguidance' (the embedded engine guides with xgrammar)")
         spec = self.speculative_settings()

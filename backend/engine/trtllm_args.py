@@ -43,13 +43,18 @@ def llm_kwargs(config: EngineConfig, trtllm: Any) -> dict[str, Any]:
 
 def trtllm_kv_cache_config(config: EngineConfig, trtllm: Any) -> Any:
     kv = config.kv_cache_config
-    windows = {} if kv.max_attention_window is None else {"max_attention_window": list(kv.max_attention_window)}
+    # Passed only when set, so a TensorRT-LLM without these keys still takes the defaults.
+    optional: dict[str, Any] = {}
+    if kv.max_attention_window is not None:
+        optional["max_attention_window"] = list(kv.max_attention_window)
+    if kv.dtype != "auto":
+        optional["dtype"] = kv.dtype
     return trtllm.KvCacheConfig(
         enable_block_reuse=kv.enable_block_reuse,
         tokens_per_block=kv.tokens_per_block,
         max_tokens=kv.max_tokens,
         free_gpu_memory_fraction=kv.free_gpu_memory_fraction,
-        **windows,
+        **optional,
     )
 
 

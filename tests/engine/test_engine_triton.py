@@ -5,6 +5,7 @@ preemption, aborts, beams) and speculative draft trees equal to the portable eng
 graphs (on CPU, eager runs of the padded forward a graph would hold)."""
 
 import pytest
+import torch
 
 from ..spec_decode.test_engine_spec import (  # noqa: F401
     SETTINGS,
@@ -89,6 +90,71 @@ def test_traffic_and_draft_trees_keep_the_portable_answers(
     finally:
         engine.shutdown()
     assert mismatches(solo, traffic, results) == []
+
+
+FP8_CACHE = {"dtype": "fp8"}
+
+
+@pytest.fixture(scope="module")
+def solo_fp8(model_dir):  # noqa: F811
+    engine = make_spec_engine(
+        model_dir,
+        max_beam_width=2,
+        cuda_graph_config=None,
+        attn_backend="VANILLA",
+        kv_cache_config={"tokens_per_block": 4, "max_tokens": 4096, **FP8_CACHE},
+    )
+    yield engine
+    engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    "method, setting, seed, graphs", [(None, "chunked_reuse", 51, False), ("medusa", "preempting", 52, True)]
+)
+def test_an_fp8_cache_gives_the_portable_answers_through_the_kernels(
+    model_dir,  # noqa: F811
+    other_draft_dir,  # noqa: F811
+    medusa_dir,  # noqa: F811
+    solo_fp8,
+    request,
+    monkeypatch,
+    method,
+    setting,
+    seed,
+    graphs,
+):
+    """kv_cache_config.dtype fp8: the kernels (store, prefill, decode, draft trees; in graphs too) answer what the
+    portable path answers over its own FP8 cache, through prefix reuse, chunks, preemption, aborts and beams. On CPU
+    the store is write_kv's: Triton's interpreter rounds to float8 wrongly where rounding carries into the exponent
+    (test_fp8_kv_cache.py checks the store kernel on values it rounds right; ci/gpu_fp8_kv.py on any)."""
+    if not torch.cuda.is_available():
+        from tritonllm.engine.embedded.attention import triton_kernels, write_kv
+
+        monkeypatch.setattr(triton_kernels, "store_kv", write_kv)
+    if graphs:
+        request.getfixturevalue("graphs_on_this_device")
+    spec = methods(model_dir, other_draft_dir, medusa_dir)[method] if method else None
+    traffic = random_traffic(seed, count=8, vocab=400, beams=spec is None)
+    settings = dict(SETTINGS[setting])
+    settings["kv_cache_config"] = {**settings["kv_cache_config"], **FP8_CACHE}
+    engine = make_spec_engine(
+        model_dir,
+        spec,
+        max_beam_width=1 if spec else 2,
+        max_seq_len=128,
+        **TRITON,
+        **settings,
+        **({} if graphs else {"cuda_graph_config": None}),
+    )
+    try:
+        assert all(cache.dtype == torch.float8_e4m3fn for pair in engine.core.runner.kv_caches for cache in pair)
+        results = send(engine, traffic)
+        assert_all_blocks_free(engine)
+        if graphs:
+            assert engine.core.runner.graphs.replays > 0
+    finally:
+        engine.shutdown()
+    assert mismatches(solo_fp8, traffic, results) == []
 
 
 def test_attn_backend_is_checked_and_resolved_per_device(monkeypatch):

@@ -157,6 +157,11 @@ def test_llm_kwargs_passes_the_attention_windows(fake):
     assert kv.called_with["max_attention_window"] == [4096, 1024]
 
 
+def test_llm_kwargs_passes_an_fp8_kv_cache_dtype(fake):
+    config = EngineConfig.from_dict({"model": "m", "engine": "tensorrt_llm", "kv_cache_config": {"dtype": "fp8"}})
+    assert trtllm_args.llm_kwargs(config, fake)["kv_cache_config"].called_with["dtype"] == "fp8"
+
+
 def test_llm_kwargs_passes_lora_and_speculative_settings(fake):
     config = EngineConfig(
         model="m",

@@ -240,8 +240,12 @@ class DecodeGraphs:
         scratch_block: int,
         device: torch.device,
         kernels=None,
+        dtype: Optional[torch.dtype] = None,
     ):
+        """`dtype`: the model's, which the portable backend's masks take; the caches' by default (an FP8 cache's
+        is not one a mask can be in)."""
         self.model = model
+        self.dtype = dtype
         self.kernels = kernels  # attention.triton_backend.TritonAttention, or None: the portable backend's graphs
         self.kv_caches = kv_caches
         self.settings = settings
@@ -291,7 +295,8 @@ class DecodeGraphs:
     def _new_graph(self, seqs: int, rows: int, width: int) -> _Graph | _KernelGraph:
         if self.kernels is not None:
             return _KernelGraph(seqs, rows, width, self.block_size, self.scratch_slot, self.kernels, self.device)
-        return _Graph(seqs, rows, width, self.block_size, self.scratch_slot, self.kv_caches[0][0].dtype, self.device)
+        mask_dtype = self.dtype or self.kv_caches[0][0].dtype
+        return _Graph(seqs, rows, width, self.block_size, self.scratch_slot, mask_dtype, self.device)
 
     def _graph(self, seqs: int, rows: int, width: int) -> Optional[_Graph | _KernelGraph]:
         """The graph of this shape, captured now if it is new; None if capturing fails (graphs are then given up

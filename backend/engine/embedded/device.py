@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from ..config import ConfigError, EngineConfig
+from ..config import ConfigError, EngineConfig, kv_cache_fp8
 
 log = logging.getLogger("tritonllm.engine")
 
@@ -30,6 +30,33 @@ def resolve_dtype(requested: str, model_dtype: str | None, device: torch.device)
         return torch.float32
     name = (model_dtype or "bfloat16").replace("torch.", "")
     return _DTYPES.get(name, torch.bfloat16)
+
+
+def resolve_kv_cache_dtype(
+    config: EngineConfig, dtype: torch.dtype, device: torch.device, attn_backend: str
+) -> torch.dtype:
+    """The KV cache's element type: the model's `dtype`, or float8 e4m3 when the config asks for an FP8 cache
+    (config.kv_cache_fp8). CPU PyTorch holds float8 tensors, so the portable path runs anywhere; the Triton
+    kernels' float8 conversions need compute capability 8.9 (Ada, Hopper) or newer, refused by name below it."""
+    if not kv_cache_fp8(config):
+        return dtype
+    asked = (
+        "kv_cache_config.dtype='fp8'"
+        if config.kv_cache_config.dtype == "fp8"
+        else "quant_config.kv_cache_quant_algo='FP8'"
+    )
+    fp8 = getattr(torch, "float8_e4m3fn", None)
+    if fp8 is None:
+        raise ConfigError(f"{asked}: this PyTorch ({torch.__version__}) has no float8_e4m3fn type")
+    if device.type == "cuda" and attn_backend == "TRITON":
+        capability = torch.cuda.get_device_capability(device)
+        if capability < (8, 9):
+            raise ConfigError(
+                f"{asked} with the Triton attention kernels needs a GPU of compute capability 8.9 or newer "
+                f"(float8 e4m3 conversions); this one is {capability[0]}.{capability[1]}: use attn_backend: "
+                "VANILLA, or kv_cache_config.dtype: auto"
+            )
+    return fp8
 
 
 def avoid_cudnn_attention(device: torch.device) -> None:
@@ -63,7 +90,8 @@ def kv_cache_token_budget(
 ) -> int:
     """`kv_cache_config.max_tokens` if given; else the free-memory fraction (of GPU memory, or of available host
     memory on CPU) of what is free once `reserved_bytes` (activations, CUDA graphs: memory_profile.py) are set
-    aside, capped at what `max_batch_size` sequences of `max_seq_len` tokens can use."""
+    aside, capped at what `max_batch_size` sequences of `max_seq_len` tokens can use. `dtype`: the cache's
+    element type (an FP8 cache's tokens take half the bytes of bf16 ones)."""
     kv = config.kv_cache_config
     if kv.max_tokens is not None:
         return kv.max_tokens

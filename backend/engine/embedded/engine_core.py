@@ -22,7 +22,13 @@ from .beam_requests import BeamRequests, beam_snapshot
 from .beam_search import BeamSearch
 from .block_manager import BlockManager, blocks_for
 from .cuda_graphs import DecodeGraphs, graphs_supported
-from .device import avoid_cudnn_attention, kv_cache_token_budget, resolve_device, resolve_dtype
+from .device import (
+    avoid_cudnn_attention,
+    kv_cache_token_budget,
+    resolve_device,
+    resolve_dtype,
+    resolve_kv_cache_dtype,
+)
 from .guided import build_guided_decoder
 from .loader import load_model, read_model_config
 from .memory_profile import activation_bytes
@@ -55,6 +61,7 @@ class EngineCore:
         avoid_cudnn_attention(self.device)
         self.attn_backend = resolve_backend(config.attn_backend, self.device)
         self.dtype = resolve_dtype(config.dtype, read_model_config(config.model).torch_dtype, self.device)
+        self.kv_dtype = resolve_kv_cache_dtype(config, self.dtype, self.device, self.attn_backend)
         self.model, self.model_config = load_model(
             config.model, self.dtype, self.device, config.load_format, config.quant_config
         )
@@ -91,6 +98,7 @@ class EngineCore:
             block_size,
             self.dtype,
             self.device,
+            cache_dtype=self.kv_dtype,
         )
         self.runner.kernels = kernels
         if graph_settings is not None:
@@ -103,6 +111,7 @@ class EngineCore:
                 scratch_block=num_blocks,
                 device=self.device,
                 kernels=kernels,
+                dtype=self.dtype,
             )
             log.info(
                 "CUDA graphs for decode and verification steps of batch sizes %s%s (each captured on first use)",
@@ -138,8 +147,8 @@ class EngineCore:
         self.last_context_tokens = 0
         self._seq_ids = itertools.count()
         log.info(
-            "embedded engine ready in %.1f s: %s on %s (%s), %s attention, %d KV blocks x %d tokens, max_seq_len %d, "
-            "max_batch_size %d, max_num_tokens %d",
+            "embedded engine ready in %.1f s: %s on %s (%s), %s attention, %d KV blocks x %d tokens (%s), "
+            "max_seq_len %d, max_batch_size %d, max_num_tokens %d",
             time.monotonic() - started,
             config.model,
             self.device,
@@ -147,6 +156,7 @@ class EngineCore:
             self.attn_backend,
             num_blocks,
             block_size,
+            self.kv_dtype,
             self.max_seq_len,
             config.max_batch_size,
             config.max_num_tokens,
@@ -166,9 +176,12 @@ class EngineCore:
             config.max_batch_size,
             block_size,
             kernels,
+            self.kv_dtype,
         )
         reserved = activations * (2 if graphs else 1)
-        budget = kv_cache_token_budget(config, self.model_config, self.dtype, self.device, self.max_seq_len, reserved)
+        budget = kv_cache_token_budget(
+            config, self.model_config, self.kv_dtype, self.device, self.max_seq_len, reserved
+        )
         if reserved:
             log.info(
                 "%.2f GiB set aside for activations%s before sizing the KV cache",

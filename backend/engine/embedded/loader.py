@@ -17,6 +17,7 @@ import torch
 from safetensors import safe_open
 
 from ...json_files import read_json_object
+from .kv_scales import kv_scale_target, set_kv_scale
 from .load_progress import StepProgress, timed_step
 from .network.layers import RMSNorm
 from .network.llama import LlamaForCausalLM, WeightSlot
@@ -178,18 +179,24 @@ def _fill_parameters(
     handles = [(path, _open(path, device)) for path in files]
     total = sum(len(handle.keys()) for _, handle in handles)
     loaded: set[str] = set()
+    kv_scales = 0
     size = sum(path.stat().st_size for path in files) / 2**20
     log.info("loading weights: %d tensors from %d file(s), %.0f MiB, onto %s", total, len(files), size, device)
     with StepProgress("loading weights", total, "tensor") as progress:
         for path, handle in handles:
             for name in handle.keys():
                 slot = slots.get(name)
-                if slot is None:
-                    _check_extra(name, path, config)
-                else:
+                if slot is not None:
                     _load_tensor(handle, name, path, slot)
                     loaded.add(name)
+                elif kv_scale_target(name) is not None:
+                    set_kv_scale(model, name, _read_tensor(handle, name, path), path)
+                    kv_scales += 1
+                else:
+                    _check_extra(name, path, config)
                 progress.update(1)
+    if kv_scales:
+        log.info("read %d FP8 KV cache scale tensor(s) from the checkpoint (used by an FP8 KV cache)", kv_scales)
     missing = [name for name, slot in slots.items() if name not in loaded and getattr(slot, "required", True)]
     if missing:
         shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
@@ -215,6 +222,13 @@ def _check_extra(name: str, path: Path, config: ModelConfig) -> None:
             "routers or experts)"
         )
     raise ModelLoadError(f"{path}: unexpected tensor {name} (not part of a {config.architecture})")
+
+
+def _read_tensor(handle, name: str, path: Path) -> torch.Tensor:
+    try:
+        return handle.get_tensor(name)
+    except Exception as err:
+        raise ModelLoadError(f"{path}: cannot read tensor {name} ({err})") from None
 
 
 def _load_tensor(handle, name: str, path: Path, slot: WeightSlot) -> None:

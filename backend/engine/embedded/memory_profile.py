@@ -32,9 +32,11 @@ def activation_bytes(
     max_rows: int,
     block_size: int,
     kernels=None,
+    cache_dtype: torch.dtype | None = None,
 ) -> int:
     """Peak bytes allocated, above what is allocated now, by one step of `num_tokens` tokens (in sequences of at
-    most `max_seq_len`) and by logits and sampling over `max_rows` rows. 0 off CUDA."""
+    most `max_seq_len`) and by logits and sampling over `max_rows` rows (the scratch cache in `cache_dtype`, the
+    model's `dtype` by default). 0 off CUDA."""
     if device.type != "cuda":
         return 0
     torch.cuda.synchronize(device)
@@ -43,7 +45,9 @@ def activation_bytes(
     lengths = _split(num_tokens, max_seq_len)
     num_blocks = sum(blocks_for(n, block_size) for n in lengths)
     mc = model_config
-    runner = ModelRunner(model, mc.num_layers, mc.num_kv_heads, mc.head_dim, num_blocks, block_size, dtype, device)
+    runner = ModelRunner(
+        model, mc.num_layers, mc.num_kv_heads, mc.head_dim, num_blocks, block_size, dtype, device, cache_dtype
+    )
     runner.kernels = kernels
     runner.execute(_dummy_batch(lengths, block_size), [])
     logits = model.compute_logits(torch.zeros(max_rows, mc.hidden_size, dtype=dtype, device=device)).float()

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from .attention import attach_masks, zero_blocks
+from .attention.fp8_cache import as_bytes
 from .scheduler import ScheduledBatch
 from .sequence import Sequence
 from .step_inputs import StepInputs, step_inputs
@@ -49,8 +50,12 @@ class ModelRunner:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        cache_dtype: Optional[torch.dtype] = None,
     ):
+        """`dtype`: the model's (activations, attention masks); `cache_dtype`: the KV cache's, `dtype` by default
+        (float8_e4m3fn for an FP8 cache: attention/fp8_cache.py)."""
         self.model = model
+        self.dtype = dtype
         self.block_size = block_size
         self.device = device
         self.lora: Optional[LoraRuntime] = None  # set when LoRA is enabled
@@ -61,7 +66,7 @@ class ModelRunner:
 
         # Blocks are zeroed when first handed out (see `zero_blocks`), so the cache can start uninitialised.
         def empty() -> torch.Tensor:
-            return torch.empty(shape, dtype=dtype, device=device)
+            return torch.empty(shape, dtype=cache_dtype or dtype, device=device)
 
         self.kv_caches = [(empty(), empty()) for _ in range(num_layers)]
 
@@ -79,7 +84,7 @@ class ModelRunner:
         if self.graphs is not None:  # a graph builds its own masks; an eager forward after all needs the step's
             hidden = self.graphs.run(inputs.input_ids, inputs.positions, inputs.attn) if lora is None else None
             if hidden is None and self.kernels is None:
-                attach_masks(inputs.attn, self.device, self.kv_caches[0][0].dtype)
+                attach_masks(inputs.attn, self.device, self.dtype)
         if hidden is None:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches, lora)
         hidden, features = self._split(hidden)
@@ -116,7 +121,7 @@ class ModelRunner:
         """Copy single token slots in every layer (accepted tree nodes moved down to consecutive positions)."""
         src, dst = self._long(sources), self._long(targets)
         for cache in (c for pair in self.kv_caches for c in pair):
-            flat = cache.view(-1, *cache.shape[2:])
+            flat = as_bytes(cache).view(-1, *cache.shape[2:])  # FP8 caches as bytes: no float8 index_copy_ on CPU
             flat.index_copy_(0, dst, flat.index_select(0, src))
 
     @torch.inference_mode()
@@ -131,9 +136,7 @@ class ModelRunner:
     ) -> StepInputs:
         """The step's flat inputs (step_inputs.py); `masks` False leaves the portable backend's attention masks
         out. A pending token's input comes from `last_tokens`."""
-        return step_inputs(
-            batch, self.block_size, self.device, self.kv_caches[0][0].dtype, masks, self.kernels, last_tokens
-        )
+        return step_inputs(batch, self.block_size, self.device, self.dtype, masks, self.kernels, last_tokens)
 
     def _long(self, values) -> torch.Tensor:
         return torch.tensor(values, dtype=torch.long, device=self.device)

@@ -40,13 +40,16 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] (this step's, written into the caches first);
     caches: [blocks, block_size, kv_heads, head_dim]; window: the layer's attention window (windows.py), None for
-    full attention. Returns [T, heads, head_dim]."""
+    full attention; k_scale, v_scale: the layer's FP8 cache scales (fp8_cache.py), unused by caches in another
+    dtype. Returns [T, heads, head_dim]."""
     if meta.kernel is not None:
-        return meta.kernel.attend(q, k, v, k_cache, v_cache, scale, window)
-    return portable_attention(q, k, v, k_cache, v_cache, meta, scale, window)
+        return meta.kernel.attend(q, k, v, k_cache, v_cache, scale, window, k_scale, v_scale)
+    return portable_attention(q, k, v, k_cache, v_cache, meta, scale, window, k_scale, v_scale)
 
 
 def resolve_backend(requested: str, device: torch.device) -> str:

@@ -1,6 +1,10 @@
 """The portable attention backend (`attn_backend: VANILLA`): plain PyTorch, writes new K/V into the block cache by
 slot, then gathers each sequence's blocks and attends with SDPA and the step's masks. Runs anywhere PyTorch runs
-(the CPU path, and the reference the kernels are tested against); decode-only steps take one batched SDPA call."""
+(the CPU path, and the reference the kernels are tested against); decode-only steps take one batched SDPA call.
+
+An FP8 cache (fp8_cache.py) stores this step's keys and values quantized; attention then reads them back
+dequantized, this step's own too (a whole prompt attends over its rounded K/V, as a chunked or prefix-hit one
+does), so the result does not depend on how a prompt was split into steps."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ..block_manager import blocks_for
+from .fp8_cache import as_bytes, dequantize, is_fp8, quantize
 from .metadata import AttentionMetadata, sequence_mask, window_mask
 
 
@@ -18,16 +23,25 @@ def zero_blocks(caches, block_ids: list[int]) -> None:
         return
     index = torch.tensor(block_ids, dtype=torch.long, device=caches[0].device)
     for cache in caches:
-        cache.index_fill_(0, index, 0)
+        as_bytes(cache).index_fill_(0, index, 0)  # fp8 zero is all zero bits
 
 
 def write_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
-    """Store this step's keys and values ([T, kv_heads, head_dim]) at their slots."""
-    num_slots = k_cache.shape[0] * k_cache.shape[1]
-    k_cache.view(num_slots, *k_cache.shape[2:]).index_copy_(0, slot_mapping, k)
-    v_cache.view(num_slots, *v_cache.shape[2:]).index_copy_(0, slot_mapping, v)
+    """Store this step's keys and values ([T, kv_heads, head_dim]) at their slots; into an FP8 cache quantized
+    with the layer's scales (fp8_cache.quantize)."""
+    for values, cache, scale in ((k, k_cache, k_scale), (v, v_cache, v_scale)):
+        if is_fp8(cache):
+            values = quantize(values, scale)
+        flat = as_bytes(cache).view(cache.shape[0] * cache.shape[1], *cache.shape[2:])
+        flat.index_copy_(0, slot_mapping, as_bytes(values))
 
 
 def portable_attention(
@@ -39,13 +53,19 @@ def portable_attention(
     meta: AttentionMetadata,
     scale: float,
     window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]; caches: [blocks, block_size, kv_heads, head_dim].
-    `window`: the layer's attention window (attention/windows.py), None for full attention.
-    Returns [T, heads, head_dim]."""
-    write_kv(k, v, k_cache, v_cache, meta.slot_mapping)
+    `window`: the layer's attention window (attention/windows.py), None for full attention. k_scale, v_scale:
+    the layer's FP8 cache scales (unused by a cache in another dtype). Returns [T, heads, head_dim]."""
+    write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
+    scales = (k_scale, v_scale)
     if meta.is_decode_only:
-        return _decode_attention(q, k_cache, v_cache, meta, scale, window)
+        return _decode_attention(q, k_cache, v_cache, meta, scale, window, scales)
+    if is_fp8(k_cache):  # the prompt fast path below attends over this step's K/V as the cache holds them
+        k = dequantize(quantize(k, k_scale), k_scale, q.dtype)
+        v = dequantize(quantize(v, v_scale), v_scale, q.dtype)
     out = torch.empty_like(q)
     tail_masks = meta.tail_masks or [None] * len(meta.query_starts)
     masks = meta.sequence_masks or [None] * len(meta.query_starts)
@@ -60,7 +80,7 @@ def portable_attention(
             mask = sequence_mask(q_len, ctx_len, tail_mask, q.device, q.dtype, meta.block_size)
         if window is not None:
             mask = window_mask(mask, _query_positions(meta, start, q_len, ctx_len, q.device), window)
-        out[rows] = _sequence_attention(q[rows], k_cache, v_cache, table, ctx_len, meta.block_size, scale, mask)
+        out[rows] = _sequence_attention(q[rows], k_cache, v_cache, table, ctx_len, meta.block_size, scale, mask, scales)
     return out
 
 
@@ -80,7 +100,8 @@ def _causal_attention(q, k, v, scale):
 
 def _gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor) -> torch.Tensor:
     """cache[block_ids] for any shape of ids; index_select is several times faster than advanced indexing here."""
-    return torch.index_select(cache, 0, block_ids.reshape(-1)).view(*block_ids.shape, *cache.shape[1:])
+    picked = torch.index_select(as_bytes(cache), 0, block_ids.reshape(-1)).view(cache.dtype)
+    return picked.view(*block_ids.shape, *cache.shape[1:])
 
 
 def _gather(cache: torch.Tensor, table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
@@ -88,22 +109,24 @@ def _gather(cache: torch.Tensor, table: torch.Tensor, length: int, block_size: i
     return _gather_blocks(cache, table[: blocks_for(length, block_size)]).flatten(0, 1)
 
 
-def _sequence_attention(q, k_cache, v_cache, table, ctx_len, block_size, scale, mask):
+def _sequence_attention(q, k_cache, v_cache, table, ctx_len, block_size, scale, mask, scales):
     """Batched 4-D SDPA with an additive mask, which CPU PyTorch runs in its flash kernel (a bool mask on 3-D
     inputs took the slower math path)."""
-    keys = _gather(k_cache, table, ctx_len, block_size).transpose(0, 1)[None]  # [1, kv_heads, whole blocks, d]
-    values = _gather(v_cache, table, ctx_len, block_size).transpose(0, 1)[None]
+    k_scale, v_scale = scales
+    keys = dequantize(_gather(k_cache, table, ctx_len, block_size), k_scale, q.dtype)
+    values = dequantize(_gather(v_cache, table, ctx_len, block_size), v_scale, q.dtype)
+    keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]  # [1, kv_heads, whole blocks, d]
     out = F.scaled_dot_product_attention(
         q.transpose(0, 1)[None], keys, values, attn_mask=mask, scale=scale, enable_gqa=True
     )
     return out[0].transpose(0, 1)
 
 
-def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale, window: int | None):
+def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale, window: int | None, scales):
     """Every sequence's Q rows (consecutive in q) at once over its gathered blocks."""
-    tables = meta.block_tables
-    keys = _gather_blocks(k_cache, tables).flatten(1, 2).transpose(1, 2)  # [S, kv_heads, max_ctx, d]
-    values = _gather_blocks(v_cache, tables).flatten(1, 2).transpose(1, 2)
+    tables, (k_scale, v_scale) = meta.block_tables, scales
+    keys = dequantize(_gather_blocks(k_cache, tables), k_scale, q.dtype).flatten(1, 2).transpose(1, 2)
+    values = dequantize(_gather_blocks(v_cache, tables), v_scale, q.dtype).flatten(1, 2).transpose(1, 2)
     queries = q.view(tables.shape[0], -1, *q.shape[1:]).transpose(1, 2)  # [S, heads, Q, d]
     mask = meta.decode_mask
     if window is not None:

@@ -45,13 +45,33 @@ class KernelMetadata:
     tree: Optional[TreeMasks] = None  # None without draft trees
     positions: Optional[torch.Tensor] = None  # [T] int64: query positions (draft nodes at their depth), if known
 
-    def attend(self, q, k, v, k_cache, v_cache, scale: float, window: Optional[int] = None) -> torch.Tensor:
+    def attend(
+        self,
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        scale: float,
+        window: Optional[int] = None,
+        k_scale: float = 1.0,
+        v_scale: float = 1.0,
+    ) -> torch.Tensor:
         from . import triton_kernels as kernels
 
-        kernels.store_kv(k, v, k_cache, v_cache, self.slot_mapping)
+        kernels.store_kv(k, v, k_cache, v_cache, self.slot_mapping, k_scale, v_scale)
         if self.decode:
             return kernels.decode_attention(
-                q, k_cache, v_cache, self.block_tables, self.seq_lens, scale, self.max_seq_len, window=window
+                q,
+                k_cache,
+                v_cache,
+                self.block_tables,
+                self.seq_lens,
+                scale,
+                self.max_seq_len,
+                window=window,
+                k_scale=k_scale,
+                v_scale=v_scale,
             )
         # set for every step that is not decode-only (TritonAttention.metadata, CUDA graphs of several rows)
         assert self.query_starts is not None and self.query_lens is not None and self.tiles is not None
@@ -68,6 +88,8 @@ class KernelMetadata:
             self.tree,
             window=window,
             positions=self.positions,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
 
 

@@ -21,6 +21,11 @@ Both kernels group the query heads that share a KV head into the rows of one pro
 once per KV head, and are CUDA-graph capturable: grids and constexprs depend on shapes and host ints only, scratch
 comes from torch.empty, nothing syncs with the host.
 
+FP8 caches (fp8_cache.py): the store quantizes (x / scale, clamped to +-448, rounded to float8 e4m3); the
+attention kernels load float8 tiles and widen them to the queries' dtype, with k_scale folded into the score
+scale and v_scale applied to the output (both linear), so the inner loop does no extra multiply. The scales are
+host floats fixed at load, so CUDA graphs capture them.
+
 On CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1 before triton is imported). Its bfloat16
 arithmetic is wrong, so there (UPCAST) every loaded value is converted to fp32 first and dots run in fp32.
 """
@@ -34,7 +39,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp8_cache import FP8_MAX as _FP8_MAX
+from .fp8_cache import is_fp8
+
 LOG2E = 1.4426950408889634
+FP8_MAX = tl.constexpr(_FP8_MAX)
 
 # Decode: an H200 has 132 SMs; it takes a few resident programs an SM to keep its memory pipes busy.
 NUM_SMS = 132
@@ -130,6 +139,7 @@ def _decode_split_kernel(
     part_out,
     part_lse,
     scale_log2,
+    v_scale,
     window,
     num_heads,
     stride_qs,
@@ -191,11 +201,12 @@ def _decode_split_kernel(
         block, offset = _key_slots(table_row, keys, key_ok, BLOCK_SIZE)
         k = _load_kv(k_cache, block, offset, kv_head, stride_kb, stride_ks, stride_kh, d, key_ok, d_ok, UPCAST)
         v = _load_kv(v_cache, block, offset, kv_head, stride_vb, stride_vs, stride_vh, d, key_ok, d_ok, UPCAST)
+        k, v = k.to(queries.dtype), v.to(queries.dtype)  # an FP8 cache's tiles widened (a no-op otherwise)
         scores = _dot(queries, tl.trans(k), IEEE) * scale_log2
         scores = tl.where(key_ok[None, :], scores, float("-inf"))
         m, l, acc = _online_softmax(scores, v, m, l, acc, IEEE)
 
-    result = acc / tl.where(l > 0, l, 1.0)[:, None]
+    result = acc / tl.where(l > 0, l, 1.0)[:, None] * v_scale
     if NUM_SPLITS == 1:
         tl.store(
             out + seq * stride_os + head[:, None] * stride_oh + d[None, :],
@@ -262,11 +273,13 @@ def decode_attention(
     max_seq_len: int,
     out: torch.Tensor | None = None,
     window: int | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """One query a sequence: q [S, heads, head_dim], the query of sequence s at position seq_lens[s] - 1 seeing
     keys 0 .. seq_lens[s] - 1 (with `window`, only the last `window` of them). max_seq_len: a host upper bound of
-    seq_lens (e.g. W * block_size), which fixes the split count (decode_splits). Returns out [S, heads, head_dim]
-    in q's dtype."""
+    seq_lens (e.g. W * block_size), which fixes the split count (decode_splits). k_scale, v_scale: an FP8
+    cache's (1.0 for others). Returns out [S, heads, head_dim] in q's dtype."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = _group_size(num_heads, num_kv_heads)
@@ -289,7 +302,8 @@ def decode_attention(
         out,
         part_out,
         part_lse,
-        scale * LOG2E,
+        scale * LOG2E * k_scale,
+        v_scale,
         window or 0,
         num_heads,
         q.stride(0),
@@ -448,6 +462,7 @@ def _prefill_tile(
     block, offset = _key_slots(table_row, keys, key_ok, BLOCK_SIZE)
     k = _load_kv(k_cache, block, offset, kv_head, stride_kb, stride_ks, stride_kh, d, key_ok, d_ok, UPCAST)
     v = _load_kv(v_cache, block, offset, kv_head, stride_vb, stride_vs, stride_vh, d, key_ok, d_ok, UPCAST)
+    k, v = k.to(queries.dtype), v.to(queries.dtype)  # an FP8 cache's tiles widened (a no-op otherwise)
     scores = _dot(queries, tl.trans(k), IEEE) * scale_log2
     if MASK == CAUSAL:  # causal tiles end before the tree: tree rows see all of their keys
         visible = (keys[None, :] <= q_pos[:, None]) | tree_row[:, None]
@@ -486,6 +501,7 @@ def _prefill_kernel(
     num_seqs,
     num_rows,
     scale_log2,
+    v_scale,
     window,
     stride_qt,
     stride_qh,
@@ -688,7 +704,7 @@ def _prefill_kernel(
                 IEEE,
             )
 
-    result = acc / tl.where(l > 0, l, 1.0)[:, None]
+    result = acc / tl.where(l > 0, l, 1.0)[:, None] * v_scale
     result = tl.where(real[:, None], result, 0.0)
     keep = (member < GROUP) & (token < reserved)
     tl.store(
@@ -712,6 +728,8 @@ def prefill_attention(
     out: torch.Tensor | None = None,
     window: int | None = None,
     positions: torch.Tensor | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Every sequence's queries of a step in one launch. q [T, heads, head_dim]; sequence s's queries are rows
     query_starts[s] .. + query_lens[s] - 1 (sequences in order: s's rows end where s + 1's begin, the last's at
@@ -719,7 +737,7 @@ def prefill_attention(
     tensors from prefill_tiles. A tile's rows of its sequence past query_lens (up to the next sequence's first
     row) are written as zeros; rows no tile covers are left as they are. `window`: see the module's semantics;
     `positions` [T]: the queries' positions, needed with a window where a step has draft trees (without, a query's
-    position is its key's). Returns out in q's dtype."""
+    position is its key's). k_scale, v_scale: an FP8 cache's (1.0 for others). Returns out in q's dtype."""
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = _group_size(num_heads, num_kv_heads)
@@ -754,7 +772,8 @@ def prefill_attention(
         seq_lens if positions is None else positions,  # unused unless HAS_POSITIONS
         query_starts.shape[0],
         num_rows,
-        scale * LOG2E,
+        scale * LOG2E * k_scale,
+        v_scale,
         window or 0,
         q.stride(0),
         q.stride(1),
@@ -807,35 +826,58 @@ def _store_kv_kernel(
     stride_vs,
     stride_vc,
     num_kv_heads,
+    k_inv_scale,
+    v_inv_scale,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    QUANTIZE: tl.constexpr,
 ):
     """Program (token): its K and V rows [kv_heads, head_dim] into the caches at its slot (slot s of the caches
-    viewed as [slots, kv_heads, head_dim]: stride_ks per slot, stride_kc per head)."""
+    viewed as [slots, kv_heads, head_dim]: stride_ks per slot, stride_kc per head); QUANTIZE (FP8 caches):
+    times 1 / scale and clamped first."""
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping + token).to(tl.int64)
     head = tl.arange(0, BLOCK_H)[:, None]
     d = tl.arange(0, BLOCK_D)[None, :]
     ok = (head < num_kv_heads) & (d < HEAD_DIM)
     key = tl.load(k + token * stride_kt + head * stride_kh + d, mask=ok)
+    if QUANTIZE:
+        key = _scaled_in_range(key, k_inv_scale).to(k_cache.dtype.element_ty)
     tl.store(k_cache + slot * stride_ks + head * stride_kc + d, key, mask=ok)
     value = tl.load(v + token * stride_vt + head * stride_vh + d, mask=ok)
+    if QUANTIZE:
+        value = _scaled_in_range(value, v_inv_scale).to(v_cache.dtype.element_ty)
     tl.store(v_cache + slot * stride_vs + head * stride_vc + d, value, mask=ok)
 
 
+@triton.jit
+def _scaled_in_range(x, inv_scale):
+    """fp8_cache.quantize before its rounding: x * (1 / scale) in fp32, clamped to +-FP8_MAX."""
+    scaled = x.to(tl.float32) * inv_scale
+    return tl.minimum(tl.maximum(scaled, -FP8_MAX), FP8_MAX)
+
+
 def store_kv(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """portable.write_kv in one launch: k, v [T, kv_heads, head_dim] (last dim contiguous, any token and head
     strides: views of a fused qkv output) at slots slot_mapping [T] of caches [blocks, block_size, kv_heads,
-    head_dim] whose blocks are contiguous runs of slots."""
+    head_dim] whose blocks are contiguous runs of slots; into FP8 caches quantized with k_scale, v_scale."""
     num_tokens, num_kv_heads, head_dim = k.shape
     if v.shape != k.shape or k.stride(-1) != 1 or v.stride(-1) != 1 or k_cache.shape != v_cache.shape:
         raise ValueError(
             f"keys {tuple(k.shape)} and values {tuple(v.shape)} (contiguous head_dim) do not fit the "
             f"caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
         )
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"the key cache is {k_cache.dtype} but the value cache {v_cache.dtype}")
     for cache in (k_cache, v_cache):
         if cache.stride(0) != cache.shape[1] * cache.stride(1) or cache.stride(-1) != 1:
             raise ValueError("a KV cache's blocks must be contiguous runs of slots")
@@ -857,9 +899,12 @@ def store_kv(
         v_cache.stride(1),
         v_cache.stride(2),
         num_kv_heads,
+        1.0 / k_scale,
+        1.0 / v_scale,
         HEAD_DIM=head_dim,
         BLOCK_H=block_h,
         BLOCK_D=block_d,
+        QUANTIZE=is_fp8(k_cache),
         num_warps=1 if block_h * block_d <= 256 else 4,
     )
 
@@ -885,3 +930,5 @@ def _check_layouts(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
         raise ValueError("q and the KV caches need a contiguous last (head_dim) dimension")
     if k_cache.shape != v_cache.shape or k_cache.shape[-1] != q.shape[-1]:
         raise ValueError(f"caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)} do not fit q {tuple(q.shape)}")
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"the key cache is {k_cache.dtype} but the value cache {v_cache.dtype}")

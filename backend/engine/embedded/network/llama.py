@@ -54,6 +54,10 @@ class LlamaAttention(nn.Module):
         # This layer's attention window (attention/windows.py), None for full attention; a constant once loaded,
         # so CUDA graphs capture it.
         self.window: int | None = None
+        # The FP8 KV cache's scales of this layer (attention/fp8_cache.py): 1.0, or the checkpoint's (kv_scales.py);
+        # constants once loaded, like the window.
+        self.k_scale = 1.0
+        self.v_scale = 1.0
 
     def forward(
         self,
@@ -76,7 +80,9 @@ class LlamaAttention(nn.Module):
             q_and_k = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         # Queries and keys rotate in one go (fewer small ops per layer, which count on CPU).
         q, k = rotate(q_and_k, cos, sin, self.fused).split([self.num_heads, self.num_kv_heads], dim=1)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], attn, self.scale, self.window).reshape(tokens, -1)
+        out = paged_attention(
+            q, k, v, kv_cache[0], kv_cache[1], attn, self.scale, self.window, self.k_scale, self.v_scale
+        ).reshape(tokens, -1)
         projected = self.o_proj(out)
         return projected if lora is None else lora.apply("o", out, projected)
 

@@ -1,0 +1,198 @@
+"""The FP8 KV cache on one GPU (attention/fp8_cache.py): the Triton kernels over float8 caches against the portable
+path, then decode attention time over an fp8 cache against a bf16 one at long contexts. Prints one JSON line a
+check; exits 1 if a check fails. Run by `bash ci/gpu_session.sh fp8-kv`; CI never runs it (no GPU there).
+
+1. store: store_kv of random bf16 K/V (scales 0.37 and 1.0, values past 448 * scale among them) writes exactly
+   write_kv's bytes. The interpreter cannot check this off the e4m3 grid (its float8 rounding is wrong).
+2. kernels: decode (one split and several) and prefill (chunks over a cached prefix) over fp8 caches written by
+   the portable path, bf16 queries, against portable_attention over the same caches.
+3. graph: store + decode over fp8 caches captured in a CUDA graph and replayed equal the eager launch.
+4. timing: decode_attention over fp8 against bf16 caches (Llama-3-8B's heads: 32 query, 8 KV, head 128), batch 8
+   and 32 at contexts 8k and 32k; CUDA events, the median of repeats. Memory-bound, so fp8 should take about
+   half the time of bf16 at long contexts."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+
+import torch
+
+from tritonllm.engine.embedded.attention import step_metadata, write_kv
+from tritonllm.engine.embedded.attention import triton_kernels as tk
+from tritonllm.engine.embedded.attention.fp8_cache import FP8_DTYPE
+from tritonllm.engine.embedded.attention.portable import portable_attention
+
+DEV = torch.device("cuda")
+HEADS, KV_HEADS, DIM, BLOCK = 32, 8, 128, 32
+SCALE = DIM**-0.5
+K_SCALE, V_SCALE = 0.37, 0.11
+TOLERANCE = 2e-2  # bf16 queries and output: relative (norm) error against the portable path
+
+
+def report(check: str, ok: bool, **values) -> bool:
+    print(json.dumps({"check": check, "ok": ok, **values}), flush=True)
+    return ok
+
+
+def relative(out, ref) -> float:
+    return float((out.float() - ref.float()).norm() / ref.float().norm())
+
+
+def timed_ms(fn, repeats: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def check_store() -> bool:
+    ok = True
+    for k_scale, v_scale in ((K_SCALE, V_SCALE), (1.0, 1.0)):
+        gen = torch.Generator(device=DEV).manual_seed(1)
+        tokens, blocks = 300, 16
+        k, v = (torch.randn(tokens, KV_HEADS, DIM, generator=gen, device=DEV).mul(60).bfloat16() for _ in range(2))
+        slots = torch.randperm(blocks * BLOCK, device=DEV)[:tokens]
+        shape = (blocks, BLOCK, KV_HEADS, DIM)
+        caches = [torch.zeros(shape, dtype=FP8_DTYPE, device=DEV) for _ in range(2)]
+        expected = [torch.zeros(shape, dtype=FP8_DTYPE, device=DEV) for _ in range(2)]
+        write_kv(k, v, *expected, slots, k_scale, v_scale)
+        tk.store_kv(k, v, *caches, slots, k_scale, v_scale)
+        torch.cuda.synchronize()
+        differing = sum(int((c.view(torch.uint8) != e.view(torch.uint8)).sum()) for c, e in zip(caches, expected))
+        ok &= report("store", differing == 0, scales=[k_scale, v_scale], differing_bytes=differing)
+    return ok
+
+
+class Step:
+    """Sequences of `ctx_lens` tokens, the last `q_lens` this step's, K/V already in fp8 caches (portable write)."""
+
+    def __init__(self, q_lens, ctx_lens, seed=0):
+        gen = torch.Generator().manual_seed(seed)
+        self.q_lens, self.ctx_lens = q_lens, ctx_lens
+        self.starts = [sum(q_lens[:i]) for i in range(len(q_lens))]
+        counts = [-(-c // BLOCK) for c in ctx_lens]
+        order = torch.randperm(sum(counts) + 1, generator=gen).tolist()
+        self.tables = [order[sum(counts[:i]) : sum(counts[: i + 1])] for i in range(len(counts))]
+        shape = (len(order), BLOCK, KV_HEADS, DIM)
+        self.caches = [torch.zeros(shape, dtype=FP8_DTYPE, device=DEV) for _ in range(2)]
+        all_slots = [self.slot(s, p) for s, c in enumerate(ctx_lens) for p in range(c)]
+        self.slots = [self.slot(s, p) for s, (q, c) in enumerate(zip(q_lens, ctx_lens)) for p in range(c - q, c)]
+        k, v = (torch.randn(len(all_slots), KV_HEADS, DIM, generator=gen).mul(3).bfloat16().to(DEV) for _ in range(2))
+        write_kv(k, v, *self.caches, torch.tensor(all_slots, device=DEV), K_SCALE, V_SCALE)
+        self.q = torch.randn(sum(q_lens), HEADS, DIM, generator=gen).bfloat16().to(DEV)
+        firsts = [sum(ctx_lens[:i]) for i in range(len(ctx_lens))]  # each sequence's first row in all_slots
+        mine = [f + p for f, q, c in zip(firsts, q_lens, ctx_lens) for p in range(c - q, c)]
+        self.k, self.v = k[mine], v[mine]
+
+    def slot(self, seq, position):
+        return self.tables[seq][position // BLOCK] * BLOCK + position % BLOCK
+
+    def ints(self, values):
+        return torch.tensor(values, dtype=torch.int32, device=DEV)
+
+    def table(self):
+        width = max(len(t) for t in self.tables)
+        return self.ints([t + [0] * (width - len(t)) for t in self.tables])
+
+    def reference(self):
+        tails = [None] * len(self.q_lens)
+        meta = step_metadata(
+            self.slots, self.tables, self.starts, self.q_lens, self.ctx_lens, BLOCK, tails, DEV, torch.bfloat16
+        )
+        return portable_attention(self.q, self.k, self.v, *self.caches, meta, SCALE, None, K_SCALE, V_SCALE)
+
+
+def check_kernels() -> bool:
+    ok = True
+    for ctx_lens in ([700, 33, 1500], [9, 4000]):
+        step = Step([1] * len(ctx_lens), ctx_lens)
+        table = step.table()
+        for max_seq_len in (table.shape[1] * BLOCK, 64):  # splits as the width says, and one split
+            out = tk.decode_attention(
+                step.q, *step.caches, table, step.ints(ctx_lens), SCALE, max_seq_len, k_scale=K_SCALE, v_scale=V_SCALE
+            )
+            error = relative(out, step.reference())
+            splits = tk.decode_splits(len(ctx_lens), KV_HEADS, max_seq_len)
+            ok &= report("decode", error < TOLERANCE, ctx_lens=ctx_lens, splits=splits, relative_error=error)
+    step = Step([300, 17, 128], [300, 900, 128 + 64])
+    tiles = tk.prefill_tiles(step.q_lens, HEADS, KV_HEADS)
+    out = tk.prefill_attention(
+        step.q,
+        *step.caches,
+        step.table(),
+        step.ints(step.starts),
+        step.ints(step.q_lens),
+        step.ints(step.ctx_lens),
+        SCALE,
+        tuple(torch.from_numpy(t).to(DEV) for t in tiles),
+        k_scale=K_SCALE,
+        v_scale=V_SCALE,
+    )
+    error = relative(out, step.reference())
+    ok &= report("prefill", error < TOLERANCE, q_lens=step.q_lens, ctx_lens=step.ctx_lens, relative_error=error)
+    return ok
+
+
+def check_graph() -> bool:
+    step = Step([1, 1, 1, 1], [100, 2000, 31, 700])
+    table, lens, slots = step.table(), step.ints(step.ctx_lens), torch.tensor(step.slots, device=DEV)
+    width = table.shape[1] * BLOCK
+
+    def forward():
+        tk.store_kv(step.k, step.v, *step.caches, slots, K_SCALE, V_SCALE)
+        return tk.decode_attention(step.q, *step.caches, table, lens, SCALE, width, k_scale=K_SCALE, v_scale=V_SCALE)
+
+    eager = forward().clone()
+    forward()  # warm: compiled before capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = forward()
+    graph.replay()
+    torch.cuda.synchronize()
+    return report("graph", torch.equal(captured, eager), max_abs_diff=float((captured - eager).abs().max()))
+
+
+def _decode_ms(q, shape, dtype, table, lens, context) -> tuple[float, float]:
+    """(median ms of one decode launch, GiB of the two caches) over random caches in `dtype`."""
+    caches = [torch.randn(shape, device=DEV, dtype=torch.bfloat16).to(dtype) for _ in range(2)]
+    ms = timed_ms(lambda: tk.decode_attention(q, *caches, table, lens, SCALE, context))
+    return round(ms, 4), round(sum(c.numel() * c.element_size() for c in caches) / 2**30, 2)
+
+
+def time_decode() -> None:
+    for batch in (8, 32):
+        for context in (8192, 32768):
+            blocks_per_seq = context // BLOCK
+            shape = (batch * blocks_per_seq, BLOCK, KV_HEADS, DIM)
+            table = torch.arange(batch * blocks_per_seq, device=DEV, dtype=torch.int32).view(batch, blocks_per_seq)
+            lens = torch.full((batch,), context, dtype=torch.int32, device=DEV)
+            q = torch.randn(batch, HEADS, DIM, device=DEV, dtype=torch.bfloat16)
+            row = {"check": "decode_time", "batch": batch, "context": context}
+            for name, dtype in (("bf16", torch.bfloat16), ("fp8", FP8_DTYPE)):
+                row[f"{name}_ms"], row[f"{name}_cache_gib"] = _decode_ms(q, shape, dtype, table, lens, context)
+                torch.cuda.empty_cache()
+            row["speedup"] = round(row["bf16_ms"] / row["fp8_ms"], 2)
+            print(json.dumps(row), flush=True)
+
+
+def main() -> int:
+    print(json.dumps({"device": torch.cuda.get_device_name(), "capability": torch.cuda.get_device_capability()}))
+    ok = check_store()
+    ok &= check_kernels()
+    ok &= check_graph()
+    time_decode()
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
