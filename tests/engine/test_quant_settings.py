@@ -113,11 +113,12 @@ def test_gptq_zero_point_offset_follows_the_checkpoint_format():
     assert (v2.gptq_zero_offset, v2.group_size) == (0, None)
 
 
-def test_the_embedded_engine_refuses_an_fp8_kv_cache_for_now_and_the_adapter_passes_quant_config():
+def test_the_embedded_engine_takes_an_fp8_kv_cache_and_the_adapter_passes_quant_config():
     from tritonllm.engine import trtllm_args
+    from tritonllm.engine.config import kv_cache_fp8
 
     config = EngineConfig.from_dict({"model": "m", "quant_config": {"quant_algo": "FP8", "kv_cache_quant_algo": "FP8"}})
-    assert any(p.startswith("quant_config.kv_cache_quant_algo='FP8'") for p in config.embedded_unsupported())
+    assert config.embedded_unsupported() == [] and kv_cache_fp8(config)
     plain = EngineConfig.from_dict({"model": "m", "quant_config": {"quant_algo": "W4A16"}})
     assert plain.embedded_unsupported() == []
     kwargs = trtllm_args._optional_llm_kwargs(plain)
