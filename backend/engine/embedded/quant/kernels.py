@@ -129,25 +129,15 @@ def int4_linear(
 
 
 def choose_variant(m: int, n: int, k: int) -> Variant:
-    """The program shape for an [m, k] x [k, n] product; defaults until ci/gpu_quant_kernels.py's timings."""
-    if m <= 4:
-        block_m = 1 << (m - 1).bit_length()
-        variant = Variant(block_m=block_m, block_n=32, block_k=128 if block_m <= 2 else 64, use_dot=False)
-    elif m <= SMALL_M:
-        variant = Variant(block_m=16, block_n=64, block_k=128)
-    elif m <= 64:
+    """The program shape for an [m, k] x [k, n] product. Decode (m <= SMALL_M): the int4 sweep's best over
+    Llama-3.1-8B's four projections at m = 1 and 8 on an H200 (2026-12-02, docs/gpu-runs.md): tl.dot tiles of 16
+    rows even for one token (one-row GEMV programs were 4x slower), K steps of 256, split K 4; int8 takes the same
+    (not swept). Larger m: untuned defaults."""
+    if m <= SMALL_M:
+        return Variant(block_m=16, block_n=64, block_k=256, split_k=max(1, min(4, k // 256)))
+    if m <= 64:
         return Variant(block_m=32, block_n=64, block_k=64)
-    else:
-        return Variant(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
-    return _with_split_k(variant, n, k)
-
-
-def _with_split_k(variant: Variant, n: int, k: int) -> Variant:
-    """Split K until the column blocks times the slices make about two programs an SM."""
-    column_blocks = -(-n // variant.block_n)
-    k_tiles = -(-k // variant.block_k)
-    split = max(1, min(8, (2 * NUM_SMS) // column_blocks, k_tiles))
-    return Variant(**{**variant.__dict__, "split_k": split})
+    return Variant(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
 
 
 def weight_only_triton(
