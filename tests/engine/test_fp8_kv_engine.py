@@ -3,6 +3,7 @@ the config's switch and its errors, the cache's element type and block count in 
 close to the unquantized cache's over chunked prefill and decode, every block freed after aborts, and per-layer
 k/v scales read from checkpoint tensors (and used: absurd ones wreck the output)."""
 
+import os
 from types import SimpleNamespace
 
 import pytest
