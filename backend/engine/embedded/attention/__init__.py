@@ -40,13 +40,15 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] (this step's, written into the caches first);
     caches: [blocks, block_size, kv_heads, head_dim]; window: the layer's attention window (windows.py), None for
-    full attention. Returns [T, heads, head_dim]."""
+    full attention; softcap: scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2), None
+    for plain scores. Returns [T, heads, head_dim]."""
     if meta.kernel is not None:
-        return meta.kernel.attend(q, k, v, k_cache, v_cache, scale, window)
-    return portable_attention(q, k, v, k_cache, v_cache, meta, scale, window)
+        return meta.kernel.attend(q, k, v, k_cache, v_cache, scale, window, softcap)
+    return portable_attention(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
 
 
 def resolve_backend(requested: str, device: torch.device) -> str:

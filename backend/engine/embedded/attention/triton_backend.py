@@ -45,13 +45,23 @@ class KernelMetadata:
     tree: Optional[TreeMasks] = None  # None without draft trees
     positions: Optional[torch.Tensor] = None  # [T] int64: query positions (draft nodes at their depth), if known
 
-    def attend(self, q, k, v, k_cache, v_cache, scale: float, window: Optional[int] = None) -> torch.Tensor:
+    def attend(
+        self, q, k, v, k_cache, v_cache, scale: float, window: Optional[int] = None, softcap: Optional[float] = None
+    ) -> torch.Tensor:
         from . import triton_kernels as kernels
 
         kernels.store_kv(k, v, k_cache, v_cache, self.slot_mapping)
         if self.decode:
             return kernels.decode_attention(
-                q, k_cache, v_cache, self.block_tables, self.seq_lens, scale, self.max_seq_len, window=window
+                q,
+                k_cache,
+                v_cache,
+                self.block_tables,
+                self.seq_lens,
+                scale,
+                self.max_seq_len,
+                window=window,
+                softcap=softcap,
             )
         # set for every step that is not decode-only (TritonAttention.metadata, CUDA graphs of several rows)
         assert self.query_starts is not None and self.query_lens is not None and self.tiles is not None
@@ -68,6 +78,7 @@ class KernelMetadata:
             self.tree,
             window=window,
             positions=self.positions,
+            softcap=softcap,
         )
 
 

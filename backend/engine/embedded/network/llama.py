@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3; so also SmolLM2 and TinyLlama) over the paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3; so also SmolLM2 and TinyLlama) over the paged KV cache;
+Phi-3, the mixtures of experts and Gemma build on it.
 
 Tokens of all sequences in a step are one flat batch `[T, ...]`; `AttentionMetadata` says which belong together."""
 
@@ -54,6 +55,7 @@ class LlamaAttention(nn.Module):
         # This layer's attention window (attention/windows.py), None for full attention; a constant once loaded,
         # so CUDA graphs capture it.
         self.window: int | None = None
+        self.softcap: float | None = None  # attention logits capped at cap * tanh(s / cap) (Gemma 2), else None
 
     def forward(
         self,
@@ -76,7 +78,9 @@ class LlamaAttention(nn.Module):
             q_and_k = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         # Queries and keys rotate in one go (fewer small ops per layer, which count on CPU).
         q, k = rotate(q_and_k, cos, sin, self.fused).split([self.num_heads, self.num_kv_heads], dim=1)
-        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], attn, self.scale, self.window).reshape(tokens, -1)
+        out = paged_attention(q, k, v, kv_cache[0], kv_cache[1], attn, self.scale, self.window, self.softcap).reshape(
+            tokens, -1
+        )
         projected = self.o_proj(out)
         return projected if lora is None else lora.apply("o", out, projected)
 
@@ -111,13 +115,16 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    # The final norm's class: a family with its own RMSNorm (Gemma's 1 + weight, network/gemma.py) swaps it in.
+    norm_class: type[RMSNorm] = RMSNorm
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(self.build_layer(config, i) for i in range(config.num_layers))
         self.set_attention_windows(config.layer_windows or (None,) * config.num_layers)  # the checkpoint's own
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim)
         # Tied models reuse the embedding matrix as the output projection.
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -125,9 +132,15 @@ class LlamaForCausalLM(nn.Module):
         # Layers whose outputs `forward` also returns (EAGLE-3 drafts read them), in ascending order.
         self.capture_layers: tuple[int, ...] = ()
 
-    def build_layer(self, config: ModelConfig, index: int) -> LlamaDecoderLayer:
-        """Decoder layer `index` (families with other MLPs override this)."""
+    def build_layer(self, config: ModelConfig, index: int) -> nn.Module:
+        """Decoder layer `index`: families with other MLPs (moe.py) or other layers (gemma.py) override this; a
+        layer has LlamaDecoderLayer's parts (NormedDecoderLayer) and its `deferred`."""
         return LlamaDecoderLayer(config)
+
+    def rotary_embeddings(self) -> list[RotaryEmbedding]:
+        """Every RoPE the model rotates with (Gemma 3 has a second one for its sliding layers): the loader and the
+        engine reset them all."""
+        return [module for module in self.modules() if isinstance(module, RotaryEmbedding)]
 
     def pack_for_cpu(self) -> None:
         """Prepack every projection and the output head for CPU matmuls (fp32 on CPU only; see cpu_gemm). Costs a
