@@ -61,7 +61,8 @@ for what in "$@"; do
           2>>"$OUT/bench.log" | tail -1 | tee -a "$OUT/bench-guided.jsonl"
       done ;;
     moe-kernel) python3 ci/gpu_moe_kernel.py 2>&1 | tee -a "$OUT/moe-kernel.jsonl" ;;
-    families) run_tests tests/engine/test_moe.py tests/engine/test_phi3.py ${FAMILY_TESTS:-} ;;
+    families) run_tests tests/engine/test_moe.py tests/engine/test_phi3.py tests/engine/test_gemma.py \
+                tests/engine/test_softcap_attention.py ${FAMILY_TESTS:-} ;;
     bench-mixtral)
       bench "mixtral-8x7b 256x128/128" --model "$(shape mixtral-8x7b)" --requests 256 --min-prompt 128 --max-prompt 128 --min-output 128 --max-output 128 --max-batch-size 256 --warmup --baseline none ;;
     bench-qwen3)

@@ -1,8 +1,9 @@
 """Gemma 2 and Gemma 3 (text) against Hugging Face transformers: the tiny models (`--arch gemma2`: a sliding and a
 global layer, attention and final logit soft-capping; `--arch gemma3`: 5 sliding layers to 1 global, their own RoPE
 base, linear RoPE scaling on the global one, q/k norms), greedy in fp32, token for token, with prompts longer than
-the window: alone, in one batch, in chunks, over reused prefixes, on both attention backends; with speculative
-drafts and guided decoding. And config.json parsing: the layer kinds, both RoPE dialects, what is refused."""
+the window: alone, in one batch, in chunks, over reused prefixes, on both attention backends (the Triton kernels
+in one lean case on CPU, where they run interpreted); with speculative drafts and guided decoding. And config.json
+parsing: the layer kinds, both RoPE dialects, what is refused."""
 
 import json
 import re
@@ -17,10 +18,13 @@ from tritonllm.engine.embedded.network.gemma import GemmaForCausalLM
 from tritonllm.engine.embedded.network.model_config import ModelConfig, ModelLoadError
 from tritonllm.engine.types import GuidedDecodingParams, InvalidRequestError, SamplingParams
 
-from .test_engine_parity import PROMPTS, assert_all_blocks_free, greedy, hf_greedy, make_engine
+from .test_engine_parity import DEVICE, PROMPTS, assert_all_blocks_free, greedy, hf_greedy, make_engine
 
 MAX_NEW = 30
-BACKENDS = ["VANILLA", "TRITON"]
+# Triton's interpreter runs a whole engine slowly: on CPU the kernels get test_triton_kernels_match_hf's lean case
+# (and test_softcap_attention.py's), on CUDA every engine test below as well.
+BACKENDS = ["VANILLA", "TRITON"] if DEVICE == "cuda" else ["VANILLA"]
+LEAN_NEW = 6  # tokens the lean Triton case generates
 ARCHS = ["gemma2", "gemma3"]
 
 
@@ -114,6 +118,20 @@ def test_chunked_prefill_and_prefix_reuse_match_hf(gemma, backend):
         assert [o.outputs[0].token_ids for o in second] == expected
         assert sum(o.outputs[0].request_perf_metrics.kv_cache_reused_blocks for o in second) > 0
         assert_all_blocks_free(engine)
+    finally:
+        engine.shutdown()
+
+
+def test_triton_kernels_match_hf(gemma):
+    """The longest prompt (over twice the window) in chunks of 16, then a few decode steps, on the Triton kernels:
+    Gemma 2's soft-capped scores and both models' sliding layers through the prefill (whole and chunked) and the
+    decode kernels."""
+    arch, model_dir, tokenizer, prompt_ids, expected = gemma
+    engine = make_engine(model_dir, attn_backend="TRITON", enable_chunked_prefill=True, max_num_tokens=16)
+    try:
+        assert engine.core.model.layers[0].self_attn.softcap == (4.0 if arch == "gemma2" else None)
+        output = engine.generate(prompt_ids[-1], greedy(tokenizer, LEAN_NEW)).outputs[0]
+        assert output.token_ids == expected[-1][:LEAN_NEW]
     finally:
         engine.shutdown()
 
