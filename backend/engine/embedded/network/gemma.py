@@ -81,33 +81,15 @@ class GemmaForCausalLM(LlamaForCausalLM):
     def gemma_layers(self) -> Iterable[GemmaDecoderLayer]:
         return cast(Iterable[GemmaDecoderLayer], self.layers)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,
-        positions: torch.Tensor,
-        attn: AttentionMetadata,
-        kv_caches: list[KVCache],
-        lora=None,
-    ) -> torch.Tensor:
-        """As LlamaForCausalLM.forward."""
-        if len(kv_caches) != len(self.layers):
-            raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         # transformers rounds sqrt(hidden) to the model's dtype before it multiplies.
-        hidden = hidden * float(torch.tensor(self.config.hidden_size**0.5, dtype=hidden.dtype))
-        residual = None
-        rotations = self.rotary_emb(positions, hidden.dtype)
-        local = rotations if self.local_rotary_emb is None else self.local_rotary_emb(positions, hidden.dtype)
-        captured = []
-        for index, (layer, kv_cache) in enumerate(zip(self.gemma_layers, kv_caches)):
-            cos, sin = local if self.local_layers[index] else rotations
-            hidden, residual = layer.deferred(
-                hidden, residual, cos, sin, attn, kv_cache, None if lora is None else lora.layer(index)
-            )
-            if index in self.capture_layers:
-                captured.append(residual + hidden)
-        normed = self.norm(hidden) if residual is None else self.norm(hidden, residual=residual)[0]
-        return torch.cat([normed] + captured, dim=-1) if captured else normed
+        return hidden * float(torch.tensor(self.config.hidden_size**0.5, dtype=hidden.dtype))
+
+    def layer_rotations(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        rotations = self.rotary_emb(positions, dtype)
+        local = rotations if self.local_rotary_emb is None else self.local_rotary_emb(positions, dtype)
+        return [local if sliding else rotations for sliding in self.local_layers]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """LlamaForCausalLM's logits, capped at cap * tanh(logits / cap) (in fp32) where the model caps them."""

@@ -181,10 +181,10 @@ class LlamaForCausalLM(nn.Module):
         (tritonllm.lora.layers.LoraBatch), or None for the base model."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
-        hidden, residual = self.embed_tokens(input_ids), None
-        cos, sin = self.rotary_emb(positions, hidden.dtype)
+        hidden, residual = self.embed(input_ids), None
+        rotations = self.layer_rotations(positions, hidden.dtype)
         captured = []
-        for index, (layer, kv_cache) in enumerate(zip(self.decoder_layers, kv_caches)):
+        for index, (layer, kv_cache, (cos, sin)) in enumerate(zip(self.decoder_layers, kv_caches, rotations)):
             hidden, residual = layer.deferred(
                 hidden, residual, cos, sin, attn, kv_cache, None if lora is None else lora.layer(index)
             )
@@ -192,6 +192,14 @@ class LlamaForCausalLM(nn.Module):
                 captured.append(residual + hidden)
         normed = self.norm(hidden) if residual is None else self.norm(hidden, residual=residual)[0]
         return torch.cat([normed] + captured, dim=-1) if captured else normed
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first layer's input (Gemma scales it)."""
+        return self.embed_tokens(input_ids)
+
+    def layer_rotations(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's RoPE (cos, sin) at `positions`: the same for all (Gemma 3's sliding layers have their own)."""
+        return [self.rotary_emb(positions, dtype)] * len(self.layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> fp32 logits [N, vocab]."""
