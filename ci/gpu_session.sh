@@ -95,7 +95,8 @@ for what in "$@"; do
     fp8-kv)  # the FP8 KV cache: kernels against the portable path, decode time fp8 vs bf16; then its tests on CUDA
       python3 ci/gpu_fp8_kv.py 2>&1 | tee -a "$OUT/fp8-kv.jsonl"
       run_tests tests/engine/test_fp8_kv_cache.py tests/engine/test_fp8_kv_engine.py ;;
-    families) run_tests tests/engine/test_moe.py tests/engine/test_phi3.py ${FAMILY_TESTS:-} ;;
+    families) run_tests tests/engine/test_moe.py tests/engine/test_phi3.py tests/engine/test_gemma.py \
+                tests/engine/test_softcap_attention.py ${FAMILY_TESTS:-} ;;
     bench-mixtral)
       bench "mixtral-8x7b 256x128/128" --model "$(shape mixtral-8x7b)" --requests 256 --min-prompt 128 --max-prompt 128 --min-output 128 --max-output 128 --max-batch-size 256 --warmup --baseline none ;;
     bench-quant)  # issue 25: Llama-3.1-8B's shape, bf16 against FP8 weights + FP8 KV (256x128/128), and W4A16 at batch 1

@@ -37,7 +37,8 @@ def portable_model_config(config: dict[str, Any]) -> dict[str, Any]:
     config = dict(config)
     rope = dict(config.get("rope_parameters") or {})
     theta = rope.get("rope_theta", config.get("rope_theta"))
-    if theta is not None:
+    by_layer_type = "full_attention" in rope  # Gemma 3: one set a layer type, written out in full already
+    if theta is not None and not by_layer_type:
         config["rope_theta"] = theta
         rope.setdefault("rope_theta", theta)
         rope.setdefault("rope_type", "default")

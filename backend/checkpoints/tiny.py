@@ -1,8 +1,10 @@
 """Tiny random-weight models in Hugging Face format, for fast tests: Llama, Mistral (sliding-window attention over
 TINY_SLIDING_WINDOW tokens, so short prompts already outgrow it), Qwen2 (q/k/v biases), Qwen3 (q/k norms,
 head_dim != hidden / heads), Phi-3 (fused qkv and gate-up tensors; `phi3-longrope` with LongRoPE over a
-pre-training context of TINY_ORIGINAL_CONTEXT tokens) and the mixtures of experts Mixtral (4 experts, top 2),
-Qwen3-MoE (8 experts, top 2, renormalised) and Qwen2-MoE (4 experts, a shared expert, one dense layer), each
+pre-training context of TINY_ORIGINAL_CONTEXT tokens), the mixtures of experts Mixtral (4 experts, top 2),
+Qwen3-MoE (8 experts, top 2, renormalised) and Qwen2-MoE (4 experts, a shared expert, one dense layer), Gemma 2
+(sliding and global layers alternating over TINY_SLIDING_WINDOW, attention and final logit soft-capping) and
+Gemma 3 (5 sliding layers to 1 global, their own RoPE base, linear RoPE scaling on the global one, q/k norms), each
 with a real byte-level BPE tokenizer trained on text we ship. Expert weights are saved per expert, under the
 names published checkpoints use.
 
@@ -52,6 +54,16 @@ _COMMON = dict(
     eos_token_id=EOS_TOKEN_ID,
     pad_token_id=PAD_TOKEN_ID,
     dtype="float32",
+)
+# Gemma's keys (transformers' Gemma 2 / 3 read `hidden_activation`, not `hidden_act`).
+_GEMMA_COMMON: dict[str, Any] = dict(
+    head_dim=16,
+    hidden_act="gelu_pytorch_tanh",
+    hidden_activation="gelu_pytorch_tanh",
+    # Real Gemma ties its head to the embedding; tied, the tiny one repeats one token (measured), so it does not.
+    tie_word_embeddings=False,
+    attention_bias=False,
+    sliding_window=TINY_SLIDING_WINDOW,
 )
 _ARCH_CONFIGS: dict[str, dict[str, Any]] = {
     "llama": dict(
@@ -160,6 +172,35 @@ _ARCH_CONFIGS: dict[str, dict[str, Any]] = {
         mlp_only_layers=[1],  # layer 1 keeps a dense MLP of intermediate_size
         output_router_logits=False,
     ),
+    "gemma2": dict(
+        _GEMMA_COMMON,
+        architectures=["Gemma2ForCausalLM"],
+        model_type="gemma2",
+        query_pre_attn_scalar=24,
+        # Small caps, so that tanh bends the tiny model's scores and logits (50 and 30 in gemma-2-2b).
+        attn_logit_softcapping=4.0,
+        final_logit_softcapping=6.0,
+        layer_types=["sliding_attention", "full_attention"],
+    ),
+    "gemma3": dict(
+        _GEMMA_COMMON,
+        architectures=["Gemma3ForCausalLM"],
+        model_type="gemma3_text",
+        num_hidden_layers=6,
+        query_pre_attn_scalar=12,
+        attn_logit_softcapping=None,
+        final_logit_softcapping=None,
+        sliding_window_pattern=6,
+        layer_types=["sliding_attention"] * 5 + ["full_attention"],
+        # transformers 5.x reads rope_parameters by layer type; 4.x the flat keys beside them.
+        rope_theta=1_000_000.0,
+        rope_local_base_freq=10_000.0,
+        rope_scaling=dict(rope_type="linear", factor=2.0),
+        rope_parameters=dict(
+            full_attention=dict(rope_type="linear", factor=2.0, rope_theta=1_000_000.0),
+            sliding_attention=dict(rope_type="default", rope_theta=10_000.0),
+        ),
+    ),
 }
 ARCHITECTURES = tuple(_ARCH_CONFIGS)
 
@@ -188,6 +229,10 @@ def write_tokenizer_files(out: Path) -> None:
 
 def tiny_config(arch: str, vocab_size: int) -> dict[str, Any]:
     return portable_model_config({**_COMMON, **_ARCH_CONFIGS[arch], "vocab_size": vocab_size})
+
+
+def _is_gemma(config: dict[str, Any]) -> bool:
+    return config["model_type"] in ("gemma2", "gemma3_text")
 
 
 # ---- weights ----
@@ -223,6 +268,7 @@ def _fused_as_phi3(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 # stream just repeats its input token) and the top two logits stay well apart.
 _INIT = {
     "embedding": lambda noise, shape: noise * 0.3,
+    "gemma_embedding": lambda noise, shape: noise / math.sqrt(shape[1]),
     "linear": lambda noise, shape: noise / math.sqrt(shape[1]),  # keeps activations near unit scale
     "mixing": lambda noise, shape: noise * 2 / math.sqrt(shape[1]),  # q, k, o, down: sharper attention, more mixing
     "head": lambda noise, shape: noise * 0.5,
@@ -230,6 +276,9 @@ _INIT = {
     "bias": lambda noise, shape: noise * 0.3,
     "norm": lambda noise, shape: 1.0 + noise * 0.2,
     "final_norm": lambda noise, shape: 3.0 * (1.0 + noise * 0.2),  # spreads the logits
+    # Gemma's norms scale by 1 + weight: the same scales, stored minus one.
+    "offset_norm": lambda noise, shape: noise * 0.2,
+    "offset_final_norm": lambda noise, shape: 3.0 * (1.0 + noise * 0.2) - 1.0,
 }
 
 
@@ -239,30 +288,34 @@ def _weight_specs(config: dict[str, Any]) -> list[tuple[str, tuple[int, ...], st
     q_size = config["num_attention_heads"] * head_dim
     kv_size = config["num_key_value_heads"] * head_dim
     qkv_bias = config["model_type"] in ("qwen2", "qwen2_moe") or config.get("attention_bias", False)
+    gemma = _is_gemma(config)
+    norm = "offset_norm" if gemma else "norm"
+    # Gemma scales its embeddings by sqrt(hidden): smaller ones keep the residual stream at the others' scale.
+    embedding = "gemma_embedding" if gemma else "embedding"
     specs: list[tuple[str, tuple[int, ...], str]] = [
-        ("model.embed_tokens.weight", (config["vocab_size"], hidden), "embedding")
+        ("model.embed_tokens.weight", (config["vocab_size"], hidden), embedding)
     ]
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        specs += [
-            (p + "input_layernorm.weight", (hidden,), "norm"),
-            (p + "post_attention_layernorm.weight", (hidden,), "norm"),
-        ]
+        layer_norms = ["input_layernorm", "post_attention_layernorm"]
+        if gemma:
+            layer_norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+        specs += [(p + f"{name}.weight", (hidden,), norm) for name in layer_norms]
         for proj, rows, kind in (("q", q_size, "mixing"), ("k", kv_size, "mixing"), ("v", kv_size, "linear")):
             specs.append((p + f"self_attn.{proj}_proj.weight", (rows, hidden), kind))
             if qkv_bias:
                 specs.append((p + f"self_attn.{proj}_proj.bias", (rows,), "bias"))
         specs.append((p + "self_attn.o_proj.weight", (hidden, q_size), "mixing"))
-        if config["model_type"] in ("qwen3", "qwen3_moe"):
+        if config["model_type"] in ("qwen3", "qwen3_moe", "gemma3_text"):
             specs += [
-                (p + "self_attn.q_norm.weight", (head_dim,), "norm"),
-                (p + "self_attn.k_norm.weight", (head_dim,), "norm"),
+                (p + "self_attn.q_norm.weight", (head_dim,), norm),
+                (p + "self_attn.k_norm.weight", (head_dim,), norm),
             ]
         if _is_sparse_layer(config, i):
             specs += _moe_specs(config, p)
         else:
             specs += _mlp_specs(p + "mlp.", hidden, inter)
-    specs.append(("model.norm.weight", (hidden,), "final_norm"))
+    specs.append(("model.norm.weight", (hidden,), "offset_final_norm" if gemma else "final_norm"))
     if not config["tie_word_embeddings"]:
         specs.append(("lm_head.weight", (config["vocab_size"], hidden), "head"))
     return specs

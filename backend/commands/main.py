@@ -18,7 +18,19 @@ def _model_commands(sub) -> None:
     tiny.add_argument("--seed", type=int, default=0, help="weight seed; the same seed gives identical files")
     tiny.add_argument(
         "--arch",
-        choices=["llama", "mistral", "qwen2", "qwen3", "phi3", "phi3-longrope", "mixtral", "qwen3_moe", "qwen2_moe"],
+        choices=[
+            "llama",
+            "mistral",
+            "qwen2",
+            "qwen3",
+            "phi3",
+            "phi3-longrope",
+            "mixtral",
+            "qwen3_moe",
+            "qwen2_moe",
+            "gemma2",
+            "gemma3",
+        ],
         default="llama",
         help="architecture written to config.json (default llama)",
     )

@@ -120,7 +120,7 @@ def test_portable_fp8_cache_equals_full_precision_cache_of_rounded_values(name):
     """Same rounded K/V, same attention: only the storage differs (fp32 throughout, so within 1e-6)."""
     step = Step(len(name), *CASES[name])
     fp8_caches = step.caches(FP8_DTYPE)
-    out = portable_attention(step.q, step.k, step.v, *fp8_caches, step.meta(), SCALE, None, K_SCALE, V_SCALE)
+    out = portable_attention(step.q, step.k, step.v, *fp8_caches, step.meta(), SCALE, k_scale=K_SCALE, v_scale=V_SCALE)
     k, v = rounded(step.k, K_SCALE), rounded(step.v, V_SCALE)
     ref = portable_attention(step.q, k, v, *step.rounded_caches(), step.meta(), SCALE)
     assert relative_error(out, ref) < 1e-6
@@ -136,7 +136,7 @@ def test_fp8_cache_stays_close_to_the_unquantized_cache(name):
     shape = (step.num_blocks, BLOCK, KV_HEADS, DIM)
     fp8_caches = [torch.zeros(shape, dtype=FP8_DTYPE, device=DEVICE) for _ in range(2)]
     write_kv(*prefix, *fp8_caches, step.long(step.prefix_slots), *scales)
-    out = portable_attention(step.q, k, v, *fp8_caches, step.meta(), SCALE, None, *scales)
+    out = portable_attention(step.q, k, v, *fp8_caches, step.meta(), SCALE, None, None, *scales)
     full = [torch.zeros(shape, device=DEVICE) for _ in range(2)]
     write_kv(*prefix, *full, step.long(step.prefix_slots))
     ref = portable_attention(step.q, k, v, *full, step.meta(), SCALE)
@@ -149,7 +149,7 @@ def test_prefill_kernel_on_fp8_cache_equals_portable(name):
     """The prefill kernel reads the float8 cache the portable path wrote (this step's K/V included)."""
     step = Step(len(name), *CASES[name])
     caches = step.caches(FP8_DTYPE)
-    ref = portable_attention(step.q, step.k, step.v, *caches, step.meta(), SCALE, None, K_SCALE, V_SCALE)
+    ref = portable_attention(step.q, step.k, step.v, *caches, step.meta(), SCALE, k_scale=K_SCALE, v_scale=V_SCALE)
     tiles = tk.prefill_tiles(step.q_lens, HEADS, KV_HEADS)
     out = tk.prefill_attention(
         step.q,
@@ -171,7 +171,7 @@ def test_prefill_kernel_on_fp8_cache_equals_portable(name):
 def test_decode_kernel_on_fp8_cache_equals_portable(max_seq_len):
     step = Step(3, *CASES["decode"])
     caches = step.caches(FP8_DTYPE)
-    ref = portable_attention(step.q, step.k, step.v, *caches, step.meta(), SCALE, None, K_SCALE, V_SCALE)
+    ref = portable_attention(step.q, step.k, step.v, *caches, step.meta(), SCALE, k_scale=K_SCALE, v_scale=V_SCALE)
     out = tk.decode_attention(
         step.q,
         *caches,

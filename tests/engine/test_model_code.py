@@ -196,7 +196,7 @@ def test_model_config_fields(tiny_dir):
         4096,
         "float32",
     )
-    window = TINY_SLIDING_WINDOW if raw["model_type"] == "mistral" else None
+    window = TINY_SLIDING_WINDOW if raw["model_type"] in ("mistral", "gemma2", "gemma3_text") else None
     assert config.eos_token_id == 2 and config.sliding_window == window
     assert config.tie_word_embeddings == raw["tie_word_embeddings"]
 

@@ -57,8 +57,8 @@ def test_tiny_model_loads_in_transformers_with_random_norms_and_biases(arch, tmp
     tensors = load_file(model_dir / "model.safetensors")
     assert {t.dtype for t in tensors.values()} == {torch.float32}
     assert any(name.endswith("q_proj.bias") for name in tensors) == (arch in ("qwen2", "qwen2_moe"))
-    assert any(name.endswith("q_norm.weight") for name in tensors) == (arch in ("qwen3", "qwen3_moe"))
-    untied = ("llama", "mistral", "phi3", "phi3-longrope", "mixtral", "qwen3_moe", "qwen2_moe")
+    assert any(name.endswith("q_norm.weight") for name in tensors) == (arch in ("qwen3", "qwen3_moe", "gemma3"))
+    untied = ("llama", "mistral", "phi3", "phi3-longrope", "mixtral", "qwen3_moe", "qwen2_moe", "gemma2", "gemma3")
     assert ("lm_head.weight" in tensors) == (arch in untied)
 
 

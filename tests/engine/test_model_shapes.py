@@ -30,9 +30,16 @@ RELEASED_MILLIONS = {
     "phi-3.5-mini-instruct": 3821.1,
     "mixtral-8x7b": 46702.8,  # its card's 46.7B
     "qwen3-30b-a3b": 30532.1,  # its card's 30.5B
+    "gemma-2-2b": 2614.3,
+    "gemma-3-1b": 999.9,
 }
 # The published sliding windows (the engine resolves one past max_seq_len to full attention).
-PUBLISHED_WINDOWS = {"phi-3-mini-4k-instruct": 2047, "phi-3.5-mini-instruct": 262144}
+PUBLISHED_WINDOWS = {
+    "phi-3-mini-4k-instruct": 2047,
+    "phi-3.5-mini-instruct": 262144,
+    "gemma-2-2b": 4096,
+    "gemma-3-1b": 512,
+}
 PUBLISHED_ROPE = {"phi-3.5-mini-instruct": "longrope"}
 
 
@@ -60,10 +67,10 @@ def test_each_shape_is_a_weightless_folder_the_engine_reads(name, tmp_path):
     )
     assert config.head_dim == published.get("head_dim", published["hidden_size"] // published["num_attention_heads"])
     assert config.qkv_bias == (published["model_type"] == "qwen2")
-    assert config.qk_norm == (published["model_type"] in ("qwen3", "qwen3_moe"))
+    assert config.qk_norm == (published["model_type"] in ("qwen3", "qwen3_moe", "gemma3_text"))
     assert config.sliding_window == PUBLISHED_WINDOWS.get(name)
     assert config.rope.rope_type == ("llama3" if name.startswith("llama-3") else PUBLISHED_ROPE.get(name, "default"))
-    assert json.loads((folder / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert json.loads((folder / "config.json").read_text())["torch_dtype"] == published["torch_dtype"]
 
 
 @pytest.mark.parametrize("name", SHAPE_NAMES)
@@ -101,12 +108,13 @@ def test_dummy_load_is_complete_tame_and_the_same_every_time(arch, tmp_path):
     folder = weightless_tiny(tmp_path, arch)
     first, _ = load_model(folder, torch.float32, "cpu", load_format="dummy")
     second, _ = load_model(folder, torch.float32, "cpu", load_format="dummy")
-    norms = {f"{name}.weight" for name, module in first.named_modules() if isinstance(module, RMSNorm)}
-    assert any("q_norm" in name for name in norms) == (arch in ("qwen3", "qwen3_moe"))
+    # each norm's scale-by-one weight: 1, or 0 for Gemma's 1 + weight
+    norms = {f"{name}.weight": m.identity_weight for name, m in first.named_modules() if isinstance(m, RMSNorm)}
+    assert any("q_norm" in name for name in norms) == (arch in ("qwen3", "qwen3_moe", "gemma3"))
     for (name, param), (_, again) in zip(first.named_parameters(), second.named_parameters()):
         assert torch.equal(param, again), name  # uninitialised storage would differ between loads
         if name in norms:
-            assert torch.all(param == 1), name
+            assert torch.all(param == norms[name]), name
         elif name.endswith(".bias"):
             assert torch.all(param == 0), name
         else:

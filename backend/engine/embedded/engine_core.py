@@ -214,7 +214,8 @@ class EngineCore:
         """The longest context a step attends over: a sequence's last token is never fed back, so max_seq_len - 1.
         Fixes longrope's factor set (RotaryEmbedding.set_context_length); other RoPE types ignore it."""
         rope = self.model_config.rope
-        self.model.rotary_emb.set_context_length(self.max_seq_len - 1)
+        for rotary in self.model.rotary_embeddings():
+            rotary.set_context_length(self.max_seq_len - 1)
         if rope.rope_type == "longrope":
             long = uses_long_factors(rope, self.max_seq_len - 1)
             log.info(

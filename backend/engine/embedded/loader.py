@@ -19,6 +19,7 @@ from safetensors import safe_open
 from ...json_files import read_json_object
 from .kv_scales import kv_scale_target, set_kv_scale
 from .load_progress import StepProgress, timed_step
+from .network.gemma import GemmaForCausalLM
 from .network.layers import RMSNorm
 from .network.llama import LlamaForCausalLM, WeightSlot
 from .network.model_config import SUPPORTED_ARCHITECTURES, ModelConfig, ModelLoadError
@@ -61,13 +62,15 @@ log = logging.getLogger("tritonllm.engine")
 # enough that bf16 activations stay finite through many layers (the usual initializer_range of these models).
 DUMMY_SEED = 0
 DUMMY_STD = 0.02
-# The model class of each architecture whose code is not LlamaForCausalLM itself (the one place that picks it).
-# The network code of each architecture whose layers or checkpoint differ from Llama's (the rest run llama.py).
+# The network code of each architecture whose layers or checkpoint differ from Llama's (the rest run llama.py):
+# the one place that picks it.
 _MODEL_CLASSES: dict[str, type[LlamaForCausalLM]] = {
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "MixtralForCausalLM": MoeForCausalLM,
     "Qwen2MoeForCausalLM": MoeForCausalLM,
     "Qwen3MoeForCausalLM": MoeForCausalLM,
+    "Gemma2ForCausalLM": GemmaForCausalLM,
+    "Gemma3ForCausalLM": GemmaForCausalLM,
 }
 
 
@@ -118,7 +121,8 @@ def load_model(
         _fill_dummy_parameters(model, device)
     else:
         _fill_parameters(model, config, files, device, quant)
-    model.rotary_emb.reset_frequencies(device)
+    for rope in model.rotary_embeddings():
+        rope.reset_frequencies(device)
     packs = device.type == "cpu" and dtype == torch.float32  # cpu_gemm packs fp32 weights only
     with timed_step("weights packed for CPU matmuls") if packs else contextlib.nullcontext():
         model.pack_for_cpu()
@@ -156,13 +160,14 @@ def _allocate_parameters(model: torch.nn.Module, dtype: torch.dtype, device: tor
 
 def _fill_dummy_parameters(model: LlamaForCausalLM, device: torch.device) -> None:
     """Every parameter set, generated on the device itself (an 8B model fills in well under a second on a GPU):
-    RMSNorm scales (q_norm and k_norm too) ones, biases zeros, embeddings and matrices normal(0, DUMMY_STD)."""
+    RMSNorm scales (q_norm and k_norm too) at their identity (one; zero for Gemma's 1 + weight), biases zeros,
+    embeddings and matrices normal(0, DUMMY_STD)."""
     generator = torch.Generator(device=device).manual_seed(DUMMY_SEED)
     with torch.no_grad():
         for module in model.modules():
             for name, param in module.named_parameters(recurse=False):
                 if isinstance(module, RMSNorm):
-                    param.fill_(1.0)
+                    param.fill_(module.identity_weight)
                 elif name == "bias":
                     param.zero_()
                 else:

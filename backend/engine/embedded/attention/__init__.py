@@ -40,16 +40,18 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> torch.Tensor:
     """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] (this step's, written into the caches first);
     caches: [blocks, block_size, kv_heads, head_dim]; window: the layer's attention window (windows.py), None for
-    full attention; k_scale, v_scale: the layer's FP8 cache scales (fp8_cache.py), unused by caches in another
+    full attention; softcap: scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2), None
+    for plain scores; k_scale, v_scale: the layer's FP8 cache scales (fp8_cache.py), unused by caches in another
     dtype. Returns [T, heads, head_dim]."""
     if meta.kernel is not None:
-        return meta.kernel.attend(q, k, v, k_cache, v_cache, scale, window, k_scale, v_scale)
-    return portable_attention(q, k, v, k_cache, v_cache, meta, scale, window, k_scale, v_scale)
+        return meta.kernel.attend(q, k, v, k_cache, v_cache, scale, window, softcap, k_scale, v_scale)
+    return portable_attention(q, k, v, k_cache, v_cache, meta, scale, window, softcap, k_scale, v_scale)
 
 
 def resolve_backend(requested: str, device: torch.device) -> str:

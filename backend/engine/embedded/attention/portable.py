@@ -53,16 +53,18 @@ def portable_attention(
     meta: AttentionMetadata,
     scale: float,
     window: int | None = None,
+    softcap: float | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> torch.Tensor:
     """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim]; caches: [blocks, block_size, kv_heads, head_dim].
-    `window`: the layer's attention window (attention/windows.py), None for full attention. k_scale, v_scale:
-    the layer's FP8 cache scales (unused by a cache in another dtype). Returns [T, heads, head_dim]."""
+    `window`: the layer's attention window (attention/windows.py), None for full attention; `softcap`: scores
+    capped at softcap * tanh(scores / softcap) before the mask and softmax, None for none. k_scale, v_scale: the
+    layer's FP8 cache scales (unused by a cache in another dtype). Returns [T, heads, head_dim]."""
     write_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale, v_scale)
     scales = (k_scale, v_scale)
     if meta.is_decode_only:
-        return _decode_attention(q, k_cache, v_cache, meta, scale, window, scales)
+        return _decode_attention(q, k_cache, v_cache, meta, scale, window, scales, softcap)
     if is_fp8(k_cache):  # the prompt fast path below attends over this step's K/V as the cache holds them
         k = dequantize(quantize(k, k_scale), k_scale, q.dtype)
         v = dequantize(quantize(v, v_scale), v_scale, q.dtype)
@@ -74,13 +76,15 @@ def portable_attention(
     ):
         rows = slice(start, start + q_len)
         if q_len == ctx_len and tail_mask is None and (window is None or ctx_len <= window):
-            out[rows] = _causal_attention(q[rows], k[rows], v[rows], scale)  # a whole prompt: nothing to gather
+            out[rows] = _causal_attention(q[rows], k[rows], v[rows], scale, softcap)  # a whole prompt: no gather
             continue
         if mask is None:  # a whole prompt, or metadata not made by step_metadata
             mask = sequence_mask(q_len, ctx_len, tail_mask, q.device, q.dtype, meta.block_size)
         if window is not None:
             mask = window_mask(mask, _query_positions(meta, start, q_len, ctx_len, q.device), window)
-        out[rows] = _sequence_attention(q[rows], k_cache, v_cache, table, ctx_len, meta.block_size, scale, mask, scales)
+        out[rows] = _sequence_attention(
+            q[rows], k_cache, v_cache, table, ctx_len, meta.block_size, scale, mask, scales, softcap
+        )
     return out
 
 
@@ -91,10 +95,27 @@ def _query_positions(meta: AttentionMetadata, start: int, q_len: int, ctx_len: i
     return torch.arange(ctx_len - q_len, ctx_len, device=device)
 
 
-def _causal_attention(q, k, v, scale):
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True, scale=scale, enable_gqa=True
-    )
+def _attend(q, k, v, scale, softcap, mask=None, is_causal=False):
+    """SDPA ([..., heads, Q, d] queries, [..., kv_heads, K, d] keys and values, an additive or bool mask); with a
+    softcap, the same written out (SDPA cannot cap), in the order transformers' eager attention takes: scale,
+    cap, mask, softmax in fp32."""
+    if softcap is None:
+        return F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale, enable_gqa=True
+        )
+    groups = q.shape[-3] // k.shape[-3]
+    k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    if is_causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype), v)
+
+
+def _causal_attention(q, k, v, scale, softcap=None):
+    out = _attend(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), scale, softcap, is_causal=True)
     return out.transpose(0, 1)
 
 
@@ -109,20 +130,18 @@ def _gather(cache: torch.Tensor, table: torch.Tensor, length: int, block_size: i
     return _gather_blocks(cache, table[: blocks_for(length, block_size)]).flatten(0, 1)
 
 
-def _sequence_attention(q, k_cache, v_cache, table, ctx_len, block_size, scale, mask, scales):
+def _sequence_attention(q, k_cache, v_cache, table, ctx_len, block_size, scale, mask, scales, softcap=None):
     """Batched 4-D SDPA with an additive mask, which CPU PyTorch runs in its flash kernel (a bool mask on 3-D
     inputs took the slower math path)."""
     k_scale, v_scale = scales
     keys = dequantize(_gather(k_cache, table, ctx_len, block_size), k_scale, q.dtype)
     values = dequantize(_gather(v_cache, table, ctx_len, block_size), v_scale, q.dtype)
     keys, values = keys.transpose(0, 1)[None], values.transpose(0, 1)[None]  # [1, kv_heads, whole blocks, d]
-    out = F.scaled_dot_product_attention(
-        q.transpose(0, 1)[None], keys, values, attn_mask=mask, scale=scale, enable_gqa=True
-    )
+    out = _attend(q.transpose(0, 1)[None], keys, values, scale, softcap, mask)
     return out[0].transpose(0, 1)
 
 
-def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale, window: int | None, scales):
+def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale, window: int | None, scales, softcap=None):
     """Every sequence's Q rows (consecutive in q) at once over its gathered blocks."""
     tables, (k_scale, v_scale) = meta.block_tables, scales
     keys = dequantize(_gather_blocks(k_cache, tables), k_scale, q.dtype).flatten(1, 2).transpose(1, 2)
@@ -132,7 +151,7 @@ def _decode_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale, windo
     if window is not None:
         assert mask is not None  # decode-only metadata carries its mask
         mask = window_mask(mask, _decode_positions(meta, queries.shape[2], q.device)[:, None], window)
-    out = F.scaled_dot_product_attention(queries, keys, values, attn_mask=mask, scale=scale, enable_gqa=True)
+    out = _attend(queries, keys, values, scale, softcap, mask)
     return out.transpose(1, 2).reshape(q.shape)
 
 

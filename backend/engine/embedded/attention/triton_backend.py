@@ -54,6 +54,7 @@ class KernelMetadata:
         v_cache,
         scale: float,
         window: Optional[int] = None,
+        softcap: Optional[float] = None,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
     ) -> torch.Tensor:
@@ -70,6 +71,7 @@ class KernelMetadata:
                 scale,
                 self.max_seq_len,
                 window=window,
+                softcap=softcap,
                 k_scale=k_scale,
                 v_scale=v_scale,
             )
@@ -88,6 +90,7 @@ class KernelMetadata:
             self.tree,
             window=window,
             positions=self.positions,
+            softcap=softcap,
             k_scale=k_scale,
             v_scale=v_scale,
         )

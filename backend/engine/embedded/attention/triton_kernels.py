@@ -10,7 +10,8 @@ Layouts (one layer):
 - block_tables: [S, W] int32 or int64, padded with 0; seq_lens: [S]: sequence s has keys at positions
   0 .. seq_lens[s] - 1. Slots at later positions are never read (they may hold another sequence's data, NaN).
 
-Semantics: softmax(q k^T * scale) v in fp32 (online softmax in base 2), output in q's dtype. Decode: the query of
+Semantics: softmax(q k^T * scale) v in fp32 (online softmax in base 2), output in q's dtype; with a softcap c
+(Gemma 2) the scores are c * tanh(q k^T * scale / c) before anything is hidden. Decode: the query of
 sequence s sits at position seq_lens[s] - 1 and sees every key. Prefill: query i of sequence s sits at position
 seq_lens[s] - query_lens[s] + i and sees keys at positions <= its own, except in a draft tree (TreeMasks): the last
 n queries see every key before the tree and, among the tree's n keys, those their mask row allows.
@@ -72,6 +73,18 @@ def _dot(a, b, IEEE: tl.constexpr):
     else:
         c = tl.dot(a, b)
     return c
+
+
+@triton.jit
+def _scores(queries, k, scale_log2, cap_log2, scale_over_cap, SOFTCAP: tl.constexpr, IEEE: tl.constexpr):
+    """q k^T * scale in base 2 (times log2(e)); SOFTCAP: softcap * tanh(q k^T * scale / softcap) in base 2
+    (cap_log2 = softcap * log2(e), scale_over_cap = scale / softcap), tanh(x) as 2 sigmoid(2x) - 1."""
+    raw = _dot(queries, tl.trans(k), IEEE)
+    if SOFTCAP:
+        scores = (2.0 * tl.sigmoid(2.0 * raw * scale_over_cap) - 1.0) * cap_log2
+    else:
+        scores = raw * scale_log2
+    return scores
 
 
 @triton.jit
@@ -140,6 +153,8 @@ def _decode_split_kernel(
     part_lse,
     scale_log2,
     v_scale,
+    cap_log2,
+    scale_over_cap,
     window,
     num_heads,
     stride_qs,
@@ -161,6 +176,7 @@ def _decode_split_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
 ):
@@ -202,7 +218,7 @@ def _decode_split_kernel(
         k = _load_kv(k_cache, block, offset, kv_head, stride_kb, stride_ks, stride_kh, d, key_ok, d_ok, UPCAST)
         v = _load_kv(v_cache, block, offset, kv_head, stride_vb, stride_vs, stride_vh, d, key_ok, d_ok, UPCAST)
         k, v = k.to(queries.dtype), v.to(queries.dtype)  # an FP8 cache's tiles widened (a no-op otherwise)
-        scores = _dot(queries, tl.trans(k), IEEE) * scale_log2
+        scores = _scores(queries, k, scale_log2, cap_log2, scale_over_cap, SOFTCAP, IEEE)
         scores = tl.where(key_ok[None, :], scores, float("-inf"))
         m, l, acc = _online_softmax(scores, v, m, l, acc, IEEE)
 
@@ -273,13 +289,15 @@ def decode_attention(
     max_seq_len: int,
     out: torch.Tensor | None = None,
     window: int | None = None,
+    softcap: float | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
-) -> torch.Tensor:
+    ) -> torch.Tensor:
     """One query a sequence: q [S, heads, head_dim], the query of sequence s at position seq_lens[s] - 1 seeing
-    keys 0 .. seq_lens[s] - 1 (with `window`, only the last `window` of them). max_seq_len: a host upper bound of
-    seq_lens (e.g. W * block_size), which fixes the split count (decode_splits). k_scale, v_scale: an FP8
-    cache's (1.0 for others). Returns out [S, heads, head_dim] in q's dtype."""
+    keys 0 .. seq_lens[s] - 1 (with `window`, only the last `window` of them; `softcap`: scores capped as
+    softcap * tanh(scores / softcap)). max_seq_len: a host upper bound of seq_lens (e.g. W * block_size), which
+    fixes the split count (decode_splits). k_scale, v_scale: an FP8 cache's (1.0 for others). Returns out
+    [S, heads, head_dim] in q's dtype."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = _group_size(num_heads, num_kv_heads)
@@ -304,6 +322,7 @@ def decode_attention(
         part_lse,
         scale * LOG2E * k_scale,
         v_scale,
+        *_softcap_args(scale * k_scale, softcap),
         window or 0,
         num_heads,
         q.stride(0),
@@ -325,6 +344,7 @@ def decode_attention(
         BLOCK_N=DECODE_BLOCK_N if block_d <= 128 else DECODE_BLOCK_N // 2,
         NUM_SPLITS=splits,
         WINDOWED=window is not None,
+        SOFTCAP=softcap is not None,
         UPCAST=upcast,
         IEEE=upcast or q.dtype == torch.float32,
         num_warps=4,
@@ -438,6 +458,8 @@ def _prefill_tile(
     l,
     acc,
     scale_log2,
+    cap_log2,
+    scale_over_cap,
     stride_kb,
     stride_ks,
     stride_kh,
@@ -450,6 +472,7 @@ def _prefill_tile(
     BLOCK_N: tl.constexpr,
     MASK: tl.constexpr,
     WINDOWED: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
 ):
@@ -463,7 +486,7 @@ def _prefill_tile(
     k = _load_kv(k_cache, block, offset, kv_head, stride_kb, stride_ks, stride_kh, d, key_ok, d_ok, UPCAST)
     v = _load_kv(v_cache, block, offset, kv_head, stride_vb, stride_vs, stride_vh, d, key_ok, d_ok, UPCAST)
     k, v = k.to(queries.dtype), v.to(queries.dtype)  # an FP8 cache's tiles widened (a no-op otherwise)
-    scores = _dot(queries, tl.trans(k), IEEE) * scale_log2
+    scores = _scores(queries, k, scale_log2, cap_log2, scale_over_cap, SOFTCAP, IEEE)
     if MASK == CAUSAL:  # causal tiles end before the tree: tree rows see all of their keys
         visible = (keys[None, :] <= q_pos[:, None]) | tree_row[:, None]
     if MASK == TREE:  # tree tiles start at the tree's first key: rows before the tree see none of them
@@ -502,6 +525,8 @@ def _prefill_kernel(
     num_rows,
     scale_log2,
     v_scale,
+    cap_log2,
+    scale_over_cap,
     window,
     stride_qt,
     stride_qh,
@@ -525,6 +550,7 @@ def _prefill_kernel(
     HAS_TREE: tl.constexpr,
     WINDOWED: tl.constexpr,
     HAS_POSITIONS: tl.constexpr,
+    SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
 ):
@@ -615,6 +641,8 @@ def _prefill_kernel(
             l,
             acc,
             scale_log2,
+            cap_log2,
+            scale_over_cap,
             stride_kb,
             stride_ks,
             stride_kh,
@@ -627,6 +655,7 @@ def _prefill_kernel(
             BLOCK_N,
             ALL_VISIBLE,
             WINDOWED,
+            SOFTCAP,
             UPCAST,
             IEEE,
         )
@@ -651,6 +680,8 @@ def _prefill_kernel(
             l,
             acc,
             scale_log2,
+            cap_log2,
+            scale_over_cap,
             stride_kb,
             stride_ks,
             stride_kh,
@@ -663,6 +694,7 @@ def _prefill_kernel(
             BLOCK_N,
             CAUSAL,
             WINDOWED,
+            SOFTCAP,
             UPCAST,
             IEEE,
         )
@@ -688,6 +720,8 @@ def _prefill_kernel(
                 l,
                 acc,
                 scale_log2,
+                cap_log2,
+                scale_over_cap,
                 stride_kb,
                 stride_ks,
                 stride_kh,
@@ -700,6 +734,7 @@ def _prefill_kernel(
                 TREE_BLOCK_N,
                 TREE,
                 WINDOWED,
+                SOFTCAP,
                 UPCAST,
                 IEEE,
             )
@@ -728,6 +763,7 @@ def prefill_attention(
     out: torch.Tensor | None = None,
     window: int | None = None,
     positions: torch.Tensor | None = None,
+    softcap: float | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
 ) -> torch.Tensor:
@@ -737,7 +773,8 @@ def prefill_attention(
     tensors from prefill_tiles. A tile's rows of its sequence past query_lens (up to the next sequence's first
     row) are written as zeros; rows no tile covers are left as they are. `window`: see the module's semantics;
     `positions` [T]: the queries' positions, needed with a window where a step has draft trees (without, a query's
-    position is its key's). k_scale, v_scale: an FP8 cache's (1.0 for others). Returns out in q's dtype."""
+    position is its key's); `softcap`: as decode_attention's. k_scale, v_scale: an FP8 cache's (1.0 for
+    others). Returns out in q's dtype."""
     num_rows, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
     group = _group_size(num_heads, num_kv_heads)
@@ -774,6 +811,7 @@ def prefill_attention(
         num_rows,
         scale * LOG2E * k_scale,
         v_scale,
+        *_softcap_args(scale * k_scale, softcap),
         window or 0,
         q.stride(0),
         q.stride(1),
@@ -797,6 +835,7 @@ def prefill_attention(
         HAS_TREE=tree is not None,
         WINDOWED=window is not None,
         HAS_POSITIONS=window is not None and positions is not None,
+        SOFTCAP=softcap is not None,
         UPCAST=upcast,
         IEEE=upcast or q.dtype == torch.float32,
         num_warps=8 if tokens * group_p >= 128 else 4,
@@ -912,6 +951,15 @@ def store_kv(
 # ----------------------------------------------------------------------------------------------------------------
 # Host helpers
 # ----------------------------------------------------------------------------------------------------------------
+
+
+def _softcap_args(scale: float, softcap: float | None) -> tuple[float, float]:
+    """(cap_log2, scale_over_cap) of the kernels' SOFTCAP scores (unused without a cap)."""
+    if softcap is None:
+        return 1.0, 1.0
+    if softcap <= 0:
+        raise ValueError(f"softcap must be positive, got {softcap}")
+    return softcap * LOG2E, scale / softcap
 
 
 def _group_size(num_heads: int, num_kv_heads: int) -> int:

@@ -53,6 +53,7 @@ def use_fused_kernels(model: nn.Module) -> None:
 
 class RMSNorm(nn.Module):
     fused = False  # see use_fused_kernels
+    identity_weight = 1.0  # the weight that scales by one (dummy weights use it)
 
     def __init__(self, size: int, eps: float):
         super().__init__()
@@ -78,6 +79,24 @@ class RMSNorm(nn.Module):
         x = x.float()
         x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * x.to(original_dtype)
+
+
+class OffsetRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: scales by (1 + weight), all in fp32, then casts back (as transformers does). No fused
+    kernel: the fused one scales by the weight itself."""
+
+    identity_weight = 0.0
+
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if residual is None:
+            return self._offset_norm(x)
+        total = x + residual
+        return self._offset_norm(total), total
+
+    def _offset_norm(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float()
+        normed = normed * torch.rsqrt(normed.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * (1.0 + self.weight.float())).to(x.dtype)
 
 
 class RotaryEmbedding(nn.Module):
@@ -131,12 +150,16 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 
 
 class GatedMLP(nn.Module):
-    """down(silu(gate(x)) * up(x)), with gate and up fused into one matmul."""
+    """down(act(gate(x)) * up(x)), with gate and up fused into one matmul; act is SiLU (Llama) or tanh-approximated
+    GELU (`gelu_pytorch_tanh`, Gemma's GeGLU)."""
 
     fused = False  # see use_fused_kernels
 
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool):
+    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, activation: str = "silu"):
         super().__init__()
+        if activation not in ("silu", "gelu_pytorch_tanh"):
+            raise ValueError(f"unsupported MLP activation {activation!r}")
+        self.activation = activation
         self.intermediate_size = intermediate_size
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
@@ -146,12 +169,12 @@ class GatedMLP(nn.Module):
         gate_up = self.gate_up_proj(x)
         if lora is not None:
             lora.apply("gate_up", x, gate_up)
-        if self.fused and gate_up.dim() == 2:
+        if self.fused and gate_up.dim() == 2 and self.activation == "silu":
             from . import fused_ops
 
             hidden = fused_ops.silu_and_mul(gate_up)
         else:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
-            hidden = F.silu(gate) * up
+            hidden = (F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")) * up
         out = self.down_proj(hidden)
         return out if lora is None else lora.apply("down", hidden, out)

@@ -1,4 +1,5 @@
-"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3; so also SmolLM2 and TinyLlama) over the paged KV cache.
+"""Llama-family decoder (Llama, Mistral, Qwen2, Qwen3; so also SmolLM2 and TinyLlama) over the paged KV cache;
+Phi-3, the mixtures of experts and Gemma build on it.
 
 Tokens of all sequences in a step are one flat batch `[T, ...]`; `AttentionMetadata` says which belong together."""
 
@@ -58,6 +59,7 @@ class LlamaAttention(nn.Module):
         # constants once loaded, like the window.
         self.k_scale = 1.0
         self.v_scale = 1.0
+        self.softcap: float | None = None  # attention logits capped at cap * tanh(s / cap) (Gemma 2), else None
 
     def forward(
         self,
@@ -81,7 +83,7 @@ class LlamaAttention(nn.Module):
         # Queries and keys rotate in one go (fewer small ops per layer, which count on CPU).
         q, k = rotate(q_and_k, cos, sin, self.fused).split([self.num_heads, self.num_kv_heads], dim=1)
         out = paged_attention(
-            q, k, v, kv_cache[0], kv_cache[1], attn, self.scale, self.window, self.k_scale, self.v_scale
+            q, k, v, kv_cache[0], kv_cache[1], attn, self.scale, self.window, self.softcap, self.k_scale, self.v_scale
         ).reshape(tokens, -1)
         projected = self.o_proj(out)
         return projected if lora is None else lora.apply("o", out, projected)
@@ -117,13 +119,16 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
+    # The final norm's class: a family with its own RMSNorm (Gemma's 1 + weight, network/gemma.py) swaps it in.
+    norm_class: type[RMSNorm] = RMSNorm
+
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.config = config
         self.embed_tokens = Embedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(self.build_layer(config, i) for i in range(config.num_layers))
         self.set_attention_windows(config.layer_windows or (None,) * config.num_layers)  # the checkpoint's own
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = self.norm_class(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.rope, config.head_dim)
         # Tied models reuse the embedding matrix as the output projection.
         self.lm_head = None if config.tie_word_embeddings else Linear(config.hidden_size, config.vocab_size, bias=False)
@@ -131,9 +136,15 @@ class LlamaForCausalLM(nn.Module):
         # Layers whose outputs `forward` also returns (EAGLE-3 drafts read them), in ascending order.
         self.capture_layers: tuple[int, ...] = ()
 
-    def build_layer(self, config: ModelConfig, index: int) -> LlamaDecoderLayer:
-        """Decoder layer `index` (families with other MLPs override this)."""
+    def build_layer(self, config: ModelConfig, index: int) -> nn.Module:
+        """Decoder layer `index`: families with other MLPs (moe.py) or other layers (gemma.py) override this; a
+        layer has LlamaDecoderLayer's parts (NormedDecoderLayer) and its `deferred`."""
         return LlamaDecoderLayer(config)
+
+    def rotary_embeddings(self) -> list[RotaryEmbedding]:
+        """Every RoPE the model rotates with (Gemma 3 has a second one for its sliding layers): the loader and the
+        engine reset them all."""
+        return [module for module in self.modules() if isinstance(module, RotaryEmbedding)]
 
     def pack_for_cpu(self) -> None:
         """Prepack every projection and the output head for CPU matmuls (fp32 on CPU only; see cpu_gemm). Costs a
@@ -174,10 +185,10 @@ class LlamaForCausalLM(nn.Module):
         (tritonllm.lora.layers.LoraBatch), or None for the base model."""
         if len(kv_caches) != len(self.layers):
             raise ValueError(f"got {len(kv_caches)} KV caches for {len(self.layers)} layers")
-        hidden, residual = self.embed_tokens(input_ids), None
-        cos, sin = self.rotary_emb(positions, hidden.dtype)
+        hidden, residual = self.embed(input_ids), None
+        rotations = self.layer_rotations(positions, hidden.dtype)
         captured = []
-        for index, (layer, kv_cache) in enumerate(zip(self.decoder_layers, kv_caches)):
+        for index, (layer, kv_cache, (cos, sin)) in enumerate(zip(self.decoder_layers, kv_caches, rotations)):
             hidden, residual = layer.deferred(
                 hidden, residual, cos, sin, attn, kv_cache, None if lora is None else lora.layer(index)
             )
@@ -185,6 +196,14 @@ class LlamaForCausalLM(nn.Module):
                 captured.append(residual + hidden)
         normed = self.norm(hidden) if residual is None else self.norm(hidden, residual=residual)[0]
         return torch.cat([normed] + captured, dim=-1) if captured else normed
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The first layer's input (Gemma scales it)."""
+        return self.embed_tokens(input_ids)
+
+    def layer_rotations(self, positions: torch.Tensor, dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's RoPE (cos, sin) at `positions`: the same for all (Gemma 3's sliding layers have their own)."""
+        return [self.rotary_emb(positions, dtype)] * len(self.layers)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> fp32 logits [N, vocab]."""

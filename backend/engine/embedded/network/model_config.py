@@ -6,7 +6,7 @@ Reads both config dialects: transformers 4.x (`rope_theta` at the top level, `ro
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Optional, TypedDict, Union
 
 import torch
 
@@ -25,6 +25,8 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "Gemma2ForCausalLM": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
 }
 MOE_MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
@@ -33,6 +35,7 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longr
 _FAMILY_ROPE_TYPES = {"phi3": ("default", "longrope")}
 _GENERAL_ROPE_TYPES = tuple(t for t in SUPPORTED_ROPE_TYPES if t != "longrope")
 DEFAULT_ROPE_THETA = 10000.0
+GEMMA_TYPES = ("gemma2", "gemma3_text")
 
 
 @dataclass
@@ -57,6 +60,16 @@ class MoeConfig:
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE's sigmoid-gated shared expert; 0: none
     # Mixtral weighs expert outputs with fp32 router probabilities; Qwen rounds them to the model's dtype first.
     fp32_router_weights: bool = False
+
+
+@dataclass
+class GemmaSettings:
+    """What Gemma 2 / 3 add to a Llama-shaped config."""
+
+    query_pre_attn_scalar: float  # attention scale = query_pre_attn_scalar ** -0.5
+    attn_logit_softcapping: Optional[float]  # Gemma 2: scores = cap * tanh(scores / cap) before the softmax
+    final_logit_softcapping: Optional[float]  # the same on the output logits
+    local_rope: Optional[RopeConfig]  # Gemma 3: the RoPE of sliding layers (the global one is ModelConfig.rope)
 
 
 @dataclass
@@ -87,6 +100,11 @@ class ModelConfig:
     pad_token_id: Optional[int] = None
     torch_dtype: Optional[str] = None  # as written in config.json (`torch_dtype` or `dtype`); may be None
     moe: Optional[MoeConfig] = None  # set for mixture-of-experts families (MOE_MODEL_TYPES)
+    hidden_act: str = "silu"  # the gated MLP's activation: silu, or gelu_pytorch_tanh (Gemma)
+    # Each layer's kind as transformers names it (sliding_attention / full_attention); set for Gemma, whose
+    # sliding layers also take their own RoPE (Gemma 3).
+    layer_types: tuple[str, ...] = ()
+    gemma: Optional["GemmaSettings"] = None  # Gemma 2 / 3 only
     # The checkpoint's own quantization (config.json's quantization_config), as written; quant/settings.py reads it.
     quantization_config: Optional[dict[str, Any]] = None
 
@@ -114,9 +132,10 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
     hidden = _required(raw, "hidden_size", source)
     heads = _required(raw, "num_attention_heads", source)
     num_layers = _required(raw, "num_hidden_layers", source)
-    _check_activation(raw, source)
-    # Qwen3 configs that leave head_dim out mean 128, not hidden / heads.
-    default_head_dim = 128 if model_type == "qwen3" else hidden // heads
+    gemma = model_type in GEMMA_TYPES
+    hidden_act = _gemma_activation(raw, source) if gemma else _check_activation(raw, source)
+    # Qwen3 configs that leave head_dim out mean 128 (Gemma's 256), not hidden / heads.
+    default_head_dim = {"qwen3": 128, "gemma2": 256, "gemma3_text": 256}.get(model_type, hidden // heads)
     kv_heads = raw.get("num_key_value_heads") or heads
     if heads % kv_heads:
         raise ModelLoadError(
@@ -134,8 +153,9 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
         head_dim=raw.get("head_dim") or default_head_dim,
         rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
         max_position_embeddings=raw.get("max_position_embeddings", 2048),
-        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-        rope=_rope(raw, model_type, source),
+        # transformers' Gemma configs tie by default (gemma-2-2b's config.json leaves the key out)
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", gemma)),
+        rope=_gemma3_ropes(raw, source)[0] if model_type == "gemma3_text" else _rope(raw, model_type, source),
         layer_windows=_layer_windows(raw, model_type, num_layers, source),
         eos_token_id=raw.get("eos_token_id"),
         bos_token_id=raw.get("bos_token_id"),
@@ -143,8 +163,11 @@ def _parse(raw: dict[str, Any], source: str) -> ModelConfig:
         torch_dtype=raw.get("torch_dtype") or raw.get("dtype"),
         quantization_config=raw.get("quantization_config"),
         moe=_moe(raw, model_type, num_layers, source) if model_type in MOE_MODEL_TYPES else None,
+        hidden_act=hidden_act,
         **_bias_flags(raw, model_type),
     )
+    if gemma:
+        _add_gemma(config, raw, source)
     config.sliding_window = max((w for w in config.layer_windows if w), default=None)
     return config
 
@@ -176,23 +199,43 @@ def _required(raw: dict[str, Any], key: str, source: str) -> Any:
     return raw[key]
 
 
-def _check_activation(raw: dict[str, Any], source: str) -> None:
+def _check_activation(raw: dict[str, Any], source: str) -> str:
     act = raw.get("hidden_act", "silu")
     if act != "silu":
         raise ModelLoadError(f"{source}: hidden_act {act!r} is not supported (only 'silu')")
+    return act
 
 
-def _bias_flags(raw: dict[str, Any], model_type: str) -> dict[str, bool]:
+def _gemma_activation(raw: dict[str, Any], source: str) -> str:
+    # transformers' Gemma 2 / 3 read `hidden_activation` (older configs also carry a `hidden_act`, unused).
+    act = raw.get("hidden_activation") or "gelu_pytorch_tanh"
+    if act != "gelu_pytorch_tanh":
+        raise ModelLoadError(f"{source}: hidden_activation {act!r} is not supported (only 'gelu_pytorch_tanh')")
+    return act
+
+
+class _BiasFlags(TypedDict):
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    qk_norm: bool
+
+
+def _bias_flags(raw: dict[str, Any], model_type: str) -> _BiasFlags:
     attention_bias = bool(raw.get("attention_bias", False))
     if model_type == "qwen2":  # Qwen2 always has q/k/v biases and no o_proj bias
-        return dict(qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False)
+        return _BiasFlags(qkv_bias=True, o_bias=False, mlp_bias=False, qk_norm=False)
     if model_type in ("qwen3", "qwen3_moe"):
-        return dict(qkv_bias=attention_bias, o_bias=attention_bias, mlp_bias=False, qk_norm=True)
+        return _BiasFlags(qkv_bias=attention_bias, o_bias=attention_bias, mlp_bias=False, qk_norm=True)
     if model_type == "qwen2_moe":  # q/k/v biases unless `qkv_bias` turns them off
-        return dict(qkv_bias=bool(raw.get("qkv_bias", True)), o_bias=False, mlp_bias=False, qk_norm=False)
+        return _BiasFlags(qkv_bias=bool(raw.get("qkv_bias", True)), o_bias=False, mlp_bias=False, qk_norm=False)
+    if model_type in GEMMA_TYPES:  # Gemma 3 normalises each head of q and k before RoPE, as Qwen3
+        return _BiasFlags(
+            qkv_bias=attention_bias, o_bias=attention_bias, mlp_bias=False, qk_norm=model_type == "gemma3_text"
+        )
     if model_type in ("mistral", "mixtral", "phi3"):  # none has a bias anywhere, whatever the config says
-        return dict(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False)
-    return dict(
+        return _BiasFlags(qkv_bias=False, o_bias=False, mlp_bias=False, qk_norm=False)
+    return _BiasFlags(
         qkv_bias=attention_bias, o_bias=attention_bias, mlp_bias=bool(raw.get("mlp_bias", False)), qk_norm=False
     )
 
@@ -252,7 +295,8 @@ def _layer_windows(raw: dict[str, Any], model_type: str, num_layers: int, source
     the key is absent; null turns it off, and transformers ignores a Mistral `layer_types`); Qwen2 / Qwen3 only with
     `use_sliding_window`, on the layers `layer_types` calls sliding_attention or else those at index >=
     `max_window_layers`; Llama has none, but a config that sets one anyway is honoured on every layer, and so does
-    Phi-3 (transformers applies its `sliding_window` to every layer whenever it is set)."""
+    Phi-3 (transformers applies its `sliding_window` to every layer whenever it is set); Gemma slides on the layers
+    its `layer_types` (or their default pattern) call sliding_attention, 4096 by default."""
     if model_type == "mistral":
         window = raw.get("sliding_window", 4096)
         sliding = [True] * num_layers
@@ -263,6 +307,9 @@ def _layer_windows(raw: dict[str, Any], model_type: str, num_layers: int, source
         if raw.get("use_sliding_window", False):
             raise ModelLoadError(f"{source}: use_sliding_window is not supported for Qwen2-MoE")
         return ()
+    elif model_type in GEMMA_TYPES:
+        window = raw.get("sliding_window", 4096)
+        sliding = [kind == "sliding_attention" for kind in _gemma_layer_types(raw, model_type, num_layers, source)]
     elif model_type in ("qwen2", "qwen3"):
         if not raw.get("use_sliding_window", False):
             return ()
@@ -319,3 +366,69 @@ def _positive(raw: dict[str, Any], key: str, value: Any, source: str) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ModelLoadError(f"{source}: {key} must be a positive integer, got {value!r}")
     return value
+
+
+# ---- Gemma 2 / 3 ----
+
+
+def _gemma_layer_types(raw: dict[str, Any], model_type: str, num_layers: int, source: str) -> tuple[str, ...]:
+    """`layer_types`, else transformers' default: every `pattern`-th layer global, the others sliding (Gemma 2:
+    2, so even layers slide; Gemma 3: `sliding_window_pattern`, 6 by default: 5 local to 1 global)."""
+    layer_types = raw.get("layer_types")
+    if layer_types is None:
+        pattern = 2 if model_type == "gemma2" else raw.get("sliding_window_pattern", 6)
+        pattern = _positive(raw, "sliding_window_pattern", pattern, source)
+        layer_types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers)]
+    known = ("sliding_attention", "full_attention")
+    if len(layer_types) != num_layers or any(kind not in known for kind in layer_types):
+        raise ModelLoadError(
+            f"{source}: layer_types must list {num_layers} entries, each one of {', '.join(known)}; got {layer_types!r}"
+        )
+    return tuple(layer_types)
+
+
+def _gemma3_ropes(raw: dict[str, Any], source: str) -> tuple[RopeConfig, RopeConfig]:
+    """(global, local) RoPE of Gemma 3. transformers 5.x writes `rope_parameters` keyed by layer type; 4.x wrote
+    `rope_theta` (global, 1e6 by default) with `rope_scaling` (global layers only) and `rope_local_base_freq`
+    (1e4 by default)."""
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and ("full_attention" in params or "sliding_attention" in params):
+        full = {"rope_theta": 1_000_000.0, **(params.get("full_attention") or {})}
+        local = {"rope_theta": 10_000.0, **(params.get("sliding_attention") or {})}
+    else:
+        full = {**(raw.get("rope_scaling") or {}), "rope_theta": raw.get("rope_theta", 1_000_000.0)}
+        local = {"rope_theta": raw.get("rope_local_base_freq", 10_000.0)}
+    context = {"max_position_embeddings": raw.get("max_position_embeddings")}
+    return (
+        _rope({**context, "rope_parameters": full}, "gemma3_text", source),
+        _rope({**context, "rope_parameters": local}, "gemma3_text", source),
+    )
+
+
+def _add_gemma(config: ModelConfig, raw: dict[str, Any], source: str) -> None:
+    if raw.get("text_config") is not None:
+        raise ModelLoadError(f"{source}: text_config (a multimodal Gemma 3) is not supported; give the text model")
+    if raw.get("use_bidirectional_attention"):
+        raise ModelLoadError(f"{source}: use_bidirectional_attention is not supported (only causal attention)")
+    gemma3 = config.model_type == "gemma3_text"
+    config.layer_types = _gemma_layer_types(raw, config.model_type, config.num_layers, source)
+    # Absent keys take transformers' class defaults: Gemma 2 caps logits (50 / 30), Gemma 3 does not.
+    defaults = (None, None) if gemma3 else (50.0, 30.0)
+    config.gemma = GemmaSettings(
+        query_pre_attn_scalar=float(raw.get("query_pre_attn_scalar", 256)),
+        # transformers' Gemma 3 attention never applies attn_logit_softcapping, whatever the config says.
+        attn_logit_softcapping=None
+        if gemma3
+        else _positive_or_none(raw, "attn_logit_softcapping", defaults[0], source),
+        final_logit_softcapping=_positive_or_none(raw, "final_logit_softcapping", defaults[1], source),
+        local_rope=_gemma3_ropes(raw, source)[1] if gemma3 else None,
+    )
+
+
+def _positive_or_none(raw: dict[str, Any], key: str, default: Optional[float], source: str) -> Optional[float]:
+    value = raw.get(key, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ModelLoadError(f"{source}: {key} must be a positive number or null, got {value!r}")
+    return float(value)

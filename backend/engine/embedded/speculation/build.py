@@ -39,6 +39,12 @@ def build_method(spec_config, target: TargetParts) -> Optional[SpeculativeMethod
     if spec_config is None:
         return None
     kind = spec_config.decoding_type
+    if kind == "Eagle" and target.model_config.gemma is not None:
+        raise InvalidRequestError(
+            f"speculative_config.decoding_type=Eagle is not supported for {target.model_config.architecture}: "
+            "EAGLE draft layers are Llama layers, fed the target's embeddings unscaled and scored without its "
+            "logit soft-capping"
+        )
     if kind == "NGram":
         from tritonllm.spec_decode.ngram import NGramProposer
 
