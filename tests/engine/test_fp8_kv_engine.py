@@ -100,10 +100,10 @@ def _round_kv_on_the_way_in(monkeypatch):
     """Every layer's attention sees its K/V rounded as an FP8 cache rounds them, over a full-precision cache."""
     real = llama.paged_attention
 
-    def rounded(q, k, v, k_cache, v_cache, meta, scale, window=None, k_scale=1.0, v_scale=1.0):
+    def rounded(q, k, v, k_cache, v_cache, meta, scale, window=None, softcap=None, k_scale=1.0, v_scale=1.0):
         k = dequantize(quantize(k, k_scale), k_scale, k.dtype)
         v = dequantize(quantize(v, v_scale), v_scale, v.dtype)
-        return real(q, k, v, k_cache, v_cache, meta, scale, window)
+        return real(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
 
     monkeypatch.setattr(llama, "paged_attention", rounded)
 

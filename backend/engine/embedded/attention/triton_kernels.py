@@ -292,7 +292,7 @@ def decode_attention(
     softcap: float | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
-    ) -> torch.Tensor:
+) -> torch.Tensor:
     """One query a sequence: q [S, heads, head_dim], the query of sequence s at position seq_lens[s] - 1 seeing
     keys 0 .. seq_lens[s] - 1 (with `window`, only the last `window` of them; `softcap`: scores capped as
     softcap * tanh(scores / softcap)). max_seq_len: a host upper bound of seq_lens (e.g. W * block_size), which
