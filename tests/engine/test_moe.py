@@ -175,6 +175,8 @@ def test_the_tile_table_covers_every_pair_count_and_never_splits_on_cpu():
     for pairs in (1, 2, 16, 256, 257, 4096, 10**6):
         assert fused_moe.tiles_for(pairs, torch.device("cpu")).down.split_k == 1
         assert fused_moe.tiles_for(pairs, torch.device("cuda")).block_m >= 16
+        wide = fused_moe.tiles_for(pairs, torch.device("cuda"), torch.float32)
+        assert wide.block_m <= 64 and wide.gate_up == wide.down == fused_moe.Launch()  # fits shared memory in fp32
 
 
 def test_fused_experts_in_bfloat16_are_close():

@@ -199,10 +199,13 @@ TILE_TABLE: tuple[tuple[int, MoeTiles], ...] = (
 )
 
 
-def tiles_for(num_pairs: int, device: torch.device) -> MoeTiles:
-    """The table's tiles for `num_pairs`; on CPU (the interpreter, which cannot add atomically in order) never a
-    split K."""
+def tiles_for(num_pairs: int, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> MoeTiles:
+    """The table's tiles for `num_pairs`. The table's shapes fill a Hopper SM's shared memory at 16-bit widths,
+    so fp32 (parity runs) takes the plain 64 x 64 blocks at rows of at most 64 (the widest of them overflows 227 KB
+    in fp32); on CPU (the interpreter, which cannot add atomically in order) never a split K."""
     tiles = next(t for limit, t in TILE_TABLE if num_pairs <= limit)
+    if dtype == torch.float32:
+        tiles = MoeTiles(min(tiles.block_m, 64))
     if device.type != "cuda" and tiles.down.split_k != 1:
         tiles = dataclasses.replace(tiles, down=dataclasses.replace(tiles.down, split_k=1))
     return tiles
@@ -229,7 +232,7 @@ def fused_experts(
     if num_tokens == 0:
         return torch.zeros_like(x)
     num_pairs = num_tokens * expert_ids.shape[1]
-    tiles = tiles or tiles_for(num_pairs, x.device)
+    tiles = tiles or tiles_for(num_pairs, x.device, x.dtype)
     sorted_pairs, tile_experts, num_padded = align_by_expert(expert_ids, w_down.shape[0], tiles.block_m)
     routing = (sorted_pairs, tile_experts, num_padded)
     activated = gate_up_rows(x, w_gate_up, routing, expert_ids.shape[1], tiles)
