@@ -25,8 +25,9 @@ MAX_NEW = 24
 DEVICE = os.environ.get("TRITONLLM_TEST_DEVICE", "cpu")
 
 
-def hf_greedy(model_dir, prompt_ids: list[list[int]], max_new: int, eos_id: int) -> list[list[int]]:
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(DEVICE).eval()
+def hf_greedy(model_dir, prompt_ids: list[list[int]], max_new: int, eos_id: int, **load) -> list[list[int]]:
+    """`load`: from_pretrained's extra arguments (Gemma's attn_implementation="eager": SDPA cannot soft-cap)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **load).to(DEVICE).eval()
     outputs = []
     with torch.inference_mode():
         for ids in prompt_ids:
