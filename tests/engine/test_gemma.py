@@ -149,7 +149,7 @@ def test_context_logits_are_soft_capped_as_in_hf(gemma):
     from transformers import AutoModelForCausalLM
 
     arch, model_dir, tokenizer, prompt_ids, _ = gemma
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, attn_implementation="eager").eval()
     with torch.no_grad():
         reference = hf(torch.tensor([prompt_ids[2]])).logits[0]
     engine = make_engine(model_dir)
