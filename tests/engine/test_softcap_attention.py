@@ -37,8 +37,8 @@ def eager(q, k, v, scale, softcap, window=None):
     k, v = k.repeat_interleave(groups, 1), v.repeat_interleave(groups, 1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
     scores = torch.tanh(scores / softcap) * softcap
-    query_pos = torch.arange(k.shape[0] - q.shape[0], k.shape[0])[:, None]
-    key_pos = torch.arange(k.shape[0])[None, :]
+    query_pos = torch.arange(k.shape[0] - q.shape[0], k.shape[0], device=q.device)[:, None]
+    key_pos = torch.arange(k.shape[0], device=q.device)[None, :]
     visible = key_pos <= query_pos
     if window is not None:
         visible &= key_pos > query_pos - window
