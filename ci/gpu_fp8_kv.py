@@ -14,10 +14,10 @@ check; exits 1 if a check fails. Run by `bash ci/gpu_session.sh fp8-kv`; CI neve
 from __future__ import annotations
 
 import json
-import statistics
 import sys
 
 import torch
+from gpu_timing import timed_ms
 
 from tritonllm.engine.embedded.attention import step_metadata, write_kv
 from tritonllm.engine.embedded.attention import triton_kernels as tk
@@ -38,20 +38,6 @@ def report(check: str, ok: bool, **values) -> bool:
 
 def relative(out, ref) -> float:
     return float((out.float() - ref.float()).norm() / ref.float().norm())
-
-
-def timed_ms(fn, repeats: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def check_store() -> bool:

@@ -10,45 +10,17 @@ import argparse
 import dataclasses
 import itertools
 import json
-import statistics
 import sys
 import time
 
 import torch
+from gpu_timing import graphed, timed_ms
 
 from tritonllm.engine.embedded.network import fused_moe
 from tritonllm.engine.embedded.network.moe import experts_portable, route
 
 HIDDEN, INTER, EXPERTS, TOP_K = 4096, 14336, 8, 2
 TOKEN_COUNTS = (1, 8, 64, 256, 1024)
-
-
-def timed_ms(fn, repeats: int = 20) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
-
-
-def graphed(fn):
-    """fn captured once in a CUDA graph, as the engine runs a decode step: the replay, without host launch costs
-    (the fused path has no host sync, so it captures; the loop syncs to learn its experts, so it cannot)."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def block_ms(pairs: int) -> tuple[int, ...]:
