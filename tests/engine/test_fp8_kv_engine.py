@@ -4,14 +4,13 @@ close to the unquantized cache's over chunked prefill and decode, every block fr
 k/v scales read from checkpoint tensors (and used: absurd ones wreck the output)."""
 
 import os
-from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from tritonllm.checkpoints.tiny import build_tiny_model
-from tritonllm.engine.config import ConfigError, EngineConfig, KvCacheConfig, kv_cache_fp8
+from tritonllm.engine.config import ConfigError, EngineConfig, kv_cache_fp8
 from tritonllm.engine.embedded import device as device_module
 from tritonllm.engine.embedded.attention.fp8_cache import dequantize, quantize
 from tritonllm.engine.embedded.engine import EmbeddedEngine
@@ -42,11 +41,10 @@ def test_kv_cache_dtype_is_checked_and_quant_config_turns_fp8_on():
         EngineConfig.from_dict({"model": "m", "kv_cache_config": {"dtype": "int8"}})
     assert kv_cache_fp8(EngineConfig.from_dict({"model": "m", "kv_cache_config": {"dtype": "fp8"}}))
     assert not kv_cache_fp8(EngineConfig(model="m"))
-    # quant_config belongs to another part of issue 25; any config object carrying it is read the same way
-    quantized = SimpleNamespace(kv_cache_config=KvCacheConfig(), quant_config={"kv_cache_quant_algo": "FP8"})
-    assert kv_cache_fp8(quantized)  # type: ignore[arg-type]
-    weights_only = SimpleNamespace(kv_cache_config=KvCacheConfig(), quant_config={"quant_algo": "W8A16"})
-    assert not kv_cache_fp8(weights_only)  # type: ignore[arg-type]
+    quantized = EngineConfig.from_dict({"model": "m", "quant_config": {"kv_cache_quant_algo": "FP8"}})
+    assert kv_cache_fp8(quantized)
+    weights_only = EngineConfig.from_dict({"model": "m", "quant_config": {"quant_algo": "W8A16"}})
+    assert not kv_cache_fp8(weights_only)
 
 
 def test_kernels_on_gpus_without_float8_conversions_are_refused_by_name(monkeypatch):

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # torch.finfo(float8_e4m3fn).max: larger magnitudes would become NaN, so they are clamped
+# The quantized weights' own format constants: larger magnitudes than FP8_MAX would become NaN, so they are clamped.
+from ..quant.formats import FP8_DTYPE, FP8_MAX
 
 
 def is_fp8(cache: torch.Tensor) -> bool:

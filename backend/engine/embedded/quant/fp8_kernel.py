@@ -8,7 +8,8 @@ import torch
 import triton
 import triton.language as tl
 
-FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+from .formats import FP8_MAX
+
 MIN_SCALE = 1e-12  # an all-zero row still divides by something
 MAX_BLOCK = 4096
 _FP8_MAX, _MIN_SCALE = tl.constexpr(FP8_MAX), tl.constexpr(MIN_SCALE)  # what a kernel may read of the module

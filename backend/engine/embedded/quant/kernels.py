@@ -21,15 +21,15 @@ import torch
 import torch.nn.functional as F
 
 from . import weight_only_kernel as wo
-from .formats import dequantize_fp8, dequantize_int4, dequantize_int8
-from .fp8_kernel import FP8_MAX, MIN_SCALE, quantize_rows
+from .formats import FP8_MAX, dequantize_fp8, dequantize_int4, dequantize_int8
+from .fp8_kernel import MIN_SCALE, quantize_rows
 from .weight_only_kernel import Variant
 
 TRITON_ACTIVATION_QUANT = True  # False: quantize_per_token's torch ops on CUDA too
 
 SMALL_M = 16
 LARGE_M_STRATEGY = "dequantize"  # or "tiled"; ci/gpu_quant_kernels.py times both
-NUM_SMS = 132  # an H200; split-K aims for two programs an SM
+NUM_SMS = 132  # an H200's; the decode variant's column blocks times its K split should reach it
 
 
 # ---- FP8 ------------------------------------------------------------------------------------------------------
