@@ -20,7 +20,10 @@ import torch
 import torch.nn.functional as F
 
 from tritonllm.engine.embedded.quant import formats, fp8_kernel, kernels
+from tritonllm.engine.embedded.quant import int4_decode_kernel as int4_decode
 from tritonllm.engine.embedded.quant import weight_only_kernel as wo
+from tritonllm.engine.embedded.quant.fp8_matmul_kernel import Fp8Tiles, fp8_matmul
+from tritonllm.engine.embedded.quant.int4_decode_kernel import DecodeVariant
 from tritonllm.engine.embedded.quant.weight_only_kernel import Variant
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
@@ -167,8 +170,14 @@ def check_and_time(formats: list[str], ms: tuple[int, ...]) -> None:
                 row["quantize_torch_us"] = round(timed_us([lambda: kernels.quantize_per_token(x)])[0], 2)
             else:
                 row["variant"] = (
-                    str(kernels.choose_variant(m, n, k)) if m <= kernels.SMALL_M else kernels.LARGE_M_STRATEGY
+                    str(kernels.choose_decode_variant(m, n, k)) if m <= kernels.SMALL_M else kernels.LARGE_M_STRATEGY
                 )
+                # split K's in-launch reduction, many launches in a row: the worst error of any
+                worst = max(
+                    errors(call_default(fmt, x, weight["args"]), F.linear(x, weight["dense"]))["rel_err"]
+                    for _ in range(100)
+                )
+                row["rel_err_worst_of_100"] = worst
             quant_us, mode = timed_us(
                 [lambda a=a: call_default(fmt, x, a) for a in rotation], min_calls=16 if m >= 256 else 48
             )
@@ -260,9 +269,144 @@ def sweep(formats: list[str], ms: tuple[int, ...]) -> None:
             )
 
 
+# ---- the int4 decode kernel and the FP8 matmuls (--sweep-decode, --sweep-fp8) ----
+
+
+def decode_variants() -> list[DecodeVariant]:
+    found = [DecodeVariant(use_asm=False), DecodeVariant(block_n=64, use_asm=False)]
+    for bn, warps, stages, split in itertools.product((16, 32, 64, 128), (2, 4), (3, 4), (1, 2, 4, 8)):
+        found.append(DecodeVariant(block_n=bn, block_k=128, split_k=split, num_warps=warps, num_stages=stages))
+    for bn, split in itertools.product((64, 128), (1, 2, 4)):
+        found.append(DecodeVariant(block_n=bn, block_k=64, split_k=split, num_warps=4, num_stages=4))
+    return found
+
+
+def sweep_decode(ms: tuple[int, ...]) -> None:
+    """The decode kernel's variants against the general kernel's default and bf16, per shape and M; then the
+    variant of least total time over the four shapes, and the best per shape summed (a per-shape table)."""
+    generator = torch.Generator(device=DEVICE).manual_seed(0)
+    totals: dict[int, dict[str, float]] = {m: {} for m in ms}
+    best_sum: dict[int, float] = {m: 0.0 for m in ms}
+    for name, (n, k) in SHAPES.items():
+        weight = quantized("int4", n, k, generator)
+        rotation = copies(weight["args"])
+        for m in ms:
+            x = torch.randn(m, k, device=DEVICE, dtype=DTYPE, generator=generator)
+            dense_us = bf16_us(weight["dense"], x)
+            general = kernels.choose_variant(m, n, k)  # weight_only_kernel's, as before the decode kernel
+            general_us = timed_us([lambda a=a: call_variant(general, x, a) for a in rotation])[0]
+            for key, us in (("bf16", dense_us), ("general", general_us)):
+                totals[m][key] = totals[m].get(key, 0.0) + us
+            best: tuple[float, str] | None = None
+            for variant in decode_variants():
+                try:
+                    call = lambda a, v=variant: int4_decode.int4_decode_matmul(  # noqa: E731
+                        x, a["qweight"], a["weight_scale"], a["weight_zero"], None, GROUP_SIZE, v
+                    )
+                    err = errors(call(weight["args"]), F.linear(x, weight["dense"]))["rel_err"]
+                    us = timed_us([lambda a=a: call(a) for a in rotation], repeats=5)[0]
+                except Exception as error:
+                    emit(kind="decode-error", shape=name, m=m, variant=str(variant), error=repr(error)[:300])
+                    continue
+                emit(kind="decode", shape=name, m=m, variant=str(variant), us=round(us, 2), rel_err=err)
+                if err < 2e-2:
+                    totals[m][str(variant)] = totals[m].get(str(variant), 0.0) + us
+                    best = min(best or (us, str(variant)), (us, str(variant)))
+            emit(
+                kind="decode-best",
+                shape=name,
+                m=m,
+                bf16_us=round(dense_us, 2),
+                general_us=round(general_us, 2),
+                best=best and {"variant": best[1], "us": round(best[0], 2)},
+            )
+            best_sum[m] += best[0] if best else float("nan")
+        del weight, rotation
+        torch.cuda.empty_cache()
+    for m, per in totals.items():
+        complete = {v: t for v, t in per.items() if v not in ("bf16", "general")}
+        top = sorted(complete, key=complete.__getitem__)[:5]
+        emit(
+            kind="decode-overall",
+            m=m,
+            bf16_total_us=round(per["bf16"], 2),
+            general_total_us=round(per["general"], 2),
+            per_shape_best_total_us=round(best_sum[m], 2),
+            top=[(v, round(complete[v], 2)) for v in top],
+        )
+
+
+FP8_TILES = [
+    Fp8Tiles(64, 64, 128, num_warps=4, num_stages=4),
+    Fp8Tiles(64, 128, 128, num_warps=4, num_stages=4),
+    Fp8Tiles(64, 256, 128, num_warps=8, num_stages=3),
+    Fp8Tiles(128, 64, 128, num_warps=4, num_stages=4),
+    Fp8Tiles(128, 128, 128, num_warps=8, num_stages=3),
+    Fp8Tiles(128, 128, 128, num_warps=4, num_stages=4),
+    Fp8Tiles(128, 256, 128, num_warps=8, num_stages=3),
+    Fp8Tiles(128, 256, 64, num_warps=8, num_stages=4),
+    Fp8Tiles(256, 128, 128, num_warps=8, num_stages=3),
+]
+
+
+def sweep_fp8(ms: tuple[int, ...]) -> None:
+    """At each M: bf16 F.linear; the activation quantizer; _scaled_mm row-wise and per tensor (GEMM alone, the
+    cuBLASLt path a per-tensor recipe would take); the Triton FP8 matmul's tiles. Per shape, then totals."""
+    generator = torch.Generator(device=DEVICE).manual_seed(0)
+    totals: dict[int, dict[str, float]] = {m: {} for m in ms}
+    for name, (n, k) in SHAPES.items():
+        weight = quantized("fp8", n, k, generator)
+        rotation = copies(weight["args"])
+        for m in ms:
+            x = torch.randn(m, k, device=DEVICE, dtype=DTYPE, generator=generator)
+            x_q, x_scale = fp8_kernel.quantize_rows(x)
+            one = torch.ones((), device=DEVICE)
+            calls: dict[str, Callable] = {
+                "bf16": None,
+                "quantize": lambda a: fp8_kernel.quantize_rows(x),
+                "rowwise": lambda a: torch._scaled_mm(
+                    x_q, a["weight"].t(), scale_a=x_scale, scale_b=a["weight_scale"].reshape(1, -1), out_dtype=DTYPE
+                ),
+                "tensorwise": lambda a: torch._scaled_mm(
+                    x_q, a["weight"].t(), scale_a=one, scale_b=one, out_dtype=DTYPE
+                ),
+            }
+            for tiles in FP8_TILES:
+                calls[str(tiles)] = lambda a, t=tiles: fp8_matmul(
+                    x_q, x_scale, a["weight"], a["weight_scale"], None, DTYPE, t
+                )
+            expected = (x_q.float() * x_scale) @ weight["dense"].float().T
+            row = {}
+            for key, call in calls.items():
+                try:
+                    if key == "bf16":
+                        us = bf16_us(weight["dense"], x)
+                    else:
+                        if key not in ("quantize", "tensorwise"):
+                            err = errors(call(weight["args"]), expected)["rel_err"]
+                            if err > 2e-2:
+                                emit(kind="fp8-wrong", shape=name, m=m, key=key, rel_err=err)
+                                continue
+                        us = timed_us([lambda a=a: call(a) for a in rotation], min_calls=16, repeats=5)[0]
+                except Exception as error:
+                    emit(kind="fp8-error", shape=name, m=m, key=key, error=repr(error)[:300])
+                    continue
+                row[key] = round(us, 2)
+                totals[m][key] = totals[m].get(key, 0.0) + us
+            emit(kind="fp8", shape=name, m=m, us=row)
+        del weight, rotation
+        torch.cuda.empty_cache()
+    for m, per in totals.items():
+        emit(
+            kind="fp8-overall", m=m, total_us={key: round(us, 2) for key, us in sorted(per.items(), key=lambda i: i[1])}
+        )
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="time the program shapes instead of the defaults")
+    parser.add_argument("--sweep-decode", action="store_true", help="time the int4 decode kernel's variants")
+    parser.add_argument("--sweep-fp8", action="store_true", help="time _scaled_mm against the Triton FP8 matmul")
     parser.add_argument("--formats", default="int4,int8,fp8", help="comma-separated of int4, int8, fp8")
     parser.add_argument("--ms", default=",".join(map(str, MS)), help="comma-separated row counts")
     args = parser.parse_args()
@@ -275,7 +419,12 @@ def main() -> int:
         torch=torch.__version__,
         fp8=kernels.fp8_supported(DEVICE),
     )
-    (sweep if args.sweep else check_and_time)(formats, ms)
+    if args.sweep_decode:
+        sweep_decode(ms)
+    elif args.sweep_fp8:
+        sweep_fp8(ms)
+    else:
+        (sweep if args.sweep else check_and_time)(formats, ms)
     return 0
 
 

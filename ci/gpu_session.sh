@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine run (the `device` tool): puts the working tree's package on PYTHONPATH (the machine has torch,
 # triton and transformers but no venv of ours), then runs what the arguments name, each logged under $OUT.
-#   bash ci/gpu_session.sh kernels|fused|window|guided|parity|features|bench-quick|bench-guided|bench-accuracy|moe-kernel|moe-sweep|fp8-kv|families|bench-mixtral|bench-quant|quant|quant-load|quant-tests|quant-kernels|quant-sweep-decode|quant-sweep-prefill|bench-qwen3|profile|profile-1 ...
+#   bash ci/gpu_session.sh kernels|fused|window|guided|parity|features|bench-quick|bench-guided|bench-accuracy|moe-kernel|moe-sweep|fp8-kv|int4-decode-sweep|fp8-sweep|families|bench-mixtral|bench-quant|quant|quant-load|quant-tests|quant-kernels|quant-sweep-decode|quant-sweep-prefill|bench-qwen3|profile|profile-1 ...
 # Used by hand for the GPU figures in docs/benchmarks.md; CI never runs it (no GPU there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -89,6 +89,11 @@ for what in "$@"; do
     quant-sweep-decode)  # the program shapes at M = 1 and 8 (some 100 compiles a format: a few minutes)
       python3 ci/gpu_quant_kernels.py --sweep --ms 1,8 --formats "${QUANT_FORMATS:-int4,int8}" 2>&1 \
         | tee -a "$OUT/quant-sweep.jsonl" | grep -v '"sweep"' ;;
+    int4-decode-sweep)  # the int4 decode kernel's variants (int4_decode_kernel.py) at M = 1 and 8
+      python3 ci/gpu_quant_kernels.py --sweep-decode --ms "${QUANT_MS:-1,8}" 2>&1 \
+        | tee -a "$OUT/int4-decode-sweep.jsonl" | grep -v '"kind": "decode"' ;;
+    fp8-sweep)  # _scaled_mm row-wise / per tensor against the Triton FP8 matmul's tiles
+      python3 ci/gpu_quant_kernels.py --sweep-fp8 --ms "${QUANT_MS:-64,256,1024,4096}" 2>&1 | tee -a "$OUT/fp8-sweep.jsonl" ;;
     quant-sweep-prefill)  # the tiled shapes against dequantize + F.linear at M = 64, 256, 2048
       python3 ci/gpu_quant_kernels.py --sweep --ms 64,256,2048 --formats "${QUANT_FORMATS:-int4,int8}" 2>&1 \
         | tee -a "$OUT/quant-sweep.jsonl" | grep -v '"sweep"' ;;
@@ -104,8 +109,8 @@ for what in "$@"; do
       printf 'quant_config:\n  quant_algo: FP8\n  kv_cache_quant_algo: FP8\n' > /tmp/fp8.yaml
       printf 'quant_config:\n  quant_algo: W4A16\n  group_size: 128\n' > /tmp/w4a16.yaml
       printf 'quant_config:\n  quant_algo: FP8\n' > /tmp/fp8w.yaml
-      many=(--requests 256 --min-prompt 128 --max-prompt 128 --min-output 128 --max-output 128 --max-batch-size 256 --warmup --baseline none)
-      one=(--requests 1 --min-prompt 128 --max-prompt 128 --min-output 128 --max-output 128 --warmup --baseline none)
+      many=(--requests 256 --min-prompt 128 --max-prompt 128 --min-output 128 --max-output 128 --max-batch-size 256 --warmup --baseline none ${QUANT_BENCH_ARGS:-})
+      one=(--requests 1 --min-prompt 128 --max-prompt 128 --min-output 128 --max-output 128 --warmup --baseline none ${QUANT_BENCH_ARGS:-})
       for variant in ${QUANT_VARIANTS:-bf16-256 fp8-256 bf16-1 w4a16-1 fp8-1}; do
         case $variant in
           bf16-256) bench "llama-3.1-8b bf16 256x128/128" --model "$l" "${many[@]}" ;;

@@ -5,7 +5,8 @@ cubin through its bundled ptxas. Run by test_quant_kernels.py in a process witho
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 
-from tritonllm.engine.embedded.quant import fp8_kernel
+from tritonllm.engine.embedded.quant import fp8_kernel, fp8_matmul_kernel
+from tritonllm.engine.embedded.quant import int4_decode_kernel as int4_decode
 from tritonllm.engine.embedded.quant import weight_only_kernel as wo
 from tritonllm.engine.embedded.quant.weight_only_kernel import Variant
 
@@ -42,6 +43,22 @@ def weight_only(bits: int, dtype: str, variant: Variant, group_size: int) -> Non
     print("compiled weight-only", bits, dtype, variant, group_size, flush=True)
 
 
+def int4_decode_kernel(dtype: str, split_k: int, use_asm: bool) -> None:
+    pointers = {name: f"*{dtype}" for name in ("x", "scale", "bias", "out")}
+    pointers |= {"w": "*u8", "zero": "*u8", "workspace": "*fp32", "counters": "*i32"}
+    constexprs = dict(GROUP_SIZE=128, HAS_BIAS=True, SPLIT_K=split_k, USE_ASM=use_asm, FP16=dtype == "fp16")
+    constexprs |= dict(UPCAST=False, BLOCK_M=16, BLOCK_N=32, BLOCK_K=128)
+    compile_for_sm90(int4_decode._int4_decode_kernel, pointers, constexprs, num_warps=4, num_stages=3)
+    print("compiled the int4 decode kernel", dtype, "split", split_k, "asm", use_asm, flush=True)
+
+
+def fp8_matmul() -> None:
+    pointers = {"a": "*fp8e4nv", "b": "*fp8e4nv", "a_scale": "*fp32", "b_scale": "*fp32", "bias": "*bf16"}
+    constexprs = dict(HAS_BIAS=True, IEEE=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8)
+    compile_for_sm90(fp8_matmul_kernel._fp8_matmul_kernel, pointers | {"out": "*bf16"}, constexprs, num_warps=4)
+    print("compiled the FP8 matmul", flush=True)
+
+
 def activation_quantizer(static: bool) -> None:
     pointers = {"x": "*bf16", "out": "*fp8e4nv", "scales": "*fp32", "static_scale": "*fp32"}
     compile_for_sm90(fp8_kernel._quantize_rows_kernel, pointers, dict(STATIC=static, BLOCK=4096), num_warps=4)
@@ -53,3 +70,6 @@ if __name__ == "__main__":
         weight_only(*case)
     for static in (False, True):
         activation_quantizer(static)
+    for dtype, split_k, use_asm in (("bf16", 1, True), ("fp16", 4, True), ("bf16", 2, False)):
+        int4_decode_kernel(dtype, split_k, use_asm)
+    fp8_matmul()

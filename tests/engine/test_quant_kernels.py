@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 
 from tritonllm.engine.embedded.quant import fp8_kernel, kernels
+from tritonllm.engine.embedded.quant import fp8_matmul_kernel as fp8_mm
+from tritonllm.engine.embedded.quant import int4_decode_kernel as int4_decode
 from tritonllm.engine.embedded.quant import weight_only_kernel as wo
 from tritonllm.engine.embedded.quant.formats import dequantize_int4, dequantize_int8, pack_int4
 from tritonllm.engine.embedded.quant.weight_only_kernel import Variant
@@ -97,6 +99,57 @@ def test_int4_kernel_equals_dequantize_then_matmul(m, n, k, group_size, variant,
     got = wo.weight_only_matmul(x, qweight, scale, zero, bias, group_size, 4, variant)
     assert got.shape == (m, n) and got.dtype == torch.float32
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+# The decode kernel (int4_decode_kernel.py): magic-number nibbles, even and odd columns apart, zero and scale
+# once a group; split K reduced inside the launch. The interpreter runs its arithmetic path (no PTX), CUDA the asm.
+DECODE = int4_decode.DecodeVariant(block_n=16, block_k=64)
+DECODE_SPLIT = int4_decode.DecodeVariant(block_n=16, block_k=32, split_k=3)  # K = 160: slices of 64, 64, 32
+DECODE_WIDE = int4_decode.DecodeVariant(block_n=32, block_k=128, split_k=2)
+
+
+@pytest.mark.parametrize(
+    "m, n, k, group_size, variant, with_bias",
+    [
+        (1, 40, 128, 64, DECODE, True),  # 40 columns: a partial column block
+        (3, 48, 160, 32, DECODE_SPLIT, False),
+        (1, 24, 160, 32, DECODE_SPLIT, True),
+        (16, 64, 256, 128, DECODE_WIDE, True),
+        (20, 16, 256, 256, DECODE_WIDE, False),  # two row blocks: past SPLIT_ROWS, so no split
+    ],
+)
+def test_int4_decode_kernel_equals_dequantize_then_matmul(m, n, k, group_size, variant, with_bias):
+    qweight, scale, zero = random_int4(n, k, group_size)
+    x, bias = random_x(m, k), random_bias(n) if with_bias else None
+    expected = reference(x, dequantize_int4(qweight, scale, zero, group_size), bias)
+    for _ in range(2):  # the second launch finds the split workspace and counters zeroed by the first
+        got = int4_decode.int4_decode_matmul(x, qweight, scale, zero, bias, group_size, variant)
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    workspace, counters = int4_decode._split_state.get((x.device, n), (torch.zeros(1), torch.zeros(1)))
+    assert not workspace.any() and not counters.any()
+
+
+def test_int4_decode_kernel_needs_groups_its_steps_fit_in():
+    assert int4_decode.supports(torch.bfloat16, 128, DECODE_WIDE)
+    assert not int4_decode.supports(torch.bfloat16, 64, DECODE_WIDE)
+    assert not int4_decode.supports(torch.float32, 128, DECODE_WIDE)
+    with pytest.raises(ValueError, match="block_n must be a power of two >= 16"):
+        int4_decode.DecodeVariant(block_n=8)
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("use_asm", [True, False])
+def test_int4_decode_kernel_in_16_bits_on_cuda(dtype, use_asm):
+    """The magic numbers of each 16-bit type, through the PTX routine and the plain bit operations."""
+    qweight, scale, zero = random_int4(4096, 512, 128, dtype=dtype)
+    x, bias = random_x(5, 512, dtype), random_bias(4096, dtype)
+    expected = reference(x, dequantize_int4(qweight, scale, zero, 128), bias)
+    for split in (1, 4):
+        variant = int4_decode.DecodeVariant(block_n=32, block_k=128, split_k=split, use_asm=use_asm)
+        got = int4_decode.int4_decode_matmul(x, qweight, scale, zero, bias, 128, variant)
+        assert got.dtype == dtype
+        torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
 
 
 @pytest.mark.parametrize("variant", [GEMV, DOT_SPLIT])
@@ -223,7 +276,7 @@ def test_the_kernels_compile_for_sm90():
     script = Path(__file__).with_name("quant_sm90_compile.py")
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("compiled") == 6, done.stdout
+    assert done.stdout.count("compiled") == 10, done.stdout
 
 
 # ---- FP8 ----
@@ -273,6 +326,25 @@ def test_the_triton_activation_quantizer_equals_the_torch_one(m, k, static):
         tie = (quotient - (got + expected) / 2).abs() <= 1e-6 * quotient.abs()
         got = torch.where((got != expected) & (dropped | tie), expected, got)
     assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize(
+    "m, n, k, tiles",
+    [(5, 40, 256, fp8_mm.Fp8Tiles(16, 32, 64, group_m=2)), (33, 64, 200, fp8_mm.Fp8Tiles(16, 16, 32, group_m=3))],
+)
+def test_the_triton_fp8_matmul_equals_the_scaled_product(m, n, k, tiles):
+    """Row-wise scales on both sides and a bias; K = 200 leaves a partial K step, 33 rows a partial band."""
+    if CUDA and not kernels.fp8_supported(DEVICE):
+        pytest.skip("no FP8 tensor cores on this GPU")
+    a_q, b_q = random_fp8(m, k, seed=4)[0], random_fp8(n, k, seed=5)[0]
+    a_scale = torch.rand(m, 1, generator=torch.Generator().manual_seed(6)).to(DEVICE) * 1e-2
+    b_scale = torch.rand(n, generator=torch.Generator().manual_seed(7)).to(DEVICE) * 1e-2
+    bias = random_bias(n)
+    expected = (a_q.float() @ b_q.float().T) * a_scale * b_scale[None, :] + bias
+    out_dtype = torch.bfloat16 if CUDA else torch.float32
+    got = fp8_mm.fp8_matmul(a_q, a_scale, b_q, b_scale, bias.to(out_dtype), out_dtype, tiles)
+    assert got.shape == (m, n) and got.dtype == out_dtype
+    torch.testing.assert_close(got.float(), expected, atol=2e-2 if CUDA else 1e-5, rtol=1e-2 if CUDA else 1e-5)
 
 
 def test_fp8_linear_without_fp8_tensor_cores_is_dequantize_then_matmul():

@@ -20,9 +20,12 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from . import int4_decode_kernel as int4_decode
 from . import weight_only_kernel as wo
 from .formats import FP8_MAX, dequantize_fp8, dequantize_int4, dequantize_int8
 from .fp8_kernel import MIN_SCALE, quantize_rows
+from .fp8_matmul_kernel import Fp8Tiles, fp8_matmul
+from .int4_decode_kernel import DecodeVariant
 from .weight_only_kernel import Variant
 
 TRITON_ACTIVATION_QUANT = True  # False: quantize_per_token's torch ops on CUDA too
@@ -59,6 +62,21 @@ def quantize_per_token(x: torch.Tensor, input_scale: torch.Tensor | None = None)
     return x_q, scale
 
 
+def fp8_tiles(m: int) -> Fp8Tiles | None:
+    """The Triton FP8 matmul's tiles for m rows, or None where torch._scaled_mm is the faster (FP8_TRITON_ROWS:
+    the row counts, from an H200 sweep, at which the Triton kernel won)."""
+    if not FP8_TRITON_ROWS[0] <= m <= FP8_TRITON_ROWS[1]:
+        return None
+    if m <= 64:
+        return Fp8Tiles(block_m=64, block_n=64, block_k=128, num_warps=4, num_stages=4)
+    if m <= 256:
+        return Fp8Tiles(block_m=64, block_n=128, block_k=128, num_warps=4, num_stages=4)
+    return Fp8Tiles(block_m=128, block_n=128, block_k=128, num_warps=8, num_stages=3)
+
+
+FP8_TRITON_ROWS = (0, 0)  # (fewest, most) rows the Triton FP8 matmul takes; (0, 0): _scaled_mm everywhere
+
+
 def _fp8_scaled_mm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -67,6 +85,11 @@ def _fp8_scaled_mm(
     input_scale: torch.Tensor | None,
 ) -> torch.Tensor:
     x_q, scale_a = (quantize_rows if TRITON_ACTIVATION_QUANT else quantize_per_token)(x, input_scale)
+    tiles = fp8_tiles(x.shape[0])
+    if tiles is not None:
+        out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
+        out = fp8_matmul(x_q, scale_a, weight, weight_scale.to(torch.float32), bias, out_dtype, tiles)
+        return out if out.dtype == x.dtype else out.to(x.dtype)
     out = torch._scaled_mm(
         x_q,
         weight.t(),
@@ -140,6 +163,16 @@ def choose_variant(m: int, n: int, k: int) -> Variant:
     return Variant(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
 
 
+def choose_decode_variant(m: int, n: int, k: int) -> DecodeVariant:
+    """The int4 decode kernel's program shape for m <= SMALL_M rows (int4_decode_kernel.py), from an H200 sweep
+    over Llama-3.1-8B's four projections at m = 1 and 8 (2026-12-02, docs/gpu-runs.md): two warps a program, 64
+    columns and K split 8 ways, or 128 columns and 2 slices for the wide gate/up projection. (Column blocks of 32
+    with two warps and a split K gave wrong sums at 8 rows of the gate/up shape in that sweep; not taken.)"""
+    if n >= 16384:
+        return DecodeVariant(block_m=16, block_n=128, block_k=128, split_k=2, num_warps=2, num_stages=3)
+    return DecodeVariant(block_m=16, block_n=64, block_k=128, split_k=max(1, min(8, k // 512)), num_warps=2)
+
+
 def weight_only_triton(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -155,9 +188,24 @@ def weight_only_triton(
     n = weight.shape[0]
     if m > SMALL_M and LARGE_M_STRATEGY == "dequantize":
         out = F.linear(x2d, wo.dequantize(weight, scale, zero, group_size, bits, x.dtype), bias)
+    elif bits == 4 and m <= SMALL_M and _int4_decode_applies(x, group_size, decode := choose_decode_variant(m, n, k)):
+        assert zero is not None
+        out = int4_decode.int4_decode_matmul(x2d, weight, scale, zero, bias, group_size, decode)
     else:
         out = wo.weight_only_matmul(x2d, weight, scale, zero, bias, group_size, bits, choose_variant(m, n, k))
     return out.reshape(*x.shape[:-1], n)
+
+
+def _int4_decode_applies(x: torch.Tensor, group_size: int, variant: DecodeVariant) -> bool:
+    """The decode kernel takes 16-bit x on CUDA (any float in the interpreter) and groups its K steps fit in."""
+    return (
+        INT4_DECODE_KERNEL
+        and group_size % variant.block_k == 0
+        and (x.dtype in int4_decode.DTYPES or x.device.type != "cuda")
+    )
+
+
+INT4_DECODE_KERNEL = True  # False: int4 decode through weight_only_kernel's general kernel
 
 
 # ---- inputs ---------------------------------------------------------------------------------------------------

@@ -1,0 +1,285 @@
+"""W4A16 for decode (a few rows of x): y = x W^T + b with the int4 weight of formats.py, in one Triton launch.
+
+Where weight_only_kernel.py's general kernel dequantizes every weight ((q - zero) * scale, with an integer to
+float conversion and a float to bf16 one on each), this one does almost no arithmetic per weight, so that a
+decode step is bound by reading the packed bytes, not by the CUDA cores unpacking them:
+- A nibble q becomes the bf16 (or fp16) number 128 + q (1024 + q) by bit operations alone: OR-ing q into the
+  mantissa of 128's (1024's) bit pattern. On CUDA an inline-PTX routine turns four bytes into eight such values
+  with eight instructions; elsewhere (Triton's interpreter) the same values come from plain arithmetic.
+- The low nibbles (even input columns) and the high ones (odd columns) stay apart: the product is
+  x[:, even] . lo^T + x[:, odd] . hi^T, two tl.dot calls, so no interleave is needed.
+- Zero point and scale are applied once per (row, group) instead of once per weight: over one group,
+  sum_k x_k (q_k - z) s = s (sum_k x_k (MAGIC + q_k) - (MAGIC + z) sum_k x_k). A K step therefore never crosses a
+  group boundary (the group size is a multiple of BLOCK_K).
+The products are exact (small integers times x) and accumulated in fp32; the subtraction loses a few of fp32's
+bits, far below the bf16 output's rounding.
+
+SPLIT_K > 1 cuts K into slices, for shapes whose column blocks alone do not fill the GPU: the slices add into a
+persistent fp32 workspace and the last to finish a tile writes it out and zeroes it, all in the one launch (a
+zeroed buffer and a cast after would be two more launches, as long at decode as the matmul itself).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+DTYPES = (torch.bfloat16, torch.float16)
+# 128 (bf16) and 1024 (fp16): the powers of two whose mantissa steps are 1, so MAGIC + q is exact for q < 16
+_BF16_MAGIC, _FP16_MAGIC = tl.constexpr(0x4300), tl.constexpr(0x6400)
+
+
+@dataclass(frozen=True)
+class DecodeVariant:
+    """One program shape; ci/gpu_quant_kernels.py --sweep times several (kernels.choose_decode_variant)."""
+
+    block_m: int = 16
+    block_n: int = 32
+    block_k: int = 128
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    use_asm: bool = True  # CUDA only; the interpreter always takes the arithmetic path
+
+    def __post_init__(self) -> None:
+        for name in ("block_m", "block_n", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"DecodeVariant.{name} must be a power of two >= 16, got {value}")
+        if self.split_k < 1:
+            raise ValueError(f"DecodeVariant.split_k must be >= 1, got {self.split_k}")
+
+
+def supports(x_dtype: torch.dtype, group_size: int, variant: DecodeVariant) -> bool:
+    """This kernel applies: a 16-bit x, and K steps that stay inside one scale group."""
+    return x_dtype in DTYPES and group_size % variant.block_k == 0
+
+
+def _unpack_asm(magic: int) -> str:
+    """PTX for one asm instance: four bytes in $4 -> the low nibbles' values in $0, $1 and the high ones' in $2,
+    $3 (two 16-bit values a register, byte order kept). PRMT spreads bytes 0, 1 (then 2, 3) into the two halves
+    of a word; LOP3 (a & b) | c masks one nibble into each half and ORs the magic exponent in."""
+    return f"""{{
+    .reg .b32 t0, t1, u0, u1;
+    prmt.b32 t0, $4, 0, 0x4140;
+    prmt.b32 t1, $4, 0, 0x4342;
+    shr.u32 u0, t0, 4;
+    shr.u32 u1, t1, 4;
+    lop3.b32 $0, t0, 0x000F000F, {magic:#010x}, 0xEA;
+    lop3.b32 $1, t1, 0x000F000F, {magic:#010x}, 0xEA;
+    lop3.b32 $2, u0, 0x000F000F, {magic:#010x}, 0xEA;
+    lop3.b32 $3, u1, 0x000F000F, {magic:#010x}, 0xEA;
+    }}"""
+
+
+_BF16_ASM, _FP16_ASM = tl.constexpr(_unpack_asm(0x43004300)), tl.constexpr(_unpack_asm(0x64006400))
+
+
+@triton.jit
+def _magic_pairs_asm(packed, FP16: tl.constexpr):
+    """uint8 [...] -> (low nibbles, high nibbles) as MAGIC + q in bf16 / fp16, four bytes an asm instance."""
+    if FP16:
+        lo, hi = tl.inline_asm_elementwise(
+            asm=_FP16_ASM,
+            constraints="=r,=r,=r,=r,r",
+            args=[packed],
+            dtype=(tl.float16, tl.float16),
+            is_pure=True,
+            pack=4,
+        )
+    else:
+        lo, hi = tl.inline_asm_elementwise(
+            asm=_BF16_ASM,
+            constraints="=r,=r,=r,=r,r",
+            args=[packed],
+            dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True,
+            pack=4,
+        )
+    return lo, hi
+
+
+@triton.jit
+def _magic_pairs(packed, USE_ASM: tl.constexpr, FP16: tl.constexpr, UPCAST: tl.constexpr):
+    """(MAGIC + low nibble, MAGIC + high nibble) of each byte: fp32 under UPCAST (the interpreter), else the
+    16-bit type, by asm or by bit operations on int16."""
+    if UPCAST:
+        lo = (packed & 0xF).to(tl.float32) + _base(FP16)
+        hi = (packed >> 4).to(tl.float32) + _base(FP16)
+    elif USE_ASM:
+        lo, hi = _magic_pairs_asm(packed, FP16)
+    elif FP16:
+        lo = ((packed & 0xF).to(tl.int16) | _FP16_MAGIC).to(tl.float16, bitcast=True)
+        hi = ((packed >> 4).to(tl.int16) | _FP16_MAGIC).to(tl.float16, bitcast=True)
+    else:
+        lo = ((packed & 0xF).to(tl.int16) | _BF16_MAGIC).to(tl.bfloat16, bitcast=True)
+        hi = ((packed >> 4).to(tl.int16) | _BF16_MAGIC).to(tl.bfloat16, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def _base(FP16: tl.constexpr):
+    """MAGIC's value: what a nibble's 16-bit number exceeds the nibble by."""
+    if FP16:
+        return 1024.0
+    return 128.0
+
+
+SPLIT_ROWS = 16  # a split K is for decode: at most this many rows, the workspace's
+_MAX_TILES = 4096  # counters a workspace holds: column blocks times row blocks of one launch
+_split_state: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _split_buffers(device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 workspace [SPLIT_ROWS, n] and the tile counters of split-K launches with n columns, zero between
+    launches (each launch's last slices leave them so). Made once: a CUDA graph captured later keeps using them.
+    Launches share them in order on one stream; two streams running split launches of one width at once would
+    not (the engine runs its forward passes on one)."""
+    key = (device, n)
+    if key not in _split_state:
+        _split_state[key] = (
+            torch.zeros((SPLIT_ROWS, n), dtype=torch.float32, device=device),
+            torch.zeros((_MAX_TILES,), dtype=torch.int32, device=device),
+        )
+    return _split_state[key]
+
+
+@triton.jit(do_not_specialize=["M"])
+def _int4_decode_kernel(
+    x,
+    w,
+    scale,
+    zero,
+    bias,
+    out,
+    workspace,
+    counters,
+    M,
+    N,
+    K,
+    k_per_split,
+    stride_xm,
+    stride_w,
+    stride_s,
+    stride_z,
+    stride_om,
+    GROUP_SIZE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    USE_ASM: tl.constexpr,
+    FP16: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Program (column block, row block, K slice): out[rows, cols] (+)= x[rows, slice] W[cols, slice]^T."""
+    HALF: tl.constexpr = BLOCK_K // 2
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    col_ok = cols < N
+    row_ok = rows < M
+    k_start = tl.program_id(2) * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
+    w_rows = w + cols.to(tl.int64)[:, None] * stride_w
+    x_rows = x + rows.to(tl.int64)[:, None] * stride_xm
+    s_rows = scale + cols.to(tl.int64) * stride_s
+    z_rows = zero + cols.to(tl.int64) * stride_z
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        pairs = k0 // 2 + tl.arange(0, HALF)  # byte j holds columns 2j (low nibble) and 2j + 1 (high)
+        pair_ok = pairs < K // 2
+        packed = tl.load(w_rows + pairs[None, :], mask=col_ok[:, None] & pair_ok[None, :], other=0)
+        lo, hi = _magic_pairs(packed, USE_ASM, FP16, UPCAST)
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x_tile = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
+        x_even, x_odd = tl.split(tl.reshape(x_tile, (BLOCK_M, HALF, 2)))
+        if UPCAST:
+            x_even, x_odd = x_even.to(tl.float32), x_odd.to(tl.float32)
+            part = tl.dot(x_even, tl.trans(lo), input_precision="ieee")
+            part += tl.dot(x_odd, tl.trans(hi), input_precision="ieee")
+        else:
+            part = tl.dot(x_even, tl.trans(lo))
+            part += tl.dot(x_odd, tl.trans(hi))
+        x_sum = tl.sum(x_even.to(tl.float32) + x_odd.to(tl.float32), axis=1)
+        group = k0 // GROUP_SIZE
+        s = tl.load(s_rows + group, mask=col_ok, other=0.0).to(tl.float32)
+        z = tl.load(z_rows + group, mask=col_ok, other=0).to(tl.float32) + _base(FP16)
+        acc += (part - x_sum[:, None] * z[None, :]) * s[None, :]
+    if HAS_BIAS:
+        if tl.program_id(2) == 0:
+            acc += tl.load(bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
+    out_ptrs = out + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
+    mask = row_ok[:, None] & col_ok[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc.to(out.dtype.element_ty), mask=mask)
+    else:
+        # Slices add into the fp32 workspace; the tile's last slice to arrive (its counter's acquire sees every
+        # earlier slice's release) takes the sum out, leaving workspace and counter zero for the next launch.
+        ws_ptrs = workspace + rows.to(tl.int64)[:, None] * N + cols[None, :]
+        tl.atomic_add(ws_ptrs, acc, mask=mask, sem="relaxed")
+        tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        arrived = tl.atomic_add(counters + tile, 1, sem="acq_rel")
+        if arrived == SPLIT_K - 1:
+            total = tl.load(ws_ptrs, mask=mask, other=0.0, cache_modifier=".cg")  # from L2, where atomics add
+            tl.store(out_ptrs, total.to(out.dtype.element_ty), mask=mask)
+            tl.store(ws_ptrs, tl.zeros_like(total), mask=mask)
+            tl.store(counters + tile, 0)
+
+
+def int4_decode_matmul(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    bias: torch.Tensor | None,
+    group_size: int,
+    variant: DecodeVariant,
+) -> torch.Tensor:
+    """x [M, K] (bf16 / fp16, last dim contiguous; fp32 only in the interpreter) times qweight uint8 [N, K // 2]
+    -> [M, N] in x's dtype. Shapes are checked by the caller (kernels.py); supports() must hold."""
+    M, K = x.shape
+    N = qweight.shape[0]
+    if M == 0:
+        return torch.empty((0, N), dtype=x.dtype, device=x.device)
+    k_tiles = triton.cdiv(K, variant.block_k)
+    split_k = max(1, min(variant.split_k, k_tiles)) if M <= SPLIT_ROWS else 1
+    k_per_split = triton.cdiv(k_tiles, split_k) * variant.block_k
+    split_k = triton.cdiv(K, k_per_split)  # no empty slice
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    workspace, counters = _split_buffers(x.device, N) if split_k > 1 else (out, out)
+    grid = (triton.cdiv(N, variant.block_n), triton.cdiv(M, variant.block_m), split_k)
+    _int4_decode_kernel[grid](
+        x,
+        qweight,
+        scale,
+        zero,
+        bias if bias is not None else scale,
+        out,
+        workspace,
+        counters,
+        M,
+        N,
+        K,
+        k_per_split,
+        x.stride(0),
+        qweight.stride(0),
+        scale.stride(0),
+        zero.stride(0),
+        out.stride(0),
+        GROUP_SIZE=group_size,
+        HAS_BIAS=bias is not None,
+        SPLIT_K=split_k,
+        USE_ASM=variant.use_asm,
+        FP16=x.dtype == torch.float16,
+        UPCAST=x.device.type != "cuda",
+        BLOCK_M=variant.block_m,
+        BLOCK_N=variant.block_n,
+        BLOCK_K=variant.block_k,
+        num_warps=variant.num_warps,
+        num_stages=variant.num_stages,
+    )
+    return out
