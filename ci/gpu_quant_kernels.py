@@ -272,13 +272,43 @@ def sweep(formats: list[str], ms: tuple[int, ...]) -> None:
 # ---- the int4 decode kernel and the FP8 matmuls (--sweep-decode, --sweep-fp8) ----
 
 
-def decode_variants() -> list[DecodeVariant]:
-    found = [DecodeVariant(use_asm=False), DecodeVariant(block_n=64, use_asm=False)]
-    for bn, warps, stages, split in itertools.product((16, 32, 64, 128), (2, 4), (3, 4), (1, 2, 4, 8)):
-        found.append(DecodeVariant(block_n=bn, block_k=128, split_k=split, num_warps=warps, num_stages=stages))
-    for bn, split in itertools.product((64, 128), (1, 2, 4)):
-        found.append(DecodeVariant(block_n=bn, block_k=64, split_k=split, num_warps=4, num_stages=4))
+def decode_variants(m: int) -> list[DecodeVariant]:
+    """The tl.dot shapes (16-row tiles) and, for one row, the CUDA-core GEMV's."""
+    found = [DecodeVariant(block_n=64, split_k=8, num_warps=2), DecodeVariant(block_n=128, split_k=2, num_warps=2)]
+    if DECODE_SWEEP_DOT:
+        for bn, warps, stages, split in itertools.product((16, 32, 64, 128), (2, 4), (3, 4), (1, 2, 4, 8)):
+            found.append(DecodeVariant(block_n=bn, block_k=128, split_k=split, num_warps=warps, num_stages=stages))
+    if m == 1:
+        for bn, warps, split, prefetch in itertools.product((16, 32, 64), (1, 2, 4), (8, 16, 32), (False, True)):
+            found.append(
+                DecodeVariant(
+                    block_m=1,
+                    block_n=bn,
+                    block_k=128,
+                    split_k=split,
+                    num_warps=warps,
+                    num_stages=1,
+                    use_dot=False,
+                    prefetch=prefetch,
+                )
+            )
+        for split, prefetch in itertools.product((16, 32, 64), (False, True)):
+            found.append(
+                DecodeVariant(
+                    block_m=1,
+                    block_n=32,
+                    block_k=64,
+                    split_k=split,
+                    num_warps=2,
+                    num_stages=1,
+                    use_dot=False,
+                    prefetch=prefetch,
+                )
+            )
     return found
+
+
+DECODE_SWEEP_DOT = False  # the dot shapes were swept on 2026-12-02 (docs/gpu-runs.md): two of them kept above
 
 
 def sweep_decode(ms: tuple[int, ...]) -> None:
@@ -298,7 +328,7 @@ def sweep_decode(ms: tuple[int, ...]) -> None:
             for key, us in (("bf16", dense_us), ("general", general_us)):
                 totals[m][key] = totals[m].get(key, 0.0) + us
             best: tuple[float, str] | None = None
-            for variant in decode_variants():
+            for variant in decode_variants(m):
                 try:
                     call = lambda a, v=variant: int4_decode.int4_decode_matmul(  # noqa: E731
                         x, a["qweight"], a["weight_scale"], a["weight_zero"], None, GROUP_SIZE, v

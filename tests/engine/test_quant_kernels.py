@@ -106,6 +106,9 @@ def test_int4_kernel_equals_dequantize_then_matmul(m, n, k, group_size, variant,
 DECODE = int4_decode.DecodeVariant(block_n=16, block_k=64)
 DECODE_SPLIT = int4_decode.DecodeVariant(block_n=16, block_k=32, split_k=3)  # K = 160: slices of 64, 64, 32
 DECODE_WIDE = int4_decode.DecodeVariant(block_n=32, block_k=128, split_k=2)
+DECODE_GEMV = int4_decode.DecodeVariant(block_m=1, block_n=16, block_k=64, use_dot=False)
+DECODE_GEMV_SPLIT = int4_decode.DecodeVariant(block_m=4, block_n=16, block_k=32, split_k=3, use_dot=False)
+DECODE_PREFETCH = int4_decode.DecodeVariant(block_m=1, block_n=16, block_k=32, split_k=2, use_dot=False, prefetch=True)
 
 
 @pytest.mark.parametrize(
@@ -116,6 +119,10 @@ DECODE_WIDE = int4_decode.DecodeVariant(block_n=32, block_k=128, split_k=2)
         (1, 24, 160, 32, DECODE_SPLIT, True),
         (16, 64, 256, 128, DECODE_WIDE, True),
         (20, 16, 256, 256, DECODE_WIDE, False),  # two row blocks: past SPLIT_ROWS, so no split
+        (1, 40, 128, 64, DECODE_GEMV, True),
+        (3, 48, 160, 32, DECODE_GEMV_SPLIT, True),  # rows past M in the row block
+        (6, 24, 160, 32, DECODE_GEMV_SPLIT, False),  # two row blocks, split
+        (1, 40, 160, 32, DECODE_PREFETCH, True),  # slices of 3 and 2 steps: the prefetch past a slice is masked
     ],
 )
 def test_int4_decode_kernel_equals_dequantize_then_matmul(m, n, k, group_size, variant, with_bias):
@@ -132,21 +139,33 @@ def test_int4_decode_kernel_equals_dequantize_then_matmul(m, n, k, group_size, v
 def test_int4_decode_kernel_needs_groups_its_steps_fit_in():
     assert int4_decode.supports(torch.bfloat16, 128, DECODE_WIDE)
     assert not int4_decode.supports(torch.bfloat16, 64, DECODE_WIDE)
-    assert not int4_decode.supports(torch.float32, 128, DECODE_WIDE)
+    assert not int4_decode.supports(torch.int8, 128, DECODE_WIDE)
     with pytest.raises(ValueError, match="block_n must be a power of two >= 16"):
         int4_decode.DecodeVariant(block_n=8)
+    with pytest.raises(ValueError, match="block_m must be a power of two >= 16"):
+        int4_decode.DecodeVariant(block_m=4)
+    assert int4_decode.DecodeVariant(block_m=1, use_dot=False).block_m == 1
 
 
 @cuda_only
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("use_asm", [True, False])
-def test_int4_decode_kernel_in_16_bits_on_cuda(dtype, use_asm):
+@pytest.mark.parametrize("use_dot", [True, False])
+def test_int4_decode_kernel_in_16_bits_on_cuda(dtype, use_asm, use_dot):
     """The magic numbers of each 16-bit type, through the PTX routine and the plain bit operations."""
     qweight, scale, zero = random_int4(4096, 512, 128, dtype=dtype)
     x, bias = random_x(5, 512, dtype), random_bias(4096, dtype)
     expected = reference(x, dequantize_int4(qweight, scale, zero, 128), bias)
     for split in (1, 4):
-        variant = int4_decode.DecodeVariant(block_n=32, block_k=128, split_k=split, use_asm=use_asm)
+        variant = int4_decode.DecodeVariant(
+            block_m=16 if use_dot else 1,
+            block_n=32,
+            block_k=128,
+            split_k=split,
+            use_asm=use_asm,
+            use_dot=use_dot,
+            prefetch=not use_dot,
+        )
         got = int4_decode.int4_decode_matmul(x, qweight, scale, zero, bias, 128, variant)
         assert got.dtype == dtype
         torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)

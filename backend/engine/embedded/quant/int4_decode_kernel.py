@@ -5,7 +5,7 @@ float conversion and a float to bf16 one on each), this one does almost no arith
 decode step is bound by reading the packed bytes, not by the CUDA cores unpacking them:
 - A nibble q becomes the bf16 (or fp16) number 128 + q (1024 + q) by bit operations alone: OR-ing q into the
   mantissa of 128's (1024's) bit pattern. On CUDA an inline-PTX routine turns four bytes into eight such values
-  with eight instructions; elsewhere (Triton's interpreter) the same values come from plain arithmetic.
+  with eight instructions; elsewhere (Triton's interpreter, fp32 x) the same values come from plain arithmetic.
 - The low nibbles (even input columns) and the high ones (odd columns) stay apart: the product is
   x[:, even] . lo^T + x[:, odd] . hi^T, two tl.dot calls, so no interleave is needed.
 - Zero point and scale are applied once per (row, group) instead of once per weight: over one group,
@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-DTYPES = (torch.bfloat16, torch.float16)
+DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # fp32: exact fp32 products instead of the magic
 # 128 (bf16) and 1024 (fp16): the powers of two whose mantissa steps are 1, so MAGIC + q is exact for q < 16
 _BF16_MAGIC, _FP16_MAGIC = tl.constexpr(0x4300), tl.constexpr(0x6400)
 
@@ -43,18 +43,21 @@ class DecodeVariant:
     num_warps: int = 4
     num_stages: int = 3
     use_asm: bool = True  # CUDA only; the interpreter always takes the arithmetic path
+    use_dot: bool = True  # False: the CUDA cores' multiply-and-sum, for one row or a few (block_m from 1)
+    prefetch: bool = False  # load the next K step's weights before this one's arithmetic (tl.dot pipelines itself)
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
             value = getattr(self, name)
-            if value < 16 or value & (value - 1):
-                raise ValueError(f"DecodeVariant.{name} must be a power of two >= 16, got {value}")
+            least = 1 if name == "block_m" and not self.use_dot else 16
+            if value < least or value & (value - 1):
+                raise ValueError(f"DecodeVariant.{name} must be a power of two >= {least}, got {value}")
         if self.split_k < 1:
             raise ValueError(f"DecodeVariant.split_k must be >= 1, got {self.split_k}")
 
 
 def supports(x_dtype: torch.dtype, group_size: int, variant: DecodeVariant) -> bool:
-    """This kernel applies: a 16-bit x, and K steps that stay inside one scale group."""
+    """This kernel applies: x of a float type it takes, and K steps that stay inside one scale group."""
     return x_dtype in DTYPES and group_size % variant.block_k == 0
 
 
@@ -104,8 +107,8 @@ def _magic_pairs_asm(packed, FP16: tl.constexpr):
 
 @triton.jit
 def _magic_pairs(packed, USE_ASM: tl.constexpr, FP16: tl.constexpr, UPCAST: tl.constexpr):
-    """(MAGIC + low nibble, MAGIC + high nibble) of each byte: fp32 under UPCAST (the interpreter), else the
-    16-bit type, by asm or by bit operations on int16."""
+    """(MAGIC + low nibble, MAGIC + high nibble) of each byte: fp32 under UPCAST (the interpreter, or fp32 x),
+    else the 16-bit type, by asm or by bit operations on int16."""
     if UPCAST:
         lo = (packed & 0xF).to(tl.float32) + _base(FP16)
         hi = (packed >> 4).to(tl.float32) + _base(FP16)
@@ -126,6 +129,27 @@ def _base(FP16: tl.constexpr):
     if FP16:
         return 1024.0
     return 128.0
+
+
+@triton.jit
+def _tile_product(packed, x_even, x_odd, USE_ASM, FP16, UPCAST, USE_DOT, BLOCK_M, BLOCK_N, HALF):
+    """x[:, even] . (MAGIC + lo)^T + x[:, odd] . (MAGIC + hi)^T for one K step: [BLOCK_M, BLOCK_N] fp32."""
+    lo, hi = _magic_pairs(packed, USE_ASM, FP16, UPCAST)
+    if not USE_DOT and BLOCK_M == 1:  # one row: a 2-D product, summed along K mostly inside each thread
+        row_even = tl.reshape(x_even, (HALF,)).to(tl.float32)
+        row_odd = tl.reshape(x_odd, (HALF,)).to(tl.float32)
+        prod = lo.to(tl.float32) * row_even[None, :] + hi.to(tl.float32) * row_odd[None, :]
+        part = tl.reshape(tl.sum(prod, axis=1), (1, BLOCK_N))
+    elif not USE_DOT:  # CUDA cores: products of the rows and the tile, summed along K
+        part = tl.sum(x_even.to(tl.float32)[:, None, :] * lo.to(tl.float32)[None, :, :], axis=2)
+        part += tl.sum(x_odd.to(tl.float32)[:, None, :] * hi.to(tl.float32)[None, :, :], axis=2)
+    elif UPCAST:
+        part = tl.dot(x_even.to(tl.float32), tl.trans(lo), input_precision="ieee")
+        part += tl.dot(x_odd.to(tl.float32), tl.trans(hi), input_precision="ieee")
+    else:
+        part = tl.dot(x_even, tl.trans(lo))
+        part += tl.dot(x_odd, tl.trans(hi))
+    return part
 
 
 SPLIT_ROWS = 16  # a split K is for decode: at most this many rows, the workspace's
@@ -172,6 +196,8 @@ def _int4_decode_kernel(
     USE_ASM: tl.constexpr,
     FP16: tl.constexpr,
     UPCAST: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    PREFETCH: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -189,21 +215,22 @@ def _int4_decode_kernel(
     s_rows = scale + cols.to(tl.int64) * stride_s
     z_rows = zero + cols.to(tl.int64) * stride_z
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    pairs = k_start // 2 + tl.arange(0, HALF)  # byte j holds columns 2j (low nibble) and 2j + 1 (high)
+    upcoming = tl.load(w_rows + pairs[None, :], mask=col_ok[:, None] & (pairs < k_end // 2)[None, :], other=0)
     for k0 in range(k_start, k_end, BLOCK_K):
-        pairs = k0 // 2 + tl.arange(0, HALF)  # byte j holds columns 2j (low nibble) and 2j + 1 (high)
-        pair_ok = pairs < K // 2
-        packed = tl.load(w_rows + pairs[None, :], mask=col_ok[:, None] & pair_ok[None, :], other=0)
-        lo, hi = _magic_pairs(packed, USE_ASM, FP16, UPCAST)
+        if PREFETCH:  # the next step's bytes are requested before this step's arithmetic: two tiles in flight
+            packed = upcoming
+            pairs += HALF
+            upcoming = tl.load(w_rows + pairs[None, :], mask=col_ok[:, None] & (pairs < k_end // 2)[None, :], other=0)
+        else:
+            step_pairs = k0 // 2 + tl.arange(0, HALF)
+            packed = tl.load(
+                w_rows + step_pairs[None, :], mask=col_ok[:, None] & (step_pairs < K // 2)[None, :], other=0
+            )
         ks = k0 + tl.arange(0, BLOCK_K)
         x_tile = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
         x_even, x_odd = tl.split(tl.reshape(x_tile, (BLOCK_M, HALF, 2)))
-        if UPCAST:
-            x_even, x_odd = x_even.to(tl.float32), x_odd.to(tl.float32)
-            part = tl.dot(x_even, tl.trans(lo), input_precision="ieee")
-            part += tl.dot(x_odd, tl.trans(hi), input_precision="ieee")
-        else:
-            part = tl.dot(x_even, tl.trans(lo))
-            part += tl.dot(x_odd, tl.trans(hi))
+        part = _tile_product(packed, x_even, x_odd, USE_ASM, FP16, UPCAST, USE_DOT, BLOCK_M, BLOCK_N, HALF)
         x_sum = tl.sum(x_even.to(tl.float32) + x_odd.to(tl.float32), axis=1)
         group = k0 // GROUP_SIZE
         s = tl.load(s_rows + group, mask=col_ok, other=0.0).to(tl.float32)
@@ -239,7 +266,7 @@ def int4_decode_matmul(
     group_size: int,
     variant: DecodeVariant,
 ) -> torch.Tensor:
-    """x [M, K] (bf16 / fp16, last dim contiguous; fp32 only in the interpreter) times qweight uint8 [N, K // 2]
+    """x [M, K] (bf16 / fp16 / fp32, last dim contiguous) times qweight uint8 [N, K // 2]
     -> [M, N] in x's dtype. Shapes are checked by the caller (kernels.py); supports() must hold."""
     M, K = x.shape
     N = qweight.shape[0]
@@ -275,7 +302,9 @@ def int4_decode_matmul(
         SPLIT_K=split_k,
         USE_ASM=variant.use_asm,
         FP16=x.dtype == torch.float16,
-        UPCAST=x.device.type != "cuda",
+        UPCAST=x.device.type != "cuda" or x.dtype == torch.float32,
+        USE_DOT=variant.use_dot,
+        PREFETCH=variant.prefetch,
         BLOCK_M=variant.block_m,
         BLOCK_N=variant.block_n,
         BLOCK_K=variant.block_k,

@@ -197,12 +197,7 @@ def weight_only_triton(
 
 
 def _int4_decode_applies(x: torch.Tensor, group_size: int, variant: DecodeVariant) -> bool:
-    """The decode kernel takes 16-bit x on CUDA (any float in the interpreter) and groups its K steps fit in."""
-    return (
-        INT4_DECODE_KERNEL
-        and group_size % variant.block_k == 0
-        and (x.dtype in int4_decode.DTYPES or x.device.type != "cuda")
-    )
+    return INT4_DECODE_KERNEL and int4_decode.supports(x.dtype, group_size, variant)
 
 
 INT4_DECODE_KERNEL = True  # False: int4 decode through weight_only_kernel's general kernel
