@@ -7,8 +7,9 @@ check; exits 1 if a check fails. Run by `bash ci/gpu_session.sh fp8-kv`; CI neve
 2. kernels: decode (one split and several) and prefill (chunks over a cached prefix) over fp8 caches written by
    the portable path, bf16 queries, against portable_attention over the same caches.
 3. graph: store + decode over fp8 caches captured in a CUDA graph and replayed equal the eager launch.
-4. timing: decode_attention over fp8 against bf16 caches (Llama-3-8B's heads: 32 query, 8 KV, head 128), batch 8
-   and 32 at contexts 8k and 32k; CUDA events, the median of repeats. Memory-bound, so fp8 should take about
+4. timing: decode_attention over fp8 against bf16 caches (Llama-3-8B's heads: 32 query, 8 KV, head 128), batch 256
+   at contexts 256 and 1k (a throughput run's decode) and batch 8 and 32 at 8k and 32k; fp8 tiles widened to fp16
+   (the default) and to bf16; CUDA events, the median of repeats. Memory-bound, so fp8 should take about
    half the time of bf16 at long contexts."""
 
 from __future__ import annotations
@@ -156,19 +157,30 @@ def _decode_ms(q, shape, dtype, table, lens, context) -> tuple[float, float]:
 
 
 def time_decode() -> None:
-    for batch in (8, 32):
-        for context in (8192, 32768):
-            blocks_per_seq = context // BLOCK
-            shape = (batch * blocks_per_seq, BLOCK, KV_HEADS, DIM)
-            table = torch.arange(batch * blocks_per_seq, device=DEV, dtype=torch.int32).view(batch, blocks_per_seq)
-            lens = torch.full((batch,), context, dtype=torch.int32, device=DEV)
-            q = torch.randn(batch, HEADS, DIM, device=DEV, dtype=torch.bfloat16)
-            row = {"check": "decode_time", "batch": batch, "context": context}
-            for name, dtype in (("bf16", torch.bfloat16), ("fp8", FP8_DTYPE)):
-                row[f"{name}_ms"], row[f"{name}_cache_gib"] = _decode_ms(q, shape, dtype, table, lens, context)
-                torch.cuda.empty_cache()
-            row["speedup"] = round(row["bf16_ms"] / row["fp8_ms"], 2)
-            print(json.dumps(row), flush=True)
+    for batch, context in ((256, 256), (256, 1024), (8, 8192), (8, 32768), (32, 8192), (32, 32768)):
+        blocks_per_seq = context // BLOCK
+        shape = (batch * blocks_per_seq, BLOCK, KV_HEADS, DIM)
+        table = torch.arange(batch * blocks_per_seq, device=DEV, dtype=torch.int32).view(batch, blocks_per_seq)
+        lens = torch.full((batch,), context, dtype=torch.int32, device=DEV)
+        q = torch.randn(batch, HEADS, DIM, device=DEV, dtype=torch.bfloat16)
+        row = {"check": "decode_time", "batch": batch, "context": context}
+        for name, dtype, fp16_tiles in (
+            ("bf16", torch.bfloat16, True),
+            ("fp8", FP8_DTYPE, True),
+            ("fp8_bf16_tiles", FP8_DTYPE, False),
+        ):
+            tk.FP8_DECODE_IN_FP16 = fp16_tiles
+            row[f"{name}_ms"], row[f"{name}_cache_gib"] = _decode_ms(q, shape, dtype, table, lens, context)
+            torch.cuda.empty_cache()
+        tk.FP8_DECODE_IN_FP16 = True
+        if batch == 256:  # the key tile's width, for fp8
+            default = tk.DECODE_BLOCK_N
+            for block_n in (32, 128):
+                tk.DECODE_BLOCK_N = block_n
+                row[f"fp8_block_n{block_n}_ms"] = _decode_ms(q, shape, FP8_DTYPE, table, lens, context)[0]
+            tk.DECODE_BLOCK_N = default
+        row["speedup"] = round(row["bf16_ms"] / row["fp8_ms"], 2)
+        print(json.dumps(row), flush=True)
 
 
 def main() -> int:

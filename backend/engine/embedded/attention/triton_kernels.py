@@ -24,7 +24,9 @@ comes from torch.empty, nothing syncs with the host.
 
 FP8 caches (fp8_cache.py): the store quantizes (x / scale, clamped to +-448, rounded to float8 e4m3); the
 attention kernels load float8 tiles and widen them to the queries' dtype, with k_scale folded into the score
-scale and v_scale applied to the output (both linear), so the inner loop does no extra multiply. The scales are
+scale and v_scale applied to the output (both linear), so the inner loop does no extra multiply. Decode widens
+them to fp16 instead (FP8_DECODE_IN_FP16), queries and probabilities converted to fp16 too: e4m3 values are
+exact in fp16, and the widening is one instruction a pair where bf16's takes several. The scales are
 host floats fixed at load, so CUDA graphs capture them.
 
 On CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1 before triton is imported). Its bfloat16
@@ -57,6 +59,7 @@ DECODE_BLOCK_N = 64
 # so TOKENS_PER_TILE = PREFILL_ROWS // padded group size: 128 for MHA, 64 for groups of 2, 16 for groups of 5-8.
 PREFILL_ROWS = 128
 PREFILL_BLOCK_N = 64
+FP8_DECODE_IN_FP16 = True
 TREE_BLOCK_N = 16  # tree keys go in narrow tiles: each gathers a [rows, TREE_BLOCK_N] block of mask bytes
 
 
@@ -179,6 +182,7 @@ def _decode_split_kernel(
     SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
+    FP16_TILES: tl.constexpr,
 ):
     """Program (sequence, KV head, split): the group's query heads over the split's share of the keys it sees
     (all, or WINDOWED the last `window`). Those keys are cut into NUM_SPLITS equal runs of whole BLOCK_N tiles;
@@ -206,6 +210,8 @@ def _decode_split_kernel(
     )
     if UPCAST:
         queries = queries.to(tl.float32)
+    elif FP16_TILES:  # float8 tiles widen to fp16 in one instruction a pair (to bf16 they take several)
+        queries = tl.clamp(queries.to(tl.float32), -65504.0, 65504.0).to(tl.float16)
 
     m = tl.full([GROUP_P], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_P], tl.float32)
@@ -347,6 +353,7 @@ def decode_attention(
         SOFTCAP=softcap is not None,
         UPCAST=upcast,
         IEEE=upcast or q.dtype == torch.float32,
+        FP16_TILES=FP8_DECODE_IN_FP16 and is_fp8(k_cache) and not upcast and q.dtype != torch.float32,
         num_warps=4,
         num_stages=2,
     )
