@@ -95,7 +95,7 @@ class Step:
         meta = step_metadata(
             self.slots, self.tables, self.starts, self.q_lens, self.ctx_lens, BLOCK, tails, DEV, torch.bfloat16
         )
-        return portable_attention(self.q, self.k, self.v, *self.caches, meta, SCALE, None, K_SCALE, V_SCALE)
+        return portable_attention(self.q, self.k, self.v, *self.caches, meta, SCALE, k_scale=K_SCALE, v_scale=V_SCALE)
 
 
 def check_kernels() -> bool:

@@ -186,6 +186,27 @@ def test_decode_kernel_on_fp8_cache_equals_portable(max_seq_len):
     assert relative_error(out, ref) < 1e-5
 
 
+@pytest.mark.skipif(not CUDA, reason="bf16 queries over an FP8 cache take the fp16 tiles only on CUDA")
+@pytest.mark.parametrize("max_seq_len", [32, 1024])
+def test_decode_kernel_with_bf16_queries_widens_fp8_tiles_to_fp16(max_seq_len):
+    """A model's bf16 queries: decode converts them and the float8 tiles to fp16 (FP8_DECODE_IN_FP16); within
+    bf16's rounding of the fp32 reference."""
+    step = Step(3, *CASES["decode"])
+    caches = step.caches(FP8_DTYPE)
+    ref = portable_attention(step.q, step.k, step.v, *caches, step.meta(), SCALE, k_scale=K_SCALE, v_scale=V_SCALE)
+    out = tk.decode_attention(
+        step.q.bfloat16(),
+        *caches,
+        step.block_tables(),
+        step.int_tensor(step.ctx_lens),
+        SCALE,
+        max_seq_len,
+        k_scale=K_SCALE,
+        v_scale=V_SCALE,
+    )
+    assert out.dtype == torch.bfloat16 and relative_error(out.float(), ref) < 1e-2
+
+
 @needs_kernels
 def test_store_kernel_writes_what_write_kv_writes_into_fp8_caches():
     """Values on the e4m3 grid (times the power-of-two scales) and out of range ones (clamped): the store divides,
