@@ -366,6 +366,37 @@ def sweep_decode(ms: tuple[int, ...]) -> None:
         )
 
 
+def race_check() -> None:
+    """Split-K launches many times over on the gate/up shape at 8 rows, among them the shapes whose sums the first
+    sweep found wrong: the worst relative error of 200 launches each, and the time (us)."""
+    generator = torch.Generator(device=DEVICE).manual_seed(0)
+    n, k = SHAPES["gate_up"]
+    weight = quantized("int4", n, k, generator)
+    rotation = copies(weight["args"])
+    a = weight["args"]
+    for m in (1, 8):
+        x = torch.randn(m, k, device=DEVICE, dtype=DTYPE, generator=generator)
+        expected = F.linear(x, weight["dense"])
+        variants = (
+            [kernels.choose_decode_variant(m, n, k)]
+            + [
+                DecodeVariant(block_n=32, block_k=128, split_k=split, num_warps=2, num_stages=stages)
+                for split, stages in ((1, 3), (2, 3), (8, 4))
+            ]
+            + [
+                DecodeVariant(block_n=32, block_k=128, split_k=1, num_warps=4),
+                DecodeVariant(block_n=64, split_k=1, num_warps=2),
+            ]
+        )
+        for variant in variants:
+            call = lambda a, v=variant: int4_decode.int4_decode_matmul(  # noqa: E731
+                x, a["qweight"], a["weight_scale"], a["weight_zero"], None, GROUP_SIZE, v
+            )
+            worst = max(errors(call(a), expected)["rel_err"] for _ in range(200))
+            us = timed_us([lambda r=r: call(r) for r in rotation], repeats=5)[0]
+            emit(kind="race", m=m, variant=str(variant), worst_rel_err=worst, us=round(us, 2))
+
+
 FP8_TILES = [
     Fp8Tiles(64, 64, 128, num_warps=4, num_stages=4),
     Fp8Tiles(64, 128, 128, num_warps=4, num_stages=4),
@@ -436,6 +467,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="time the program shapes instead of the defaults")
     parser.add_argument("--sweep-decode", action="store_true", help="time the int4 decode kernel's variants")
+    parser.add_argument("--race-check", action="store_true", help="split-K launches repeated, worst error")
     parser.add_argument("--sweep-fp8", action="store_true", help="time _scaled_mm against the Triton FP8 matmul")
     parser.add_argument("--formats", default="int4,int8,fp8", help="comma-separated of int4, int8, fp8")
     parser.add_argument("--ms", default=",".join(map(str, MS)), help="comma-separated row counts")
@@ -449,7 +481,9 @@ def main() -> int:
         torch=torch.__version__,
         fp8=kernels.fp8_supported(DEVICE),
     )
-    if args.sweep_decode:
+    if args.race_check:
+        race_check()
+    elif args.sweep_decode:
         sweep_decode(ms)
     elif args.sweep_fp8:
         sweep_fp8(ms)

@@ -47,7 +47,7 @@ def int4_decode_kernel(dtype: str, split_k: int, use_asm: bool, use_dot: bool) -
     pointers = {name: f"*{dtype}" for name in ("x", "scale", "bias", "out")}
     pointers |= {"w": "*u8", "zero": "*u8", "workspace": "*fp32", "counters": "*i32"}
     constexprs = dict(GROUP_SIZE=128, HAS_BIAS=True, SPLIT_K=split_k, USE_ASM=use_asm, FP16=dtype == "fp16")
-    constexprs |= dict(UPCAST=False, USE_DOT=use_dot, PREFETCH=not use_dot)
+    constexprs |= dict(UPCAST=False, USE_DOT=use_dot, PREFETCH=not use_dot, INTERPRETED=False)
     constexprs |= dict(BLOCK_M=16 if use_dot else 1, BLOCK_N=32, BLOCK_K=128)
     compile_for_sm90(int4_decode._int4_decode_kernel, pointers, constexprs, num_warps=4, num_stages=3)
     print("compiled the int4 decode kernel", dtype, "split", split_k, "asm", use_asm, "dot", use_dot, flush=True)

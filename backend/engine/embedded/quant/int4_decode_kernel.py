@@ -132,6 +132,15 @@ def _base(FP16: tl.constexpr):
 
 
 @triton.jit
+def _fence_gpu(value):
+    """`value`, returned after this thread's earlier memory operations are ordered before its later ones at GPU
+    scope (a fence.acq_rel.gpu each thread runs)."""
+    return tl.inline_asm_elementwise(
+        "fence.acq_rel.gpu;\n\tmov.b32 $0, $1;", "=r,r", [value], dtype=tl.int32, is_pure=False, pack=1
+    )
+
+
+@triton.jit
 def _tile_product(packed, x_even, x_odd, USE_ASM, FP16, UPCAST, USE_DOT, BLOCK_M, BLOCK_N, HALF):
     """x[:, even] . (MAGIC + lo)^T + x[:, odd] . (MAGIC + hi)^T for one K step: [BLOCK_M, BLOCK_N] fp32."""
     lo, hi = _magic_pairs(packed, USE_ASM, FP16, UPCAST)
@@ -198,6 +207,7 @@ def _int4_decode_kernel(
     UPCAST: tl.constexpr,
     USE_DOT: tl.constexpr,
     PREFETCH: tl.constexpr,
+    INTERPRETED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -246,13 +256,20 @@ def _int4_decode_kernel(
     else:
         # Slices add into the fp32 workspace; the tile's last slice to arrive (its counter's acquire sees every
         # earlier slice's release) takes the sum out, leaving workspace and counter zero for the next launch.
+        # Every thread fences its own adds before the counter's increment (one thread's, after a barrier), as
+        # CUDA's fence-then-count reductions do, rather than rely on that one thread's fence covering the others.
         ws_ptrs = workspace + rows.to(tl.int64)[:, None] * N + cols[None, :]
         tl.atomic_add(ws_ptrs, acc, mask=mask, sem="relaxed")
         tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        if not INTERPRETED:  # the interpreter runs programs one after another (and knows no PTX)
+            tile = _fence_gpu(tile)
         arrived = tl.atomic_add(counters + tile, 1, sem="acq_rel")
         if arrived == SPLIT_K - 1:
             total = tl.load(ws_ptrs, mask=mask, other=0.0, cache_modifier=".cg")  # from L2, where atomics add
             tl.store(out_ptrs, total.to(out.dtype.element_ty), mask=mask)
+            # Where the layout gives two threads the same element, neither may zero it before both have read it
+            # (without this barrier an H200 sweep saw sums zeroed: 16 x 32 tiles on two warps).
+            tl.debug_barrier()
             tl.store(ws_ptrs, tl.zeros_like(total), mask=mask)
             tl.store(counters + tile, 0)
 
@@ -305,6 +322,7 @@ def int4_decode_matmul(
         UPCAST=x.device.type != "cuda" or x.dtype == torch.float32,
         USE_DOT=variant.use_dot,
         PREFETCH=variant.prefetch,
+        INTERPRETED=x.device.type != "cuda",
         BLOCK_M=variant.block_m,
         BLOCK_N=variant.block_n,
         BLOCK_K=variant.block_k,

@@ -167,9 +167,7 @@ def choose_decode_variant(m: int, n: int, k: int) -> DecodeVariant:
     """The int4 decode kernel's program shape for m <= SMALL_M rows (int4_decode_kernel.py), from H200 sweeps over
     Llama-3.1-8B's four projections (2026-12-02, docs/gpu-runs.md). One row: the CUDA-core GEMV, one warp a
     program, 32 columns, K in 16 slices (69 us for the four against bf16's 116). More rows: 16-row tl.dot tiles,
-    two warps, 64 columns and 8 slices, or 128 columns and 2 slices for the wide gate/up projection. (Column
-    blocks of 32 with two warps, tl.dot and a split K gave wrong sums at 8 rows of the gate/up shape in the first
-    sweep; not taken.)"""
+    two warps, 64 columns and 8 slices, or 128 columns and 2 slices for the wide gate/up projection."""
     if m == 1:
         return DecodeVariant(block_m=1, block_n=32, block_k=128, split_k=16, num_warps=1, num_stages=1, use_dot=False)
     if n >= 16384:
