@@ -136,6 +136,17 @@ def test_int4_decode_kernel_equals_dequantize_then_matmul(m, n, k, group_size, v
     assert not workspace.any() and not counters.any()
 
 
+def test_int4_decode_kernel_splits_only_what_its_counters_cover(monkeypatch):
+    """More output tiles than the workspace has counters: one slice, not counters written past their end."""
+    monkeypatch.setattr(int4_decode, "_MAX_TILES", 2)
+    monkeypatch.setattr(int4_decode, "_split_state", {})
+    qweight, scale, zero = random_int4(48, 128, 64)
+    x = random_x(1, 128)
+    got = int4_decode.int4_decode_matmul(x, qweight, scale, zero, None, 64, DECODE_PREFETCH)  # 3 tiles, split 2
+    torch.testing.assert_close(got, reference(x, dequantize_int4(qweight, scale, zero, 64), None), atol=1e-4, rtol=1e-4)
+    assert (x.device, 48) not in int4_decode._split_state
+
+
 def test_int4_decode_kernel_needs_groups_its_steps_fit_in():
     assert int4_decode.supports(torch.bfloat16, 128, DECODE_WIDE)
     assert not int4_decode.supports(torch.bfloat16, 64, DECODE_WIDE)

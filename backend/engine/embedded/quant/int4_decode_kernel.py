@@ -290,7 +290,8 @@ def int4_decode_matmul(
     if M == 0:
         return torch.empty((0, N), dtype=x.dtype, device=x.device)
     k_tiles = triton.cdiv(K, variant.block_k)
-    split_k = max(1, min(variant.split_k, k_tiles)) if M <= SPLIT_ROWS else 1
+    tiles = triton.cdiv(N, variant.block_n) * triton.cdiv(M, variant.block_m)
+    split_k = max(1, min(variant.split_k, k_tiles)) if M <= SPLIT_ROWS and tiles <= _MAX_TILES else 1
     k_per_split = triton.cdiv(k_tiles, split_k) * variant.block_k
     split_k = triton.cdiv(K, k_per_split)  # no empty slice
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
