@@ -124,3 +124,38 @@ def test_the_engine_generates_with_quant_config(tiny):
         assert out.outputs[0].token_ids == expected
     finally:
         engine.shutdown()
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"decoding_type": "NGram", "max_draft_len": 4, "max_matching_ngram_size": 2},
+        {"decoding_type": "DraftTarget", "max_draft_len": 3, "speculative_model_dir": "SELF"},
+    ],
+    ids=["ngram", "draft_target"],
+)
+@pytest.mark.parametrize("algo", ["W4A16", "FP8"])
+def test_speculation_over_quantized_weights_is_plain_greedy(tiny, algo, spec):
+    """Drafts verified by the quantized target: the output is the quantized model's own greedy output, and every
+    block comes back. The draft model (here the same checkpoint) loads unquantized: quant_config is the target's,
+    so some of its drafts are rejected."""
+    spec = {k: (str(tiny) if v == "SELF" else v) for k, v in spec.items()}
+    prompt = PROMPT[:6] * 3  # repeats give the n-gram drafter something to propose
+    model, config = load_model(tiny, torch.float32, "cpu", quant_config=quant_config(algo))
+    expected = greedy(model, config, prompt, 12)
+    args = {
+        "model": str(tiny),
+        "dtype": "float32",
+        "device": "cpu",
+        "kv_cache_config": {"tokens_per_block": 8, "max_tokens": 1024},
+        "quant_config": quant_config(algo),
+        "speculative_config": spec,
+    }
+    engine = EmbeddedEngine(EngineConfig.from_dict(args))
+    try:
+        out = engine.generate(prompt, SamplingParams(max_tokens=12, end_id=-1))
+        assert out.outputs[0].token_ids == expected
+        stats = engine.wait_idle()
+        assert stats.num_free_blocks == stats.num_total_blocks
+    finally:
+        engine.shutdown()
