@@ -10,7 +10,12 @@ block's updates of the later columns are applied at once at its end (the paper's
 The grids are quantization on load's (engine quant/quantize.py), so a GPTQ checkpoint holds values the engine's
 formats store exactly: int4 with a scale and zero point per group of `group_size` input columns, computed from
 the weights as they stand (error updates included) when the group's first column comes up; or fp8 with one
-scale per output row, fixed from the row's largest magnitude before any update."""
+scale per output row, fixed from the row's largest magnitude before any update.
+
+act_order (the paper's "act-order" heuristic): columns go in order of decreasing Hessian diagonal, the inputs
+that matter most first, while their errors can still be spread over the most columns. Its groups stay the
+contiguous input columns the engine's formats need (no g_idx), so their scales and zero points are fixed up front
+from the weights before any update ("static groups"); the stored values are in the original column order."""
 
 from __future__ import annotations
 
@@ -67,10 +72,16 @@ class HessianSum:
 
 
 def gptq_quantize(
-    weight: torch.Tensor, hessian: torch.Tensor, grid: Grid, damp: float = 0.01, block_size: int = BLOCK_SIZE
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    grid: Grid,
+    damp: float = 0.01,
+    block_size: int = BLOCK_SIZE,
+    act_order: bool = False,
 ) -> QuantizedWeight:
     """weight [out, in], hessian [in, in] (HessianSum's) -> the weight quantized on `grid`. `damp`: the share of
-    the mean diagonal added to the diagonal (the paper's lambda), which keeps H invertible."""
+    the mean diagonal added to the diagonal (the paper's lambda), which keeps H invertible. `act_order`: columns
+    by decreasing Hessian diagonal, with static groups (above)."""
     w = weight.detach().to(torch.float32).clone()
     rows, cols = w.shape
     if grid.kind == "int4" and (grid.group_size is None or cols % grid.group_size):
@@ -79,8 +90,11 @@ def gptq_quantize(
     dead = h.diagonal() == 0  # a column no input ever reached: its weight cannot matter
     h[dead, dead] = 1.0
     w[:, dead] = 0.0
+    quantizer = _Quantizer(grid, w, static_groups=act_order)
+    order = torch.argsort(h.diagonal(), descending=True, stable=True) if act_order else torch.arange(cols)
+    if act_order:
+        w, h = w[:, order], h[order][:, order]
     u = _upper_inverse_factor(h, damp)
-    quantizer = _Quantizer(grid, w)
     for start in range(0, cols, block_size):
         end = min(start + block_size, cols)
         block = w[:, start:end].clone()
@@ -89,7 +103,7 @@ def gptq_quantize(
             column = start + i
             if quantizer.starts_group(column):
                 quantizer.fit_group(column, _current_group(w, block, errors, u, start, column, quantizer.size))
-            q = quantizer.quantize(column, block[:, i])
+            q = quantizer.quantize(int(order[column]), block[:, i])
             err = (block[:, i] - q) / u[column, column]
             block[:, i:] -= err[:, None] * u[column, column:end][None, :]
             errors[:, i] = err
@@ -123,10 +137,11 @@ def _current_group(w, block, errors, u, start: int, column: int, size: int) -> t
 
 
 class _Quantizer:
-    """Rounds one column at a time onto the grid, keeping the integer values and the per-group parameters."""
+    """Rounds one column at a time onto the grid, keeping the integer values and the per-group parameters.
+    static_groups: every group's parameters from `w` now, none fitted as columns come."""
 
-    def __init__(self, grid: Grid, w: torch.Tensor):
-        self.grid = grid
+    def __init__(self, grid: Grid, w: torch.Tensor, static_groups: bool = False):
+        self.grid, self.static = grid, static_groups
         rows, cols = w.shape
         self.values = torch.zeros(rows, cols, device=w.device)
         self.dense = torch.zeros(rows, cols, device=w.device)
@@ -139,9 +154,11 @@ class _Quantizer:
         groups = cols // grid.group_size
         self.scale = torch.zeros(rows, groups, dtype=grid.scale_dtype, device=w.device)
         self.zero = torch.zeros(rows, groups, device=w.device)
+        if static_groups:
+            self.scale, self.zero = int4_grid(w.reshape(rows, groups, self.size), grid.scale_dtype, grid.symmetric)
 
     def starts_group(self, column: int) -> bool:
-        return self.grid.kind == "int4" and column % self.size == 0
+        return self.grid.kind == "int4" and not self.static and column % self.size == 0
 
     def fit_group(self, column: int, current: torch.Tensor) -> None:
         scale, zero = int4_grid(current[:, None, :], self.grid.scale_dtype, self.grid.symmetric)
@@ -149,7 +166,7 @@ class _Quantizer:
         self.zero[:, column // self.size] = zero[:, 0]
 
     def quantize(self, column: int, w: torch.Tensor) -> torch.Tensor:
-        """The column's dequantized value on the grid (and its stored value kept)."""
+        """The dequantized value on the grid of `w`, input column `column` (its stored value kept)."""
         if self.grid.kind == "fp8":
             stored = round_fp8(w, self.row_scale)
             self.values[:, column] = stored.to(torch.float32)

@@ -49,6 +49,7 @@ class QuantizeOptions:
     samples: int = 16
     seq_len: int = 256
     damp: float = 0.01
+    act_order: bool = False  # columns by decreasing Hessian diagonal, static groups (gptq.py)
     device: str = "cpu"
     dtype: Optional[str] = None  # the written dtype; None: the checkpoint's
     exclude_modules: tuple[str, ...] = ()  # fnmatch patterns or "re:" regexes of module names
@@ -214,7 +215,9 @@ def first_layer_inputs(model, layer, ids: list[list[int]], device: str) -> list[
 
 def calibrate(model, layers, prefix: str, ids, options: QuantizeOptions, dtype: torch.dtype, say) -> dict:
     """GPTQ on every decoder layer in order; each layer's weights are replaced by their dequantized values before
-    its outputs feed the next. Returns {module name: QuantizedWeight}."""
+    its outputs feed the next. Within a layer, projections that share an input (q, k, v; gate, up) are quantized
+    together, stage after stage in the order the layer calls them, each stage's Hessians gathered with the
+    stages before it already quantized (AutoGPTQ's "true sequential"). Returns {module name: QuantizedWeight}."""
     grid = options.grid(dtype)
     results: dict[str, QuantizedWeight] = {}
     with torch.no_grad():
@@ -222,14 +225,40 @@ def calibrate(model, layers, prefix: str, ids, options: QuantizeOptions, dtype: 
         for index, layer in enumerate(layers):
             started = time.perf_counter()
             linears = quantized_linears(layer, f"{prefix}.{index}", options)
-            hessians = _layer_hessians(layer, linears, inputs)
-            for name, module in linears.items():
-                result = gptq_quantize(module.weight, hessians[name].hessian(), grid, options.damp)
-                module.weight.copy_(result.dense.to(module.weight.dtype))
-                results[name] = _to_cpu(result)
+            for stage in input_stages(layer, linears, inputs[0]):
+                hessians = _layer_hessians(layer, {name: linears[name] for name in stage}, inputs)
+                for name in stage:
+                    module, hessian = linears[name], hessians[name].hessian()
+                    result = gptq_quantize(module.weight, hessian, grid, options.damp, act_order=options.act_order)
+                    module.weight.copy_(result.dense.to(module.weight.dtype))
+                    results[name] = _to_cpu(result)
             inputs = [(_hidden(layer(hidden, **kwargs)), kwargs) for hidden, kwargs in inputs]
             say(f"layer {index + 1}/{len(layers)}: {len(linears)} projections in {time.perf_counter() - started:.1f}s")
     return results
+
+
+def input_stages(layer, linears: dict[str, torch.nn.Linear], sample) -> list[list[str]]:
+    """The layer's projections grouped by the input tensor they read, in the order the layer first calls them."""
+    seen: dict[tuple, list[str]] = {}
+    alive: list[torch.Tensor] = []  # held, so that no later input reuses a freed one's memory (and address)
+
+    def record(name: str, x: torch.Tensor) -> None:
+        alive.append(x)
+        seen.setdefault((x.data_ptr(), tuple(x.shape)), []).append(name)
+
+    handles = [
+        module.register_forward_pre_hook(lambda m, args, name=name: record(name, args[0]))
+        for name, module in linears.items()
+    ]
+    try:
+        hidden, kwargs = sample
+        layer(hidden, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    stages = list(seen.values())
+    missing = set(linears) - {name for stage in stages for name in stage}
+    return stages + ([sorted(missing)] if missing else [])
 
 
 def _layer_hessians(layer, linears: dict[str, torch.nn.Linear], inputs) -> dict[str, HessianSum]:
@@ -336,6 +365,8 @@ def quantization_config(options: QuantizeOptions, excluded: list[str]) -> dict[s
         "symmetric": options.algo != "W4A16_ASYM",
         "type": "float" if fp8 else "int",
     }
+    if options.act_order:
+        weights["actorder"] = "weight"  # compressed-tensors: act-order over contiguous groups (no g_idx)
     activations = {"dynamic": True, "group_size": None, "num_bits": 8, "strategy": "token", "symmetric": True}
     fmt = "float-quantized" if fp8 else "pack-quantized"
     group = {

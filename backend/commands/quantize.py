@@ -48,6 +48,12 @@ def add_arguments(parser) -> None:
     parser.add_argument(
         "--damp", type=float, default=0.01, help="share of the Hessian's mean diagonal added to it (default 0.01)"
     )
+    parser.add_argument(
+        "--act-order",
+        action="store_true",
+        help="quantize columns in order of decreasing activation energy (GPTQ's act-order), groups kept contiguous "
+        "with their scales fixed up front (compressed-tensors' actorder: weight; no g_idx)",
+    )
     parser.add_argument("--device", default="cpu", help="where calibration runs: cpu (default), cuda or cuda:N")
     parser.add_argument(
         "--dtype",
@@ -76,6 +82,7 @@ def main(args) -> int:
         samples=args.samples,
         seq_len=args.seq_len,
         damp=args.damp,
+        act_order=args.act_order,
         device=args.device,
         dtype=args.dtype,
         exclude_modules=tuple(args.exclude_modules),

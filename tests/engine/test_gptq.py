@@ -41,11 +41,13 @@ def test_the_hessian_is_two_x_transpose_x_over_n():
     torch.testing.assert_close(hessian.hessian(), 2 * x.t() @ x / SAMPLES, rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("symmetric", [False, True])
 @pytest.mark.parametrize("group_size", [32, 128, COLS])
-def test_int4_gptq_beats_round_to_nearest_on_the_same_grid(symmetric, group_size):
+def test_int4_gptq_beats_round_to_nearest_on_the_same_grid(symmetric, group_size, act_order):
     x, weight, hessian = layer(seed=group_size)
-    result = gptq_quantize(weight, hessian, Grid("int4", group_size, symmetric, torch.float32))
+    grid = Grid("int4", group_size, symmetric, torch.float32)
+    result = gptq_quantize(weight, hessian, grid, act_order=act_order)
     packed, scale, zero = quantize_int4(weight, group_size, torch.float32, symmetric=symmetric)
     rtn = dequantize_int4(packed, scale, zero, group_size)
     assert output_error(x, weight, result.dense) < 0.7 * output_error(x, weight, rtn)
@@ -77,6 +79,19 @@ def test_fp8_gptq_beats_round_to_nearest_with_the_same_row_scales():
     assert result.values.dtype == FP8_DTYPE
     torch.testing.assert_close(dequantize_fp8(result.values, result.scale), result.dense, atol=0, rtol=0)
     assert output_error(x, weight, result.dense) < 0.9 * output_error(x, weight, dequantize_fp8(values, scale))
+
+
+def test_act_order_keeps_round_to_nearest_group_parameters_and_the_column_order():
+    """Static groups: act-order's scales and zero points are round-to-nearest's, and each stored value is that of
+    its own input column (a weight that needs no rounding comes back unchanged, wherever the order put it)."""
+    x, weight, hessian = layer(seed=11)
+    _, scale, zero = quantize_int4(weight, 32, torch.float32)
+    on_grid = dequantize_int4(*quantize_int4(weight, 32, torch.float32), 32)
+    result = gptq_quantize(on_grid, hessian, Grid("int4", 32, False, torch.float32), act_order=True)
+    torch.testing.assert_close(result.dense, on_grid, atol=1e-6, rtol=0)
+    result = gptq_quantize(weight, hessian, Grid("int4", 32, False, torch.float32), act_order=True)
+    torch.testing.assert_close(result.scale, scale, atol=0, rtol=0)
+    assert torch.equal(result.zero, zero)
 
 
 def test_a_column_no_input_reaches_is_quantized_to_zero():

@@ -36,7 +36,9 @@ def written(tiny, tmp_path_factory):
     root = tmp_path_factory.mktemp("gptq")
     for algo in PRESETS:
         quantize_checkpoint(tiny, root / algo, QuantizeOptions(algo, group_size=32, **FAST))
-    return {algo: root / algo for algo in PRESETS}
+    options = QuantizeOptions("W4A16", group_size=32, act_order=True, **FAST)
+    quantize_checkpoint(tiny, root / "act_order", options)
+    return {**{algo: root / algo for algo in PRESETS}, "act_order": root / "act_order"}
 
 
 def tensor_layout(folder) -> dict:
@@ -60,7 +62,7 @@ def test_the_layout_and_config_are_compressed_tensors_own(algo, tiny, written, t
         assert (ours / name).read_bytes() == (tiny / name).read_bytes()
 
 
-@pytest.mark.parametrize("algo", ["W4A16", "FP8"])
+@pytest.mark.parametrize("algo", ["W4A16", "FP8", "act_order"])
 def test_transformers_with_compressed_tensors_and_the_engine_agree(algo, written):
     folder = written[algo]
     model, config = load_model(folder, torch.float32, "cpu")
@@ -70,6 +72,10 @@ def test_transformers_with_compressed_tensors_and_the_engine_agree(algo, written
     tolerance = dict(atol=FP8_ATOL, rtol=0) if algo == "FP8" else dict(atol=WEIGHT_ONLY_TOLERANCE, rtol=1e-4)
     torch.testing.assert_close(logits, hf_logits(folder, PROMPT), **tolerance)
     assert greedy(model, config, PROMPT[:6]) == hf_greedy(folder, PROMPT[:6])
+    if algo == "act_order":  # contiguous groups: compressed-tensors' "weight" ordering, no g_idx
+        weights = json.loads((folder / "config.json").read_text())["quantization_config"]["config_groups"]
+        assert weights["group_0"]["weights"]["actorder"] == "weight"
+        assert not any(key.endswith("g_idx") for key in tensor_layout(folder))
 
 
 def test_asymmetric_checkpoint_matches_compressed_tensors_decompression(written, tiny, tmp_path):
@@ -105,3 +111,17 @@ def test_the_weights_are_calibrated_not_rounded_to_nearest(written, tiny, tmp_pa
         a = dequantize_int4(ours.qweight, ours.weight_scale, ours.weight_zero, 32)
         b = dequantize_int4(theirs.qweight, theirs.weight_scale, theirs.weight_zero, 32)
         assert not torch.equal(a, b)
+
+
+def test_projections_are_quantized_in_stages_of_a_shared_input(tiny):
+    """q, k, v read one input, then o_proj; gate and up one, then down_proj: four stages, in call order."""
+    from transformers import AutoModelForCausalLM
+
+    from tritonllm.checkpoints.quantize_model import decoder_layers, first_layer_inputs, input_stages, quantized_linears
+
+    model = AutoModelForCausalLM.from_pretrained(tiny, dtype=torch.float32).eval()
+    layers, prefix = decoder_layers(model, json.loads((tiny / "config.json").read_text()))
+    inputs = first_layer_inputs(model, layers[0], [PROMPT], "cpu")
+    linears = quantized_linears(layers[0], f"{prefix}.0", QuantizeOptions("W4A16"))
+    stages = [[name.split(".")[-1] for name in stage] for stage in input_stages(layers[0], linears, inputs[0])]
+    assert stages == [["q_proj", "k_proj", "v_proj"], ["o_proj"], ["gate_proj", "up_proj"], ["down_proj"]]
