@@ -135,7 +135,7 @@ def calibration_ids(model_dir: Path, options: QuantizeOptions) -> list[list[int]
     else:
         text = resources.files("tritonllm.checkpoints").joinpath("data", CALIBRATION_TEXT).read_text(encoding="utf-8")
         source = "the shipped calibration text"
-    tokens = list(AutoTokenizer.from_pretrained(model_dir).encode(text))
+    tokens = list(AutoTokenizer.from_pretrained(model_dir).encode(text, verbose=False))  # longer than a window: fine
     if len(tokens) < options.seq_len:
         raise QuantizeError(f"--seq-len {options.seq_len}: {source} has only {len(tokens)} tokens")
     last = len(tokens) - options.seq_len
