@@ -12,6 +12,7 @@ through the model in float32 one decoder layer after the other; progress (layer 
 
 from __future__ import annotations
 
+import argparse
 import json
 from pathlib import Path
 
@@ -50,9 +51,11 @@ def add_arguments(parser) -> None:
     )
     parser.add_argument(
         "--act-order",
-        action="store_true",
-        help="quantize columns in order of decreasing activation energy (GPTQ's act-order), groups kept contiguous "
-        "with their scales fixed up front (compressed-tensors' actorder: weight; no g_idx)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="quantize columns in order of decreasing activation energy (GPTQ's act-order; the default), groups "
+        "kept contiguous with their scales fixed up front (compressed-tensors' actorder: weight; no g_idx); "
+        "--no-act-order: columns in order, each group's scale from the error-updated weights",
     )
     parser.add_argument("--device", default="cpu", help="where calibration runs: cpu (default), cuda or cuda:N")
     parser.add_argument(

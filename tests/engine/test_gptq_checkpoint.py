@@ -35,7 +35,7 @@ def written(tiny, tmp_path_factory):
     """{algo: folder} for the three algorithms, written once."""
     root = tmp_path_factory.mktemp("gptq")
     for algo in PRESETS:
-        quantize_checkpoint(tiny, root / algo, QuantizeOptions(algo, group_size=32, **FAST))
+        quantize_checkpoint(tiny, root / algo, QuantizeOptions(algo, group_size=32, act_order=False, **FAST))
     options = QuantizeOptions("W4A16", group_size=32, act_order=True, **FAST)
     quantize_checkpoint(tiny, root / "act_order", options)
     return {**{algo: root / algo for algo in PRESETS}, "act_order": root / "act_order"}
@@ -125,3 +125,15 @@ def test_projections_are_quantized_in_stages_of_a_shared_input(tiny):
     linears = quantized_linears(layers[0], f"{prefix}.0", QuantizeOptions("W4A16"))
     stages = [[name.split(".")[-1] for name in stage] for stage in input_stages(layers[0], linears, inputs[0])]
     assert stages == [["q_proj", "k_proj", "v_proj"], ["o_proj"], ["gate_proj", "up_proj"], ["down_proj"]]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "phi3", "gemma2"])
+def test_other_dense_families_quantize_and_agree_with_transformers(arch, tmp_path):
+    """Qwen3 (q/k norms), Phi-3 (qkv_proj and gate_up_proj fused in the checkpoint itself), Gemma 2 (soft caps)."""
+    source = build_tiny_model(tmp_path / arch, seed=0, arch=arch)
+    folder = tmp_path / "w4"
+    quantize_checkpoint(source, folder, QuantizeOptions("W4A16", group_size=32, samples=2, seq_len=32))
+    model, config = load_model(folder, torch.float32, "cpu")
+    assert quant_modules(model)
+    logits, _ = prefill(model, config, PROMPT)
+    torch.testing.assert_close(logits, hf_logits(folder, PROMPT), atol=WEIGHT_ONLY_TOLERANCE, rtol=1e-4)
