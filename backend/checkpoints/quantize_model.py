@@ -13,7 +13,6 @@ from __future__ import annotations
 import fnmatch
 import re
 import shutil
-import sys
 import time
 from dataclasses import dataclass
 from importlib import resources
@@ -67,6 +66,7 @@ def quantize_checkpoint(
     """Calibrate and quantize `model_dir` into `out`; returns what was done (modules, layers, seconds)."""
     started = time.perf_counter()
     config = _checked_config(model_dir, options)
+    _check_out(model_dir, out)
     dtype = _output_dtype(config, options)
     ids = calibration_ids(model_dir, options)
     model = _load_model(model_dir, options.device)
@@ -113,6 +113,13 @@ def _checked_config(model_dir: Path, options: QuantizeOptions) -> dict[str, Any]
             "dense, so `tritonllm quantize` quantizes dense decoder models only"
         )
     return config
+
+
+def _check_out(model_dir: Path, out: Path) -> None:
+    if out.resolve() == model_dir.resolve():
+        raise QuantizeError(f"--out {out} is the --model folder; write the quantized checkpoint elsewhere")
+    if out.is_dir() and any(out.glob("*.safetensors")):
+        raise QuantizeError(f"--out {out} already holds a checkpoint (*.safetensors); choose a new or empty folder")
 
 
 def _output_dtype(config: dict[str, Any], options: QuantizeOptions) -> torch.dtype:
@@ -229,7 +236,10 @@ def calibrate(model, layers, prefix: str, ids, options: QuantizeOptions, dtype: 
                 hessians = _layer_hessians(layer, {name: linears[name] for name in stage}, inputs)
                 for name in stage:
                     module, hessian = linears[name], hessians[name].hessian()
-                    result = gptq_quantize(module.weight, hessian, grid, options.damp, act_order=options.act_order)
+                    try:
+                        result = gptq_quantize(module.weight, hessian, grid, options.damp, act_order=options.act_order)
+                    except ValueError as exc:
+                        raise QuantizeError(f"{name}: {exc}") from None
                     module.weight.copy_(result.dense.to(module.weight.dtype))
                     results[name] = _to_cpu(result)
             inputs = [(_hidden(layer(hidden, **kwargs)), kwargs) for hidden, kwargs in inputs]
@@ -389,7 +399,3 @@ def quantization_config(options: QuantizeOptions, excluded: list[str]) -> dict[s
         "transform_config": {},
         "version": COMPRESSED_TENSORS_VERSION,
     }
-
-
-def progress(message: str) -> None:
-    print(f"[quantize] {message}", file=sys.stderr, flush=True)

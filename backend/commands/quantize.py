@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from tritonllm.checkpoints.model_ref import resolve_model_ref
-from tritonllm.checkpoints.quantize_model import ALGOS, DTYPES, QuantizeError, QuantizeOptions, progress
+from tritonllm.checkpoints.quantize_model import ALGOS, DTYPES, QuantizeError, QuantizeOptions
 from tritonllm.commands.arg_types import count
 from tritonllm.engine.config import ConfigError
 
@@ -72,6 +73,10 @@ def add_arguments(parser) -> None:
         "the engine needs q/k/v and gate/up excluded together",
     )
     parser.add_argument("--json", action="store_true", help="print what was done as one JSON object")
+
+
+def progress(message: str) -> None:
+    print(f"[quantize] {message}", file=sys.stderr, flush=True)
 
 
 def main(args) -> int:

@@ -78,8 +78,12 @@ def test_a_mixture_of_experts_model_is_refused_by_name(tmp_path, capsys):
     assert code == 2 and "a mixture-of-experts model (mixtral" in err and "dense decoder models only" in err
 
 
-def test_an_already_quantized_checkpoint_is_refused(tiny, tmp_path, capsys):
+def test_an_already_quantized_checkpoint_or_an_occupied_out_is_refused(tiny, tmp_path, capsys):
     out = tmp_path / "once"
     assert quantize(capsys, "--model", str(tiny), "--out", str(out), "--algo", "FP8", *FAST)[0] == 0
     code, _, err = quantize(capsys, "--model", str(out), "--out", str(tmp_path / "twice"), "--algo", "FP8")
     assert code == 2 and "already quantized (compressed-tensors)" in err
+    code, _, err = quantize(capsys, "--model", str(tiny), "--out", str(out), "--algo", "FP8")
+    assert code == 2 and f"--out {out} already holds a checkpoint" in err
+    code, _, err = quantize(capsys, "--model", str(tiny), "--out", str(tiny), "--algo", "FP8")
+    assert code == 2 and "is the --model folder" in err
