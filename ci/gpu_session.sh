@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine run (the `device` tool): puts the working tree's package on PYTHONPATH (the machine has torch,
 # triton and transformers but no venv of ours), then runs what the arguments name, each logged under $OUT.
-#   bash ci/gpu_session.sh kernels|fused|window|guided|parity|features|bench-quick|bench-guided|bench-accuracy|moe-kernel|moe-sweep|fp8-kv|int4-decode-sweep|fp8-sweep|families|bench-mixtral|bench-quant|quant|quant-load|quant-tests|quant-kernels|quant-sweep-decode|quant-sweep-prefill|bench-qwen3|profile|profile-1 ...
+#   bash ci/gpu_session.sh kernels|fused|window|guided|parity|features|bench-quick|bench-guided|bench-accuracy|moe-kernel|moe-sweep|fp8-kv|int4-decode-sweep|fp8-sweep|families|bench-mixtral|bench-quant|quant|quant-load|quant-tests|quantize|quant-kernels|quant-sweep-decode|quant-sweep-prefill|bench-qwen3|profile|profile-1 ...
 # Used by hand for the GPU figures in docs/benchmarks.md; CI never runs it (no GPU there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -84,6 +84,8 @@ for what in "$@"; do
     moe-sweep) python3 ci/gpu_moe_kernel.py --sweep 2>&1 | tee -a "$OUT/moe-sweep.jsonl" ;;
     quant-load) python3 ci/gpu_quant.py "${QUANT_SHAPE:-llama-3.1-8b}" 2>&1 | tee -a "$OUT/quant-load.jsonl" ;;
     quant-tests) run_tests tests/engine/test_quant_kernels.py ;;
+    quantize)  # tritonllm quantize calibrating on CUDA against CPU; QUANTIZE_MODEL: a folder to time (e.g. SmolLM2)
+      python3 ci/gpu_quantize.py ${QUANTIZE_MODEL:-} 2>&1 | tee -a "$OUT/quantize.jsonl" ;;
     quant-kernels)  # the default paths checked and timed against bf16; QUANT_ARGS e.g. "--formats int4 --ms 1,8"
       python3 ci/gpu_quant_kernels.py ${QUANT_ARGS:-} 2>&1 | tee -a "$OUT/quant-kernels.jsonl" ;;
     quant-sweep-decode)  # the program shapes at M = 1 and 8 (some 100 compiles a format: a few minutes)

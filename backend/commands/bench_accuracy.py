@@ -8,11 +8,14 @@ ships (a story, a technical explanation, a dialogue; about 2,000 tokens) through
 windows of at most --window tokens, and continue --prompts prompts cut from the same passages greedily. The
 baseline's continuations are the references: ROUGE-1/2/L (F-measure, mean over prompts; the rouge-score package)
 and token agreement (the share of positions where both sides chose the same token) measure the candidate's drift.
-Without --config the candidate is the baseline again: ratio 1 and ROUGE 1 unless the engine is nondeterministic."""
+Without --config the candidate is the baseline again: ratio 1 and ROUGE 1 unless the engine is nondeterministic.
+--candidate-model DIR makes the candidate another checkpoint (a quantized copy of --model, as `tritonllm quantize`
+writes) with the same flags, and --config's keys on top if given; it must share --model's tokenizer."""
 
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 from tritonllm.bench.accuracy import AccuracySettings, check_embedded, measure_accuracy
 from tritonllm.bench.scores import MissingDependencyError, require_rouge
@@ -28,6 +31,11 @@ def add_arguments(parser) -> None:
         "--config",
         help="engine arguments (model.yaml keys) of the candidate, applied on top of the baseline's; "
         "without it the candidate is the baseline again (a determinism check)",
+    )
+    parser.add_argument(
+        "--candidate-model",
+        metavar="DIR",
+        help="the candidate's model folder (e.g. a quantized checkpoint of --model; same tokenizer); default: --model",
     )
     parser.add_argument(
         "--dtype", choices=["auto", "float32", "float16", "bfloat16"], help="both sides' dtype (default: auto)"
@@ -64,20 +72,25 @@ def add_arguments(parser) -> None:
 
 
 def side_configs(args) -> dict[str, EngineConfig]:
-    """The baseline from the flags; the candidate from the flags with --config's keys on top. A file that cannot
-    be read, or a key the embedded engine does not know, is a ConfigError naming --config."""
+    """The baseline from the flags; the candidate from the flags (its model --candidate-model if given) with
+    --config's keys on top. A file that cannot be read, or a key the embedded engine does not know, is a
+    ConfigError naming --config (or --candidate-model)."""
     flags = dict(dtype=args.dtype, device=args.device, max_batch_size=args.max_batch_size, load_format=args.load_format)
     plain = {key: value for key, value in flags.items() if value is not None}
     baseline = build_engine_config(args.model, None, **plain)
     check_embedded(baseline, "the baseline")
-    if not args.config:
+    candidate_model = getattr(args, "candidate_model", None)
+    if not args.config and not candidate_model:
         return {"baseline": baseline, "candidate": baseline}
+    what = f"--config {args.config}" if args.config else f"--candidate-model {candidate_model}"
     try:
-        overrides = load_yaml_args(args.config)
-        candidate = build_engine_config(args.model, None, **{**plain, **overrides})
+        overrides = load_yaml_args(args.config) if args.config else {}
+        candidate = build_engine_config(candidate_model or args.model, None, **{**plain, **overrides})
         check_embedded(candidate, "the candidate")
+        if candidate_model and not (Path(str(candidate.model)) / "config.json").is_file():
+            raise ConfigError("no config.json there (a Hugging Face model folder is needed)")
     except ConfigError as exc:
-        raise ConfigError(f"--config {args.config}: {exc}") from None
+        raise ConfigError(f"{what}: {exc}") from None
     return {"baseline": baseline, "candidate": candidate}
 
 
@@ -109,5 +122,6 @@ def main(args) -> int:
     tokenizer = AutoTokenizer.from_pretrained(configs["baseline"].tokenizer or args.model)
     result = measure_accuracy(configs, tokenizer, settings, progress)
     result["config"] = args.config
+    result["candidate_model"] = args.candidate_model
     report(result, args.json, summary(result))
     return 0

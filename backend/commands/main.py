@@ -349,6 +349,20 @@ def _serve_command(sub) -> None:
     add_serve_options(serve)
 
 
+def _quantize_command(sub) -> None:
+    from tritonllm.commands.quantize import __doc__ as quantize_doc
+    from tritonllm.commands.quantize import add_arguments
+
+    add_arguments(
+        sub.add_parser(
+            "quantize",
+            help="quantize a checkpoint with GPTQ (W4A16, W4A16_ASYM, FP8) into a compressed-tensors folder",
+            description=quantize_doc,
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tritonllm", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
@@ -358,6 +372,7 @@ def build_parser() -> argparse.ArgumentParser:
     _bench_commands(sub)
     _repo_commands(sub)
     _serve_command(sub)
+    _quantize_command(sub)
     from tritonllm.commands.launch import add_launch_command
 
     add_launch_command(sub)
@@ -416,6 +431,10 @@ def _run(args) -> int:
         return run_spec_command(args)
     if args.command == "lora":
         from tritonllm.commands.lora import main
+
+        return main(args)
+    if args.command == "quantize":
+        from tritonllm.commands.quantize import main
 
         return main(args)
     if args.command == "repo":

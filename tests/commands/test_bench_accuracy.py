@@ -134,3 +134,19 @@ def test_a_missing_rouge_score_is_an_error_saying_how_to_install_it(tiny, monkey
     err = capsys.readouterr().err
     assert "the accuracy bench needs rouge-score" in err and "pip install 'rouge-score==0.1.2'" in err
     assert "[bench]" not in err
+
+
+def test_a_candidate_model_is_another_checkpoint_with_the_same_flags(tiny, tmp_path, capsys):
+    other = build_tiny_model(tmp_path / "other", seed=1)
+    result, err = _run(capsys, ["--model", str(tiny), *SHORT, "--candidate-model", str(other)])
+    base, cand = result["baseline"], result["candidate"]
+    assert (base["model"], cand["model"], result["candidate_model"]) == (str(tiny), str(other), str(other))
+    assert (base["dtype"], cand["dtype"]) == ("float32", "float32")
+    assert base["scored_tokens"] == cand["scored_tokens"] and result["perplexity_ratio"] != 1.0
+
+
+def test_a_missing_candidate_model_is_an_error_naming_it(tiny, tmp_path, capsys):
+    missing = tmp_path / "absent"
+    assert main(["bench", "accuracy", "--model", str(tiny), "--candidate-model", str(missing)]) == 2
+    err = capsys.readouterr().err
+    assert f"--candidate-model {missing}:" in err and "[bench]" not in err

@@ -27,3 +27,16 @@ def unpack_awq(packed: torch.Tensor) -> torch.Tensor:
     """AutoAWQ GEMM int32 [rows, cols // 8] -> int32 values [rows, cols] in column order."""
     values = unpack_int32(packed, 4, dim=1).reshape(packed.shape[0], -1, 8)
     return values[:, :, list(AWQ_INVERSE_ORDER)].reshape(packed.shape[0], -1)
+
+
+def pack_int32(values: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
+    """unpack_int32 undone: unsigned values (below 2**bits) -> int32 words of 32 // bits values along `dim` (0 or
+    1 of a 2-D tensor), the first in the lowest bits; the dim is zero-padded to a whole number of words."""
+    per_word = 32 // bits
+    moved = values.to(torch.int64) if dim == 1 else values.to(torch.int64).t()
+    pad = -moved.shape[1] % per_word
+    moved = torch.nn.functional.pad(moved, (0, pad)).reshape(moved.shape[0], -1, per_word)
+    shifts = torch.arange(0, 32, bits, dtype=torch.int64, device=values.device)
+    words = (moved << shifts).sum(dim=-1)
+    words = torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+    return (words if dim == 1 else words.t()).contiguous()
