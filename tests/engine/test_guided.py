@@ -482,3 +482,18 @@ def test_the_engine_argument_is_checked():
         EngineConfig.from_dict({"model": "m", "guided_decoding_backend": "outlines"})
     llguidance = EngineConfig.from_dict({"model": "m", "guided_decoding_backend": "llguidance"})
     assert any("llguidance" in problem for problem in llguidance.embedded_unsupported())
+
+
+@pytest.mark.parametrize("bounds", [{"maxLength": 6}, {"minLength": 1}], ids=["max", "min"])
+def test_a_length_bounded_string_takes_escapes_and_never_a_raw_control_character(setup, bounds):
+    """xgrammar 0.2.8's own rule for such strings lets raw control characters through: invalid JSON."""
+    import xgrammar
+
+    decoder = setup[0].core.guided
+    schema = json.dumps({"type": "object", "properties": {"name": {"type": "string", **bounds}}, "required": ["name"]})
+    compiled = decoder.compile(GuidedDecodingParams(json=schema))
+    for control in ("\x01", "\t", "\x1f"):
+        assert not xgrammar.GrammarMatcher(compiled).accept_string('{"name": "a' + control)
+    matcher = xgrammar.GrammarMatcher(compiled)
+    assert matcher.accept_string('{"name": "a\\n\\"b\\u00e9"}')
+    assert json.loads('{"name": "a\\n\\"b\\u00e9"}')["name"] == 'a\n"b\u00e9'

@@ -31,6 +31,11 @@ _NATIVE_PREFIX = re.compile(r"^\s*\[[\d:.]+\]\s+\S+:\d+:\s*")
 # Whitespace xgrammar lets a JSON output put between two elements: enough to pretty-print a few levels deep, too few
 # for a weak model to spend its whole budget on blanks (unbounded, it often does).
 JSON_MAX_WHITESPACE = 20
+# xgrammar 0.2.8 writes a length-bounded JSON string (minLength / maxLength) as a run of one class that lets raw
+# control characters through (invalid JSON: a strict parser rejects them) and no escapes. Such schemas compile from
+# their EBNF with that class replaced by JSON's own string character: a plain character or an escape.
+_BOUNDED_STRING_CHAR = r'(([^\"\\\r\n]))'
+_JSON_STRING_CHAR = r'(([^\0-\x1f\"\\]) | ("\\" basic_escape))'
 # From this many guided rows on, their masks are filled on xgrammar's thread pool rather than one by one.
 BATCH_FILL_ROWS = 4
 _GUIDE_NAMES = {
@@ -89,7 +94,7 @@ class GuidedDecoder:
                     '{"type": "object"}', strict_mode=False, max_whitespace_cnt=JSON_MAX_WHITESPACE
                 )
             if guide_type == "json_schema":
-                return compiler.compile_json_schema(guide, max_whitespace_cnt=JSON_MAX_WHITESPACE)
+                return self._compile_json_schema(guide)
             if guide_type == "regex":
                 return compiler.compile_regex(guide)
             if guide_type == "ebnf_grammar":
@@ -98,6 +103,13 @@ class GuidedDecoder:
         except (RuntimeError, ValueError, TypeError) as exc:
             message = _NATIVE_PREFIX.sub("", str(exc)).strip().splitlines()[0] if str(exc).strip() else repr(exc)
             raise InvalidRequestError(f"{_GUIDE_NAMES[guide_type]} does not compile: {message}") from None
+
+    def _compile_json_schema(self, schema: str) -> Any:
+        grammar = self._xgr.Grammar.from_json_schema(schema, max_whitespace_cnt=JSON_MAX_WHITESPACE)
+        text = str(grammar)
+        if _BOUNDED_STRING_CHAR not in text or "basic_escape ::=" not in text:
+            return self._compiler.compile_grammar(grammar)
+        return self._compiler.compile_grammar(text.replace(_BOUNDED_STRING_CHAR, _JSON_STRING_CHAR))
 
     # -- matchers -----------------------------------------------------------------------------------------------
 
