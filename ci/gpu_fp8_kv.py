@@ -10,15 +10,17 @@ check; exits 1 if a check fails. Run by `bash ci/gpu_session.sh fp8-kv`; CI neve
 4. timing: decode_attention over fp8 against bf16 caches (Llama-3-8B's heads: 32 query, 8 KV, head 128), batch 256
    at contexts 256 and 1k (a throughput run's decode) and batch 8 and 32 at 8k and 32k; fp8 tiles widened to fp16
    (the default) and to bf16; CUDA events, the median of repeats. Memory-bound, so fp8 should take about
-   half the time of bf16 at long contexts."""
+   half the time of bf16 at long contexts.
+`--sweep-decode` instead times decode's tile width, warps and stages (sweep_decode)."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import sys
 
 import torch
-from gpu_timing import timed_ms
+from gpu_timing import graphed, timed_ms
 
 from tritonllm.engine.embedded.attention import step_metadata, write_kv
 from tritonllm.engine.embedded.attention import triton_kernels as tk
@@ -183,8 +185,62 @@ def time_decode() -> None:
         print(json.dumps(row), flush=True)
 
 
+def _graphed_decode_ms(q, caches, table, lens, context, launches: int = 20) -> float:
+    def step():
+        for _ in range(launches):
+            tk.decode_attention(q, *caches, table, lens, SCALE, context)
+
+    return timed_ms(graphed(step), repeats=10) / launches
+
+
+def sweep_decode() -> None:
+    """decode_attention's tile width, warps and pipeline stages over bf16 and fp8 caches, each replayed from a CUDA
+    graph of 20 launches (as a decode step runs it); one JSON line a (shape, cache), its configurations ranked."""
+    defaults = tk.DECODE_BLOCK_N, tk.DECODE_NUM_WARPS, tk.DECODE_NUM_STAGES
+    for batch, context in ((256, 256), (256, 1024), (64, 4096)):
+        blocks_per_seq = context // BLOCK
+        shape = (batch * blocks_per_seq, BLOCK, KV_HEADS, DIM)
+        table = torch.randperm(batch * blocks_per_seq, device=DEV).to(torch.int32).view(batch, blocks_per_seq)
+        lens = torch.full((batch,), context, dtype=torch.int32, device=DEV)
+        q = torch.randn(batch, HEADS, DIM, device=DEV, dtype=torch.bfloat16)
+        for name, dtype in (("bf16", torch.bfloat16), ("fp8", FP8_DTYPE)):
+            caches = [torch.randn(shape, device=DEV, dtype=torch.bfloat16).to(dtype) for _ in range(2)]
+            gib = sum(c.numel() * c.element_size() for c in caches) / 2**30
+            found = []
+            for block_n, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3)):
+                tk.DECODE_BLOCK_N, tk.DECODE_NUM_WARPS, tk.DECODE_NUM_STAGES = block_n, warps, stages
+                try:
+                    ms = _graphed_decode_ms(q, caches, table, lens, context)
+                except Exception as error:  # a shape past the shared memory, say
+                    found.append((float("inf"), f"{block_n}/{warps}/{stages}: {type(error).__name__}"))
+                    continue
+                found.append((ms, f"{block_n}/{warps}/{stages}"))
+            tk.DECODE_BLOCK_N, tk.DECODE_NUM_WARPS, tk.DECODE_NUM_STAGES = defaults
+            default = next(ms for ms, label in found if label == "/".join(map(str, defaults)))
+            ranked = sorted(found)[:6]
+            print(
+                json.dumps(
+                    {
+                        "check": "decode_sweep",
+                        "batch": batch,
+                        "context": context,
+                        "cache": name,
+                        "default_ms": round(default, 4),
+                        "default_tb_s": round(gib * 2**30 / default / 1e9, 2),
+                        "best": [(round(ms, 4), label) for ms, label in ranked],
+                    }
+                ),
+                flush=True,
+            )
+            del caches
+            torch.cuda.empty_cache()
+
+
 def main() -> int:
     print(json.dumps({"device": torch.cuda.get_device_name(), "capability": torch.cuda.get_device_capability()}))
+    if "--sweep-decode" in sys.argv:
+        sweep_decode()
+        return 0
     ok = check_store()
     ok &= check_kernels()
     ok &= check_graph()

@@ -366,6 +366,62 @@ def sweep_decode(ms: tuple[int, ...]) -> None:
         )
 
 
+def layout_variants(m: int, n: int, k: int) -> list[DecodeVariant]:
+    """The chosen decode variant and, for one row, the GEMV shapes around it."""
+    found = [kernels.choose_decode_variant(m, n, k)]
+    if m == 1:
+        for bn, warps, split in itertools.product((16, 32, 64), (1, 2), (8, 16, 32)):
+            variant = DecodeVariant(
+                block_m=1, block_n=bn, block_k=128, split_k=split, num_warps=warps, num_stages=1, use_dot=False
+            )
+            if variant not in found:
+                found.append(variant)
+    return found
+
+
+def group_major(args: dict) -> dict:
+    """The same weight with scales and zeros stored [groups, N] (still viewed as [N, groups])."""
+    moved = {key: args[key].t().contiguous().t() for key in ("weight_scale", "weight_zero")}
+    return {**args, **moved}
+
+
+def scale_layouts(ms: tuple[int, ...]) -> None:
+    """The int4 decode kernel with row-major against group-major scales and zeros, per shape and M: each layout's
+    time with the chosen variant and its best over layout_variants; then the totals over the four shapes."""
+    generator = torch.Generator(device=DEVICE).manual_seed(0)
+    totals: dict[tuple[int, str], float] = {}
+    for name, (n, k) in SHAPES.items():
+        weight = quantized("int4", n, k, generator)
+        layouts = {"row": copies(weight["args"])}
+        layouts["group"] = [group_major(a) for a in layouts["row"]]
+        expected_for = {}
+        for m in ms:
+            x = torch.randn(m, k, device=DEVICE, dtype=DTYPE, generator=generator)
+            expected_for[m] = F.linear(x, weight["dense"])
+            row = {"kind": "layout", "shape": name, "m": m, "bf16_us": round(bf16_us(weight["dense"], x), 2)}
+            for layout, rotation in layouts.items():
+                best = None
+                for index, variant in enumerate(layout_variants(m, n, k)):
+                    call = lambda a, v=variant: int4_decode.int4_decode_matmul(  # noqa: E731
+                        x, a["qweight"], a["weight_scale"], a["weight_zero"], None, GROUP_SIZE, v
+                    )
+                    err = errors(call(rotation[0]), expected_for[m])["rel_err"]
+                    us = timed_us([lambda a=a: call(a) for a in rotation], repeats=5)[0]
+                    if index == 0:
+                        row[f"{layout}_chosen_us"], row[f"{layout}_chosen_err"] = round(us, 2), err
+                    if err < 2e-2 and (best is None or us < best[0]):
+                        best = (us, str(variant))
+                row[f"{layout}_best"] = best and [round(best[0], 2), best[1]]
+                for key, us in ((f"{layout}_chosen", row[f"{layout}_chosen_us"]), (f"{layout}_best", best[0])):
+                    totals[(m, key)] = totals.get((m, key), 0.0) + us
+                totals[(m, "bf16")] = totals.get((m, "bf16"), 0.0) + (row["bf16_us"] if layout == "row" else 0)
+            emit(**row)
+        del weight, layouts
+        torch.cuda.empty_cache()
+    for m in ms:
+        emit(kind="layout-total", m=m, **{key: round(us, 2) for (mm, key), us in totals.items() if mm == m})
+
+
 def race_check() -> None:
     """Split-K launches many times over on the gate/up shape at 8 rows, among them the shapes whose sums the first
     sweep found wrong: the worst relative error of 200 launches each, and the time (us)."""
@@ -468,6 +524,7 @@ def main() -> int:
     parser.add_argument("--sweep", action="store_true", help="time the program shapes instead of the defaults")
     parser.add_argument("--sweep-decode", action="store_true", help="time the int4 decode kernel's variants")
     parser.add_argument("--race-check", action="store_true", help="split-K launches repeated, worst error")
+    parser.add_argument("--scale-layouts", action="store_true", help="int4 decode: row- against group-major scales")
     parser.add_argument("--sweep-fp8", action="store_true", help="time _scaled_mm against the Triton FP8 matmul")
     parser.add_argument("--formats", default="int4,int8,fp8", help="comma-separated of int4, int8, fp8")
     parser.add_argument("--ms", default=",".join(map(str, MS)), help="comma-separated row counts")
@@ -485,6 +542,8 @@ def main() -> int:
         race_check()
     elif args.sweep_decode:
         sweep_decode(ms)
+    elif args.scale_layouts:
+        scale_layouts(ms)
     elif args.sweep_fp8:
         sweep_fp8(ms)
     else:

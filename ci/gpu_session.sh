@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine run (the `device` tool): puts the working tree's package on PYTHONPATH (the machine has torch,
 # triton and transformers but no venv of ours), then runs what the arguments name, each logged under $OUT.
-#   bash ci/gpu_session.sh kernels|fused|window|guided|parity|features|bench-quick|bench-guided|bench-accuracy|moe-kernel|moe-sweep|fp8-kv|int4-decode-sweep|fp8-sweep|families|bench-mixtral|bench-quant|quant|quant-load|quant-tests|quantize|quant-kernels|quant-sweep-decode|quant-sweep-prefill|bench-qwen3|profile|profile-1 ...
+#   bash ci/gpu_session.sh kernels|fused|window|guided|parity|features|bench-quick|bench-guided|bench-accuracy|moe-kernel|moe-sweep|fp8-kv|int4-decode-sweep|int4-layouts|attn-sweep|fp8-sweep|families|bench-mixtral|bench-quant|quant|quant-load|quant-tests|quantize|quant-kernels|quant-sweep-decode|quant-sweep-prefill|bench-qwen3|profile|profile-1 ...
 # Used by hand for the GPU figures in docs/benchmarks.md; CI never runs it (no GPU there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -94,6 +94,10 @@ for what in "$@"; do
     int4-decode-sweep)  # the int4 decode kernel's variants (int4_decode_kernel.py) at M = 1 and 8
       python3 ci/gpu_quant_kernels.py --sweep-decode --ms "${QUANT_MS:-1,8}" 2>&1 \
         | tee -a "$OUT/int4-decode-sweep.jsonl" | grep -v '"kind": "decode"' ;;
+    int4-layouts)  # the int4 decode kernel with row- against group-major scales and zeros
+      python3 ci/gpu_quant_kernels.py --scale-layouts --ms "${QUANT_MS:-1,8}" 2>&1 | tee -a "$OUT/int4-layouts.jsonl" ;;
+    attn-sweep)  # decode attention's tile width, warps and stages over bf16 and fp8 caches
+      python3 ci/gpu_fp8_kv.py --sweep-decode 2>&1 | tee -a "$OUT/attn-sweep.jsonl" ;;
     fp8-sweep)  # _scaled_mm row-wise / per tensor against the Triton FP8 matmul's tiles
       python3 ci/gpu_quant_kernels.py --sweep-fp8 --ms "${QUANT_MS:-64,256,1024,4096}" 2>&1 | tee -a "$OUT/fp8-sweep.jsonl" ;;
     quant-sweep-prefill)  # the tiled shapes against dequantize + F.linear at M = 64, 256, 2048

@@ -136,6 +136,18 @@ def test_int4_decode_kernel_equals_dequantize_then_matmul(m, n, k, group_size, v
     assert not workspace.any() and not counters.any()
 
 
+@pytest.mark.parametrize("variant", [DECODE_SPLIT, DECODE_GEMV_SPLIT])
+def test_int4_decode_kernel_reads_group_major_scales_and_zeros(variant):
+    """Scales and zeros stored [groups, N] (viewed as [N, groups]): the same product as row-major ones."""
+    qweight, scale, zero = random_int4(48, 160, 32)
+    x = random_x(3, 160)
+    expected = int4_decode.int4_decode_matmul(x, qweight, scale, zero, None, 32, variant)
+    by_group = scale.t().contiguous().t(), zero.t().contiguous().t()
+    assert by_group[0].stride() == (1, 48) and torch.equal(by_group[1], zero)
+    got = int4_decode.int4_decode_matmul(x, qweight, *by_group, None, 32, variant)
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
 def test_int4_decode_kernel_splits_only_what_its_counters_cover(monkeypatch):
     """More output tiles than the workspace has counters: one slice, not counters written past their end."""
     monkeypatch.setattr(int4_decode, "_MAX_TILES", 2)

@@ -54,6 +54,8 @@ DECODE_TARGET_PROGRAMS = 4 * NUM_SMS
 MAX_DECODE_SPLITS = 32
 MIN_SPLIT_KEYS = 128  # a split shorter than this costs more in setup and merging than it saves
 DECODE_BLOCK_N = 64
+DECODE_NUM_WARPS = 4
+DECODE_NUM_STAGES = 2
 
 # Prefill: a program holds PREFILL_ROWS (token, head) rows (more only when one padded head group alone is larger),
 # so TOKENS_PER_TILE = PREFILL_ROWS // padded group size: 128 for MHA, 64 for groups of 2, 16 for groups of 5-8.
@@ -354,8 +356,8 @@ def decode_attention(
         UPCAST=upcast,
         IEEE=upcast or q.dtype == torch.float32,
         FP16_TILES=FP8_DECODE_IN_FP16 and is_fp8(k_cache) and not upcast and q.dtype != torch.float32,
-        num_warps=4,
-        num_stages=2,
+        num_warps=DECODE_NUM_WARPS,
+        num_stages=DECODE_NUM_STAGES,
     )
     if splits > 1:
         _decode_merge_kernel[(num_seqs, num_heads)](

@@ -197,7 +197,9 @@ def _int4_decode_kernel(
     stride_xm,
     stride_w,
     stride_s,
+    stride_sg,
     stride_z,
+    stride_zg,
     stride_om,
     GROUP_SIZE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
@@ -243,8 +245,8 @@ def _int4_decode_kernel(
         part = _tile_product(packed, x_even, x_odd, USE_ASM, FP16, UPCAST, USE_DOT, BLOCK_M, BLOCK_N, HALF)
         x_sum = tl.sum(x_even.to(tl.float32) + x_odd.to(tl.float32), axis=1)
         group = k0 // GROUP_SIZE
-        s = tl.load(s_rows + group, mask=col_ok, other=0.0).to(tl.float32)
-        z = tl.load(z_rows + group, mask=col_ok, other=0).to(tl.float32) + _base(FP16)
+        s = tl.load(s_rows + group * stride_sg, mask=col_ok, other=0.0).to(tl.float32)
+        z = tl.load(z_rows + group * stride_zg, mask=col_ok, other=0).to(tl.float32) + _base(FP16)
         acc += (part - x_sum[:, None] * z[None, :]) * s[None, :]
     if HAS_BIAS:
         if tl.program_id(2) == 0:
@@ -284,7 +286,8 @@ def int4_decode_matmul(
     variant: DecodeVariant,
 ) -> torch.Tensor:
     """x [M, K] (bf16 / fp16 / fp32, last dim contiguous) times qweight uint8 [N, K // 2]
-    -> [M, N] in x's dtype. Shapes are checked by the caller (kernels.py); supports() must hold."""
+    -> [M, N] in x's dtype; scale and zero [N, groups] row- or group-major. Shapes are checked by the caller
+    (kernels.py); supports() must hold."""
     M, K = x.shape
     N = qweight.shape[0]
     if M == 0:
@@ -313,7 +316,9 @@ def int4_decode_matmul(
         x.stride(0),
         qweight.stride(0),
         scale.stride(0),
+        scale.stride(1),
         zero.stride(0),
+        zero.stride(1),
         out.stride(0),
         GROUP_SIZE=group_size,
         HAS_BIAS=bias is not None,
