@@ -196,7 +196,7 @@ def _graphed_decode_ms(q, caches, table, lens, context, launches: int = 20) -> f
 def sweep_decode() -> None:
     """decode_attention's tile width, warps and pipeline stages over bf16 and fp8 caches, each replayed from a CUDA
     graph of 20 launches (as a decode step runs it); one JSON line a (shape, cache), its configurations ranked."""
-    defaults = tk.DECODE_BLOCK_N, tk.DECODE_NUM_WARPS, tk.DECODE_NUM_STAGES
+    defaults = tk.DECODE_BLOCK_N, tk.DECODE_NUM_WARPS, tk.DECODE_NUM_WARPS_FP8, tk.DECODE_NUM_STAGES
     for batch, context in ((256, 256), (256, 1024), (64, 4096)):
         blocks_per_seq = context // BLOCK
         shape = (batch * blocks_per_seq, BLOCK, KV_HEADS, DIM)
@@ -208,15 +208,17 @@ def sweep_decode() -> None:
             gib = sum(c.numel() * c.element_size() for c in caches) / 2**30
             found = []
             for block_n, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3)):
-                tk.DECODE_BLOCK_N, tk.DECODE_NUM_WARPS, tk.DECODE_NUM_STAGES = block_n, warps, stages
+                tk.DECODE_BLOCK_N, tk.DECODE_NUM_STAGES = block_n, stages
+                tk.DECODE_NUM_WARPS = tk.DECODE_NUM_WARPS_FP8 = warps
                 try:
                     ms = _graphed_decode_ms(q, caches, table, lens, context)
                 except Exception as error:  # a shape past the shared memory, say
                     found.append((float("inf"), f"{block_n}/{warps}/{stages}: {type(error).__name__}"))
                     continue
                 found.append((ms, f"{block_n}/{warps}/{stages}"))
-            tk.DECODE_BLOCK_N, tk.DECODE_NUM_WARPS, tk.DECODE_NUM_STAGES = defaults
-            default = next(ms for ms, label in found if label == "/".join(map(str, defaults)))
+            tk.DECODE_BLOCK_N, tk.DECODE_NUM_WARPS, tk.DECODE_NUM_WARPS_FP8, tk.DECODE_NUM_STAGES = defaults
+            warps = defaults[2] if dtype == FP8_DTYPE else defaults[1]
+            default = next(ms for ms, label in found if label == f"{defaults[0]}/{warps}/{defaults[3]}")
             ranked = sorted(found)[:6]
             print(
                 json.dumps(

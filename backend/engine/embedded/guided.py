@@ -34,7 +34,7 @@ JSON_MAX_WHITESPACE = 20
 # xgrammar 0.2.8 writes a length-bounded JSON string (minLength / maxLength) as a run of one class that lets raw
 # control characters through (invalid JSON: a strict parser rejects them) and no escapes. Such schemas compile from
 # their EBNF with that class replaced by JSON's own string character: a plain character or an escape.
-_BOUNDED_STRING_CHAR = r'(([^\"\\\r\n]))'
+_BOUNDED_STRING_CHAR = r"(([^\"\\\r\n]))"
 _JSON_STRING_CHAR = r'(([^\0-\x1f\"\\]) | ("\\" basic_escape))'
 # From this many guided rows on, their masks are filled on xgrammar's thread pool rather than one by one.
 BATCH_FILL_ROWS = 4

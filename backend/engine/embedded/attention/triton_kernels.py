@@ -54,7 +54,11 @@ DECODE_TARGET_PROGRAMS = 4 * NUM_SMS
 MAX_DECODE_SPLITS = 32
 MIN_SPLIT_KEYS = 128  # a split shorter than this costs more in setup and merging than it saves
 DECODE_BLOCK_N = 64
+# Warps a decode program: an H200 sweep (docs/gpu-runs.md, seventeenth session) found 4 best over bf16 caches but
+# 2 over fp8 ones (0.050 against 0.073 ms at batch 256, context 256; 0.167 against 0.262 at 1k): halved tiles
+# leave a 4-warp program too little to load, and more programs fit an SM.
 DECODE_NUM_WARPS = 4
+DECODE_NUM_WARPS_FP8 = 2
 DECODE_NUM_STAGES = 2
 
 # Prefill: a program holds PREFILL_ROWS (token, head) rows (more only when one padded head group alone is larger),
@@ -356,7 +360,7 @@ def decode_attention(
         UPCAST=upcast,
         IEEE=upcast or q.dtype == torch.float32,
         FP16_TILES=FP8_DECODE_IN_FP16 and is_fp8(k_cache) and not upcast and q.dtype != torch.float32,
-        num_warps=DECODE_NUM_WARPS,
+        num_warps=DECODE_NUM_WARPS_FP8 if is_fp8(k_cache) else DECODE_NUM_WARPS,
         num_stages=DECODE_NUM_STAGES,
     )
     if splits > 1:
