@@ -437,6 +437,33 @@ def scale_layouts(ms: tuple[int, ...]) -> None:
         emit(kind="layout-total", m=m, **{key: round(us, 2) for (mm, key), us in totals.items() if mm == m})
 
 
+def time_fp8_rows(ms: tuple[int, ...]) -> None:
+    """The fused norm and SiLU writing their outputs' FP8 rows against the plain kernel plus the activation
+    quantizer (what each FP8 projection launched before), at Llama-3.1-8B's widths; SiLU's per-row program at
+    a few warp counts."""
+    from tritonllm.engine.embedded.network import fused_ops
+
+    generator = torch.Generator(device=DEVICE).manual_seed(0)
+    hidden, inter = 4096, 14336
+    weight = torch.ones(hidden, device=DEVICE, dtype=DTYPE)
+    for m in ms:
+        x = torch.randn(m, hidden, device=DEVICE, dtype=DTYPE, generator=generator)
+        res = torch.randn(m, hidden, device=DEVICE, dtype=DTYPE, generator=generator)
+        gate_up = torch.randn(m, 2 * inter, device=DEVICE, dtype=DTYPE, generator=generator)
+        row = {"kind": "fp8-rows", "m": m}
+        row["norm_then_quant_us"] = timed_us(
+            [lambda: fp8_kernel.quantize_rows(fused_ops.rms_norm(x, weight, 1e-6, res)[0])]
+        )[0]
+        row["norm_with_rows_us"] = timed_us([lambda: fused_ops.rms_norm(x, weight, 1e-6, res, fp8_rows=True)])[0]
+        row["silu_then_quant_us"] = timed_us([lambda: fp8_kernel.quantize_rows(fused_ops.silu_and_mul(gate_up))])[0]
+        default = fused_ops.SILU_FP8_WARPS
+        for warps in (4, 8, 16):
+            fused_ops.SILU_FP8_WARPS = warps
+            row[f"silu_with_rows_w{warps}_us"] = timed_us([lambda: fused_ops.silu_and_mul(gate_up, fp8_rows=True)])[0]
+        fused_ops.SILU_FP8_WARPS = default
+        emit(**{key: round(value, 2) if isinstance(value, float) else value for key, value in row.items()})
+
+
 def race_check() -> None:
     """Split-K launches many times over on the gate/up shape at 8 rows, among them the shapes whose sums the first
     sweep found wrong: the worst relative error of 200 launches each, and the time (us)."""
@@ -539,6 +566,7 @@ def main() -> int:
     parser.add_argument("--sweep", action="store_true", help="time the program shapes instead of the defaults")
     parser.add_argument("--sweep-decode", action="store_true", help="time the int4 decode kernel's variants")
     parser.add_argument("--swap-ab", action="store_true", help="with --sweep-decode: the weights-left tl.dot shapes")
+    parser.add_argument("--fp8-rows", action="store_true", help="fused norm / SiLU FP8 rows against the quantizer")
     parser.add_argument("--race-check", action="store_true", help="split-K launches repeated, worst error")
     parser.add_argument("--scale-layouts", action="store_true", help="int4 decode: row- against group-major scales")
     parser.add_argument("--sweep-fp8", action="store_true", help="time _scaled_mm against the Triton FP8 matmul")
@@ -556,6 +584,8 @@ def main() -> int:
     )
     if args.race_check:
         race_check()
+    elif args.fp8_rows:
+        time_fp8_rows(ms)
     elif args.sweep_decode:
         global DECODE_SWEEP_SWAP
         DECODE_SWEEP_SWAP = args.swap_ab

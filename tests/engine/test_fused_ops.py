@@ -181,6 +181,51 @@ def test_silu_and_mul_equals_torch(num_rows, size, dtype):
 
 
 # ----------------------------------------------------------------------------------------------------------------
+# FP8 rows: the output quantized beside it, as the FP8 projection's own quantizer would
+# ----------------------------------------------------------------------------------------------------------------
+
+
+def assert_carries_its_fp8_rows(out):
+    from tritonllm.engine.embedded.quant.fp8_kernel import quantize_rows
+
+    carried = fo.fp8_rows_of(out)
+    assert carried is not None and fo.fp8_rows_of(out.view(out.shape)) is None  # a view carries nothing
+    values, scales = quantize_rows(out)
+    assert carried[0].dtype == torch.float8_e4m3fn and carried[1].shape == (out.shape[0], 1)
+    assert torch.equal(carried[1], scales)
+    assert torch.equal(carried[0].view(torch.uint8), values.view(torch.uint8))
+
+
+@pytest.mark.parametrize("residual", [False, True], ids=["plain", "residual"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("num_rows,num_cols", [(1, 64), (5, 576), (3, 4096)])
+def test_rms_norm_with_fp8_rows_gives_the_same_output_and_its_rows(num_rows, num_cols, dtype, residual):
+    gen = torch.Generator().manual_seed(num_rows + num_cols)
+    x = rows(gen, num_rows, num_cols, dtype, pad=num_rows % 2 * 40, scale=4.0)
+    weight = randn(gen, num_cols, dtype=dtype, scale=0.5) + 1
+    res = rows(gen, num_rows, num_cols, dtype) if residual else None
+    plain, fused = fo.rms_norm(x, weight, EPS, res), fo.rms_norm(x, weight, EPS, res, fp8_rows=True)
+    if residual:
+        assert torch.equal(plain[1], fused[1])
+        plain, fused = plain[0], fused[0]
+    assert torch.equal(plain, fused) and fo.fp8_rows_of(plain) is None
+    assert_carries_its_fp8_rows(fused)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("num_rows,size", [(1, 64), (3, 1500), (2, 2048)])  # 1500: a partial last step
+def test_silu_and_mul_with_fp8_rows_gives_the_same_output_and_its_rows(num_rows, size, dtype):
+    gen = torch.Generator().manual_seed(num_rows * size)
+    gate_up = rows(gen, num_rows, 2 * size, dtype, pad=num_rows % 2 * 32, scale=3.0)
+    gate_up[0, 7] = 0.0  # a zero among them; a whole zero row below
+    if num_rows > 2:
+        gate_up[2] = 0.0
+    plain, fused = fo.silu_and_mul(gate_up), fo.silu_and_mul(gate_up, fp8_rows=True)
+    assert torch.equal(plain, fused)
+    assert_carries_its_fp8_rows(fused)
+
+
+# ----------------------------------------------------------------------------------------------------------------
 # Argument checks
 # ----------------------------------------------------------------------------------------------------------------
 

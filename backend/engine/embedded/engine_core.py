@@ -35,6 +35,7 @@ from .memory_profile import activation_bytes
 from .model_runner import ModelRunner, StepOutput
 from .network.layers import use_fused_kernels
 from .network.rope import uses_long_factors
+from .quant.fusion import hand_fp8_rows
 from .request import EngineRequest
 from .sampler import SampledTokens, sample, sample_on_device
 from .scheduler import ScheduledBatch, Scheduler
@@ -76,6 +77,7 @@ class EngineCore:
             kernels = TritonAttention(mc.num_heads, mc.num_kv_heads, block_size, self.device)
         if fused_kernels_wanted(self.attn_backend, self.device):
             use_fused_kernels(self.model)
+            hand_fp8_rows(self.model, self.device)
         graph_settings = config.cuda_graph_settings() if graphs_supported(self.device) else None
         num_blocks = self._num_kv_blocks(kernels, graph_settings is not None)
         self.block_manager = BlockManager(num_blocks, block_size, config.kv_cache_config.enable_block_reuse)

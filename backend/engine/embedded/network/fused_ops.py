@@ -11,6 +11,11 @@ Every launch is CUDA-graph capturable: grids and constexprs depend on shapes onl
 nothing syncs with the host. The token count only sets the grid (one program a row), never a kernel argument, so a
 new token count compiles nothing.
 
+FP8 rows: where an FP8 projection with dynamic per-token scales reads a norm's or the SiLU's output, the kernel
+also writes that output quantized as quant/fp8_kernel.quantize_rows would quantize it (each row's absmax / 448 of
+the rounded values), saving the projection a launch that reads the rows again. The pair rides on the output
+tensor as its `fp8_rows` attribute (fp8_rows_of); a projection handed any other tensor quantizes it itself.
+
 On CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1 before triton is imported). Its bfloat16
 arithmetic is wrong; these kernels never do any: every loaded value is converted to fp32 first, on every device
 (nothing here wants low-precision math on the GPU, so unlike triton_kernels they need no UPCAST switch). Its fp32 ->
@@ -24,10 +29,15 @@ import torch
 import triton
 import triton.language as tl
 
+from ..quant.formats import FP8_DTYPE, FP8_MAX
+
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FP8_MIN_SCALE = 1e-12  # quant/fp8_kernel.MIN_SCALE: an all-zero row still divides by something
+_FP8_MAX, _FP8_MIN_SCALE = tl.constexpr(FP8_MAX), tl.constexpr(FP8_MIN_SCALE)
 MAX_NORM_BLOCK = 65536  # a row of rms_norm lives in one program's registers
 ROTARY_BLOCK = 1024  # (head, pair) elements a rotary program rotates at most
-SILU_BLOCK = 1024  # output columns a silu_and_mul program writes
+SILU_BLOCK = 1024  # output columns a silu_and_mul program writes (a step of its FP8 rows' loop)
+SILU_FP8_WARPS = 8
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -52,6 +62,8 @@ def _rms_norm_kernel(
     weight,
     out,
     sum_out,
+    fp8_out,
+    fp8_scales,
     eps,
     num_cols,
     stride_x,
@@ -59,11 +71,13 @@ def _rms_norm_kernel(
     stride_o,
     stride_s,
     HAS_RESIDUAL: tl.constexpr,
+    FP8_ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
     ROUND_BF16: tl.constexpr,
 ):
     """Program (row): out = weight * round(h * rsqrt(mean(h^2) + eps)), h = x (+ residual, rounded and stored to
-    sum_out), rounding to out's dtype (a no-op in fp32) and the product rounded once."""
+    sum_out), rounding to out's dtype (a no-op in fp32) and the product rounded once; FP8_ROWS: out's row
+    quantized into fp8_out (contiguous) and its scale into fp8_scales too."""
     dtype = out.dtype.element_ty
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -77,7 +91,20 @@ def _rms_norm_kernel(
     rstd = tl.rsqrt(tl.sum(h * h, 0) / num_cols + eps)
     normed = _to(h * rstd, dtype, ROUND_BF16).to(tl.float32)
     w = tl.load(weight + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out + row * stride_o + cols, _to(normed * w, dtype, ROUND_BF16), mask=ok)
+    result = _to(normed * w, dtype, ROUND_BF16)
+    tl.store(out + row * stride_o + cols, result, mask=ok)
+    if FP8_ROWS:
+        values = result.to(tl.float32)
+        scale = tl.maximum(tl.max(tl.abs(values), 0) / _FP8_MAX, _FP8_MIN_SCALE)
+        tl.store(fp8_scales + row, scale)
+        _store_fp8(fp8_out + row * num_cols + cols, values, scale, ok)
+
+
+@triton.jit
+def _store_fp8(ptrs, values, scale, ok):
+    """values / scale clamped to +-448, as float8 e4m3 (quantize_rows' rounding)."""
+    q = tl.clamp(tl.div_rn(values, scale), -_FP8_MAX, _FP8_MAX)
+    tl.store(ptrs, q.to(ptrs.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -126,17 +153,43 @@ def _silu_and_mul_kernel(gate_up, out, size, stride_in, stride_out, BLOCK: tl.co
     tl.store(out + row * stride_out + cols, _to(result, out.dtype.element_ty, ROUND_BF16), mask=ok)
 
 
+@triton.jit
+def _silu_and_mul_fp8_kernel(
+    gate_up, out, fp8_out, fp8_scales, size, stride_in, stride_out, BLOCK: tl.constexpr, ROUND_BF16: tl.constexpr
+):
+    """Program (row): _silu_and_mul_kernel's row, then that row quantized into fp8_out (contiguous) with its scale
+    in fp8_scales: a second pass over the row just written (from the cache), once its absmax is known."""
+    row = tl.program_id(0).to(tl.int64)
+    amax = tl.zeros((BLOCK,), dtype=tl.float32)
+    for start in range(0, size, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        ok = cols < size
+        gate = tl.load(gate_up + row * stride_in + cols, mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(gate_up + row * stride_in + size + cols, mask=ok, other=0.0).to(tl.float32)
+        result = _to(gate / (1.0 + tl.exp(-gate)) * up, out.dtype.element_ty, ROUND_BF16)
+        tl.store(out + row * stride_out + cols, result, mask=ok)
+        amax = tl.maximum(amax, tl.abs(result.to(tl.float32)))
+    scale = tl.maximum(tl.max(amax, 0) / _FP8_MAX, _FP8_MIN_SCALE)
+    tl.store(fp8_scales + row, scale)
+    tl.debug_barrier()  # the row's values, written by other threads, are read back below
+    for start in range(0, size, BLOCK):
+        cols = start + tl.arange(0, BLOCK)
+        ok = cols < size
+        values = tl.load(out + row * stride_out + cols, mask=ok, other=0.0).to(tl.float32)
+        _store_fp8(fp8_out + row * size + cols, values, scale, ok)
+
+
 # ----------------------------------------------------------------------------------------------------------------
 # Launchers
 # ----------------------------------------------------------------------------------------------------------------
 
 
 def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None, fp8_rows: bool = False
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """layers.RMSNorm over the rows of x [T, N] with weight [N] (x's dtype). With residual (x's shape and dtype):
     s = x + residual, rounded to x's dtype as torch's add rounds; returns (rms_norm(s), s), s a new tensor (x and
-    residual are left as they are). Outputs are contiguous."""
+    residual are left as they are). Outputs are contiguous. fp8_rows: the normed output carries its FP8 rows."""
     _check_rows("x", x)
     num_rows, num_cols = x.shape
     if weight.shape != (num_cols,) or weight.dtype != x.dtype or weight.device != x.device:
@@ -162,6 +215,7 @@ def rms_norm(
                 f"match x {tuple(x.shape)} {x.dtype} on {x.device}"
             )
         sums, residual_arg = torch.empty_like(out), residual
+    fp8_out, fp8_scales = _fp8_outputs(out) if fp8_rows else (out, out)
     if num_rows:
         _rms_norm_kernel[(num_rows,)](
             x,
@@ -169,6 +223,8 @@ def rms_norm(
             weight,
             out,
             sums,
+            fp8_out,
+            fp8_scales,
             eps,
             num_cols,
             x.stride(0),
@@ -176,11 +232,27 @@ def rms_norm(
             out.stride(0),
             sums.stride(0),
             HAS_RESIDUAL=residual is not None,
+            FP8_ROWS=fp8_rows,
             BLOCK=block,
             ROUND_BF16=_round_bf16(x),
             num_warps=4 if block < 2048 else 8 if block < 8192 else 16,
         )
+    if fp8_rows:
+        out.fp8_rows = (fp8_out, fp8_scales)  # type: ignore[attr-defined]  # see fp8_rows_of
     return out if residual is None else (out, sums)
+
+
+def _fp8_outputs(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Room for out's FP8 rows: float8 values of its shape and one fp32 scale a row."""
+    return torch.empty(out.shape, dtype=FP8_DTYPE, device=out.device), torch.empty(
+        (out.shape[0], 1), dtype=torch.float32, device=out.device
+    )
+
+
+def fp8_rows_of(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(float8 [T, N], fp32 scales [T, 1]) of x when a kernel here wrote them beside it (fp8_rows=True), else None.
+    Views of x do not carry them: only the very tensor the kernel returned."""
+    return getattr(x, "fp8_rows", None)
 
 
 def rotary_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -227,15 +299,33 @@ def rotary_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     return x
 
 
-def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
+def silu_and_mul(gate_up: torch.Tensor, fp8_rows: bool = False) -> torch.Tensor:
     """gate_up [T, 2I] (last dim contiguous) -> silu(gate) * up [T, I], gate and up = gate_up.split(I, -1);
-    computed in fp32, rounded once. The output is contiguous."""
+    computed in fp32, rounded once. The output is contiguous. fp8_rows: it carries its FP8 rows (one program a
+    row instead of a row's column blocks)."""
     _check_rows("gate_up", gate_up)
     num_rows, width = gate_up.shape
     if width % 2:
         raise ValueError(f"gate_up has {width} columns, not two equal halves")
     size = width // 2
     out = torch.empty((num_rows, size), dtype=gate_up.dtype, device=gate_up.device)
+    if fp8_rows:
+        fp8_out, fp8_scales = _fp8_outputs(out)
+        if num_rows and size:
+            _silu_and_mul_fp8_kernel[(num_rows,)](
+                gate_up,
+                out,
+                fp8_out,
+                fp8_scales,
+                size,
+                gate_up.stride(0),
+                out.stride(0),
+                BLOCK=min(SILU_BLOCK, triton.next_power_of_2(size)),
+                ROUND_BF16=_round_bf16(gate_up),
+                num_warps=SILU_FP8_WARPS,
+            )
+        out.fp8_rows = (fp8_out, fp8_scales)  # type: ignore[attr-defined]  # see fp8_rows_of
+        return out
     if num_rows and size:
         block = min(SILU_BLOCK, triton.next_power_of_2(size))
         _silu_and_mul_kernel[(num_rows, triton.cdiv(size, block))](

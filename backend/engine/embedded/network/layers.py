@@ -53,6 +53,7 @@ def use_fused_kernels(model: nn.Module) -> None:
 
 class RMSNorm(nn.Module):
     fused = False  # see use_fused_kernels
+    fp8_rows = False  # the fused kernel also writes the output's FP8 rows (quant/fusion.py sets it)
     identity_weight = 1.0  # the weight that scales by one (dummy weights use it)
 
     def __init__(self, size: int, eps: float):
@@ -65,7 +66,7 @@ class RMSNorm(nn.Module):
         if self.fused and x.dim() == 2 and x.stride(-1) == 1:
             from . import fused_ops
 
-            return fused_ops.rms_norm(x, self.weight, self.eps, residual)
+            return fused_ops.rms_norm(x, self.weight, self.eps, residual, self.fp8_rows)
         if residual is None:
             return self._norm(x)
         total = x + residual
@@ -154,6 +155,7 @@ class GatedMLP(nn.Module):
     GELU (`gelu_pytorch_tanh`, Gemma's GeGLU)."""
 
     fused = False  # see use_fused_kernels
+    fp8_rows = False  # the fused SiLU also writes its output's FP8 rows, for down_proj (quant/fusion.py)
 
     def __init__(self, hidden_size: int, intermediate_size: int, bias: bool, activation: str = "silu"):
         super().__init__()
@@ -172,7 +174,7 @@ class GatedMLP(nn.Module):
         if self.fused and gate_up.dim() == 2 and self.activation == "silu":
             from . import fused_ops
 
-            hidden = fused_ops.silu_and_mul(gate_up)
+            hidden = fused_ops.silu_and_mul(gate_up, self.fp8_rows)
         else:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             hidden = (F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")) * up

@@ -20,6 +20,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from ..network.fused_ops import fp8_rows_of
 from . import int4_decode_kernel as int4_decode
 from . import weight_only_kernel as wo
 from .formats import FP8_MAX, dequantize_fp8, dequantize_int4, dequantize_int8
@@ -83,8 +84,12 @@ def _fp8_scaled_mm(
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None,
     input_scale: torch.Tensor | None,
+    x_rows: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
-    x_q, scale_a = (quantize_rows if TRITON_ACTIVATION_QUANT else quantize_per_token)(x, input_scale)
+    if x_rows is not None:  # quantized by the kernel that wrote x (network/fused_ops.py's FP8 rows)
+        x_q, scale_a = x_rows
+    else:
+        x_q, scale_a = (quantize_rows if TRITON_ACTIVATION_QUANT else quantize_per_token)(x, input_scale)
     tiles = fp8_tiles(x.shape[0])
     if tiles is not None:
         out_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.bfloat16
@@ -109,12 +114,14 @@ def fp8_linear(
     input_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [..., K] times weight float8_e4m3fn [N, K] with weight_scale fp32 [N] (per output row); input_scale a
-    static fp32 activation scale (one element) or None (dynamic, per token). Returns [..., N] in x's dtype."""
+    static fp32 activation scale (one element) or None (dynamic, per token: the FP8 rows x carries, if any, are
+    used as they are). Returns [..., N] in x's dtype."""
     _check_fp8(x, weight, weight_scale, bias, input_scale)
     x2d = _rows(x)
     n, k = weight.shape
     if fp8_supported(x.device) and k % 16 == 0 and n % 16 == 0 and x2d.shape[0] > 0:
-        out = _fp8_scaled_mm(x2d, weight, weight_scale, bias, input_scale)
+        x_rows = fp8_rows_of(x) if input_scale is None else None
+        out = _fp8_scaled_mm(x2d, weight, weight_scale, bias, input_scale, x_rows)
     else:  # the same product in fp32, activations quantized as the GPU's are (so CPU accuracy figures are honest)
         x_q, scale_a = quantize_per_token(x2d, input_scale)
         out = F.linear(x_q.to(torch.float32) * scale_a, dequantize_fp8(weight, weight_scale))

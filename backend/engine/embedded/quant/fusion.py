@@ -1,0 +1,54 @@
+"""Where the kernel before an FP8 projection quantizes its input (network/fused_ops.py's FP8 rows).
+
+A projection with dynamic per-token FP8 scales quantizes its input in a launch of its own (fp8_kernel.py) that
+reads the activations again. Where that input is a fused RMSNorm's output (qkv_proj, gate_up_proj) or the fused
+SiLU's (down_proj), the norm or the SiLU writes the FP8 rows beside its output instead, with the values the
+projection's own quantizer would give. o_proj's input, the attention output, keeps the separate launch. Only on a
+GPU with FP8 matmuls (elsewhere fp8_linear dequantizes, and the rows would go unread)."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from ..network.layers import GatedMLP, RMSNorm
+from .kernels import fp8_supported
+from .linear import QuantLinear
+
+log = logging.getLogger("tritonllm.engine")
+FP8_ROWS = True  # False: every FP8 projection quantizes its input itself (for comparisons)
+
+
+def takes_fp8_rows(projection: object) -> bool:
+    """An FP8 projection with dynamic (per-token) activation scales."""
+    return isinstance(projection, QuantLinear) and projection.kind == "fp8" and not projection.static_input
+
+
+def _fusable_norm(norm: object) -> bool:
+    return type(norm) is RMSNorm and norm.fused  # OffsetRMSNorm (Gemma) has no fused kernel
+
+
+def hand_fp8_rows(model: nn.Module, device: torch.device) -> int:
+    """Mark the fused norms and SiLUs of `model` that feed FP8 projections (after use_fused_kernels); returns how
+    many producers were marked."""
+    if not FP8_ROWS or not fp8_supported(device):
+        return 0
+    marked = 0
+    for layer in getattr(model, "decoder_layers", ()):
+        attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        pairs = [
+            (getattr(layer, "input_layernorm", None), getattr(attn, "qkv_proj", None)),
+            (getattr(layer, "post_attention_layernorm", None), getattr(mlp, "gate_up_proj", None)),
+        ]
+        for norm, projection in pairs:
+            if _fusable_norm(norm) and takes_fp8_rows(projection):
+                norm.fp8_rows = True  # type: ignore[union-attr]
+                marked += 1
+        if isinstance(mlp, GatedMLP) and mlp.fused and mlp.activation == "silu" and takes_fp8_rows(mlp.down_proj):
+            mlp.fp8_rows = True
+            marked += 1
+    if marked:
+        log.info("FP8 activations: %d norms and SiLUs quantize their outputs for the projections after them", marked)
+    return marked
