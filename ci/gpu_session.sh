@@ -21,11 +21,12 @@ shape() {  # shape NAME: a config-only folder for load_format dummy
   echo "$SHAPES/$1"
 }
 
-bench() {  # bench LABEL ARGS...: one `bench engine --json` line into $OUT/bench.jsonl
+bench() {  # bench LABEL ARGS...: one `bench engine --json` line into $OUT/bench.jsonl (BENCH_PRELUDE: python run first)
   local label=$1; shift
   echo "== bench $label: $*" | tee -a "$OUT/bench.log"
-  local line
-  line=$(timeout "${BENCH_TIMEOUT:-240}" "${TRITONLLM[@]}" bench engine --device cuda --dtype bfloat16 \
+  local line cli=("${TRITONLLM[@]}")
+  [ -n "${BENCH_PRELUDE:-}" ] && cli=(python3 -c "$BENCH_PRELUDE; import sys; from tritonllm.commands.main import main; sys.exit(main())")
+  line=$(timeout "${BENCH_TIMEOUT:-240}" "${cli[@]}" bench engine --device cuda --dtype bfloat16 \
          --load-format dummy --json "$@" 2>>"$OUT/bench.log" | tail -1)
   echo "{\"label\": \"$label\", \"result\": ${line:-null}}" | tee -a "$OUT/bench.jsonl"
 }
@@ -121,6 +122,8 @@ for what in "$@"; do
         case $variant in
           bf16-256) bench "llama-3.1-8b bf16 256x128/128" --model "$l" "${many[@]}" ;;
           fp8-256) bench "llama-3.1-8b fp8+fp8kv 256x128/128" --model "$l" --config /tmp/fp8.yaml "${many[@]}" ;;
+          fp8-256-norows) BENCH_PRELUDE="from tritonllm.engine.embedded.quant import fusion; fusion.FP8_ROWS = False" \
+            bench "llama-3.1-8b fp8+fp8kv, no fp8 rows, 256x128/128" --model "$l" --config /tmp/fp8.yaml "${many[@]}" ;;
           fp8w-256) bench "llama-3.1-8b fp8 weights 256x128/128" --model "$l" --config /tmp/fp8w.yaml "${many[@]}" ;;
           bf16-1) bench "llama-3.1-8b bf16 1x128/128" --model "$l" "${one[@]}" ;;
           w4a16-1) bench "llama-3.1-8b w4a16 1x128/128" --model "$l" --config /tmp/w4a16.yaml "${one[@]}" ;;
