@@ -272,22 +272,8 @@ def sweep(formats: list[str], ms: tuple[int, ...]) -> None:
 # ---- the int4 decode kernel and the FP8 matmuls (--sweep-decode, --sweep-fp8) ----
 
 
-def swapped_variants(m: int) -> list[DecodeVariant]:
-    """The chosen shapes (for the four projections) and the tl.dot shapes with the weights on the left."""
-    found = [kernels.choose_decode_variant(m, n, k) for n, k in SHAPES.values()]
-    for bn, warps, split, stages in itertools.product((64, 128), (4, 8), (1, 2, 4, 8, 16), (2, 3)):
-        if warps == 8 and (bn == 64 or stages == 3):
-            continue
-        found.append(
-            DecodeVariant(block_n=bn, block_k=128, split_k=split, num_warps=warps, num_stages=stages, swap_ab=True)
-        )
-    return list(dict.fromkeys(found))
-
-
 def decode_variants(m: int) -> list[DecodeVariant]:
     """The tl.dot shapes (16-row tiles) and, for one row, the CUDA-core GEMV's."""
-    if DECODE_SWEEP_SWAP:
-        return swapped_variants(m)
     found = [DecodeVariant(block_n=64, split_k=8, num_warps=2), DecodeVariant(block_n=128, split_k=2, num_warps=2)]
     if DECODE_SWEEP_DOT:
         for bn, warps, stages, split in itertools.product((16, 32, 64, 128), (2, 4), (3, 4), (1, 2, 4, 8)):
@@ -322,7 +308,6 @@ def decode_variants(m: int) -> list[DecodeVariant]:
     return found
 
 
-DECODE_SWEEP_SWAP = False  # --swap-ab: only swapped_variants
 DECODE_SWEEP_DOT = False  # the dot shapes were swept on 2026-12-02 (docs/gpu-runs.md): two of them kept above
 
 
@@ -565,7 +550,6 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="time the program shapes instead of the defaults")
     parser.add_argument("--sweep-decode", action="store_true", help="time the int4 decode kernel's variants")
-    parser.add_argument("--swap-ab", action="store_true", help="with --sweep-decode: the weights-left tl.dot shapes")
     parser.add_argument("--fp8-rows", action="store_true", help="fused norm / SiLU FP8 rows against the quantizer")
     parser.add_argument("--race-check", action="store_true", help="split-K launches repeated, worst error")
     parser.add_argument("--scale-layouts", action="store_true", help="int4 decode: row- against group-major scales")
@@ -587,8 +571,6 @@ def main() -> int:
     elif args.fp8_rows:
         time_fp8_rows(ms)
     elif args.sweep_decode:
-        global DECODE_SWEEP_SWAP
-        DECODE_SWEEP_SWAP = args.swap_ab
         sweep_decode(ms)
     elif args.scale_layouts:
         scale_layouts(ms)

@@ -93,7 +93,7 @@ for what in "$@"; do
       python3 ci/gpu_quant_kernels.py --sweep --ms 1,8 --formats "${QUANT_FORMATS:-int4,int8}" 2>&1 \
         | tee -a "$OUT/quant-sweep.jsonl" | grep -v '"sweep"' ;;
     int4-decode-sweep)  # the int4 decode kernel's variants (int4_decode_kernel.py) at M = 1 and 8
-      python3 ci/gpu_quant_kernels.py --sweep-decode ${DECODE_SWEEP_ARGS:-} --ms "${QUANT_MS:-1,8}" 2>&1 \
+      python3 ci/gpu_quant_kernels.py --sweep-decode --ms "${QUANT_MS:-1,8}" 2>&1 \
         | tee -a "$OUT/int4-decode-sweep.jsonl" | grep -v '"kind": "decode"' ;;
     int4-layouts)  # the int4 decode kernel with row- against group-major scales and zeros
       python3 ci/gpu_quant_kernels.py --scale-layouts --ms "${QUANT_MS:-1,8}" 2>&1 | tee -a "$OUT/int4-layouts.jsonl" ;;

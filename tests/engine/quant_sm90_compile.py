@@ -43,15 +43,14 @@ def weight_only(bits: int, dtype: str, variant: Variant, group_size: int) -> Non
     print("compiled weight-only", bits, dtype, variant, group_size, flush=True)
 
 
-def int4_decode_kernel(dtype: str, split_k: int, use_asm: bool, use_dot: bool, swap_ab: bool = False) -> None:
+def int4_decode_kernel(dtype: str, split_k: int, use_asm: bool, use_dot: bool) -> None:
     pointers = {name: f"*{dtype}" for name in ("x", "scale", "bias", "out")}
     pointers |= {"w": "*u8", "zero": "*u8", "workspace": "*fp32", "counters": "*i32"}
     constexprs = dict(GROUP_SIZE=128, HAS_BIAS=True, SPLIT_K=split_k, USE_ASM=use_asm, FP16=dtype == "fp16")
-    constexprs |= dict(UPCAST=False, USE_DOT=use_dot, SWAP_AB=swap_ab, PREFETCH=not use_dot, INTERPRETED=False)
-    constexprs |= dict(BLOCK_M=16 if use_dot else 1, BLOCK_N=64 if swap_ab else 32, BLOCK_K=128)
+    constexprs |= dict(UPCAST=False, USE_DOT=use_dot, PREFETCH=not use_dot, INTERPRETED=False)
+    constexprs |= dict(BLOCK_M=16 if use_dot else 1, BLOCK_N=32, BLOCK_K=128)
     compile_for_sm90(int4_decode._int4_decode_kernel, pointers, constexprs, num_warps=4, num_stages=3)
-    flags = f"split {split_k} asm {use_asm} dot {use_dot} swap_ab {swap_ab}"
-    print("compiled the int4 decode kernel", dtype, flags, flush=True)
+    print("compiled the int4 decode kernel", dtype, "split", split_k, "asm", use_asm, "dot", use_dot, flush=True)
 
 
 def fp8_matmul() -> None:
@@ -78,5 +77,4 @@ if __name__ == "__main__":
         ("bf16", 2, False, True),
     ):
         int4_decode_kernel(dtype, split_k, use_asm, use_dot)
-    int4_decode_kernel("bf16", 4, True, True, swap_ab=True)
     fp8_matmul()

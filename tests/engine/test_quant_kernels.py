@@ -109,7 +109,6 @@ DECODE_WIDE = int4_decode.DecodeVariant(block_n=32, block_k=128, split_k=2)
 DECODE_GEMV = int4_decode.DecodeVariant(block_m=1, block_n=16, block_k=64, use_dot=False)
 DECODE_GEMV_SPLIT = int4_decode.DecodeVariant(block_m=4, block_n=16, block_k=32, split_k=3, use_dot=False)
 DECODE_PREFETCH = int4_decode.DecodeVariant(block_m=1, block_n=16, block_k=32, split_k=2, use_dot=False, prefetch=True)
-DECODE_SWAPPED = int4_decode.DecodeVariant(block_n=32, block_k=32, split_k=3, swap_ab=True)
 
 
 @pytest.mark.parametrize(
@@ -124,8 +123,6 @@ DECODE_SWAPPED = int4_decode.DecodeVariant(block_n=32, block_k=32, split_k=3, sw
         (3, 48, 160, 32, DECODE_GEMV_SPLIT, True),  # rows past M in the row block
         (6, 24, 160, 32, DECODE_GEMV_SPLIT, False),  # two row blocks, split
         (1, 40, 160, 32, DECODE_PREFETCH, True),  # slices of 3 and 2 steps: the prefetch past a slice is masked
-        (3, 40, 160, 32, DECODE_SWAPPED, True),  # weights as tl.dot's left operand, a partial column block
-        (20, 48, 128, 64, DECODE_SWAPPED, False),  # two row blocks, no split
     ],
 )
 def test_int4_decode_kernel_equals_dequantize_then_matmul(m, n, k, group_size, variant, with_bias):
@@ -176,8 +173,8 @@ def test_int4_decode_kernel_needs_groups_its_steps_fit_in():
 @cuda_only
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("use_asm", [True, False])
-@pytest.mark.parametrize("product", ["dot", "swapped dot", "cuda cores"])
-def test_int4_decode_kernel_in_16_bits_on_cuda(dtype, use_asm, product):
+@pytest.mark.parametrize("use_dot", [True, False])
+def test_int4_decode_kernel_in_16_bits_on_cuda(dtype, use_asm, use_dot):
     """The magic numbers of each 16-bit type, through the PTX routine and the plain bit operations; split K
     launched again and again. 16 x 32 dot tiles on two warps give two threads some same elements: before the
     barrier between reading and zeroing the workspace, 8 rows of them came out with slices missing (an H200
@@ -185,7 +182,6 @@ def test_int4_decode_kernel_in_16_bits_on_cuda(dtype, use_asm, product):
     qweight, scale, zero = random_int4(4096, 512, 128, dtype=dtype)
     x, bias = random_x(8, 512, dtype), random_bias(4096, dtype)
     expected = reference(x, dequantize_int4(qweight, scale, zero, 128), bias)
-    use_dot = product != "cuda cores"
     for split, warps in ((1, 4), (2, 2), (4, 4)):
         variant = int4_decode.DecodeVariant(
             block_m=16 if use_dot else 1,
@@ -196,7 +192,6 @@ def test_int4_decode_kernel_in_16_bits_on_cuda(dtype, use_asm, product):
             use_asm=use_asm,
             use_dot=use_dot,
             prefetch=not use_dot,
-            swap_ab=product == "swapped dot",
         )
         for _ in range(20):
             got = int4_decode.int4_decode_matmul(x, qweight, scale, zero, bias, 128, variant)

@@ -45,9 +45,6 @@ class DecodeVariant:
     use_asm: bool = True  # CUDA only; the interpreter always takes the arithmetic path
     use_dot: bool = True  # False: the CUDA cores' multiply-and-sum, for one row or a few (block_m from 1)
     prefetch: bool = False  # load the next K step's weights before this one's arithmetic (tl.dot pipelines itself)
-    # tl.dot with the weight tile on the left (out^T = W x^T): Hopper's wgmma takes its left operand from
-    # registers, where the unpacked weights already are, and only x^T goes through shared memory.
-    swap_ab: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -57,8 +54,6 @@ class DecodeVariant:
                 raise ValueError(f"DecodeVariant.{name} must be a power of two >= {least}, got {value}")
         if self.split_k < 1:
             raise ValueError(f"DecodeVariant.split_k must be >= 1, got {self.split_k}")
-        if self.swap_ab and not self.use_dot:
-            raise ValueError("DecodeVariant.swap_ab needs use_dot (it orders tl.dot's operands)")
 
 
 def supports(x_dtype: torch.dtype, group_size: int, variant: DecodeVariant) -> bool:
@@ -166,20 +161,6 @@ def _tile_product(packed, x_even, x_odd, USE_ASM, FP16, UPCAST, USE_DOT, BLOCK_M
     return part
 
 
-@triton.jit
-def _tile_product_t(packed, x_even, x_odd, USE_ASM, FP16, UPCAST):
-    """The transpose of _tile_product's tl.dot product, (MAGIC + lo) . x[:, even]^T + (MAGIC + hi) . x[:, odd]^T:
-    [BLOCK_N, BLOCK_M] fp32, the weights as the left operand."""
-    lo, hi = _magic_pairs(packed, USE_ASM, FP16, UPCAST)
-    if UPCAST:
-        part = tl.dot(lo, tl.trans(x_even.to(tl.float32)), input_precision="ieee")
-        part += tl.dot(hi, tl.trans(x_odd.to(tl.float32)), input_precision="ieee")
-    else:
-        part = tl.dot(lo, tl.trans(x_even))
-        part += tl.dot(hi, tl.trans(x_odd))
-    return part
-
-
 SPLIT_ROWS = 16  # a split K is for decode: at most this many rows, the workspace's
 _MAX_TILES = 4096  # counters a workspace holds: column blocks times row blocks of one launch
 _split_state: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
@@ -227,7 +208,6 @@ def _int4_decode_kernel(
     FP16: tl.constexpr,
     UPCAST: tl.constexpr,
     USE_DOT: tl.constexpr,
-    SWAP_AB: tl.constexpr,
     PREFETCH: tl.constexpr,
     INTERPRETED: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -247,7 +227,6 @@ def _int4_decode_kernel(
     s_rows = scale + cols.to(tl.int64) * stride_s
     z_rows = zero + cols.to(tl.int64) * stride_z
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)  # SWAP_AB's, transposed once after the loop
     pairs = k_start // 2 + tl.arange(0, HALF)  # byte j holds columns 2j (low nibble) and 2j + 1 (high)
     upcoming = tl.load(w_rows + pairs[None, :], mask=col_ok[:, None] & (pairs < k_end // 2)[None, :], other=0)
     for k0 in range(k_start, k_end, BLOCK_K):
@@ -263,18 +242,12 @@ def _int4_decode_kernel(
         ks = k0 + tl.arange(0, BLOCK_K)
         x_tile = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
         x_even, x_odd = tl.split(tl.reshape(x_tile, (BLOCK_M, HALF, 2)))
+        part = _tile_product(packed, x_even, x_odd, USE_ASM, FP16, UPCAST, USE_DOT, BLOCK_M, BLOCK_N, HALF)
         x_sum = tl.sum(x_even.to(tl.float32) + x_odd.to(tl.float32), axis=1)
         group = k0 // GROUP_SIZE
         s = tl.load(s_rows + group * stride_sg, mask=col_ok, other=0.0).to(tl.float32)
         z = tl.load(z_rows + group * stride_zg, mask=col_ok, other=0).to(tl.float32) + _base(FP16)
-        if SWAP_AB:
-            part_t = _tile_product_t(packed, x_even, x_odd, USE_ASM, FP16, UPCAST)
-            acc_t += (part_t - z[:, None] * x_sum[None, :]) * s[:, None]
-        else:
-            part = _tile_product(packed, x_even, x_odd, USE_ASM, FP16, UPCAST, USE_DOT, BLOCK_M, BLOCK_N, HALF)
-            acc += (part - x_sum[:, None] * z[None, :]) * s[None, :]
-    if SWAP_AB:
-        acc = tl.trans(acc_t)
+        acc += (part - x_sum[:, None] * z[None, :]) * s[None, :]
     if HAS_BIAS:
         if tl.program_id(2) == 0:
             acc += tl.load(bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -354,7 +327,6 @@ def int4_decode_matmul(
         FP16=x.dtype == torch.float16,
         UPCAST=x.device.type != "cuda" or x.dtype == torch.float32,
         USE_DOT=variant.use_dot,
-        SWAP_AB=variant.swap_ab,
         PREFETCH=variant.prefetch,
         INTERPRETED=x.device.type != "cuda",
         BLOCK_M=variant.block_m,
