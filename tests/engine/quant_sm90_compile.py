@@ -5,6 +5,7 @@ cubin through its bundled ptxas. Run by test_quant_kernels.py in a process witho
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 
+from tritonllm.engine.embedded.network import fused_ops
 from tritonllm.engine.embedded.quant import fp8_kernel, fp8_matmul_kernel
 from tritonllm.engine.embedded.quant import int4_decode_kernel as int4_decode
 from tritonllm.engine.embedded.quant import weight_only_kernel as wo
@@ -66,6 +67,17 @@ def activation_quantizer(static: bool) -> None:
     print("compiled the activation quantizer, static", static, flush=True)
 
 
+def fp8_rows() -> None:
+    """The fused norm and SiLU writing FP8 rows, through fp8_kernel's shared rounding helpers."""
+    norm = {n: "*bf16" for n in ("x", "residual", "weight", "out", "sum_out")}
+    norm |= {"fp8_out": "*fp8e4nv", "fp8_scales": "*fp32", "eps": "fp32"}
+    constexprs = dict(HAS_RESIDUAL=True, FP8_ROWS=True, BLOCK=4096, ROUND_BF16=False)
+    compile_for_sm90(fused_ops._rms_norm_kernel, norm, constexprs, num_warps=8)
+    silu = {"gate_up": "*bf16", "out": "*bf16", "fp8_out": "*fp8e4nv", "fp8_scales": "*fp32"}
+    compile_for_sm90(fused_ops._silu_and_mul_fp8_kernel, silu, dict(BLOCK=1024, ROUND_BF16=False), num_warps=8)
+    print("compiled the norm and SiLU with FP8 rows", flush=True)
+
+
 if __name__ == "__main__":
     for case in WEIGHT_ONLY:
         weight_only(*case)
@@ -78,3 +90,4 @@ if __name__ == "__main__":
     ):
         int4_decode_kernel(dtype, split_k, use_asm, use_dot)
     fp8_matmul()
+    fp8_rows()

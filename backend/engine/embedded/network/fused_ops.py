@@ -29,11 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
-from ..quant.formats import FP8_DTYPE, FP8_MAX
+from ..quant.formats import FP8_DTYPE
+from ..quant.fp8_kernel import row_scale, store_fp8
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-FP8_MIN_SCALE = 1e-12  # quant/fp8_kernel.MIN_SCALE: an all-zero row still divides by something
-_FP8_MAX, _FP8_MIN_SCALE = tl.constexpr(FP8_MAX), tl.constexpr(FP8_MIN_SCALE)
 MAX_NORM_BLOCK = 65536  # a row of rms_norm lives in one program's registers
 ROTARY_BLOCK = 1024  # (head, pair) elements a rotary program rotates at most
 SILU_BLOCK = 1024  # output columns a silu_and_mul program writes (a step of its FP8 rows' loop)
@@ -95,16 +94,9 @@ def _rms_norm_kernel(
     tl.store(out + row * stride_o + cols, result, mask=ok)
     if FP8_ROWS:
         values = result.to(tl.float32)
-        scale = tl.maximum(tl.max(tl.abs(values), 0) / _FP8_MAX, _FP8_MIN_SCALE)
+        scale = row_scale(tl.max(tl.abs(values), 0))
         tl.store(fp8_scales + row, scale)
-        _store_fp8(fp8_out + row * num_cols + cols, values, scale, ok)
-
-
-@triton.jit
-def _store_fp8(ptrs, values, scale, ok):
-    """values / scale clamped to +-448, as float8 e4m3 (quantize_rows' rounding)."""
-    q = tl.clamp(tl.div_rn(values, scale), -_FP8_MAX, _FP8_MAX)
-    tl.store(ptrs, q.to(ptrs.dtype.element_ty), mask=ok)
+        store_fp8(fp8_out + row * num_cols + cols, values, scale, ok)
 
 
 @triton.jit
@@ -169,14 +161,14 @@ def _silu_and_mul_fp8_kernel(
         result = _to(gate / (1.0 + tl.exp(-gate)) * up, out.dtype.element_ty, ROUND_BF16)
         tl.store(out + row * stride_out + cols, result, mask=ok)
         amax = tl.maximum(amax, tl.abs(result.to(tl.float32)))
-    scale = tl.maximum(tl.max(amax, 0) / _FP8_MAX, _FP8_MIN_SCALE)
+    scale = row_scale(tl.max(amax, 0))
     tl.store(fp8_scales + row, scale)
     tl.debug_barrier()  # the row's values, written by other threads, are read back below
     for start in range(0, size, BLOCK):
         cols = start + tl.arange(0, BLOCK)
         ok = cols < size
         values = tl.load(out + row * stride_out + cols, mask=ok, other=0.0).to(tl.float32)
-        _store_fp8(fp8_out + row * size + cols, values, scale, ok)
+        store_fp8(fp8_out + row * size + cols, values, scale, ok)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -16,6 +16,20 @@ _FP8_MAX, _MIN_SCALE = tl.constexpr(FP8_MAX), tl.constexpr(MIN_SCALE)  # what a 
 
 
 @triton.jit
+def row_scale(amax):
+    """A row's scale from its absmax (fp32): absmax / 448, at least MIN_SCALE."""
+    return tl.maximum(amax / _FP8_MAX, _MIN_SCALE)
+
+
+@triton.jit
+def store_fp8(ptrs, values, scale, mask):
+    """fp32 values / scale, clamped to +-448 and rounded to ptrs' float8 type: every FP8 activation's rounding
+    (here and in the fused norm and SiLU's FP8 rows, network/fused_ops.py)."""
+    q = tl.clamp(tl.div_rn(values, scale), -_FP8_MAX, _FP8_MAX)
+    tl.store(ptrs, q.to(ptrs.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _quantize_rows_kernel(x, out, scales, static_scale, K, stride_x, STATIC: tl.constexpr, BLOCK: tl.constexpr):
     """Program (row): its scale (absmax / 448 in a first pass over K, or the static one), then x / scale clamped
     to +-448 and cast, in a second pass (x is small beside the weights; the second read hits the cache)."""
@@ -29,13 +43,12 @@ def _quantize_rows_kernel(x, out, scales, static_scale, K, stride_x, STATIC: tl.
             cols = k0 + tl.arange(0, BLOCK)
             values = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(values))
-        scale = tl.maximum(tl.max(amax, axis=0) / _FP8_MAX, _MIN_SCALE)
+        scale = row_scale(tl.max(amax, axis=0))
     tl.store(scales + row, scale)
     for k0 in range(0, K, BLOCK):
         cols = k0 + tl.arange(0, BLOCK)
         values = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
-        q = tl.clamp(tl.div_rn(values, scale), -_FP8_MAX, _FP8_MAX)
-        tl.store(out + row * K + cols, q.to(out.dtype.element_ty), mask=cols < K)
+        store_fp8(out + row * K + cols, values, scale, cols < K)
 
 
 def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
