@@ -27,18 +27,26 @@ WORKER = Path(__file__).with_name("tp_worker.py")
 
 
 def one_kv_head_llama(out: Path) -> Path:
-    """The tiny Llama with a single KV head (fewer KV heads than ranks: each rank keeps it)."""
+    """The tiny Llama with a single KV head (fewer KV heads than ranks: each rank keeps it) and a bias on every
+    projection (the builder's Llama has none): o_proj's and down_proj's are the row-parallel ones, added once."""
     model_dir = build_tiny_model(out, seed=3, arch="llama")
     config = json.loads((model_dir / "config.json").read_text())
-    config["num_key_value_heads"] = 1
+    config.update(num_key_value_heads=1, attention_bias=True, mlp_bias=True)
     (model_dir / "config.json").write_text(json.dumps(config))
-    save_file(random_weights(config, 3), str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    weights = random_weights(config, 3)
+    generator = torch.Generator().manual_seed(4)
+    for name, tensor in list(weights.items()):
+        if name.endswith(("o_proj.weight", "gate_proj.weight", "up_proj.weight", "down_proj.weight")):
+            bias = torch.randn(tensor.shape[0], generator=generator) * 0.5
+            weights[name.replace(".weight", ".bias")] = bias
+    save_file(weights, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
     return model_dir
 
 
 @pytest.fixture(scope="module", params=["qwen2", "llama-1kv"])
 def tiny(request, tmp_path_factory) -> Path:
-    """qwen2: q/k/v biases, tied embeddings, 2 KV heads (one per rank); llama-1kv: untied, replicated KV head."""
+    """qwen2: q/k/v biases, tied embeddings, 2 KV heads (one per rank); llama-1kv: untied head, one replicated KV
+    head, biases everywhere."""
     out = tmp_path_factory.mktemp(request.param)
     if request.param == "llama-1kv":
         return one_kv_head_llama(out)
@@ -90,7 +98,7 @@ def test_abort_preemption_and_prefix_reuse_free_every_block(runs):
         start, end = result["free_blocks"]
         assert end == start
     # Followers keep no block state; they ran exactly rank 0's steps, engine by engine, and stopped cleanly.
-    assert [r["steps"] for r in follower] == [r["steps"] for r in leader]
+    assert [r["steps"] for r in follower] == [r["steps"] for r in leader] and all(r["steps"] for r in leader)
 
 
 # -- the rank environment ---------------------------------------------------------------------------------------
