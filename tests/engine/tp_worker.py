@@ -10,6 +10,7 @@ import os
 import sys
 
 from tritonllm.engine.config import EngineConfig
+from tritonllm.engine.embedded.engine import EmbeddedEngine
 from tritonllm.engine.embedded.engine_core import EngineCore
 from tritonllm.engine.types import SamplingParams
 
@@ -95,19 +96,32 @@ def run_scenarios(model_dir: str, tensor_parallel_size: int) -> list[dict]:
         results.append(scenario(core))
         results[-1]["steps"] = core.num_steps
         core.shutdown()
+    results.append(served_scenario(engine_settings(model_dir, tensor_parallel_size)[0]))
     return results
+
+
+def served_scenario(settings: dict) -> dict:
+    """The threaded EmbeddedEngine over the same settings: its shutdown must stop the followers."""
+    engine = EmbeddedEngine(EngineConfig.from_dict(settings))
+    tokens = [engine.generate(p, greedy(6)).outputs[0].token_ids for p in PROMPTS[:2]]
+    stats = engine.wait_idle()
+    engine.shutdown()
+    return {"tokens": tokens, "free_blocks": [stats.num_total_blocks, stats.num_free_blocks], "steps": stats.num_steps}
 
 
 def main(model_dir: str, out_path: str) -> None:
     from tritonllm.engine.embedded.parallel.follower import run_follower
+    from tritonllm.engine.embedded.parallel.group import leave_group
 
     size = int(os.environ["WORLD_SIZE"])
     if int(os.environ["RANK"]) == 0:
         result = run_scenarios(model_dir, size)
     else:
-        result = [{"steps": run_follower(EngineConfig.from_dict(s))} for s in engine_settings(model_dir, size)]
+        settings = engine_settings(model_dir, size)
+        result = [{"steps": run_follower(EngineConfig.from_dict(s))} for s in settings + settings[:1]]
     with open(out_path, "w") as out:
         json.dump(result, out)
+    leave_group()
 
 
 if __name__ == "__main__":

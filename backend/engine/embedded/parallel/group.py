@@ -65,3 +65,11 @@ def join_group(env: RankEnvironment, device: torch.device) -> TensorParallelGrou
         )
         log.info("tensor parallel: rank %d of %d joined (%s, %s)", env.rank, env.world_size, backend, env.launcher)
     return TensorParallelGroup(env, device)
+
+
+def leave_group() -> None:
+    """Tear the process group down before the process exits (gloo's threads abort an exit that finds them
+    still running). Every rank calls it, after its last engine has stopped."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -28,6 +28,8 @@ def load_sharded(
             f"tensor_parallel_size > 1: {config.architecture} is not sharded yet (tensor parallelism covers the "
             "Llama-family models: Llama, Mistral, Qwen2, Qwen3, SmolLM2, TinyLlama)"
         )
+    if config.quantization_config is not None:
+        raise ConfigError("tensor_parallel_size > 1: quantized checkpoints are not sharded yet")
     plan = ShardPlan.of(config, group.rank, group.size)
     with torch.device("meta"):
         model = LlamaForCausalLM(plan.local_config())
