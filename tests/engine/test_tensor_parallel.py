@@ -250,3 +250,32 @@ def test_tensor_parallel_without_a_launcher_is_refused(tiny, monkeypatch):
     monkeypatch.delenv("SLURM_NTASKS", raising=False)
     with pytest.raises(ConfigError, match="no launcher environment"):
         EngineCore(EngineConfig.from_dict({"model": str(tiny), "device": "cpu", "tensor_parallel_size": 2}))
+
+
+class SecondOfTwoRanks:
+    """What load_sharded reads of a group (the collectives are only installed, never called here)."""
+
+    rank, size, device = 1, 2, torch.device("cpu")
+
+
+def test_a_rank_holds_exactly_its_slices(tiny):
+    from safetensors.torch import load_file
+
+    from tritonllm.engine.embedded.parallel.sharded_load import load_sharded
+
+    model, full = load_sharded(tiny, torch.float32, torch.device("cpu"), SecondOfTwoRanks())  # type: ignore[arg-type]
+    plan, slots = ShardPlan.of(full, 1, 2), model.checkpoint_slots()
+    checked = 0
+    for name, tensor in load_file(tiny / "model.safetensors").items():
+        if name not in slots:  # a tied head's saved copy
+            continue
+        part, slot = plan.slice_of(name), slots[name]
+        if part is None:
+            expected = tensor
+        elif part.zero:
+            expected = torch.zeros(slot.shape)
+        else:
+            expected = tensor.narrow(part.dim, part.start, part.length)
+        assert torch.equal(slot.param.narrow(0, slot.start, slot.shape[0]), expected), name
+        checked += 1
+    assert checked == len(slots)
