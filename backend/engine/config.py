@@ -258,8 +258,13 @@ class EngineConfig:
     def embedded_unsupported(self) -> list[str]:
         """Settings the embedded engine cannot honour, each as 'key=value (why)'."""
         problems = [f"{k}={v!r} (unknown to the embedded engine)" for k, v in self.extra.items()]
-        if self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1:
-            problems.append("tensor/pipeline parallelism (the embedded engine runs on one device)")
+        if self.pipeline_parallel_size != 1:
+            problems.append(
+                f"pipeline_parallel_size={self.pipeline_parallel_size} (pipeline parallelism is not yet supported "
+                "by the embedded engine; tensor_parallel_size is)"
+            )
+        if self.tensor_parallel_size > 1:
+            problems.extend(self.tensor_parallel_unsupported())
         for name in ("moe_expert_parallel_size", "moe_tensor_parallel_size"):
             value = getattr(self, name)
             if value is not None and value != 1:
@@ -280,6 +285,21 @@ class EngineConfig:
                 "does not combine with beam search)"
             )
         return problems
+
+    def tensor_parallel_unsupported(self) -> list[str]:
+        """Settings the embedded engine's tensor parallelism does not cover yet, each named."""
+        size = f"with tensor_parallel_size={self.tensor_parallel_size}"
+        refused = {
+            "enable_lora / lora_config (LoRA)": self.lora_settings() is not None,
+            "speculative_config (speculative decoding)": bool(self.speculative_config),
+            f"max_beam_width={self.max_beam_width} (beam search)": self.max_beam_width > 1,
+            f"guided_decoding_backend={self.guided_decoding_backend!r} (guided decoding)": self.guided_decoding_backend
+            is not None,
+            "quant_config (quantization)": self.quant_config is not None,
+            "kv_cache_config.dtype='fp8' (an FP8 KV cache)": kv_cache_fp8(self),
+            f"load_format={self.load_format!r} (dummy weights)": self.load_format != "auto",
+        }
+        return [f"{what} {size} (not supported under tensor parallelism yet)" for what, on in refused.items() if on]
 
 
 def _legacy_cuda_graph_switch(args: dict[str, Any]) -> dict[str, Any]:

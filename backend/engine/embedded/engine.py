@@ -118,6 +118,7 @@ class EmbeddedEngine:
                 idle_waiters.clear()
         for request in self.core.fail_all():
             self._deliver(request)
+        self.core.shutdown()
 
     def _drain_commands(self, block: bool, idle_waiters: list) -> bool:
         while True:

@@ -57,29 +57,43 @@ class EngineCore:
         problems = config.embedded_unsupported()
         if problems:
             raise InvalidRequestError("the embedded engine cannot honour: " + "; ".join(problems))
+        self.parallel = None  # tensor parallelism (parallel/setup.py); None in a single process
+        if config.tensor_parallel_size > 1:
+            from .parallel.setup import TensorParallel
+
+            self.parallel = TensorParallel.start(config, resolve_device(config.device))
+            config = TensorParallel.adjusted(config)
         self.config = config
-        self.device = resolve_device(config.device)
+        self.device = resolve_device(config.device) if self.parallel is None else self.parallel.device
         avoid_cudnn_attention(self.device)
         self.attn_backend = resolve_backend(config.attn_backend, self.device)
         self.dtype = resolve_dtype(config.dtype, read_model_config(config.model).torch_dtype, self.device)
         self.kv_dtype = resolve_kv_cache_dtype(config, self.dtype, self.device, self.attn_backend)
-        self.model, self.model_config = load_model(
-            config.model, self.dtype, self.device, config.load_format, config.quant_config
-        )
+        if self.parallel is None:
+            self.model, self.model_config = load_model(
+                config.model, self.dtype, self.device, config.load_format, config.quant_config
+            )
+        else:  # this rank's shard; model_config stays the whole model's
+            self.model, self.model_config = self.parallel.load(config.model, self.dtype)
         self.max_seq_len = self._max_seq_len()
         self._fix_rope_context()
         self.attention_windows = self._attention_windows()
         self.model.set_attention_windows(self.attention_windows)
         mc = self.model_config
         block_size = config.kv_cache_config.tokens_per_block
+        num_heads, num_kv_heads = (
+            (mc.num_heads, mc.num_kv_heads) if self.parallel is None else self.parallel.local_heads()
+        )
         kernels = None
         if self.attn_backend == "TRITON":
-            kernels = TritonAttention(mc.num_heads, mc.num_kv_heads, block_size, self.device)
+            kernels = TritonAttention(num_heads, num_kv_heads, block_size, self.device)
         if fused_kernels_wanted(self.attn_backend, self.device):
             use_fused_kernels(self.model)
             hand_fp8_rows(self.model, self.device)
         graph_settings = config.cuda_graph_settings() if graphs_supported(self.device) else None
         num_blocks = self._num_kv_blocks(kernels, graph_settings is not None)
+        if self.parallel is not None:
+            num_blocks = self.parallel.agree_num_blocks(num_blocks)
         self.block_manager = BlockManager(num_blocks, block_size, config.kv_cache_config.enable_block_reuse)
         self.lora = _lora_runtime(config, self.model_config, self.dtype, self.device)
         self.scheduler = Scheduler(
@@ -91,10 +105,11 @@ class EngineCore:
             max_loras=self.lora.settings.max_loras if self.lora else None,
         )
         # With graphs, one block more than the block manager hands out: padding rows write their K/V there.
-        self.runner = ModelRunner(
+        runner_class = ModelRunner if self.parallel is None else self.parallel.runner_class()
+        self.runner = runner_class(
             self.model,
             mc.num_layers,
-            mc.num_kv_heads,
+            num_kv_heads,
             mc.head_dim,
             num_blocks + (graph_settings is not None),
             block_size,
@@ -103,6 +118,8 @@ class EngineCore:
             cache_dtype=self.kv_dtype,
         )
         self.runner.kernels = kernels
+        if self.parallel is not None:
+            self.runner.group = self.parallel.group
         if graph_settings is not None:
             self.runner.graphs = DecodeGraphs(
                 self.model,
@@ -567,6 +584,11 @@ class EngineCore:
         for request in failed:
             self.abort_request(request.request_id)
         return failed
+
+    def shutdown(self) -> None:
+        """Release what outlives the core's requests: under tensor parallelism, stop the followers."""
+        if self.parallel is not None:
+            self.parallel.stop_followers(self.runner)
 
     def stats(self) -> EngineStats:
         return EngineStats(

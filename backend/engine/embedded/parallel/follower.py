@@ -1,0 +1,15 @@
+"""A follower rank's whole life: build the same engine core as rank 0 (its shard, the same KV cache), then run
+rank 0's steps until rank 0 shuts down."""
+
+from __future__ import annotations
+
+from ...config import ConfigError, EngineConfig
+from ..engine_core import EngineCore
+
+
+def run_follower(config: EngineConfig) -> int:
+    """Serve as a follower rank (RANK > 0) until rank 0's engine stops; returns the number of steps run."""
+    core = EngineCore(config)
+    if core.parallel is None or core.parallel.is_leader:
+        raise ConfigError("run_follower is for ranks > 0 under tensor_parallel_size > 1; rank 0 runs the engine")
+    return core.runner.follow()

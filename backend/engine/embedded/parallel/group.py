@@ -1,0 +1,75 @@
+"""Joins the tensor-parallel process group and wraps the three collectives the sharded model uses.
+
+gloo on CPU, NCCL on CUDA, where LOCAL_RANK (or the launcher's local rank) picks the GPU. One group per process,
+made once: a second engine in the same process reuses it."""
+
+from __future__ import annotations
+
+import logging
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from .environment import RankEnvironment
+
+log = logging.getLogger("tritonllm.engine")
+# Followers wait for rank 0's next step without a deadline of their own that matters: an idle server may sit for
+# hours between requests, so the collectives' timeout is long.
+_IDLE_TIMEOUT = timedelta(days=7)
+
+
+class TensorParallelGroup:
+    def __init__(self, env: RankEnvironment, device: torch.device):
+        self.env = env
+        self.rank = env.rank
+        self.size = env.world_size
+        self.device = device
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over the ranks, in place (row-parallel outputs, the vocabulary-split embedding)."""
+        dist.all_reduce(tensor)
+        return tensor
+
+    def gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's slice side by side along the last dimension (vocabulary-split logits)."""
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        dist.all_gather(parts, tensor.contiguous())
+        return torch.cat(parts, dim=-1)
+
+    def broadcast_object(self, value=None):
+        """Rank 0's `value`, on every rank (the step plans)."""
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def min_over_ranks(self, value: int) -> int:
+        tensor = torch.tensor([value], dtype=torch.long, device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+        return int(tensor.item())
+
+
+def join_group(env: RankEnvironment, device: torch.device) -> TensorParallelGroup:
+    """The process group of `env` (made on first use): gloo for CPU, NCCL for CUDA on the local rank's GPU."""
+    if device.type == "cuda":
+        device = torch.device("cuda", env.local_rank)
+        torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(
+            backend,
+            init_method=f"tcp://{env.master_addr}:{env.master_port}",
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=_IDLE_TIMEOUT,
+        )
+        log.info("tensor parallel: rank %d of %d joined (%s, %s)", env.rank, env.world_size, backend, env.launcher)
+    return TensorParallelGroup(env, device)
+
+
+def leave_group() -> None:
+    """Tear the process group down before the process exits (gloo's threads abort an exit that finds them
+    still running). Every rank calls it, after its last engine has stopped."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -1,0 +1,78 @@
+"""What the engine core asks of tensor parallelism: join the group its environment names, load this rank's shard,
+agree on one KV cache size, pick the leader's or a follower's runner, and stop the followers at shutdown.
+
+CUDA graphs and the overlap scheduler are off under tensor parallelism: a graph would capture the collectives and
+an overlapped step would run ahead of the followers' plans (neither is built for it yet)."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+from typing import Mapping, Optional
+
+import torch
+
+from ...config import ConfigError, EngineConfig
+from ..network.llama import LlamaForCausalLM
+from ..network.model_config import ModelConfig
+from .environment import read_rank_environment
+from .group import TensorParallelGroup, join_group
+from .sharded_load import load_sharded
+from .step_sync import FollowerRunner, LeaderRunner
+
+log = logging.getLogger("tritonllm.engine")
+
+
+class TensorParallel:
+    def __init__(self, group: TensorParallelGroup):
+        self.group = group
+        self.local_config: Optional[ModelConfig] = None
+
+    @classmethod
+    def start(
+        cls, config: EngineConfig, device: torch.device, environ: Optional[Mapping[str, str]] = None
+    ) -> "TensorParallel":
+        env = read_rank_environment(os.environ if environ is None else environ)
+        if env is None:
+            raise ConfigError(
+                f"tensor_parallel_size={config.tensor_parallel_size} but no launcher environment was found (RANK / "
+                "WORLD_SIZE from torchrun, OMPI_COMM_WORLD_*, PMI_* or SLURM_*): start one process per rank"
+            )
+        env.require_world_size(config.tensor_parallel_size)
+        return cls(join_group(env, device))
+
+    @property
+    def is_leader(self) -> bool:
+        return self.group.rank == 0
+
+    @property
+    def device(self) -> torch.device:
+        return self.group.device
+
+    @staticmethod
+    def adjusted(config: EngineConfig) -> EngineConfig:
+        """`config` with CUDA graphs and the overlap scheduler off (logged once)."""
+        log.info("tensor parallel: CUDA graphs and the overlap scheduler are off")
+        return dataclasses.replace(config, cuda_graph_config=None, disable_overlap_scheduler=True)
+
+    def load(self, model_dir: str, dtype: torch.dtype) -> tuple[LlamaForCausalLM, ModelConfig]:
+        model, full = load_sharded(model_dir, dtype, self.device, self.group)
+        self.local_config = model.config
+        return model, full
+
+    def local_heads(self) -> tuple[int, int]:
+        """(query heads, KV heads) this rank holds."""
+        assert self.local_config is not None, "load the model first"
+        return self.local_config.num_heads, self.local_config.num_kv_heads
+
+    def agree_num_blocks(self, num_blocks: int) -> int:
+        """One KV cache size on every rank (the smallest: free memory differs between devices)."""
+        return self.group.min_over_ranks(num_blocks)
+
+    def runner_class(self) -> type:
+        return LeaderRunner if self.is_leader else FollowerRunner
+
+    def stop_followers(self, runner) -> None:
+        if self.is_leader:
+            runner.stop_followers()

@@ -1,0 +1,281 @@
+"""Tensor parallelism on CPU with gloo: two ranks launched with torchrun's environment give the single rank's
+greedy tokens (fp32) and close logits, and free every block after aborts, preemption and prefix reuse. Plus the
+rank environment's parsing and the sharding rules."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tritonllm.checkpoints.tiny import build_tiny_model, random_weights
+from tritonllm.engine.config import ConfigError, EngineConfig
+from tritonllm.engine.embedded.network.model_config import ModelConfig
+from tritonllm.engine.embedded.parallel.environment import read_rank_environment
+from tritonllm.engine.embedded.parallel.sharding import ShardPlan, TensorSlice
+
+from .tp_worker import run_scenarios
+
+WORKER = Path(__file__).with_name("tp_worker.py")
+
+
+def one_kv_head_llama(out: Path) -> Path:
+    """The tiny Llama with a single KV head (fewer KV heads than ranks: each rank keeps it) and a bias on every
+    projection (the builder's Llama has none): o_proj's and down_proj's are the row-parallel ones, added once."""
+    model_dir = build_tiny_model(out, seed=3, arch="llama")
+    config = json.loads((model_dir / "config.json").read_text())
+    config.update(num_key_value_heads=1, attention_bias=True, mlp_bias=True)
+    (model_dir / "config.json").write_text(json.dumps(config))
+    weights = random_weights(config, 3)
+    generator = torch.Generator().manual_seed(4)
+    for name, tensor in list(weights.items()):
+        if name.endswith(("o_proj.weight", "gate_proj.weight", "up_proj.weight", "down_proj.weight")):
+            bias = torch.randn(tensor.shape[0], generator=generator) * 0.5
+            weights[name.replace(".weight", ".bias")] = bias
+    save_file(weights, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    return model_dir
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama-1kv"])
+def tiny(request, tmp_path_factory) -> Path:
+    """qwen2: q/k/v biases, tied embeddings, 2 KV heads (one per rank); llama-1kv: untied head, one replicated KV
+    head, biases everywhere."""
+    out = tmp_path_factory.mktemp(request.param)
+    if request.param == "llama-1kv":
+        return one_kv_head_llama(out)
+    return build_tiny_model(out, seed=5, arch="qwen2")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch(model_dir: Path, out: Path, world_size: int = 2) -> list:
+    """Run tp_worker.py as `world_size` ranks with torchrun's variables; every rank's JSON result."""
+    port, procs = free_port(), []
+    for rank in range(world_size):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)}
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        cmd = [sys.executable, str(WORKER), str(model_dir), str(out / f"rank{rank}.json")]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        for rank, proc in enumerate(procs):
+            output, _ = proc.communicate(timeout=300)
+            assert proc.returncode == 0, f"rank {rank} failed:\n{output[-4000:]}"
+    finally:  # a failed leader leaves its followers waiting for the next step
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world_size)]
+
+
+@pytest.fixture(scope="module")
+def runs(tiny, tmp_path_factory):
+    return run_scenarios(str(tiny), 1), launch(tiny, tmp_path_factory.mktemp("ranks"))
+
+
+def test_two_ranks_give_one_ranks_greedy_tokens_and_logits(runs):
+    single, (leader, follower) = runs
+    for one, two in zip(single, leader):
+        assert two["tokens"] == one["tokens"]
+    roomy_one, roomy_two = single[0], leader[0]
+    assert roomy_two["prefix_tokens"] == roomy_one["prefix_tokens"]
+    torch.testing.assert_close(
+        torch.tensor(roomy_two["logits"]), torch.tensor(roomy_one["logits"]), rtol=1e-4, atol=1e-4
+    )
+
+
+def test_abort_preemption_and_prefix_reuse_free_every_block(runs):
+    single, (leader, follower) = runs
+    roomy, preempting, _served = leader
+    assert roomy["aborted_tokens"] < 20 and roomy["reused_blocks"] >= 3  # the scenarios did abort and reuse
+    assert preempting["preemptions"] > 0
+    for result in single + leader:
+        start, end = result["free_blocks"]
+        assert end == start
+    # Followers keep no block state; they ran exactly rank 0's steps, engine by engine, and stopped cleanly.
+    assert [r["steps"] for r in follower] == [r["steps"] for r in leader] and all(r["steps"] for r in leader)
+
+
+# -- the rank environment ---------------------------------------------------------------------------------------
+
+
+def test_torchrun_environment_is_read_first():
+    env = read_rank_environment(
+        {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "MASTER_PORT": "1234", "OMPI_COMM_WORLD_RANK": "0"}
+    )
+    assert env is not None
+    assert (env.launcher, env.rank, env.world_size, env.local_rank, env.master_port) == ("torchrun", 1, 2, 1, 1234)
+
+
+@pytest.mark.parametrize(
+    "variables, launcher",
+    [
+        ({"OMPI_COMM_WORLD_RANK": "3", "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_RANK": "3"}, "Open MPI"),
+        ({"PMI_RANK": "3", "PMI_SIZE": "4"}, "PMI"),
+        ({"SLURM_PROCID": "3", "SLURM_NTASKS": "4", "SLURM_LOCALID": "3"}, "Slurm"),
+    ],
+)
+def test_other_launchers(variables, launcher):
+    env = read_rank_environment(variables)
+    assert env is not None and (env.launcher, env.rank, env.world_size, env.local_rank) == (launcher, 3, 4, 3)
+
+
+def test_no_launcher_is_a_single_process():
+    assert read_rank_environment({"PATH": "/bin"}) is None
+
+
+@pytest.mark.parametrize(
+    "variables, named",
+    [
+        ({"RANK": "x", "WORLD_SIZE": "2"}, "RANK must be an integer"),
+        ({"RANK": "2", "WORLD_SIZE": "2"}, "RANK=2 is not below WORLD_SIZE=2"),
+        ({"RANK": "0", "WORLD_SIZE": "0"}, "WORLD_SIZE must be >= 1"),
+        ({"RANK": "0"}, "WORLD_SIZE is not set"),
+        ({"RANK": "0", "WORLD_SIZE": "1", "MASTER_PORT": "70000"}, "MASTER_PORT"),
+        ({"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "-1"}, "SLURM_LOCALID must be >= 0"),
+    ],
+)
+def test_bad_values_name_their_variable(variables, named):
+    with pytest.raises(ConfigError, match=named):
+        read_rank_environment(variables)
+
+
+def test_world_size_must_equal_tensor_parallel_size():
+    env = read_rank_environment({"RANK": "0", "WORLD_SIZE": "4"})
+    assert env is not None
+    with pytest.raises(ConfigError, match="tensor_parallel_size=2 but the torchrun environment has 4 rank"):
+        env.require_world_size(2)
+
+
+# -- sharding rules ---------------------------------------------------------------------------------------------
+
+
+def model_config(**overrides) -> ModelConfig:
+    raw = {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": 1000,
+        "hidden_size": 64,
+        "intermediate_size": 160,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 128,
+    }
+    return ModelConfig.from_dict({**raw, **overrides})
+
+
+def test_column_row_and_vocabulary_slices():
+    plan = ShardPlan.of(model_config(), rank=1, size=2)
+    layer = "model.layers.0."
+    assert plan.slice_of(layer + "self_attn.q_proj.weight") == TensorSlice(0, 32, 32)  # heads 4-7 of 8, x 8
+    assert plan.slice_of(layer + "self_attn.k_proj.bias") == TensorSlice(0, 8, 8)  # KV head 1
+    assert plan.slice_of(layer + "self_attn.o_proj.weight") == TensorSlice(1, 32, 32)
+    assert plan.slice_of(layer + "mlp.up_proj.weight") == TensorSlice(0, 80, 80)
+    assert plan.slice_of(layer + "mlp.down_proj.weight") == TensorSlice(1, 80, 80)
+    assert plan.slice_of(layer + "mlp.down_proj.bias") == TensorSlice(0, 0, 0, zero=True)  # added on rank 0 only
+    assert ShardPlan.of(model_config(), 0, 2).slice_of(layer + "self_attn.o_proj.bias") is None
+    assert plan.slice_of("model.embed_tokens.weight") == TensorSlice(0, 500, 500)
+    assert plan.slice_of("lm_head.weight") == TensorSlice(0, 500, 500)
+    assert plan.slice_of(layer + "input_layernorm.weight") is None
+
+
+def test_fewer_kv_heads_than_ranks_keep_the_head_their_queries_read():
+    config = model_config(num_key_value_heads=2)
+    firsts = [ShardPlan.of(config, rank, 4).first_kv_head for rank in range(4)]
+    assert firsts == [0, 0, 1, 1]
+    assert ShardPlan.of(config, 3, 4).num_kv_heads == 1
+    assert ShardPlan.of(config, 3, 4).slice_of("model.layers.1.self_attn.v_proj.weight") == TensorSlice(0, 8, 8)
+
+
+@pytest.mark.parametrize(
+    "overrides, size, named",
+    [
+        ({"vocab_size": 1001}, 2, "vocab_size"),
+        ({"intermediate_size": 161}, 2, "intermediate_size"),
+        ({"num_attention_heads": 6, "num_key_value_heads": 6}, 4, "num_attention_heads"),
+        ({"num_attention_heads": 12, "num_key_value_heads": 3}, 4, "num_key_value_heads"),
+        ({"num_attention_heads": 12, "num_key_value_heads": 6}, 4, "num_key_value_heads"),
+    ],
+)
+def test_sizes_that_do_not_divide_are_refused(overrides, size, named):
+    with pytest.raises(ConfigError, match=named):
+        ShardPlan.of(model_config(**overrides), 0, size)
+
+
+# -- what tensor parallelism refuses ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "extra, named",
+    [
+        ({"enable_lora": True}, "LoRA"),
+        ({"speculative_config": {"decoding_type": "NGram", "max_draft_len": 2}}, "speculative decoding"),
+        ({"max_beam_width": 2}, "beam search"),
+        ({"guided_decoding_backend": "xgrammar"}, "guided decoding"),
+        ({"quant_config": {"quant_algo": "FP8"}}, "quantization"),
+        ({"load_format": "dummy"}, "dummy weights"),
+    ],
+)
+def test_features_outside_this_slice_are_refused_by_name(extra, named):
+    config = EngineConfig.from_dict({"model": "m", "tensor_parallel_size": 2, **extra})
+    assert any(named in problem for problem in config.embedded_unsupported())
+
+
+def test_pipeline_parallelism_is_not_yet():
+    config = EngineConfig.from_dict({"model": "m", "pipeline_parallel_size": 2})
+    assert any("pipeline_parallel_size=2" in p and "not yet" in p for p in config.embedded_unsupported())
+    assert EngineConfig.from_dict({"model": "m", "tensor_parallel_size": 2}).embedded_unsupported() == []
+
+
+def test_tensor_parallel_without_a_launcher_is_refused(tiny, monkeypatch):
+    from tritonllm.engine.embedded.engine_core import EngineCore
+
+    for name in ("RANK", "WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "PMI_RANK", "PMI_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("SLURM_PROCID", raising=False)
+    monkeypatch.delenv("SLURM_NTASKS", raising=False)
+    with pytest.raises(ConfigError, match="no launcher environment"):
+        EngineCore(EngineConfig.from_dict({"model": str(tiny), "device": "cpu", "tensor_parallel_size": 2}))
+
+
+class SecondOfTwoRanks:
+    """What load_sharded reads of a group (the collectives are only installed, never called here)."""
+
+    rank, size, device = 1, 2, torch.device("cpu")
+
+
+def test_a_rank_holds_exactly_its_slices(tiny):
+    from safetensors.torch import load_file
+
+    from tritonllm.engine.embedded.parallel.sharded_load import load_sharded
+
+    model, full = load_sharded(tiny, torch.float32, torch.device("cpu"), SecondOfTwoRanks())  # type: ignore[arg-type]
+    plan, slots = ShardPlan.of(full, 1, 2), model.checkpoint_slots()
+    checked = 0
+    for name, tensor in load_file(tiny / "model.safetensors").items():
+        if name not in slots:  # a tied head's saved copy
+            continue
+        part, slot = plan.slice_of(name), slots[name]
+        if part is None:
+            expected = tensor
+        elif part.zero:
+            expected = torch.zeros(slot.shape)
+        else:
+            expected = tensor.narrow(part.dim, part.start, part.length)
+        assert torch.equal(slot.param.narrow(0, slot.start, slot.shape[0]), expected), name
+        checked += 1
+    assert checked == len(slots)

@@ -1,0 +1,128 @@
+"""One rank of the tensor-parallel tests: `python tp_worker.py MODEL_DIR OUT_JSON` under a torchrun-style
+environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Rank 0 runs `run_scenarios` and writes what it saw;
+a follower runs each engine's steps (run_follower) and writes how many. The single-rank reference runs the same
+`run_scenarios` in the test process."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+from tritonllm.engine.config import EngineConfig
+from tritonllm.engine.embedded.engine import EmbeddedEngine
+from tritonllm.engine.embedded.engine_core import EngineCore
+from tritonllm.engine.types import SamplingParams
+
+PROMPTS = [[5, 17, 42, 99, 3, 250], [7, 8, 9], [600, 512, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [33]]
+SHARED = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]  # three blocks of 4: reused by the second prompt
+
+
+def engine_settings(model_dir: str, tensor_parallel_size: int) -> list[dict]:
+    """The engines each scenario runs on, in order: roomy with prefix reuse, then a KV budget that preempts."""
+    base = {
+        "model": model_dir,
+        "dtype": "float32",
+        "device": "cpu",
+        "max_batch_size": 4,
+        "max_num_tokens": 64,
+        "tensor_parallel_size": tensor_parallel_size,
+    }
+    return [
+        {**base, "kv_cache_config": {"tokens_per_block": 4, "max_tokens": 256, "enable_block_reuse": True}},
+        {
+            **base,
+            "scheduler_config": {"capacity_scheduler_policy": "MAX_UTILIZATION"},
+            "kv_cache_config": {"tokens_per_block": 4, "max_tokens": 40, "enable_block_reuse": False},
+        },
+    ]
+
+
+def greedy(max_tokens: int, logits: bool = False) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, return_generation_logits=logits)
+
+
+def drain(core: EngineCore) -> None:
+    while core.has_work:
+        core.step()
+
+
+def generate(core: EngineCore, prompts, params: SamplingParams, first_id: int) -> list:
+    requests = [core.add_request(first_id + i, p, params) for i, p in enumerate(prompts)]
+    drain(core)
+    return [r.seqs[0] for r in requests]
+
+
+def roomy_scenarios(core: EngineCore) -> dict:
+    start = core.block_manager.num_free_blocks
+    seqs = generate(core, PROMPTS, greedy(12, logits=True), 0)
+    tokens = [s.output_token_ids for s in seqs]
+    logits = [[row.tolist() for row in s.generation_logits[:3]] for s in seqs[:1]]
+    aborted = core.add_request(100, PROMPTS[2], greedy(20))
+    core.step()
+    core.step()
+    core.abort_request(100)
+    drain(core)
+    reused_before = core.block_manager.num_reused_blocks
+    prefix = [s.output_token_ids for s in generate(core, [SHARED + [1, 2], SHARED + [3, 4]], greedy(8), 200)]
+    prefix += [s.output_token_ids for s in generate(core, [SHARED + [5]], greedy(8), 300)]
+    return {
+        "tokens": tokens,
+        "logits": logits,
+        "aborted_tokens": len(aborted.seqs[0].output_token_ids),
+        "prefix_tokens": prefix,
+        "reused_blocks": core.block_manager.num_reused_blocks - reused_before,
+        "free_blocks": [start, core.block_manager.num_free_blocks],
+    }
+
+
+def preempting_scenarios(core: EngineCore) -> dict:
+    start = core.block_manager.num_free_blocks
+    seqs = generate(core, PROMPTS[:3], greedy(16), 0)
+    return {
+        "tokens": [s.output_token_ids for s in seqs],
+        "preemptions": sum(s.metrics.num_preemptions for s in seqs),
+        "free_blocks": [start, core.block_manager.num_free_blocks],
+    }
+
+
+def run_scenarios(model_dir: str, tensor_parallel_size: int) -> list[dict]:
+    """Rank 0's (or the single rank's) view of every scenario; each engine is shut down after its scenario."""
+    results = []
+    for settings, scenario in zip(
+        engine_settings(model_dir, tensor_parallel_size), (roomy_scenarios, preempting_scenarios)
+    ):
+        core = EngineCore(EngineConfig.from_dict(settings))
+        results.append(scenario(core))
+        results[-1]["steps"] = core.num_steps
+        core.shutdown()
+    results.append(served_scenario(engine_settings(model_dir, tensor_parallel_size)[0]))
+    return results
+
+
+def served_scenario(settings: dict) -> dict:
+    """The threaded EmbeddedEngine over the same settings: its shutdown must stop the followers."""
+    engine = EmbeddedEngine(EngineConfig.from_dict(settings))
+    tokens = [engine.generate(p, greedy(6)).outputs[0].token_ids for p in PROMPTS[:2]]
+    stats = engine.wait_idle()
+    engine.shutdown()
+    return {"tokens": tokens, "free_blocks": [stats.num_total_blocks, stats.num_free_blocks], "steps": stats.num_steps}
+
+
+def main(model_dir: str, out_path: str) -> None:
+    from tritonllm.engine.embedded.parallel.follower import run_follower
+    from tritonllm.engine.embedded.parallel.group import leave_group
+
+    size = int(os.environ["WORLD_SIZE"])
+    if int(os.environ["RANK"]) == 0:
+        result = run_scenarios(model_dir, size)
+    else:
+        settings = engine_settings(model_dir, size)
+        result = [{"steps": run_follower(EngineConfig.from_dict(s))} for s in settings + settings[:1]]
+    with open(out_path, "w") as out:
+        json.dump(result, out)
+    leave_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])
