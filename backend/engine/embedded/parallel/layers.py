@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..network.layers import Embedding
+from ..network.layers import Embedding, GatedMLP
 from ..network.llama import LlamaForCausalLM
 from .group import TensorParallelGroup
 from .sharding import ShardPlan
@@ -37,6 +37,7 @@ def make_tensor_parallel(model: LlamaForCausalLM, plan: ShardPlan, group: Tensor
         return group.all_reduce(output)
 
     for layer in model.decoder_layers:
+        assert isinstance(layer.mlp, GatedMLP)  # mixtures of experts are refused under tensor parallelism
         layer.self_attn.o_proj.register_forward_hook(reduce_output)
         layer.mlp.down_proj.register_forward_hook(reduce_output)
     model.embed_tokens = VocabParallelEmbedding(model.embed_tokens.weight, plan.vocab_start, group)
