@@ -11,7 +11,7 @@ import contextlib
 import logging
 import re
 from pathlib import Path
-from typing import Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 from safetensors import safe_open
@@ -176,8 +176,16 @@ def _fill_dummy_parameters(model: LlamaForCausalLM, device: torch.device) -> Non
 
 
 def _fill_parameters(
-    model: LlamaForCausalLM, config: ModelConfig, files: list[Path], device, quant: Optional[QuantSettings]
+    model: LlamaForCausalLM,
+    config: ModelConfig,
+    files: list[Path],
+    device,
+    quant: Optional[QuantSettings],
+    read_into: Callable[[Any, str, Path, WeightSlot], None] | None = None,
 ) -> None:
+    """Every slot of `model` from the checkpoint files. `read_into(handle, name, path, slot)` copies one tensor
+    into its slot: the whole tensor (_load_tensor) or, under tensor parallelism, this rank's slice of it."""
+    read_into = read_into or _load_tensor
     slots = model.checkpoint_slots()
     if quant is not None:
         slots = quantized_slots(model, slots, quant)
@@ -192,7 +200,7 @@ def _fill_parameters(
             for name in handle.keys():
                 slot = slots.get(name)
                 if slot is not None:
-                    _load_tensor(handle, name, path, slot)
+                    read_into(handle, name, path, slot)
                     loaded.add(name)
                 elif kv_scale_target(name) is not None:
                     set_kv_scale(model, name, _read_tensor(handle, name, path), path)

@@ -8,8 +8,7 @@ from pathlib import Path
 import torch
 
 from ...config import ConfigError
-from ..load_progress import StepProgress
-from ..loader import _allocate_parameters, _check_extra, _open, model_class, read_model_config, weight_files
+from ..loader import _allocate_parameters, _fill_parameters, model_class, read_model_config, weight_files
 from ..network.llama import LlamaForCausalLM, WeightSlot
 from ..network.model_config import ModelConfig, ModelLoadError
 from .group import TensorParallelGroup
@@ -34,32 +33,20 @@ def load_sharded(
     with torch.device("meta"):
         model = LlamaForCausalLM(plan.local_config())
     _allocate_parameters(model, dtype, device)
-    _fill_shard(model, config, plan, weight_files(model_dir))
+    _fill_parameters(
+        model,
+        config,
+        weight_files(model_dir),
+        torch.device("cpu"),
+        None,
+        read_into=lambda handle, name, path, slot: _copy_slice(handle, name, path, slot, plan.slice_of(name)),
+    )
     for rope in model.rotary_embeddings():
         rope.reset_frequencies(device)
     make_tensor_parallel(model, plan, group)
     if device.type == "cpu" and dtype == torch.float32:  # as loader.load_model: cpu_gemm packs fp32 weights only
         model.pack_for_cpu()
     return model.eval(), config
-
-
-def _fill_shard(model: LlamaForCausalLM, config: ModelConfig, plan: ShardPlan, files: list[Path]) -> None:
-    slots = model.checkpoint_slots()
-    loaded: set[str] = set()
-    with StepProgress("loading weight shards", len(slots), "tensor") as progress:
-        for path in files:
-            handle = _open(path, torch.device("cpu"))
-            for name in handle.keys():
-                slot = slots.get(name)
-                if slot is None:
-                    _check_extra(name, path, config)
-                    continue
-                _copy_slice(handle, name, path, slot, plan.slice_of(name))
-                loaded.add(name)
-                progress.update(1)
-    missing = sorted(set(slots) - loaded)
-    if missing:
-        raise ModelLoadError(f"{files[0].parent}: missing tensor {', '.join(missing[:5])}")
 
 
 def _copy_slice(handle, name: str, path: Path, slot: WeightSlot, part: TensorSlice | None) -> None:
