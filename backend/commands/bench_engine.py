@@ -15,6 +15,7 @@ from __future__ import annotations
 import gc
 import random
 import resource
+import tempfile
 import time
 import warnings
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any, Optional
 
+from tritonllm.commands.bench_phases import phases_from_trace_file, print_phases, union_length
 from tritonllm.commands.bench_report import progress, report
 from tritonllm.commands.generate import build_engine_config
 from tritonllm.engine.types import SamplingParams
@@ -269,14 +271,34 @@ def profile_engine(engine, requests: list[BenchRequest], device, trace_path: Opt
     result: dict[str, Any] = {"profile_s": round(seconds, 3)}
     if note:
         result["profile_note"] = note
-    if trace_path:
-        _export_trace(prof, trace_path, result)
     try:
         result.update(_profile_summary(prof, device, seconds))
     except Exception as err:  # profiler internals differ between torch versions
         result["profile_error"] = f"{type(err).__name__}: {err}"
         progress(f"profile summary unavailable: {result['profile_error']}")
+    if device.type == "cuda" or trace_path:
+        result.update(_trace_phases(prof, trace_path))
     return result
+
+
+def _trace_phases(prof, trace_path: Optional[str]) -> dict[str, Any]:
+    """The step phases (bench_phases.py) from the chrome trace, written to `trace_path` or to a temporary file."""
+    from tritonllm.engine.embedded.engine_core import STEP_RANGE_PREFIX
+
+    with tempfile.TemporaryDirectory() as scratch:
+        path = trace_path or str(Path(scratch) / "trace.json")
+        result: dict[str, Any] = {}
+        _export_trace(prof, path, result)
+        if "profile_trace_error" in result:
+            return result
+        if trace_path:
+            progress(f"chrome trace written to {trace_path}")
+        try:
+            phases = phases_from_trace_file(path, STEP_RANGE_PREFIX)
+        except (OSError, ValueError, KeyError) as err:
+            return {"profile_phases_error": f"{type(err).__name__}: {err}"}
+    print_phases(phases, progress)
+    return {"profile_phases": phases}
 
 
 def _all_threads_option() -> tuple[dict, Optional[str]]:
@@ -292,7 +314,6 @@ def _all_threads_option() -> tuple[dict, Optional[str]]:
 def _export_trace(prof, trace_path: str, result: dict) -> None:
     try:
         prof.export_chrome_trace(str(Path(trace_path)))
-        progress(f"chrome trace written to {trace_path}")
     except Exception as err:
         result["profile_trace_error"] = f"{type(err).__name__}: {err}"
 
@@ -322,12 +343,7 @@ def device_kernels(events) -> list:
 
 def busy_share(intervals: list[tuple[float, float]], wall_us: float) -> float:
     """The union of [start, end) intervals over the wall time: concurrent kernels count once."""
-    covered, reach = 0.0, float("-inf")
-    for start, end in sorted(intervals):
-        if end > reach:
-            covered += end - max(start, reach)
-            reach = end
-    return covered / wall_us if wall_us > 0 else 0.0
+    return union_length(intervals) / wall_us if wall_us > 0 else 0.0
 
 
 def top_kernels(timed: list[tuple[str, float]], limit: int = TOP_KERNELS) -> list[dict[str, Any]]:

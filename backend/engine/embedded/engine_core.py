@@ -49,6 +49,7 @@ if TYPE_CHECKING:
     from tritonllm.lora.runtime import AdapterRef, LoraRuntime
 
 log = logging.getLogger("tritonllm.engine")
+STEP_RANGE_PREFIX = "step "
 
 
 class EngineCore:
@@ -393,8 +394,9 @@ class EngineCore:
         batch = self._schedule()
         if batch.is_empty:
             return list(updated.values())
-        out = self._run(batch)
-        updated.update(self._postprocess(batch, out))
+        with step_range(batch):
+            out = self._run(batch)
+            updated.update(self._postprocess(batch, out))
         self.num_steps += 1
         return list(updated.values())
 
@@ -451,8 +453,9 @@ class EngineCore:
             return self._resolve_pending()
         self._note_scheduled(batch)
         last = self._pending.tokens if self._pending is not None else None
-        out = self.runner.execute(batch, self.block_manager.take_newly_allocated(), last)
-        sampled = SampledTokens(out.seqs, *sample_on_device(out.logits, out.seqs))
+        with step_range(batch):
+            out = self.runner.execute(batch, self.block_manager.take_newly_allocated(), last)
+            sampled = SampledTokens(out.seqs, *sample_on_device(out.logits, out.seqs))
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += num_new
         for row, seq in enumerate(out.seqs):
@@ -642,6 +645,12 @@ def snapshot(request: EngineRequest, mark_delivered: bool) -> RequestOutput:
     return RequestOutput(
         request.request_id, request.prompt_token_ids, outputs, finished=request.finished, context_logits=context_logits
     )
+
+
+def step_range(batch: ScheduledBatch):
+    """A profiler range around one step's launches, "step prefill" or "step decode": `bench engine --profile`
+    splits device time by it (bench_phases.py). Without a profiler it costs a few microseconds a step."""
+    return torch.profiler.record_function(STEP_RANGE_PREFIX + batch.phase)
 
 
 def overlap_wanted(config: EngineConfig, device: torch.device) -> bool:

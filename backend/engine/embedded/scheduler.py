@@ -28,6 +28,13 @@ class ScheduledBatch:
     def is_empty(self) -> bool:
         return not self.seqs
 
+    @property
+    def phase(self) -> str:
+        """"prefill" when some sequence still computes prompt tokens, else "decode" (a profile's step label)."""
+        if any(seq.num_computed_tokens < len(seq.prompt_token_ids) for seq in self.seqs):
+            return "prefill"
+        return "decode"
+
     def add(self, seq: Sequence, num_tokens: int) -> None:
         self.seqs.append(seq)
         self.num_new_tokens.append(num_tokens)
