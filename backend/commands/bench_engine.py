@@ -18,6 +18,7 @@ import resource
 import tempfile
 import time
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -209,19 +210,59 @@ def bench_engine(config, requests: list[BenchRequest], args) -> dict[str, Any]:
         run_engine(engine, warmup)
         reset_peak_memory(device)
         steps_before = engine.wait_idle().num_steps
+        phase_before = dict(engine.core.step_seconds)
+        wait_before = engine.core.token_wait_seconds
         progress("timing the engine")
-        seconds = run_engine(engine, requests)
+        with collector_pauses() as pauses:
+            seconds = run_engine(engine, requests)
         result = {
             **facts,
             "engine_s": round(seconds, 3),
             "engine_steps": engine.wait_idle().num_steps - steps_before,
+            # Wall seconds of the engine's steps by phase; engine_s less their sum is time outside steps.
+            "engine_phase_s": {
+                phase: round(total - phase_before[phase], 4) for phase, total in engine.core.step_seconds.items()
+            },
+            # Of the steps' time, the engine thread waiting for the GPU's tokens: the rest is host work.
+            "engine_token_wait_s": round(engine.core.token_wait_seconds - wait_before, 4),
+            "gc_pause_s": round(pauses["seconds"], 4),  # Python's garbage collector, any thread
+            "gc_collections": pauses["collections"],
             "peak_memory_bytes": peak_memory_bytes(device),
         }
+        outside = seconds - sum(result["engine_phase_s"].values())
+        progress(
+            "engine steps: "
+            + ", ".join(f"{p} {s:.3f}s" for p, s in result["engine_phase_s"].items())
+            + f", outside steps {outside:.3f}s; waiting for tokens {result['engine_token_wait_s']:.3f}s; "
+            + f"{pauses['collections']} garbage collections, {pauses['seconds']:.3f}s"
+        )
         if args.profile or args.profile_trace:
-            result.update(profile_engine(engine, requests, device, args.profile_trace))
+            # Prompts shifted once more: the timed run's prompts would come back from the prefix cache.
+            vocab = engine.core.model_config.vocab_size
+            result.update(profile_engine(engine, shifted(shifted(requests, vocab), vocab), device, args.profile_trace))
         return result
     finally:
         engine.shutdown()
+
+
+@contextmanager
+def collector_pauses():
+    """Counts the garbage collector's runs and the seconds they took while the block runs (gc.callbacks)."""
+    pauses: dict[str, Any] = {"seconds": 0.0, "collections": 0}
+    started: list[float] = []
+
+    def note(phase: str, info: dict) -> None:
+        if phase == "start":
+            started.append(time.perf_counter())
+        elif started:
+            pauses["seconds"] += time.perf_counter() - started.pop()
+            pauses["collections"] += 1
+
+    gc.callbacks.append(note)
+    try:
+        yield pauses
+    finally:
+        gc.callbacks.remove(note)
 
 
 # ---- memory ----

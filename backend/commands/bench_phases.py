@@ -19,6 +19,7 @@ GPU_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")
 LAUNCH_CATEGORIES = ("cuda_runtime", "cuda_driver")
 OUTSIDE = "outside steps"  # GPU work launched outside every step range (warm-up leftovers, the profiler's own)
 TOP_PER_PHASE = 8
+GAP_US = 5.0  # idle stretches inside a step shorter than this are launch latency, not worth naming
 
 
 @dataclass
@@ -100,7 +101,9 @@ def _summary(steps: list[_Step], ranges) -> dict[str, Any]:
     busy = union_length((s, e) for s, e, _ in every)
     phases: dict[str, dict[str, Any]] = {}
     for step in steps:
-        entry = phases.setdefault(step.phase, {"steps": 0, "kernel_ms": 0.0, "busy_ms": 0.0, "span_ms": 0.0, "_k": {}})
+        entry = phases.setdefault(
+            step.phase, {"steps": 0, "kernel_ms": 0.0, "busy_ms": 0.0, "span_ms": 0.0, "_k": {}, "_gaps": {}}
+        )
         entry["steps"] += 1
         entry["kernel_ms"] += sum(e - s for s, e, _ in step.gpu) / 1e3
         entry["busy_ms"] += union_length((s, e) for s, e, _ in step.gpu) / 1e3
@@ -109,11 +112,16 @@ def _summary(steps: list[_Step], ranges) -> dict[str, Any]:
             calls_total = entry["_k"].setdefault(name, [0, 0.0])
             calls_total[0] += 1
             calls_total[1] += e - s
+        for between, idle in _gaps(step.gpu):
+            calls_total = entry["_gaps"].setdefault(between, [0, 0.0])
+            calls_total[0] += 1
+            calls_total[1] += idle
     spans = sum(p["span_ms"] for p in phases.values())
     for entry in phases.values():
         entry["waiting_in_steps_ms"] = entry["span_ms"] - entry["busy_ms"]
         entry["mean_span_us"] = 1e3 * entry["span_ms"] / entry["steps"]
         entry["top"] = _top(entry.pop("_k"))
+        entry["top_gaps"] = _top(entry.pop("_gaps"))  # the GPU idle inside steps, by the events around it
         for key in ("kernel_ms", "busy_ms", "span_ms", "waiting_in_steps_ms", "mean_span_us"):
             entry[key] = round(entry[key], 3)
     return {
@@ -122,6 +130,17 @@ def _summary(steps: list[_Step], ranges) -> dict[str, Any]:
         "waiting_between_steps_ms": round(wall / 1e3 - spans, 3),
         "phases": phases,
     }
+
+
+def _gaps(events: list[tuple[float, float, str]]) -> list[tuple[str, float]]:
+    """("after X, before Y", idle us) for each idle stretch of at least GAP_US between a step's GPU events."""
+    found, reach, last = [], None, ""
+    for start, end, name in sorted(events):
+        if reach is not None and start - reach >= GAP_US:
+            found.append((f"after {last[:55]} | before {name[:55]}", start - reach))
+        if reach is None or end > reach:
+            reach, last = end, name
+    return found
 
 
 def _top(kernels: dict[str, list]) -> list[dict[str, Any]]:
@@ -158,3 +177,8 @@ def print_phases(summary: dict[str, Any], say) -> None:
         )
         for row in entry["top"]:
             say(f"    {row['total_ms']:>9.1f} ms {row['calls']:>7} x {row['mean_us']:>8.1f} us  {row['name'][:90]}")
+        for row in entry["top_gaps"][:4]:
+            say(
+                f"    idle {row['total_ms']:>6.1f} ms {row['calls']:>7} x {row['mean_us']:>8.1f} us  "
+                f"{row['name'][:100]}"
+            )

@@ -1,6 +1,7 @@
 """`tritonllm bench engine`: its workloads (nano-vllm's request mix), the checks on its flags, the engine settings
 each workload implies, and short runs on a weightless tiny model with dummy weights."""
 
+import gc
 import json
 
 import pytest
@@ -9,7 +10,14 @@ from tokenizers import Tokenizer
 
 from tritonllm.checkpoints.shapes import write_shape_folder
 from tritonllm.checkpoints.tiny import tiny_config, trained_tokenizer_json
-from tritonllm.commands.bench_engine import busy_share, engine_config, make_nano_requests, resolve_workload, top_kernels
+from tritonllm.commands.bench_engine import (
+    busy_share,
+    collector_pauses,
+    engine_config,
+    make_nano_requests,
+    resolve_workload,
+    top_kernels,
+)
 from tritonllm.commands.main import build_parser, main
 
 JSON_KEYS = {
@@ -26,6 +34,10 @@ JSON_KEYS = {
     "baseline",
     "peak_memory_bytes",
     "engine_steps",
+    "engine_phase_s",
+    "engine_token_wait_s",
+    "gc_pause_s",
+    "gc_collections",
     "attn_backend",
     "max_batch_size",
     "cuda_graphs",
@@ -111,6 +123,12 @@ def test_nano_workload_refuses_request_mix_flags_before_anything_loads(capsys):
     assert "--workload nano fixes the request mix" in capsys.readouterr().err.replace("\n", " ")
 
 
+def test_collector_pauses_count_collections():
+    with collector_pauses() as pauses:
+        gc.collect()
+    assert pauses["collections"] >= 1 and pauses["seconds"] > 0
+
+
 def test_profile_arithmetic():
     # Overlapping and nested kernels count once: [0, 4) and [6, 8) of a 10 us wall.
     assert busy_share([(0, 3), (1, 4), (2, 2.5), (6, 8)], 10.0) == pytest.approx(0.6)
@@ -158,6 +176,10 @@ def test_engine_alone_with_dummy_weights_warmup_and_profile(weightless, tmp_path
     )
     assert result["attn_backend"] == "VANILLA" and result["cuda_graphs"] is False
     assert result["requests"] == 3 and result["engine_steps"] > 0 and result["peak_memory_bytes"] > 0
+    phases = result["engine_phase_s"]
+    assert set(phases) == {"prefill", "decode"} and min(phases.values()) > 0
+    assert sum(phases.values()) <= result["engine_s"] + 1e-3
+    assert 0 <= result["engine_token_wait_s"] <= sum(phases.values())
     assert "gpu_busy_share" not in result  # CPU
     assert result["profile_top_kernels"] and {"name", "calls", "total_ms", "mean_us"} == set(
         result["profile_top_kernels"][0]

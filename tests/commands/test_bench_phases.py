@@ -14,7 +14,15 @@ def _range(name, ts, dur, tid=1):
 
 
 def _launch(corr, ts, tid=1, cat="cuda_runtime"):
-    return {"ph": "X", "cat": cat, "name": "cudaLaunchKernel", "ts": ts, "dur": 1, "tid": tid, "args": {"correlation": corr}}
+    return {
+        "ph": "X",
+        "cat": cat,
+        "name": "cudaLaunchKernel",
+        "ts": ts,
+        "dur": 1,
+        "tid": tid,
+        "args": {"correlation": corr},
+    }
 
 
 def _kernel(corr, name, ts, dur, cat="kernel"):
@@ -53,7 +61,8 @@ def test_events_split_by_the_range_that_launched_them():
     assert (prefill["steps"], prefill["kernel_ms"], prefill["span_ms"]) == (1, 0.015, 0.02)
     assert prefill["waiting_in_steps_ms"] == pytest.approx(0.005)
     assert (decode["steps"], decode["kernel_ms"], decode["span_ms"], decode["mean_span_us"]) == (2, 0.016, 0.016, 8.0)
-    assert decode["waiting_in_steps_ms"] == 0.0
+    assert decode["waiting_in_steps_ms"] == 0.0 and decode["top_gaps"] == []
+    assert prefill["top_gaps"] == [{"name": "after gemm | before attn", "calls": 1, "total_ms": 0.005, "mean_us": 5.0}]
     assert [row["name"] for row in decode["top"]] == ["graph_gemm", "graph_norm"]
     assert decode["top"][0] == {"name": "graph_gemm", "calls": 2, "total_ms": 0.012, "mean_us": 6.0}
     assert outside["steps"] == 1 and outside["kernel_ms"] == 0.005

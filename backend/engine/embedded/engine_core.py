@@ -163,6 +163,10 @@ class EngineCore:
         self.num_host_bound = 0  # live requests whose steps need their latest tokens on the host (no overlap)
         self._pending: Optional[SampledTokens] = None  # the last overlapped step's tokens, not applied yet
         self.num_steps = 0
+        # Wall seconds inside step() by the phase of the batch it scheduled (bench engine reports them).
+        self.step_seconds = {"prefill": 0.0, "decode": 0.0}
+        self.token_wait_seconds = 0.0  # of those, waiting for an overlapped step's tokens (the GPU's share)
+        self._phase = "decode"
         self.num_overlapped_steps = 0
         self.last_context_tokens = 0
         self._seq_ids = itertools.count()
@@ -388,6 +392,13 @@ class EngineCore:
 
     def step(self) -> list[EngineRequest]:
         """Run one step (schedule, run, postprocess); returns the requests that produced tokens or finished in it."""
+        started = time.perf_counter()
+        try:
+            return self._step()
+        finally:
+            self.step_seconds[self._phase] += time.perf_counter() - started
+
+    def _step(self) -> list[EngineRequest]:
         if self._overlapping():
             return list(self._overlapped_step().values())
         updated = self._resolve_pending()  # leaving overlap: the last overlapped step's tokens first
@@ -430,6 +441,7 @@ class EngineCore:
         """Per-request metrics of a scheduled step, and how many prompt tokens it computes."""
         now = time.time_ns()
         self.last_context_tokens = 0
+        self._phase = batch.phase
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             if not seq.metrics.first_scheduled_time_ns:
                 seq.metrics.first_scheduled_time_ns = now
@@ -479,7 +491,10 @@ class EngineCore:
             return {}
         pending, self._pending = self._pending, None
         updated = {}
-        for seq, token, logprob in zip(pending.seqs, *pending.host()):
+        started = time.perf_counter()
+        tokens = pending.host()
+        self.token_wait_seconds += time.perf_counter() - started
+        for seq, token, logprob in zip(pending.seqs, *tokens):
             seq.pending_tokens -= 1
             if seq.is_finished:  # ended (or aborted) while this token was computed
                 continue

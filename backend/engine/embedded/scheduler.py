@@ -30,7 +30,7 @@ class ScheduledBatch:
 
     @property
     def phase(self) -> str:
-        """"prefill" when some sequence still computes prompt tokens, else "decode" (a profile's step label)."""
+        """ "prefill" when some sequence still computes prompt tokens, else "decode" (a profile's step label)."""
         if any(seq.num_computed_tokens < len(seq.prompt_token_ids) for seq in self.seqs):
             return "prefill"
         return "decode"
