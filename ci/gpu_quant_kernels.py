@@ -441,11 +441,17 @@ def time_fp8_rows(ms: tuple[int, ...]) -> None:
         )[0]
         row["norm_with_rows_us"] = timed_us([lambda: fused_ops.rms_norm(x, weight, 1e-6, res, fp8_rows=True)])[0]
         row["silu_then_quant_us"] = timed_us([lambda: fp8_kernel.quantize_rows(fused_ops.silu_and_mul(gate_up))])[0]
-        default = fused_ops.SILU_FP8_WARPS
-        for warps in (4, 8, 16):
+        row["silu_alone_us"] = timed_us([lambda: fused_ops.silu_and_mul(gate_up)])[0]
+        defaults = fused_ops.SILU_FP8_WARPS, fused_ops.SILU_FP8_ROW_WARPS, fused_ops.SILU_FP8_ROW_MAX
+        fused_ops.SILU_FP8_ROW_MAX = 0  # the column-block loop
+        for warps in (8, 16):
             fused_ops.SILU_FP8_WARPS = warps
-            row[f"silu_with_rows_w{warps}_us"] = timed_us([lambda: fused_ops.silu_and_mul(gate_up, fp8_rows=True)])[0]
-        fused_ops.SILU_FP8_WARPS = default
+            row[f"silu_rows_loop_w{warps}_us"] = timed_us([lambda: fused_ops.silu_and_mul(gate_up, fp8_rows=True)])[0]
+        fused_ops.SILU_FP8_ROW_MAX = defaults[2]  # the whole row in registers
+        for warps in (8, 16, 32):
+            fused_ops.SILU_FP8_ROW_WARPS = warps
+            row[f"silu_rows_whole_w{warps}_us"] = timed_us([lambda: fused_ops.silu_and_mul(gate_up, fp8_rows=True)])[0]
+        fused_ops.SILU_FP8_WARPS, fused_ops.SILU_FP8_ROW_WARPS, fused_ops.SILU_FP8_ROW_MAX = defaults
         emit(**{key: round(value, 2) if isinstance(value, float) else value for key, value in row.items()})
 
 
@@ -514,6 +520,9 @@ def sweep_fp8(ms: tuple[int, ...]) -> None:
                 "tensorwise": lambda a: torch._scaled_mm(
                     x_q, a["weight"].t(), scale_a=one, scale_b=one, out_dtype=DTYPE
                 ),
+                "tensorwise_f32": lambda a: torch._scaled_mm(
+                    x_q, a["weight"].t(), scale_a=one, scale_b=one, out_dtype=torch.float32
+                ),
             }
             for tiles in FP8_TILES:
                 calls[str(tiles)] = lambda a, t=tiles: fp8_matmul(
@@ -526,7 +535,7 @@ def sweep_fp8(ms: tuple[int, ...]) -> None:
                     if key == "bf16":
                         us = bf16_us(weight["dense"], x)
                     else:
-                        if key not in ("quantize", "tensorwise"):
+                        if key not in ("quantize", "tensorwise", "tensorwise_f32"):
                             err = errors(call(weight["args"]), expected)["rel_err"]
                             if err > 2e-2:
                                 emit(kind="fp8-wrong", shape=name, m=m, key=key, rel_err=err)
