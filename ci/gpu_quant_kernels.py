@@ -442,16 +442,11 @@ def time_fp8_rows(ms: tuple[int, ...]) -> None:
         row["norm_with_rows_us"] = timed_us([lambda: fused_ops.rms_norm(x, weight, 1e-6, res, fp8_rows=True)])[0]
         row["silu_then_quant_us"] = timed_us([lambda: fp8_kernel.quantize_rows(fused_ops.silu_and_mul(gate_up))])[0]
         row["silu_alone_us"] = timed_us([lambda: fused_ops.silu_and_mul(gate_up)])[0]
-        defaults = fused_ops.SILU_FP8_WARPS, fused_ops.SILU_FP8_ROW_WARPS, fused_ops.SILU_FP8_ROW_MAX
-        fused_ops.SILU_FP8_ROW_MAX = 0  # the column-block loop
-        for warps in (8, 16):
+        default = fused_ops.SILU_FP8_WARPS
+        for warps in (4, 8, 16):
             fused_ops.SILU_FP8_WARPS = warps
-            row[f"silu_rows_loop_w{warps}_us"] = timed_us([lambda: fused_ops.silu_and_mul(gate_up, fp8_rows=True)])[0]
-        fused_ops.SILU_FP8_ROW_MAX = defaults[2]  # the whole row in registers
-        for warps in (8, 16, 32):
-            fused_ops.SILU_FP8_ROW_WARPS = warps
-            row[f"silu_rows_whole_w{warps}_us"] = timed_us([lambda: fused_ops.silu_and_mul(gate_up, fp8_rows=True)])[0]
-        fused_ops.SILU_FP8_WARPS, fused_ops.SILU_FP8_ROW_WARPS, fused_ops.SILU_FP8_ROW_MAX = defaults
+            row[f"silu_with_rows_w{warps}_us"] = timed_us([lambda: fused_ops.silu_and_mul(gate_up, fp8_rows=True)])[0]
+        fused_ops.SILU_FP8_WARPS = default
         emit(**{key: round(value, 2) if isinstance(value, float) else value for key, value in row.items()})
 
 

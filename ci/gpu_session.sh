@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine run (the `device` tool): puts the working tree's package on PYTHONPATH (the machine has torch,
 # triton and transformers but no venv of ours), then runs what the arguments name, each logged under $OUT.
-#   bash ci/gpu_session.sh kernels|fused|window|guided|parity|features|bench-quick|bench-guided|bench-accuracy|moe-kernel|moe-sweep|fp8-kv|int4-decode-sweep|int4-layouts|attn-sweep|fp8-sweep|families|bench-mixtral|bench-quant|quant|quant-load|quant-tests|quantize|quant-kernels|quant-sweep-decode|quant-sweep-prefill|bench-qwen3|profile|profile-1 ...
+#   bash ci/gpu_session.sh kernels|fused|window|guided|parity|features|bench-quick|bench-guided|bench-accuracy|moe-kernel|moe-sweep|fp8-kv|int4-decode-sweep|int4-layouts|attn-sweep|fp8-sweep|families|bench-mixtral|bench-quant|quant|quant-load|quant-tests|quantize|quant-kernels|quant-sweep-decode|quant-sweep-prefill|bench-qwen3|sync-check|profile|profile-1 ...
 # Used by hand for the GPU figures in docs/benchmarks.md; CI never runs it (no GPU there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -134,6 +134,12 @@ for what in "$@"; do
           fp8-1) bench "llama-3.1-8b fp8+fp8kv 1x128/128" --model "$l" --config /tmp/fp8.yaml "${one[@]}" ;;
         esac
       done ;;
+    sync-check)  # the host-device synchronisations a step makes, bf16 and FP8 + FP8 KV (ci/gpu_sync_check.py)
+      q=$(shape qwen2.5-0.5b)
+      printf 'quant_config:\n  quant_algo: FP8\n  kv_cache_quant_algo: FP8\n' > /tmp/fp8.yaml
+      python3 ci/gpu_sync_check.py --model "$q" 2>>"$OUT/sync-check.log" | tee -a "$OUT/sync-check.jsonl"
+      python3 ci/gpu_sync_check.py --model "$q" --config /tmp/fp8.yaml 2>>"$OUT/sync-check.log" \
+        | tee -a "$OUT/sync-check.jsonl" ;;
     quant) run_tests tests/engine/test_quant*.py ${QUANT_TESTS:-} ;;
     bench-qwen3)
       bench "qwen3 nano" --model "$(shape qwen3-0.6b)" --workload nano --warmup --baseline none ;;

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ..block_manager import blocks_for
+from ..host_arrays import HostArrays
 from .fp8_cache import as_bytes, dequantize, is_fp8, quantize
 from .metadata import AttentionMetadata, sequence_mask, window_mask
 
@@ -21,7 +22,8 @@ def zero_blocks(caches, block_ids: list[int]) -> None:
     block handed out must never hold NaN/Inf garbage."""
     if not block_ids:
         return
-    index = torch.tensor(block_ids, dtype=torch.long, device=caches[0].device)
+    # Through pinned memory: a pageable copy would make the host wait for every step already queued on the GPU.
+    index = HostArrays.one(block_ids, caches[0].device)
     for cache in caches:
         as_bytes(cache).index_fill_(0, index, 0)  # fp8 zero is all zero bits
 

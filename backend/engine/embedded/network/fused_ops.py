@@ -37,10 +37,6 @@ MAX_NORM_BLOCK = 65536  # a row of rms_norm lives in one program's registers
 ROTARY_BLOCK = 1024  # (head, pair) elements a rotary program rotates at most
 SILU_BLOCK = 1024  # output columns a silu_and_mul program writes (a step of its FP8 rows' loop)
 SILU_FP8_WARPS = 8
-# FP8 rows of SiLU: rows up to this many columns stay in one program's registers (one pass over the input, no
-# read-back); longer ones take the two-pass loop.
-SILU_FP8_ROW_MAX = 16384
-SILU_FP8_ROW_WARPS = 16
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -173,25 +169,6 @@ def _silu_and_mul_fp8_kernel(
         ok = cols < size
         values = tl.load(out + row * stride_out + cols, mask=ok, other=0.0).to(tl.float32)
         store_fp8(fp8_out + row * size + cols, values, scale, ok)
-
-
-@triton.jit
-def _silu_and_mul_fp8_row_kernel(
-    gate_up, out, fp8_out, fp8_scales, size, stride_in, stride_out, BLOCK: tl.constexpr, ROUND_BF16: tl.constexpr
-):
-    """Program (row), the whole row in registers (BLOCK >= size): silu(gate) * up, its absmax, then the row and its
-    FP8 values stored from the same registers."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    ok = cols < size
-    gate = tl.load(gate_up + row * stride_in + cols, mask=ok, other=0.0).to(tl.float32)
-    up = tl.load(gate_up + row * stride_in + size + cols, mask=ok, other=0.0).to(tl.float32)
-    result = _to(gate / (1.0 + tl.exp(-gate)) * up, out.dtype.element_ty, ROUND_BF16)
-    tl.store(out + row * stride_out + cols, result, mask=ok)
-    values = result.to(tl.float32)
-    scale = row_scale(tl.max(tl.abs(values), 0))
-    tl.store(fp8_scales + row, scale)
-    store_fp8(fp8_out + row * size + cols, values, scale, ok)
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -327,13 +304,7 @@ def silu_and_mul(gate_up: torch.Tensor, fp8_rows: bool = False) -> torch.Tensor:
     if fp8_rows:
         fp8_out, fp8_scales = _fp8_outputs(out)
         if num_rows and size:
-            whole = triton.next_power_of_2(size)
-            kernel, block, warps = (
-                (_silu_and_mul_fp8_row_kernel, whole, SILU_FP8_ROW_WARPS)
-                if whole <= SILU_FP8_ROW_MAX
-                else (_silu_and_mul_fp8_kernel, SILU_BLOCK, SILU_FP8_WARPS)
-            )
-            kernel[(num_rows,)](
+            _silu_and_mul_fp8_kernel[(num_rows,)](
                 gate_up,
                 out,
                 fp8_out,
@@ -341,9 +312,9 @@ def silu_and_mul(gate_up: torch.Tensor, fp8_rows: bool = False) -> torch.Tensor:
                 size,
                 gate_up.stride(0),
                 out.stride(0),
-                BLOCK=block,
+                BLOCK=min(SILU_BLOCK, triton.next_power_of_2(size)),
                 ROUND_BF16=_round_bf16(gate_up),
-                num_warps=warps,
+                num_warps=SILU_FP8_WARPS,
             )
         out.fp8_rows = (fp8_out, fp8_scales)  # type: ignore[attr-defined]  # see fp8_rows_of
         return out
