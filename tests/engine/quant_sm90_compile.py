@@ -70,12 +70,21 @@ def activation_quantizer(static: bool) -> None:
 def fp8_rows() -> None:
     """The fused norm and SiLU writing FP8 rows, through fp8_kernel's shared rounding helpers."""
     norm = {n: "*bf16" for n in ("x", "residual", "weight", "out", "sum_out")}
-    norm |= {"fp8_out": "*fp8e4nv", "fp8_scales": "*fp32", "eps": "fp32"}
-    constexprs = dict(HAS_RESIDUAL=True, FP8_ROWS=True, BLOCK=4096, ROUND_BF16=False)
+    norm |= {"fp8_out": "*fp8e4nv", "fp8_scales": "*fp32", "eps": "fp32", "row_scales": "*fp32", "col_scales": "*fp32"}
+    constexprs = dict(HAS_RESIDUAL=True, FP8_ROWS=True, SCALED=False, BLOCK=4096, ROUND_BF16=False)
     compile_for_sm90(fused_ops._rms_norm_kernel, norm, constexprs, num_warps=8)
     silu = {"gate_up": "*bf16", "out": "*bf16", "fp8_out": "*fp8e4nv", "fp8_scales": "*fp32"}
     compile_for_sm90(fused_ops._silu_and_mul_fp8_kernel, silu, dict(BLOCK=1024, ROUND_BF16=False), num_warps=8)
     print("compiled the norm and SiLU with FP8 rows", flush=True)
+
+
+def deferred_scales_norm() -> None:
+    """The fused norm scaling an unscaled fp32 FP8 product (quant/kernels.fp8_linear's defer_scales) first."""
+    norm = {n: "*bf16" for n in ("residual", "weight", "out", "sum_out")} | {"x": "*fp32", "eps": "fp32"}
+    norm |= {"fp8_out": "*fp8e4nv", "fp8_scales": "*fp32", "row_scales": "*fp32", "col_scales": "*fp32"}
+    constexprs = dict(HAS_RESIDUAL=True, FP8_ROWS=True, SCALED=True, BLOCK=4096, ROUND_BF16=False)
+    compile_for_sm90(fused_ops._rms_norm_kernel, norm, constexprs, num_warps=8)
+    print("compiled the norm applying deferred FP8 scales", flush=True)
 
 
 if __name__ == "__main__":
@@ -91,3 +100,4 @@ if __name__ == "__main__":
         int4_decode_kernel(dtype, split_k, use_asm, use_dot)
     fp8_matmul()
     fp8_rows()
+    deferred_scales_norm()

@@ -35,7 +35,7 @@ from .memory_profile import activation_bytes
 from .model_runner import ModelRunner, StepOutput
 from .network.layers import use_fused_kernels
 from .network.rope import uses_long_factors
-from .quant.fusion import hand_fp8_rows
+from .quant.fusion import defer_fp8_scales, hand_fp8_rows
 from .request import EngineRequest
 from .sampler import SampledTokens, sample, sample_on_device
 from .scheduler import ScheduledBatch, Scheduler
@@ -143,6 +143,8 @@ class EngineCore:
             TargetParts(self.model, self.model_config, self.runner, self.block_manager, self.dtype, self.device),
             config.speculative_settings(),
         )
+        if fused_kernels_wanted(self.attn_backend, self.device):
+            defer_fp8_scales(self.model, self.device, lora_enabled=self.lora is not None)
 
         # Grammars over the logits' width (the model's vocabulary, which may pad the tokenizer's).
         self.guided = build_guided_decoder(

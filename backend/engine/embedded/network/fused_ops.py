@@ -69,19 +69,26 @@ def _rms_norm_kernel(
     stride_r,
     stride_o,
     stride_s,
+    row_scales,
+    col_scales,
     HAS_RESIDUAL: tl.constexpr,
     FP8_ROWS: tl.constexpr,
+    SCALED: tl.constexpr,
     BLOCK: tl.constexpr,
     ROUND_BF16: tl.constexpr,
 ):
     """Program (row): out = weight * round(h * rsqrt(mean(h^2) + eps)), h = x (+ residual, rounded and stored to
     sum_out), rounding to out's dtype (a no-op in fp32) and the product rounded once; FP8_ROWS: out's row
-    quantized into fp8_out (contiguous) and its scale into fp8_scales too."""
+    quantized into fp8_out (contiguous) and its scale into fp8_scales too. SCALED: x is an unscaled fp32 FP8
+    product, first scaled by its row's and columns' scales and rounded to out's dtype (as fp8_linear's would)."""
     dtype = out.dtype.element_ty
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < num_cols
     h = tl.load(x + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    if SCALED:
+        h *= tl.load(row_scales + row)
+        h = _to(h * tl.load(col_scales + cols, mask=ok, other=0.0), dtype, ROUND_BF16).to(tl.float32)
     if HAS_RESIDUAL:
         h += tl.load(residual + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
         rounded = _to(h, dtype, ROUND_BF16)
@@ -181,13 +188,16 @@ def rms_norm(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """layers.RMSNorm over the rows of x [T, N] with weight [N] (x's dtype). With residual (x's shape and dtype):
     s = x + residual, rounded to x's dtype as torch's add rounds; returns (rms_norm(s), s), s a new tensor (x and
-    residual are left as they are). Outputs are contiguous. fp8_rows: the normed output carries its FP8 rows."""
+    residual are left as they are). Outputs are contiguous. fp8_rows: the normed output carries its FP8 rows.
+    An unscaled FP8 product x (fp8_pending_of) is scaled first; its dtype is then the one it rounds to."""
     _check_rows("x", x)
     num_rows, num_cols = x.shape
-    if weight.shape != (num_cols,) or weight.dtype != x.dtype or weight.device != x.device:
+    pending = fp8_pending_of(x)
+    dtype = x.dtype if pending is None else pending[2]
+    if weight.shape != (num_cols,) or weight.dtype != dtype or weight.device != x.device:
         raise ValueError(
             f"weight {tuple(weight.shape)} {weight.dtype} on {weight.device} does not fit x "
-            f"{tuple(x.shape)} {x.dtype} on {x.device} (wanted [{num_cols}], the same dtype and device)"
+            f"{tuple(x.shape)} {dtype} on {x.device} (wanted [{num_cols}], the same dtype and device)"
         )
     if num_cols == 0:
         raise ValueError("x has no columns to normalise")
@@ -196,18 +206,19 @@ def rms_norm(
     block = triton.next_power_of_2(num_cols)
     if block > MAX_NORM_BLOCK:
         raise ValueError(f"rows of {num_cols} are too long for one program (at most {MAX_NORM_BLOCK})")
-    out = torch.empty((num_rows, num_cols), dtype=x.dtype, device=x.device)
+    out = torch.empty((num_rows, num_cols), dtype=dtype, device=x.device)
     if residual is None:
         sums, residual_arg = out, x  # unused (HAS_RESIDUAL off)
     else:
         _check_rows("residual", residual)
-        if residual.shape != x.shape or residual.dtype != x.dtype or residual.device != x.device:
+        if residual.shape != x.shape or residual.dtype != dtype or residual.device != x.device:
             raise ValueError(
                 f"residual {tuple(residual.shape)} {residual.dtype} on {residual.device} does not "
-                f"match x {tuple(x.shape)} {x.dtype} on {x.device}"
+                f"match x {tuple(x.shape)} {dtype} on {x.device}"
             )
         sums, residual_arg = torch.empty_like(out), residual
     fp8_out, fp8_scales = _fp8_outputs(out) if fp8_rows else (out, out)
+    row_scales, col_scales = pending[:2] if pending is not None else (out, out)
     if num_rows:
         _rms_norm_kernel[(num_rows,)](
             x,
@@ -223,10 +234,13 @@ def rms_norm(
             residual_arg.stride(0),
             out.stride(0),
             sums.stride(0),
+            row_scales,
+            col_scales,
             HAS_RESIDUAL=residual is not None,
             FP8_ROWS=fp8_rows,
+            SCALED=pending is not None,
             BLOCK=block,
-            ROUND_BF16=_round_bf16(x),
+            ROUND_BF16=_round_bf16(out),
             num_warps=4 if block < 2048 else 8 if block < 8192 else 16,
         )
     if fp8_rows:
@@ -239,6 +253,12 @@ def _fp8_outputs(out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.empty(out.shape, dtype=FP8_DTYPE, device=out.device), torch.empty(
         (out.shape[0], 1), dtype=torch.float32, device=out.device
     )
+
+
+def fp8_pending_of(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.dtype] | None:
+    """(row scales fp32 [T, 1], column scales fp32 [N], the dtype the scaled values round to) when x is an unscaled
+    FP8 product (quant/kernels.fp8_linear's defer_scales), else None. Only the very tensor returned carries them."""
+    return getattr(x, "fp8_pending", None)
 
 
 def fp8_rows_of(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -14,11 +14,13 @@ import torch
 from torch import nn
 
 from ..network.layers import GatedMLP, RMSNorm
+from ..network.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from .kernels import fp8_supported
 from .linear import QuantLinear
 
 log = logging.getLogger("tritonllm.engine")
 FP8_ROWS = True  # False: every FP8 projection quantizes its input itself (for comparisons)
+DEFER_SCALES = True  # False: every FP8 projection scales its own output (for comparisons)
 
 
 def takes_fp8_rows(projection: object) -> bool:
@@ -52,3 +54,42 @@ def hand_fp8_rows(model: nn.Module, device: torch.device) -> int:
     if marked:
         log.info("FP8 activations: %d norms and SiLUs quantize their outputs for the projections after them", marked)
     return marked
+
+
+def defer_fp8_scales(model: nn.Module, device: torch.device, lora_enabled: bool) -> int:
+    """Let each FP8 o_proj and down_proj whose output only a fused RMSNorm reads (the next norm's residual add)
+    leave its scales to that norm (kernels.fp8_linear's defer_scales). Only Llama's own data flow qualifies, and
+    not with LoRA (its deltas add to the projection's output) or captured layers (EAGLE-3 reads layer outputs).
+    Call once the speculator is built; returns how many projections were marked."""
+    if not DEFER_SCALES or lora_enabled or not fp8_supported(device) or not _llama_flow(model):
+        return 0
+    layers = list(model.decoder_layers)  # type: ignore[union-attr]
+    next_norms = [layer.input_layernorm for layer in layers[1:]] + [model.norm]  # type: ignore[union-attr]
+    marked = 0
+    for layer, next_norm in zip(layers, next_norms):
+        if type(layer).deferred is not LlamaDecoderLayer.deferred:
+            continue
+        attn, mlp = layer.self_attn, layer.mlp
+        if type(attn).forward is LlamaAttention.forward and _defers(attn.o_proj, layer.post_attention_layernorm):
+            attn.o_proj.defer_scales = True  # type: ignore[union-attr]
+            marked += 1
+        if type(mlp) is GatedMLP and _defers(mlp.down_proj, next_norm):
+            mlp.down_proj.defer_scales = True  # type: ignore[union-attr]
+            marked += 1
+    if marked:
+        log.info("FP8 projections: %d leave their scales to the norm after them at decode sizes", marked)
+    return marked
+
+
+def _llama_flow(model: nn.Module) -> bool:
+    """The model runs LlamaForCausalLM's forward (layer outputs reach only the next norm) and captures nothing."""
+    return type(model).forward is LlamaForCausalLM.forward and not getattr(model, "capture_layers", ())
+
+
+def _defers(projection: object, reader: object) -> bool:
+    return (
+        isinstance(projection, QuantLinear)
+        and projection.kind == "fp8"
+        and projection.bias is None
+        and (_fusable_norm(reader))
+    )

@@ -78,6 +78,32 @@ def fp8_tiles(m: int) -> Fp8Tiles | None:
 FP8_TRITON_ROWS = (0, 0)  # (fewest, most) rows the Triton FP8 matmul takes; (0, 0): _scaled_mm everywhere
 
 
+# Rows up to which deferred scales pay (H200, Llama-3.1-8B's o_proj and down_proj: tensor-wise against row-wise
+# 10.4 / 14.3 and 27.9 / 37.4 us at 256 rows, 7.7 / 13.8 and 18.2 / 37.1 at 64; even at 1,024).
+DEFER_MAX_ROWS = 256
+_ones: dict[torch.device, torch.Tensor] = {}
+
+
+def _fp8_unscaled_mm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    input_scale: torch.Tensor | None,
+    x_rows: tuple[torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
+    """x_q W_q^T in fp32 without its scales, which it carries (fp8_pending_of) for the fused RMSNorm to apply."""
+    if x_rows is not None:
+        x_q, scale_a = x_rows
+    else:
+        x_q, scale_a = (quantize_rows if TRITON_ACTIVATION_QUANT else quantize_per_token)(x, input_scale)
+    one = _ones.get(x.device)
+    if one is None:  # made once, before any CUDA graph captures a launch that reads it
+        one = _ones[x.device] = torch.ones((), dtype=torch.float32, device=x.device)
+    out = torch._scaled_mm(x_q, weight.t(), scale_a=one, scale_b=one, out_dtype=torch.float32)
+    out.fp8_pending = (scale_a, weight_scale.to(torch.float32), x.dtype)  # type: ignore[attr-defined]
+    return out
+
+
 def _fp8_scaled_mm(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -112,15 +138,22 @@ def fp8_linear(
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None,
     input_scale: torch.Tensor | None = None,
+    defer_scales: bool = False,
 ) -> torch.Tensor:
     """x [..., K] times weight float8_e4m3fn [N, K] with weight_scale fp32 [N] (per output row); input_scale a
     static fp32 activation scale (one element) or None (dynamic, per token: the FP8 rows x carries, if any, are
-    used as they are). Returns [..., N] in x's dtype."""
+    used as they are). Returns [..., N] in x's dtype.
+
+    defer_scales (set by quant/fusion.py where the only reader is a fused RMSNorm, which applies them): at decode
+    sizes on a GPU, a 2-D x without bias gets the unscaled product in fp32 instead, carrying its (row, column)
+    scales (network/fused_ops.fp8_pending_of): cuBLASLt's tensor-wise FP8 GEMM is faster there than its row-wise one."""
     _check_fp8(x, weight, weight_scale, bias, input_scale)
     x2d = _rows(x)
     n, k = weight.shape
     if fp8_supported(x.device) and k % 16 == 0 and n % 16 == 0 and x2d.shape[0] > 0:
         x_rows = fp8_rows_of(x) if input_scale is None else None
+        if defer_scales and x.dim() == 2 and bias is None and x2d.shape[0] <= DEFER_MAX_ROWS:
+            return _fp8_unscaled_mm(x2d, weight, weight_scale, input_scale, x_rows)
         out = _fp8_scaled_mm(x2d, weight, weight_scale, bias, input_scale, x_rows)
     else:  # the same product in fp32, activations quantized as the GPU's are (so CPU accuracy figures are honest)
         x_q, scale_a = quantize_per_token(x2d, input_scale)

@@ -23,6 +23,7 @@ class QuantLinear(nn.Module):
     the dense shape [out, in] that is never allocated: the checkpoint slot builders read a projection's `weight`
     for its shape, and checkpoint.py replaces those slots with the format's own."""
 
+    defer_scales = False  # FP8: the fused norm after it applies its output's scales (quant/fusion.py sets it)
     weight: torch.Tensor
     weight_scale: torch.Tensor
     input_scale: Optional[torch.Tensor]
@@ -92,7 +93,9 @@ class QuantLinear(nn.Module):
         from . import kernels  # the qkern branch's Triton kernels live there; imported on first use
 
         if self.kind == "fp8":
-            return kernels.fp8_linear(x, self.weight, self.weight_scale, self.bias, self.input_scale)
+            return kernels.fp8_linear(
+                x, self.weight, self.weight_scale, self.bias, self.input_scale, defer_scales=self.defer_scales
+            )
         if self.kind == "int8":
             return kernels.int8_linear(x, self.weight, self.weight_scale, self.bias, self.group_size)
         assert self.qweight is not None and self.weight_zero is not None
