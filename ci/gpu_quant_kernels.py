@@ -518,6 +518,17 @@ def sweep_fp8(ms: tuple[int, ...]) -> None:
                 "tensorwise_f32": lambda a: torch._scaled_mm(
                     x_q, a["weight"].t(), scale_a=one, scale_b=one, out_dtype=torch.float32
                 ),
+                "rowwise_fast": lambda a: torch._scaled_mm(
+                    x_q,
+                    a["weight"].t(),
+                    scale_a=x_scale,
+                    scale_b=a["weight_scale"].reshape(1, -1),
+                    out_dtype=DTYPE,
+                    use_fast_accum=True,
+                ),
+                "tensorwise_f32_fast": lambda a: torch._scaled_mm(
+                    x_q, a["weight"].t(), scale_a=one, scale_b=one, out_dtype=torch.float32, use_fast_accum=True
+                ),
             }
             for tiles in FP8_TILES:
                 calls[str(tiles)] = lambda a, t=tiles: fp8_matmul(
@@ -530,7 +541,7 @@ def sweep_fp8(ms: tuple[int, ...]) -> None:
                     if key == "bf16":
                         us = bf16_us(weight["dense"], x)
                     else:
-                        if key not in ("quantize", "tensorwise", "tensorwise_f32"):
+                        if not key.startswith(("quantize", "tensorwise")):
                             err = errors(call(weight["args"]), expected)["rel_err"]
                             if err > 2e-2:
                                 emit(kind="fp8-wrong", shape=name, m=m, key=key, rel_err=err)
