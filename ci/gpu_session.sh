@@ -130,6 +130,8 @@ for what in "$@"; do
             bench "llama-3.1-8b bf16, garbage collector off, 256x128/128" --model "$l" "${many[@]}" ;;
           fp8-256-nodefer) BENCH_PRELUDE="from tritonllm.engine.embedded.quant import fusion; fusion.DEFER_SCALES = False" \
             bench "llama-3.1-8b fp8+fp8kv, no deferred scales, 256x128/128" --model "$l" --config /tmp/fp8.yaml "${many[@]}" ;;
+          fp8-256-exact) BENCH_PRELUDE="from tritonllm.engine.embedded.quant import kernels; kernels.FP8_FAST_ACCUM = False" \
+            bench "llama-3.1-8b fp8+fp8kv, fp32-promoted accumulation, 256x128/128" --model "$l" --config /tmp/fp8.yaml "${many[@]}" ;;
           fp8w-256) bench "llama-3.1-8b fp8 weights 256x128/128" --model "$l" --config /tmp/fp8w.yaml "${many[@]}" ;;
           bf16-1) bench "llama-3.1-8b bf16 1x128/128" --model "$l" "${one[@]}" ;;
           w4a16-1) bench "llama-3.1-8b w4a16 1x128/128" --model "$l" --config /tmp/w4a16.yaml "${one[@]}" ;;

@@ -61,7 +61,7 @@ def test_nothing_defers_where_another_reader_could_see_the_unscaled_product(tiny
     assert fusion.defer_fp8_scales(model, CPU, lora_enabled=case == "lora") == 0 and not deferring(model)
 
 
-def _scaled_mm_reference(a, b, scale_a, scale_b, out_dtype, bias=None):
+def _scaled_mm_reference(a, b, scale_a, scale_b, out_dtype, bias=None, use_fast_accum=False):
     """torch._scaled_mm's definition (fp32 product, times scale_a then scale_b, rounded once)."""
     out = (a.to(torch.float32) @ b.to(torch.float32)) * scale_a * scale_b
     return out.to(out_dtype)
