@@ -22,7 +22,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 from tritonllm.commands.bench_phases import phases_from_trace_file, print_phases, union_length
 from tritonllm.commands.bench_report import progress, report
@@ -246,7 +246,7 @@ def bench_engine(config, requests: list[BenchRequest], args) -> dict[str, Any]:
 
 
 @contextmanager
-def collector_pauses():
+def collector_pauses() -> Iterator[dict[str, Any]]:
     """Counts the garbage collector's runs and the seconds they took while the block runs (gc.callbacks)."""
     pauses: dict[str, Any] = {"seconds": 0.0, "collections": 0}
     started: list[float] = []

@@ -63,22 +63,24 @@ def defer_fp8_scales(model: nn.Module, device: torch.device, lora_enabled: bool)
     Call once the speculator is built; returns how many projections were marked."""
     if not DEFER_SCALES or lora_enabled or not fp8_supported(device) or not _llama_flow(model):
         return 0
-    layers = list(model.decoder_layers)  # type: ignore[union-attr]
-    next_norms = [layer.input_layernorm for layer in layers[1:]] + [model.norm]  # type: ignore[union-attr]
-    marked = 0
+    assert isinstance(model, LlamaForCausalLM)
+    layers = list(model.decoder_layers)
+    next_norms = [layer.input_layernorm for layer in layers[1:]] + [model.norm]
+    marked = []
     for layer, next_norm in zip(layers, next_norms):
         if type(layer).deferred is not LlamaDecoderLayer.deferred:
             continue
         attn, mlp = layer.self_attn, layer.mlp
-        if type(attn).forward is LlamaAttention.forward and _defers(attn.o_proj, layer.post_attention_layernorm):
-            attn.o_proj.defer_scales = True  # type: ignore[union-attr]
-            marked += 1
-        if type(mlp) is GatedMLP and _defers(mlp.down_proj, next_norm):
-            mlp.down_proj.defer_scales = True  # type: ignore[union-attr]
-            marked += 1
-    if marked:
-        log.info("FP8 projections: %d leave their scales to the norm after them at decode sizes", marked)
-    return marked
+        if type(attn).forward is LlamaAttention.forward:
+            marked.append(_deferring(attn.o_proj, layer.post_attention_layernorm))
+        if type(mlp) is GatedMLP:
+            marked.append(_deferring(mlp.down_proj, next_norm))
+    for projection in filter(None, marked):
+        projection.defer_scales = True
+    count = sum(1 for projection in marked if projection is not None)
+    if count:
+        log.info("FP8 projections: %d leave their scales to the norm after them at decode sizes", count)
+    return count
 
 
 def _llama_flow(model: nn.Module) -> bool:
@@ -86,10 +88,8 @@ def _llama_flow(model: nn.Module) -> bool:
     return type(model).forward is LlamaForCausalLM.forward and not getattr(model, "capture_layers", ())
 
 
-def _defers(projection: object, reader: object) -> bool:
-    return (
-        isinstance(projection, QuantLinear)
-        and projection.kind == "fp8"
-        and projection.bias is None
-        and (_fusable_norm(reader))
-    )
+def _deferring(projection: object, reader: object) -> QuantLinear | None:
+    """`projection` when it is a bias-free FP8 one whose reader is a fused RMSNorm, else None."""
+    if isinstance(projection, QuantLinear) and projection.kind == "fp8" and projection.bias is None:
+        return projection if _fusable_norm(reader) else None
+    return None
