@@ -9,6 +9,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -59,14 +60,19 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def launch(model_dir: Path, out: Path, world_size: int = 2) -> list:
-    """Run tp_worker.py as `world_size` ranks with torchrun's variables; every rank's JSON result."""
+def start_ranks(model_dir: Path, out: Path, *extra: str, world_size: int = 2) -> list:
     port, procs = free_port(), []
     for rank in range(world_size):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)}
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        cmd = [sys.executable, str(WORKER), str(model_dir), str(out / f"rank{rank}.json")]
+        cmd = [sys.executable, str(WORKER), str(model_dir), str(out / f"rank{rank}.json"), *extra]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def launch(model_dir: Path, out: Path, world_size: int = 2) -> list:
+    """Run tp_worker.py as `world_size` ranks with torchrun's variables; every rank's JSON result."""
+    procs = start_ranks(model_dir, out, world_size=world_size)
     try:
         for rank, proc in enumerate(procs):
             output, _ = proc.communicate(timeout=300)
@@ -77,6 +83,35 @@ def launch(model_dir: Path, out: Path, world_size: int = 2) -> list:
                 proc.kill()
                 proc.wait()
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world_size)]
+
+
+@pytest.mark.parametrize("lost", ["follower", "leader"])
+def test_a_rank_that_dies_fails_the_others_instead_of_hanging_them(tiny, tmp_path, lost):
+    procs = start_ranks(tiny, tmp_path, lost)
+    try:
+        ready = tmp_path / "rank0.json.ready"
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            assert time.monotonic() < deadline and procs[0].poll() is None, procs[0].communicate()[0][-3000:]
+            time.sleep(0.05)
+        victim, survivor = (procs[1], 0) if lost == "follower" else (procs[0], 1)
+        victim.kill()
+        victim.wait()
+        (tmp_path / "rank0.json.go").touch()
+        output, _ = procs[survivor].communicate(timeout=60)  # a hang fails here
+        assert procs[survivor].returncode == 0, output[-3000:]
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    seen = json.loads((tmp_path / f"rank{survivor}.json").read_text())
+    if lost == "follower":  # rank 0: the request in flight fails, later ones are refused, the engine says why
+        assert len(seen["before"]) == 4
+        assert "another rank is gone" in seen["during"] and "another rank is gone" in seen["after"]
+        assert seen["after"].startswith("the engine has stopped") and "another rank is gone" in seen["failed"]
+    else:  # the follower's loop ends with the error instead of waiting for rank 0's next step
+        assert "rank 1 of 2: broadcast failed, another rank is gone" in seen["follower"]
 
 
 @pytest.fixture(scope="module")

@@ -1,13 +1,15 @@
 """One rank of the tensor-parallel tests: `python tp_worker.py MODEL_DIR OUT_JSON` under a torchrun-style
 environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Rank 0 runs `run_scenarios` and writes what it saw;
 a follower runs each engine's steps (run_follower) and writes how many. The single-rank reference runs the same
-`run_scenarios` in the test process."""
+`run_scenarios` in the test process. With a third argument (`follower` / `leader`), `lost_rank`: one rank is killed
+mid-service and the other writes what it saw."""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
+import time
 
 from tritonllm.engine.config import EngineConfig
 from tritonllm.engine.embedded.engine import EmbeddedEngine
@@ -109,6 +111,43 @@ def served_scenario(settings: dict) -> dict:
     return {"tokens": tokens, "free_blocks": [stats.num_total_blocks, stats.num_free_blocks], "steps": stats.num_steps}
 
 
+def lost_rank(model_dir: str, out_path: str, lost: str) -> int:
+    """A rank dies mid-service (the test kills it once `out_path`.ready exists). `lost` = "follower": rank 0 then
+    asks for more and writes what it got; "leader": the follower writes how its loop ended."""
+    from tritonllm.engine.embedded.parallel.follower import run_follower
+    from tritonllm.engine.embedded.parallel.group import RankLostError, leave_group
+    from tritonllm.engine.seam import EngineError
+
+    settings = EngineConfig.from_dict(engine_settings(model_dir, int(os.environ["WORLD_SIZE"]))[0])
+    result: dict = {}
+    if int(os.environ["RANK"]) == 0:
+        engine = EmbeddedEngine(settings)
+        result["before"] = engine.generate(PROMPTS[0], greedy(4)).outputs[0].token_ids
+        open(out_path + ".ready", "w").close()
+        if lost == "leader":
+            time.sleep(600)  # killed here
+        while not os.path.exists(out_path + ".go"):  # the follower is gone once this exists
+            time.sleep(0.05)
+        for key in ("during", "after"):
+            try:
+                engine.generate(PROMPTS[1], greedy(4))
+                result[key] = "answered"
+            except EngineError as err:
+                result[key] = str(err)
+        result["failed"] = engine.failed
+        engine.shutdown()
+    else:
+        try:
+            run_follower(settings)
+            result["follower"] = "stopped by rank 0"
+        except RankLostError as err:
+            result["follower"] = str(err)
+    leave_group()
+    with open(out_path, "w") as out:
+        json.dump(result, out)
+    return 0
+
+
 def main(model_dir: str, out_path: str) -> None:
     from tritonllm.engine.embedded.parallel.follower import run_follower
     from tritonllm.engine.embedded.parallel.group import leave_group
@@ -125,4 +164,6 @@ def main(model_dir: str, out_path: str) -> None:
 
 
 if __name__ == "__main__":
+    if len(sys.argv) > 3:
+        sys.exit(lost_rank(sys.argv[1], sys.argv[2], sys.argv[3]))
     main(sys.argv[1], sys.argv[2])

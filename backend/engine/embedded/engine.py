@@ -16,6 +16,7 @@ from ..config import EngineConfig
 from ..seam import EngineError, EngineStats, RequestHandle
 from ..types import LoRARequest, RequestOutput, SamplingParams
 from .engine_core import EngineCore, snapshot
+from .parallel.group import RankLostError
 from .request import EngineRequest
 
 log = logging.getLogger("tritonllm.engine")
@@ -29,6 +30,10 @@ class EmbeddedEngine:
         self._ids = itertools.count(1)
         self._ids_lock = threading.Lock()
         self._stopped = threading.Event()
+        # Why the engine stopped by itself (a tensor-parallel rank was lost), under _submit so that a request is
+        # either queued before the engine thread's last drain or refused.
+        self._fatal: Optional[str] = None
+        self._submit = threading.Lock()
         # The engine thread builds the core (weights, KV cache) as well as stepping it, so that all heavy tensor
         # work stays on one thread: on CPU a second thread's OpenMP pool makes every parallel region of the
         # other wait for sleeping workers (a small matmul took 3.4x as long, see docs/benchmarks.md).
@@ -61,16 +66,28 @@ class EmbeddedEngine:
         lora_request: Optional[LoRARequest] = None,
     ) -> RequestHandle:
         """`lora_request`: the adapter to run with (by id, name, folder or in-memory tensors); None: base model."""
-        if self._stopped.is_set():
-            raise EngineError("the engine has been shut down")
+        self._refuse_if_stopped()
         self.core.validate(prompt_token_ids, sampling_params)
         lora = self.core.prepare_lora(lora_request)  # parsed and checked here, off the engine thread
         if request_id is None:
             with self._ids_lock:
                 request_id = next(self._ids)
         handle = RequestHandle(self, request_id, streaming, on_output)
-        self._commands.put(("add", handle, list(prompt_token_ids), sampling_params, lora))
+        with self._submit:
+            self._refuse_if_stopped()
+            self._commands.put(("add", handle, list(prompt_token_ids), sampling_params, lora))
         return handle
+
+    def _refuse_if_stopped(self) -> None:
+        if self._fatal is not None:
+            raise EngineError(f"the engine has stopped: {self._fatal}")
+        if self._stopped.is_set():
+            raise EngineError("the engine has been shut down")
+
+    @property
+    def failed(self) -> Optional[str]:
+        """Why the engine stopped by itself (it then refuses every request), or None while it runs."""
+        return self._fatal
 
     def generate(
         self, prompt_token_ids: list[int], sampling_params: SamplingParams, lora_request: Optional[LoRARequest] = None
@@ -86,6 +103,8 @@ class EmbeddedEngine:
 
     def wait_idle(self, timeout: float = 10.0) -> EngineStats:
         """Wait until the engine has no request left; returns fresh stats."""
+        if not self._thread.is_alive():  # stopped (shut down, or by itself): nothing left to wait for
+            return self._stats
         done = threading.Event()
         self._commands.put(("idle", done))
         if not done.wait(timeout):
@@ -93,7 +112,8 @@ class EmbeddedEngine:
         return self._stats
 
     def shutdown(self) -> None:
-        if self._stopped.is_set():
+        if self._stopped.is_set() or not self._thread.is_alive():
+            self._stopped.set()
             return
         self._stopped.set()
         self._commands.put(("stop",))
@@ -111,6 +131,8 @@ class EmbeddedEngine:
                 break
             if self.core.has_work:
                 self._step()
+            if self._fatal is not None:
+                break
             self._stats = self.core.stats()
             if not self.core.has_work:
                 for waiter in idle_waiters:
@@ -118,6 +140,8 @@ class EmbeddedEngine:
                 idle_waiters.clear()
         for request in self.core.fail_all():
             self._deliver(request)
+        if self._fatal is not None:
+            self._refuse_queued(idle_waiters)
         self.core.shutdown()
 
     def _drain_commands(self, block: bool, idle_waiters: list) -> bool:
@@ -160,6 +184,11 @@ class EmbeddedEngine:
     def _step(self) -> None:
         try:
             updated = self.core.step()
+        except RankLostError as exc:  # the group is gone: no step can run again
+            with self._submit:
+                self._fatal = str(exc)
+            self._fail_handles(EngineError(f"the engine has stopped: {exc}"))
+            return
         except Exception as exc:
             log.exception("engine step failed; failing the %d active request(s)", len(self._handles))
             self.core.fail_all()
@@ -169,6 +198,27 @@ class EmbeddedEngine:
             return
         for request in updated:
             self._deliver(request)
+
+    def _fail_handles(self, error: EngineError) -> None:
+        self.core.fail_all()
+        handles, self._handles = self._handles, {}
+        for handle in handles.values():
+            handle._put(error)
+
+    def _refuse_queued(self, idle_waiters: list) -> None:
+        """After the engine stopped by itself: fail requests still queued (none can arrive later), wake waiters."""
+        error = EngineError(f"the engine has stopped: {self._fatal}")
+        while True:
+            try:
+                command = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            if command[0] == "add":
+                command[1]._put(error)
+            elif command[0] == "idle":
+                idle_waiters.append(command[1])
+        for waiter in idle_waiters:
+            waiter.set()
 
     def _deliver(self, request: EngineRequest) -> None:
         handle = self._handles.get(request.request_id)

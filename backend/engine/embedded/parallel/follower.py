@@ -8,7 +8,8 @@ from ..engine_core import EngineCore
 
 
 def run_follower(config: EngineConfig) -> int:
-    """Serve as a follower rank (RANK > 0) until rank 0's engine stops; returns the number of steps run."""
+    """Serve as a follower rank (RANK > 0) until rank 0's engine stops; returns the number of steps run. Raises
+    RankLostError (parallel/group.py) when rank 0 or another follower is gone: the process should then exit."""
     core = EngineCore(config)
     if core.parallel is None or core.parallel.is_leader:
         raise ConfigError("run_follower is for ranks > 0 under tensor_parallel_size > 1; rank 0 runs the engine")

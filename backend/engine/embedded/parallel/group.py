@@ -1,12 +1,17 @@
-"""Joins the tensor-parallel process group and wraps the three collectives the sharded model uses.
+"""Joins the tensor-parallel process group and wraps the collectives the sharded model uses.
 
 gloo on CPU, NCCL on CUDA, where LOCAL_RANK (or the launcher's local rank) picks the GPU. One group per process,
-made once: a second engine in the same process reuses it."""
+made once: a second engine in the same process reuses it.
+
+A collective that fails (a rank that died closes its connections: the next collective with it raises) raises
+RankLostError and leaves the group broken: nothing is sent on it again, so no rank waits on a peer that is gone.
+A rank that hangs without dying is not detected (the collectives' timeout is the idle one below)."""
 
 from __future__ import annotations
 
 import logging
 from datetime import timedelta
+from typing import Callable, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -17,6 +22,17 @@ log = logging.getLogger("tritonllm.engine")
 # Followers wait for rank 0's next step without a deadline of their own that matters: an idle server may sit for
 # hours between requests, so the collectives' timeout is long.
 _IDLE_TIMEOUT = timedelta(days=7)
+_T = TypeVar("_T")
+_broken: list[str] = []  # why the group broke (one entry), process-wide like the group itself
+
+
+class RankLostError(RuntimeError):
+    """A collective with the other ranks failed: a rank is gone (or unreachable) and the group cannot be used."""
+
+
+def group_broken() -> str | None:
+    """Why this process's group broke, or None while it works."""
+    return _broken[0] if _broken else None
 
 
 class TensorParallelGroup:
@@ -28,25 +44,38 @@ class TensorParallelGroup:
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over the ranks, in place (row-parallel outputs, the vocabulary-split embedding)."""
-        dist.all_reduce(tensor)
+        self._collective("all_reduce", lambda: dist.all_reduce(tensor))
         return tensor
 
     def gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's slice side by side along the last dimension (vocabulary-split logits)."""
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
-        dist.all_gather(parts, tensor.contiguous())
+        self._collective("all_gather", lambda: dist.all_gather(parts, tensor.contiguous()))
         return torch.cat(parts, dim=-1)
 
     def broadcast_object(self, value=None):
         """Rank 0's `value`, on every rank (the step plans)."""
         box = [value]
-        dist.broadcast_object_list(box, src=0)
+        self._collective("broadcast", lambda: dist.broadcast_object_list(box, src=0))
         return box[0]
 
     def min_over_ranks(self, value: int) -> int:
         tensor = torch.tensor([value], dtype=torch.long, device=self.device)
-        dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+        self._collective("all_reduce (min)", lambda: dist.all_reduce(tensor, op=dist.ReduceOp.MIN))
         return int(tensor.item())
+
+    def _collective(self, name: str, run: Callable[[], _T]) -> _T:
+        if _broken:
+            raise RankLostError(_broken[0])
+        try:
+            return run()
+        except (RuntimeError, OSError) as err:  # gloo: "Connection closed by peer"; NCCL: its error text
+            _broken.append(
+                f"tensor parallel rank {self.rank} of {self.size}: {name} failed, another rank is gone or "
+                f"unreachable ({type(err).__name__}: {str(err).strip()[:300]})"
+            )
+            log.error("%s", _broken[0])
+            raise RankLostError(_broken[0]) from err
 
 
 def join_group(env: RankEnvironment, device: torch.device) -> TensorParallelGroup:
@@ -71,5 +100,6 @@ def leave_group() -> None:
     """Tear the process group down before the process exits (gloo's threads abort an exit that finds them
     still running). Every rank calls it, after its last engine has stopped."""
     if dist.is_initialized():
-        dist.barrier()
+        if not _broken:  # a broken group's barrier would wait on the rank that is gone
+            dist.barrier()
         dist.destroy_process_group()

@@ -17,7 +17,7 @@ from ...config import ConfigError, EngineConfig
 from ..network.llama import LlamaForCausalLM
 from ..network.model_config import ModelConfig
 from .environment import read_rank_environment
-from .group import TensorParallelGroup, join_group
+from .group import TensorParallelGroup, group_broken, join_group
 from .sharded_load import load_sharded
 from .step_sync import FollowerRunner, LeaderRunner
 
@@ -74,5 +74,5 @@ class TensorParallel:
         return LeaderRunner if self.is_leader else FollowerRunner
 
     def stop_followers(self, runner) -> None:
-        if self.is_leader:
+        if self.is_leader and group_broken() is None:  # followers of a broken group have stopped on their own
             runner.stop_followers()
