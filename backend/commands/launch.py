@@ -20,7 +20,13 @@ def add_launch_command(sub) -> None:
         "is used when it exists, else the one bundled in nvidia-pytriton (with its backend folder and "
         "libpython). The repository and the ports are checked first.",
     )
-    parser.add_argument("--world_size", type=int, default=1, help="tritonserver ranks; only 1 is supported yet")
+    parser.add_argument(
+        "--world_size",
+        type=int,
+        default=1,
+        help="ranks (default 1); N > 1 serves the tensorrt_llm model's engine over N tensor-parallel ranks "
+        "(tensor_parallel_size: N in its model.yaml): tritonserver is rank 0, N - 1 follower processes beside it",
+    )
     parser.add_argument(
         "--tritonserver",
         default=NGC_TRITONSERVER,
@@ -50,8 +56,8 @@ def add_launch_command(sub) -> None:
     parser.add_argument(
         "--tensorrt_llm_model_name",
         default="tensorrt_llm",
-        help="name(s) of the tensorrt_llm model(s), comma-separated, that ranks above 0 load; no effect at "
-        "world size 1",
+        help="name of the tensorrt_llm model whose engine the followers of --world_size > 1 join (default "
+        "tensorrt_llm); no effect at world size 1",
     )
     parser.add_argument(
         "--multi-model",

@@ -376,6 +376,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tritonllm.commands.launch import add_launch_command
 
     add_launch_command(sub)
+    from tritonllm.commands.follow import add_follow_command
+
+    add_follow_command(sub)
     from tritonllm.commands.lora import add_lora_command
 
     add_lora_command(sub)
@@ -447,6 +450,10 @@ def _run(args) -> int:
         return main(args)
     if args.command == "launch":
         from tritonllm.commands.launch import main
+
+        return main(args)
+    if args.command == "follow":
+        from tritonllm.commands.follow import main
 
         return main(args)
     from tritonllm.commands.serve import main

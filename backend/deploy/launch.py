@@ -5,8 +5,9 @@ background, so the command returns while the server keeps serving, and `kill PID
 differences: it finds the tritonserver bundled in the nvidia-pytriton wheel, its backend folder and libpython
 by itself when the given binary (by default the NGC container's /opt/tritonserver/bin/tritonserver) is absent;
 it checks the repository and the ports before starting; and it waits until the server is ready, so a model that
-fails to load is an error of the command. World size 1 only: several ranks (tensor parallelism over MPI) are a
-later step.
+fails to load is an error of the command. With `--world_size N` > 1 (the embedded engine's tensor parallelism,
+`tensor_parallel_size: N` in the tensorrt_llm model's model.yaml) tritonserver is rank 0 and N - 1 follower
+processes run beside it (deploy/followers.py), one session each; they stop when tritonserver does.
 """
 
 from __future__ import annotations
@@ -21,10 +22,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
+from tritonllm.deploy import followers
 from tritonllm.deploy.pbtxt_check import model_config_message, parse_model_config
 from tritonllm.deploy.repo import validate_repo
 from tritonllm.deploy.server_log import describe_start_failure, start_failure_causes
 from tritonllm.deploy.tritonserver import ServerError, prepare_python_stub, server_environment, triton_home
+from tritonllm.deploy.tritonserver import free_port as free_port_number
 
 NGC_TRITONSERVER = "/opt/tritonserver/bin/tritonserver"  # the script's default
 ANCHOR_LOG_FILE = "triton_log.txt"
@@ -77,10 +80,10 @@ Say = Callable[[str], None]
 def check_options(options: LaunchOptions) -> None:
     if options.world_size < 1:
         raise LaunchError(f"--world_size must be >= 1, got {options.world_size}")
-    if options.world_size > 1:
+    if options.world_size > 1 and "," in options.tensorrt_llm_model_name:
         raise LaunchError(
-            f"--world_size {options.world_size}: several tritonserver ranks (tensor parallelism over MPI) are "
-            "not supported yet; launch with --world_size 1"
+            f"--world_size {options.world_size} with several tensorrt_llm models "
+            f"({options.tensorrt_llm_model_name}): one tensor-parallel engine per launch is supported"
         )
     ports = {"--http_port": options.http_port, "--grpc_port": options.grpc_port, "--metrics_port": options.metrics_port}
     for flag, port in ports.items():
@@ -239,14 +242,20 @@ def is_ready(http_port: int) -> bool:
         return False
 
 
-def wait_ready(process: subprocess.Popen, options: LaunchOptions) -> None:
-    """Until the server answers ready; its exit or the timeout is an error (the server is then stopped)."""
+def wait_ready(
+    process: subprocess.Popen, options: LaunchOptions, ranks: Optional[list[subprocess.Popen]] = None
+) -> None:
+    """Until the server answers ready; its exit, a follower's (`ranks`) or the timeout is an error (the server is
+    then stopped)."""
     deadline = time.monotonic() + options.ready_timeout_s
     where = f"; see {options.log_file}" if options.log else " (its log is above)"
     while time.monotonic() < deadline:
         code = process.poll()
         if code is not None:
             raise LaunchError(_failed_start(code, options) + where)
+        gone = followers.exited(ranks or [])
+        if gone:
+            raise LaunchError(f"follower {', '.join(gone)} exited while tritonserver was loading; see its log")
         if is_ready(options.http_port):
             return
         time.sleep(0.5)
@@ -286,12 +295,36 @@ def launch(options: LaunchOptions, say: Say = print) -> subprocess.Popen:
     if binary.bundled:
         prepare_python_stub(triton_home())
     command = server_command(options, binary, auto_complete)
+    env, ranks = server_environment(), list[subprocess.Popen]()
+    if options.world_size > 1:
+        env, ranks = _start_followers(options, repo, env, say)
     say("starting " + " ".join(command))
-    process = subprocess.Popen(command, env=server_environment(), start_new_session=True)
+    process = subprocess.Popen(command, env=env, start_new_session=True)
     if options.wait:
         try:
-            wait_ready(process, options)
-        except KeyboardInterrupt:
+            wait_ready(process, options, ranks)
+        except (KeyboardInterrupt, LaunchError):
             process.terminate()
+            followers.stop(ranks)
             raise
     return process
+
+
+def _start_followers(
+    options: LaunchOptions, repo: Path, env: dict, say: Say
+) -> tuple[dict[str, str], list[subprocess.Popen]]:
+    """Leader mode: the followers started, and tritonserver's environment as rank 0."""
+    name = options.tensorrt_llm_model_name
+    try:
+        config = followers.engine_config_of(repo, name)
+        followers.check_world_size(config, options.world_size, name)
+    except (followers.FollowerError, ValueError) as err:
+        raise LaunchError(str(err)) from err
+    port = free_port_number()
+    log_dir = Path(options.log_file).resolve().parent if options.log else repo.parent
+    ranks = followers.start_followers(repo, name, options.world_size, port, log_dir)
+    say(
+        f"leader mode: tritonserver is rank 0 of {options.world_size}; followers (PIDs "
+        f"{', '.join(str(p.pid) for p in ranks)}) log to {log_dir}/follower-*.log"
+    )
+    return followers.rank_environment(0, options.world_size, port, env), ranks

@@ -8,6 +8,7 @@ from typing import Any, Callable
 from ..engine import create_engine
 from ..engine.config import EngineConfig
 from .llm_metrics import EngineMetrics
+from .rank_watch import stop_server_when_engine_fails
 from .request_metrics import RequestMetrics
 
 
@@ -25,6 +26,8 @@ class EngineBackedModel:
         self.request_metrics = RequestMetrics(name, version)
         self.inflight = make_inflight(self.engine, self.request_metrics.observe)
         self.metrics = EngineMetrics(self.engine.stats, name, version, stats_check_period_ms).start()
+        if engine_config.tensor_parallel_size > 1:  # leader mode: a lost rank ends the server
+            stop_server_when_engine_fails(self.engine)
 
     def execute(self, requests):
         for request in requests:

@@ -9,6 +9,7 @@ import re
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -66,6 +67,84 @@ def test_launch_with_the_scripts_flags_serves_and_stops_cleanly(tiny_model, tmp_
     left = subprocess.run(["pgrep", "-f", f"triton_python_backend_stub {repo}"], capture_output=True, text=True)
     assert not left.stdout.strip(), "a model process outlived the server"
     assert busy_ports([ports.http, ports.grpc, ports.metrics]) == []
+
+
+def _launch_two_ranks(repo: Path, tmp_path: Path) -> tuple[Ports, int, int]:
+    """`tritonllm launch --world_size 2` on `repo`: (ports, tritonserver's PID, the follower's PID)."""
+    (repo / "tensorrt_llm" / "1" / "model.yaml").write_text("tensor_parallel_size: 2\n")
+    ports = Ports.free()
+    command = [sys.executable, "-m", "tritonllm", "launch", "--world_size", "2", f"--model_repo={repo}", "--force"]
+    command += [f"--http_port={ports.http}", f"--grpc_port={ports.grpc}", f"--metrics_port={ports.metrics}"]
+    command += ["--log", "--log-file", str(tmp_path / "triton_log.txt")]
+    output = tmp_path / "launch.out"
+    with output.open("w") as sink:
+        code = subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT, timeout=300).returncode
+    text = output.read_text(errors="replace")
+    match, ranks = re.search(r"tritonserver ready \(PID (\d+)\)", text), re.search(r"followers \(PIDs (\d+)\)", text)
+    assert code == 0 and match and ranks, text
+    return ports, int(match.group(1)), int(ranks.group(1))
+
+
+def _direct_generate(ports: Ports, prompt: list[int], end_id: int) -> tuple[int, dict]:
+    from .clients import direct_request, generate_body
+
+    body = generate_body(direct_request(prompt, 8, end_id, exclude_input_in_output=True))
+    request = urllib.request.Request(
+        f"http://localhost:{ports.http}/v2/models/tensorrt_llm/generate", data=json.dumps(body).encode()
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def _wait_gone(pids: list[int], seconds: float) -> None:
+    deadline = time.monotonic() + seconds
+    while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+def test_launch_world_size_two_serves_rank_zero_in_tritonserver_with_a_follower(tiny_model, tmp_path):
+    """Leader mode on CPU with gloo: the tensorrt_llm model's engine is rank 0 of two, a `tritonllm follow`
+    process rank 1; greedy tokens through the real server equal one rank's, and both ranks stop with the server."""
+    from tritonllm.deploy.followers import engine_config_of
+    from tritonllm.engine.embedded.engine import EmbeddedEngine
+    from tritonllm.engine.types import SamplingParams
+
+    repo = build_repo(tiny_model, tmp_path / "repo", streaming=False, guided_decoding_backend=None)
+    prompt, end_id = [5, 17, 42, 99, 3, 250, 7], 2
+    single = EmbeddedEngine(engine_config_of(repo, "tensorrt_llm"))  # what one rank gives for the same settings
+    try:
+        expected = single.generate(prompt, SamplingParams(max_tokens=8, end_id=end_id)).outputs[0].token_ids
+    finally:
+        single.shutdown()
+    ports, pid, follower = _launch_two_ranks(repo, tmp_path)
+    try:
+        status, reply = _direct_generate(ports, prompt, end_id)
+        assert status == 200 and reply["output_ids"] == expected, (reply, expected)
+    finally:
+        subprocess.run(["kill", str(pid)], check=False)
+        _wait_gone([pid, follower], 40)
+    assert _gone(pid), "tritonserver did not stop on SIGTERM"
+    follower_log = (tmp_path / "follower-1.log").read_text()
+    assert _gone(follower), "the follower outlived rank 0: " + follower_log[-2000:]
+    assert "rank 1 stops after" in follower_log and "Traceback" not in follower_log, follower_log[-3000:]
+
+
+def test_a_lost_follower_fails_the_request_and_stops_the_server(tiny_model, tmp_path):
+    repo = build_repo(tiny_model, tmp_path / "repo", streaming=False, guided_decoding_backend=None)
+    ports, pid, follower = _launch_two_ranks(repo, tmp_path)
+    try:
+        subprocess.run(["kill", "-9", str(follower)], check=False)
+        _wait_gone([follower], 10)
+        status, reply = _direct_generate(ports, [5, 17, 42], 2)  # rank 0 finds the follower gone in this step
+        assert status != 200 and "another rank is gone" in reply.get("error", ""), (status, reply)
+        _wait_gone([pid], 40)  # and then stops the server instead of staying ready
+        assert _gone(pid), "tritonserver kept running after its engine lost a rank"
+    finally:
+        subprocess.run(["kill", "-9", str(pid)], check=False)
+    assert "stopping tritonserver" in (tmp_path / "triton_log.txt").read_text()
 
 
 def test_launch_refuses_a_repository_for_the_cpp_backend_before_starting(tiny_model, tmp_path):

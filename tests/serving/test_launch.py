@@ -86,9 +86,39 @@ def test_every_launch_flag_has_help_text():
         assert action.help, action.option_strings
 
 
-def test_world_size_above_one_is_refused_clearly(tmp_path):
-    with pytest.raises(LaunchError, match="--world_size 2: several tritonserver ranks .* not supported yet"):
-        check_options(LaunchOptions(model_repo=tmp_path, world_size=2))
+def test_world_size_above_one_takes_one_engine_whose_tensor_parallel_size_matches(tmp_path):
+    from tritonllm.checkpoints.tiny import build_tiny_model
+    from tritonllm.deploy.followers import FollowerError, check_world_size, engine_config_of, rank_environment
+    from tritonllm.deploy.repo import build_repo
+
+    with pytest.raises(LaunchError, match="several tensorrt_llm models .* one tensor-parallel engine"):
+        check_options(LaunchOptions(model_repo=tmp_path, world_size=2, tensorrt_llm_model_name="a,b"))
+    repo = build_repo(build_tiny_model(tmp_path / "tiny"), tmp_path / "repo", guided_decoding_backend=None)
+    config = engine_config_of(repo, "tensorrt_llm")  # what the model builds at load: its config.pbtxt's settings
+    assert config.max_batch_size == 8 and config.tensor_parallel_size == 1
+    with pytest.raises(FollowerError, match="--world_size 2 but .* tensor_parallel_size=1: set tensor_parallel_size"):
+        check_world_size(config, 2, "tensorrt_llm")
+    (repo / "tensorrt_llm" / "1" / "model.yaml").write_text("tensor_parallel_size: 2\n")
+    check_world_size(engine_config_of(repo, "tensorrt_llm"), 2, "tensorrt_llm")
+    with pytest.raises(FollowerError, match="missing/config.pbtxt does not exist"):
+        engine_config_of(repo, "missing")
+    env = rank_environment(1, 2, 1234, base={"PATH": "/bin"})
+    assert env == {
+        "PATH": "/bin",
+        "TRITONLLM_RANK": "1",
+        "TRITONLLM_WORLD_SIZE": "2",
+        "TRITONLLM_LOCAL_RANK": "1",
+        "TRITONLLM_MASTER_ADDR": "127.0.0.1",
+        "TRITONLLM_MASTER_PORT": "1234",
+    }
+    from tritonllm.engine.embedded.parallel.environment import read_rank_environment
+
+    read = read_rank_environment(env)  # what that rank's engine reads
+    assert read is not None
+    assert (read.launcher, read.rank, read.world_size, read.master_port) == ("tritonllm launch", 1, 2, 1234)
+
+
+def test_bad_launch_options_are_refused_clearly(tmp_path):
     with pytest.raises(LaunchError, match="ports must differ"):
         check_options(LaunchOptions(model_repo=tmp_path, http_port=8001))
     with pytest.raises(LaunchError, match="is not a folder"):

@@ -1,9 +1,11 @@
 """The rank environment a launcher sets, parsed once into a `RankEnvironment`.
 
-Sources, first match wins: torchrun (RANK / WORLD_SIZE / LOCAL_RANK), Open MPI (OMPI_COMM_WORLD_*), PMI
-(PMI_RANK / PMI_SIZE, as MPICH and Intel MPI set them) and Slurm (SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID).
-MASTER_ADDR / MASTER_PORT say where rank 0 listens whatever the launcher (torchrun sets them; with the others the
-user exports them)."""
+Sources, first match wins: `tritonllm launch --world_size N` (TRITONLLM_RANK / TRITONLLM_WORLD_SIZE /
+TRITONLLM_LOCAL_RANK, TRITONLLM_MASTER_ADDR / TRITONLLM_MASTER_PORT: names of its own, so that the other models'
+processes of the same tritonserver, which inherit them too, do not take themselves for ranks of a torch job),
+torchrun (RANK / WORLD_SIZE / LOCAL_RANK), Open MPI (OMPI_COMM_WORLD_*), PMI (PMI_RANK / PMI_SIZE, as MPICH and
+Intel MPI set them) and Slurm (SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID). For those, MASTER_ADDR / MASTER_PORT
+say where rank 0 listens (torchrun sets them; with the others the user exports them)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ from ...config import ConfigError
 
 # (launcher, rank variable, world size variable, local rank variable or None)
 _SOURCES = (
+    ("tritonllm launch", "TRITONLLM_RANK", "TRITONLLM_WORLD_SIZE", "TRITONLLM_LOCAL_RANK"),
     ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK"),
     ("Open MPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
     ("PMI", "PMI_RANK", "PMI_SIZE", None),
@@ -55,13 +58,14 @@ def read_rank_environment(environ: Mapping[str, str]) -> Optional[RankEnvironmen
         if rank >= world_size:
             raise ConfigError(f"{rank_var}={rank} is not below {size_var}={world_size}")
         local_rank = _integer(environ, local_var, minimum=0, launcher=launcher) if local_var in environ else rank
+        prefix = "TRITONLLM_" if rank_var.startswith("TRITONLLM_") else ""
         return RankEnvironment(
             launcher,
             rank,
             world_size,
             local_rank,
-            environ.get("MASTER_ADDR") or DEFAULT_MASTER_ADDR,
-            _port(environ),
+            environ.get(prefix + "MASTER_ADDR") or DEFAULT_MASTER_ADDR,
+            _port(environ, prefix + "MASTER_PORT"),
         )
     return None
 
@@ -79,14 +83,14 @@ def _integer(environ: Mapping[str, str], name: Optional[str], minimum: int, laun
     return value
 
 
-def _port(environ: Mapping[str, str]) -> int:
-    raw = environ.get("MASTER_PORT")
+def _port(environ: Mapping[str, str], name: str) -> int:
+    raw = environ.get(name)
     if not raw:
         return DEFAULT_MASTER_PORT
     try:
         port = int(raw)
     except ValueError:
-        raise ConfigError(f"MASTER_PORT must be an integer, got {raw!r}") from None
+        raise ConfigError(f"{name} must be an integer, got {raw!r}") from None
     if not 0 < port < 65536:
-        raise ConfigError(f"MASTER_PORT must be a TCP port (1-65535), got {port}")
+        raise ConfigError(f"{name} must be a TCP port (1-65535), got {port}")
     return port

@@ -96,10 +96,11 @@ def join_group(env: RankEnvironment, device: torch.device) -> TensorParallelGrou
     return TensorParallelGroup(env, device)
 
 
-def leave_group() -> None:
+def leave_group(wait_for_others: bool = True) -> None:
     """Tear the process group down before the process exits (gloo's threads abort an exit that finds them
-    still running). Every rank calls it, after its last engine has stopped."""
+    still running). Every rank calls it, after its last engine has stopped; `wait_for_others` meets the other
+    ranks in a barrier first, which a follower of a rank 0 that does not call this (tritonserver's) must skip."""
     if dist.is_initialized():
-        if not _broken:  # a broken group's barrier would wait on the rank that is gone
+        if wait_for_others and not _broken:  # a broken group's barrier would wait on the rank that is gone
             dist.barrier()
         dist.destroy_process_group()

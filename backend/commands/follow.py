@@ -1,0 +1,38 @@
+"""`tritonllm follow`: one follower rank of `tritonllm launch --world_size N` (deploy/followers.py starts it with
+its rank's variables): the tensorrt_llm model's engine configuration, read as that model reads it, then rank 0's
+steps until rank 0 stops."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+
+def add_follow_command(sub) -> None:
+    parser = sub.add_parser(
+        "follow",
+        help="run a follower rank of a tensor-parallel launch (tritonllm launch --world_size N starts these)",
+        description="Builds the engine of a repository's tensorrt_llm model as that model builds it at load "
+        "(config.pbtxt and model.yaml), joins the tensor-parallel group that the rank variables name (RANK, "
+        "WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, or the MPI / Slurm ones) and runs rank 0's steps "
+        "until rank 0 stops. Exits 0 when rank 0 shut down, 1 when another rank was lost.",
+    )
+    parser.add_argument("--model_repo", required=True, help="the model repository tritonserver serves")
+    parser.add_argument("--model", default="tensorrt_llm", help="the engine's model in it (default tensorrt_llm)")
+
+
+def main(args) -> int:
+    from tritonllm.deploy.followers import engine_config_of
+    from tritonllm.engine.embedded.parallel.follower import run_follower
+    from tritonllm.engine.embedded.parallel.group import RankLostError, leave_group
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    config = engine_config_of(Path(args.model_repo), args.model)
+    try:
+        run_follower(config)
+    except RankLostError as err:
+        logging.getLogger("tritonllm.engine").error("follower stops: %s", err)
+        leave_group(wait_for_others=False)
+        return 1
+    leave_group(wait_for_others=False)  # rank 0, inside tritonserver, leaves without a barrier
+    return 0
