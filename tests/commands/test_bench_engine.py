@@ -10,14 +10,8 @@ from tokenizers import Tokenizer
 
 from tritonllm.checkpoints.shapes import write_shape_folder
 from tritonllm.checkpoints.tiny import tiny_config, trained_tokenizer_json
-from tritonllm.commands.bench_engine import (
-    busy_share,
-    collector_pauses,
-    engine_config,
-    make_nano_requests,
-    resolve_workload,
-    top_kernels,
-)
+from tritonllm.commands.bench_engine import collector_pauses, engine_config, make_nano_requests, resolve_workload
+from tritonllm.commands.bench_profile import busy_share, top_kernels
 from tritonllm.commands.main import build_parser, main
 
 JSON_KEYS = {
