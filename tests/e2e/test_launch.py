@@ -76,6 +76,7 @@ def _launch_two_ranks(repo: Path, tmp_path: Path) -> tuple[Ports, int, int]:
     command = [sys.executable, "-m", "tritonllm", "launch", "--world_size", "2", f"--model_repo={repo}", "--force"]
     command += [f"--http_port={ports.http}", f"--grpc_port={ports.grpc}", f"--metrics_port={ports.metrics}"]
     command += ["--log", "--log-file", str(tmp_path / "triton_log.txt")]
+    command += ["--ready-timeout", "240"]  # the launcher stops what it started before this test gives up on it
     output = tmp_path / "launch.out"
     with output.open("w") as sink:
         code = subprocess.run(command, stdout=sink, stderr=subprocess.STDOUT, timeout=300).returncode
