@@ -38,6 +38,12 @@ def engine_config_of(repo: Path, model_name: str) -> EngineConfig:
     if not config_path.is_file():
         raise FollowerError(f"--tensorrt_llm_model_name {model_name}: {config_path} does not exist")
     message = parse_model_config(config_path.read_text())
+    instances = sum(group.count or 1 for group in message.instance_group) or 1
+    if instances > 1:  # each instance is a process of its own, and each would be rank 0
+        raise FollowerError(
+            f"{config_path}: instance_group asks for {instances} instances; a tensor-parallel engine is served "
+            "by one (set count: 1)"
+        )
     model_config = MessageToDict(message, preserving_proto_field_name=True)
     return load_tensorrt_llm_settings(model_config, model_dir).engine
 

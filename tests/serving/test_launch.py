@@ -102,6 +102,12 @@ def test_world_size_above_one_takes_one_engine_whose_tensor_parallel_size_matche
     check_world_size(engine_config_of(repo, "tensorrt_llm"), 2, "tensorrt_llm")
     with pytest.raises(FollowerError, match="missing/config.pbtxt does not exist"):
         engine_config_of(repo, "missing")
+    config_path = repo / "tensorrt_llm" / "config.pbtxt"
+    config_path.write_text(
+        config_path.read_text().replace("{ count: 1 kind: KIND_CPU }", "{ count: 2 kind: KIND_CPU }")
+    )
+    with pytest.raises(FollowerError, match="instance_group asks for 2 instances; .* served by one"):
+        engine_config_of(repo, "tensorrt_llm")
     env = rank_environment(1, 2, 1234, base={"PATH": "/bin"})
     assert env == {
         "PATH": "/bin",
