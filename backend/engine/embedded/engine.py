@@ -191,15 +191,13 @@ class EmbeddedEngine:
             return
         except Exception as exc:
             log.exception("engine step failed; failing the %d active request(s)", len(self._handles))
-            self.core.fail_all()
-            handles, self._handles = self._handles, {}
-            for handle in handles.values():
-                handle._put(EngineError(f"engine step failed: {exc}"))
+            self._fail_handles(EngineError(f"engine step failed: {exc}"))
             return
         for request in updated:
             self._deliver(request)
 
     def _fail_handles(self, error: EngineError) -> None:
+        """Fail every active request with `error` (their blocks freed) and forget their handles."""
         self.core.fail_all()
         handles, self._handles = self._handles, {}
         for handle in handles.values():

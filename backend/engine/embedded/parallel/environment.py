@@ -14,13 +14,13 @@ from typing import Mapping, Optional
 
 from ...config import ConfigError
 
-# (launcher, rank variable, world size variable, local rank variable or None)
+# (launcher, rank variable, world size variable, local rank variable or None, the master's variables' prefix)
 _SOURCES = (
-    ("tritonllm launch", "TRITONLLM_RANK", "TRITONLLM_WORLD_SIZE", "TRITONLLM_LOCAL_RANK"),
-    ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK"),
-    ("Open MPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK"),
-    ("PMI", "PMI_RANK", "PMI_SIZE", None),
-    ("Slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID"),
+    ("tritonllm launch", "TRITONLLM_RANK", "TRITONLLM_WORLD_SIZE", "TRITONLLM_LOCAL_RANK", "TRITONLLM_"),
+    ("torchrun", "RANK", "WORLD_SIZE", "LOCAL_RANK", ""),
+    ("Open MPI", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", ""),
+    ("PMI", "PMI_RANK", "PMI_SIZE", None, ""),
+    ("Slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", ""),
 )
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500
@@ -50,7 +50,7 @@ class RankEnvironment:
 
 def read_rank_environment(environ: Mapping[str, str]) -> Optional[RankEnvironment]:
     """The environment's ranks, or None when no launcher set any (a single process)."""
-    for launcher, rank_var, size_var, local_var in _SOURCES:
+    for launcher, rank_var, size_var, local_var, prefix in _SOURCES:
         if rank_var not in environ and size_var not in environ:
             continue
         world_size = _integer(environ, size_var, minimum=1, launcher=launcher)
@@ -58,7 +58,6 @@ def read_rank_environment(environ: Mapping[str, str]) -> Optional[RankEnvironmen
         if rank >= world_size:
             raise ConfigError(f"{rank_var}={rank} is not below {size_var}={world_size}")
         local_rank = _integer(environ, local_var, minimum=0, launcher=launcher) if local_var in environ else rank
-        prefix = "TRITONLLM_" if rank_var.startswith("TRITONLLM_") else ""
         return RankEnvironment(
             launcher,
             rank,
