@@ -264,6 +264,20 @@ def engine_is_idle(gauges: dict[tuple[str, str], float]) -> bool:
     )
 
 
+ITERATIONS = ("nv_trt_llm_general_metrics", "iteration_counter")
+
+
+def assert_cut_short(server: "LiveServer", before: dict[tuple[str, str], float], max_tokens: int) -> None:
+    """A stream its client cancelled freed the engine and ended before its `max_tokens` steps (a request that ran
+    to its end takes at least that many). The bound is the request's length, not a number of steps: how many steps
+    run before the cancellation lands depends on the machine (it crosses polls every cancellation_check_period_ms,
+    the OpenAI front, busy cores), and one loaded CI machine ran 1027 of a 2042-token request's steps."""
+    after = server.wait_engine_idle(timeout=10)
+    assert engine_is_idle(after), f"the engine did not free its blocks or requests: {after}"
+    steps = after[ITERATIONS] - before[ITERATIONS]
+    assert 0 < steps < max_tokens, f"the engine ran {steps} steps of a cancelled {max_tokens}-token request"
+
+
 def sse_events(response: http.client.HTTPResponse) -> Iterator[dict]:
     """The JSON payloads of a server-sent-event stream, as they arrive."""
     for raw in response:

@@ -29,9 +29,6 @@ CONVERSATION = [
     {"role": "user", "content": "And the capital of Italy?"},
 ]
 PROMPT = "The lamp turned and turned"
-# as in test_cancellation: a closed stream must end the engine request long before this many steps
-EARLY = 400
-ITERATIONS = ("nv_trt_llm_general_metrics", "iteration_counter")
 
 
 def start_frontend(server, tiny_model: Path, log_dir: Path, *extra: str) -> FrontendProcess:
@@ -254,10 +251,7 @@ def test_closing_a_stream_early_cancels_the_triton_request(server, client, token
             break
     stream.close()
     assert all(chunk.choices[0].finish_reason is None for chunk in received)
-    after = server.wait_engine_idle(timeout=10)
-    assert clients.engine_is_idle(after), f"the engine did not free its blocks or requests: {after}"
-    steps = after[ITERATIONS] - before[ITERATIONS]
-    assert 0 < steps < EARLY, f"the engine ran {steps} steps for a stream closed after 5 chunks"
+    clients.assert_cut_short(server, before, max_tokens)
 
 
 # ---------------------------------------------------------------------------------------------- LoRA
