@@ -11,9 +11,10 @@ from pathlib import Path
 def add_follow_command(sub) -> None:
     parser = sub.add_parser(
         "follow",
-        help="run a follower rank of a tensor-parallel launch (tritonllm launch --world_size N starts these)",
+        help="run a follower rank of a tensor- or pipeline-parallel launch (tritonllm launch --world_size N "
+        "starts these)",
         description="Builds the engine of a repository's tensorrt_llm model as that model builds it at load "
-        "(config.pbtxt and model.yaml), joins the tensor-parallel group that the rank variables name (RANK, "
+        "(config.pbtxt and model.yaml), joins the parallel group that the rank variables name (RANK, "
         "WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, or the MPI / Slurm ones) and runs rank 0's steps "
         "until rank 0 stops. Exits 0 when rank 0 shut down, 1 when another rank was lost.",
     )

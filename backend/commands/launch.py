@@ -24,8 +24,8 @@ def add_launch_command(sub) -> None:
         "--world_size",
         type=int,
         default=1,
-        help="ranks (default 1); N > 1 serves the tensorrt_llm model's engine over N tensor-parallel ranks "
-        "(tensor_parallel_size: N in its model.yaml): tritonserver is rank 0, N - 1 follower processes beside it",
+        help="ranks (default 1); N > 1 serves the tensorrt_llm model's engine over N ranks (tensor_parallel_size "
+        "x pipeline_parallel_size = N in its model.yaml): tritonserver is rank 0, N - 1 follower processes beside it",
     )
     parser.add_argument(
         "--tritonserver",

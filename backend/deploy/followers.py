@@ -3,10 +3,9 @@
 TensorRT-LLM's backend runs one MPI rank per GPU, rank 0 taking the requests (leader mode). Here rank 0 is the
 `tensorrt_llm` model inside tritonserver: its stub process inherits the launcher's rank variables
 (TRITONLLM_RANK=0, TRITONLLM_WORLD_SIZE, ...: parallel/environment.py) and its embedded engine joins the
-tensor-parallel group. Each
-follower is `tritonllm follow` with its own rank: it builds the same engine configuration from the same
-config.pbtxt and model.yaml, then runs rank 0's steps until rank 0 stops (a rank that dies ends the others:
-parallel/group.py)."""
+parallel group (tensor ranks, pipeline stages). Each follower is `tritonllm follow` with its own rank: it builds
+the same engine configuration from the same config.pbtxt and model.yaml, then runs rank 0's steps until rank 0
+stops (a rank that dies ends the others: parallel/group.py)."""
 
 from __future__ import annotations
 
@@ -41,18 +40,19 @@ def engine_config_of(repo: Path, model_name: str) -> EngineConfig:
     instances = sum(group.count or 1 for group in message.instance_group) or 1
     if instances > 1:  # each instance is a process of its own, and each would be rank 0
         raise FollowerError(
-            f"{config_path}: instance_group asks for {instances} instances; a tensor-parallel engine is served "
-            "by one (set count: 1)"
+            f"{config_path}: instance_group asks for {instances} instances; a parallel engine is served by one "
+            "(set count: 1)"
         )
     model_config = MessageToDict(message, preserving_proto_field_name=True)
     return load_tensorrt_llm_settings(model_config, model_dir).engine
 
 
 def check_world_size(config: EngineConfig, world_size: int, model_name: str) -> None:
-    if config.tensor_parallel_size != world_size:
+    if config.world_size != world_size:
         raise FollowerError(
-            f"--world_size {world_size} but the {model_name} model's engine has tensor_parallel_size="
-            f"{config.tensor_parallel_size}: set tensor_parallel_size: {world_size} in its model.yaml"
+            f"--world_size {world_size} but the {model_name} model's engine runs on {config.world_size} rank(s) "
+            f"({config.parallel_layout()}): set tensor_parallel_size x pipeline_parallel_size to {world_size} "
+            "in its model.yaml"
         )
 
 

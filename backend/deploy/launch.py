@@ -5,9 +5,10 @@ background, so the command returns while the server keeps serving, and `kill PID
 differences: it finds the tritonserver bundled in the nvidia-pytriton wheel, its backend folder and libpython
 by itself when the given binary (by default the NGC container's /opt/tritonserver/bin/tritonserver) is absent;
 it checks the repository and the ports before starting; and it waits until the server is ready, so a model that
-fails to load is an error of the command. With `--world_size N` > 1 (the embedded engine's tensor parallelism,
-`tensor_parallel_size: N` in the tensorrt_llm model's model.yaml) tritonserver is rank 0 and N - 1 follower
-processes run beside it (deploy/followers.py), one session each; they stop when tritonserver does.
+fails to load is an error of the command. With `--world_size N` > 1 (the embedded engine's tensor and pipeline
+parallelism, tensor_parallel_size x pipeline_parallel_size = N in the tensorrt_llm model's model.yaml)
+tritonserver is rank 0 and N - 1 follower processes run beside it (deploy/followers.py), one session each; they
+stop when tritonserver does.
 """
 
 from __future__ import annotations
@@ -83,7 +84,7 @@ def check_options(options: LaunchOptions) -> None:
     if options.world_size > 1 and "," in options.tensorrt_llm_model_name:
         raise LaunchError(
             f"--world_size {options.world_size} with several tensorrt_llm models "
-            f"({options.tensorrt_llm_model_name}): one tensor-parallel engine per launch is supported"
+            f"({options.tensorrt_llm_model_name}): one parallel engine per launch is supported"
         )
     ports = {"--http_port": options.http_port, "--grpc_port": options.grpc_port, "--metrics_port": options.metrics_port}
     for flag, port in ports.items():

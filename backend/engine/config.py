@@ -258,13 +258,8 @@ class EngineConfig:
     def embedded_unsupported(self) -> list[str]:
         """Settings the embedded engine cannot honour, each as 'key=value (why)'."""
         problems = [f"{k}={v!r} (unknown to the embedded engine)" for k, v in self.extra.items()]
-        if self.pipeline_parallel_size != 1:
-            problems.append(
-                f"pipeline_parallel_size={self.pipeline_parallel_size} (pipeline parallelism is not yet supported "
-                "by the embedded engine; tensor_parallel_size is)"
-            )
-        if self.tensor_parallel_size > 1:
-            problems.extend(self.tensor_parallel_unsupported())
+        if self.world_size > 1:
+            problems.extend(self.parallel_unsupported())
         for name in ("moe_expert_parallel_size", "moe_tensor_parallel_size"):
             value = getattr(self, name)
             if value is not None and value != 1:
@@ -286,9 +281,23 @@ class EngineConfig:
             )
         return problems
 
-    def tensor_parallel_unsupported(self) -> list[str]:
-        """Settings the embedded engine's tensor parallelism does not cover yet, each named."""
-        size = f"with tensor_parallel_size={self.tensor_parallel_size}"
+    @property
+    def world_size(self) -> int:
+        """Processes (ranks) the engine runs on: tensor_parallel_size x pipeline_parallel_size."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    def parallel_layout(self) -> str:
+        """The sizes as a user wrote them, for messages: 'tensor_parallel_size=2 and pipeline_parallel_size=2'."""
+        sizes = [
+            ("tensor_parallel_size", self.tensor_parallel_size),
+            ("pipeline_parallel_size", self.pipeline_parallel_size),
+        ]
+        shown = [f"{name}={value}" for name, value in sizes if value > 1] or ["tensor_parallel_size=1"]
+        return " and ".join(shown)
+
+    def parallel_unsupported(self) -> list[str]:
+        """Settings the embedded engine's tensor and pipeline parallelism do not cover yet, each named."""
+        size = f"with {self.parallel_layout()}"
         refused = {
             "enable_lora / lora_config (LoRA)": self.lora_settings() is not None,
             "speculative_config (speculative decoding)": bool(self.speculative_config),
@@ -299,7 +308,11 @@ class EngineConfig:
             "kv_cache_config.dtype='fp8' (an FP8 KV cache)": kv_cache_fp8(self),
             f"load_format={self.load_format!r} (dummy weights)": self.load_format != "auto",
         }
-        return [f"{what} {size} (not supported under tensor parallelism yet)" for what, on in refused.items() if on]
+        return [
+            f"{what} {size} (not supported under tensor or pipeline parallelism yet)"
+            for what, on in refused.items()
+            if on
+        ]
 
 
 def _legacy_cuda_graph_switch(args: dict[str, Any]) -> dict[str, Any]:

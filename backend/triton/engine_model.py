@@ -26,7 +26,7 @@ class EngineBackedModel:
         self.request_metrics = RequestMetrics(name, version)
         self.inflight = make_inflight(self.engine, self.request_metrics.observe)
         self.metrics = EngineMetrics(self.engine.stats, name, version, stats_check_period_ms).start()
-        if engine_config.tensor_parallel_size > 1:  # leader mode: a lost rank ends the server
+        if engine_config.world_size > 1:  # leader mode: a lost rank ends the server
             stop_server_when_engine_fails(self.engine)
 
     def execute(self, requests):

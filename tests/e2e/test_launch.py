@@ -69,9 +69,10 @@ def test_launch_with_the_scripts_flags_serves_and_stops_cleanly(tiny_model, tmp_
     assert busy_ports([ports.http, ports.grpc, ports.metrics]) == []
 
 
-def _launch_two_ranks(repo: Path, tmp_path: Path) -> tuple[Ports, int, int]:
-    """`tritonllm launch --world_size 2` on `repo`: (ports, tritonserver's PID, the follower's PID)."""
-    (repo / "tensorrt_llm" / "1" / "model.yaml").write_text("tensor_parallel_size: 2\n")
+def _launch_two_ranks(repo: Path, tmp_path: Path, sizes: str = "tensor_parallel_size: 2") -> tuple[Ports, int, int]:
+    """`tritonllm launch --world_size 2` on `repo` with `sizes` in the engine's model.yaml: (ports, tritonserver's
+    PID, the follower's PID)."""
+    (repo / "tensorrt_llm" / "1" / "model.yaml").write_text(sizes + "\n")
     ports = Ports.free()
     command = [sys.executable, "-m", "tritonllm", "launch", "--world_size", "2", f"--model_repo={repo}", "--force"]
     command += [f"--http_port={ports.http}", f"--grpc_port={ports.grpc}", f"--metrics_port={ports.metrics}"]
@@ -106,9 +107,11 @@ def _wait_gone(pids: list[int], seconds: float) -> None:
         time.sleep(0.2)
 
 
-def test_launch_world_size_two_serves_rank_zero_in_tritonserver_with_a_follower(tiny_model, tmp_path):
-    """Leader mode on CPU with gloo: the tensorrt_llm model's engine is rank 0 of two, a `tritonllm follow`
-    process rank 1; greedy tokens through the real server equal one rank's, and both ranks stop with the server."""
+@pytest.mark.parametrize("sizes", ["tensor_parallel_size: 2", "pipeline_parallel_size: 2"])
+def test_launch_world_size_two_serves_rank_zero_in_tritonserver_with_a_follower(tiny_model, tmp_path, sizes):
+    """Leader mode on CPU with gloo: the tensorrt_llm model's engine is rank 0 of two (two tensor ranks, or two
+    pipeline stages), a `tritonllm follow` process rank 1; greedy tokens through the real server equal one rank's,
+    and both ranks stop with the server."""
     from tritonllm.deploy.followers import engine_config_of
     from tritonllm.engine.embedded.engine import EmbeddedEngine
     from tritonllm.engine.types import SamplingParams
@@ -120,7 +123,7 @@ def test_launch_world_size_two_serves_rank_zero_in_tritonserver_with_a_follower(
         expected = single.generate(prompt, SamplingParams(max_tokens=8, end_id=end_id)).outputs[0].token_ids
     finally:
         single.shutdown()
-    ports, pid, follower = _launch_two_ranks(repo, tmp_path)
+    ports, pid, follower = _launch_two_ranks(repo, tmp_path, sizes)
     try:
         status, reply = _direct_generate(ports, prompt, end_id)
         assert status == 200 and reply["output_ids"] == expected, (reply, expected)

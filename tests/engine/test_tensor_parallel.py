@@ -5,43 +5,21 @@ rank environment's parsing and the sharding rules."""
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
-from tritonllm.checkpoints.tiny import build_tiny_model, random_weights
+from tritonllm.checkpoints.tiny import build_tiny_model
 from tritonllm.engine.config import ConfigError, EngineConfig
 from tritonllm.engine.embedded.network.model_config import ModelConfig
 from tritonllm.engine.embedded.parallel.environment import read_rank_environment
+from tritonllm.engine.embedded.parallel.layout import ParallelLayout
 from tritonllm.engine.embedded.parallel.sharding import ShardPlan, TensorSlice
 
+from .parallel_ranks import launch, one_kv_head_llama, start_ranks
 from .tp_worker import run_scenarios
-
-WORKER = Path(__file__).with_name("tp_worker.py")
-
-
-def one_kv_head_llama(out: Path) -> Path:
-    """The tiny Llama with a single KV head (fewer KV heads than ranks: each rank keeps it) and a bias on every
-    projection (the builder's Llama has none): o_proj's and down_proj's are the row-parallel ones, added once."""
-    model_dir = build_tiny_model(out, seed=3, arch="llama")
-    config = json.loads((model_dir / "config.json").read_text())
-    config.update(num_key_value_heads=1, attention_bias=True, mlp_bias=True)
-    (model_dir / "config.json").write_text(json.dumps(config))
-    weights = random_weights(config, 3)
-    generator = torch.Generator().manual_seed(4)
-    for name, tensor in list(weights.items()):
-        if name.endswith(("o_proj.weight", "gate_proj.weight", "up_proj.weight", "down_proj.weight")):
-            bias = torch.randn(tensor.shape[0], generator=generator) * 0.5
-            weights[name.replace(".weight", ".bias")] = bias
-    save_file(weights, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
-    return model_dir
 
 
 @pytest.fixture(scope="module", params=["qwen2", "llama-1kv"])
@@ -52,37 +30,6 @@ def tiny(request, tmp_path_factory) -> Path:
     if request.param == "llama-1kv":
         return one_kv_head_llama(out)
     return build_tiny_model(out, seed=5, arch="qwen2")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_ranks(model_dir: Path, out: Path, *extra: str, world_size: int = 2) -> list:
-    port, procs = free_port(), []
-    for rank in range(world_size):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank)}
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        cmd = [sys.executable, str(WORKER), str(model_dir), str(out / f"rank{rank}.json"), *extra]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    return procs
-
-
-def launch(model_dir: Path, out: Path, world_size: int = 2) -> list:
-    """Run tp_worker.py as `world_size` ranks with torchrun's variables; every rank's JSON result."""
-    procs = start_ranks(model_dir, out, world_size=world_size)
-    try:
-        for rank, proc in enumerate(procs):
-            output, _ = proc.communicate(timeout=300)
-            assert proc.returncode == 0, f"rank {rank} failed:\n{output[-4000:]}"
-    finally:  # a failed leader leaves its followers waiting for the next step
-        for proc in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world_size)]
 
 
 @pytest.mark.parametrize("lost", ["follower", "leader"])
@@ -125,9 +72,9 @@ def test_two_ranks_give_one_ranks_greedy_tokens_and_logits(runs):
         assert two["tokens"] == one["tokens"]
     roomy_one, roomy_two = single[0], leader[0]
     assert roomy_two["prefix_tokens"] == roomy_one["prefix_tokens"]
-    torch.testing.assert_close(
-        torch.tensor(roomy_two["logits"]), torch.tensor(roomy_one["logits"]), rtol=1e-4, atol=1e-4
-    )
+    for key in ("logits", "context_logits"):
+        for one, two in zip(roomy_one[key], roomy_two[key]):
+            torch.testing.assert_close(torch.tensor(two), torch.tensor(one), rtol=1e-4, atol=1e-4)
 
 
 def test_abort_preemption_and_prefix_reuse_free_every_block(runs):
@@ -270,10 +217,11 @@ def test_features_outside_this_slice_are_refused_by_name(extra, named):
     assert any(named in problem for problem in config.embedded_unsupported())
 
 
-def test_pipeline_parallelism_is_not_yet():
-    config = EngineConfig.from_dict({"model": "m", "pipeline_parallel_size": 2})
-    assert any("pipeline_parallel_size=2" in p and "not yet" in p for p in config.embedded_unsupported())
-    assert EngineConfig.from_dict({"model": "m", "tensor_parallel_size": 2}).embedded_unsupported() == []
+def test_pipeline_parallelism_refuses_what_tensor_parallelism_does():
+    config = EngineConfig.from_dict({"model": "m", "pipeline_parallel_size": 2, "max_beam_width": 2})
+    assert config.world_size == 2
+    assert any("(beam search) with pipeline_parallel_size=2" in p for p in config.embedded_unsupported())
+    assert EngineConfig.from_dict({"model": "m", "pipeline_parallel_size": 2}).embedded_unsupported() == []
 
 
 def test_tensor_parallel_without_a_launcher_is_refused(tiny, monkeypatch):
@@ -290,7 +238,8 @@ def test_tensor_parallel_without_a_launcher_is_refused(tiny, monkeypatch):
 class SecondOfTwoRanks:
     """What load_sharded reads of a group (the collectives are only installed, never called here)."""
 
-    rank, size, device = 1, 2, torch.device("cpu")
+    tp_rank, tp_size, device = 1, 2, torch.device("cpu")
+    layout = ParallelLayout(tensor=2, pipeline=1, rank=1)
 
 
 def test_a_rank_holds_exactly_its_slices(tiny):

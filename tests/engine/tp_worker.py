@@ -1,5 +1,6 @@
-"""One rank of the tensor-parallel tests: `python tp_worker.py MODEL_DIR OUT_JSON` under a torchrun-style
-environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT). Rank 0 runs `run_scenarios` and writes what it saw;
+"""One rank of the tensor- and pipeline-parallel tests: `python tp_worker.py MODEL_DIR OUT_JSON` under a
+torchrun-style environment (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT; TP_WORKER_PIPELINE: pipeline_parallel_size,
+1 by default, the rest of the world splits each stage's layers). Rank 0 runs `run_scenarios` and writes what it saw;
 a follower runs each engine's steps (run_follower) and writes how many. The single-rank reference runs the same
 `run_scenarios` in the test process. With a third argument (`follower` / `leader`), `lost_rank`: one rank is killed
 mid-service and the other writes what it saw."""
@@ -11,6 +12,8 @@ import os
 import sys
 import time
 
+import torch
+
 from tritonllm.engine.config import EngineConfig
 from tritonllm.engine.embedded.engine import EmbeddedEngine
 from tritonllm.engine.embedded.engine_core import EngineCore
@@ -20,7 +23,13 @@ PROMPTS = [[5, 17, 42, 99, 3, 250], [7, 8, 9], [600, 512, 1, 2, 3, 4, 5, 6, 7, 8
 SHARED = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]  # three blocks of 4: reused by the second prompt
 
 
-def engine_settings(model_dir: str, tensor_parallel_size: int) -> list[dict]:
+def layout() -> tuple[int, int]:
+    """(tensor_parallel_size, pipeline_parallel_size) of this run's world."""
+    pipeline = int(os.environ.get("TP_WORKER_PIPELINE", "1"))
+    return int(os.environ["WORLD_SIZE"]) // pipeline, pipeline
+
+
+def engine_settings(model_dir: str, tensor_parallel_size: int, pipeline_parallel_size: int = 1) -> list[dict]:
     """The engines each scenario runs on, in order: roomy with prefix reuse, then a KV budget that preempts."""
     base = {
         "model": model_dir,
@@ -29,6 +38,7 @@ def engine_settings(model_dir: str, tensor_parallel_size: int) -> list[dict]:
         "max_batch_size": 4,
         "max_num_tokens": 64,
         "tensor_parallel_size": tensor_parallel_size,
+        "pipeline_parallel_size": pipeline_parallel_size,
     }
     return [
         {**base, "kv_cache_config": {"tokens_per_block": 4, "max_tokens": 256, "enable_block_reuse": True}},
@@ -41,7 +51,9 @@ def engine_settings(model_dir: str, tensor_parallel_size: int) -> list[dict]:
 
 
 def greedy(max_tokens: int, logits: bool = False) -> SamplingParams:
-    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, return_generation_logits=logits)
+    return SamplingParams(
+        max_tokens=max_tokens, ignore_eos=True, return_generation_logits=logits, return_context_logits=logits
+    )
 
 
 def drain(core: EngineCore) -> None:
@@ -60,6 +72,7 @@ def roomy_scenarios(core: EngineCore) -> dict:
     seqs = generate(core, PROMPTS, greedy(12, logits=True), 0)
     tokens = [s.output_token_ids for s in seqs]
     logits = [[row.tolist() for row in s.generation_logits[:3]] for s in seqs[:1]]
+    context = [torch.cat(s.context_logits)[:, :50].tolist() for s in seqs[:2]]  # the prompts' rows, vocab cut
     aborted = core.add_request(100, PROMPTS[2], greedy(20))
     core.step()
     core.step()
@@ -71,6 +84,7 @@ def roomy_scenarios(core: EngineCore) -> dict:
     return {
         "tokens": tokens,
         "logits": logits,
+        "context_logits": context,
         "aborted_tokens": len(aborted.seqs[0].output_token_ids),
         "prefix_tokens": prefix,
         "reused_blocks": core.block_manager.num_reused_blocks - reused_before,
@@ -88,17 +102,16 @@ def preempting_scenarios(core: EngineCore) -> dict:
     }
 
 
-def run_scenarios(model_dir: str, tensor_parallel_size: int) -> list[dict]:
+def run_scenarios(model_dir: str, tensor_parallel_size: int, pipeline_parallel_size: int = 1) -> list[dict]:
     """Rank 0's (or the single rank's) view of every scenario; each engine is shut down after its scenario."""
     results = []
-    for settings, scenario in zip(
-        engine_settings(model_dir, tensor_parallel_size), (roomy_scenarios, preempting_scenarios)
-    ):
+    all_settings = engine_settings(model_dir, tensor_parallel_size, pipeline_parallel_size)
+    for settings, scenario in zip(all_settings, (roomy_scenarios, preempting_scenarios)):
         core = EngineCore(EngineConfig.from_dict(settings))
         results.append(scenario(core))
         results[-1]["steps"] = core.num_steps
         core.shutdown()
-    results.append(served_scenario(engine_settings(model_dir, tensor_parallel_size)[0]))
+    results.append(served_scenario(all_settings[0]))
     return results
 
 
@@ -118,7 +131,7 @@ def lost_rank(model_dir: str, out_path: str, lost: str) -> int:
     from tritonllm.engine.embedded.parallel.group import RankLostError, leave_group
     from tritonllm.engine.seam import EngineError
 
-    settings = EngineConfig.from_dict(engine_settings(model_dir, int(os.environ["WORLD_SIZE"]))[0])
+    settings = EngineConfig.from_dict(engine_settings(model_dir, *layout())[0])
     result: dict = {}
     if int(os.environ["RANK"]) == 0:
         engine = EmbeddedEngine(settings)
@@ -152,11 +165,10 @@ def main(model_dir: str, out_path: str) -> None:
     from tritonllm.engine.embedded.parallel.follower import run_follower
     from tritonllm.engine.embedded.parallel.group import leave_group
 
-    size = int(os.environ["WORLD_SIZE"])
     if int(os.environ["RANK"]) == 0:
-        result = run_scenarios(model_dir, size)
+        result = run_scenarios(model_dir, *layout())
     else:
-        settings = engine_settings(model_dir, size)
+        settings = engine_settings(model_dir, *layout())
         result = [{"steps": run_follower(EngineConfig.from_dict(s))} for s in settings + settings[:1]]
     with open(out_path, "w") as out:
         json.dump(result, out)

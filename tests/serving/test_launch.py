@@ -96,7 +96,9 @@ def test_world_size_above_one_takes_one_engine_whose_tensor_parallel_size_matche
     repo = build_repo(build_tiny_model(tmp_path / "tiny"), tmp_path / "repo", guided_decoding_backend=None)
     config = engine_config_of(repo, "tensorrt_llm")  # what the model builds at load: its config.pbtxt's settings
     assert config.max_batch_size == 8 and config.tensor_parallel_size == 1
-    with pytest.raises(FollowerError, match="--world_size 2 but .* tensor_parallel_size=1: set tensor_parallel_size"):
+    with pytest.raises(
+        FollowerError, match=r"--world_size 2 but .* 1 rank\(s\) \(tensor_parallel_size=1\): set tensor_par"
+    ):
         check_world_size(config, 2, "tensorrt_llm")
     (repo / "tensorrt_llm" / "1" / "model.yaml").write_text("tensor_parallel_size: 2\n")
     check_world_size(engine_config_of(repo, "tensorrt_llm"), 2, "tensorrt_llm")

@@ -58,12 +58,12 @@ class EngineCore:
         problems = config.embedded_unsupported()
         if problems:
             raise InvalidRequestError("the embedded engine cannot honour: " + "; ".join(problems))
-        self.parallel = None  # tensor parallelism (parallel/setup.py); None in a single process
-        if config.tensor_parallel_size > 1:
-            from .parallel.setup import TensorParallel
+        self.parallel = None  # tensor and pipeline parallelism (parallel/setup.py); None in a single process
+        if config.world_size > 1:
+            from .parallel.setup import Parallel
 
-            self.parallel = TensorParallel.start(config, resolve_device(config.device))
-            config = TensorParallel.adjusted(config)
+            self.parallel = Parallel.start(config, resolve_device(config.device))
+            config = Parallel.adjusted(config)
         self.config = config
         self.device = resolve_device(config.device) if self.parallel is None else self.parallel.device
         avoid_cudnn_attention(self.device)
@@ -79,8 +79,9 @@ class EngineCore:
         self.max_seq_len = self._max_seq_len()
         self._fix_rope_context()
         self.attention_windows = self._attention_windows()
-        self.model.set_attention_windows(self.attention_windows)
         mc = self.model_config
+        layers = range(mc.num_layers) if self.parallel is None else self.parallel.local_layers(mc.num_layers)
+        self.model.set_attention_windows(self.attention_windows[layers.start : layers.stop])
         block_size = config.kv_cache_config.tokens_per_block
         num_heads, num_kv_heads = (
             (mc.num_heads, mc.num_kv_heads) if self.parallel is None else self.parallel.local_heads()
@@ -109,7 +110,7 @@ class EngineCore:
         runner_class = ModelRunner if self.parallel is None else self.parallel.runner_class()
         self.runner = runner_class(
             self.model,
-            mc.num_layers,
+            len(layers),
             num_kv_heads,
             mc.head_dim,
             num_blocks + (graph_settings is not None),
@@ -192,6 +193,17 @@ class EngineCore:
         """KV blocks for the memory left once the activations of a full step (and, with CUDA graphs, their pool) are
         set aside: measured by one forward at max_num_tokens (memory_profile.py; CUDA only)."""
         config, block_size = self.config, self.config.kv_cache_config.tokens_per_block
+        if self.parallel is not None and self.device.type == "cuda":
+            # The profile's forward is the whole single-rank model's; a rank's part is not profiled yet.
+            log.warning(
+                "parallel: activation memory is not measured on a rank; leave room for it with "
+                "kv_cache_config.free_gpu_memory_fraction or max_tokens"
+            )
+            return max(
+                1,
+                kv_cache_token_budget(config, self.model_config, self.kv_dtype, self.device, self.max_seq_len, 0)
+                // block_size,
+            )
         activations = activation_bytes(
             self.model,
             self.model_config,
@@ -606,7 +618,7 @@ class EngineCore:
         return failed
 
     def shutdown(self) -> None:
-        """Release what outlives the core's requests: under tensor parallelism, stop the followers."""
+        """Release what outlives the core's requests: under tensor or pipeline parallelism, stop the followers."""
         if self.parallel is not None:
             self.parallel.stop_followers(self.runner)
 

@@ -182,11 +182,14 @@ def _fill_parameters(
     device,
     quant: Optional[QuantSettings],
     read_into: Callable[[Any, str, Path, WeightSlot], None] | None = None,
+    slots: dict[str, WeightSlot] | None = None,
+    foreign: Callable[[str], bool] | None = None,
 ) -> None:
     """Every slot of `model` from the checkpoint files. `read_into(handle, name, path, slot)` copies one tensor
-    into its slot: the whole tensor (_load_tensor) or, under tensor parallelism, this rank's slice of it."""
+    into its slot: the whole tensor (_load_tensor) or, under tensor parallelism, this rank's slice of it. A
+    pipeline stage passes its own `slots` (by checkpoint name) and `foreign`, the tensors other stages hold."""
     read_into = read_into or _load_tensor
-    slots = model.checkpoint_slots()
+    slots = model.checkpoint_slots() if slots is None else slots
     if quant is not None:
         slots = quantized_slots(model, slots, quant)
     handles = [(path, _open(path, device)) for path in files]
@@ -202,6 +205,8 @@ def _fill_parameters(
                 if slot is not None:
                     read_into(handle, name, path, slot)
                     loaded.add(name)
+                elif foreign is not None and foreign(name):
+                    pass
                 elif kv_scale_target(name) is not None:
                     set_kv_scale(model, name, _read_tensor(handle, name, path), path)
                     kv_scales += 1

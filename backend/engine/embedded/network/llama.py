@@ -146,13 +146,15 @@ class LlamaForCausalLM(nn.Module):
         engine reset them all."""
         return [module for module in self.modules() if isinstance(module, RotaryEmbedding)]
 
-    def pack_for_cpu(self) -> None:
-        """Prepack every projection and the output head for CPU matmuls (fp32 on CPU only; see cpu_gemm). Costs a
-        second copy of those weights in memory; call once the weights are loaded."""
+    def pack_for_cpu(self, head: bool = True) -> None:
+        """Prepack every projection and (with `head`: not on a pipeline stage without one) the output head for CPU
+        matmuls (fp32 on CPU only; see cpu_gemm). Costs a second copy of those weights in memory; call once the
+        weights are loaded."""
         for module in self.modules():
             if isinstance(module, Linear):
                 module.pack_for_cpu()
-        self.packed_head = pack_weight(self.output_weight)
+        if head:
+            self.packed_head = pack_weight(self.output_weight)
 
     def set_attention_windows(self, windows: Sequence[int | None]) -> None:
         """One window (or None) per layer, before the first forward (and before CUDA graphs capture one); the

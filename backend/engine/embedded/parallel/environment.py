@@ -39,12 +39,16 @@ class RankEnvironment:
     def is_leader(self) -> bool:
         return self.rank == 0
 
-    def require_world_size(self, tensor_parallel_size: int) -> None:
-        """Tensor parallelism alone: one rank per shard, so the world is exactly tensor_parallel_size ranks."""
-        if self.world_size != tensor_parallel_size:
+    def require_world_size(self, tensor_parallel_size: int, pipeline_parallel_size: int = 1) -> None:
+        """One rank per shard of each stage: the world is exactly tensor_parallel_size x pipeline_parallel_size."""
+        expected = tensor_parallel_size * pipeline_parallel_size
+        if self.world_size != expected:
+            sizes = f"tensor_parallel_size={tensor_parallel_size}"
+            if pipeline_parallel_size > 1:
+                sizes += f" x pipeline_parallel_size={pipeline_parallel_size}"
             raise ConfigError(
-                f"tensor_parallel_size={tensor_parallel_size} but the {self.launcher} environment has "
-                f"{self.world_size} rank(s); launch exactly tensor_parallel_size processes"
+                f"{sizes} but the {self.launcher} environment has {self.world_size} rank(s); launch exactly "
+                f"{expected} processes"
             )
 
 

@@ -12,5 +12,7 @@ def run_follower(config: EngineConfig) -> int:
     RankLostError (parallel/group.py) when rank 0 or another follower is gone: the process should then exit."""
     core = EngineCore(config)
     if core.parallel is None or core.parallel.is_leader:
-        raise ConfigError("run_follower is for ranks > 0 under tensor_parallel_size > 1; rank 0 runs the engine")
+        raise ConfigError(
+            "run_follower is for ranks > 0 of a parallel engine (tensor or pipeline); rank 0 runs the engine"
+        )
     return core.runner.follow()

@@ -1,4 +1,6 @@
-"""Joins the tensor-parallel process group and wraps the collectives the sharded model uses.
+"""Joins the process group of the parallel ranks and wraps what they send each other: the collectives of a
+stage's tensor-parallel ranks (their own subgroup when there are several stages), the step plans rank 0
+broadcasts to every rank, and the hidden states and logits the pipeline's stages pass on.
 
 gloo on CPU, NCCL on CUDA, where LOCAL_RANK (or the launcher's local rank) picks the GPU. One group per process,
 made once: a second engine in the same process reuses it.
@@ -17,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from .environment import RankEnvironment
+from .layout import ParallelLayout
 
 log = logging.getLogger("tritonllm.engine")
 # Followers wait for rank 0's next step without a deadline of their own that matters: an idle server may sit for
@@ -35,22 +38,27 @@ def group_broken() -> str | None:
     return _broken[0] if _broken else None
 
 
-class TensorParallelGroup:
-    def __init__(self, env: RankEnvironment, device: torch.device):
+class ParallelGroup:
+    def __init__(self, env: RankEnvironment, device: torch.device, layout: ParallelLayout, tp_group=None):
+        """`tp_group`: this stage's tensor-parallel subgroup; None: the whole world (a single stage)."""
         self.env = env
+        self.layout = layout
         self.rank = env.rank
-        self.size = env.world_size
+        self.world_size = env.world_size
+        self.tp_rank = layout.tp_rank
+        self.tp_size = layout.tensor
         self.device = device
+        self.tp_group = tp_group
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum over the ranks, in place (row-parallel outputs, the vocabulary-split embedding)."""
-        self._collective("all_reduce", lambda: dist.all_reduce(tensor))
+        """Sum over the stage's tensor ranks, in place (row-parallel outputs, the vocabulary-split embedding)."""
+        self._collective("all_reduce", lambda: dist.all_reduce(tensor, group=self.tp_group))
         return tensor
 
     def gather_last_dim(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Every rank's slice side by side along the last dimension (vocabulary-split logits)."""
-        parts = [torch.empty_like(tensor) for _ in range(self.size)]
-        self._collective("all_gather", lambda: dist.all_gather(parts, tensor.contiguous()))
+        """Every tensor rank's slice side by side along the last dimension (vocabulary-split logits)."""
+        parts = [torch.empty_like(tensor) for _ in range(self.tp_size)]
+        self._collective("all_gather", lambda: dist.all_gather(parts, tensor.contiguous(), group=self.tp_group))
         return torch.cat(parts, dim=-1)
 
     def broadcast_object(self, value=None):
@@ -64,6 +72,18 @@ class TensorParallelGroup:
         self._collective("all_reduce (min)", lambda: dist.all_reduce(tensor, op=dist.ReduceOp.MIN))
         return int(tensor.item())
 
+    def send(self, tensor: torch.Tensor, rank: int):
+        """Start sending `tensor` to `rank`; the returned handle's wait() ends it (keep `tensor` alive till then)."""
+        return self._collective(f"send to rank {rank}", lambda: dist.isend(tensor.contiguous(), rank))
+
+    def receive(self, shape: tuple[int, ...], dtype: torch.dtype, rank: int) -> torch.Tensor:
+        tensor = torch.empty(shape, dtype=dtype, device=self.device)
+        self._collective(f"receive from rank {rank}", lambda: dist.recv(tensor, rank))
+        return tensor
+
+    def wait(self, handle) -> None:
+        self._collective("send", handle.wait)
+
     def _collective(self, name: str, run: Callable[[], _T]) -> _T:
         if _broken:
             raise RankLostError(_broken[0])
@@ -71,15 +91,16 @@ class TensorParallelGroup:
             return run()
         except (RuntimeError, OSError) as err:  # gloo: "Connection closed by peer"; NCCL: its error text
             _broken.append(
-                f"tensor parallel rank {self.rank} of {self.size}: {name} failed, another rank is gone or "
+                f"parallel rank {self.rank} of {self.world_size}: {name} failed, another rank is gone or "
                 f"unreachable ({type(err).__name__}: {str(err).strip()[:300]})"
             )
             log.error("%s", _broken[0])
             raise RankLostError(_broken[0]) from err
 
 
-def join_group(env: RankEnvironment, device: torch.device) -> TensorParallelGroup:
-    """The process group of `env` (made on first use): gloo for CPU, NCCL for CUDA on the local rank's GPU."""
+def join_group(env: RankEnvironment, device: torch.device, layout: ParallelLayout) -> ParallelGroup:
+    """The process group of `env` (made on first use): gloo for CPU, NCCL for CUDA on the local rank's GPU; with
+    several stages, each stage's tensor-parallel subgroup too (every rank makes every subgroup, in one order)."""
     if device.type == "cuda":
         device = torch.device("cuda", env.local_rank)
         torch.cuda.set_device(device)
@@ -92,8 +113,31 @@ def join_group(env: RankEnvironment, device: torch.device) -> TensorParallelGrou
             world_size=env.world_size,
             timeout=_IDLE_TIMEOUT,
         )
-        log.info("tensor parallel: rank %d of %d joined (%s, %s)", env.rank, env.world_size, backend, env.launcher)
-    return TensorParallelGroup(env, device)
+        log.info(
+            "parallel: rank %d of %d joined (%s, %s): stage %d of %d, tensor rank %d of %d",
+            env.rank,
+            env.world_size,
+            backend,
+            env.launcher,
+            layout.stage,
+            layout.pipeline,
+            layout.tp_rank,
+            layout.tensor,
+        )
+    return ParallelGroup(env, device, layout, _stage_subgroup(layout))
+
+
+_subgroups: dict[tuple[int, int], object] = {}  # (tensor, pipeline) -> this process's stage subgroup
+
+
+def _stage_subgroup(layout: ParallelLayout):
+    if layout.pipeline == 1 or layout.tensor == 1:
+        return None  # one stage: the world; one rank per stage: no tensor-parallel collectives
+    key = (layout.tensor, layout.pipeline)
+    if key not in _subgroups:
+        groups = [dist.new_group(layout.stage_ranks(stage)) for stage in range(layout.pipeline)]
+        _subgroups[key] = groups[layout.stage]
+    return _subgroups[key]
 
 
 def leave_group(wait_for_others: bool = True) -> None:
@@ -104,3 +148,4 @@ def leave_group(wait_for_others: bool = True) -> None:
         if wait_for_others and not _broken:  # a broken group's barrier would wait on the rank that is gone
             dist.barrier()
         dist.destroy_process_group()
+        _subgroups.clear()

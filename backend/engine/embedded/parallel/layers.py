@@ -12,14 +12,14 @@ from torch import nn
 
 from ..network.layers import Embedding, GatedMLP
 from ..network.llama import LlamaForCausalLM
-from .group import TensorParallelGroup
+from .group import ParallelGroup
 from .sharding import ShardPlan
 
 
 class VocabParallelEmbedding(Embedding):
     """Rows `start : start + weight.shape[0]` of the embedding; `forward` returns the full lookup on every rank."""
 
-    def __init__(self, weight: nn.Parameter, start: int, group: TensorParallelGroup):
+    def __init__(self, weight: nn.Parameter, start: int, group: ParallelGroup):
         super().__init__(*weight.shape)
         self.weight = weight
         self.start = start
@@ -32,7 +32,7 @@ class VocabParallelEmbedding(Embedding):
         return self.group.all_reduce(rows.masked_fill(outside[:, None], 0.0))
 
 
-def make_tensor_parallel(model: LlamaForCausalLM, plan: ShardPlan, group: TensorParallelGroup) -> None:
+def make_tensor_parallel(model: LlamaForCausalLM, plan: ShardPlan, group: ParallelGroup) -> None:
     def reduce_output(_module, _inputs, output):
         return group.all_reduce(output)
 

@@ -1,8 +1,9 @@
-"""What the engine core asks of tensor parallelism: join the group its environment names, load this rank's shard,
-agree on one KV cache size, pick the leader's or a follower's runner, and stop the followers at shutdown.
+"""What the engine core asks of tensor and pipeline parallelism: join the group its environment names, load this
+rank's part of the model (its stage's layers, its tensor shard), agree on one KV cache size, pick the leader's or a
+follower's runner, and stop the followers at shutdown.
 
-CUDA graphs and the overlap scheduler are off under tensor parallelism: a graph would capture the collectives and
-an overlapped step would run ahead of the followers' plans (neither is built for it yet)."""
+CUDA graphs and the overlap scheduler are off under parallelism: a graph would capture the collectives and an
+overlapped step would run ahead of the followers' plans (neither is built for it yet)."""
 
 from __future__ import annotations
 
@@ -17,30 +18,32 @@ from ...config import ConfigError, EngineConfig
 from ..network.llama import LlamaForCausalLM
 from ..network.model_config import ModelConfig
 from .environment import read_rank_environment
-from .group import TensorParallelGroup, group_broken, join_group
+from .group import ParallelGroup, group_broken, join_group
+from .layout import ParallelLayout
 from .sharded_load import load_sharded
 from .step_sync import FollowerRunner, LeaderRunner
 
 log = logging.getLogger("tritonllm.engine")
 
 
-class TensorParallel:
-    def __init__(self, group: TensorParallelGroup):
+class Parallel:
+    def __init__(self, group: ParallelGroup):
         self.group = group
         self.local_config: Optional[ModelConfig] = None
 
     @classmethod
     def start(
         cls, config: EngineConfig, device: torch.device, environ: Optional[Mapping[str, str]] = None
-    ) -> "TensorParallel":
+    ) -> "Parallel":
         env = read_rank_environment(os.environ if environ is None else environ)
         if env is None:
             raise ConfigError(
-                f"tensor_parallel_size={config.tensor_parallel_size} but no launcher environment was found (RANK / "
-                "WORLD_SIZE from torchrun, OMPI_COMM_WORLD_*, PMI_* or SLURM_*): start one process per rank"
+                f"{config.parallel_layout()} but no launcher environment was found (RANK / WORLD_SIZE from "
+                "torchrun, OMPI_COMM_WORLD_*, PMI_* or SLURM_*): start one process per rank"
             )
-        env.require_world_size(config.tensor_parallel_size)
-        return cls(join_group(env, device))
+        env.require_world_size(config.tensor_parallel_size, config.pipeline_parallel_size)
+        layout = ParallelLayout(config.tensor_parallel_size, config.pipeline_parallel_size, env.rank)
+        return cls(join_group(env, device, layout))
 
     @property
     def is_leader(self) -> bool:
@@ -53,13 +56,17 @@ class TensorParallel:
     @staticmethod
     def adjusted(config: EngineConfig) -> EngineConfig:
         """`config` with CUDA graphs and the overlap scheduler off (logged once)."""
-        log.info("tensor parallel: CUDA graphs and the overlap scheduler are off")
+        log.info("parallel: CUDA graphs and the overlap scheduler are off")
         return dataclasses.replace(config, cuda_graph_config=None, disable_overlap_scheduler=True)
 
     def load(self, model_dir: str, dtype: torch.dtype) -> tuple[LlamaForCausalLM, ModelConfig]:
         model, full = load_sharded(model_dir, dtype, self.device, self.group)
         self.local_config = model.config
         return model, full
+
+    def local_layers(self, num_layers: int) -> range:
+        """The layers of this rank's pipeline stage (all of them with one stage)."""
+        return self.group.layout.layers(num_layers)
 
     def local_heads(self) -> tuple[int, int]:
         """(query heads, KV heads) this rank holds."""

@@ -1,72 +1,130 @@
-"""Keeps every rank's forward in step with rank 0's (SPMD).
+"""Keeps every rank's forward in step with rank 0's (SPMD), through the pipeline's stages.
 
-Design: rank 0 alone owns requests, the scheduler and the block manager, and samples. Each step it broadcasts a
-`StepPlan`, the step's model inputs as its runner built them (token ids, positions, attention metadata with slot
-mapping and block tables, the blocks to zero, the rows that give logits); followers keep no scheduler and no block
-manager, so they hold no block state that could leak: their KV cache is addressed by rank 0's block ids, and
-aborts, preemption and prefix reuse free blocks in rank 0's block manager only, the one place blocks live. A
-follower runs each plan through the same model calls as rank 0 (so the collectives pair up) and drops the logits.
-`None` as the plan stops the followers."""
+Design: rank 0 alone owns requests, the scheduler and the block manager, and samples. Each step it cuts the batch
+into micro-batches (one per stage: stages.py) and broadcasts a `StepPlan`, their model inputs as its runner built
+them (token ids, positions, attention metadata with slot mapping and block tables, the rows that give logits) and
+the blocks to zero; the other ranks keep no scheduler and no block manager, so they hold no block state that could
+leak: their KV caches (of their stage's layers) are addressed by rank 0's block ids, and aborts, preemption and
+prefix reuse free blocks in rank 0's block manager only, the one place blocks live.
+
+Every rank runs each micro-batch through its stage (the collectives of a stage's tensor ranks pair up); a stage
+sends its output to the same tensor rank of the next stage without waiting, so it starts the next micro-batch while
+the next stage runs this one. The last stage's first tensor rank sends the logits rows (and any context logits) to
+rank 0, which samples. With one stage nothing is sent: rank 0 computes the logits itself and the other tensor
+ranks drop theirs. `None` as the plan stops the followers."""
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
 
 from ..attention import AttentionMetadata
-from ..model_runner import ModelRunner
+from ..model_runner import ModelRunner, StepOutput
 from ..scheduler import ScheduledBatch
 from ..step_inputs import StepInputs
-from .group import TensorParallelGroup
+from .group import ParallelGroup
+from .stages import micro_batches, stage_forward
 
 log = logging.getLogger("tritonllm.engine")
 
 
 @dataclass
-class StepPlan:
-    new_blocks: list[int]
+class MicroStep:
     input_ids: torch.Tensor
     positions: torch.Tensor
     attn: AttentionMetadata
     logits_indices: torch.Tensor
     context_indices: list[list[int]]  # per sequence that asked for context logits, its prompt rows in this step
 
+    @classmethod
+    def of(cls, inputs: StepInputs) -> "MicroStep":
+        contexts = [indices for _, indices in inputs.context_requests]
+        return cls(inputs.input_ids, inputs.positions, inputs.attn, inputs.logits_indices, contexts)
 
-class LeaderRunner(ModelRunner):
-    """Rank 0's runner: the usual one, publishing each step's inputs to the followers as it builds them."""
 
-    group: TensorParallelGroup
+@dataclass
+class StepPlan:
+    new_blocks: list[int]
+    micro: list[MicroStep] = field(default_factory=list)
 
-    def zero_blocks(self, block_ids: list[int]) -> None:
-        self._new_blocks = list(block_ids)  # execute zeroes a step's new blocks just before preparing its inputs
-        super().zero_blocks(block_ids)
 
-    def prepare(
-        self, batch: ScheduledBatch, masks: bool = True, last_tokens: Optional[torch.Tensor] = None
-    ) -> StepInputs:
-        inputs = super().prepare(batch, masks, last_tokens)
-        plan = StepPlan(
-            self._new_blocks,
-            inputs.input_ids,
-            inputs.positions,
-            inputs.attn,
-            inputs.logits_indices,
-            [indices for _, indices in inputs.context_requests],
-        )
+class StageRunner(ModelRunner):
+    """What every rank does with a plan: its stage's forward of each micro-batch, sending on what the next stage
+    (or rank 0) needs. Returns, on the rank that computes them for rank 0, each micro-batch's logits."""
+
+    group: ParallelGroup
+
+    @torch.inference_mode()
+    def run_plan(self, plan: StepPlan) -> list[Optional[list[torch.Tensor]]]:
+        self.zero_blocks(plan.new_blocks)
+        layout, sends = self.group.layout, []
+        results: list[Optional[list[torch.Tensor]]] = []
+        for step in plan.micro:
+            received = None
+            if not layout.is_first_stage:
+                shape = (step.input_ids.shape[0], self.model.config.hidden_size)
+                received = self.group.receive(shape, self.dtype, layout.previous_rank)
+            out = stage_forward(self.model, layout, step.input_ids, step.positions, step.attn, self.kv_caches, received)
+            if not layout.is_last_stage:
+                sends.append((self.group.send(out, layout.next_rank), out))
+                results.append(None)
+                continue
+            logits = [self.model.compute_logits(out[step.logits_indices]).float()]
+            logits += [self.model.compute_logits(out[self._long(rows)]).float() for rows in step.context_indices]
+            if layout.pipeline > 1 and layout.tp_rank == 0:  # to rank 0, which samples
+                sends += [(self.group.send(part, 0), part) for part in logits]
+            results.append(logits)
+        for handle, _tensor in sends:
+            self.group.wait(handle)
+        return results
+
+
+class LeaderRunner(StageRunner):
+    """Rank 0's runner: plans each step, runs its own stage's share and samples from the logits it gets back."""
+
+    @torch.inference_mode()
+    def execute(
+        self, batch: ScheduledBatch, new_blocks: list[int], last_tokens: Optional[torch.Tensor] = None
+    ) -> StepOutput:
+        parts = [self.prepare(part) for part in micro_batches(batch, self.group.layout.pipeline)]
+        plan = StepPlan(list(new_blocks), [MicroStep.of(inputs) for inputs in parts])
         self.group.broadcast_object(plan)
-        return inputs
+        if self.group.layout.pipeline == 1:
+            results = self.run_plan(plan)
+        else:
+            self.run_plan(plan)  # the first stage: its sends are on their way
+            results = [self._receive_logits(inputs) for inputs in parts]
+        return self._output(parts, results)
+
+    def _receive_logits(self, inputs: StepInputs) -> list[torch.Tensor]:
+        vocab, source = self.model.config.vocab_size * self.group.tp_size, self.group.layout.logits_rank
+        rows = [inputs.logits_indices.shape[0]] + [len(indices) for _, indices in inputs.context_requests]
+        return [self.group.receive((count, vocab), torch.float32, source) for count in rows]
+
+    @staticmethod
+    def _output(parts: list[StepInputs], results) -> StepOutput:
+        logits: list[torch.Tensor] = []
+        seqs, first_rows = [], []
+        for inputs, result in zip(parts, results):
+            offset = sum(part.shape[0] for part in logits)
+            logits.append(result[0])
+            seqs += inputs.sampling_seqs
+            first_rows += [offset + row for row in inputs.first_rows]
+            for (seq, _), context in zip(inputs.context_requests, result[1:]):
+                seq.context_logits.append(context.cpu())
+        rows = torch.cat(logits) if len(logits) > 1 else logits[0]
+        # The sampled rows' hidden states are only read by speculative decoding, which parallel runs refuse.
+        return StepOutput(rows, rows.new_empty(rows.shape[0], 0), seqs, first_rows)
 
     def stop_followers(self) -> None:
         self.group.broadcast_object(None)
 
 
-class FollowerRunner(ModelRunner):
-    """A follower's runner: the same KV cache and model calls as rank 0's, driven by rank 0's plans."""
-
-    group: TensorParallelGroup
+class FollowerRunner(StageRunner):
+    """A follower's runner: its stage's KV cache and model calls, driven by rank 0's plans."""
 
     def follow(self) -> int:
         """Run rank 0's steps until it stops; returns how many ran."""
@@ -74,15 +132,7 @@ class FollowerRunner(ModelRunner):
         while True:
             plan: Optional[StepPlan] = self.group.broadcast_object()
             if plan is None:
-                log.info("tensor parallel: rank %d stops after %d steps", self.group.rank, steps)
+                log.info("parallel: rank %d stops after %d steps", self.group.rank, steps)
                 return steps
             self.run_plan(plan)
             steps += 1
-
-    @torch.inference_mode()
-    def run_plan(self, plan: StepPlan) -> None:
-        self.zero_blocks(plan.new_blocks)
-        hidden = self.model(plan.input_ids, plan.positions, plan.attn, self.kv_caches, None)
-        self.model.compute_logits(hidden[plan.logits_indices])
-        for indices in plan.context_indices:
-            self.model.compute_logits(hidden[self._long(indices)])
