@@ -93,9 +93,10 @@ class EngineCore:
             use_fused_kernels(self.model)
             hand_fp8_rows(self.model, self.device)
         graph_settings = config.cuda_graph_settings() if graphs_supported(self.device) else None
-        num_blocks = self._num_kv_blocks(kernels, graph_settings is not None)
-        if self.parallel is not None:
-            num_blocks = self.parallel.agree_num_blocks(num_blocks)
+        if self.parallel is None:
+            num_blocks = self._num_kv_blocks(kernels, graph_settings is not None)
+        else:
+            num_blocks = self.parallel.agree_num_blocks(self._rank_kv_blocks(layers, num_kv_heads))
         self.block_manager = BlockManager(num_blocks, block_size, config.kv_cache_config.enable_block_reuse)
         self.lora = _lora_runtime(config, self.model_config, self.dtype, self.device)
         self.scheduler = Scheduler(
@@ -193,17 +194,6 @@ class EngineCore:
         """KV blocks for the memory left once the activations of a full step (and, with CUDA graphs, their pool) are
         set aside: measured by one forward at max_num_tokens (memory_profile.py; CUDA only)."""
         config, block_size = self.config, self.config.kv_cache_config.tokens_per_block
-        if self.parallel is not None and self.device.type == "cuda":
-            # The profile's forward is the whole single-rank model's; a rank's part is not profiled yet.
-            log.warning(
-                "parallel: activation memory is not measured on a rank; leave room for it with "
-                "kv_cache_config.free_gpu_memory_fraction or max_tokens"
-            )
-            return max(
-                1,
-                kv_cache_token_budget(config, self.model_config, self.kv_dtype, self.device, self.max_seq_len, 0)
-                // block_size,
-            )
         activations = activation_bytes(
             self.model,
             self.model_config,
@@ -226,6 +216,22 @@ class EngineCore:
                 reserved / 2**30,
                 " and CUDA graphs" if graphs else "",
             )
+        return max(1, budget // block_size)
+
+    def _rank_kv_blocks(self, layers: range, num_kv_heads: int) -> int:
+        """A parallel rank's KV blocks: a token's bytes are those of its stage's layers and its KV heads, and on
+        CPU the ranks share the host's memory. The profile of memory_profile.py runs the whole model, so a rank's
+        activations are not measured (a warning says so on CUDA)."""
+        config, block_size = self.config, self.config.kv_cache_config.tokens_per_block
+        if self.device.type == "cuda" and config.kv_cache_config.max_tokens is None:
+            log.warning(
+                "parallel: activation memory is not measured on a rank; leave room for it with "
+                "kv_cache_config.free_gpu_memory_fraction or max_tokens"
+            )
+        shape = replace(self.model_config, num_layers=len(layers), num_kv_heads=num_kv_heads)
+        budget = kv_cache_token_budget(config, shape, self.kv_dtype, self.device, self.max_seq_len)
+        if self.device.type == "cpu" and config.kv_cache_config.max_tokens is None:
+            budget = max(block_size, budget // config.world_size)  # every rank of a CPU run is on this host
         return max(1, budget // block_size)
 
     def new_seq_id(self) -> int:
