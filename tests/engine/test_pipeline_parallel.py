@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -209,3 +210,24 @@ def test_a_ranks_kv_cache_is_sized_by_its_own_layers_and_heads(monkeypatch):
     # a stage of 1 of 4 layers: 4x fewer bytes a token, the host's memory shared by 2 ranks
     assert blocks(range(3, 4), 2, pipeline_parallel_size=2) == int(2**30 * 0.9) // 128 // 2 // 4
     assert blocks(range(4), 1, tensor_parallel_size=2) == int(2**30 * 0.9) // 256 // 2 // 4
+
+
+def test_a_followers_plan_is_moved_onto_its_own_device():
+    """Unpickled tensors keep the sender's device (rank 0's GPU): a follower moves the whole plan onto its own."""
+    from tritonllm.engine.embedded.parallel.step_sync import MicroStep, StepPlan, on_device
+
+    attn = NestedMetadata(torch.zeros(3), [torch.ones(2), None])
+    plan = StepPlan([1, 2], [MicroStep(torch.zeros(3), torch.arange(3), attn, torch.tensor([2]), [[0, 1]])])  # type: ignore[arg-type]
+    moved = on_device(plan, torch.device("meta"))
+    step = moved.micro[0]
+    assert step.input_ids.is_meta and step.positions.is_meta and step.logits_indices.is_meta
+    assert step.attn.slot_mapping.is_meta and step.attn.masks[0].is_meta and step.attn.masks[1] is None
+    assert moved.new_blocks == [1, 2] and step.context_indices == [[0, 1]] and not plan.micro[0].input_ids.is_meta
+
+
+@dataclass
+class NestedMetadata:
+    """A dataclass with tensors in it and in a list, as AttentionMetadata."""
+
+    slot_mapping: torch.Tensor
+    masks: list

@@ -15,6 +15,7 @@ ranks drop theirs. `None` as the plan stops the followers."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Optional
@@ -134,5 +135,18 @@ class FollowerRunner(StageRunner):
             if plan is None:
                 log.info("parallel: rank %d stops after %d steps", self.group.rank, steps)
                 return steps
-            self.run_plan(plan)
+            self.run_plan(on_device(plan, self.device))
             steps += 1
+
+
+def on_device(value, device: torch.device):
+    """`value` (a plan, its dataclasses and lists) with every tensor on `device`: an unpickled CUDA tensor comes
+    back on the GPU index it left, rank 0's, not this rank's."""
+    if isinstance(value, torch.Tensor):
+        return value if value.device == device else value.to(device)
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        moved = {f.name: on_device(getattr(value, f.name), device) for f in dataclasses.fields(value) if f.init}
+        return dataclasses.replace(value, **moved)
+    if isinstance(value, (list, tuple)):
+        return type(value)(on_device(item, device) for item in value)
+    return value
