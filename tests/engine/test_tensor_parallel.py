@@ -5,6 +5,7 @@ rank environment's parsing and the sharding rules."""
 from __future__ import annotations
 
 import json
+import signal
 import time
 from pathlib import Path
 
@@ -32,8 +33,10 @@ def tiny(request, tmp_path_factory) -> Path:
     return build_tiny_model(out, seed=5, arch="qwen2")
 
 
-@pytest.mark.parametrize("lost", ["follower", "leader"])
-def test_a_rank_that_dies_fails_the_others_instead_of_hanging_them(tiny, tmp_path, lost):
+@pytest.mark.parametrize("lost", ["follower", "leader", "hung"])
+def test_a_rank_that_dies_fails_the_others_instead_of_hanging_them(tiny, tmp_path, lost, monkeypatch):
+    """ "hung": the follower is stopped (SIGSTOP), alive but silent; rank 0's step watch gives up after 3 s."""
+    monkeypatch.setenv("TRITONLLM_STEP_TIMEOUT_S", "3")
     procs = start_ranks(tiny, tmp_path, lost)
     try:
         ready = tmp_path / "rank0.json.ready"
@@ -41,9 +44,12 @@ def test_a_rank_that_dies_fails_the_others_instead_of_hanging_them(tiny, tmp_pat
         while not ready.exists():
             assert time.monotonic() < deadline and procs[0].poll() is None, procs[0].communicate()[0][-3000:]
             time.sleep(0.05)
-        victim, survivor = (procs[1], 0) if lost == "follower" else (procs[0], 1)
-        victim.kill()
-        victim.wait()
+        victim, survivor = (procs[0], 1) if lost == "leader" else (procs[1], 0)
+        if lost == "hung":
+            victim.send_signal(signal.SIGSTOP)
+        else:
+            victim.kill()
+            victim.wait()
         (tmp_path / "rank0.json.go").touch()
         output, _ = procs[survivor].communicate(timeout=60)  # a hang fails here
         assert procs[survivor].returncode == 0, output[-3000:]
@@ -53,10 +59,11 @@ def test_a_rank_that_dies_fails_the_others_instead_of_hanging_them(tiny, tmp_pat
                 proc.kill()
                 proc.wait()
     seen = json.loads((tmp_path / f"rank{survivor}.json").read_text())
-    if lost == "follower":  # rank 0: the request in flight fails, later ones are refused, the engine says why
+    if lost in ("follower", "hung"):  # rank 0: the request in flight fails, later ones are refused, it says why
+        why = "another rank is gone" if lost == "follower" else "waited more than 3 s for the other ranks"
         assert len(seen["before"]) == 4
-        assert "another rank is gone" in seen["during"] and "another rank is gone" in seen["after"]
-        assert seen["after"].startswith("the engine has stopped") and "another rank is gone" in seen["failed"]
+        assert why in seen["during"] and why in seen["after"]
+        assert seen["after"].startswith("the engine has stopped") and why in seen["failed"]
     else:  # the follower's loop ends with the error instead of waiting for rank 0's next step
         assert "rank 1 of 2: broadcast failed, another rank is gone" in seen["follower"]
 
@@ -263,3 +270,12 @@ def test_a_rank_holds_exactly_its_slices(tiny):
         assert torch.equal(slot.param.narrow(0, slot.start, slot.shape[0]), expected), name
         checked += 1
     assert checked == len(slots)
+
+
+@pytest.mark.parametrize("raw, named", [("soon", "must be a number of seconds"), ("0", "must be > 0")])
+def test_a_bad_step_timeout_names_its_variable(raw, named):
+    from tritonllm.engine.embedded.parallel.step_watch import step_timeout
+
+    assert step_timeout({}) == 300 and step_timeout({"TRITONLLM_STEP_TIMEOUT_S": "2.5"}) == 2.5
+    with pytest.raises(ConfigError, match=f"TRITONLLM_STEP_TIMEOUT_S {named}"):
+        step_timeout({"TRITONLLM_STEP_TIMEOUT_S": raw})

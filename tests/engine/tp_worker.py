@@ -126,7 +126,8 @@ def served_scenario(settings: dict) -> dict:
 
 def lost_rank(model_dir: str, out_path: str, lost: str) -> int:
     """A rank dies mid-service (the test kills it once `out_path`.ready exists). `lost` = "follower": rank 0 then
-    asks for more and writes what it got; "leader": the follower writes how its loop ended."""
+    asks for more and writes what it got; "leader": the follower writes how its loop ended; "hung": as "follower",
+    but the follower is stopped (SIGSTOP), not killed, and rank 0 exits at once (its engine thread still waits)."""
     from tritonllm.engine.embedded.parallel.follower import run_follower
     from tritonllm.engine.embedded.parallel.group import RankLostError, leave_group
     from tritonllm.engine.seam import EngineError
@@ -148,6 +149,10 @@ def lost_rank(model_dir: str, out_path: str, lost: str) -> int:
             except EngineError as err:
                 result[key] = str(err)
         result["failed"] = engine.failed
+        if lost == "hung":
+            with open(out_path, "w") as out:
+                json.dump(result, out)
+            os._exit(0)  # the engine thread waits on the stopped rank for good: no clean shutdown to wait for
         engine.shutdown()
     else:
         try:

@@ -16,7 +16,8 @@ from ..config import EngineConfig
 from ..seam import EngineError, EngineStats, RequestHandle
 from ..types import LoRARequest, RequestOutput, SamplingParams
 from .engine_core import EngineCore, snapshot
-from .parallel.group import RankLostError
+from .parallel.group import RankLostError, mark_broken
+from .parallel.step_watch import StepWatch, step_timeout
 from .request import EngineRequest
 
 log = logging.getLogger("tritonllm.engine")
@@ -34,6 +35,8 @@ class EmbeddedEngine:
         # either queued before the engine thread's last drain or refused.
         self._fatal: Optional[str] = None
         self._submit = threading.Lock()
+        self._watch: Optional[StepWatch] = None  # rank 0 of a parallel engine times its steps (a rank may hang)
+        self._step_timeout = step_timeout() if config.world_size > 1 else None  # a bad value fails the caller
         # The engine thread builds the core (weights, KV cache) as well as stepping it, so that all heavy tensor
         # work stays on one thread: on CPU a second thread's OpenMP pool makes every parallel region of the
         # other wait for sleeping workers (a small matmul took 3.4x as long, see docs/benchmarks.md).
@@ -52,7 +55,13 @@ class EmbeddedEngine:
             built.put(exc)
             return
         built.put(None)
-        self._loop()
+        if self._step_timeout is not None and self.core.parallel is not None and self.core.parallel.is_leader:
+            self._watch = StepWatch(self._step_timeout, self._stuck)
+        try:
+            self._loop()
+        finally:
+            if self._watch is not None:
+                self._watch.stop()
 
     # -- public API -------------------------------------------------------------------------------------------
 
@@ -183,7 +192,13 @@ class EmbeddedEngine:
 
     def _step(self) -> None:
         try:
+            if self._watch is not None:
+                self._watch.begin()
             updated = self.core.step()
+            if self._watch is not None:
+                self._watch.end()
+            if self._fatal is not None:  # the step watch gave up on this step and answered its requests
+                return
         except RankLostError as exc:  # the group is gone: no step can run again
             with self._submit:
                 self._fatal = str(exc)
@@ -195,6 +210,17 @@ class EmbeddedEngine:
             return
         for request in updated:
             self._deliver(request)
+
+    def _stuck(self, reason: str) -> None:
+        """On the step watch's thread, while the engine thread waits on a rank that hangs: stop the engine and
+        answer its requests now (the engine thread cannot: it may never come back; their blocks stay taken)."""
+        mark_broken(reason)
+        with self._submit:
+            self._fatal = reason
+        error = EngineError(f"the engine has stopped: {reason}")
+        for handle in list(self._handles.values()):  # the engine thread is inside its step: it does not touch them
+            handle._put(error)
+        self._commands.put(("stop",))  # ends the loop should the step ever come back
 
     def _fail_handles(self, error: EngineError) -> None:
         """Fail every active request with `error` (their blocks freed) and forget their handles."""

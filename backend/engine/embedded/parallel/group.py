@@ -38,6 +38,13 @@ def group_broken() -> str | None:
     return _broken[0] if _broken else None
 
 
+def mark_broken(reason: str) -> None:
+    """Give up on the group from outside a collective (a rank that hangs: step_watch.py): later collectives raise
+    RankLostError with `reason` and leave_group skips its barrier."""
+    if not _broken:
+        _broken.append(reason)
+
+
 class ParallelGroup:
     def __init__(self, env: RankEnvironment, device: torch.device, layout: ParallelLayout, tp_group=None):
         """`tp_group`: this stage's tensor-parallel subgroup; None: the whole world (a single stage)."""
