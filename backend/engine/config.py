@@ -306,7 +306,6 @@ class EngineConfig:
             is not None,
             "quant_config (quantization)": self.quant_config is not None,
             "kv_cache_config.dtype='fp8' (an FP8 KV cache)": kv_cache_fp8(self),
-            f"load_format={self.load_format!r} (dummy weights)": self.load_format != "auto",
         }
         return [
             f"{what} {size} (not supported under tensor or pipeline parallelism yet)"

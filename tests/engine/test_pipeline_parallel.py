@@ -231,3 +231,14 @@ class NestedMetadata:
 
     slot_mapping: torch.Tensor
     masks: list
+
+
+def test_dummy_weights_need_only_the_config(llama3, tmp_path):
+    """load_format dummy under parallelism (benchmarks): a stage's parameters filled, no weight file read."""
+    import shutil
+
+    shutil.copy(llama3 / "config.json", tmp_path / "config.json")
+    model, full = load_sharded(tmp_path, torch.float32, torch.device("cpu"), StageRank(1), "dummy")  # type: ignore[arg-type]
+    assert len(model.layers) == 1 and model.lm_head is not None and full.num_layers == 3
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    assert model.lm_head.weight.std() > 0 and torch.equal(model.norm.weight, torch.ones_like(model.norm.weight))

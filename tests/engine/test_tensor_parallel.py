@@ -216,7 +216,6 @@ def test_sizes_that_do_not_divide_are_refused(overrides, size, named):
         ({"max_beam_width": 2}, "beam search"),
         ({"guided_decoding_backend": "xgrammar"}, "guided decoding"),
         ({"quant_config": {"quant_algo": "FP8"}}, "quantization"),
-        ({"load_format": "dummy"}, "dummy weights"),
     ],
 )
 def test_features_outside_this_slice_are_refused_by_name(extra, named):

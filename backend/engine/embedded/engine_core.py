@@ -75,7 +75,7 @@ class EngineCore:
                 config.model, self.dtype, self.device, config.load_format, config.quant_config
             )
         else:  # this rank's shard; model_config stays the whole model's
-            self.model, self.model_config = self.parallel.load(config.model, self.dtype)
+            self.model, self.model_config = self.parallel.load(config.model, self.dtype, config.load_format)
         self.max_seq_len = self._max_seq_len()
         self._fix_rope_context()
         self.attention_windows = self._attention_windows()

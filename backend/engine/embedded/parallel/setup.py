@@ -59,8 +59,8 @@ class Parallel:
         log.info("parallel: CUDA graphs and the overlap scheduler are off")
         return dataclasses.replace(config, cuda_graph_config=None, disable_overlap_scheduler=True)
 
-    def load(self, model_dir: str, dtype: torch.dtype) -> tuple[LlamaForCausalLM, ModelConfig]:
-        model, full = load_sharded(model_dir, dtype, self.device, self.group)
+    def load(self, model_dir: str, dtype: torch.dtype, load_format: str) -> tuple[LlamaForCausalLM, ModelConfig]:
+        model, full = load_sharded(model_dir, dtype, self.device, self.group, load_format)
         self.local_config = model.config
         return model, full
 

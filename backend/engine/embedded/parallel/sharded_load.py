@@ -12,7 +12,14 @@ from typing import Protocol
 import torch
 
 from ...config import ConfigError
-from ..loader import _allocate_parameters, _fill_parameters, model_class, read_model_config, weight_files
+from ..loader import (
+    _allocate_parameters,
+    _fill_dummy_parameters,
+    _fill_parameters,
+    model_class,
+    read_model_config,
+    weight_files,
+)
 from ..network.layers import Embedding
 from ..network.llama import LlamaForCausalLM, WeightSlot
 from ..network.model_config import ModelConfig, ModelLoadError
@@ -34,9 +41,11 @@ class RankGroup(Protocol):
 
 
 def load_sharded(
-    model_dir: str | Path, dtype: torch.dtype, device: torch.device, group: RankGroup
+    model_dir: str | Path, dtype: torch.dtype, device: torch.device, group: RankGroup, load_format: str = "auto"
 ) -> tuple[LlamaForCausalLM, ModelConfig]:
-    """This rank's model (its collectives installed; its stage's layers only) and the full model's config."""
+    """This rank's model (its collectives installed; its stage's layers only) and the full model's config.
+    `load_format` "dummy": config.json alone, the rank's parameters filled as loader.py fills a whole model's (so
+    the ranks' weights are not one model's split: for benchmarks)."""
     model_dir = Path(model_dir)
     config = read_model_config(model_dir)
     if model_class(config) is not LlamaForCausalLM or config.moe is not None:
@@ -56,16 +65,19 @@ def load_sharded(
             model.lm_head = None  # nor computes logits
     _allocate_parameters(model, dtype, device)
     slots = stage_slots(model, layout, layers, config)
-    _fill_parameters(
-        model,
-        config,
-        weight_files(model_dir),
-        torch.device("cpu"),
-        None,
-        read_into=lambda handle, name, path, slot: _copy_slice(handle, name, path, slot, plan.slice_of(name)),
-        slots=slots,
-        foreign=lambda name: _held_elsewhere(name, slots, layers),
-    )
+    if load_format == "dummy":
+        _fill_dummy_parameters(model, device)
+    else:
+        _fill_parameters(
+            model,
+            config,
+            weight_files(model_dir),
+            torch.device("cpu"),
+            None,
+            read_into=lambda handle, name, path, slot: _copy_slice(handle, name, path, slot, plan.slice_of(name)),
+            slots=slots,
+            foreign=lambda name: _held_elsewhere(name, slots, layers),
+        )
     for rope in model.rotary_embeddings():
         rope.reset_frequencies(device)
     if group.tp_size > 1:
