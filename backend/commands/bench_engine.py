@@ -12,18 +12,21 @@ torch.profiler and reports where the device time went."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
+import os
 import random
 import resource
+import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from importlib import resources
+from pathlib import Path
 from typing import Any, Iterator
 
 from tritonllm.commands.bench_profile import profile_engine
 from tritonllm.commands.bench_report import progress, report
-from tritonllm.commands.generate import build_engine_config
 from tritonllm.engine.types import SamplingParams
 
 MIX_FLAGS = ("requests", "min_prompt", "max_prompt", "min_output", "max_output")
@@ -119,16 +122,30 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def engine_config(args, workload: Workload):
-    """model.yaml (read once) < the workload's defaults where it sets nothing < the command's flags."""
+def engine_settings(args, workload: Workload) -> dict[str, Any]:
+    """model.yaml (read once) < the workload's defaults where it sets nothing < the command's flags, as the
+    engine's arguments (which follower ranks are started with too)."""
     from tritonllm.engine.config import load_yaml_args
 
     yaml_args = load_yaml_args(args.config) if args.config else {}
     yaml_args.pop("model", None)  # --model names the folder
     defaults = {key: value for key, value in workload.engine_defaults.items() if yaml_args.get(key) is None}
-    flags = dict(dtype=args.dtype, device=args.device, max_batch_size=args.max_batch_size, load_format=args.load_format)
+    flags = dict(
+        dtype=args.dtype,
+        device=args.device,
+        max_batch_size=args.max_batch_size,
+        load_format=args.load_format,
+        tensor_parallel_size=getattr(args, "tensor_parallel_size", None),
+        pipeline_parallel_size=getattr(args, "pipeline_parallel_size", None),
+    )
     given = {key: value for key, value in flags.items() if value is not None}
-    return build_engine_config(args.model, None, **{**defaults, **yaml_args, **given})
+    return {"engine": "embedded", **defaults, **yaml_args, **given, "model": args.model}
+
+
+def engine_config(args, workload: Workload):
+    from tritonllm.engine.config import EngineConfig
+
+    return EngineConfig.from_dict(engine_settings(args, workload))
 
 
 def workload_requests(workload: Workload, config, tokenizer, seed: int) -> list[BenchRequest]:
@@ -166,6 +183,8 @@ def engine_facts(engine, config) -> dict[str, Any]:
         "attn_backend": _attn_backend(config, core.device),
         "cuda_graphs": getattr(core.runner, "graphs", None) is not None,
         "max_batch_size": config.max_batch_size,
+        "tensor_parallel_size": config.tensor_parallel_size,
+        "pipeline_parallel_size": config.pipeline_parallel_size,
         "max_seq_len": core.max_seq_len,
         "disable_overlap_scheduler": config.disable_overlap_scheduler,
     }
@@ -189,57 +208,76 @@ def shifted(requests: list[BenchRequest], vocab_size: int) -> list[BenchRequest]
 def bench_engine(config, requests: list[BenchRequest], args) -> dict[str, Any]:
     """Warm-up, the timed run and, with --profile, a profiled run; the engine's part of the result."""
     from tritonllm.engine import create_engine
-    from tritonllm.engine.embedded.engine import EmbeddedEngine
+    from tritonllm.engine.embedded.parallel.environment import read_rank_environment
+    from tritonllm.engine.embedded.parallel.group import leave_group
 
     started = time.perf_counter()
-    engine = create_engine(config)
-    try:
-        assert isinstance(engine, EmbeddedEngine)  # what this bench measures (engine_facts reads its core)
-        facts = engine_facts(engine, config)
-        device = engine.core.device
-        progress(
-            f"engine ready in {time.perf_counter() - started:.1f}s ({facts['device']}, {facts['dtype']}, "
-            f"attention {facts['attn_backend']}, CUDA graphs {'on' if facts['cuda_graphs'] else 'off'})"
-        )
-        warmup = shifted(requests if args.warmup else requests[:WARMUP_REQUESTS], engine.core.model_config.vocab_size)
-        progress(f"engine warm-up: {len(warmup)} requests")
-        run_engine(engine, warmup)
-        reset_peak_memory(device)
-        steps_before = engine.wait_idle().num_steps
-        phase_before = dict(engine.core.step_seconds)
-        wait_before = engine.core.token_wait_seconds
-        progress("timing the engine")
-        with collector_pauses() as pauses:
-            seconds = run_engine(engine, requests)
-        result = {
-            **facts,
-            "engine_s": round(seconds, 3),
-            "engine_steps": engine.wait_idle().num_steps - steps_before,
-            # Wall seconds of the engine's steps by phase; engine_s less their sum is time outside steps.
-            "engine_phase_s": {
-                phase: round(total - phase_before[phase], 4) for phase, total in engine.core.step_seconds.items()
-            },
-            # Of the steps' time, the engine thread waiting for the GPU's tokens: the rest is host work.
-            "engine_token_wait_s": round(engine.core.token_wait_seconds - wait_before, 4),
-            "gc_pause_s": round(pauses["seconds"], 4),  # Python's garbage collector, any thread
-            "gc_collections": pauses["collections"],
-            "peak_memory_bytes": peak_memory_bytes(device),
-        }
-        outside = seconds - sum(result["engine_phase_s"].values())
-        progress(
-            "engine steps: "
-            + ", ".join(f"{p} {s:.3f}s" for p, s in result["engine_phase_s"].items())
-            + f", outside steps {outside:.3f}s; waiting for tokens {result['engine_token_wait_s']:.3f}s; "
-            + f"{pauses['collections']} garbage collections, {pauses['seconds']:.3f}s"
-        )
-        if args.profile or args.profile_trace:
-            # Prompts shifted once more: the timed run's prompts would come back from the prefix cache.
-            vocab = engine.core.model_config.vocab_size
-            profiled = shifted(shifted(requests, vocab), vocab)
-            result.update(profile_engine(lambda: run_engine(engine, profiled), device, args.profile_trace))
-        return result
-    finally:
-        engine.shutdown()
+    with contextlib.ExitStack() as ranks:  # left in reverse: engine, group, then the follower processes
+        if config.world_size > 1:
+            if read_rank_environment(os.environ) is None:
+                ranks.enter_context(bench_ranks(args, config))
+            ranks.callback(leave_group, wait_for_others=False)
+        engine = create_engine(config)
+        ranks.callback(engine.shutdown)  # it stops the followers
+        return _timed_runs(engine, config, requests, args, started)
+
+
+def bench_ranks(args, config):
+    """The other ranks of a parallel engine, on this host, logging into a new temporary folder."""
+    from tritonllm.deploy.followers import local_ranks
+
+    log_dir = Path(tempfile.mkdtemp(prefix="tritonllm-ranks-"))
+    progress(f"parallel engine: this process is rank 0 of {config.world_size}; the others log to {log_dir}")
+    return local_ranks(engine_settings(args, resolve_workload(args)), config.world_size, log_dir)
+
+
+def _timed_runs(engine, config, requests: list[BenchRequest], args, started: float) -> dict[str, Any]:
+    from tritonllm.engine.embedded.engine import EmbeddedEngine
+
+    assert isinstance(engine, EmbeddedEngine)  # what this bench measures (engine_facts reads its core)
+    facts = engine_facts(engine, config)
+    device = engine.core.device
+    progress(
+        f"engine ready in {time.perf_counter() - started:.1f}s ({facts['device']}, {facts['dtype']}, "
+        f"attention {facts['attn_backend']}, CUDA graphs {'on' if facts['cuda_graphs'] else 'off'})"
+    )
+    warmup = shifted(requests if args.warmup else requests[:WARMUP_REQUESTS], engine.core.model_config.vocab_size)
+    progress(f"engine warm-up: {len(warmup)} requests")
+    run_engine(engine, warmup)
+    reset_peak_memory(device)
+    steps_before = engine.wait_idle().num_steps
+    phase_before = dict(engine.core.step_seconds)
+    wait_before = engine.core.token_wait_seconds
+    progress("timing the engine")
+    with collector_pauses() as pauses:
+        seconds = run_engine(engine, requests)
+    result = {
+        **facts,
+        "engine_s": round(seconds, 3),
+        "engine_steps": engine.wait_idle().num_steps - steps_before,
+        # Wall seconds of the engine's steps by phase; engine_s less their sum is time outside steps.
+        "engine_phase_s": {
+            phase: round(total - phase_before[phase], 4) for phase, total in engine.core.step_seconds.items()
+        },
+        # Of the steps' time, the engine thread waiting for the GPU's tokens: the rest is host work.
+        "engine_token_wait_s": round(engine.core.token_wait_seconds - wait_before, 4),
+        "gc_pause_s": round(pauses["seconds"], 4),  # Python's garbage collector, any thread
+        "gc_collections": pauses["collections"],
+        "peak_memory_bytes": peak_memory_bytes(device),
+    }
+    outside = seconds - sum(result["engine_phase_s"].values())
+    progress(
+        "engine steps: "
+        + ", ".join(f"{p} {s:.3f}s" for p, s in result["engine_phase_s"].items())
+        + f", outside steps {outside:.3f}s; waiting for tokens {result['engine_token_wait_s']:.3f}s; "
+        + f"{pauses['collections']} garbage collections, {pauses['seconds']:.3f}s"
+    )
+    if args.profile or args.profile_trace:
+        # Prompts shifted once more: the timed run's prompts would come back from the prefix cache.
+        vocab = engine.core.model_config.vocab_size
+        profiled = shifted(shifted(requests, vocab), vocab)
+        result.update(profile_engine(lambda: run_engine(engine, profiled), device, args.profile_trace))
+    return result
 
 
 @contextmanager

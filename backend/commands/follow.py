@@ -1,9 +1,10 @@
-"""`tritonllm follow`: one follower rank of `tritonllm launch --world_size N` (deploy/followers.py starts it with
-its rank's variables): the tensorrt_llm model's engine configuration, read as that model reads it, then rank 0's
-steps until rank 0 stops."""
+"""`tritonllm follow`: one follower rank of `tritonllm launch --world_size N` or of a parallel `bench engine`
+(deploy/followers.py starts it with its rank's variables): the engine configuration (the tensorrt_llm model's,
+read as that model reads it, or given as JSON), then rank 0's steps until rank 0 stops."""
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
@@ -14,21 +15,32 @@ def add_follow_command(sub) -> None:
         help="run a follower rank of a tensor- or pipeline-parallel launch (tritonllm launch --world_size N "
         "starts these)",
         description="Builds the engine of a repository's tensorrt_llm model as that model builds it at load "
-        "(config.pbtxt and model.yaml), joins the parallel group that the rank variables name (RANK, "
-        "WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, or the MPI / Slurm ones) and runs rank 0's steps "
-        "until rank 0 stops. Exits 0 when rank 0 shut down, 1 when another rank was lost.",
+        "(config.pbtxt and model.yaml), or the engine --engine-args gives, joins the parallel group that the "
+        "rank variables name (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT, or the MPI / Slurm ones) "
+        "and runs rank 0's steps until rank 0 stops. Exits 0 when rank 0 shut down, 1 when another rank was lost.",
     )
-    parser.add_argument("--model_repo", required=True, help="the model repository tritonserver serves")
-    parser.add_argument("--model", default="tensorrt_llm", help="the engine's model in it (default tensorrt_llm)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--model_repo", help="the model repository tritonserver serves")
+    source.add_argument(
+        "--engine-args",
+        help="the engine's settings as a JSON object of model.yaml keys, model included (a parallel bench engine)",
+    )
+    parser.add_argument(
+        "--model", default="tensorrt_llm", help="the engine's model in --model_repo (default tensorrt_llm)"
+    )
 
 
 def main(args) -> int:
     from tritonllm.deploy.followers import engine_config_of
+    from tritonllm.engine.config import EngineConfig
     from tritonllm.engine.embedded.parallel.follower import run_follower
     from tritonllm.engine.embedded.parallel.group import RankLostError, leave_group
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = engine_config_of(Path(args.model_repo), args.model)
+    if args.engine_args is not None:
+        config = EngineConfig.from_dict(json.loads(args.engine_args))
+    else:
+        config = engine_config_of(Path(args.model_repo), args.model)
     try:
         run_follower(config)
     except RankLostError as err:

@@ -195,6 +195,14 @@ def _bench_engine_arguments(engine) -> None:
         help="hf: also time Hugging Face generate and report the ratio (default); none: the engine alone",
     )
     engine.add_argument("--hf-batch-size", type=count, default=8, help="static batch size for HF generate (default 8)")
+    for kind in ("tensor", "pipeline"):
+        engine.add_argument(
+            f"--{kind}-parallel-size",
+            type=count,
+            help=f"the engine's {kind}_parallel_size (default: --config's, else 1); with more than one rank in "
+            "all, the bench is rank 0 and starts the other ranks on this host as `tritonllm follow` processes "
+            "(one GPU each: LOCAL_RANK), unless a launcher's rank variables are set",
+        )
     engine.add_argument(
         "--profile",
         action="store_true",

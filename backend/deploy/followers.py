@@ -9,12 +9,15 @@ stops (a rank that dies ends the others: parallel/group.py)."""
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-from typing import Mapping
+from typing import Iterator, Mapping
 
+from tritonllm.deploy.tritonserver import free_port
 from tritonllm.engine.config import EngineConfig
 
 MASTER_ADDR = "127.0.0.1"  # one host: the ranks of a launch share it
@@ -69,12 +72,12 @@ def rank_environment(rank: int, world_size: int, port: int, base: Mapping[str, s
     return env
 
 
-def start_followers(repo: Path, model_name: str, world_size: int, port: int, log_dir: Path) -> list[subprocess.Popen]:
-    """Ranks 1 .. world_size - 1 as `tritonllm follow` processes in their own sessions, each logging to
+def start_followers(follow_args: list[str], world_size: int, port: int, log_dir: Path) -> list[subprocess.Popen]:
+    """Ranks 1 .. world_size - 1 as `tritonllm follow FOLLOW_ARGS` processes in their own sessions, each logging to
     log_dir/follower-RANK.log. They wait for rank 0 to join the group."""
     followers = []
     for rank in range(1, world_size):
-        command = [sys.executable, "-m", "tritonllm", "follow", f"--model_repo={repo}", f"--model={model_name}"]
+        command = [sys.executable, "-m", "tritonllm", "follow", *follow_args]
         log = open(log_dir / f"follower-{rank}.log", "w")
         followers.append(
             subprocess.Popen(
@@ -87,6 +90,28 @@ def start_followers(repo: Path, model_name: str, world_size: int, port: int, log
         )
         log.close()  # the child holds its own copy
     return followers
+
+
+@contextlib.contextmanager
+def local_ranks(settings: dict, world_size: int, log_dir: Path) -> Iterator[list[subprocess.Popen]]:
+    """This process as rank 0 of `world_size` ranks on this host (its rank variables set while inside), ranks
+    1 .. world_size - 1 as `tritonllm follow --engine-args` processes of the same `settings`. Rank 0's engine must
+    be shut down inside: that stops the followers, which are then waited for (killed after 30 s)."""
+    port = free_port()
+    mine = rank_environment(0, world_size, port, base={})
+    os.environ.update(mine)
+    followers = start_followers(["--engine-args", json.dumps(settings)], world_size, port, log_dir)
+    try:
+        yield followers
+    finally:
+        for name in mine:
+            os.environ.pop(name, None)
+        for process in followers:
+            try:
+                process.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        stop(followers)
 
 
 def exited(followers: list[subprocess.Popen]) -> list[str]:

@@ -323,7 +323,8 @@ def _start_followers(
         raise LaunchError(str(err)) from err
     port = free_port_number()
     log_dir = Path(options.log_file).resolve().parent if options.log else repo.parent
-    ranks = followers.start_followers(repo, name, options.world_size, port, log_dir)
+    follow_args = [f"--model_repo={repo}", f"--model={name}"]
+    ranks = followers.start_followers(follow_args, options.world_size, port, log_dir)
     say(
         f"leader mode: tritonserver is rank 0 of {options.world_size}; followers (PIDs "
         f"{', '.join(str(p.pid) for p in ranks)}) log to {log_dir}/follower-*.log"

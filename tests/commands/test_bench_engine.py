@@ -204,3 +204,25 @@ def test_dummy_weights_against_hugging_face_from_config(weightless, capsys):
     result = json_result(capsys)
     assert JSON_KEYS | HF_KEYS <= set(result)
     assert result["warmup"] is False and result["baseline"] == "hf" and result["ratio"] > 0
+
+
+@pytest.mark.parametrize("sizes", [["--tensor-parallel-size", "2"], ["--pipeline-parallel-size", "2"]])
+def test_a_parallel_engine_starts_its_other_ranks_and_stops_them(weightless, capsys, sizes):
+    """Two ranks on CPU (gloo): the bench is rank 0, a `tritonllm follow --engine-args` process rank 1; the run
+    completes every request and the follower stops with the engine."""
+    import os
+
+    from tritonllm.engine.embedded.parallel.environment import read_rank_environment
+
+    argv = ["bench", "engine", "--model", str(weightless), "--device", "cpu", "--dtype", "float32"]
+    argv += ["--load-format", "dummy", "--baseline", "none", "--json", *SHORT_MIX, *sizes]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    (result,) = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    assert (result["tensor_parallel_size"], result["pipeline_parallel_size"]) == (
+        (2, 1) if "--tensor-parallel-size" in sizes else (1, 2)
+    )
+    assert result["engine_steps"] > 0 and result["output_tokens"] > 0
+    assert read_rank_environment(os.environ) is None  # rank 0's variables are gone with the bench
+    log_dir = err.split("the others log to ")[1].split()[0]
+    assert "rank 1 stops after" in open(os.path.join(log_dir, "follower-1.log")).read()

@@ -91,7 +91,7 @@ def test_world_size_above_one_takes_one_engine_whose_tensor_parallel_size_matche
     from tritonllm.deploy.followers import FollowerError, check_world_size, engine_config_of, rank_environment
     from tritonllm.deploy.repo import build_repo
 
-    with pytest.raises(LaunchError, match="several tensorrt_llm models .* one tensor-parallel engine"):
+    with pytest.raises(LaunchError, match="several tensorrt_llm models .* one parallel engine"):
         check_options(LaunchOptions(model_repo=tmp_path, world_size=2, tensorrt_llm_model_name="a,b"))
     repo = build_repo(build_tiny_model(tmp_path / "tiny"), tmp_path / "repo", guided_decoding_backend=None)
     config = engine_config_of(repo, "tensorrt_llm")  # what the model builds at load: its config.pbtxt's settings
