@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine run (the `device` tool): puts the working tree's package on PYTHONPATH (the machine has torch,
 # triton and transformers but no venv of ours), then runs what the arguments name, each logged under $OUT.
-#   bash ci/gpu_session.sh kernels|fused|window|guided|parity|features|bench-quick|bench-guided|bench-accuracy|moe-kernel|moe-sweep|fp8-kv|int4-decode-sweep|int4-layouts|attn-sweep|fp8-sweep|families|bench-mixtral|bench-quant|quant|quant-load|quant-tests|quantize|quant-kernels|quant-sweep-decode|quant-sweep-prefill|bench-qwen3|sync-check|profile|profile-1 ...
+#   bash ci/gpu_session.sh kernels|fused|window|guided|parity|features|bench-quick|bench-guided|bench-accuracy|moe-kernel|moe-sweep|fp8-kv|int4-decode-sweep|int4-layouts|attn-sweep|fp8-sweep|families|bench-mixtral|bench-quant|quant|quant-load|quant-tests|quantize|quant-kernels|quant-sweep-decode|quant-sweep-prefill|bench-qwen3|bench-parallel|parallel-tests|sync-check|profile|profile-1 ...
 # Used by hand for the GPU figures in docs/benchmarks.md; CI never runs it (no GPU there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -138,6 +138,20 @@ for what in "$@"; do
           fp8-1) bench "llama-3.1-8b fp8+fp8kv 1x128/128" --model "$l" --config /tmp/fp8.yaml "${one[@]}" ;;
         esac
       done ;;
+    bench-parallel)  # issue 24 (nvidia-h200-x2 or more): Llama-3.1-8B's shape, nano and batch 1, one rank against two
+      l=$(shape llama-3.1-8b)
+      printf 'kv_cache_config:\n  free_gpu_memory_fraction: 0.8\n' > /tmp/parallel.yaml  # a rank does not profile activations
+      one=(--requests 1 --min-prompt 128 --max-prompt 128 --min-output 128 --max-output 128 --warmup --baseline none)
+      for variant in ${PARALLEL_VARIANTS:-tp1-nano tp2-nano tp1-1 tp2-1 pp2-nano}; do
+        case $variant in
+          tp1-nano) bench "llama-3.1-8b nano, one GPU" --model "$l" --config /tmp/parallel.yaml --workload nano --warmup --baseline none ;;
+          tp2-nano) BENCH_TIMEOUT=400 bench "llama-3.1-8b nano, tensor parallel 2" --model "$l" --config /tmp/parallel.yaml --workload nano --warmup --baseline none --tensor-parallel-size 2 ;;
+          pp2-nano) BENCH_TIMEOUT=400 bench "llama-3.1-8b nano, pipeline parallel 2" --model "$l" --config /tmp/parallel.yaml --workload nano --warmup --baseline none --pipeline-parallel-size 2 ;;
+          tp1-1) bench "llama-3.1-8b 1x128/128, one GPU" --model "$l" --config /tmp/parallel.yaml "${one[@]}" ;;
+          tp2-1) bench "llama-3.1-8b 1x128/128, tensor parallel 2" --model "$l" --config /tmp/parallel.yaml "${one[@]}" --tensor-parallel-size 2 ;;
+        esac
+      done ;;
+    parallel-tests) run_tests tests/engine/test_tensor_parallel.py tests/engine/test_pipeline_parallel.py ;;
     sync-check)  # the host-device synchronisations a step makes, bf16 and FP8 + FP8 KV (ci/gpu_sync_check.py)
       q=$(shape qwen2.5-0.5b)
       printf 'quant_config:\n  quant_algo: FP8\n  kv_cache_quant_algo: FP8\n' > /tmp/fp8.yaml
