@@ -231,6 +231,11 @@ class EngineConfig:
         except SpecConfigError as exc:
             raise ConfigError(str(exc)) from None
 
+    def _spec_kind(self) -> Optional[str]:
+        """The speculative method's canonical decoding_type (Eagle3 is Eagle), or None without one."""
+        spec = self.speculative_settings()
+        return None if spec is None else spec.decoding_type
+
     def cuda_graph_settings(self):
         """`cuda_graph_config` typed and checked (graph_settings.CudaGraphSettings), or None when graphs are off;
         by default graphs cover batches up to `max_batch_size` (graph_settings says why)."""
@@ -300,10 +305,8 @@ class EngineConfig:
         size = f"with {self.parallel_layout()}"
         refused = {
             "enable_lora / lora_config (LoRA)": self.lora_settings() is not None,
-            "speculative_config (speculative decoding)": bool(self.speculative_config),
-            f"max_beam_width={self.max_beam_width} (beam search)": self.max_beam_width > 1,
-            f"guided_decoding_backend={self.guided_decoding_backend!r} (guided decoding)": self.guided_decoding_backend
-            is not None,
+            "speculative_config with Medusa or Eagle (their heads read the target's own split embedding and "
+            "output head)": self._spec_kind() in ("Medusa", "Eagle"),
             "quant_config (quantization)": self.quant_config is not None,
             "kv_cache_config.dtype='fp8' (an FP8 KV cache)": kv_cache_fp8(self),
         }

@@ -50,7 +50,7 @@ def qwen2(tmp_path_factory) -> Path:
 
 def assert_same_as_one_rank(single: list, leader: list) -> None:
     for one, two in zip(single, leader):
-        assert two["tokens"] == one["tokens"]
+        assert two["tokens"] == one["tokens"] and two.get("accepted") == one.get("accepted")
     roomy_one, roomy_two = single[0], leader[0]
     assert roomy_two["prefix_tokens"] == roomy_one["prefix_tokens"]
     for key in ("logits", "context_logits"):
@@ -59,7 +59,9 @@ def assert_same_as_one_rank(single: list, leader: list) -> None:
 
 
 def assert_every_block_freed(leader: list, followers: list[list]) -> None:
-    roomy, preempting, _served = leader
+    roomy, preempting, _served, beams, ngram, draft, _guided = leader
+    assert all(len(outputs) == 3 for outputs in beams["tokens"])  # beam search ran (3 beams a request)
+    assert ngram["drafted"] > 0 and draft["accepted"] == draft["drafted"] > 0  # so did speculative decoding
     assert roomy["aborted_tokens"] < 20 and roomy["reused_blocks"] >= 3  # the scenarios did abort and reuse
     assert preempting["preemptions"] > 0
     for result in leader:

@@ -76,7 +76,7 @@ def runs(tiny, tmp_path_factory):
 def test_two_ranks_give_one_ranks_greedy_tokens_and_logits(runs):
     single, (leader, follower) = runs
     for one, two in zip(single, leader):
-        assert two["tokens"] == one["tokens"]
+        assert two["tokens"] == one["tokens"] and two.get("accepted") == one.get("accepted")
     roomy_one, roomy_two = single[0], leader[0]
     assert roomy_two["prefix_tokens"] == roomy_one["prefix_tokens"]
     for key in ("logits", "context_logits"):
@@ -86,7 +86,9 @@ def test_two_ranks_give_one_ranks_greedy_tokens_and_logits(runs):
 
 def test_abort_preemption_and_prefix_reuse_free_every_block(runs):
     single, (leader, follower) = runs
-    roomy, preempting, _served = leader
+    roomy, preempting, _served, beams, ngram, draft, _guided = leader
+    assert all(len(outputs) == 3 for outputs in beams["tokens"])  # beam search ran (3 beams a request)
+    assert ngram["drafted"] > 0 and draft["accepted"] == draft["drafted"] > 0  # so did speculative decoding
     assert roomy["aborted_tokens"] < 20 and roomy["reused_blocks"] >= 3  # the scenarios did abort and reuse
     assert preempting["preemptions"] > 0
     for result in single + leader:
@@ -212,9 +214,8 @@ def test_sizes_that_do_not_divide_are_refused(overrides, size, named):
     "extra, named",
     [
         ({"enable_lora": True}, "LoRA"),
-        ({"speculative_config": {"decoding_type": "NGram", "max_draft_len": 2}}, "speculative decoding"),
-        ({"max_beam_width": 2}, "beam search"),
-        ({"guided_decoding_backend": "xgrammar"}, "guided decoding"),
+        ({"speculative_config": {"decoding_type": "Eagle3", "speculative_model_dir": "d"}}, "Medusa or Eagle"),
+        ({"speculative_config": {"decoding_type": "Medusa", "speculative_model_dir": "d"}}, "Medusa or Eagle"),
         ({"quant_config": {"quant_algo": "FP8"}}, "quantization"),
     ],
 )
@@ -224,9 +225,9 @@ def test_features_outside_this_slice_are_refused_by_name(extra, named):
 
 
 def test_pipeline_parallelism_refuses_what_tensor_parallelism_does():
-    config = EngineConfig.from_dict({"model": "m", "pipeline_parallel_size": 2, "max_beam_width": 2})
+    config = EngineConfig.from_dict({"model": "m", "pipeline_parallel_size": 2, "enable_lora": True})
     assert config.world_size == 2
-    assert any("(beam search) with pipeline_parallel_size=2" in p for p in config.embedded_unsupported())
+    assert any("(LoRA) with pipeline_parallel_size=2" in p for p in config.embedded_unsupported())
     assert EngineConfig.from_dict({"model": "m", "pipeline_parallel_size": 2}).embedded_unsupported() == []
 
 

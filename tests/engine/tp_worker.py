@@ -17,7 +17,7 @@ import torch
 from tritonllm.engine.config import EngineConfig
 from tritonllm.engine.embedded.engine import EmbeddedEngine
 from tritonllm.engine.embedded.engine_core import EngineCore
-from tritonllm.engine.types import SamplingParams
+from tritonllm.engine.types import GuidedDecodingParams, SamplingParams
 
 PROMPTS = [[5, 17, 42, 99, 3, 250], [7, 8, 9], [600, 512, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [33]]
 SHARED = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]  # three blocks of 4: reused by the second prompt
@@ -102,6 +102,20 @@ def preempting_scenarios(core: EngineCore) -> dict:
     }
 
 
+def served_settings(model_dir: str, tensor_parallel_size: int, pipeline_parallel_size: int = 1) -> list[dict]:
+    """The threaded engines that follow the core scenarios: the roomy one again, beam search, speculative decoding
+    by n-grams and by a draft model (the model itself: every draft token accepted), guided decoding."""
+    roomy = engine_settings(model_dir, tensor_parallel_size, pipeline_parallel_size)[0]
+    draft = {"decoding_type": "DraftTarget", "max_draft_len": 3, "speculative_model_dir": model_dir}
+    return [
+        roomy,
+        {**roomy, "max_beam_width": 3},
+        {**roomy, "speculative_config": {"decoding_type": "NGram", "max_draft_len": 3, "max_matching_ngram_size": 2}},
+        {**roomy, "speculative_config": draft},
+        {**roomy, "guided_decoding_backend": "xgrammar"},
+    ]
+
+
 def run_scenarios(model_dir: str, tensor_parallel_size: int, pipeline_parallel_size: int = 1) -> list[dict]:
     """Rank 0's (or the single rank's) view of every scenario; each engine is shut down after its scenario."""
     results = []
@@ -111,17 +125,32 @@ def run_scenarios(model_dir: str, tensor_parallel_size: int, pipeline_parallel_s
         results.append(scenario(core))
         results[-1]["steps"] = core.num_steps
         core.shutdown()
-    results.append(served_scenario(all_settings[0]))
+    results += [served_scenario(s) for s in served_settings(model_dir, tensor_parallel_size, pipeline_parallel_size)]
     return results
 
 
 def served_scenario(settings: dict) -> dict:
-    """The threaded EmbeddedEngine over the same settings: its shutdown must stop the followers."""
+    """The threaded EmbeddedEngine over `settings`: greedy requests (or beams of 3 with max_beam_width); its
+    shutdown must stop the followers."""
     engine = EmbeddedEngine(EngineConfig.from_dict(settings))
-    tokens = [engine.generate(p, greedy(6)).outputs[0].token_ids for p in PROMPTS[:2]]
+    beams = settings.get("max_beam_width", 1)
+    params = greedy(16) if beams == 1 else SamplingParams(max_tokens=8, end_id=2, beam_width=beams, n=beams)
+    if settings.get("guided_decoding_backend"):
+        params = SamplingParams(max_tokens=10, end_id=2, guided_decoding=GuidedDecodingParams(regex="[a-e]+( [a-e]+)*"))
+    outputs = [engine.generate(p, params).outputs for p in PROMPTS[:2] + [SHARED * 2]]
     stats = engine.wait_idle()
     engine.shutdown()
-    return {"tokens": tokens, "free_blocks": [stats.num_total_blocks, stats.num_free_blocks], "steps": stats.num_steps}
+    return {
+        "tokens": [[o.token_ids for o in outs] for outs in outputs],
+        "drafted": _draft_metric(outputs, "total_draft_tokens"),
+        "accepted": _draft_metric(outputs, "total_accepted_draft_tokens"),
+        "free_blocks": [stats.num_total_blocks, stats.num_free_blocks],
+        "steps": stats.num_steps,
+    }
+
+
+def _draft_metric(outputs, name: str) -> int:
+    return sum(getattr(o.request_perf_metrics, name) for outs in outputs for o in outs if o.request_perf_metrics)
 
 
 def lost_rank(model_dir: str, out_path: str, lost: str) -> int:
@@ -173,8 +202,8 @@ def main(model_dir: str, out_path: str) -> None:
     if int(os.environ["RANK"]) == 0:
         result = run_scenarios(model_dir, *layout())
     else:
-        settings = engine_settings(model_dir, *layout())
-        result = [{"steps": run_follower(EngineConfig.from_dict(s))} for s in settings + settings[:1]]
+        settings = engine_settings(model_dir, *layout()) + served_settings(model_dir, *layout())
+        result = [{"steps": run_follower(EngineConfig.from_dict(s))} for s in settings]
     with open(out_path, "w") as out:
         json.dump(result, out)
     leave_group()

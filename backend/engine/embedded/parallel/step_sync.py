@@ -50,6 +50,9 @@ class MicroStep:
 class StepPlan:
     new_blocks: list[int]
     micro: list[MicroStep] = field(default_factory=list)
+    # KV copies rank 0 made since its last step (a forked beam's block, accepted draft nodes moved down), in
+    # order: ("block", source, target) or ("slots", sources, targets). Every rank makes them before the step.
+    kv_copies: list[tuple] = field(default_factory=list)
 
 
 class StageRunner(ModelRunner):
@@ -60,6 +63,10 @@ class StageRunner(ModelRunner):
 
     @torch.inference_mode()
     def run_plan(self, plan: StepPlan) -> list[Optional[list[torch.Tensor]]]:
+        if self.group.rank != 0:  # rank 0 made them already, when its engine asked
+            for kind, source, target in plan.kv_copies:
+                copy = ModelRunner.copy_block if kind == "block" else ModelRunner.copy_slots
+                copy(self, source, target)
         self.zero_blocks(plan.new_blocks)
         layout, sends = self.group.layout, []
         results: list[Optional[list[torch.Tensor]]] = []
@@ -86,12 +93,31 @@ class StageRunner(ModelRunner):
 class LeaderRunner(StageRunner):
     """Rank 0's runner: plans each step, runs its own stage's share and samples from the logits it gets back."""
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._kv_copies: list[tuple] = []
+
+    def copy_block(self, source: int, target: int) -> None:
+        super().copy_block(source, target)
+        self._queue_copy(("block", source, target))
+
+    def copy_slots(self, sources: list[int], targets: list[int]) -> None:
+        super().copy_slots(sources, targets)
+        self._queue_copy(("slots", list(sources), list(targets)))
+
+    def _queue_copy(self, copy: tuple) -> None:
+        self._kv_copies.append(copy)
+
+    def _take_copies(self) -> list[tuple]:
+        copies, self._kv_copies = self._kv_copies, []
+        return copies
+
     @torch.inference_mode()
     def execute(
         self, batch: ScheduledBatch, new_blocks: list[int], last_tokens: Optional[torch.Tensor] = None
     ) -> StepOutput:
         parts = [self.prepare(part) for part in micro_batches(batch, self.group.layout.pipeline)]
-        plan = StepPlan(list(new_blocks), [MicroStep.of(inputs) for inputs in parts])
+        plan = StepPlan(list(new_blocks), [MicroStep.of(inputs) for inputs in parts], self._take_copies())
         self.group.broadcast_object(plan)
         if self.group.layout.pipeline == 1:
             results = self.run_plan(plan)
