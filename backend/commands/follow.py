@@ -31,16 +31,26 @@ def add_follow_command(sub) -> None:
 
 
 def main(args) -> int:
-    from tritonllm.deploy.followers import engine_config_of
     from tritonllm.engine.config import EngineConfig
+
+    if args.engine_args is not None:
+        return follow_engine(EngineConfig.from_dict(json.loads(args.engine_args)))
+    return follow_repository(Path(args.model_repo), args.model)
+
+
+def follow_repository(model_repo: Path, model: str) -> int:
+    """Follow the engine of `model` in `model_repo` (as the model builds it at load)."""
+    from tritonllm.deploy.followers import engine_config_of
+
+    return follow_engine(engine_config_of(Path(model_repo), model))
+
+
+def follow_engine(config) -> int:
+    """Run rank 0's steps of `config`'s engine until rank 0 stops (0) or another rank is lost (1)."""
     from tritonllm.engine.embedded.parallel.follower import run_follower
     from tritonllm.engine.embedded.parallel.group import RankLostError, leave_group
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if args.engine_args is not None:
-        config = EngineConfig.from_dict(json.loads(args.engine_args))
-    else:
-        config = engine_config_of(Path(args.model_repo), args.model)
     try:
         run_follower(config)
     except RankLostError as err:

@@ -5,9 +5,12 @@
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
-from tritonllm.deploy.launch import ANCHOR_LOG_FILE, NGC_TRITONSERVER, LaunchOptions, launch
+from tritonllm.commands.follow import follow_repository
+from tritonllm.deploy.launch import ANCHOR_LOG_FILE, NGC_TRITONSERVER, LaunchError, LaunchOptions, launch
+from tritonllm.deploy.launcher_ranks import RankError, outside_rank, serve_in_foreground
 
 
 def add_launch_command(sub) -> None:
@@ -25,7 +28,9 @@ def add_launch_command(sub) -> None:
         type=int,
         default=1,
         help="ranks (default 1); N > 1 serves the tensorrt_llm model's engine over N ranks (tensor_parallel_size "
-        "x pipeline_parallel_size = N in its model.yaml): tritonserver is rank 0, N - 1 follower processes beside it",
+        "x pipeline_parallel_size = N in its model.yaml): tritonserver is rank 0, N - 1 follower processes beside it. "
+        "Under mpirun, srun or torchrun (their rank variables set; MASTER_ADDR / MASTER_PORT: rank 0's host), "
+        "run this command on every rank: rank 0 serves tritonserver in the foreground, the others the engine only",
     )
     parser.add_argument(
         "--tritonserver",
@@ -121,6 +126,13 @@ def _say(line: str) -> None:
 def main(args) -> int:
     options = options_from(args)
     try:
+        outside = outside_rank(options.world_size, os.environ) if options.world_size > 1 else None
+    except RankError as err:
+        raise LaunchError(str(err)) from err
+    if outside is not None and outside.rank > 0:
+        _say(f"rank {outside.rank} of {outside.world_size} under {outside.launcher}: this rank runs the engine only")
+        return follow_repository(options.model_repo, options.tensorrt_llm_model_name)
+    try:
         process = launch(options, say=_say)
     except KeyboardInterrupt:
         _say("interrupted: tritonserver stopped")
@@ -130,4 +142,7 @@ def main(args) -> int:
         f"tritonserver {state} (PID {process.pid}): HTTP localhost:{options.http_port}  gRPC "
         f"localhost:{options.grpc_port}  metrics localhost:{options.metrics_port}; stop it with: kill {process.pid}"
     )
+    if outside is not None:  # the launcher's task lives as long as the server
+        _say(f"rank 0 of {outside.world_size} under {outside.launcher}: serving until tritonserver exits")
+        return serve_in_foreground(process)
     return 0

@@ -14,6 +14,7 @@ stop when tritonserver does.
 from __future__ import annotations
 
 import errno
+import os
 import socket
 import subprocess
 import time
@@ -24,11 +25,13 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from tritonllm.deploy import followers
+from tritonllm.deploy.launcher_ranks import RankError, leader_environment, outside_rank
 from tritonllm.deploy.pbtxt_check import model_config_message, parse_model_config
 from tritonllm.deploy.repo import validate_repo
 from tritonllm.deploy.server_log import describe_start_failure, start_failure_causes
 from tritonllm.deploy.tritonserver import ServerError, prepare_python_stub, server_environment, triton_home
 from tritonllm.deploy.tritonserver import free_port as free_port_number
+from tritonllm.engine.embedded.parallel.environment import RankEnvironment
 
 NGC_TRITONSERVER = "/opt/tritonserver/bin/tritonserver"  # the script's default
 ANCHOR_LOG_FILE = "triton_log.txt"
@@ -298,7 +301,13 @@ def launch(options: LaunchOptions, say: Say = print) -> subprocess.Popen:
     command = server_command(options, binary, auto_complete)
     env, ranks = server_environment(), list[subprocess.Popen]()
     if options.world_size > 1:
-        env, ranks = _start_followers(options, repo, env, say)
+        _check_engine_world(options, repo)
+        outside = _outside_rank(options)
+        if outside is None:
+            env, ranks = _start_followers(options, repo, env, say)
+        else:
+            env = leader_environment(outside, env)
+            say(f"leader mode under {outside.launcher}: tritonserver is rank 0 of {outside.world_size}")
     say("starting " + " ".join(command))
     process = subprocess.Popen(command, env=env, start_new_session=True)
     if options.wait:
@@ -311,16 +320,30 @@ def launch(options: LaunchOptions, say: Say = print) -> subprocess.Popen:
     return process
 
 
+def _check_engine_world(options: LaunchOptions, repo: Path) -> None:
+    name = options.tensorrt_llm_model_name
+    try:
+        followers.check_world_size(followers.engine_config_of(repo, name), options.world_size, name)
+    except (followers.FollowerError, ValueError) as err:
+        raise LaunchError(str(err)) from err
+
+
+def _outside_rank(options: LaunchOptions) -> Optional[RankEnvironment]:
+    """The rank an outside launcher (mpirun, srun, torchrun) gave this process, which must be rank 0 here."""
+    try:
+        outside = outside_rank(options.world_size, os.environ)
+    except RankError as err:
+        raise LaunchError(str(err)) from err
+    if outside is not None and outside.rank != 0:
+        raise LaunchError(f"rank {outside.rank} of {outside.launcher} runs the engine only (tritonllm launch does)")
+    return outside
+
+
 def _start_followers(
     options: LaunchOptions, repo: Path, env: dict, say: Say
 ) -> tuple[dict[str, str], list[subprocess.Popen]]:
     """Leader mode: the followers started, and tritonserver's environment as rank 0."""
     name = options.tensorrt_llm_model_name
-    try:
-        config = followers.engine_config_of(repo, name)
-        followers.check_world_size(config, options.world_size, name)
-    except (followers.FollowerError, ValueError) as err:
-        raise LaunchError(str(err)) from err
     port = free_port_number()
     log_dir = Path(options.log_file).resolve().parent if options.log else repo.parent
     follow_args = [f"--model_repo={repo}", f"--model={name}"]

@@ -166,3 +166,64 @@ def test_launch_refuses_a_repository_for_the_cpp_backend_before_starting(tiny_mo
     assert result.returncode == 2
     assert "backend 'tensorrtllm' is not in" in result.stderr and "triton_backend:python" in result.stderr
     assert "starting" not in result.stdout
+
+
+def test_launch_on_every_rank_of_an_outside_launcher(tiny_model, tmp_path):
+    """As under mpirun / srun / torchrun: the same `tritonllm launch --world_size 2` on two ranks (torchrun's
+    variables here); rank 0 serves tritonserver in the foreground, rank 1 the engine only; the tokens are one
+    rank's, and SIGTERM to rank 0's command stops the server and then the other rank."""
+    import os
+    import signal
+
+    from tritonllm.deploy.followers import engine_config_of
+    from tritonllm.deploy.tritonserver import free_port
+    from tritonllm.engine.embedded.engine import EmbeddedEngine
+    from tritonllm.engine.types import SamplingParams
+
+    repo = build_repo(tiny_model, tmp_path / "repo", streaming=False)
+    prompt, end_id = [5, 17, 42, 99, 3, 250, 7], 2
+    single = EmbeddedEngine(engine_config_of(repo, "tensorrt_llm"))  # before model.yaml asks for two stages
+    (repo / "tensorrt_llm" / "1" / "model.yaml").write_text("pipeline_parallel_size: 2\n")
+    try:
+        expected = single.generate(prompt, SamplingParams(max_tokens=8, end_id=end_id)).outputs[0].token_ids
+    finally:
+        single.shutdown()
+    ports, master = Ports.free(), free_port()
+    command = [sys.executable, "-m", "tritonllm", "launch", "--world_size", "2", f"--model_repo={repo}", "--force"]
+    command += [f"--http_port={ports.http}", f"--grpc_port={ports.grpc}", f"--metrics_port={ports.metrics}"]
+    ranks = []
+    for rank in range(2):
+        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank)}
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(master))
+        out = (tmp_path / f"rank{rank}.out").open("w")
+        ranks.append(subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT))
+    try:
+        deadline = time.monotonic() + 240
+        while not _ready(ports):
+            assert time.monotonic() < deadline and all(p.poll() is None for p in ranks), _outputs(tmp_path)
+            time.sleep(0.5)
+        status, reply = _direct_generate(ports, prompt, end_id)
+        assert status == 200 and reply["output_ids"] == expected, (reply, expected)
+        ranks[0].send_signal(signal.SIGTERM)
+        codes = [p.wait(timeout=60) for p in ranks]
+    finally:
+        for process in ranks:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+    text = "\n".join((tmp_path / f"rank{r}.out").read_text(errors="replace") for r in range(2))
+    assert codes[1] == 0, text[-3000:]  # rank 1 stopped when rank 0's engine did
+    assert "rank 1 of 2 under torchrun: this rank runs the engine only" in text
+    assert "rank 0 of 2 under torchrun: serving until tritonserver exits" in text
+
+
+def _ready(ports: Ports) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://localhost:{ports.http}/v2/health/ready", timeout=2) as response:
+            return response.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return False
+
+
+def _outputs(tmp_path: Path) -> str:
+    return "\n".join((tmp_path / f"rank{r}.out").read_text(errors="replace")[-3000:] for r in range(2))

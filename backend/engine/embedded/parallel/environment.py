@@ -22,6 +22,11 @@ _SOURCES = (
     ("PMI", "PMI_RANK", "PMI_SIZE", None, ""),
     ("Slurm", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", ""),
 )
+# The variables outside launchers set for a rank (not this project's own TRITONLLM_*).
+LAUNCHER_VARIABLES = tuple(name for source in _SOURCES[1:] for name in source[1:4] if name is not None) + (
+    "MASTER_ADDR",
+    "MASTER_PORT",
+)
 DEFAULT_MASTER_ADDR = "127.0.0.1"
 DEFAULT_MASTER_PORT = 29500
 

@@ -93,7 +93,7 @@ class StageRunner(ModelRunner):
 class LeaderRunner(StageRunner):
     """Rank 0's runner: plans each step, runs its own stage's share and samples from the logits it gets back."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
         self._kv_copies: list[tuple] = []
 
