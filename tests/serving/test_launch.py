@@ -245,3 +245,19 @@ def test_a_failed_start_logged_to_the_log_file_names_the_model_and_the_cause(tmp
     assert text.endswith("model 'tensorrt_llm': parameter 'max_beam_width' = 'two' must be an integer"), text
     without_log = launch_module._failed_start(1, replace(options, log=False))
     assert without_log == "tritonserver exited with code 1 while loading the models"
+
+
+def test_an_outside_launchers_rank_and_rank_0s_environment():
+    from tritonllm.deploy.launcher_ranks import RankError, leader_environment, outside_rank
+
+    slurm = {"SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "MASTER_ADDR": "node0", "PATH": "/bin"}
+    env = outside_rank(2, slurm)
+    assert env is not None and (env.launcher, env.rank, env.world_size) == ("Slurm", 0, 2)
+    with pytest.raises(RankError, match="--world_size 4 but the Slurm environment has 2 rank"):
+        outside_rank(4, slurm)
+    assert outside_rank(2, {"TRITONLLM_RANK": "1", "TRITONLLM_WORLD_SIZE": "2"}) is None  # our own launch's
+    assert outside_rank(2, {"PATH": "/bin"}) is None
+    leader = leader_environment(env, slurm)
+    assert not {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "MASTER_ADDR"} & set(leader)
+    assert leader["PATH"] == "/bin" and leader["TRITONLLM_RANK"] == "0" and leader["TRITONLLM_WORLD_SIZE"] == "2"
+    assert leader["TRITONLLM_MASTER_ADDR"] == "node0" and leader["TRITONLLM_MASTER_PORT"] == "29500"
