@@ -82,9 +82,12 @@ class StageRunner(ModelRunner):
                 continue
             logits = [self.model.compute_logits(out[step.logits_indices]).float()]
             logits += [self.model.compute_logits(out[self._long(rows)]).float() for rows in step.context_indices]
-            if layout.pipeline > 1 and layout.tp_rank == 0:  # to rank 0, which samples
-                sends += [(self.group.send(part, 0), part) for part in logits]
             results.append(logits)
+        if layout.is_last_stage and layout.pipeline > 1 and layout.tp_rank == 0:
+            # To rank 0, which samples the whole step at once: sent after the last micro-batch, so that no send
+            # of ours waits on rank 0 while rank 0's own sends of later micro-batches wait on our receives (with
+            # NCCL, whose sends meet their receives in stream order, that would deadlock).
+            sends += [(self.group.send(part, 0), part) for logits in results if logits for part in logits]
         for handle, _tensor in sends:
             self.group.wait(handle)
         return results
