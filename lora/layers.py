@@ -16,12 +16,33 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from .adapter import LoraAdapter
 from .modules import GROUPS, ModuleShapes
+
+
+class LoraSharding:
+    """Which part of an adapter a rank's slots hold. This one: all of it (one rank). Under tensor parallelism
+    (the embedded engine's parallel/lora_shards.py) a rank keeps B's rows of its output columns where the base
+    projection is split by output (q/k/v, gate/up), and A's columns of its input where it is split by input (o, down:
+    their x @ A^T is then a partial sum, which `reduce` completes over the ranks)."""
+
+    def local_shapes(self, shapes: ModuleShapes) -> ModuleShapes:
+        return shapes
+
+    def part(self, module: str, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's (A [r, in], B [out, r]) of one module's adapter."""
+        return a, b
+
+    def reduce(self, group: str, xa: torch.Tensor) -> torch.Tensor:
+        """x @ A^T of projection `group`, whole on every rank."""
+        return xa
+
+
+WHOLE = LoraSharding()
 
 
 @dataclass(frozen=True)
@@ -42,8 +63,13 @@ class DeviceSlots:
         max_rank: int,
         dtype: torch.dtype,
         device: torch.device,
+        sharding: LoraSharding = WHOLE,
     ):
         self.max_loras, self.max_rank = max_loras, max_rank
+        self.sharding = sharding
+        shapes = sharding.local_shapes(shapes)
+        # Called with (uid, adapter, slot) on each load: rank 0 of a parallel run sends its loads to the others.
+        self.on_load: Optional[Callable[[int, LoraAdapter, int], None]] = None
         self.groups: dict[str, list[SubModule]] = {}
         for group, members in GROUPS.items():
             starts = _column_starts(members, shapes)
@@ -87,11 +113,22 @@ class DeviceSlots:
 
     @torch.no_grad()
     def _load(self, uid: int, adapter: LoraAdapter, slot: int) -> None:
+        self.load(uid, adapter, slot)
+        if self.on_load is not None:
+            self.on_load(uid, adapter, slot)
+
+    @torch.no_grad()
+    def load(self, uid: int, adapter: LoraAdapter, slot: int) -> None:
+        """Put `adapter` (this rank's part of it) into `slot`, over whatever the slot held."""
+        for uid_held, slot_held in list(self.slot_of.items()):
+            if slot_held == slot:
+                del self.slot_of[uid_held]
         for tensor in list(self.a.values()) + list(self.b.values()):
             tensor[slot].zero_()
         for (layer, module), (a, b) in adapter.weights.items():
             group = next(g for g, subs in self.groups.items() if any(s.name == module for s in subs))
             index = [s.name for s in self.groups[group]].index(module)
+            a, b = self.sharding.part(module, a, b)
             rank = a.shape[0]
             self.a[(layer, group)][slot, index, :rank].copy_(a)
             self.b[(layer, module)][slot, :rank].copy_(b.t())
@@ -110,7 +147,7 @@ class DeviceSlots:
         mask = (slots[:, None] == active_t[None, :]).to(dtype)  # [T, S]
         rank = max(self.rank_of[s] for s in active)
         whole = active == list(range(self.max_loras))
-        return LoraBatch(self, None if whole else active_t, rank, mask)
+        return LoraBatch(self, None if whole else active_t, rank, mask, list(token_slots))
 
 
 @dataclass
@@ -119,6 +156,7 @@ class LoraBatch:
     active: Optional[torch.Tensor]  # [S] slot ids; None = every slot, in order
     rank: int
     mask: torch.Tensor  # [T, S]
+    token_slots: list[int]  # each token's slot, -1 for the base model (what the other ranks rebuild this from)
 
     def layer(self, index: int) -> "LayerLora":
         return LayerLora(self, index)
@@ -134,7 +172,7 @@ class LoraBatch:
         r, tokens = self.rank, x.shape[0]
         a = self._take(self.slots.a[(layer, group)])[:, :, :r]  # [S, M, r, in]
         num_slots = a.shape[0]
-        xa = x @ a.reshape(-1, a.shape[-1]).t()  # [T, S*M*r]
+        xa = self.slots.sharding.reduce(group, x @ a.reshape(-1, a.shape[-1]).t())  # [T, S*M*r]
         xa = xa.view(tokens, num_slots, len(subs), r) * self.mask[:, :, None, None]
         for index, sub in enumerate(subs):
             b = self._take(self.slots.b[(layer, sub.name)])[:, :r]  # [S, r, out]

@@ -13,7 +13,7 @@ import torch
 from .adapter import LoraAdapter
 from .cache import AdapterCache, CachedAdapter, LoraCacheError
 from .convert import load_adapter_folder
-from .layers import DeviceSlots, LoraBatch
+from .layers import WHOLE, DeviceSlots, LoraBatch, LoraSharding
 from .lora_dir import NamedAdapter, adapters_in
 from .modules import LoraFormatError, ModuleShapes
 from .settings import LoraSettings
@@ -36,11 +36,20 @@ class AdapterRef:
 
 
 class LoraRuntime:
-    def __init__(self, settings: LoraSettings, shapes: ModuleShapes, dtype: torch.dtype, device: torch.device):
+    def __init__(
+        self,
+        settings: LoraSettings,
+        shapes: ModuleShapes,
+        dtype: torch.dtype,
+        device: torch.device,
+        sharding: LoraSharding = WHOLE,
+    ):
+        """`shapes`: the whole model's (adapters are checked against them); `sharding`: the part of each adapter
+        this rank's slots hold (all of it on one rank)."""
         self.settings, self.shapes, self.dtype, self.device = settings, shapes, dtype, device
         self.cache = AdapterCache(settings.max_cpu_loras, settings.host_cache_bytes)
         self.slots = DeviceSlots(
-            shapes, settings.lora_target_modules, settings.max_loras, settings.max_lora_rank, dtype, device
+            shapes, settings.lora_target_modules, settings.max_loras, settings.max_lora_rank, dtype, device, sharding
         )
         self.names: dict[str, NamedAdapter] = {}
         if settings.lora_dir:

@@ -5,6 +5,7 @@ rank environment's parsing and the sharding rules."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from pathlib import Path
@@ -20,7 +21,7 @@ from tritonllm.engine.embedded.parallel.layout import ParallelLayout
 from tritonllm.engine.embedded.parallel.sharding import ShardPlan, TensorSlice
 
 from .parallel_ranks import launch, one_kv_head_llama, start_ranks
-from .tp_worker import run_scenarios
+from .tp_worker import LORA_PLAN, run_scenarios
 
 
 @pytest.fixture(scope="module", params=["qwen2", "llama-1kv"])
@@ -70,7 +71,22 @@ def test_a_rank_that_dies_fails_the_others_instead_of_hanging_them(tiny, tmp_pat
 
 @pytest.fixture(scope="module")
 def runs(tiny, tmp_path_factory):
-    return run_scenarios(str(tiny), 1), launch(tiny, tmp_path_factory.mktemp("ranks"))
+    """The single rank's and the two ranks' scenarios; the LoRA one with three PEFT adapters of the tiny model
+    (every module at rank 4, q/v at rank 2, the MLP at rank 4)."""
+    from ..lora.conftest import make_peft_adapter
+
+    folder = tmp_path_factory.mktemp("adapters")
+    targets = [["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], ["q_proj", "v_proj"]]
+    targets.append(["gate_proj", "up_proj", "down_proj"])
+    adapters = [
+        make_peft_adapter(tiny, folder / f"a{i}", t, rank=4 if i != 1 else 2, seed=i, scale=3.0)
+        for i, t in enumerate(targets)
+    ]
+    os.environ["TP_WORKER_LORA"] = os.pathsep.join(map(str, adapters))
+    try:
+        yield run_scenarios(str(tiny), 1), launch(tiny, tmp_path_factory.mktemp("ranks"))
+    finally:
+        del os.environ["TP_WORKER_LORA"]
 
 
 def test_two_ranks_give_one_ranks_greedy_tokens_and_logits(runs):
@@ -86,7 +102,9 @@ def test_two_ranks_give_one_ranks_greedy_tokens_and_logits(runs):
 
 def test_abort_preemption_and_prefix_reuse_free_every_block(runs):
     single, (leader, follower) = runs
-    roomy, preempting, _served, beams, ngram, draft, _guided = leader
+    roomy, preempting, _served, beams, ngram, draft, _guided, lora = leader
+    for adapter, adapted, base in zip(LORA_PLAN, lora["tokens"], lora["base_tokens"], strict=True):
+        assert (adapted == base) == (adapter is None)  # each adapter changed its request's tokens
     assert all(len(outputs) == 3 for outputs in beams["tokens"])  # beam search ran (3 beams a request)
     assert ngram["drafted"] > 0 and draft["accepted"] == draft["drafted"] > 0  # so did speculative decoding
     assert roomy["aborted_tokens"] < 20 and roomy["reused_blocks"] >= 3  # the scenarios did abort and reuse
@@ -213,7 +231,6 @@ def test_sizes_that_do_not_divide_are_refused(overrides, size, named):
 @pytest.mark.parametrize(
     "extra, named",
     [
-        ({"enable_lora": True}, "LoRA"),
         ({"speculative_config": {"decoding_type": "Eagle3", "speculative_model_dir": "d"}}, "Medusa or Eagle"),
         ({"speculative_config": {"decoding_type": "Medusa", "speculative_model_dir": "d"}}, "Medusa or Eagle"),
         ({"quant_config": {"quant_algo": "FP8"}}, "quantization"),

@@ -17,7 +17,7 @@ import torch
 from tritonllm.engine.config import EngineConfig
 from tritonllm.engine.embedded.engine import EmbeddedEngine
 from tritonllm.engine.embedded.engine_core import EngineCore
-from tritonllm.engine.types import GuidedDecodingParams, SamplingParams
+from tritonllm.engine.types import GuidedDecodingParams, LoRARequest, SamplingParams
 
 PROMPTS = [[5, 17, 42, 99, 3, 250], [7, 8, 9], [600, 512, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11], [33]]
 SHARED = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22]  # three blocks of 4: reused by the second prompt
@@ -107,13 +107,25 @@ def served_settings(model_dir: str, tensor_parallel_size: int, pipeline_parallel
     by n-grams and by a draft model (the model itself: every draft token accepted), guided decoding."""
     roomy = engine_settings(model_dir, tensor_parallel_size, pipeline_parallel_size)[0]
     draft = {"decoding_type": "DraftTarget", "max_draft_len": 3, "speculative_model_dir": model_dir}
-    return [
+    served = [
         roomy,
         {**roomy, "max_beam_width": 3},
         {**roomy, "speculative_config": {"decoding_type": "NGram", "max_draft_len": 3, "max_matching_ngram_size": 2}},
         {**roomy, "speculative_config": draft},
         {**roomy, "guided_decoding_backend": "xgrammar"},
     ]
+    if lora_adapters() and pipeline_parallel_size == 1:
+        served.append({**roomy, "enable_lora": True, "lora_config": {"max_lora_rank": 4, "max_loras": 2}})
+    return served
+
+
+LORA_PLAN = [0, None, 1, 2, 0, None]  # the LoRA scenario's adapter (index) per request, None: the base model
+
+
+def lora_adapters() -> list[str]:
+    """PEFT adapter folders for the LoRA scenario (TP_WORKER_LORA, separated by os.pathsep); none: no scenario."""
+    value = os.environ.get("TP_WORKER_LORA", "")
+    return value.split(os.pathsep) if value else []
 
 
 def run_scenarios(model_dir: str, tensor_parallel_size: int, pipeline_parallel_size: int = 1) -> list[dict]:
@@ -133,6 +145,8 @@ def served_scenario(settings: dict) -> dict:
     """The threaded EmbeddedEngine over `settings`: greedy requests (or beams of 3 with max_beam_width); its
     shutdown must stop the followers."""
     engine = EmbeddedEngine(EngineConfig.from_dict(settings))
+    if settings.get("enable_lora"):
+        return lora_scenario(engine)
     beams = settings.get("max_beam_width", 1)
     params = greedy(16) if beams == 1 else SamplingParams(max_tokens=8, end_id=2, beam_width=beams, n=beams)
     if settings.get("guided_decoding_backend"):
@@ -144,6 +158,31 @@ def served_scenario(settings: dict) -> dict:
         "tokens": [[o.token_ids for o in outs] for outs in outputs],
         "drafted": _draft_metric(outputs, "total_draft_tokens"),
         "accepted": _draft_metric(outputs, "total_accepted_draft_tokens"),
+        "free_blocks": [stats.num_total_blocks, stats.num_free_blocks],
+        "steps": stats.num_steps,
+    }
+
+
+def lora_scenario(engine: EmbeddedEngine) -> dict:
+    """Requests with each adapter and without, all at once (two slots for three adapters: one is evicted and
+    loaded again), then the base model alone."""
+    adapters = lora_adapters()
+    plan = LORA_PLAN
+    handles = [
+        engine.generate_async(
+            PROMPTS[i % len(PROMPTS)],
+            greedy(10),
+            lora_request=None if a is None else LoRARequest(f"a{a}", a + 1, adapters[a]),
+        )
+        for i, a in enumerate(plan)
+    ]
+    tokens = [h.result().outputs[0].token_ids for h in handles]
+    base = [engine.generate(PROMPTS[i % len(PROMPTS)], greedy(10)).outputs[0].token_ids for i in range(len(plan))]
+    stats = engine.wait_idle()
+    engine.shutdown()
+    return {
+        "tokens": tokens,
+        "base_tokens": base,
         "free_blocks": [stats.num_total_blocks, stats.num_free_blocks],
         "steps": stats.num_steps,
     }

@@ -98,7 +98,8 @@ class EngineCore:
         else:
             num_blocks = self.parallel.agree_num_blocks(self._rank_kv_blocks(layers, num_kv_heads))
         self.block_manager = BlockManager(num_blocks, block_size, config.kv_cache_config.enable_block_reuse)
-        self.lora = _lora_runtime(config, self.model_config, self.dtype, self.device)
+        lora_sharding = None if self.parallel is None else self.parallel.lora_sharding(self.model_config)
+        self.lora = _lora_runtime(config, self.model_config, self.dtype, self.device, lora_sharding)
         self.scheduler = Scheduler(
             self.block_manager,
             config.max_batch_size,
@@ -721,9 +722,10 @@ def needs_host_tokens(params: SamplingParams) -> bool:
 
 
 def _lora_runtime(
-    config: EngineConfig, model_config, dtype: torch.dtype, device: torch.device
+    config: EngineConfig, model_config, dtype: torch.dtype, device: torch.device, sharding=None
 ) -> Optional[LoraRuntime]:
-    """The LoRA runtime (adapter cache, device slots, preloaded adapters), or None when LoRA is off."""
+    """The LoRA runtime (adapter cache, device slots, preloaded adapters), or None when LoRA is off. `sharding`:
+    this rank's part of each adapter under tensor parallelism (tritonllm.lora.layers.LoraSharding)."""
     settings = config.lora_settings()
     if settings is None:
         return None
@@ -733,7 +735,10 @@ def _lora_runtime(
     if model_config.moe is not None:
         settings = _attention_only_lora(settings, config.lora_config or {}, model_config.architecture)
     try:
-        return LoraRuntime(settings, ModuleShapes.of_config(model_config), dtype, device)
+        shapes = ModuleShapes.of_config(model_config)
+        if sharding is None:
+            return LoraRuntime(settings, shapes, dtype, device)
+        return LoraRuntime(settings, shapes, dtype, device, sharding)
     except (LoraFormatError, LoraRequestError) as exc:
         raise InvalidRequestError(f"lora_config: {exc}") from None
 

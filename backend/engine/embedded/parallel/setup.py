@@ -14,13 +14,17 @@ from typing import Mapping, Optional
 
 import torch
 
+from tritonllm.lora.layers import WHOLE, LoraSharding
+
 from ...config import ConfigError, EngineConfig
 from ..network.llama import LlamaForCausalLM
 from ..network.model_config import ModelConfig
 from .environment import read_rank_environment
 from .group import ParallelGroup, group_broken, join_group
 from .layout import ParallelLayout
+from .lora_shards import TensorParallelLora
 from .sharded_load import load_sharded
+from .sharding import ShardPlan
 from .step_sync import FollowerRunner, LeaderRunner
 
 log = logging.getLogger("tritonllm.engine")
@@ -63,6 +67,12 @@ class Parallel:
         model, full = load_sharded(model_dir, dtype, self.device, self.group, load_format)
         self.local_config = model.config
         return model, full
+
+    def lora_sharding(self, full: ModelConfig) -> LoraSharding:
+        """The part of each LoRA adapter this rank's slots hold: its tensor shard's (lora_shards.py)."""
+        if self.group.tp_size == 1:
+            return WHOLE
+        return TensorParallelLora(ShardPlan.of(full, self.group.tp_rank, self.group.tp_size), self.group)
 
     def local_layers(self, num_layers: int) -> range:
         """The layers of this rank's pipeline stage (all of them with one stage)."""

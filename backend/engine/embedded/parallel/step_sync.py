@@ -53,6 +53,10 @@ class StepPlan:
     # KV copies rank 0 made since its last step (a forked beam's block, accepted draft nodes moved down), in
     # order: ("block", source, target) or ("slots", sources, targets). Every rank makes them before the step.
     kv_copies: list[tuple] = field(default_factory=list)
+    # LoRA (tensor parallelism, one stage): the adapters rank 0 put into slots for this step, (uid, adapter, slot)
+    # in order, whole (each rank keeps its part); and each token's slot (-1: the base model), None without adapters.
+    lora_loads: list[tuple] = field(default_factory=list)
+    lora_slots: Optional[list[int]] = None
 
 
 class StageRunner(ModelRunner):
@@ -68,6 +72,7 @@ class StageRunner(ModelRunner):
                 copy = ModelRunner.copy_block if kind == "block" else ModelRunner.copy_slots
                 copy(self, source, target)
         self.zero_blocks(plan.new_blocks)
+        lora = self._plan_lora(plan)
         layout, sends = self.group.layout, []
         results: list[Optional[list[torch.Tensor]]] = []
         for step in plan.micro:
@@ -75,7 +80,9 @@ class StageRunner(ModelRunner):
             if not layout.is_first_stage:
                 shape = (step.input_ids.shape[0], self.model.config.hidden_size)
                 received = self.group.receive(shape, self.dtype, layout.previous_rank)
-            out = stage_forward(self.model, layout, step.input_ids, step.positions, step.attn, self.kv_caches, received)
+            out = stage_forward(
+                self.model, layout, step.input_ids, step.positions, step.attn, self.kv_caches, received, lora
+            )
             if not layout.is_last_stage:
                 sends.append((self.group.send(out, layout.next_rank), out))
                 results.append(None)
@@ -91,6 +98,16 @@ class StageRunner(ModelRunner):
         for handle, _tensor in sends:
             self.group.wait(handle)
         return results
+
+    def _plan_lora(self, plan: StepPlan):
+        """The step's LoRA view on this rank (rank 0 loaded the adapters already, when it planned the step)."""
+        if plan.lora_slots is None:
+            return None
+        assert self.lora is not None, "rank 0 sent LoRA slots to a rank without LoRA"
+        if self.group.rank != 0:
+            for uid, adapter, slot in plan.lora_loads:
+                self.lora.slots.load(uid, adapter, slot)
+        return self.lora.slots.batch(plan.lora_slots, self.device)
 
 
 class LeaderRunner(StageRunner):
@@ -121,6 +138,7 @@ class LeaderRunner(StageRunner):
     ) -> StepOutput:
         parts = [self.prepare(part) for part in micro_batches(batch, self.group.layout.pipeline)]
         plan = StepPlan(list(new_blocks), [MicroStep.of(inputs) for inputs in parts], self._take_copies())
+        self._plan_adapters(batch, plan)
         self.group.broadcast_object(plan)
         if self.group.layout.pipeline == 1:
             results = self.run_plan(plan)
@@ -128,6 +146,17 @@ class LeaderRunner(StageRunner):
             self.run_plan(plan)  # the first stage: its sends are on their way
             results = [self._receive_logits(inputs) for inputs in parts]
         return self._output(parts, results)
+
+    def _plan_adapters(self, batch: ScheduledBatch, plan: StepPlan) -> None:
+        """The step's adapter slots (loading adapters into them as on one rank), and the loads, into the plan."""
+        if self.lora is None:
+            return
+        loads: list[tuple] = []
+        self.lora.slots.on_load = lambda uid, adapter, slot: loads.append((uid, adapter, slot))
+        view = self._lora_batch(batch)
+        self.lora.slots.on_load = None
+        if view is not None:
+            plan.lora_loads, plan.lora_slots = loads, view.token_slots
 
     def _receive_logits(self, inputs: StepInputs) -> list[torch.Tensor]:
         vocab, source = self.model.config.vocab_size * self.group.tp_size, self.group.layout.logits_rank
