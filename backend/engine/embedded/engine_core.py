@@ -488,7 +488,7 @@ class EngineCore:
         last = self._pending.tokens if self._pending is not None else None
         with step_range(batch):
             out = self.runner.execute(batch, self.block_manager.take_newly_allocated(), last)
-            sampled = SampledTokens(out.seqs, *sample_on_device(out.logits, out.seqs))
+            sampled = SampledTokens(out.seqs, *sample_on_device(out.head_logits, out.seqs))
         for seq, num_new in zip(batch.seqs, batch.num_new_tokens):
             seq.num_computed_tokens += num_new
         for row, seq in enumerate(out.seqs):

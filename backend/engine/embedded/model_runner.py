@@ -3,6 +3,7 @@ next-token logits for the sequences whose every known token is now computed."""
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
@@ -24,7 +25,9 @@ if TYPE_CHECKING:
 
 @dataclass
 class StepOutput:
-    logits: torch.Tensor  # [rows, vocab] fp32: one row per sampling sequence, 1 + draft tokens with a draft
+    # [rows, vocab] in the LM head's dtype: one row per sampling sequence, 1 + draft tokens with a draft. A plain
+    # greedy batch is sampled from these as they are; `logits` is their fp32 copy, made once, when first read.
+    head_logits: torch.Tensor
     # [rows, hidden]: the final-norm hidden states of the same rows (for EAGLE-3: the target's captured layers)
     hidden: torch.Tensor
     seqs: list[Sequence]  # the sampling sequences
@@ -33,6 +36,11 @@ class StepOutput:
     # first computed token and the final-norm hidden states (EAGLE-3: captured layers) of its computed known tokens
     # (drafts left out).
     all_hidden: Optional[list[tuple[Sequence, int, torch.Tensor]]] = None
+
+    @functools.cached_property
+    def logits(self) -> torch.Tensor:
+        """head_logits in fp32 (the same tensor when they are fp32): the rows the logit processors change in place."""
+        return self.head_logits.float()
 
     def rows_of(self, index: int) -> slice:
         start = self.first_rows[index]
@@ -88,7 +96,7 @@ class ModelRunner:
         if hidden is None:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches, lora)
         hidden, features = self._split(hidden)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices]).float()
+        logits = self.model.compute_logits(hidden[inputs.logits_indices], cast=False)
         for seq, indices in inputs.context_requests:
             seq.context_logits.append(self.model.compute_logits(hidden[self._long(indices)]).float().cpu())
         all_hidden = None

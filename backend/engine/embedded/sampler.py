@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from . import greedy_kernel
 from .host_arrays import HostArrays
 from .sequence import Sequence
 
@@ -53,7 +54,11 @@ class SampledTokens:
 def sample_on_device(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
     """Tokens [N] (int64) and their log-probs [N], on the logits' device, batched: greedy rows take the argmax,
     unseeded sampled rows draw together from the device's generator; a seeded row draws from its own generator
-    (the same tokens whatever else is in the batch)."""
+    (the same tokens whatever else is in the batch). `logits` may be the LM head's own dtype: a batch of plain
+    greedy rows is read as it is (greedy_kernel.py on CUDA), any other is processed in an fp32 copy."""
+    if all(seq.params.greedy and _processors_idle(seq) for seq in seqs):
+        return greedy_choices(logits)
+    logits = logits.float()
     for row, seq in enumerate(seqs):
         if not _processors_idle(seq):
             _process_row(logits[row], seq)
@@ -62,6 +67,18 @@ def sample_on_device(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.
     if sampled:
         logits = _scaled(logits, seqs)
         _draw_rows(logits, tokens, seqs, sampled)
+    return tokens, chosen_logprobs(logits, tokens)
+
+
+GREEDY_KERNEL = True  # False: torch's argmax and logsumexp on CUDA too
+
+
+def greedy_choices(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's argmax and its log-softmax (fp32), from logits of any float dtype."""
+    if GREEDY_KERNEL and logits.device.type == "cuda" and logits.stride(-1) == 1:
+        return greedy_kernel.greedy_pick(logits)
+    logits = logits.float()
+    tokens = logits.argmax(dim=-1)
     return tokens, chosen_logprobs(logits, tokens)
 
 
@@ -126,8 +143,8 @@ def plain_greedy_choices(seq: Sequence, logits: torch.Tensor) -> Optional[list[t
     params = seq.params
     if not params.greedy or not _processors_idle(seq):
         return None
-    tokens = logits.argmax(dim=-1)
-    return list(zip(tokens.tolist(), chosen_logprobs(logits, tokens).tolist()))
+    tokens, logprobs = greedy_choices(logits)
+    return list(zip(tokens.tolist(), logprobs.tolist()))
 
 
 def _processors_idle(seq: Sequence) -> bool:

@@ -91,8 +91,9 @@ class GemmaForCausalLM(LlamaForCausalLM):
         local = rotations if self.local_rotary_emb is None else self.local_rotary_emb(positions, dtype)
         return [local if sliding else rotations for sliding in self.local_layers]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """LlamaForCausalLM's logits, capped at cap * tanh(logits / cap) (in fp32) where the model caps them."""
+    def compute_logits(self, hidden: torch.Tensor, cast: bool = True) -> torch.Tensor:
+        """LlamaForCausalLM's logits, capped at cap * tanh(logits / cap) (in fp32) where the model caps them (fp32
+        whatever `cast` says)."""
         logits = super().compute_logits(hidden)
         if self.final_softcap is None:
             return logits

@@ -207,16 +207,18 @@ class LlamaForCausalLM(nn.Module):
         """Each layer's RoPE (cos, sin) at `positions`: the same for all (Gemma 3's sliding layers have their own)."""
         return [self.rotary_emb(positions, dtype)] * len(self.layers)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, hidden] -> fp32 logits [N, vocab]."""
+    def compute_logits(self, hidden: torch.Tensor, cast: bool = True) -> torch.Tensor:
+        """hidden: [N, hidden] -> fp32 logits [N, vocab]. cast False: in the head's own dtype where no fp32
+        arithmetic follows the head (a plain greedy step reads them as they are: sampler.greedy_choices)."""
         if self.packed_head is not None:
-            return packed_linear(hidden, self.packed_head, None).float()
-        weight = self.output_weight
-        if 1 < hidden.shape[0] <= _FEW_ROWS and hidden.device.type == "cpu":
+            logits = packed_linear(hidden, self.packed_head, None)
+        elif 1 < hidden.shape[0] <= _FEW_ROWS and hidden.device.type == "cpu":
             # A few rows (speculative drafts, small decode batches): on CPU, weight @ hidden.T runs at the cost of one
             # row where the usual layout costs several (measured on SmolLM2's 49k x 576 head).
-            return (weight @ hidden.t()).t().float()
-        return F.linear(hidden, weight).float()
+            logits = (self.output_weight @ hidden.t()).t()
+        else:
+            logits = F.linear(hidden, self.output_weight)
+        return logits.float() if cast else logits
 
     def checkpoint_slots(self) -> dict[str, WeightSlot]:
         """Every tensor a Hugging Face checkpoint of this model must hold, by its HF name."""

@@ -43,7 +43,7 @@ def make_tensor_parallel(model: LlamaForCausalLM, plan: ShardPlan, group: Parall
     model.embed_tokens = VocabParallelEmbedding(model.embed_tokens.weight, plan.vocab_start, group)
     local_logits = model.compute_logits
 
-    def compute_logits(hidden: torch.Tensor) -> torch.Tensor:
-        return group.gather_last_dim(local_logits(hidden))
+    def compute_logits(hidden: torch.Tensor, cast: bool = True) -> torch.Tensor:
+        return group.gather_last_dim(local_logits(hidden, cast))
 
     model.compute_logits = compute_logits  # type: ignore[method-assign]  # this instance's head is split
