@@ -63,7 +63,9 @@ def fp8_matmul() -> None:
 
 def activation_quantizer(static: bool) -> None:
     pointers = {"x": "*bf16", "out": "*fp8e4nv", "scales": "*fp32", "static_scale": "*fp32"}
-    compile_for_sm90(fp8_kernel._quantize_rows_kernel, pointers, dict(STATIC=static, BLOCK=4096), num_warps=4)
+    for one_block in (False, True):
+        constexprs = dict(STATIC=static, BLOCK=4096, ONE_BLOCK=one_block)
+        compile_for_sm90(fp8_kernel._quantize_rows_kernel, pointers, constexprs, num_warps=4)
     print("compiled the activation quantizer, static", static, flush=True)
 
 
@@ -75,6 +77,10 @@ def fp8_rows() -> None:
     compile_for_sm90(fused_ops._rms_norm_kernel, norm, constexprs, num_warps=8)
     silu = {"gate_up": "*bf16", "out": "*bf16", "fp8_out": "*fp8e4nv", "fp8_scales": "*fp32"}
     compile_for_sm90(fused_ops._silu_and_mul_fp8_kernel, silu, dict(BLOCK=1024, ROUND_BF16=False), num_warps=8)
+    silu = {"gate_up": "*bf16", "out": "*bf16", "block_amax": "*fp32"}
+    compile_for_sm90(fused_ops._silu_and_mul_kernel, silu, dict(BLOCK=1024, ROUND_BF16=False, AMAX=True), num_warps=4)
+    blocks = {"x": "*bf16", "block_amax": "*fp32", "fp8_out": "*fp8e4nv", "fp8_scales": "*fp32"}
+    compile_for_sm90(fused_ops._fp8_blocks_kernel, blocks, dict(BLOCK=2048, BLOCKS=16), num_warps=4)
     print("compiled the norm and SiLU with FP8 rows", flush=True)
 
 

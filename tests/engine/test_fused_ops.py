@@ -212,9 +212,11 @@ def test_rms_norm_with_fp8_rows_gives_the_same_output_and_its_rows(num_rows, num
     assert_carries_its_fp8_rows(fused)
 
 
+@pytest.mark.parametrize("split", [True, False], ids=["two-launches", "one-launch"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("num_rows,size", [(1, 64), (3, 1500), (2, 2048)])  # 1500: a partial last step
-def test_silu_and_mul_with_fp8_rows_gives_the_same_output_and_its_rows(num_rows, size, dtype):
+@pytest.mark.parametrize("num_rows,size", [(1, 64), (3, 1500), (2, 2048), (2, 5000)])  # partial last blocks
+def test_silu_and_mul_with_fp8_rows_gives_the_same_output_and_its_rows(num_rows, size, dtype, split, monkeypatch):
+    monkeypatch.setattr(fo, "SILU_FP8_SPLIT", split)
     gen = torch.Generator().manual_seed(num_rows * size)
     gate_up = rows(gen, num_rows, 2 * size, dtype, pad=num_rows % 2 * 32, scale=3.0)
     gate_up[0, 7] = 0.0  # a zero among them; a whole zero row below

@@ -141,15 +141,46 @@ def _rotary_kernel(
 
 
 @triton.jit
-def _silu_and_mul_kernel(gate_up, out, size, stride_in, stride_out, BLOCK: tl.constexpr, ROUND_BF16: tl.constexpr):
-    """Program (row, column block): out = silu(gate) * up in fp32, gate and up the two halves of the row."""
+def _silu_and_mul_kernel(
+    gate_up,
+    out,
+    block_amax,
+    size,
+    stride_in,
+    stride_out,
+    BLOCK: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    AMAX: tl.constexpr,
+):
+    """Program (row, column block): out = silu(gate) * up in fp32, gate and up the two halves of the row. AMAX:
+    also the block's absmax of the rounded values, into block_amax [rows, column blocks] (for _fp8_blocks_kernel)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < size
     gate = tl.load(gate_up + row * stride_in + cols, mask=ok, other=0.0).to(tl.float32)
     up = tl.load(gate_up + row * stride_in + size + cols, mask=ok, other=0.0).to(tl.float32)
-    result = gate / (1.0 + tl.exp(-gate)) * up
-    tl.store(out + row * stride_out + cols, _to(result, out.dtype.element_ty, ROUND_BF16), mask=ok)
+    result = _to(gate / (1.0 + tl.exp(-gate)) * up, out.dtype.element_ty, ROUND_BF16)
+    tl.store(out + row * stride_out + cols, result, mask=ok)
+    if AMAX:
+        tl.store(block_amax + row * tl.num_programs(1) + tl.program_id(1), tl.max(tl.abs(result.to(tl.float32)), 0))
+
+
+@triton.jit
+def _fp8_blocks_kernel(
+    x, block_amax, fp8_out, fp8_scales, size, stride_x, blocks, BLOCK: tl.constexpr, BLOCKS: tl.constexpr
+):
+    """Program (row, column block): the row's scale from the absmax of its blocks (written by the launch before),
+    then the block quantized into fp8_out (contiguous); block 0 stores the scale."""
+    row = tl.program_id(0).to(tl.int64)
+    index = tl.arange(0, BLOCKS)
+    amax = tl.max(tl.load(block_amax + row * blocks + index, mask=index < blocks, other=0.0), 0)
+    scale = row_scale(amax)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    ok = cols < size
+    values = tl.load(x + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
+    store_fp8(fp8_out + row * size + cols, values, scale, ok)
+    if tl.program_id(1) == 0:
+        tl.store(fp8_scales + row, scale)
 
 
 @triton.jit
@@ -313,43 +344,82 @@ def rotary_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
 
 def silu_and_mul(gate_up: torch.Tensor, fp8_rows: bool = False) -> torch.Tensor:
     """gate_up [T, 2I] (last dim contiguous) -> silu(gate) * up [T, I], gate and up = gate_up.split(I, -1);
-    computed in fp32, rounded once. The output is contiguous. fp8_rows: it carries its FP8 rows (one program a
-    row instead of a row's column blocks)."""
+    computed in fp32, rounded once. The output is contiguous. fp8_rows: it carries its FP8 rows."""
     _check_rows("gate_up", gate_up)
     num_rows, width = gate_up.shape
     if width % 2:
         raise ValueError(f"gate_up has {width} columns, not two equal halves")
     size = width // 2
     out = torch.empty((num_rows, size), dtype=gate_up.dtype, device=gate_up.device)
-    if fp8_rows:
-        fp8_out, fp8_scales = _fp8_outputs(out)
-        if num_rows and size:
-            _silu_and_mul_fp8_kernel[(num_rows,)](
-                gate_up,
-                out,
-                fp8_out,
-                fp8_scales,
-                size,
-                gate_up.stride(0),
-                out.stride(0),
-                BLOCK=min(SILU_BLOCK, triton.next_power_of_2(size)),
-                ROUND_BF16=_round_bf16(gate_up),
-                num_warps=SILU_FP8_WARPS,
-            )
-        out.fp8_rows = (fp8_out, fp8_scales)  # type: ignore[attr-defined]  # see fp8_rows_of
-        return out
+    if fp8_rows and not SILU_FP8_SPLIT:
+        return _silu_and_mul_fp8_rows(gate_up, out)
+    block = min(SILU_BLOCK, triton.next_power_of_2(max(size, 1)))
+    blocks = triton.cdiv(size, block)
+    block_amax = torch.empty((num_rows, blocks), dtype=torch.float32, device=gate_up.device) if fp8_rows else out
     if num_rows and size:
-        block = min(SILU_BLOCK, triton.next_power_of_2(size))
-        _silu_and_mul_kernel[(num_rows, triton.cdiv(size, block))](
+        _silu_and_mul_kernel[(num_rows, blocks)](
             gate_up,
             out,
+            block_amax,
             size,
             gate_up.stride(0),
             out.stride(0),
             BLOCK=block,
             ROUND_BF16=_round_bf16(gate_up),
+            AMAX=fp8_rows,
             num_warps=4,
         )
+    if fp8_rows:
+        out.fp8_rows = _fp8_blocks(out, block_amax)  # type: ignore[attr-defined]  # see fp8_rows_of
+    return out
+
+
+# SiLU's FP8 rows as two launches over column blocks (the SiLU writing each block's absmax, then the quantizer
+# reading them), rather than one program a row walking its 14k columns twice (latency-bound at a decode batch).
+SILU_FP8_SPLIT = True
+FP8_BLOCK = 2048  # columns a _fp8_blocks_kernel program quantizes
+
+
+def _fp8_blocks(out: torch.Tensor, block_amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """out's FP8 rows, from the absmax of each of its rows' column blocks."""
+    fp8_out, fp8_scales = _fp8_outputs(out)
+    num_rows, size = out.shape
+    if num_rows and size:
+        block = min(FP8_BLOCK, triton.next_power_of_2(size))
+        blocks = block_amax.shape[1]
+        _fp8_blocks_kernel[(num_rows, triton.cdiv(size, block))](
+            out,
+            block_amax,
+            fp8_out,
+            fp8_scales,
+            size,
+            out.stride(0),
+            blocks,
+            BLOCK=block,
+            BLOCKS=triton.next_power_of_2(blocks),
+            num_warps=4,
+        )
+    return fp8_out, fp8_scales
+
+
+def _silu_and_mul_fp8_rows(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """silu_and_mul with FP8 rows in one launch, one program a row (SILU_FP8_SPLIT off)."""
+    fp8_out, fp8_scales = _fp8_outputs(out)
+    num_rows, size = out.shape
+    if num_rows and size:
+        _silu_and_mul_fp8_kernel[(num_rows,)](
+            gate_up,
+            out,
+            fp8_out,
+            fp8_scales,
+            size,
+            gate_up.stride(0),
+            out.stride(0),
+            BLOCK=min(SILU_BLOCK, triton.next_power_of_2(size)),
+            ROUND_BF16=_round_bf16(gate_up),
+            num_warps=SILU_FP8_WARPS,
+        )
+    out.fp8_rows = (fp8_out, fp8_scales)  # type: ignore[attr-defined]  # see fp8_rows_of
     return out
 
 

@@ -30,25 +30,38 @@ def store_fp8(ptrs, values, scale, mask):
 
 
 @triton.jit
-def _quantize_rows_kernel(x, out, scales, static_scale, K, stride_x, STATIC: tl.constexpr, BLOCK: tl.constexpr):
+def _quantize_rows_kernel(
+    x, out, scales, static_scale, K, stride_x, STATIC: tl.constexpr, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr
+):
     """Program (row): its scale (absmax / 448 in a first pass over K, or the static one), then x / scale clamped
-    to +-448 and cast, in a second pass (x is small beside the weights; the second read hits the cache)."""
+    to +-448 and cast, in a second pass (x is small beside the weights; the second read hits the cache). ONE_BLOCK
+    (K <= BLOCK): the row is loaded once and kept."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x + row * stride_x
-    if STATIC:
-        scale = tl.load(static_scale).to(tl.float32)
+    if ONE_BLOCK:
+        cols = tl.arange(0, BLOCK)
+        values = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
+        if STATIC:
+            scale = tl.load(static_scale).to(tl.float32)
+        else:
+            scale = row_scale(tl.max(tl.abs(values), axis=0))
+        tl.store(scales + row, scale)
+        store_fp8(out + row * K + cols, values, scale, cols < K)
     else:
-        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        if STATIC:
+            scale = tl.load(static_scale).to(tl.float32)
+        else:
+            amax = tl.zeros((BLOCK,), dtype=tl.float32)
+            for k0 in range(0, K, BLOCK):
+                cols = k0 + tl.arange(0, BLOCK)
+                values = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
+                amax = tl.maximum(amax, tl.abs(values))
+            scale = row_scale(tl.max(amax, axis=0))
+        tl.store(scales + row, scale)
         for k0 in range(0, K, BLOCK):
             cols = k0 + tl.arange(0, BLOCK)
             values = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(values))
-        scale = row_scale(tl.max(amax, axis=0))
-    tl.store(scales + row, scale)
-    for k0 in range(0, K, BLOCK):
-        cols = k0 + tl.arange(0, BLOCK)
-        values = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
-        store_fp8(out + row * K + cols, values, scale, cols < K)
+            store_fp8(out + row * K + cols, values, scale, cols < K)
 
 
 def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -61,6 +74,15 @@ def quantize_rows(x: torch.Tensor, input_scale: torch.Tensor | None = None) -> t
     static = input_scale.to(torch.float32).reshape(1) if input_scale is not None else scales
     block = min(MAX_BLOCK, triton.next_power_of_2(k))
     _quantize_rows_kernel[(m,)](
-        x, out, scales, static, k, x.stride(0), STATIC=input_scale is not None, BLOCK=block, num_warps=4
+        x,
+        out,
+        scales,
+        static,
+        k,
+        x.stride(0),
+        STATIC=input_scale is not None,
+        BLOCK=block,
+        ONE_BLOCK=k <= block,
+        num_warps=4,
     )
     return out, scales
