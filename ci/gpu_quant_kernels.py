@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 import torch.nn.functional as F
+import triton
 
 from tritonllm.engine.embedded.quant import formats, fp8_kernel, kernels
 from tritonllm.engine.embedded.quant import int4_decode_kernel as int4_decode
@@ -366,6 +367,52 @@ def sweep_decode(ms: tuple[int, ...]) -> None:
         )
 
 
+def sweep_int4_prefill(ms: tuple[int, ...]) -> None:
+    """The int4 decode kernel's tl.dot tiles at prefill sizes (its magic-number nibbles, no split) against the
+    path those sizes take now (the weight dequantized into a scratch buffer, then F.linear) and bf16: per shape,
+    then the four projections' totals."""
+    generator = torch.Generator(device=DEVICE).manual_seed(0)
+    variants = [
+        DecodeVariant(block_m=bm, block_n=bn, block_k=128, num_warps=warps, num_stages=stages)
+        for bm, bn, warps, stages in itertools.product((64, 128), (64, 128), (4, 8), (3, 4))
+    ]
+    totals: dict[int, dict[str, float]] = {m: {} for m in ms}
+    for name, (n, k) in SHAPES.items():
+        weight = quantized("int4", n, k, generator)
+        rotation = copies(weight["args"])
+        for m in ms:
+            x = torch.randn(m, k, device=DEVICE, dtype=DTYPE, generator=generator)
+            per = totals[m]
+            per["bf16"] = per.get("bf16", 0.0) + bf16_us(weight["dense"], x)
+            dequantize_us = timed_us([lambda a=a: call_variant("dequantize", x, a) for a in rotation])[0]
+            per["dequantize"] = per.get("dequantize", 0.0) + dequantize_us
+            for variant in variants:
+                call = lambda a, v=variant: int4_decode.int4_decode_matmul(  # noqa: E731
+                    x, a["qweight"], a["weight_scale"], a["weight_zero"], None, GROUP_SIZE, v
+                )
+                try:
+                    err = errors(call(weight["args"]), F.linear(x, weight["dense"]))["rel_err"]
+                    us = timed_us([lambda a=a: call(a) for a in rotation], repeats=5)[0]
+                except Exception as error:
+                    emit(kind="prefill-error", shape=name, m=m, variant=str(variant), error=repr(error)[:300])
+                    continue
+                emit(kind="prefill", shape=name, m=m, variant=str(variant), us=round(us, 2), rel_err=err)
+                if err < 2e-2:
+                    per[str(variant)] = per.get(str(variant), 0.0) + us
+        del weight, rotation
+        torch.cuda.empty_cache()
+    for m, per in totals.items():
+        complete = {v: t for v, t in per.items() if v not in ("bf16", "dequantize")}
+        top = sorted(complete, key=complete.__getitem__)[:4]
+        emit(
+            kind="prefill-overall",
+            m=m,
+            bf16_total_us=round(per["bf16"], 2),
+            dequantize_total_us=round(per["dequantize"], 2),
+            top=[(v, round(complete[v], 2)) for v in top],
+        )
+
+
 def layout_variants(m: int, n: int, k: int) -> list[DecodeVariant]:
     """The chosen decode variant and, for one row, the GEMV shapes around it."""
     found = [kernels.choose_decode_variant(m, n, k)]
@@ -442,12 +489,55 @@ def time_fp8_rows(ms: tuple[int, ...]) -> None:
         row["norm_with_rows_us"] = timed_us([lambda: fused_ops.rms_norm(x, weight, 1e-6, res, fp8_rows=True)])[0]
         row["silu_then_quant_us"] = timed_us([lambda: fp8_kernel.quantize_rows(fused_ops.silu_and_mul(gate_up))])[0]
         row["silu_alone_us"] = timed_us([lambda: fused_ops.silu_and_mul(gate_up)])[0]
-        default = fused_ops.SILU_FP8_WARPS
-        for warps in (4, 8, 16):
-            fused_ops.SILU_FP8_WARPS = warps
-            row[f"silu_with_rows_w{warps}_us"] = timed_us([lambda: fused_ops.silu_and_mul(gate_up, fp8_rows=True)])[0]
-        fused_ops.SILU_FP8_WARPS = default
+        row["silu_with_rows_two_launches_us"] = timed_us([lambda: fused_ops.silu_and_mul(gate_up, fp8_rows=True)])[0]
+        fused_ops.SILU_FP8_SPLIT = False
+        row["silu_with_rows_one_launch_us"] = timed_us([lambda: fused_ops.silu_and_mul(gate_up, fp8_rows=True)])[0]
+        fused_ops.SILU_FP8_SPLIT = True
+        split, one = (
+            fused_ops.silu_and_mul(gate_up, fp8_rows=True).fp8_rows,
+            fp8_kernel.quantize_rows(fused_ops.silu_and_mul(gate_up)),
+        )
+        row["silu_rows_equal"] = torch.equal(split[0].view(torch.uint8), one[0].view(torch.uint8)) and torch.equal(
+            split[1], one[1]
+        )
+        row["quant_4096_one_block_us"] = timed_us([lambda: fp8_kernel.quantize_rows(x)])[0]
+        row["quant_4096_two_passes_us"] = timed_us([lambda: quantize_two_passes(x)])[0]
         emit(**{key: round(value, 2) if isinstance(value, float) else value for key, value in row.items()})
+
+
+def quantize_two_passes(x: torch.Tensor) -> None:
+    """quantize_rows' kernel with ONE_BLOCK off (what it ran before for K <= 4096), for the comparison."""
+    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn, device=x.device)
+    scales = torch.empty((x.shape[0], 1), dtype=torch.float32, device=x.device)
+    block = min(fp8_kernel.MAX_BLOCK, triton.next_power_of_2(x.shape[1]))
+    fp8_kernel._quantize_rows_kernel[(x.shape[0],)](
+        x, out, scales, scales, x.shape[1], x.stride(0), STATIC=False, BLOCK=block, ONE_BLOCK=False, num_warps=4
+    )
+
+
+def time_greedy(ms: tuple[int, ...]) -> None:
+    """sampler's greedy pick (greedy_kernel.py, the LM head's bf16 output read once) against torch's ops on the
+    fp32 copy (what a greedy step ran before), Llama-3's 128,256-entry vocabulary: time and agreement."""
+    from tritonllm.engine.embedded import greedy_kernel, sampler
+
+    generator = torch.Generator(device=DEVICE).manual_seed(0)
+    for m in ms:
+        logits = torch.randn(m, 128_256, device=DEVICE, dtype=DTYPE, generator=generator) * 3
+
+        def torch_ops():
+            full = logits.float()
+            tokens = full.argmax(dim=-1)
+            return tokens, sampler.chosen_logprobs(full, tokens)
+
+        got, want = greedy_kernel.greedy_pick(logits), torch_ops()
+        emit(
+            kind="greedy",
+            m=m,
+            kernel_us=round(timed_us([lambda: greedy_kernel.greedy_pick(logits)])[0], 2),
+            torch_us=round(timed_us([torch_ops])[0], 2),
+            tokens_equal=torch.equal(got[0], want[0]),
+            logprob_max_diff=float((got[1] - want[1]).abs().max()),
+        )
 
 
 def race_check() -> None:
@@ -571,6 +661,8 @@ def main() -> int:
     parser.add_argument("--race-check", action="store_true", help="split-K launches repeated, worst error")
     parser.add_argument("--scale-layouts", action="store_true", help="int4 decode: row- against group-major scales")
     parser.add_argument("--sweep-fp8", action="store_true", help="time _scaled_mm against the Triton FP8 matmul")
+    parser.add_argument("--greedy", action="store_true", help="greedy sampling's kernel against torch's ops")
+    parser.add_argument("--int4-prefill", action="store_true", help="int4 dot tiles at prefill sizes")
     parser.add_argument("--formats", default="int4,int8,fp8", help="comma-separated of int4, int8, fp8")
     parser.add_argument("--ms", default=",".join(map(str, MS)), help="comma-separated row counts")
     args = parser.parse_args()
@@ -593,6 +685,10 @@ def main() -> int:
         scale_layouts(ms)
     elif args.sweep_fp8:
         sweep_fp8(ms)
+    elif args.greedy:
+        time_greedy(ms)
+    elif args.int4_prefill:
+        sweep_int4_prefill(ms)
     else:
         (sweep if args.sweep else check_and_time)(formats, ms)
     return 0

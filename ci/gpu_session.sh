@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine run (the `device` tool): puts the working tree's package on PYTHONPATH (the machine has torch,
 # triton and transformers but no venv of ours), then runs what the arguments name, each logged under $OUT.
-#   bash ci/gpu_session.sh kernels|fused|window|guided|parity|features|bench-quick|bench-guided|bench-accuracy|moe-kernel|moe-sweep|fp8-kv|int4-decode-sweep|int4-layouts|attn-sweep|fp8-sweep|families|bench-mixtral|bench-quant|quant|quant-load|quant-tests|quantize|quant-kernels|quant-sweep-decode|quant-sweep-prefill|bench-qwen3|bench-parallel|parallel-tests|sync-check|profile|profile-1 ...
+#   bash ci/gpu_session.sh kernels|fused|greedy|window|guided|parity|features|bench-quick|bench-guided|bench-accuracy|moe-kernel|moe-sweep|fp8-kv|int4-decode-sweep|int4-layouts|attn-sweep|fp8-sweep|families|bench-mixtral|bench-quant|quant|quant-load|quant-tests|quantize|quant-kernels|quant-sweep-decode|quant-sweep-prefill|bench-qwen3|bench-parallel|parallel-tests|sync-check|profile|profile-1 ...
 # Used by hand for the GPU figures in docs/benchmarks.md; CI never runs it (no GPU there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,6 +42,7 @@ for what in "$@"; do
   case $what in
     kernels) run_tests tests/engine/test_triton_attention.py ;;
     fused) run_tests tests/engine/test_fused_ops.py ;;
+    greedy) run_tests tests/engine/test_greedy_kernel.py tests/engine/test_fp8_rows.py ;;
     window) run_tests tests/engine/test_sliding_window.py ;;
     guided) run_tests tests/engine/test_guided.py ;;  # needs xgrammar (its wheels carried, see docs/gpu-runs.md)
     features) run_tests tests/engine/test_beam_search.py tests/lora/test_engine_lora.py tests/spec_decode/test_engine_spec.py \
@@ -132,9 +133,17 @@ for what in "$@"; do
             bench "llama-3.1-8b fp8+fp8kv, no deferred scales, 256x128/128" --model "$l" --config /tmp/fp8.yaml "${many[@]}" ;;
           fp8-256-exact) BENCH_PRELUDE="from tritonllm.engine.embedded.quant import kernels; kernels.FP8_FAST_ACCUM = False" \
             bench "llama-3.1-8b fp8+fp8kv, fp32-promoted accumulation, 256x128/128" --model "$l" --config /tmp/fp8.yaml "${many[@]}" ;;
+          fp8-256-torchgreedy) BENCH_PRELUDE="from tritonllm.engine.embedded import sampler; sampler.GREEDY_KERNEL = False" \
+            bench "llama-3.1-8b fp8+fp8kv, greedy by torch ops, 256x128/128" --model "$l" --config /tmp/fp8.yaml "${many[@]}" ;;
+          bf16-256-torchgreedy) BENCH_PRELUDE="from tritonllm.engine.embedded import sampler; sampler.GREEDY_KERNEL = False" \
+            bench "llama-3.1-8b bf16, greedy by torch ops, 256x128/128" --model "$l" "${many[@]}" ;;
+          fp8-256-silu1) BENCH_PRELUDE="from tritonllm.engine.embedded.network import fused_ops; fused_ops.SILU_FP8_SPLIT = False" \
+            bench "llama-3.1-8b fp8+fp8kv, SiLU rows in one launch, 256x128/128" --model "$l" --config /tmp/fp8.yaml "${many[@]}" ;;
           fp8w-256) bench "llama-3.1-8b fp8 weights 256x128/128" --model "$l" --config /tmp/fp8w.yaml "${many[@]}" ;;
           bf16-1) bench "llama-3.1-8b bf16 1x128/128" --model "$l" "${one[@]}" ;;
           w4a16-1) bench "llama-3.1-8b w4a16 1x128/128" --model "$l" --config /tmp/w4a16.yaml "${one[@]}" ;;
+          w4a16-1-dotprefill) BENCH_PRELUDE="import os; from tritonllm.engine.embedded.quant import kernels, int4_decode_kernel as d; kernels.INT4_PREFILL_VARIANT = eval(os.environ['INT4_PREFILL_VARIANT'], vars(d))" \
+            bench "llama-3.1-8b w4a16, prefill by dot tiles ($INT4_PREFILL_VARIANT), 1x128/128" --model "$l" --config /tmp/w4a16.yaml "${one[@]}" ;;
           fp8-1) bench "llama-3.1-8b fp8+fp8kv 1x128/128" --model "$l" --config /tmp/fp8.yaml "${one[@]}" ;;
         esac
       done ;;
