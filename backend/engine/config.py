@@ -304,7 +304,7 @@ class EngineConfig:
         """Settings the embedded engine's tensor and pipeline parallelism do not cover yet, each named."""
         size = f"with {self.parallel_layout()}"
         refused = {
-            "enable_lora / lora_config (LoRA) with pipeline_parallel_size > 1": self.lora_settings() is not None
+            "enable_lora / lora_config (LoRA: tensor parallelism alone takes it)": self.lora_settings() is not None
             and self.pipeline_parallel_size > 1,
             "speculative_config with Medusa or Eagle (their heads read the target's own split embedding and "
             "output head)": self._spec_kind() in ("Medusa", "Eagle"),

@@ -215,16 +215,18 @@ def test_a_ranks_kv_cache_is_sized_by_its_own_layers_and_heads(monkeypatch):
 
 
 def test_a_followers_plan_is_moved_onto_its_own_device():
-    """Unpickled tensors keep the sender's device (rank 0's GPU): a follower moves the whole plan onto its own."""
+    """Unpickled tensors keep the sender's device (rank 0's GPU): a follower moves the whole plan onto its own. The
+    micro-batches travel as host arrays (each rank uploads its own inputs); tensors left in a plan (tail masks, LoRA
+    weights) are moved, however deep in its dataclasses and lists."""
     from tritonllm.engine.embedded.parallel.step_sync import MicroStep, StepPlan, on_device
 
-    attn = NestedMetadata(torch.zeros(3), [torch.ones(2), None])
-    plan = StepPlan([1, 2], [MicroStep(torch.zeros(3), torch.arange(3), attn, torch.tensor([2]), [[0, 1]])])  # type: ignore[arg-type]
+    host = NestedMetadata(torch.zeros(3), [torch.ones(2), None])
+    plan = StepPlan([1, 2], [MicroStep(host, [[0, 1]])], lora_slots=[0, -1])  # type: ignore[arg-type]
     moved = on_device(plan, torch.device("meta"))
     step = moved.micro[0]
-    assert step.input_ids.is_meta and step.positions.is_meta and step.logits_indices.is_meta
-    assert step.attn.slot_mapping.is_meta and step.attn.masks[0].is_meta and step.attn.masks[1] is None
-    assert moved.new_blocks == [1, 2] and step.context_indices == [[0, 1]] and not plan.micro[0].input_ids.is_meta
+    assert step.host.slot_mapping.is_meta and step.host.masks[0].is_meta and step.host.masks[1] is None
+    assert moved.new_blocks == [1, 2] and step.context_indices == [[0, 1]] and moved.lora_slots == [0, -1]
+    assert not plan.micro[0].host.slot_mapping.is_meta
 
 
 @dataclass

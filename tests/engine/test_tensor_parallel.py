@@ -244,7 +244,12 @@ def test_features_outside_this_slice_are_refused_by_name(extra, named):
 def test_pipeline_parallelism_refuses_what_tensor_parallelism_does():
     config = EngineConfig.from_dict({"model": "m", "pipeline_parallel_size": 2, "enable_lora": True})
     assert config.world_size == 2
-    assert any("(LoRA) with pipeline_parallel_size=2" in p for p in config.embedded_unsupported())
+    assert any(
+        "(LoRA: tensor parallelism alone takes it) with pipeline_parallel_size=2" in p
+        for p in config.embedded_unsupported()
+    )
+    with_tp = EngineConfig.from_dict({"model": "m", "tensor_parallel_size": 2, "enable_lora": True})
+    assert with_tp.embedded_unsupported() == []
     assert EngineConfig.from_dict({"model": "m", "pipeline_parallel_size": 2}).embedded_unsupported() == []
 
 

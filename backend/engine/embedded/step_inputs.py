@@ -20,6 +20,44 @@ from .sequence import Sequence
 
 
 @dataclass
+class HostStep:
+    """A step's inputs on the host, before their upload: small integer arrays and per-sequence lists, cheap to
+    pickle. A parallel run's rank 0 sends these in its plan and every rank uploads its own (parallel/step_sync.py)."""
+
+    arrays: HostArrays
+    query_starts: list[int]
+    query_lens: list[int]
+    context_lens: list[int]
+    block_size: int
+    tail_masks: list[Optional[torch.Tensor]]
+    has_pending: bool  # some input token is still on the device (the overlap scheduler's last step)
+
+    def upload(
+        self, device: torch.device, dtype: torch.dtype, masks: bool, kernels, last_tokens: Optional[torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]:
+        """(input_ids, positions, attention metadata, logits_indices) on `device`, in one copy; pending tokens are
+        then copied in from `last_tokens` on the device."""
+        arrays = self.arrays.upload(device)
+        if self.has_pending:
+            assert last_tokens is not None  # pending tokens are the last step's, which the overlap step hands over
+            pending = last_tokens.index_select(0, arrays["pending_sources"])
+            arrays["input_ids"].index_copy_(0, arrays["pending_rows"], pending)
+        attn = metadata_from(
+            arrays,
+            self.query_starts,
+            self.query_lens,
+            self.context_lens,
+            self.block_size,
+            self.tail_masks,
+            device,
+            dtype,
+            masks,
+            kernels,
+        )
+        return arrays["input_ids"], arrays["positions"], attn, arrays["logits_indices"]
+
+
+@dataclass
 class StepInputs:
     input_ids: torch.Tensor
     positions: torch.Tensor
@@ -29,6 +67,7 @@ class StepInputs:
     # Sequences that asked for context logits, with the flat indices of their prompt tokens in this step.
     context_requests: list[tuple[Sequence, list[int]]]
     first_rows: list[int]  # each sampling sequence's first row among the logits rows
+    host: HostStep  # what these were uploaded from
 
 
 class StepBuilder:
@@ -110,16 +149,8 @@ class StepBuilder:
         self.logits_indices += range(end - rows, end)
         self.sampling_seqs.append(seq)
 
-    def build(
-        self,
-        batch: ScheduledBatch,
-        device: torch.device,
-        dtype: torch.dtype,
-        masks: bool,
-        kernels,
-        last_tokens: Optional[torch.Tensor],
-    ) -> StepInputs:
-        """Upload everything in one copy; pending tokens are then copied in from `last_tokens` on the device."""
+    def host_step(self, batch: ScheduledBatch, kernels) -> HostStep:
+        """The step's arrays and lists, on the host."""
         host = HostArrays()
         for name in ("input_ids", "positions", "logits_indices", "pending_rows", "pending_sources"):
             host.add(name, getattr(self, name))
@@ -135,31 +166,37 @@ class StepBuilder:
             self.tail_masks,
             kernels,
         )
-        arrays = host.upload(device)
-        if self.pending_rows:
-            assert last_tokens is not None  # pending tokens are the last step's, which the overlap step hands over
-            pending = last_tokens.index_select(0, arrays["pending_sources"])
-            arrays["input_ids"].index_copy_(0, arrays["pending_rows"], pending)
-        attn = metadata_from(
-            arrays,
+        return HostStep(
+            host,
             self.query_starts,
             query_lens,
             self.context_lens,
             self.block_size,
             self.tail_masks,
-            device,
-            dtype,
-            masks,
-            kernels,
+            bool(self.pending_rows),
         )
+
+    def build(
+        self,
+        batch: ScheduledBatch,
+        device: torch.device,
+        dtype: torch.dtype,
+        masks: bool,
+        kernels,
+        last_tokens: Optional[torch.Tensor],
+    ) -> StepInputs:
+        """Upload everything in one copy (HostStep.upload)."""
+        host = self.host_step(batch, kernels)
+        input_ids, positions, attn, logits_indices = host.upload(device, dtype, masks, kernels, last_tokens)
         return StepInputs(
-            arrays["input_ids"],
-            arrays["positions"],
+            input_ids,
+            positions,
             attn,
-            arrays["logits_indices"],
+            logits_indices,
             self.sampling_seqs,
             self.context_requests,
             self.first_rows,
+            host,
         )
 
 

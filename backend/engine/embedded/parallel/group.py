@@ -46,8 +46,12 @@ def mark_broken(reason: str) -> None:
 
 
 class ParallelGroup:
-    def __init__(self, env: RankEnvironment, device: torch.device, layout: ParallelLayout, tp_group=None):
-        """`tp_group`: this stage's tensor-parallel subgroup; None: the whole world (a single stage)."""
+    def __init__(
+        self, env: RankEnvironment, device: torch.device, layout: ParallelLayout, tp_group=None, host_group=None
+    ):
+        """`tp_group`: this stage's tensor-parallel subgroup; None: the whole world (a single stage). `host_group`:
+        a gloo group of all ranks for the plans (pickled bytes between host memories, where NCCL would copy them
+        to and from the GPUs and make the host wait); None: the world's (gloo already)."""
         self.env = env
         self.layout = layout
         self.rank = env.rank
@@ -56,6 +60,7 @@ class ParallelGroup:
         self.tp_size = layout.tensor
         self.device = device
         self.tp_group = tp_group
+        self.host_group = host_group
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum over the stage's tensor ranks, in place (row-parallel outputs, the vocabulary-split embedding)."""
@@ -71,7 +76,7 @@ class ParallelGroup:
     def broadcast_object(self, value=None):
         """Rank 0's `value`, on every rank (the step plans)."""
         box = [value]
-        self._collective("broadcast", lambda: dist.broadcast_object_list(box, src=0))
+        self._collective("broadcast", lambda: dist.broadcast_object_list(box, src=0, group=self.host_group))
         return box[0]
 
     def min_over_ranks(self, value: int) -> int:
@@ -131,10 +136,19 @@ def join_group(env: RankEnvironment, device: torch.device, layout: ParallelLayou
             layout.tp_rank,
             layout.tensor,
         )
-    return ParallelGroup(env, device, layout, _stage_subgroup(layout))
+    return ParallelGroup(env, device, layout, _stage_subgroup(layout), _host_group(device))
 
 
-_subgroups: dict[tuple[int, int], object] = {}  # (tensor, pipeline) -> this process's stage subgroup
+_subgroups: dict[object, object] = {}  # (tensor, pipeline) -> this process's stage subgroup; "host": gloo's
+
+
+def _host_group(device: torch.device):
+    """A gloo group of every rank beside NCCL's (made once, by every rank); None on CPU (the world is gloo)."""
+    if device.type != "cuda":
+        return None
+    if "host" not in _subgroups:
+        _subgroups["host"] = dist.new_group(backend="gloo", timeout=_IDLE_TIMEOUT)
+    return _subgroups["host"]
 
 
 def _stage_subgroup(layout: ParallelLayout):

@@ -1,11 +1,13 @@
 """Keeps every rank's forward in step with rank 0's (SPMD), through the pipeline's stages.
 
 Design: rank 0 alone owns requests, the scheduler and the block manager, and samples. Each step it cuts the batch
-into micro-batches (one per stage: stages.py) and broadcasts a `StepPlan`, their model inputs as its runner built
-them (token ids, positions, attention metadata with slot mapping and block tables, the rows that give logits) and
-the blocks to zero; the other ranks keep no scheduler and no block manager, so they hold no block state that could
-leak: their KV caches (of their stage's layers) are addressed by rank 0's block ids, and aborts, preemption and
-prefix reuse free blocks in rank 0's block manager only, the one place blocks live.
+into micro-batches (one per stage: stages.py) and broadcasts a `StepPlan`: their model inputs on the host, as its
+runner built them before uploading (token ids, positions, slot mapping and block tables, the rows that give logits,
+the attention kernels' arrays: small integer arrays, cheap to pickle, from which each rank makes its own device
+tensors in one copy, step_inputs.HostStep) and the blocks to zero. The other ranks keep no scheduler and no block
+manager, so they hold no block state that could leak: their KV caches (of their stage's layers) are addressed by
+rank 0's block ids, and aborts, preemption and prefix reuse free blocks in rank 0's block manager only, the one
+place blocks live.
 
 Every rank runs each micro-batch through its stage (the collectives of a stage's tensor ranks pair up); a stage
 sends its output to the same tensor rank of the next stage without waiting, so it starts the next micro-batch while
@@ -25,7 +27,7 @@ import torch
 from ..attention import AttentionMetadata
 from ..model_runner import ModelRunner, StepOutput
 from ..scheduler import ScheduledBatch
-from ..step_inputs import StepInputs
+from ..step_inputs import HostStep, StepInputs
 from .group import ParallelGroup
 from .stages import micro_batches, stage_forward
 
@@ -34,16 +36,16 @@ log = logging.getLogger("tritonllm.engine")
 
 @dataclass
 class MicroStep:
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    attn: AttentionMetadata
-    logits_indices: torch.Tensor
+    host: HostStep  # the micro-batch's inputs on the host: each rank uploads its own
     context_indices: list[list[int]]  # per sequence that asked for context logits, its prompt rows in this step
 
     @classmethod
     def of(cls, inputs: StepInputs) -> "MicroStep":
-        contexts = [indices for _, indices in inputs.context_requests]
-        return cls(inputs.input_ids, inputs.positions, inputs.attn, inputs.logits_indices, contexts)
+        return cls(inputs.host, [indices for _, indices in inputs.context_requests])
+
+
+# A micro-batch's model inputs on a rank's device: input ids, positions, attention metadata, logits rows.
+DeviceInputs = tuple[torch.Tensor, torch.Tensor, AttentionMetadata, torch.Tensor]
 
 
 @dataclass
@@ -66,7 +68,12 @@ class StageRunner(ModelRunner):
     group: ParallelGroup
 
     @torch.inference_mode()
-    def run_plan(self, plan: StepPlan) -> list[Optional[list[torch.Tensor]]]:
+    def run_plan(
+        self, plan: StepPlan, uploaded: Optional[list[DeviceInputs]] = None
+    ) -> list[Optional[list[torch.Tensor]]]:
+        """`uploaded`: the micro-batches' inputs already on this rank's device (rank 0's); else uploaded here."""
+        if uploaded is None:
+            uploaded = [step.host.upload(self.device, self.dtype, True, self.kernels, None) for step in plan.micro]
         if self.group.rank != 0:  # rank 0 made them already, when its engine asked
             for kind, source, target in plan.kv_copies:
                 copy = ModelRunner.copy_block if kind == "block" else ModelRunner.copy_slots
@@ -75,19 +82,17 @@ class StageRunner(ModelRunner):
         lora = self._plan_lora(plan)
         layout, sends = self.group.layout, []
         results: list[Optional[list[torch.Tensor]]] = []
-        for step in plan.micro:
+        for step, (input_ids, positions, attn, logits_indices) in zip(plan.micro, uploaded, strict=True):
             received = None
             if not layout.is_first_stage:
-                shape = (step.input_ids.shape[0], self.model.config.hidden_size)
+                shape = (input_ids.shape[0], self.model.config.hidden_size)
                 received = self.group.receive(shape, self.dtype, layout.previous_rank)
-            out = stage_forward(
-                self.model, layout, step.input_ids, step.positions, step.attn, self.kv_caches, received, lora
-            )
+            out = stage_forward(self.model, layout, input_ids, positions, attn, self.kv_caches, received, lora)
             if not layout.is_last_stage:
                 sends.append((self.group.send(out, layout.next_rank), out))
                 results.append(None)
                 continue
-            logits = [self.model.compute_logits(out[step.logits_indices]).float()]
+            logits = [self.model.compute_logits(out[logits_indices]).float()]
             logits += [self.model.compute_logits(out[self._long(rows)]).float() for rows in step.context_indices]
             results.append(logits)
         if layout.is_last_stage and layout.pipeline > 1 and layout.tp_rank == 0:
@@ -140,10 +145,11 @@ class LeaderRunner(StageRunner):
         plan = StepPlan(list(new_blocks), [MicroStep.of(inputs) for inputs in parts], self._take_copies())
         self._plan_adapters(batch, plan)
         self.group.broadcast_object(plan)
+        uploaded = [(inputs.input_ids, inputs.positions, inputs.attn, inputs.logits_indices) for inputs in parts]
         if self.group.layout.pipeline == 1:
-            results = self.run_plan(plan)
+            results = self.run_plan(plan, uploaded)
         else:
-            self.run_plan(plan)  # the first stage: its sends are on their way
+            self.run_plan(plan, uploaded)  # the first stage: its sends are on their way
             results = [self._receive_logits(inputs) for inputs in parts]
         return self._output(parts, results)
 
