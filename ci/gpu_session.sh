@@ -142,8 +142,6 @@ for what in "$@"; do
           fp8w-256) bench "llama-3.1-8b fp8 weights 256x128/128" --model "$l" --config /tmp/fp8w.yaml "${many[@]}" ;;
           bf16-1) bench "llama-3.1-8b bf16 1x128/128" --model "$l" "${one[@]}" ;;
           w4a16-1) bench "llama-3.1-8b w4a16 1x128/128" --model "$l" --config /tmp/w4a16.yaml "${one[@]}" ;;
-          w4a16-1-dotprefill) BENCH_PRELUDE="import os; from tritonllm.engine.embedded.quant import kernels, int4_decode_kernel as d; kernels.INT4_PREFILL_VARIANT = eval(os.environ['INT4_PREFILL_VARIANT'], vars(d))" \
-            bench "llama-3.1-8b w4a16, prefill by dot tiles ($INT4_PREFILL_VARIANT), 1x128/128" --model "$l" --config /tmp/w4a16.yaml "${one[@]}" ;;
           fp8-1) bench "llama-3.1-8b fp8+fp8kv 1x128/128" --model "$l" --config /tmp/fp8.yaml "${one[@]}" ;;
         esac
       done ;;

@@ -273,28 +273,6 @@ def test_int4_and_int8_linear_take_any_leading_shape(m, strategy, monkeypatch):
         torch.testing.assert_close(got8, expected8, atol=1e-4, rtol=1e-4)
 
 
-def test_int4_prefill_sizes_can_take_the_decode_kernels_dot_tiles(monkeypatch):
-    """kernels.INT4_PREFILL_VARIANT set: rows past SMALL_M (and up to INT4_PREFILL_MAX_ROWS) go through the decode
-    kernel's tl.dot tiles, not the dequantized weight; fewer rows keep their decode shapes."""
-    variant = int4_decode.DecodeVariant(block_m=32, block_n=32, block_k=64)
-    monkeypatch.setattr(kernels, "INT4_PREFILL_VARIANT", variant)
-    taken = []
-    real = int4_decode.int4_decode_matmul
-    monkeypatch.setattr(int4_decode, "int4_decode_matmul", lambda *a: taken.append(a[-1]) or real(*a))
-    qweight, scale, zero = random_int4(40, 256, 128)
-    bias = random_bias(40)
-    for m in (3, 37):
-        x = random_x(m, 256)
-        got = kernels.weight_only_triton(x, qweight, scale, zero, bias, 128, bits=4)
-        torch.testing.assert_close(
-            got, reference(x, dequantize_int4(qweight, scale, zero, 128), bias), atol=1e-4, rtol=1e-4
-        )
-    assert taken == [kernels.choose_decode_variant(3, 40, 256), variant]
-    monkeypatch.setattr(kernels, "INT4_PREFILL_MAX_ROWS", 36)  # past it: the dequantized weight again
-    kernels.weight_only_triton(random_x(37, 256), qweight, scale, zero, bias, 128, bits=4)
-    assert len(taken) == 2
-
-
 def test_no_rows_give_no_rows():
     qweight, scale, zero = random_int4(40, 64, 32)
     weight, scale8 = random_fp8(32, 64)

@@ -234,11 +234,7 @@ def weight_only_triton(
     x2d = _rows(x)
     m, k = x2d.shape
     n = weight.shape[0]
-    prefill = INT4_PREFILL_VARIANT
-    if bits == 4 and SMALL_M < m <= INT4_PREFILL_MAX_ROWS and prefill and _int4_decode_applies(x, group_size, prefill):
-        assert zero is not None
-        out = int4_decode.int4_decode_matmul(x2d, weight, scale, zero, bias, group_size, prefill)
-    elif m > SMALL_M and LARGE_M_STRATEGY == "dequantize":
+    if m > SMALL_M and LARGE_M_STRATEGY == "dequantize":
         out = F.linear(x2d, wo.dequantize(weight, scale, zero, group_size, bits, x.dtype), bias)
     elif bits == 4 and m <= SMALL_M and _int4_decode_applies(x, group_size, decode := choose_decode_variant(m, n, k)):
         assert zero is not None
@@ -253,10 +249,6 @@ def _int4_decode_applies(x: torch.Tensor, group_size: int, variant: DecodeVarian
 
 
 INT4_DECODE_KERNEL = True  # False: int4 decode through weight_only_kernel's general kernel
-# int4 at prefill sizes (SMALL_M < rows <= INT4_PREFILL_MAX_ROWS): the decode kernel's tl.dot tiles, which read
-# the packed weight once, instead of dequantizing it into a scratch buffer for F.linear; None: the latter.
-INT4_PREFILL_VARIANT: DecodeVariant | None = None
-INT4_PREFILL_MAX_ROWS = 8192
 
 
 # ---- inputs ---------------------------------------------------------------------------------------------------
