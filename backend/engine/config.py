@@ -306,8 +306,11 @@ class EngineConfig:
         refused = {
             "enable_lora / lora_config (LoRA: tensor parallelism alone takes it)": self.lora_settings() is not None
             and self.pipeline_parallel_size > 1,
-            "speculative_config with Medusa or Eagle (their heads read the target's own split embedding and "
-            "output head)": self._spec_kind() in ("Medusa", "Eagle"),
+            "speculative_config with Eagle (its draft layer reads the target's split embedding and output head)": (
+                self._spec_kind() == "Eagle"
+            ),
+            "speculative_config with Medusa (tensor parallelism alone takes it: the heads read the last stage's "
+            "hidden states)": self._spec_kind() == "Medusa" and self.pipeline_parallel_size > 1,
             "quant_config (quantization)": self.quant_config is not None,
             "kv_cache_config.dtype='fp8' (an FP8 KV cache)": kv_cache_fp8(self),
         }

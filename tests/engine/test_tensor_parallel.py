@@ -83,10 +83,28 @@ def runs(tiny, tmp_path_factory):
         for i, t in enumerate(targets)
     ]
     os.environ["TP_WORKER_LORA"] = os.pathsep.join(map(str, adapters))
+    os.environ["TP_WORKER_MEDUSA"] = str(medusa_heads(tiny, tmp_path_factory.mktemp("medusa")))
     try:
         yield run_scenarios(str(tiny), 1), launch(tiny, tmp_path_factory.mktemp("ranks"))
     finally:
-        del os.environ["TP_WORKER_LORA"]
+        del os.environ["TP_WORKER_LORA"], os.environ["TP_WORKER_MEDUSA"]
+
+
+def medusa_heads(model_dir: Path, out: Path) -> Path:
+    """Two random Medusa heads with their own vocabulary projections, started from the model's output head."""
+    from safetensors.torch import load_file
+
+    from tritonllm.spec_decode.medusa import MedusaHeads, save_medusa
+
+    weights = load_file(str(model_dir / "model.safetensors"))
+    head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
+    torch.manual_seed(0)
+    heads = MedusaHeads(head.shape[1], head.shape[0], num_heads=2)
+    heads.copy_lm_head(head)
+    with torch.no_grad():
+        for block in heads.heads:
+            block[0].linear.weight.normal_(std=0.05)
+    return save_medusa(heads, out)
 
 
 def test_two_ranks_give_one_ranks_greedy_tokens_and_logits(runs):
@@ -102,7 +120,8 @@ def test_two_ranks_give_one_ranks_greedy_tokens_and_logits(runs):
 
 def test_abort_preemption_and_prefix_reuse_free_every_block(runs):
     single, (leader, follower) = runs
-    roomy, preempting, _served, beams, ngram, draft, _guided, lora = leader
+    roomy, preempting, _served, beams, ngram, draft, _guided, lora, medusa = leader
+    assert medusa["drafted"] > 0 and medusa["accepted"] > 0  # Medusa's heads ran on rank 0 (accepted: as one rank)
     for adapter, adapted, base in zip(LORA_PLAN, lora["tokens"], lora["base_tokens"], strict=True):
         assert (adapted == base) == (adapter is None)  # each adapter changed its request's tokens
     assert all(len(outputs) == 3 for outputs in beams["tokens"])  # beam search ran (3 beams a request)
@@ -231,8 +250,7 @@ def test_sizes_that_do_not_divide_are_refused(overrides, size, named):
 @pytest.mark.parametrize(
     "extra, named",
     [
-        ({"speculative_config": {"decoding_type": "Eagle3", "speculative_model_dir": "d"}}, "Medusa or Eagle"),
-        ({"speculative_config": {"decoding_type": "Medusa", "speculative_model_dir": "d"}}, "Medusa or Eagle"),
+        ({"speculative_config": {"decoding_type": "Eagle3", "speculative_model_dir": "d"}}, "with Eagle"),
         ({"quant_config": {"quant_algo": "FP8"}}, "quantization"),
     ],
 )
@@ -248,8 +266,13 @@ def test_pipeline_parallelism_refuses_what_tensor_parallelism_does():
         "(LoRA: tensor parallelism alone takes it) with pipeline_parallel_size=2" in p
         for p in config.embedded_unsupported()
     )
-    with_tp = EngineConfig.from_dict({"model": "m", "tensor_parallel_size": 2, "enable_lora": True})
+    medusa = {"decoding_type": "Medusa", "speculative_model_dir": "d"}
+    with_tp = EngineConfig.from_dict(
+        {"model": "m", "tensor_parallel_size": 2, "enable_lora": True, "speculative_config": medusa}
+    )
     assert with_tp.embedded_unsupported() == []
+    staged = EngineConfig.from_dict({"model": "m", "pipeline_parallel_size": 2, "speculative_config": medusa})
+    assert any("with Medusa (tensor parallelism alone takes it" in p for p in staged.embedded_unsupported())
     assert EngineConfig.from_dict({"model": "m", "pipeline_parallel_size": 2}).embedded_unsupported() == []
 
 

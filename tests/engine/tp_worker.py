@@ -114,8 +114,11 @@ def served_settings(model_dir: str, tensor_parallel_size: int, pipeline_parallel
         {**roomy, "speculative_config": draft},
         {**roomy, "guided_decoding_backend": "xgrammar"},
     ]
-    if lora_adapters() and pipeline_parallel_size == 1:
+    if pipeline_parallel_size == 1 and lora_adapters():
         served.append({**roomy, "enable_lora": True, "lora_config": {"max_lora_rank": 4, "max_loras": 2}})
+    if pipeline_parallel_size == 1 and os.environ.get("TP_WORKER_MEDUSA"):
+        medusa = {"decoding_type": "Medusa", "speculative_model_dir": os.environ["TP_WORKER_MEDUSA"]}
+        served.append({**roomy, "speculative_config": {**medusa, "medusa_choices": [[0], [1], [0, 0], [0, 1]]}})
     return served
 
 

@@ -74,6 +74,8 @@ class StageRunner(ModelRunner):
         """`uploaded`: the micro-batches' inputs already on this rank's device (rank 0's); else uploaded here."""
         if uploaded is None:
             uploaded = [step.host.upload(self.device, self.dtype, True, self.kernels, None) for step in plan.micro]
+        # The last stage's final hidden states of each micro-batch's logits rows (what Medusa heads read).
+        self.sampled_hidden: list[torch.Tensor] = []
         if self.group.rank != 0:  # rank 0 made them already, when its engine asked
             for kind, source, target in plan.kv_copies:
                 copy = ModelRunner.copy_block if kind == "block" else ModelRunner.copy_slots
@@ -92,6 +94,7 @@ class StageRunner(ModelRunner):
                 sends.append((self.group.send(out, layout.next_rank), out))
                 results.append(None)
                 continue
+            self.sampled_hidden.append(out[logits_indices])
             logits = [self.model.compute_logits(out[logits_indices]).float()]
             logits += [self.model.compute_logits(out[self._long(rows)]).float() for rows in step.context_indices]
             results.append(logits)
@@ -148,10 +151,12 @@ class LeaderRunner(StageRunner):
         uploaded = [(inputs.input_ids, inputs.positions, inputs.attn, inputs.logits_indices) for inputs in parts]
         if self.group.layout.pipeline == 1:
             results = self.run_plan(plan, uploaded)
+            hidden = torch.cat(self.sampled_hidden) if len(self.sampled_hidden) > 1 else self.sampled_hidden[0]
         else:
             self.run_plan(plan, uploaded)  # the first stage: its sends are on their way
             results = [self._receive_logits(inputs) for inputs in parts]
-        return self._output(parts, results)
+            hidden = None  # on the last stage; nothing here reads it (Medusa and EAGLE are refused)
+        return self._output(parts, results, hidden)
 
     def _plan_adapters(self, batch: ScheduledBatch, plan: StepPlan) -> None:
         """The step's adapter slots (loading adapters into them as on one rank), and the loads, into the plan."""
@@ -170,7 +175,7 @@ class LeaderRunner(StageRunner):
         return [self.group.receive((count, vocab), torch.float32, source) for count in rows]
 
     @staticmethod
-    def _output(parts: list[StepInputs], results) -> StepOutput:
+    def _output(parts: list[StepInputs], results, hidden: Optional[torch.Tensor]) -> StepOutput:
         logits: list[torch.Tensor] = []
         seqs, first_rows = [], []
         for inputs, result in zip(parts, results):
@@ -181,8 +186,7 @@ class LeaderRunner(StageRunner):
             for (seq, _), context in zip(inputs.context_requests, result[1:]):
                 seq.context_logits.append(context.cpu())
         rows = torch.cat(logits) if len(logits) > 1 else logits[0]
-        # The sampled rows' hidden states are only read by speculative decoding, which parallel runs refuse.
-        return StepOutput(rows, rows.new_empty(rows.shape[0], 0), seqs, first_rows)
+        return StepOutput(rows, rows.new_empty(rows.shape[0], 0) if hidden is None else hidden, seqs, first_rows)
 
     def stop_followers(self) -> None:
         self.group.broadcast_object(None)

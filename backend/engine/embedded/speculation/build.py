@@ -75,6 +75,11 @@ def _medusa_proposer(spec_config, target: TargetParts):
             raise ModelLoadError(
                 f"the heads' draft_vocab holds token ids past the model's vocabulary ({mc.vocab_size})"
             )
+        if heads.shared_lm_head and target.model.config.vocab_size != mc.vocab_size:
+            raise ModelLoadError(
+                "these Medusa heads share the base model's LM head, which tensor parallelism splits over the ranks "
+                "(the heads run on rank 0 alone): use heads with their own projections"
+            )
         if heads.shared_lm_head:
             # The heads' ResBlocks feed the target's own output head (prepacked on CPU): one matmul for all heads.
             if heads.hidden_size != mc.hidden_size or heads.vocab_size not in (0, mc.vocab_size):
