@@ -14,7 +14,7 @@ import itertools
 import json
 import statistics
 import sys
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -312,6 +312,28 @@ def decode_variants(m: int) -> list[DecodeVariant]:
 DECODE_SWEEP_DOT = False  # the dot shapes were swept on 2026-12-02 (docs/gpu-runs.md): two of them kept above
 
 
+def time_decode_variants(
+    kind: str, name: str, x: torch.Tensor, weight: dict, rotation: list[dict], variants: list[DecodeVariant]
+) -> dict[str, float]:
+    """Each int4 decode-kernel variant on x: its relative error and microseconds emitted as `kind` rows; returns
+    the times of those within 2e-2 of the dense product."""
+    times = {}
+    for variant in variants:
+        try:
+            call = lambda a, v=variant: int4_decode.int4_decode_matmul(  # noqa: E731
+                x, a["qweight"], a["weight_scale"], a["weight_zero"], None, GROUP_SIZE, v
+            )
+            err = errors(call(weight["args"]), F.linear(x, weight["dense"]))["rel_err"]
+            us = timed_us([lambda a=a: call(a) for a in rotation], repeats=5)[0]
+        except Exception as error:
+            emit(kind=f"{kind}-error", shape=name, m=x.shape[0], variant=str(variant), error=repr(error)[:300])
+            continue
+        emit(kind=kind, shape=name, m=x.shape[0], variant=str(variant), us=round(us, 2), rel_err=err)
+        if err < 2e-2:
+            times[str(variant)] = us
+    return times
+
+
 def sweep_decode(ms: tuple[int, ...]) -> None:
     """The decode kernel's variants against the general kernel's default and bf16, per shape and M; then the
     variant of least total time over the four shapes, and the best per shape summed (a per-shape table)."""
@@ -328,21 +350,10 @@ def sweep_decode(ms: tuple[int, ...]) -> None:
             general_us = timed_us([lambda a=a: call_variant(general, x, a) for a in rotation])[0]
             for key, us in (("bf16", dense_us), ("general", general_us)):
                 totals[m][key] = totals[m].get(key, 0.0) + us
-            best: tuple[float, str] | None = None
-            for variant in decode_variants(m):
-                try:
-                    call = lambda a, v=variant: int4_decode.int4_decode_matmul(  # noqa: E731
-                        x, a["qweight"], a["weight_scale"], a["weight_zero"], None, GROUP_SIZE, v
-                    )
-                    err = errors(call(weight["args"]), F.linear(x, weight["dense"]))["rel_err"]
-                    us = timed_us([lambda a=a: call(a) for a in rotation], repeats=5)[0]
-                except Exception as error:
-                    emit(kind="decode-error", shape=name, m=m, variant=str(variant), error=repr(error)[:300])
-                    continue
-                emit(kind="decode", shape=name, m=m, variant=str(variant), us=round(us, 2), rel_err=err)
-                if err < 2e-2:
-                    totals[m][str(variant)] = totals[m].get(str(variant), 0.0) + us
-                    best = min(best or (us, str(variant)), (us, str(variant)))
+            times = time_decode_variants("decode", name, x, weight, rotation, decode_variants(m))
+            for variant, us in times.items():
+                totals[m][variant] = totals[m].get(variant, 0.0) + us
+            best = min(((us, variant) for variant, us in times.items()), default=None)
             emit(
                 kind="decode-best",
                 shape=name,
@@ -354,63 +365,51 @@ def sweep_decode(ms: tuple[int, ...]) -> None:
             best_sum[m] += best[0] if best else float("nan")
         del weight, rotation
         torch.cuda.empty_cache()
+    best_totals = {m: {"per_shape_best_total_us": round(best_sum[m], 2)} for m in ms}
+    emit_totals("decode-overall", totals, ("bf16", "general"), 5, best_totals)
+
+
+def emit_totals(
+    kind: str, totals: dict[int, dict[str, float]], baselines: tuple[str, ...], keep: int, extra: dict | None = None
+) -> None:
+    """Per M, one `kind` row: the baselines' totals over the shapes, `extra[m]`, and the `keep` fastest variants'."""
     for m, per in totals.items():
-        complete = {v: t for v, t in per.items() if v not in ("bf16", "general")}
-        top = sorted(complete, key=complete.__getitem__)[:5]
-        emit(
-            kind="decode-overall",
-            m=m,
-            bf16_total_us=round(per["bf16"], 2),
-            general_total_us=round(per["general"], 2),
-            per_shape_best_total_us=round(best_sum[m], 2),
-            top=[(v, round(complete[v], 2)) for v in top],
-        )
+        complete = {v: t for v, t in per.items() if v not in baselines}
+        top = sorted(complete, key=complete.__getitem__)[:keep]
+        row = {f"{name}_total_us": round(per[name], 2) for name in baselines} | (extra or {}).get(m, {})
+        emit(kind=kind, m=m, **row, top=[(v, round(complete[v], 2)) for v in top])
+
+
+def shape_rows(fmt: str, ms: tuple[int, ...]) -> Iterator[tuple[str, dict, list[dict], int, torch.Tensor]]:
+    """(shape name, its `fmt` weight, the copies a timing cycles through, m, random x [m, K]) for every shape and
+    row count; a shape's weights are freed once its rows are done."""
+    generator = torch.Generator(device=DEVICE).manual_seed(0)
+    for name, (n, k) in SHAPES.items():
+        weight = quantized(fmt, n, k, generator)
+        rotation = copies(weight["args"])
+        for m in ms:
+            yield name, weight, rotation, m, torch.randn(m, k, device=DEVICE, dtype=DTYPE, generator=generator)
+        del weight, rotation
+        torch.cuda.empty_cache()
 
 
 def sweep_int4_prefill(ms: tuple[int, ...]) -> None:
     """The int4 decode kernel's tl.dot tiles at prefill sizes (its magic-number nibbles, no split) against the
     path those sizes take now (the weight dequantized into a scratch buffer, then F.linear) and bf16: per shape,
     then the four projections' totals."""
-    generator = torch.Generator(device=DEVICE).manual_seed(0)
     variants = [
         DecodeVariant(block_m=bm, block_n=bn, block_k=128, num_warps=warps, num_stages=stages)
         for bm, bn, warps, stages in itertools.product((64, 128), (64, 128), (4, 8), (3, 4))
     ]
     totals: dict[int, dict[str, float]] = {m: {} for m in ms}
-    for name, (n, k) in SHAPES.items():
-        weight = quantized("int4", n, k, generator)
-        rotation = copies(weight["args"])
-        for m in ms:
-            x = torch.randn(m, k, device=DEVICE, dtype=DTYPE, generator=generator)
-            per = totals[m]
-            per["bf16"] = per.get("bf16", 0.0) + bf16_us(weight["dense"], x)
-            dequantize_us = timed_us([lambda a=a: call_variant("dequantize", x, a) for a in rotation])[0]
-            per["dequantize"] = per.get("dequantize", 0.0) + dequantize_us
-            for variant in variants:
-                call = lambda a, v=variant: int4_decode.int4_decode_matmul(  # noqa: E731
-                    x, a["qweight"], a["weight_scale"], a["weight_zero"], None, GROUP_SIZE, v
-                )
-                try:
-                    err = errors(call(weight["args"]), F.linear(x, weight["dense"]))["rel_err"]
-                    us = timed_us([lambda a=a: call(a) for a in rotation], repeats=5)[0]
-                except Exception as error:
-                    emit(kind="prefill-error", shape=name, m=m, variant=str(variant), error=repr(error)[:300])
-                    continue
-                emit(kind="prefill", shape=name, m=m, variant=str(variant), us=round(us, 2), rel_err=err)
-                if err < 2e-2:
-                    per[str(variant)] = per.get(str(variant), 0.0) + us
-        del weight, rotation
-        torch.cuda.empty_cache()
-    for m, per in totals.items():
-        complete = {v: t for v, t in per.items() if v not in ("bf16", "dequantize")}
-        top = sorted(complete, key=complete.__getitem__)[:4]
-        emit(
-            kind="prefill-overall",
-            m=m,
-            bf16_total_us=round(per["bf16"], 2),
-            dequantize_total_us=round(per["dequantize"], 2),
-            top=[(v, round(complete[v], 2)) for v in top],
-        )
+    for name, weight, rotation, m, x in shape_rows("int4", ms):
+        per = totals[m]
+        per["bf16"] = per.get("bf16", 0.0) + bf16_us(weight["dense"], x)
+        dequantize_us = timed_us([lambda a=a: call_variant("dequantize", x, a) for a in rotation])[0]
+        per["dequantize"] = per.get("dequantize", 0.0) + dequantize_us
+        for variant, us in time_decode_variants("prefill", name, x, weight, rotation, variants).items():
+            per[variant] = per.get(variant, 0.0) + us
+    emit_totals("prefill-overall", totals, ("bf16", "dequantize"), 4)
 
 
 def layout_variants(m: int, n: int, k: int) -> list[DecodeVariant]:
@@ -587,66 +586,57 @@ FP8_TILES = [
 def sweep_fp8(ms: tuple[int, ...]) -> None:
     """At each M: bf16 F.linear; the activation quantizer; _scaled_mm row-wise and per tensor (GEMM alone, the
     cuBLASLt path a per-tensor recipe would take); the Triton FP8 matmul's tiles. Per shape, then totals."""
-    generator = torch.Generator(device=DEVICE).manual_seed(0)
     totals: dict[int, dict[str, float]] = {m: {} for m in ms}
-    for name, (n, k) in SHAPES.items():
-        weight = quantized("fp8", n, k, generator)
-        rotation = copies(weight["args"])
-        for m in ms:
-            x = torch.randn(m, k, device=DEVICE, dtype=DTYPE, generator=generator)
-            x_q, x_scale = fp8_kernel.quantize_rows(x)
-            one = torch.ones((), device=DEVICE)
-            calls: dict[str, Callable] = {
-                "bf16": None,
-                "quantize": lambda a: fp8_kernel.quantize_rows(x),
-                "rowwise": lambda a: torch._scaled_mm(
-                    x_q, a["weight"].t(), scale_a=x_scale, scale_b=a["weight_scale"].reshape(1, -1), out_dtype=DTYPE
-                ),
-                "tensorwise": lambda a: torch._scaled_mm(
-                    x_q, a["weight"].t(), scale_a=one, scale_b=one, out_dtype=DTYPE
-                ),
-                "tensorwise_f32": lambda a: torch._scaled_mm(
-                    x_q, a["weight"].t(), scale_a=one, scale_b=one, out_dtype=torch.float32
-                ),
-                "rowwise_fast": lambda a: torch._scaled_mm(
-                    x_q,
-                    a["weight"].t(),
-                    scale_a=x_scale,
-                    scale_b=a["weight_scale"].reshape(1, -1),
-                    out_dtype=DTYPE,
-                    use_fast_accum=True,
-                ),
-                "tensorwise_f32_fast": lambda a: torch._scaled_mm(
-                    x_q, a["weight"].t(), scale_a=one, scale_b=one, out_dtype=torch.float32, use_fast_accum=True
-                ),
-            }
-            for tiles in FP8_TILES:
-                calls[str(tiles)] = lambda a, t=tiles: fp8_matmul(
-                    x_q, x_scale, a["weight"], a["weight_scale"], None, DTYPE, t
-                )
-            expected = (x_q.float() * x_scale) @ weight["dense"].float().T
-            row = {}
-            for key, call in calls.items():
-                try:
-                    if key == "bf16":
-                        us = bf16_us(weight["dense"], x)
-                    else:
-                        if not key.startswith(("quantize", "tensorwise")):
-                            err = errors(call(weight["args"]), expected)["rel_err"]
-                            if err > 2e-2:
-                                emit(kind="fp8-wrong", shape=name, m=m, key=key, rel_err=err)
-                                continue
-                            if key.startswith("rowwise"):  # what fast accumulation costs in accuracy
-                                emit(kind="fp8-error", shape=name, m=m, key=key, rel_err=err)
-                        us = timed_us([lambda a=a: call(a) for a in rotation], min_calls=16, repeats=5)[0]
-                except Exception as error:
-                    emit(kind="fp8-error", shape=name, m=m, key=key, error=repr(error)[:300])
-                    continue
-                row[key] = round(us, 2)
-                totals[m][key] = totals[m].get(key, 0.0) + us
-            emit(kind="fp8", shape=name, m=m, us=row)
-        del weight, rotation
-        torch.cuda.empty_cache()
+    for name, weight, rotation, m, x in shape_rows("fp8", ms):
+        x_q, x_scale = fp8_kernel.quantize_rows(x)
+        one = torch.ones((), device=DEVICE)
+        calls: dict[str, Callable] = {
+            "bf16": None,
+            "quantize": lambda a: fp8_kernel.quantize_rows(x),
+            "rowwise": lambda a: torch._scaled_mm(
+                x_q, a["weight"].t(), scale_a=x_scale, scale_b=a["weight_scale"].reshape(1, -1), out_dtype=DTYPE
+            ),
+            "tensorwise": lambda a: torch._scaled_mm(x_q, a["weight"].t(), scale_a=one, scale_b=one, out_dtype=DTYPE),
+            "tensorwise_f32": lambda a: torch._scaled_mm(
+                x_q, a["weight"].t(), scale_a=one, scale_b=one, out_dtype=torch.float32
+            ),
+            "rowwise_fast": lambda a: torch._scaled_mm(
+                x_q,
+                a["weight"].t(),
+                scale_a=x_scale,
+                scale_b=a["weight_scale"].reshape(1, -1),
+                out_dtype=DTYPE,
+                use_fast_accum=True,
+            ),
+            "tensorwise_f32_fast": lambda a: torch._scaled_mm(
+                x_q, a["weight"].t(), scale_a=one, scale_b=one, out_dtype=torch.float32, use_fast_accum=True
+            ),
+        }
+        for tiles in FP8_TILES:
+            calls[str(tiles)] = lambda a, t=tiles: fp8_matmul(
+                x_q, x_scale, a["weight"], a["weight_scale"], None, DTYPE, t
+            )
+        expected = (x_q.float() * x_scale) @ weight["dense"].float().T
+        row = {}
+        for key, call in calls.items():
+            try:
+                if key == "bf16":
+                    us = bf16_us(weight["dense"], x)
+                else:
+                    if not key.startswith(("quantize", "tensorwise")):
+                        err = errors(call(weight["args"]), expected)["rel_err"]
+                        if err > 2e-2:
+                            emit(kind="fp8-wrong", shape=name, m=m, key=key, rel_err=err)
+                            continue
+                        if key.startswith("rowwise"):  # what fast accumulation costs in accuracy
+                            emit(kind="fp8-error", shape=name, m=m, key=key, rel_err=err)
+                    us = timed_us([lambda a=a: call(a) for a in rotation], min_calls=16, repeats=5)[0]
+            except Exception as error:
+                emit(kind="fp8-error", shape=name, m=m, key=key, error=repr(error)[:300])
+                continue
+            row[key] = round(us, 2)
+            totals[m][key] = totals[m].get(key, 0.0) + us
+        emit(kind="fp8", shape=name, m=m, us=row)
     for m, per in totals.items():
         emit(
             kind="fp8-overall", m=m, total_us={key: round(us, 2) for key, us in sorted(per.items(), key=lambda i: i[1])}

@@ -117,28 +117,22 @@ for what in "$@"; do
       printf 'quant_config:\n  quant_algo: FP8\n  kv_cache_quant_algo: FP8\n' > /tmp/fp8.yaml
       printf 'quant_config:\n  quant_algo: W4A16\n  group_size: 128\n' > /tmp/w4a16.yaml
       printf 'quant_config:\n  quant_algo: FP8\n' > /tmp/fp8w.yaml
+      fp8_run() { BENCH_PRELUDE="$1" bench "llama-3.1-8b fp8+fp8kv, $2, 256x128/128" --model "$l" --config /tmp/fp8.yaml "${many[@]}"; }
+      bf16_run() { BENCH_PRELUDE="$1" bench "llama-3.1-8b bf16, $2, 256x128/128" --model "$l" "${many[@]}"; }
       many=(--requests 256 --min-prompt 128 --max-prompt 128 --min-output 128 --max-output 128 --max-batch-size 256 --warmup --baseline none ${QUANT_BENCH_ARGS:-})
       one=(--requests 1 --min-prompt 128 --max-prompt 128 --min-output 128 --max-output 128 --warmup --baseline none ${QUANT_BENCH_ARGS:-})
       for variant in ${QUANT_VARIANTS:-bf16-256 fp8-256 bf16-1 w4a16-1 fp8-1}; do
         case $variant in
           bf16-256) bench "llama-3.1-8b bf16 256x128/128" --model "$l" "${many[@]}" ;;
           fp8-256) bench "llama-3.1-8b fp8+fp8kv 256x128/128" --model "$l" --config /tmp/fp8.yaml "${many[@]}" ;;
-          fp8-256-norows) BENCH_PRELUDE="from tritonllm.engine.embedded.quant import fusion; fusion.FP8_ROWS = False" \
-            bench "llama-3.1-8b fp8+fp8kv, no fp8 rows, 256x128/128" --model "$l" --config /tmp/fp8.yaml "${many[@]}" ;;
-          fp8-256-nogc) BENCH_PRELUDE="import gc; gc.disable()" \
-            bench "llama-3.1-8b fp8+fp8kv, garbage collector off, 256x128/128" --model "$l" --config /tmp/fp8.yaml "${many[@]}" ;;
-          bf16-256-nogc) BENCH_PRELUDE="import gc; gc.disable()" \
-            bench "llama-3.1-8b bf16, garbage collector off, 256x128/128" --model "$l" "${many[@]}" ;;
-          fp8-256-nodefer) BENCH_PRELUDE="from tritonllm.engine.embedded.quant import fusion; fusion.DEFER_SCALES = False" \
-            bench "llama-3.1-8b fp8+fp8kv, no deferred scales, 256x128/128" --model "$l" --config /tmp/fp8.yaml "${many[@]}" ;;
-          fp8-256-exact) BENCH_PRELUDE="from tritonllm.engine.embedded.quant import kernels; kernels.FP8_FAST_ACCUM = False" \
-            bench "llama-3.1-8b fp8+fp8kv, fp32-promoted accumulation, 256x128/128" --model "$l" --config /tmp/fp8.yaml "${many[@]}" ;;
-          fp8-256-torchgreedy) BENCH_PRELUDE="from tritonllm.engine.embedded import sampler; sampler.GREEDY_KERNEL = False" \
-            bench "llama-3.1-8b fp8+fp8kv, greedy by torch ops, 256x128/128" --model "$l" --config /tmp/fp8.yaml "${many[@]}" ;;
-          bf16-256-torchgreedy) BENCH_PRELUDE="from tritonllm.engine.embedded import sampler; sampler.GREEDY_KERNEL = False" \
-            bench "llama-3.1-8b bf16, greedy by torch ops, 256x128/128" --model "$l" "${many[@]}" ;;
-          fp8-256-silu1) BENCH_PRELUDE="from tritonllm.engine.embedded.network import fused_ops; fused_ops.SILU_FP8_SPLIT = False" \
-            bench "llama-3.1-8b fp8+fp8kv, SiLU rows in one launch, 256x128/128" --model "$l" --config /tmp/fp8.yaml "${many[@]}" ;;
+          fp8-256-norows) fp8_run "from tritonllm.engine.embedded.quant import fusion; fusion.FP8_ROWS = False" "no fp8 rows" ;;
+          fp8-256-nogc) fp8_run "import gc; gc.disable()" "garbage collector off" ;;
+          bf16-256-nogc) bf16_run "import gc; gc.disable()" "garbage collector off" ;;
+          fp8-256-nodefer) fp8_run "from tritonllm.engine.embedded.quant import fusion; fusion.DEFER_SCALES = False" "no deferred scales" ;;
+          fp8-256-exact) fp8_run "from tritonllm.engine.embedded.quant import kernels; kernels.FP8_FAST_ACCUM = False" "fp32-promoted accumulation" ;;
+          fp8-256-torchgreedy) fp8_run "from tritonllm.engine.embedded import sampler; sampler.GREEDY_KERNEL = False" "greedy by torch ops" ;;
+          bf16-256-torchgreedy) bf16_run "from tritonllm.engine.embedded import sampler; sampler.GREEDY_KERNEL = False" "greedy by torch ops" ;;
+          fp8-256-silu1) fp8_run "from tritonllm.engine.embedded.network import fused_ops; fused_ops.SILU_FP8_SPLIT = False" "SiLU rows in one launch" ;;
           fp8w-256) bench "llama-3.1-8b fp8 weights 256x128/128" --model "$l" --config /tmp/fp8w.yaml "${many[@]}" ;;
           bf16-1) bench "llama-3.1-8b bf16 1x128/128" --model "$l" "${one[@]}" ;;
           w4a16-1) bench "llama-3.1-8b w4a16 1x128/128" --model "$l" --config /tmp/w4a16.yaml "${one[@]}" ;;
