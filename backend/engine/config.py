@@ -304,8 +304,6 @@ class EngineConfig:
         """Settings the embedded engine's tensor and pipeline parallelism do not cover yet, each named."""
         size = f"with {self.parallel_layout()}"
         refused = {
-            "enable_lora / lora_config (LoRA: tensor parallelism alone takes it)": self.lora_settings() is not None
-            and self.pipeline_parallel_size > 1,
             "speculative_config with Eagle (its draft layer reads the target's split embedding and output head)": (
                 self._spec_kind() == "Eagle"
             ),

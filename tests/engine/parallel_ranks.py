@@ -65,3 +65,24 @@ def launch(model_dir: Path, out: Path, world_size: int = 2, pipeline: int = 1) -
                 proc.kill()
                 proc.wait()
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(world_size)]
+
+
+def peft_adapters(model_dir: Path, out: Path) -> list[Path]:
+    """Three PEFT adapters of `model_dir` for the LoRA scenario (tp_worker.LORA_PLAN): every module at rank 4, q/v
+    at rank 2, the MLP at rank 4."""
+    from ..lora.conftest import make_peft_adapter
+
+    targets = [["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], ["q_proj", "v_proj"]]
+    targets.append(["gate_proj", "up_proj", "down_proj"])
+    return [
+        make_peft_adapter(model_dir, out / f"a{i}", t, rank=4 if i != 1 else 2, seed=i, scale=3.0)
+        for i, t in enumerate(targets)
+    ]
+
+
+def assert_adapters_changed_their_requests(lora: dict) -> None:
+    """The LoRA scenario's adapted requests differ from the base model's, the others do not."""
+    from .tp_worker import LORA_PLAN
+
+    for adapter, adapted, base in zip(LORA_PLAN, lora["tokens"], lora["base_tokens"], strict=True):
+        assert (adapted == base) == (adapter is None)

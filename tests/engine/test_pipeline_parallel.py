@@ -6,6 +6,7 @@ the micro-batches and what a stage loads."""
 from __future__ import annotations
 
 import json
+import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,7 +24,7 @@ from tritonllm.engine.embedded.scheduler import ScheduledBatch
 from tritonllm.engine.embedded.sequence import Sequence
 from tritonllm.engine.types import SamplingParams
 
-from .parallel_ranks import launch, start_ranks
+from .parallel_ranks import assert_adapters_changed_their_requests, launch, peft_adapters, start_ranks
 from .tp_worker import run_scenarios
 
 
@@ -59,7 +60,8 @@ def assert_same_as_one_rank(single: list, leader: list) -> None:
 
 
 def assert_every_block_freed(leader: list, followers: list[list]) -> None:
-    roomy, preempting, _served, beams, ngram, draft, _guided = leader
+    roomy, preempting, _served, beams, ngram, draft, _guided, lora = leader
+    assert_adapters_changed_their_requests(lora)  # LoRA ran, each stage with its layers' parts of the adapters
     assert all(len(outputs) == 3 for outputs in beams["tokens"])  # beam search ran (3 beams a request)
     assert ngram["drafted"] > 0 and draft["accepted"] == draft["drafted"] > 0  # so did speculative decoding
     assert roomy["aborted_tokens"] < 20 and roomy["reused_blocks"] >= 3  # the scenarios did abort and reuse
@@ -71,14 +73,27 @@ def assert_every_block_freed(leader: list, followers: list[list]) -> None:
         assert [r["steps"] for r in follower] == [r["steps"] for r in leader] and all(r["steps"] for r in leader)
 
 
-def test_two_stages_give_one_ranks_tokens_and_free_every_block(llama3, tmp_path):
+@pytest.fixture
+def adapters_of(monkeypatch, tmp_path):
+    """The LoRA scenario's adapters of a model, named to tp_worker.py (and to the single rank in this process)."""
+
+    def make(model_dir: Path) -> None:
+        adapters = peft_adapters(model_dir, tmp_path / "adapters")
+        monkeypatch.setenv("TP_WORKER_LORA", os.pathsep.join(map(str, adapters)))
+
+    return make
+
+
+def test_two_stages_give_one_ranks_tokens_and_free_every_block(llama3, tmp_path, adapters_of):
+    adapters_of(llama3)
     single = run_scenarios(str(llama3), 1)
     leader, follower = launch(llama3, tmp_path, world_size=2, pipeline=2)
     assert_same_as_one_rank(single, leader)
     assert_every_block_freed(leader, [follower])
 
 
-def test_two_stages_of_two_tensor_ranks(qwen2, tmp_path):
+def test_two_stages_of_two_tensor_ranks(qwen2, tmp_path, adapters_of):
+    adapters_of(qwen2)
     single = run_scenarios(str(qwen2), 1)
     leader, *followers = launch(qwen2, tmp_path, world_size=4, pipeline=2)
     assert_same_as_one_rank(single, leader)

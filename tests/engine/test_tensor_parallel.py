@@ -20,8 +20,14 @@ from tritonllm.engine.embedded.parallel.environment import read_rank_environment
 from tritonllm.engine.embedded.parallel.layout import ParallelLayout
 from tritonllm.engine.embedded.parallel.sharding import ShardPlan, TensorSlice
 
-from .parallel_ranks import launch, one_kv_head_llama, start_ranks
-from .tp_worker import LORA_PLAN, run_scenarios
+from .parallel_ranks import (
+    assert_adapters_changed_their_requests,
+    launch,
+    one_kv_head_llama,
+    peft_adapters,
+    start_ranks,
+)
+from .tp_worker import run_scenarios
 
 
 @pytest.fixture(scope="module", params=["qwen2", "llama-1kv"])
@@ -71,17 +77,9 @@ def test_a_rank_that_dies_fails_the_others_instead_of_hanging_them(tiny, tmp_pat
 
 @pytest.fixture(scope="module")
 def runs(tiny, tmp_path_factory):
-    """The single rank's and the two ranks' scenarios; the LoRA one with three PEFT adapters of the tiny model
-    (every module at rank 4, q/v at rank 2, the MLP at rank 4)."""
-    from ..lora.conftest import make_peft_adapter
-
-    folder = tmp_path_factory.mktemp("adapters")
-    targets = [["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"], ["q_proj", "v_proj"]]
-    targets.append(["gate_proj", "up_proj", "down_proj"])
-    adapters = [
-        make_peft_adapter(tiny, folder / f"a{i}", t, rank=4 if i != 1 else 2, seed=i, scale=3.0)
-        for i, t in enumerate(targets)
-    ]
+    """The single rank's and the two ranks' scenarios (the LoRA one with three PEFT adapters of the tiny model,
+    Medusa's with two heads)."""
+    adapters = peft_adapters(tiny, tmp_path_factory.mktemp("adapters"))
     os.environ["TP_WORKER_LORA"] = os.pathsep.join(map(str, adapters))
     os.environ["TP_WORKER_MEDUSA"] = str(medusa_heads(tiny, tmp_path_factory.mktemp("medusa")))
     try:
@@ -122,8 +120,7 @@ def test_abort_preemption_and_prefix_reuse_free_every_block(runs):
     single, (leader, follower) = runs
     roomy, preempting, _served, beams, ngram, draft, _guided, lora, medusa = leader
     assert medusa["drafted"] > 0 and medusa["accepted"] > 0  # Medusa's heads ran on rank 0 (accepted: as one rank)
-    for adapter, adapted, base in zip(LORA_PLAN, lora["tokens"], lora["base_tokens"], strict=True):
-        assert (adapted == base) == (adapter is None)  # each adapter changed its request's tokens
+    assert_adapters_changed_their_requests(lora)
     assert all(len(outputs) == 3 for outputs in beams["tokens"])  # beam search ran (3 beams a request)
     assert ngram["drafted"] > 0 and draft["accepted"] == draft["drafted"] > 0  # so did speculative decoding
     assert roomy["aborted_tokens"] < 20 and roomy["reused_blocks"] >= 3  # the scenarios did abort and reuse
@@ -259,13 +256,9 @@ def test_features_outside_this_slice_are_refused_by_name(extra, named):
     assert any(named in problem for problem in config.embedded_unsupported())
 
 
-def test_pipeline_parallelism_refuses_what_tensor_parallelism_does():
+def test_what_pipeline_parallelism_refuses_besides():
     config = EngineConfig.from_dict({"model": "m", "pipeline_parallel_size": 2, "enable_lora": True})
-    assert config.world_size == 2
-    assert any(
-        "(LoRA: tensor parallelism alone takes it) with pipeline_parallel_size=2" in p
-        for p in config.embedded_unsupported()
-    )
+    assert config.world_size == 2 and config.embedded_unsupported() == []
     medusa = {"decoding_type": "Medusa", "speculative_model_dir": "d"}
     with_tp = EngineConfig.from_dict(
         {"model": "m", "tensor_parallel_size": 2, "enable_lora": True, "speculative_config": medusa}

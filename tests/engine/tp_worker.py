@@ -114,7 +114,7 @@ def served_settings(model_dir: str, tensor_parallel_size: int, pipeline_parallel
         {**roomy, "speculative_config": draft},
         {**roomy, "guided_decoding_backend": "xgrammar"},
     ]
-    if pipeline_parallel_size == 1 and lora_adapters():
+    if lora_adapters():
         served.append({**roomy, "enable_lora": True, "lora_config": {"max_lora_rank": 4, "max_loras": 2}})
     if pipeline_parallel_size == 1 and os.environ.get("TP_WORKER_MEDUSA"):
         medusa = {"decoding_type": "Medusa", "speculative_model_dir": os.environ["TP_WORKER_MEDUSA"]}

@@ -55,8 +55,8 @@ class StepPlan:
     # KV copies rank 0 made since its last step (a forked beam's block, accepted draft nodes moved down), in
     # order: ("block", source, target) or ("slots", sources, targets). Every rank makes them before the step.
     kv_copies: list[tuple] = field(default_factory=list)
-    # LoRA (tensor parallelism, one stage): the adapters rank 0 put into slots for this step, (uid, adapter, slot)
-    # in order, whole (each rank keeps its part); and each token's slot (-1: the base model), None without adapters.
+    # LoRA: the adapters rank 0 put into slots for this step, (uid, adapter, slot) in order, whole (each rank keeps
+    # its part); and each of the step's tokens' slot (-1: the base model), None without adapters.
     lora_loads: list[tuple] = field(default_factory=list)
     lora_slots: Optional[list[int]] = None
 
@@ -81,15 +81,19 @@ class StageRunner(ModelRunner):
                 copy = ModelRunner.copy_block if kind == "block" else ModelRunner.copy_slots
                 copy(self, source, target)
         self.zero_blocks(plan.new_blocks)
-        lora = self._plan_lora(plan)
+        lora_views = self._plan_lora(plan, [inputs[0].shape[0] for inputs in uploaded])
         layout, sends = self.group.layout, []
         results: list[Optional[list[torch.Tensor]]] = []
-        for step, (input_ids, positions, attn, logits_indices) in zip(plan.micro, uploaded, strict=True):
+        for step, (input_ids, positions, attn, logits_indices), lora in zip(
+            plan.micro, uploaded, lora_views, strict=True
+        ):
             received = None
             if not layout.is_first_stage:
                 shape = (input_ids.shape[0], self.model.config.hidden_size)
                 received = self.group.receive(shape, self.dtype, layout.previous_rank)
-            out = stage_forward(self.model, layout, input_ids, positions, attn, self.kv_caches, received, lora)
+            out = stage_forward(
+                self.model, layout, input_ids, positions, attn, self.kv_caches, received, lora, self._first_layer()
+            )
             if not layout.is_last_stage:
                 sends.append((self.group.send(out, layout.next_rank), out))
                 results.append(None)
@@ -107,15 +111,24 @@ class StageRunner(ModelRunner):
             self.group.wait(handle)
         return results
 
-    def _plan_lora(self, plan: StepPlan):
-        """The step's LoRA view on this rank (rank 0 loaded the adapters already, when it planned the step)."""
+    def _first_layer(self) -> int:
+        """The model's index of this stage's first layer (what LoRA slots are keyed by)."""
+        return 0 if self.lora is None else self.group.layout.layers(self.lora.shapes.num_layers).start
+
+    def _plan_lora(self, plan: StepPlan, micro_tokens: list[int]) -> list:
+        """Each micro-batch's LoRA view on this rank (None: no adapter among its tokens); rank 0 loaded the
+        adapters already, when it planned the step."""
         if plan.lora_slots is None:
-            return None
+            return [None] * len(micro_tokens)
         assert self.lora is not None, "rank 0 sent LoRA slots to a rank without LoRA"
         if self.group.rank != 0:
             for uid, adapter, slot in plan.lora_loads:
                 self.lora.slots.load(uid, adapter, slot)
-        return self.lora.slots.batch(plan.lora_slots, self.device)
+        views, start = [], 0
+        for count in micro_tokens:  # micro-batches are consecutive runs of the step's tokens
+            views.append(self.lora.slots.batch(plan.lora_slots[start : start + count], self.device))
+            start += count
+        return views
 
 
 class LeaderRunner(StageRunner):
