@@ -50,6 +50,18 @@ def test_ties_go_to_the_lowest_index():
     assert logprobs[2].item() == pytest.approx(-torch.log(torch.tensor(float(VOCAB))).item(), rel=1e-5)
 
 
+def test_masked_logits_as_guided_decoding_leaves_them():
+    """-inf everywhere but a few tokens (a grammar's mask, applied in place before sampling): whole chunks are -inf."""
+    logits = torch.full((2, VOCAB), float("-inf"), device=DEVICE)
+    logits[0, [5, VOCAB - 2]] = torch.tensor([1.0, 2.0], device=DEVICE)
+    logits[1, greedy_kernel.CHUNK + 3] = 0.5
+    tokens, logprobs = greedy_kernel.greedy_pick(logits)
+    want_tokens, want_logprobs = _reference(logits)
+    assert tokens.tolist() == want_tokens.tolist() == [VOCAB - 2, greedy_kernel.CHUNK + 3]
+    assert torch.isfinite(logprobs).all()
+    torch.testing.assert_close(logprobs, want_logprobs, rtol=1e-5, atol=1e-5)
+
+
 def test_strided_rows_and_empty_batch():
     wide = torch.randn((4, VOCAB + 64), generator=torch.Generator().manual_seed(3)).to(DEVICE)
     rows = wide[:, 32 : 32 + VOCAB]  # rows further apart than their length

@@ -28,7 +28,9 @@ def _chunk_kernel(logits, maxes, firsts, sums, vocab, stride_row, chunks, CHUNK:
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
     x = tl.load(logits + row * stride_row + cols, mask=cols < vocab, other=float("-inf")).to(tl.float32)
     best, first = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
-    total = tl.sum(tl.exp(x - best), axis=0)
+    # A chunk masked out whole (a grammar's banned tokens: -inf) sums exp(-inf - 0) = 0, not exp(-inf - -inf) = NaN.
+    shift = tl.where(best == float("-inf"), 0.0, best)
+    total = tl.sum(tl.exp(x - shift), axis=0)
     slot = row * chunks + chunk
     tl.store(maxes + slot, best)
     tl.store(firsts + slot, chunk * CHUNK + first)
