@@ -38,3 +38,4 @@ class EngineBackedModel:
         self.metrics.stop()
         self.inflight.shutdown()
         self.engine.shutdown()
+        self.request_metrics.release()

@@ -144,6 +144,11 @@ class EngineMetrics:
                 failed = True
 
     def stop(self, timeout: float = 5.0) -> None:
+        """Stop refreshing and free the gauges, then their families, while the stub can still clear them (see
+        RequestMetrics.release)."""
         self.stopping.set()
         if self.thread.is_alive():
             self.thread.join(timeout)
+        if not self.thread.is_alive():
+            self.gauges.clear()
+            self.families.clear()

@@ -148,7 +148,15 @@ class RequestMetrics:
             for name, (_, extra, buckets) in HISTOGRAMS.items()
         }
 
+    def release(self) -> None:
+        """Free the histograms, then their families, while the stub can still clear them: left to the stub's own
+        teardown, they are freed after its shared memory and it crashes (a segfault on every shutdown)."""
+        self.histograms.clear()
+        self.families.clear()
+
     def observe(self, output: RequestOutput) -> None:
+        if not self.histograms:  # released: the model is being finalized
+            return
         observation = observe_request(output)
         self.histograms[INPUT_TOKENS].observe(observation.input_tokens)
         self.histograms[OUTPUT_TOKENS].observe(observation.output_tokens)

@@ -97,6 +97,14 @@ def test_observe_feeds_each_histogram():
     assert metrics.histograms[INTER_TOKEN_LATENCY].observations == [pytest.approx(0.010)]
 
 
+def test_released_histograms_are_gone_and_later_requests_are_not_counted():
+    """finalize frees them while the stub can still clear them (left to its teardown, it segfaults)."""
+    metrics = RequestMetrics("tensorrt_llm", "1")
+    metrics.release()
+    assert metrics.histograms == {} and metrics.families == {}
+    metrics.observe(finished(3, completion(2, first_ms=1, last_ms=5)))  # a response sent during shutdown
+
+
 class _Handle:
     def __init__(self, request_id):
         self.request_id = request_id
