@@ -304,11 +304,8 @@ class EngineConfig:
         """Settings the embedded engine's tensor and pipeline parallelism do not cover yet, each named."""
         size = f"with {self.parallel_layout()}"
         refused = {
-            "speculative_config with Eagle (its draft layer reads the target's split embedding and output head)": (
-                self._spec_kind() == "Eagle"
-            ),
-            "speculative_config with Medusa (tensor parallelism alone takes it: the heads read the last stage's "
-            "hidden states)": self._spec_kind() == "Medusa" and self.pipeline_parallel_size > 1,
+            "speculative_config with Medusa or Eagle (tensor parallelism alone takes them: their drafts read the "
+            "last stage's hidden states)": self._spec_kind() in ("Medusa", "Eagle") and self.pipeline_parallel_size > 1,
             "quant_config (quantization)": self.quant_config is not None,
             "kv_cache_config.dtype='fp8' (an FP8 KV cache)": kv_cache_fp8(self),
         }

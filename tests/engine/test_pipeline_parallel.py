@@ -52,6 +52,7 @@ def qwen2(tmp_path_factory) -> Path:
 def assert_same_as_one_rank(single: list, leader: list) -> None:
     for one, two in zip(single, leader):
         assert two["tokens"] == one["tokens"] and two.get("accepted") == one.get("accepted")
+        assert two.get("drafts") == one.get("drafts")
     roomy_one, roomy_two = single[0], leader[0]
     assert roomy_two["prefix_tokens"] == roomy_one["prefix_tokens"]
     for key in ("logits", "context_logits"):

@@ -19,6 +19,8 @@ from tritonllm.engine.embedded.network.model_config import ModelConfig
 from tritonllm.engine.embedded.parallel.environment import read_rank_environment
 from tritonllm.engine.embedded.parallel.layout import ParallelLayout
 from tritonllm.engine.embedded.parallel.sharding import ShardPlan, TensorSlice
+from tritonllm.engine.embedded.speculation.eagle import random_eagle
+from tritonllm.engine.embedded.speculation.eagle3 import random_eagle3
 
 from .parallel_ranks import (
     assert_adapters_changed_their_requests,
@@ -82,10 +84,15 @@ def runs(tiny, tmp_path_factory):
     adapters = peft_adapters(tiny, tmp_path_factory.mktemp("adapters"))
     os.environ["TP_WORKER_LORA"] = os.pathsep.join(map(str, adapters))
     os.environ["TP_WORKER_MEDUSA"] = str(medusa_heads(tiny, tmp_path_factory.mktemp("medusa")))
+    drafts = tmp_path_factory.mktemp("eagle")
+    eagle = random_eagle(tiny, drafts / "eagle", seed=1, scale=3.0)
+    eagle3 = random_eagle3(tiny, drafts / "eagle3", seed=2, capture_layers=[0, 1])
+    os.environ["TP_WORKER_EAGLE"] = os.pathsep.join([str(eagle), str(eagle3)])
     try:
         yield run_scenarios(str(tiny), 1), launch(tiny, tmp_path_factory.mktemp("ranks"))
     finally:
-        del os.environ["TP_WORKER_LORA"], os.environ["TP_WORKER_MEDUSA"]
+        for name in ("TP_WORKER_LORA", "TP_WORKER_MEDUSA", "TP_WORKER_EAGLE"):
+            del os.environ[name]
 
 
 def medusa_heads(model_dir: Path, out: Path) -> Path:
@@ -107,8 +114,9 @@ def medusa_heads(model_dir: Path, out: Path) -> Path:
 
 def test_two_ranks_give_one_ranks_greedy_tokens_and_logits(runs):
     single, (leader, follower) = runs
-    for one, two in zip(single, leader):
+    for one, two in zip(single, leader, strict=True):
         assert two["tokens"] == one["tokens"] and two.get("accepted") == one.get("accepted")
+        assert two.get("drafts") == one.get("drafts")  # drafters on rank 0 read what one rank's read
     roomy_one, roomy_two = single[0], leader[0]
     assert roomy_two["prefix_tokens"] == roomy_one["prefix_tokens"]
     for key in ("logits", "context_logits"):
@@ -118,8 +126,9 @@ def test_two_ranks_give_one_ranks_greedy_tokens_and_logits(runs):
 
 def test_abort_preemption_and_prefix_reuse_free_every_block(runs):
     single, (leader, follower) = runs
-    roomy, preempting, _served, beams, ngram, draft, _guided, lora, medusa = leader
-    assert medusa["drafted"] > 0 and medusa["accepted"] > 0  # Medusa's heads ran on rank 0 (accepted: as one rank)
+    roomy, preempting, _served, beams, ngram, draft, _guided, lora, medusa, eagle, eagle3 = leader
+    for drafter in (medusa, eagle, eagle3):  # drafts ran on rank 0 (and were accepted as on one rank)
+        assert drafter["drafted"] > 0
     assert_adapters_changed_their_requests(lora)
     assert all(len(outputs) == 3 for outputs in beams["tokens"])  # beam search ran (3 beams a request)
     assert ngram["drafted"] > 0 and draft["accepted"] == draft["drafted"] > 0  # so did speculative decoding
@@ -247,8 +256,8 @@ def test_sizes_that_do_not_divide_are_refused(overrides, size, named):
 @pytest.mark.parametrize(
     "extra, named",
     [
-        ({"speculative_config": {"decoding_type": "Eagle3", "speculative_model_dir": "d"}}, "with Eagle"),
         ({"quant_config": {"quant_algo": "FP8"}}, "quantization"),
+        ({"kv_cache_config": {"dtype": "fp8"}}, "FP8 KV cache"),
     ],
 )
 def test_features_outside_this_slice_are_refused_by_name(extra, named):
@@ -265,7 +274,7 @@ def test_what_pipeline_parallelism_refuses_besides():
     )
     assert with_tp.embedded_unsupported() == []
     staged = EngineConfig.from_dict({"model": "m", "pipeline_parallel_size": 2, "speculative_config": medusa})
-    assert any("with Medusa (tensor parallelism alone takes it" in p for p in staged.embedded_unsupported())
+    assert any("with Medusa or Eagle (tensor parallelism alone" in p for p in staged.embedded_unsupported())
     assert EngineConfig.from_dict({"model": "m", "pipeline_parallel_size": 2}).embedded_unsupported() == []
 
 

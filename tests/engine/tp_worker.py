@@ -119,6 +119,15 @@ def served_settings(model_dir: str, tensor_parallel_size: int, pipeline_parallel
     if pipeline_parallel_size == 1 and os.environ.get("TP_WORKER_MEDUSA"):
         medusa = {"decoding_type": "Medusa", "speculative_model_dir": os.environ["TP_WORKER_MEDUSA"]}
         served.append({**roomy, "speculative_config": {**medusa, "medusa_choices": [[0], [1], [0, 0], [0, 1]]}})
+    if pipeline_parallel_size == 1 and os.environ.get("TP_WORKER_EAGLE"):  # EAGLE-1, then EAGLE-3's folder
+        eagle, eagle3 = os.environ["TP_WORKER_EAGLE"].split(os.pathsep)
+        chain = {"max_draft_len": 3, "eagle_choices": [[0], [0, 0], [0, 0, 0], [1]]}
+        served.append(
+            {**roomy, "speculative_config": {"decoding_type": "Eagle", "speculative_model_dir": eagle, **chain}}
+        )
+        served.append(
+            {**roomy, "speculative_config": {"decoding_type": "Eagle3", "speculative_model_dir": eagle3, **chain}}
+        )
     return served
 
 
@@ -150,6 +159,7 @@ def served_scenario(settings: dict) -> dict:
     engine = EmbeddedEngine(EngineConfig.from_dict(settings))
     if settings.get("enable_lora"):
         return lora_scenario(engine)
+    drafts = record_drafts(engine)
     beams = settings.get("max_beam_width", 1)
     params = greedy(16) if beams == 1 else SamplingParams(max_tokens=8, end_id=2, beam_width=beams, n=beams)
     if settings.get("guided_decoding_backend"):
@@ -163,7 +173,25 @@ def served_scenario(settings: dict) -> dict:
         "accepted": _draft_metric(outputs, "total_accepted_draft_tokens"),
         "free_blocks": [stats.num_total_blocks, stats.num_free_blocks],
         "steps": stats.num_steps,
+        "drafts": drafts,
     }
+
+
+def record_drafts(engine: EmbeddedEngine) -> list:
+    """Every draft the engine's speculative method proposes, as token lists (filled while the engine runs): what
+    the drafter read (hidden states, embedding, head) shows in them even when none is accepted."""
+    method, drafts = engine.core.speculator.method, []
+    if method is None:
+        return drafts
+    propose = method.drafts
+
+    def recorded(items, seqs):
+        proposed = propose(items, seqs)
+        drafts.append([None if d is None else d.tokens for d in proposed])
+        return proposed
+
+    method.drafts = recorded
+    return drafts
 
 
 def lora_scenario(engine: EmbeddedEngine) -> dict:

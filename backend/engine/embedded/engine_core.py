@@ -142,10 +142,12 @@ class EngineCore:
                 ", smaller batches padded up" if graph_settings.enable_padding else "",
             )
         self.runner.lora = self.lora
-        self.speculator = Speculator(
-            TargetParts(self.model, self.model_config, self.runner, self.block_manager, self.dtype, self.device),
-            config.speculative_settings(),
-        )
+        parts = TargetParts(self.model, self.model_config, self.runner, self.block_manager, self.dtype, self.device)
+        if self.parallel is not None:
+            parts.drafter_view = lambda: self.parallel.whole_ends(config.model, self.dtype, config.load_format)
+        # Drafts are proposed and accepted on rank 0 alone: the other ranks run its plans and build no drafter.
+        drafting = self.parallel is None or self.parallel.is_leader
+        self.speculator = Speculator(parts, config.speculative_settings() if drafting else None)
         if fused_kernels_wanted(self.attn_backend, self.device):
             defer_fp8_scales(self.model, self.device, lora_enabled=self.lora is not None)
 

@@ -26,6 +26,7 @@ from .lora_shards import TensorParallelLora
 from .sharded_load import load_sharded
 from .sharding import ShardPlan
 from .step_sync import FollowerRunner, LeaderRunner
+from .whole_ends import WholeEnds, load_whole_ends
 
 log = logging.getLogger("tritonllm.engine")
 
@@ -34,6 +35,7 @@ class Parallel:
     def __init__(self, group: ParallelGroup):
         self.group = group
         self.local_config: Optional[ModelConfig] = None
+        self.full_config: Optional[ModelConfig] = None
 
     @classmethod
     def start(
@@ -65,8 +67,13 @@ class Parallel:
 
     def load(self, model_dir: str, dtype: torch.dtype, load_format: str) -> tuple[LlamaForCausalLM, ModelConfig]:
         model, full = load_sharded(model_dir, dtype, self.device, self.group, load_format)
-        self.local_config = model.config
+        self.local_config, self.full_config = model.config, full
         return model, full
+
+    def whole_ends(self, model_dir: str, dtype: torch.dtype, load_format: str) -> WholeEnds:
+        """The target's embedding and head, whole, for a drafter on this rank (whole_ends.py)."""
+        assert self.full_config is not None, "load the model first"
+        return load_whole_ends(model_dir, self.full_config, dtype, self.device, load_format)
 
     def lora_sharding(self, full: ModelConfig) -> LoraSharding:
         """The part of each LoRA adapter this rank's slots hold: its tensor shard's (lora_shards.py)."""

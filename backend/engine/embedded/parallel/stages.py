@@ -33,19 +33,24 @@ def stage_forward(
     lora=None,
     first_layer: int = 0,
 ) -> torch.Tensor:
-    """The stage's output for the step's tokens: the final-norm hidden states on the last stage, else the residual
+    """The stage's output for the step's tokens: the final-norm hidden states on the last stage (followed by the
+    outputs of the model's `capture_layers`, as LlamaForCausalLM.forward returns them), else the residual
     stream after the stage's layers. `received`: the stage before's output (None on the first stage); `lora`: the
     step's multi-LoRA view (tritonllm.lora.layers.LoraBatch), whose layers the stage's are from `first_layer` on."""
     hidden = model.embed(input_ids) if layout.is_first_stage else received
     assert hidden is not None, "a stage after the first runs on the hidden states it received"
     residual = None
     rotations = model.layer_rotations(positions, hidden.dtype)
+    captured = []
     for index, (layer, kv_cache, (cos, sin)) in enumerate(zip(model.decoder_layers, kv_caches, rotations)):
         view = None if lora is None else lora.layer(first_layer + index)
         hidden, residual = layer.deferred(hidden, residual, cos, sin, attn, kv_cache, view)
+        if first_layer + index in model.capture_layers:  # EAGLE-3 (one stage): as LlamaForCausalLM.forward
+            captured.append(residual + hidden)
     if not layout.is_last_stage:
         return hidden if residual is None else residual + hidden
-    return model.norm(hidden) if residual is None else model.norm(hidden, residual=residual)[0]
+    normed = model.norm(hidden) if residual is None else model.norm(hidden, residual=residual)[0]
+    return torch.cat([normed] + captured, dim=-1) if captured else normed
 
 
 def micro_batches(batch: ScheduledBatch, count: int) -> list[ScheduledBatch]:

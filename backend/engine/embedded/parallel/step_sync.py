@@ -74,8 +74,9 @@ class StageRunner(ModelRunner):
         """`uploaded`: the micro-batches' inputs already on this rank's device (rank 0's); else uploaded here."""
         if uploaded is None:
             uploaded = [step.host.upload(self.device, self.dtype, True, self.kernels, None) for step in plan.micro]
-        # The last stage's final hidden states of each micro-batch's logits rows (what Medusa heads read).
-        self.sampled_hidden: list[torch.Tensor] = []
+        # The last stage's features of each micro-batch, every token's (final hidden states, then any captured
+        # layers' outputs): what Medusa heads and EAGLE drafts read on rank 0.
+        self.stage_features: list[torch.Tensor] = []
         if self.group.rank != 0:  # rank 0 made them already, when its engine asked
             for kind, source, target in plan.kv_copies:
                 copy = ModelRunner.copy_block if kind == "block" else ModelRunner.copy_slots
@@ -98,7 +99,8 @@ class StageRunner(ModelRunner):
                 sends.append((self.group.send(out, layout.next_rank), out))
                 results.append(None)
                 continue
-            self.sampled_hidden.append(out[logits_indices])
+            out, features = self._split(out)
+            self.stage_features.append(features)
             logits = [self.model.compute_logits(out[logits_indices]).float()]
             logits += [self.model.compute_logits(out[self._long(rows)]).float() for rows in step.context_indices]
             results.append(logits)
@@ -162,14 +164,19 @@ class LeaderRunner(StageRunner):
         self._plan_adapters(batch, plan)
         self.group.broadcast_object(plan)
         uploaded = [(inputs.input_ids, inputs.positions, inputs.attn, inputs.logits_indices) for inputs in parts]
-        if self.group.layout.pipeline == 1:
-            results = self.run_plan(plan, uploaded)
-            hidden = torch.cat(self.sampled_hidden) if len(self.sampled_hidden) > 1 else self.sampled_hidden[0]
-        else:
+        if self.group.layout.pipeline > 1:
             self.run_plan(plan, uploaded)  # the first stage: its sends are on their way
-            results = [self._receive_logits(inputs) for inputs in parts]
-            hidden = None  # on the last stage; nothing here reads it (Medusa and EAGLE are refused)
-        return self._output(parts, results, hidden)
+            received = [self._receive_logits(inputs) for inputs in parts]
+            return self._output(parts, received, None)  # features are on the last stage (Medusa, EAGLE refused)
+        results = self.run_plan(plan, uploaded)
+        (features,), (inputs,) = self.stage_features, parts  # one stage: one micro-batch
+        out = self._output(parts, results, features[inputs.logits_indices])
+        if self.keep_all_hidden:  # EAGLE: every scheduled sequence's computed known tokens
+            out.all_hidden = [
+                (seq, seq.num_computed_tokens, features[start : start + num - seq.num_draft_tokens])
+                for seq, num, start in zip(batch.seqs, batch.num_new_tokens, inputs.attn.query_starts)
+            ]
+        return out
 
     def _plan_adapters(self, batch: ScheduledBatch, plan: StepPlan) -> None:
         """The step's adapter slots (loading adapters into them as on one rank), and the loads, into the plan."""

@@ -6,7 +6,7 @@ A checkpoint that cannot be loaded is an InvalidRequestError naming speculative_
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -32,6 +32,12 @@ class TargetParts:
     block_manager: BlockManager
     dtype: torch.dtype
     device: torch.device
+    # The target's embedding and head as a drafter reads them, made on first call: the model itself, or under
+    # tensor parallelism whole copies of both (parallel/whole_ends.py; the rank's own are vocabulary slices).
+    drafter_view: Optional[Callable[[], Any]] = None
+
+    def ends(self):
+        return self.model if self.drafter_view is None else self.drafter_view()
 
 
 def build_method(spec_config, target: TargetParts) -> Optional[SpeculativeMethod]:
@@ -118,7 +124,7 @@ def _eagle_method(spec_config, target: TargetParts):
     return EagleMethod(
         EagleProposer(
             draft,
-            target.model,
+            target.ends(),
             spec_config.max_draft_len,
             spec_config.eagle_choices,
             manager.num_blocks,
