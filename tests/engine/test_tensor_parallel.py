@@ -326,3 +326,29 @@ def test_a_bad_step_timeout_names_its_variable(raw, named):
     assert step_timeout({}) == 300 and step_timeout({"TRITONLLM_STEP_TIMEOUT_S": "2.5"}) == 2.5
     with pytest.raises(ConfigError, match=f"TRITONLLM_STEP_TIMEOUT_S {named}"):
         step_timeout({"TRITONLLM_STEP_TIMEOUT_S": raw})
+
+
+def test_the_drafters_whole_embedding_and_head(tiny, tmp_path):
+    """Read whole from the checkpoint (the embedding's when tied), random under dummy weights; a checkpoint
+    without them names what it lacks."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from tritonllm.engine.embedded.parallel.whole_ends import load_whole_ends
+
+    config = ModelConfig.from_dict(json.loads((tiny / "config.json").read_text()))
+    ends = load_whole_ends(tiny, config, torch.float32, torch.device("cpu"), "auto")
+    weights = load_file(str(tiny / "model.safetensors"))
+    assert torch.equal(ends.embedding, weights["model.embed_tokens.weight"])
+    assert torch.equal(ends.output_weight, weights.get("lm_head.weight", weights["model.embed_tokens.weight"]))
+    ids = torch.tensor([0, 5, config.vocab_size - 1])
+    assert torch.equal(ends.embed_tokens(ids), ends.embedding[ids])
+    assert ends.compute_logits(ends.embedding[ids]).shape == (3, config.vocab_size)
+    dummy = load_whole_ends(tiny, config, torch.float32, torch.device("cpu"), "dummy")
+    assert dummy.embedding.shape == (config.vocab_size, config.hidden_size)
+    assert (dummy.output_weight is dummy.embedding) == config.tie_word_embeddings
+    shutil.copy(tiny / "config.json", tmp_path / "config.json")
+    save_file({k: v for k, v in weights.items() if "embed_tokens" not in k}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match="no model.embed_tokens.weight"):
+        load_whole_ends(tmp_path, config, torch.float32, torch.device("cpu"), "auto")
