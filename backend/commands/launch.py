@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
 from pathlib import Path
 
 from tritonllm.commands.follow import follow_repository
@@ -132,17 +133,27 @@ def main(args) -> int:
     if outside is not None and outside.rank > 0:
         _say(f"rank {outside.rank} of {outside.world_size} under {outside.launcher}: this rank runs the engine only")
         return follow_repository(options.model_repo, options.tensorrt_llm_model_name)
+    if outside is not None:  # a launcher ending the job while the server starts: stop it, as Ctrl-C does
+        signal.signal(signal.SIGTERM, _interrupt)
     try:
         process = launch(options, say=_say)
     except KeyboardInterrupt:
         _say("interrupted: tritonserver stopped")
         return 130
-    state = "ready" if options.wait else "started"
-    _say(
-        f"tritonserver {state} (PID {process.pid}): HTTP localhost:{options.http_port}  gRPC "
-        f"localhost:{options.grpc_port}  metrics localhost:{options.metrics_port}; stop it with: kill {process.pid}"
-    )
-    if outside is not None:  # the launcher's task lives as long as the server
-        _say(f"rank 0 of {outside.world_size} under {outside.launcher}: serving until tritonserver exits")
-        return serve_in_foreground(process)
+    try:
+        state = "ready" if options.wait else "started"
+        _say(
+            f"tritonserver {state} (PID {process.pid}): HTTP localhost:{options.http_port}  gRPC "
+            f"localhost:{options.grpc_port}  metrics localhost:{options.metrics_port}; stop it with: kill {process.pid}"
+        )
+        if outside is not None:  # the launcher's task lives as long as the server
+            _say(f"rank 0 of {outside.world_size} under {outside.launcher}: serving until tritonserver exits")
+            return serve_in_foreground(process)
+    except KeyboardInterrupt:  # between the start and the hand-over to serve_in_foreground
+        process.terminate()
+        return process.wait()
     return 0
+
+
+def _interrupt(_signum, _frame) -> None:
+    raise KeyboardInterrupt
