@@ -731,6 +731,7 @@ def _lora_runtime(
     settings = config.lora_settings()
     if settings is None:
         return None
+    from tritonllm.lora.layers import WHOLE
     from tritonllm.lora.modules import LoraFormatError, ModuleShapes
     from tritonllm.lora.runtime import LoraRequestError, LoraRuntime
 
@@ -738,9 +739,7 @@ def _lora_runtime(
         settings = _attention_only_lora(settings, config.lora_config or {}, model_config.architecture)
     try:
         shapes = ModuleShapes.of_config(model_config)
-        if sharding is None:
-            return LoraRuntime(settings, shapes, dtype, device)
-        return LoraRuntime(settings, shapes, dtype, device, sharding)
+        return LoraRuntime(settings, shapes, dtype, device, WHOLE if sharding is None else sharding)
     except (LoraFormatError, LoraRequestError) as exc:
         raise InvalidRequestError(f"lora_config: {exc}") from None
 

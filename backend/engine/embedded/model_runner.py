@@ -47,6 +47,17 @@ class StepOutput:
         return slice(start, start + 1 + self.seqs[index].num_draft_tokens)
 
 
+def computed_hidden(
+    batch: ScheduledBatch, query_starts: list[int], features: torch.Tensor
+) -> list[tuple[Sequence, int, torch.Tensor]]:
+    """StepOutput.all_hidden: each scheduled sequence, the position of its first computed token, and the features
+    of its computed known tokens (drafts left out)."""
+    return [
+        (seq, seq.num_computed_tokens, features[start : start + num - seq.num_draft_tokens])
+        for seq, num, start in zip(batch.seqs, batch.num_new_tokens, query_starts)
+    ]
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -99,12 +110,7 @@ class ModelRunner:
         logits = self.model.compute_logits(hidden[inputs.logits_indices], cast=False)
         for seq, indices in inputs.context_requests:
             seq.context_logits.append(self.model.compute_logits(hidden[self._long(indices)]).float().cpu())
-        all_hidden = None
-        if self.keep_all_hidden:
-            all_hidden = [
-                (seq, seq.num_computed_tokens, features[start : start + num - seq.num_draft_tokens])
-                for seq, num, start in zip(batch.seqs, batch.num_new_tokens, inputs.attn.query_starts)
-            ]
+        all_hidden = computed_hidden(batch, inputs.attn.query_starts, features) if self.keep_all_hidden else None
         return StepOutput(logits, features[inputs.logits_indices], inputs.sampling_seqs, inputs.first_rows, all_hidden)
 
     def _split(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

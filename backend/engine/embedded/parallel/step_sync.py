@@ -25,7 +25,7 @@ from typing import Optional
 import torch
 
 from ..attention import AttentionMetadata
-from ..model_runner import ModelRunner, StepOutput
+from ..model_runner import ModelRunner, StepOutput, computed_hidden
 from ..scheduler import ScheduledBatch
 from ..step_inputs import HostStep, StepInputs
 from .group import ParallelGroup
@@ -171,11 +171,8 @@ class LeaderRunner(StageRunner):
         results = self.run_plan(plan, uploaded)
         (features,), (inputs,) = self.stage_features, parts  # one stage: one micro-batch
         out = self._output(parts, results, features[inputs.logits_indices])
-        if self.keep_all_hidden:  # EAGLE: every scheduled sequence's computed known tokens
-            out.all_hidden = [
-                (seq, seq.num_computed_tokens, features[start : start + num - seq.num_draft_tokens])
-                for seq, num, start in zip(batch.seqs, batch.num_new_tokens, inputs.attn.query_starts)
-            ]
+        if self.keep_all_hidden:  # EAGLE
+            out.all_hidden = computed_hidden(batch, inputs.attn.query_starts, features)
         return out
 
     def _plan_adapters(self, batch: ScheduledBatch, plan: StepPlan) -> None:

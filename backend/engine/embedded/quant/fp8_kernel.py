@@ -41,23 +41,21 @@ def _quantize_rows_kernel(
     if ONE_BLOCK:
         cols = tl.arange(0, BLOCK)
         values = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
-        if STATIC:
-            scale = tl.load(static_scale).to(tl.float32)
-        else:
-            scale = row_scale(tl.max(tl.abs(values), axis=0))
-        tl.store(scales + row, scale)
+    if STATIC:
+        scale = tl.load(static_scale).to(tl.float32)
+    elif ONE_BLOCK:
+        scale = row_scale(tl.max(tl.abs(values), axis=0))
+    else:
+        amax = tl.zeros((BLOCK,), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK):
+            cols = k0 + tl.arange(0, BLOCK)
+            values = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(values))
+        scale = row_scale(tl.max(amax, axis=0))
+    tl.store(scales + row, scale)
+    if ONE_BLOCK:
         store_fp8(out + row * K + cols, values, scale, cols < K)
     else:
-        if STATIC:
-            scale = tl.load(static_scale).to(tl.float32)
-        else:
-            amax = tl.zeros((BLOCK,), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK):
-                cols = k0 + tl.arange(0, BLOCK)
-                values = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
-                amax = tl.maximum(amax, tl.abs(values))
-            scale = row_scale(tl.max(amax, axis=0))
-        tl.store(scales + row, scale)
         for k0 in range(0, K, BLOCK):
             cols = k0 + tl.arange(0, BLOCK)
             values = tl.load(x_row + cols, mask=cols < K, other=0.0).to(tl.float32)
