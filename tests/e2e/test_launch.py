@@ -204,6 +204,11 @@ def test_launch_on_every_rank_of_an_outside_launcher(tiny_model, tmp_path):
             time.sleep(0.5)
         status, reply = _direct_generate(ports, prompt, end_id)
         assert status == 200 and reply["output_ids"] == expected, (reply, expected)
+        # The server answers before launch's own readiness wait ends: SIGTERM it once it serves in the foreground.
+        serving = "rank 0 of 2 under torchrun: serving until tritonserver exits"
+        while serving not in (tmp_path / "rank0.out").read_text(errors="replace"):
+            assert time.monotonic() < deadline and ranks[0].poll() is None, _outputs(tmp_path)
+            time.sleep(0.1)
         ranks[0].send_signal(signal.SIGTERM)
         codes = [p.wait(timeout=120) for p in ranks]  # a loaded CI machine once took over 60 s
     finally:
@@ -214,7 +219,7 @@ def test_launch_on_every_rank_of_an_outside_launcher(tiny_model, tmp_path):
     text = "\n".join((tmp_path / f"rank{r}.out").read_text(errors="replace") for r in range(2))
     assert codes[1] == 0, text[-3000:]  # rank 1 stopped when rank 0's engine did
     assert "rank 1 of 2 under torchrun: this rank runs the engine only" in text
-    assert "rank 0 of 2 under torchrun: serving until tritonserver exits" in text
+    assert serving in text
 
 
 def _ready(ports: Ports) -> bool:

@@ -261,3 +261,32 @@ def test_an_outside_launchers_rank_and_rank_0s_environment():
     assert not {"SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "MASTER_ADDR"} & set(leader)
     assert leader["PATH"] == "/bin" and leader["TRITONLLM_RANK"] == "0" and leader["TRITONLLM_WORLD_SIZE"] == "2"
     assert leader["TRITONLLM_MASTER_ADDR"] == "node0" and leader["TRITONLLM_MASTER_PORT"] == "29500"
+
+
+def test_a_sigterm_while_rank_0s_server_starts_stops_it(monkeypatch, tmp_path):
+    """Under an outside launcher, the job may be ended while tritonserver is still starting: the SIGTERM then
+    interrupts launch's start (which stops the server it started) instead of killing launch and orphaning it."""
+    import os
+    import signal
+    import time
+
+    from tritonllm.commands import launch as launch_command
+
+    def starting(options, say):  # launch's readiness wait, interrupted by the launcher's SIGTERM
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+        raise AssertionError("the SIGTERM did not interrupt the start")
+
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1"}.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(launch_command, "launch", starting)
+
+    def unhandled(_signum, _frame):  # what the SIGTERM would meet without launch's own handler (not a dead test run)
+        raise AssertionError("launch left SIGTERM unhandled during the start")
+
+    previous = signal.signal(signal.SIGTERM, unhandled)
+    try:
+        args = build_parser().parse_args(["launch", "--world_size", "2", f"--model_repo={tmp_path}"])
+        assert launch_command.main(args) == 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
