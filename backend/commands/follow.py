@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 import logging
+import os
+import sys
 from pathlib import Path
+from typing import NoReturn
 
 
 def add_follow_command(sub) -> None:
@@ -30,32 +33,43 @@ def add_follow_command(sub) -> None:
     )
 
 
-def main(args) -> int:
+def main(args) -> NoReturn:
     from tritonllm.engine.config import EngineConfig
 
     if args.engine_args is not None:
-        return follow_engine(EngineConfig.from_dict(json.loads(args.engine_args)))
-    return follow_repository(Path(args.model_repo), args.model)
+        follow_engine(EngineConfig.from_dict(json.loads(args.engine_args)))
+    follow_repository(Path(args.model_repo), args.model)
 
 
-def follow_repository(model_repo: Path, model: str) -> int:
+def follow_repository(model_repo: Path, model: str) -> NoReturn:
     """Follow the engine of `model` in `model_repo` (as the model builds it at load)."""
     from tritonllm.deploy.followers import engine_config_of
 
-    return follow_engine(engine_config_of(Path(model_repo), model))
+    follow_engine(engine_config_of(Path(model_repo), model))
 
 
-def follow_engine(config) -> int:
-    """Run rank 0's steps of `config`'s engine until rank 0 stops (0) or another rank is lost (1)."""
+def follow_engine(config) -> NoReturn:
+    """Run rank 0's steps of `config`'s engine until rank 0 stops, then end the process: 0, or 1 when another rank
+    was lost."""
     from tritonllm.engine.embedded.parallel.follower import run_follower
     from tritonllm.engine.embedded.parallel.group import RankLostError, leave_group
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    code = 0
     try:
         run_follower(config)
     except RankLostError as err:
         logging.getLogger("tritonllm.engine").error("follower stops: %s", err)
-        leave_group(wait_for_others=False)
-        return 1
+        code = 1
     leave_group(wait_for_others=False)  # rank 0, inside tritonserver, leaves without a barrier
-    return 0
+    _end_process(code)
+
+
+def _end_process(code: int) -> NoReturn:
+    """Exit without the interpreter's teardown, its output flushed: once the group is left a follower has nothing
+    to release, and a C++ destructor of that teardown aborted a follower in CI once ("terminate called without an
+    active exception", exit -6, after rank 0's server stopped), which would report a clean stop as a crash."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

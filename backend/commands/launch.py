@@ -132,7 +132,7 @@ def main(args) -> int:
         raise LaunchError(str(err)) from err
     if outside is not None and outside.rank > 0:
         _say(f"rank {outside.rank} of {outside.world_size} under {outside.launcher}: this rank runs the engine only")
-        return follow_repository(options.model_repo, options.tensorrt_llm_model_name)
+        follow_repository(options.model_repo, options.tensorrt_llm_model_name)
     if outside is not None:  # a launcher ending the job while the server starts: stop it, as Ctrl-C does
         signal.signal(signal.SIGTERM, _interrupt)
     try:
