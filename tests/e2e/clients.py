@@ -116,6 +116,25 @@ class LiveServer:
     triton: TritonServer
     log_file: Path
     max_seq_len: int
+    probe_model: str = "ensemble"  # what `still_serves` asks for two tokens
+    broken: Optional[str] = None  # set once the server stopped serving: later tests fail at once, saying why
+
+    def still_serves(self, timeout: float = 30) -> Optional[str]:
+        """None when the server is alive, ready and generates two tokens within `timeout`; else what is wrong."""
+        code = self.triton.started_process.poll()
+        if code is not None:
+            return f"tritonserver exited with code {code}"
+        if not self.triton.is_ready():
+            return "tritonserver is running but /v2/health/ready does not answer 200"
+        try:
+            status, data = self.post(
+                f"/v2/models/{self.probe_model}/generate", {"text_input": "Hi", "max_tokens": 2}, timeout=timeout
+            )
+        except (OSError, http.client.HTTPException) as error:
+            return f"a two-token request to {self.probe_model} got no answer within {timeout}s ({error!r})"
+        if status != 200:
+            return f"a two-token request to {self.probe_model} failed: HTTP {status}: {data[:300]!r}"
+        return None
 
     @property
     def ports(self) -> Ports:

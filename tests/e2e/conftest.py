@@ -38,6 +38,7 @@ MAX_BEAM_WIDTH = 4
 MAX_SEQ_LEN = 2048  # long enough for a stream that runs for seconds unless it is cancelled
 LOG_TAIL_LINES = 80
 _server_logs: list[Path] = []
+_live_servers: list["clients.LiveServer"] = []
 
 
 # ---------------------------------------------------------------------------------------------- fixtures
@@ -73,7 +74,8 @@ def llmapi_server(tiny_model, tmp_path_factory) -> Iterator["clients.LiveServer"
     `guided_decoding_backend: xgrammar`); module-scoped."""
     work = tmp_path_factory.mktemp("llmapi")
     guided = {"guided_decoding_backend": "xgrammar"}
-    yield from _run(build_llmapi_repo(tiny_model, work / "repo", max_seq_len=MAX_SEQ_LEN, engine_args=guided), work)
+    repo = build_llmapi_repo(tiny_model, work / "repo", max_seq_len=MAX_SEQ_LEN, engine_args=guided)
+    yield from _run(repo, work, probe_model="tensorrt_llm")
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +140,7 @@ def _serve(model_dir: Path, work: Path, streaming: bool) -> Iterator["clients.Li
     )
 
 
-def _run(repo: Path, work: Path) -> Iterator["clients.LiveServer"]:
+def _run(repo: Path, work: Path, probe_model: str = "ensemble") -> Iterator["clients.LiveServer"]:
     log_file = work / "tritonserver.log"
     _server_logs.append(log_file)
     triton = TritonServer(repo, Ports.free(), log_file=log_file)
@@ -147,11 +149,27 @@ def _run(repo: Path, work: Path) -> Iterator["clients.LiveServer"]:
     except BaseException:
         triton.stop()
         raise  # the log stays listed, so the failed setup's report shows why
+    live = clients.LiveServer(triton, log_file, MAX_SEQ_LEN, probe_model=probe_model)
+    _live_servers.append(live)
     try:
-        yield clients.LiveServer(triton, log_file, MAX_SEQ_LEN)
+        yield live
     finally:
+        _live_servers.remove(live)
         triton.stop()
         _server_logs.remove(log_file)
+
+
+@pytest.fixture(autouse=True)
+def _fail_fast_on_a_broken_server(request):
+    """A test whose server stopped serving in an earlier test fails at once: a hung server would otherwise cost
+    every later test its clients' timeouts (one hang ran CI past its time limit without a report)."""
+    for live in _live_servers:
+        if live.broken and any(request.getfixturevalue(name) is live for name in _server_fixtures(request)):
+            pytest.fail(live.broken, pytrace=False)
+
+
+def _server_fixtures(request) -> list[str]:
+    return [name for name in request.fixturenames if name.endswith("server") and not name.startswith("_")]
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -159,6 +177,7 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     report = outcome.get_result()
     if report.failed:
+        _mark_broken_servers(item.nodeid)
         for log_file in _server_logs:
             if log_file.exists():
                 lines = [
@@ -167,3 +186,12 @@ def pytest_runtest_makereport(item, call):
                     if not line.startswith(("|", "+"))
                 ][-LOG_TAIL_LINES:]  # without the start-up tables
                 report.sections.append((f"tritonserver log {log_file} (last {len(lines)} lines)", "\n".join(lines)))
+
+
+def _mark_broken_servers(nodeid: str) -> None:
+    """After a failure, ask each live server for two tokens; one that cannot serve them is marked broken."""
+    for live in _live_servers:
+        if live.broken is None:
+            problem = live.still_serves()
+            if problem is not None:
+                live.broken = f"this test's server stopped serving during {nodeid}: {problem}"
