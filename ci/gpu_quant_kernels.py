@@ -275,6 +275,8 @@ def sweep(formats: list[str], ms: tuple[int, ...]) -> None:
 
 def decode_variants(m: int) -> list[DecodeVariant]:
     """The tl.dot shapes (16-row tiles) and, for one row, the CUDA-core GEMV's."""
+    if DECODE_SWEEP_WORDS:
+        return words_variants(m)
     found = [DecodeVariant(block_n=64, split_k=8, num_warps=2), DecodeVariant(block_n=128, split_k=2, num_warps=2)]
     if DECODE_SWEEP_DOT:
         for bn, warps, stages, split in itertools.product((16, 32, 64, 128), (2, 4), (3, 4), (1, 2, 4, 8)):
@@ -310,6 +312,20 @@ def decode_variants(m: int) -> list[DecodeVariant]:
 
 
 DECODE_SWEEP_DOT = False  # the dot shapes were swept on 2026-12-02 (docs/gpu-runs.md): two of them kept above
+DECODE_SWEEP_WORDS = False  # --words: only the one-row GEMV over int32 words, against the byte GEMV
+
+
+def words_variants(m: int) -> list[DecodeVariant]:
+    """The byte GEMV of before, then the word GEMV's shapes of fewest SASS instructions a weight (sm90 compiles)."""
+    if m != 1:
+        return []
+    gemv = dict(block_m=1, num_stages=1, use_dot=False)
+    found = [DecodeVariant(block_n=32, block_k=128, split_k=16, num_warps=1, **gemv)]
+    shapes = ((64, 128, 1), (128, 128, 1), (128, 128, 2), (128, 64, 1), (256, 64, 1), (256, 64, 2), (256, 128, 2))
+    shapes += ((256, 128, 4), (128, 128, 4))
+    for (bn, bk, warps), split in itertools.product(shapes, (8, 16, 32)):
+        found.append(DecodeVariant(block_n=bn, block_k=bk, split_k=split, num_warps=warps, words=True, **gemv))
+    return found
 
 
 def time_decode_variants(
@@ -647,6 +663,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sweep", action="store_true", help="time the program shapes instead of the defaults")
     parser.add_argument("--sweep-decode", action="store_true", help="time the int4 decode kernel's variants")
+    parser.add_argument("--words", action="store_true", help="with --sweep-decode: the int32-word GEMV's shapes only")
     parser.add_argument("--fp8-rows", action="store_true", help="fused norm / SiLU FP8 rows against the quantizer")
     parser.add_argument("--race-check", action="store_true", help="split-K launches repeated, worst error")
     parser.add_argument("--scale-layouts", action="store_true", help="int4 decode: row- against group-major scales")
@@ -670,6 +687,8 @@ def main() -> int:
     elif args.fp8_rows:
         time_fp8_rows(ms)
     elif args.sweep_decode:
+        global DECODE_SWEEP_WORDS
+        DECODE_SWEEP_WORDS = args.words
         sweep_decode(ms)
     elif args.scale_layouts:
         scale_layouts(ms)

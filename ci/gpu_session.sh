@@ -94,7 +94,7 @@ for what in "$@"; do
       python3 ci/gpu_quant_kernels.py --sweep --ms 1,8 --formats "${QUANT_FORMATS:-int4,int8}" 2>&1 \
         | tee -a "$OUT/quant-sweep.jsonl" | grep -v '"sweep"' ;;
     int4-decode-sweep)  # the int4 decode kernel's variants (int4_decode_kernel.py) at M = 1 and 8
-      python3 ci/gpu_quant_kernels.py --sweep-decode --ms "${QUANT_MS:-1,8}" 2>&1 \
+      python3 ci/gpu_quant_kernels.py --sweep-decode --ms "${QUANT_MS:-1,8}" ${QUANT_ARGS:-} 2>&1 \
         | tee -a "$OUT/int4-decode-sweep.jsonl" | grep -v '"kind": "decode"' ;;
     int4-layouts)  # the int4 decode kernel with row- against group-major scales and zeros
       python3 ci/gpu_quant_kernels.py --scale-layouts --ms "${QUANT_MS:-1,8}" 2>&1 | tee -a "$OUT/int4-layouts.jsonl" ;;
@@ -136,6 +136,8 @@ for what in "$@"; do
           fp8w-256) bench "llama-3.1-8b fp8 weights 256x128/128" --model "$l" --config /tmp/fp8w.yaml "${many[@]}" ;;
           bf16-1) bench "llama-3.1-8b bf16 1x128/128" --model "$l" "${one[@]}" ;;
           w4a16-1) bench "llama-3.1-8b w4a16 1x128/128" --model "$l" --config /tmp/w4a16.yaml "${one[@]}" ;;
+          w4a16-1-words) BENCH_PRELUDE="from tritonllm.engine.embedded.quant import kernels; kernels.INT4_GEMV_WORDS = True" \
+            bench "llama-3.1-8b w4a16, word GEMV, 1x128/128" --model "$l" --config /tmp/w4a16.yaml "${one[@]}" ;;
           fp8-1) bench "llama-3.1-8b fp8+fp8kv 1x128/128" --model "$l" --config /tmp/fp8.yaml "${one[@]}" ;;
         esac
       done ;;

@@ -44,14 +44,15 @@ def weight_only(bits: int, dtype: str, variant: Variant, group_size: int) -> Non
     print("compiled weight-only", bits, dtype, variant, group_size, flush=True)
 
 
-def int4_decode_kernel(dtype: str, split_k: int, use_asm: bool, use_dot: bool) -> None:
+def int4_decode_kernel(dtype: str, split_k: int, use_asm: bool, use_dot: bool, words: bool = False) -> None:
     pointers = {name: f"*{dtype}" for name in ("x", "scale", "bias", "out")}
-    pointers |= {"w": "*u8", "zero": "*u8", "workspace": "*fp32", "counters": "*i32"}
+    pointers |= {"w": "*i32" if words else "*u8", "zero": "*u8", "workspace": "*fp32", "counters": "*i32"}
     constexprs = dict(GROUP_SIZE=128, HAS_BIAS=True, SPLIT_K=split_k, USE_ASM=use_asm, FP16=dtype == "fp16")
-    constexprs |= dict(UPCAST=False, USE_DOT=use_dot, PREFETCH=not use_dot, INTERPRETED=False)
-    constexprs |= dict(BLOCK_M=16 if use_dot else 1, BLOCK_N=32, BLOCK_K=128)
+    constexprs |= dict(UPCAST=False, USE_DOT=use_dot, PREFETCH=not (use_dot or words), WORDS=words)
+    constexprs |= dict(INTERPRETED=False, BLOCK_M=16 if use_dot else 1, BLOCK_N=32, BLOCK_K=128)
     compile_for_sm90(int4_decode._int4_decode_kernel, pointers, constexprs, num_warps=4, num_stages=3)
-    print("compiled the int4 decode kernel", dtype, "split", split_k, "asm", use_asm, "dot", use_dot, flush=True)
+    shape = f"split {split_k} asm {use_asm} dot {use_dot} words {words}"
+    print("compiled the int4 decode kernel", dtype, shape, flush=True)
 
 
 def fp8_matmul() -> None:
@@ -98,12 +99,14 @@ if __name__ == "__main__":
         weight_only(*case)
     for static in (False, True):
         activation_quantizer(static)
-    for dtype, split_k, use_asm, use_dot in (
-        ("bf16", 1, True, True),
-        ("fp16", 4, True, False),
-        ("bf16", 2, False, True),
+    for dtype, split_k, use_asm, use_dot, words in (
+        ("bf16", 1, True, True, False),
+        ("fp16", 4, True, False, False),
+        ("bf16", 2, False, True, False),
+        ("bf16", 16, True, False, True),
+        ("fp16", 1, False, False, True),
     ):
-        int4_decode_kernel(dtype, split_k, use_asm, use_dot)
+        int4_decode_kernel(dtype, split_k, use_asm, use_dot, words)
     fp8_matmul()
     fp8_rows()
     deferred_scales_norm()

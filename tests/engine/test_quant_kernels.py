@@ -109,6 +109,8 @@ DECODE_WIDE = int4_decode.DecodeVariant(block_n=32, block_k=128, split_k=2)
 DECODE_GEMV = int4_decode.DecodeVariant(block_m=1, block_n=16, block_k=64, use_dot=False)
 DECODE_GEMV_SPLIT = int4_decode.DecodeVariant(block_m=4, block_n=16, block_k=32, split_k=3, use_dot=False)
 DECODE_PREFETCH = int4_decode.DecodeVariant(block_m=1, block_n=16, block_k=32, split_k=2, use_dot=False, prefetch=True)
+DECODE_WORDS = int4_decode.DecodeVariant(block_m=1, block_n=16, block_k=64, use_dot=False, words=True)
+DECODE_WORDS_SPLIT = int4_decode.DecodeVariant(block_m=1, block_n=16, block_k=32, split_k=3, use_dot=False, words=True)
 
 
 @pytest.mark.parametrize(
@@ -123,6 +125,8 @@ DECODE_PREFETCH = int4_decode.DecodeVariant(block_m=1, block_n=16, block_k=32, s
         (3, 48, 160, 32, DECODE_GEMV_SPLIT, True),  # rows past M in the row block
         (6, 24, 160, 32, DECODE_GEMV_SPLIT, False),  # two row blocks, split
         (1, 40, 160, 32, DECODE_PREFETCH, True),  # slices of 3 and 2 steps: the prefetch past a slice is masked
+        (1, 40, 128, 64, DECODE_WORDS, True),
+        (1, 24, 160, 32, DECODE_WORDS_SPLIT, False),
     ],
 )
 def test_int4_decode_kernel_equals_dequantize_then_matmul(m, n, k, group_size, variant, with_bias):
@@ -168,6 +172,74 @@ def test_int4_decode_kernel_needs_groups_its_steps_fit_in():
     with pytest.raises(ValueError, match="block_m must be a power of two >= 16"):
         int4_decode.DecodeVariant(block_m=4)
     assert int4_decode.DecodeVariant(block_m=1, use_dot=False).block_m == 1
+
+
+@cuda_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("use_asm", [True, False])
+def test_int4_word_gemv_on_cuda(dtype, use_asm):
+    """The one-row GEMV over int32 words: its PTX (four shifts, eight LOP3s a word) and the arithmetic path give
+    the product of the dequantized weight, split K launched again and again."""
+    qweight, scale, zero = random_int4(4096, 1024, 128, dtype=dtype)
+    x, bias = random_x(1, 1024, dtype), random_bias(4096, dtype)
+    expected = reference(x, dequantize_int4(qweight, scale, zero, 128), bias)
+    for block_n, block_k, split, warps in ((128, 128, 1, 1), (64, 64, 4, 2), (256, 128, 8, 4)):
+        variant = int4_decode.DecodeVariant(
+            block_m=1,
+            block_n=block_n,
+            block_k=block_k,
+            split_k=split,
+            num_warps=warps,
+            num_stages=1,
+            use_asm=use_asm,
+            use_dot=False,
+            words=True,
+        )
+        for _ in range(10):
+            got = int4_decode.int4_decode_matmul(x, qweight, scale, zero, bias, 128, variant)
+            assert got.dtype == dtype
+            torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_the_word_gemv_is_the_one_row_gemv(monkeypatch):
+    with pytest.raises(ValueError, match="words is the one-row GEMV"):
+        int4_decode.DecodeVariant(block_m=16, words=True)
+    monkeypatch.setattr(kernels, "INT4_GEMV_WORDS", True)
+    assert kernels.choose_decode_variant(1, 4096, 4096).words
+    assert not kernels.choose_decode_variant(2, 4096, 4096).words
+
+
+def run_word_asm(word: int) -> list[float]:
+    """The word GEMV's PTX (_WORD_ASM) run instruction by instruction on one 32-bit word: its eight outputs as fp32."""
+    import re
+    import struct
+
+    regs = {"$8": word}
+    for line in int4_decode._WORD_ASM.value.splitlines():
+        match = re.match(r"\s*(shl\.b32|shr\.u32|lop3\.b32)\s+([$\w]+),\s*(.+);", line)
+        if not match:
+            continue
+        op, dest, operands = match.group(1), match.group(2), [a.strip() for a in match.group(3).split(",")]
+        value = [regs[a] if a in regs else int(a, 0) for a in operands]
+        if op == "shl.b32":
+            regs[dest] = (value[0] << value[1]) & 0xFFFFFFFF
+        elif op == "shr.u32":
+            regs[dest] = value[0] >> value[1]
+        else:
+            assert value[3] == 0xEA  # (a & b) | c
+            regs[dest] = (value[0] & value[1]) | value[2]
+    return [struct.unpack("<f", struct.pack("<I", regs[f"${i}"]))[0] for i in range(8)]
+
+
+def test_the_word_gemvs_ptx_makes_the_values_of_its_arithmetic_path():
+    """The PTX runs on CUDA only: here its instructions are replayed on every nibble in every position and must
+    give what the interpreter's arithmetic (_word_value) gives: 128 + q, or 128 + q / 16 where _WORD_SIXTEENTHS."""
+    for q in range(16):
+        for position in range(8):
+            for others in (0, 0x77777777, 0xFFFFFFFF):
+                word = (others & ~(0xF << (4 * position))) | (q << (4 * position))
+                got = run_word_asm(word)[position]
+                assert got == 128 + (q / 16 if int4_decode._WORD_SIXTEENTHS[position] else q), (q, position, others)
 
 
 @cuda_only
@@ -323,7 +395,7 @@ def test_the_kernels_compile_for_sm90():
     script = Path(__file__).with_name("quant_sm90_compile.py")
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("compiled") == 12, done.stdout
+    assert done.stdout.count("compiled") == 14, done.stdout
 
 
 # ---- FP8 ----

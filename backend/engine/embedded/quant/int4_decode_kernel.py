@@ -45,6 +45,7 @@ class DecodeVariant:
     use_asm: bool = True  # CUDA only; the interpreter always takes the arithmetic path
     use_dot: bool = True  # False: the CUDA cores' multiply-and-sum, for one row or a few (block_m from 1)
     prefetch: bool = False  # load the next K step's weights before this one's arithmetic (tl.dot pipelines itself)
+    words: bool = False  # one row: the weights read as int32 words, each made into eight fp32 values (_word_values)
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -54,6 +55,8 @@ class DecodeVariant:
                 raise ValueError(f"DecodeVariant.{name} must be a power of two >= {least}, got {value}")
         if self.split_k < 1:
             raise ValueError(f"DecodeVariant.split_k must be >= 1, got {self.split_k}")
+        if self.words and (self.block_m != 1 or self.use_dot or self.prefetch):
+            raise ValueError("DecodeVariant.words is the one-row GEMV: block_m=1, use_dot=False, prefetch=False")
 
 
 def supports(x_dtype: torch.dtype, group_size: int, variant: DecodeVariant) -> bool:
@@ -121,6 +124,91 @@ def _magic_pairs(packed, USE_ASM: tl.constexpr, FP16: tl.constexpr, UPCAST: tl.c
         lo = ((packed & 0xF).to(tl.int16) | _BF16_MAGIC).to(tl.bfloat16, bitcast=True)
         hi = ((packed >> 4).to(tl.int16) | _BF16_MAGIC).to(tl.bfloat16, bitcast=True)
     return lo, hi
+
+
+# Each nibble of a word goes to mantissa bits 12-15 or 16-19 of an fp32 number whose exponent is 128's, so one
+# LOP3 makes it 128 + q / 16 or 128 + q (four shifts first move the nibbles there). Nibble i of word c is input
+# column 8c + i; _WORD_SIXTEENTHS says which nibbles come out divided by 16 (their x is multiplied by 16 instead).
+# Lower bits would leave too few of fp32's 24 for the sums (at bits 8-11, q / 256 against 128: 2^-9 relative).
+_WORD_ASM = tl.constexpr("""{
+    .reg .b32 a, b, c, d;
+    shl.b32 a, $8, 12;
+    shl.b32 b, $8, 8;
+    shr.u32 c, $8, 8;
+    shr.u32 d, $8, 12;
+    lop3.b32 $0, a, 0x0000F000, 0x43000000, 0xEA;
+    lop3.b32 $1, b, 0x0000F000, 0x43000000, 0xEA;
+    lop3.b32 $2, b, 0x000F0000, 0x43000000, 0xEA;
+    lop3.b32 $3, $8, 0x0000F000, 0x43000000, 0xEA;
+    lop3.b32 $4, $8, 0x000F0000, 0x43000000, 0xEA;
+    lop3.b32 $5, c, 0x0000F000, 0x43000000, 0xEA;
+    lop3.b32 $6, c, 0x000F0000, 0x43000000, 0xEA;
+    lop3.b32 $7, d, 0x000F0000, 0x43000000, 0xEA;
+    }""")
+_WORD_SIXTEENTHS = (True, True, False, True, False, True, False, False)
+
+
+@triton.jit
+def _word_value(words, i: tl.constexpr):
+    """Nibble i of each int32 word as fp32 128 + q (/ 16 where _WORD_SIXTEENTHS[i]), by arithmetic."""
+    q = ((words >> (4 * i)) & 0xF).to(tl.float32)
+    if i == 0 or i == 1 or i == 3 or i == 5:
+        q = q * 0.0625
+    return q + 128.0
+
+
+@triton.jit
+def _word_values(words, USE_ASM: tl.constexpr):
+    """int32 words -> the eight nibbles' fp32 values (_word_value), with ten PTX instructions on CUDA."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(
+            asm=_WORD_ASM,
+            constraints="=r,=r,=r,=r,=r,=r,=r,=r,r",
+            args=[words],
+            dtype=(tl.float32,) * 8,
+            is_pure=True,
+            pack=1,
+        )
+    return (
+        _word_value(words, 0),
+        _word_value(words, 1),
+        _word_value(words, 2),
+        _word_value(words, 3),
+        _word_value(words, 4),
+        _word_value(words, 5),
+        _word_value(words, 6),
+        _word_value(words, 7),
+    )
+
+
+@triton.jit
+def _words_step(w_rows, x, s_rows, z_rows, k0, K, col_ok, stride_sg, stride_zg, GROUP_SIZE, USE_ASM, BLOCK_K):
+    """One K step of one row x against int32 words: [BLOCK_N] fp32, zero point and scale applied. With v the
+    nibble values and x' = x (* 16 where v = 128 + q / 16): sum x' v = 128 sum x' + sum q x."""
+    WORDS: tl.constexpr = BLOCK_K // 8
+    word_ids = k0 // 8 + tl.arange(0, WORDS)
+    words = tl.load(w_rows + word_ids[None, :], mask=col_ok[:, None] & (word_ids < K // 8)[None, :], other=0)
+    v0, v1, v2, v3, v4, v5, v6, v7 = _word_values(words, USE_ASM)
+    ks = k0 + 8 * tl.arange(0, WORDS)
+    x0 = tl.load(x + ks, mask=ks < K, other=0.0).to(tl.float32) * 16.0
+    x1 = tl.load(x + ks + 1, mask=ks < K, other=0.0).to(tl.float32) * 16.0
+    x2 = tl.load(x + ks + 2, mask=ks < K, other=0.0).to(tl.float32)
+    x3 = tl.load(x + ks + 3, mask=ks < K, other=0.0).to(tl.float32) * 16.0
+    x4 = tl.load(x + ks + 4, mask=ks < K, other=0.0).to(tl.float32)
+    x5 = tl.load(x + ks + 5, mask=ks < K, other=0.0).to(tl.float32) * 16.0
+    x6 = tl.load(x + ks + 6, mask=ks < K, other=0.0).to(tl.float32)
+    x7 = tl.load(x + ks + 7, mask=ks < K, other=0.0).to(tl.float32)
+    prod = v0 * x0[None, :] + v1 * x1[None, :] + v2 * x2[None, :] + v3 * x3[None, :]
+    prod += v4 * x4[None, :] + v5 * x5[None, :] + v6 * x6[None, :] + v7 * x7[None, :]
+    part = tl.sum(prod, axis=1)
+    sixteenths = x0 + x1 + x3 + x5
+    others = x2 + x4 + x6 + x7
+    x_scaled_sum = 128.0 * tl.sum(sixteenths + others)
+    x_sum = tl.sum(sixteenths * 0.0625 + others)
+    group = k0 // GROUP_SIZE
+    s = tl.load(s_rows + group * stride_sg, mask=col_ok, other=0.0).to(tl.float32)
+    z = tl.load(z_rows + group * stride_zg, mask=col_ok, other=0).to(tl.float32)
+    return (part - x_scaled_sum - x_sum * z) * s
 
 
 @triton.jit
@@ -209,6 +297,7 @@ def _int4_decode_kernel(
     UPCAST: tl.constexpr,
     USE_DOT: tl.constexpr,
     PREFETCH: tl.constexpr,
+    WORDS: tl.constexpr,
     INTERPRETED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -228,26 +317,35 @@ def _int4_decode_kernel(
     z_rows = zero + cols.to(tl.int64) * stride_z
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     pairs = k_start // 2 + tl.arange(0, HALF)  # byte j holds columns 2j (low nibble) and 2j + 1 (high)
-    upcoming = tl.load(w_rows + pairs[None, :], mask=col_ok[:, None] & (pairs < k_end // 2)[None, :], other=0)
+    if PREFETCH:
+        upcoming = tl.load(w_rows + pairs[None, :], mask=col_ok[:, None] & (pairs < k_end // 2)[None, :], other=0)
     for k0 in range(k_start, k_end, BLOCK_K):
-        if PREFETCH:  # the next step's bytes are requested before this step's arithmetic: two tiles in flight
-            packed = upcoming
-            pairs += HALF
-            upcoming = tl.load(w_rows + pairs[None, :], mask=col_ok[:, None] & (pairs < k_end // 2)[None, :], other=0)
-        else:
-            step_pairs = k0 // 2 + tl.arange(0, HALF)
-            packed = tl.load(
-                w_rows + step_pairs[None, :], mask=col_ok[:, None] & (step_pairs < K // 2)[None, :], other=0
+        if WORDS:  # w is the int32 view, stride_w in words
+            step = _words_step(
+                w_rows, x, s_rows, z_rows, k0, K, col_ok, stride_sg, stride_zg, GROUP_SIZE, USE_ASM, BLOCK_K
             )
-        ks = k0 + tl.arange(0, BLOCK_K)
-        x_tile = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
-        x_even, x_odd = tl.split(tl.reshape(x_tile, (BLOCK_M, HALF, 2)))
-        part = _tile_product(packed, x_even, x_odd, USE_ASM, FP16, UPCAST, USE_DOT, BLOCK_M, BLOCK_N, HALF)
-        x_sum = tl.sum(x_even.to(tl.float32) + x_odd.to(tl.float32), axis=1)
-        group = k0 // GROUP_SIZE
-        s = tl.load(s_rows + group * stride_sg, mask=col_ok, other=0.0).to(tl.float32)
-        z = tl.load(z_rows + group * stride_zg, mask=col_ok, other=0).to(tl.float32) + _base(FP16)
-        acc += (part - x_sum[:, None] * z[None, :]) * s[None, :]
+            acc += step[None, :]
+        else:
+            if PREFETCH:  # the next step's bytes are requested before this step's arithmetic: two tiles in flight
+                packed = upcoming
+                pairs += HALF
+                upcoming = tl.load(
+                    w_rows + pairs[None, :], mask=col_ok[:, None] & (pairs < k_end // 2)[None, :], other=0
+                )
+            else:
+                step_pairs = k0 // 2 + tl.arange(0, HALF)
+                packed = tl.load(
+                    w_rows + step_pairs[None, :], mask=col_ok[:, None] & (step_pairs < K // 2)[None, :], other=0
+                )
+            ks = k0 + tl.arange(0, BLOCK_K)
+            x_tile = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
+            x_even, x_odd = tl.split(tl.reshape(x_tile, (BLOCK_M, HALF, 2)))
+            part = _tile_product(packed, x_even, x_odd, USE_ASM, FP16, UPCAST, USE_DOT, BLOCK_M, BLOCK_N, HALF)
+            x_sum = tl.sum(x_even.to(tl.float32) + x_odd.to(tl.float32), axis=1)
+            group = k0 // GROUP_SIZE
+            s = tl.load(s_rows + group * stride_sg, mask=col_ok, other=0.0).to(tl.float32)
+            z = tl.load(z_rows + group * stride_zg, mask=col_ok, other=0).to(tl.float32) + _base(FP16)
+            acc += (part - x_sum[:, None] * z[None, :]) * s[None, :]
     if HAS_BIAS:
         if tl.program_id(2) == 0:
             acc += tl.load(bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
@@ -299,10 +397,11 @@ def int4_decode_matmul(
     split_k = triton.cdiv(K, k_per_split)  # no empty slice
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     workspace, counters = _split_buffers(x.device, N) if split_k > 1 else (out, out)
+    weights = qweight.view(torch.int32) if variant.words else qweight  # K // 2 bytes a row: a multiple of 4
     grid = (triton.cdiv(N, variant.block_n), triton.cdiv(M, variant.block_m), split_k)
     _int4_decode_kernel[grid](
         x,
-        qweight,
+        weights,
         scale,
         zero,
         bias if bias is not None else scale,
@@ -314,7 +413,7 @@ def int4_decode_matmul(
         K,
         k_per_split,
         x.stride(0),
-        qweight.stride(0),
+        weights.stride(0),
         scale.stride(0),
         scale.stride(1),
         zero.stride(0),
@@ -323,11 +422,12 @@ def int4_decode_matmul(
         GROUP_SIZE=group_size,
         HAS_BIAS=bias is not None,
         SPLIT_K=split_k,
-        USE_ASM=variant.use_asm,
+        USE_ASM=variant.use_asm and x.device.type == "cuda",  # the interpreter knows no PTX
         FP16=x.dtype == torch.float16,
         UPCAST=x.device.type != "cuda" or x.dtype == torch.float32,
         USE_DOT=variant.use_dot,
         PREFETCH=variant.prefetch,
+        WORDS=variant.words,
         INTERPRETED=x.device.type != "cuda",
         BLOCK_M=variant.block_m,
         BLOCK_N=variant.block_n,

@@ -214,6 +214,10 @@ def choose_decode_variant(m: int, n: int, k: int) -> DecodeVariant:
     Llama-3.1-8B's four projections (2026-12-02, docs/gpu-runs.md). One row: the CUDA-core GEMV, one warp a
     program, 32 columns, K in 16 slices (69 us for the four against bf16's 116). More rows: 16-row tl.dot tiles,
     two warps, 64 columns and 8 slices, or 128 columns and 2 slices for the wide gate/up projection."""
+    if m == 1 and INT4_GEMV_WORDS:
+        return DecodeVariant(
+            block_m=1, block_n=128, block_k=128, split_k=16, num_warps=1, num_stages=1, use_dot=False, words=True
+        )
     if m == 1:
         return DecodeVariant(block_m=1, block_n=32, block_k=128, split_k=16, num_warps=1, num_stages=1, use_dot=False)
     if n >= 16384:
@@ -249,6 +253,10 @@ def _int4_decode_applies(x: torch.Tensor, group_size: int, variant: DecodeVarian
 
 
 INT4_DECODE_KERNEL = True  # False: int4 decode through weight_only_kernel's general kernel
+# One row through the GEMV over int32 words (half the SASS instructions a weight of the byte GEMV's in sm90
+# compiles). Off until an H200 run times it and checks its PTX: ci/gpu_session.sh's int4-decode-sweep with
+# QUANT_ARGS=--words, quant-tests, and bench-quant's w4a16-1-words.
+INT4_GEMV_WORDS = False
 
 
 # ---- inputs ---------------------------------------------------------------------------------------------------

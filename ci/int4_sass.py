@@ -1,0 +1,81 @@
+"""SASS instructions a weight of the int4 one-row GEMV's main loop, compiled for an H200 (sm90) on any machine:
+Triton's pipeline with its bundled ptxas and nvdisasm, arguments specialised as a Llama-3.1-8B qkv_proj call
+would be (pointers and multiples of 16 marked divisible by 16). No GPU is needed; a GPU run says what the counts
+are worth. Usage: env -u TRITON_INTERPRET .venv/bin/python ci/int4_sass.py [--shapes 128x128x1 32x128x1 ...]"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import re
+
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource, compile
+
+from tritonllm.engine.embedded.quant import int4_decode_kernel as int4_decode
+
+TARGET = GPUTarget("cuda", 90, 32)
+N, K, GROUP = 6144, 4096, 128  # qkv_proj's N x K, the W4A16 group
+
+
+def sass(words: bool, block_n: int, block_k: int, warps: int, split: int) -> str:
+    kernel = int4_decode._int4_decode_kernel
+    pointers = {name: "*bf16" for name in ("x", "scale", "bias", "out")}
+    pointers |= {"w": "*i32" if words else "*u8", "zero": "*u8", "workspace": "*fp32", "counters": "*i32"}
+    constexprs = dict(GROUP_SIZE=GROUP, HAS_BIAS=False, SPLIT_K=split, USE_ASM=True, FP16=False, UPCAST=False)
+    constexprs |= dict(USE_DOT=False, PREFETCH=False, WORDS=words, INTERPRETED=False, BLOCK_M=1)
+    constexprs |= dict(BLOCK_N=block_n, BLOCK_K=block_k)
+    values = dict(N=N, K=K, k_per_split=K // split, stride_xm=K, stride_w=K // (8 if words else 2))
+    values |= dict(stride_s=K // GROUP, stride_sg=1, stride_z=K // GROUP, stride_zg=1, stride_om=N)
+    names = kernel.arg_names
+    signature = {n: pointers.get(n, "constexpr" if n in constexprs else "i32") for n in names}
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, n in enumerate(names)
+        if n not in constexprs and (n in pointers or values.get(n, 1) % 16 == 0)
+    }
+    fixed = {(names.index(n),): value for n, value in constexprs.items()}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=fixed, attrs=attrs)
+    return compile(source, target=TARGET, options=dict(num_warps=warps, num_stages=1)).asm["sass"]
+
+
+def loop_opcodes(text: str) -> collections.Counter:
+    """Opcodes of the longest backward branch's body: the K loop."""
+    lines, labels, body = text.splitlines(), {}, (0, 0)
+    for index, line in enumerate(lines):
+        if match := re.match(r"^\.?(LBB\w+):", line.strip()):
+            labels[match.group(1)] = index
+        if (match := re.search(r"BRA `?\(?\.?(LBB\w+)", line)) and labels.get(match.group(1), index) < index:
+            if index - labels[match.group(1)] > body[1] - body[0]:
+                body = (labels[match.group(1)], index)
+    counts: collections.Counter = collections.Counter()
+    for line in lines[body[0] : body[1] + 1]:
+        fields = line.split("\t")
+        if len(fields) >= 2 and fields[1].strip():
+            tokens = fields[1].split()
+            counts[(tokens[1] if tokens[0].startswith("@") else tokens[0]).split(".")[0]] += 1
+    return counts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument(
+        "--shapes",
+        nargs="*",
+        default=["32x128x1", "64x128x1", "128x128x1", "256x128x2"],
+        help="BLOCK_NxBLOCK_KxWARPS program shapes, each compiled as bytes and as words",
+    )
+    parser.add_argument("--split", type=int, default=16, help="split K")
+    args = parser.parse_args()
+    for shape in args.shapes:
+        block_n, block_k, warps = (int(part) for part in shape.split("x"))
+        for words in (False, True):
+            counts = loop_opcodes(sass(words, block_n, block_k, warps, args.split))
+            per_thread = block_n * block_k / (32 * warps)  # weights a thread handles in one K step
+            top = ", ".join(f"{op} {n / per_thread:.2f}" for op, n in counts.most_common(6))
+            kind = "words" if words else "bytes"
+            print(f"{shape} {kind}: {sum(counts.values()) / per_thread:.2f} instructions a weight ({top})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
