@@ -201,6 +201,18 @@ def test_int4_word_gemv_on_cuda(dtype, use_asm):
             torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
 
 
+def test_the_word_gemv_reads_bytes_that_do_not_start_on_a_word():
+    """Packed bytes one byte into their storage cannot be viewed as int32: the byte GEMV takes the call."""
+    qweight, scale, zero = random_int4(24, 128, 64)
+    shifted = torch.empty(qweight.numel() + 1, dtype=torch.uint8)[1:].view(qweight.shape)
+    shifted.copy_(qweight)
+    assert not int4_decode._int32_viewable(shifted) and int4_decode._int32_viewable(qweight)
+    x = random_x(1, 128)
+    got = int4_decode.int4_decode_matmul(x, shifted, scale, zero, None, 64, DECODE_WORDS)
+    expected = reference(x, dequantize_int4(qweight, scale, zero, 64), None)
+    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
 def test_the_word_gemv_is_the_one_row_gemv(monkeypatch):
     with pytest.raises(ValueError, match="words is the one-row GEMV"):
         int4_decode.DecodeVariant(block_m=16, words=True)

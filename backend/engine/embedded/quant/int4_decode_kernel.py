@@ -21,7 +21,7 @@ zeroed buffer and a cast after would be two more launches, as long at decode as 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -374,6 +374,12 @@ def _int4_decode_kernel(
             tl.store(counters + tile, 0)
 
 
+def _int32_viewable(qweight: torch.Tensor) -> bool:
+    """The packed bytes can be read as int32 words: rows of whole words, starting on a word."""
+    rows_whole = qweight.shape[-1] % 4 == 0 and qweight.stride(0) % 4 == 0 and qweight.stride(-1) == 1
+    return rows_whole and qweight.storage_offset() % 4 == 0
+
+
 def int4_decode_matmul(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -387,6 +393,8 @@ def int4_decode_matmul(
     -> [M, N] in x's dtype; scale and zero [N, groups] row- or group-major. Shapes are checked by the caller
     (kernels.py); supports() must hold."""
     M, K = x.shape
+    if variant.words and not _int32_viewable(qweight):
+        variant = replace(variant, words=False)  # rows not whole words: the byte GEMV reads them
     N = qweight.shape[0]
     if M == 0:
         return torch.empty((0, N), dtype=x.dtype, device=x.device)
