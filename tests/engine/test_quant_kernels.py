@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tritonllm.engine.embedded.quant import fp8_kernel, kernels
+from tritonllm.engine.embedded.quant import fp8_kernel, int4_words, kernels
 from tritonllm.engine.embedded.quant import fp8_matmul_kernel as fp8_mm
 from tritonllm.engine.embedded.quant import int4_decode_kernel as int4_decode
 from tritonllm.engine.embedded.quant import weight_only_kernel as wo
@@ -206,7 +206,7 @@ def test_the_word_gemv_reads_bytes_that_do_not_start_on_a_word():
     qweight, scale, zero = random_int4(24, 128, 64)
     shifted = torch.empty(qweight.numel() + 1, dtype=torch.uint8)[1:].view(qweight.shape)
     shifted.copy_(qweight)
-    assert not int4_decode._int32_viewable(shifted) and int4_decode._int32_viewable(qweight)
+    assert not int4_words.int32_viewable(shifted) and int4_words.int32_viewable(qweight)
     x = random_x(1, 128)
     got = int4_decode.int4_decode_matmul(x, shifted, scale, zero, None, 64, DECODE_WORDS)
     expected = reference(x, dequantize_int4(qweight, scale, zero, 64), None)
@@ -227,7 +227,7 @@ def run_word_asm(word: int) -> list[float]:
     import struct
 
     regs = {"$8": word}
-    for line in int4_decode._WORD_ASM.value.splitlines():
+    for line in int4_words._WORD_ASM.value.splitlines():
         match = re.match(r"\s*(shl\.b32|shr\.u32|lop3\.b32)\s+([$\w]+),\s*(.+);", line)
         if not match:
             continue
@@ -251,7 +251,7 @@ def test_the_word_gemvs_ptx_makes_the_values_of_its_arithmetic_path():
             for others in (0, 0x77777777, 0xFFFFFFFF):
                 word = (others & ~(0xF << (4 * position))) | (q << (4 * position))
                 got = run_word_asm(word)[position]
-                assert got == 128 + (q / 16 if int4_decode._WORD_SIXTEENTHS[position] else q), (q, position, others)
+                assert got == 128 + (q / 16 if int4_words._WORD_SIXTEENTHS[position] else q), (q, position, others)
 
 
 @cuda_only

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .int4_words import int32_viewable, words_step
+
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # fp32: exact fp32 products instead of the magic
 # 128 (bf16) and 1024 (fp16): the powers of two whose mantissa steps are 1, so MAGIC + q is exact for q < 16
 _BF16_MAGIC, _FP16_MAGIC = tl.constexpr(0x4300), tl.constexpr(0x6400)
@@ -124,91 +126,6 @@ def _magic_pairs(packed, USE_ASM: tl.constexpr, FP16: tl.constexpr, UPCAST: tl.c
         lo = ((packed & 0xF).to(tl.int16) | _BF16_MAGIC).to(tl.bfloat16, bitcast=True)
         hi = ((packed >> 4).to(tl.int16) | _BF16_MAGIC).to(tl.bfloat16, bitcast=True)
     return lo, hi
-
-
-# Each nibble of a word goes to mantissa bits 12-15 or 16-19 of an fp32 number whose exponent is 128's, so one
-# LOP3 makes it 128 + q / 16 or 128 + q (four shifts first move the nibbles there). Nibble i of word c is input
-# column 8c + i; _WORD_SIXTEENTHS says which nibbles come out divided by 16 (their x is multiplied by 16 instead).
-# Lower bits would leave too few of fp32's 24 for the sums (at bits 8-11, q / 256 against 128: 2^-9 relative).
-_WORD_ASM = tl.constexpr("""{
-    .reg .b32 a, b, c, d;
-    shl.b32 a, $8, 12;
-    shl.b32 b, $8, 8;
-    shr.u32 c, $8, 8;
-    shr.u32 d, $8, 12;
-    lop3.b32 $0, a, 0x0000F000, 0x43000000, 0xEA;
-    lop3.b32 $1, b, 0x0000F000, 0x43000000, 0xEA;
-    lop3.b32 $2, b, 0x000F0000, 0x43000000, 0xEA;
-    lop3.b32 $3, $8, 0x0000F000, 0x43000000, 0xEA;
-    lop3.b32 $4, $8, 0x000F0000, 0x43000000, 0xEA;
-    lop3.b32 $5, c, 0x0000F000, 0x43000000, 0xEA;
-    lop3.b32 $6, c, 0x000F0000, 0x43000000, 0xEA;
-    lop3.b32 $7, d, 0x000F0000, 0x43000000, 0xEA;
-    }""")
-_WORD_SIXTEENTHS = (True, True, False, True, False, True, False, False)
-
-
-@triton.jit
-def _word_value(words, i: tl.constexpr):
-    """Nibble i of each int32 word as fp32 128 + q (/ 16 where _WORD_SIXTEENTHS[i]), by arithmetic."""
-    q = ((words >> (4 * i)) & 0xF).to(tl.float32)
-    if i == 0 or i == 1 or i == 3 or i == 5:
-        q = q * 0.0625
-    return q + 128.0
-
-
-@triton.jit
-def _word_values(words, USE_ASM: tl.constexpr):
-    """int32 words -> the eight nibbles' fp32 values (_word_value), with ten PTX instructions on CUDA."""
-    if USE_ASM:
-        return tl.inline_asm_elementwise(
-            asm=_WORD_ASM,
-            constraints="=r,=r,=r,=r,=r,=r,=r,=r,r",
-            args=[words],
-            dtype=(tl.float32,) * 8,
-            is_pure=True,
-            pack=1,
-        )
-    return (
-        _word_value(words, 0),
-        _word_value(words, 1),
-        _word_value(words, 2),
-        _word_value(words, 3),
-        _word_value(words, 4),
-        _word_value(words, 5),
-        _word_value(words, 6),
-        _word_value(words, 7),
-    )
-
-
-@triton.jit
-def _words_step(w_rows, x, s_rows, z_rows, k0, K, col_ok, stride_sg, stride_zg, GROUP_SIZE, USE_ASM, BLOCK_K):
-    """One K step of one row x against int32 words: [BLOCK_N] fp32, zero point and scale applied. With v the
-    nibble values and x' = x (* 16 where v = 128 + q / 16): sum x' v = 128 sum x' + sum q x."""
-    WORDS: tl.constexpr = BLOCK_K // 8
-    word_ids = k0 // 8 + tl.arange(0, WORDS)
-    words = tl.load(w_rows + word_ids[None, :], mask=col_ok[:, None] & (word_ids < K // 8)[None, :], other=0)
-    v0, v1, v2, v3, v4, v5, v6, v7 = _word_values(words, USE_ASM)
-    ks = k0 + 8 * tl.arange(0, WORDS)
-    x0 = tl.load(x + ks, mask=ks < K, other=0.0).to(tl.float32) * 16.0
-    x1 = tl.load(x + ks + 1, mask=ks < K, other=0.0).to(tl.float32) * 16.0
-    x2 = tl.load(x + ks + 2, mask=ks < K, other=0.0).to(tl.float32)
-    x3 = tl.load(x + ks + 3, mask=ks < K, other=0.0).to(tl.float32) * 16.0
-    x4 = tl.load(x + ks + 4, mask=ks < K, other=0.0).to(tl.float32)
-    x5 = tl.load(x + ks + 5, mask=ks < K, other=0.0).to(tl.float32) * 16.0
-    x6 = tl.load(x + ks + 6, mask=ks < K, other=0.0).to(tl.float32)
-    x7 = tl.load(x + ks + 7, mask=ks < K, other=0.0).to(tl.float32)
-    prod = v0 * x0[None, :] + v1 * x1[None, :] + v2 * x2[None, :] + v3 * x3[None, :]
-    prod += v4 * x4[None, :] + v5 * x5[None, :] + v6 * x6[None, :] + v7 * x7[None, :]
-    part = tl.sum(prod, axis=1)
-    sixteenths = x0 + x1 + x3 + x5
-    others = x2 + x4 + x6 + x7
-    x_scaled_sum = 128.0 * tl.sum(sixteenths + others)
-    x_sum = tl.sum(sixteenths * 0.0625 + others)
-    group = k0 // GROUP_SIZE
-    s = tl.load(s_rows + group * stride_sg, mask=col_ok, other=0.0).to(tl.float32)
-    z = tl.load(z_rows + group * stride_zg, mask=col_ok, other=0).to(tl.float32)
-    return (part - x_scaled_sum - x_sum * z) * s
 
 
 @triton.jit
@@ -321,7 +238,7 @@ def _int4_decode_kernel(
         upcoming = tl.load(w_rows + pairs[None, :], mask=col_ok[:, None] & (pairs < k_end // 2)[None, :], other=0)
     for k0 in range(k_start, k_end, BLOCK_K):
         if WORDS:  # w is the int32 view, stride_w in words
-            step = _words_step(
+            step = words_step(
                 w_rows, x, s_rows, z_rows, k0, K, col_ok, stride_sg, stride_zg, GROUP_SIZE, USE_ASM, BLOCK_K
             )
             acc += step[None, :]
@@ -374,12 +291,6 @@ def _int4_decode_kernel(
             tl.store(counters + tile, 0)
 
 
-def _int32_viewable(qweight: torch.Tensor) -> bool:
-    """The packed bytes can be read as int32 words: rows of whole words, starting on a word."""
-    rows_whole = qweight.shape[-1] % 4 == 0 and qweight.stride(0) % 4 == 0 and qweight.stride(-1) == 1
-    return rows_whole and qweight.storage_offset() % 4 == 0
-
-
 def int4_decode_matmul(
     x: torch.Tensor,
     qweight: torch.Tensor,
@@ -393,7 +304,7 @@ def int4_decode_matmul(
     -> [M, N] in x's dtype; scale and zero [N, groups] row- or group-major. Shapes are checked by the caller
     (kernels.py); supports() must hold."""
     M, K = x.shape
-    if variant.words and not _int32_viewable(qweight):
+    if variant.words and not int32_viewable(qweight):
         variant = replace(variant, words=False)  # rows not whole words: the byte GEMV reads them
     N = qweight.shape[0]
     if M == 0:

@@ -1,0 +1,102 @@
+"""The one-row int4 GEMV's K step over int32 words (int4_decode_kernel.py's DecodeVariant.words).
+
+The byte GEMV hands bytes to its PTX four at a time and sums K across threads: in sm90 SASS its K loop spends 8.1
+instructions a weight (ci/int4_sass.py), which bounds it near 1.6-1.9 TB/s on an H200. Here each int32 word of
+packed weights becomes its eight nibbles' fp32 values in ten instructions, and each thread sums whole words along
+K: 3.8-4.5 instructions a weight in the same compiles."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+# Each nibble of a word goes to mantissa bits 12-15 or 16-19 of an fp32 number whose exponent is 128's, so one
+# LOP3 makes it 128 + q / 16 or 128 + q (four shifts first move the nibbles there). Nibble i of word c is input
+# column 8c + i; _WORD_SIXTEENTHS says which nibbles come out divided by 16 (their x is multiplied by 16 instead).
+# Lower bits would leave too few of fp32's 24 for the sums (at bits 8-11, q / 256 against 128: 2^-9 relative).
+_WORD_ASM = tl.constexpr("""{
+    .reg .b32 a, b, c, d;
+    shl.b32 a, $8, 12;
+    shl.b32 b, $8, 8;
+    shr.u32 c, $8, 8;
+    shr.u32 d, $8, 12;
+    lop3.b32 $0, a, 0x0000F000, 0x43000000, 0xEA;
+    lop3.b32 $1, b, 0x0000F000, 0x43000000, 0xEA;
+    lop3.b32 $2, b, 0x000F0000, 0x43000000, 0xEA;
+    lop3.b32 $3, $8, 0x0000F000, 0x43000000, 0xEA;
+    lop3.b32 $4, $8, 0x000F0000, 0x43000000, 0xEA;
+    lop3.b32 $5, c, 0x0000F000, 0x43000000, 0xEA;
+    lop3.b32 $6, c, 0x000F0000, 0x43000000, 0xEA;
+    lop3.b32 $7, d, 0x000F0000, 0x43000000, 0xEA;
+    }""")
+_WORD_SIXTEENTHS = (True, True, False, True, False, True, False, False)
+
+
+@triton.jit
+def _word_value(words, i: tl.constexpr):
+    """Nibble i of each int32 word as fp32 128 + q (/ 16 where _WORD_SIXTEENTHS[i]), by arithmetic."""
+    q = ((words >> (4 * i)) & 0xF).to(tl.float32)
+    if i == 0 or i == 1 or i == 3 or i == 5:
+        q = q * 0.0625
+    return q + 128.0
+
+
+@triton.jit
+def _word_values(words, USE_ASM: tl.constexpr):
+    """int32 words -> the eight nibbles' fp32 values (_word_value), with ten PTX instructions on CUDA."""
+    if USE_ASM:
+        return tl.inline_asm_elementwise(
+            asm=_WORD_ASM,
+            constraints="=r,=r,=r,=r,=r,=r,=r,=r,r",
+            args=[words],
+            dtype=(tl.float32,) * 8,
+            is_pure=True,
+            pack=1,
+        )
+    return (
+        _word_value(words, 0),
+        _word_value(words, 1),
+        _word_value(words, 2),
+        _word_value(words, 3),
+        _word_value(words, 4),
+        _word_value(words, 5),
+        _word_value(words, 6),
+        _word_value(words, 7),
+    )
+
+
+@triton.jit
+def words_step(w_rows, x, s_rows, z_rows, k0, K, col_ok, stride_sg, stride_zg, GROUP_SIZE, USE_ASM, BLOCK_K):
+    """One K step of one row x against int32 words: [BLOCK_N] fp32, zero point and scale applied. With v the
+    nibble values and x' = x (* 16 where v = 128 + q / 16): sum x' v = 128 sum x' + sum q x."""
+    WORDS: tl.constexpr = BLOCK_K // 8
+    word_ids = k0 // 8 + tl.arange(0, WORDS)
+    words = tl.load(w_rows + word_ids[None, :], mask=col_ok[:, None] & (word_ids < K // 8)[None, :], other=0)
+    v0, v1, v2, v3, v4, v5, v6, v7 = _word_values(words, USE_ASM)
+    ks = k0 + 8 * tl.arange(0, WORDS)
+    x0 = tl.load(x + ks, mask=ks < K, other=0.0).to(tl.float32) * 16.0
+    x1 = tl.load(x + ks + 1, mask=ks < K, other=0.0).to(tl.float32) * 16.0
+    x2 = tl.load(x + ks + 2, mask=ks < K, other=0.0).to(tl.float32)
+    x3 = tl.load(x + ks + 3, mask=ks < K, other=0.0).to(tl.float32) * 16.0
+    x4 = tl.load(x + ks + 4, mask=ks < K, other=0.0).to(tl.float32)
+    x5 = tl.load(x + ks + 5, mask=ks < K, other=0.0).to(tl.float32) * 16.0
+    x6 = tl.load(x + ks + 6, mask=ks < K, other=0.0).to(tl.float32)
+    x7 = tl.load(x + ks + 7, mask=ks < K, other=0.0).to(tl.float32)
+    prod = v0 * x0[None, :] + v1 * x1[None, :] + v2 * x2[None, :] + v3 * x3[None, :]
+    prod += v4 * x4[None, :] + v5 * x5[None, :] + v6 * x6[None, :] + v7 * x7[None, :]
+    part = tl.sum(prod, axis=1)
+    sixteenths = x0 + x1 + x3 + x5
+    others = x2 + x4 + x6 + x7
+    x_scaled_sum = 128.0 * tl.sum(sixteenths + others)
+    x_sum = tl.sum(sixteenths * 0.0625 + others)
+    group = k0 // GROUP_SIZE
+    s = tl.load(s_rows + group * stride_sg, mask=col_ok, other=0.0).to(tl.float32)
+    z = tl.load(z_rows + group * stride_zg, mask=col_ok, other=0).to(tl.float32)
+    return (part - x_scaled_sum - x_sum * z) * s
+
+
+def int32_viewable(qweight: torch.Tensor) -> bool:
+    """The packed bytes can be read as int32 words: rows of whole words, starting on a word."""
+    rows_whole = qweight.shape[-1] % 4 == 0 and qweight.stride(0) % 4 == 0 and qweight.stride(-1) == 1
+    return rows_whole and qweight.storage_offset() % 4 == 0
