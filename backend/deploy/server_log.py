@@ -135,7 +135,9 @@ class StartFailure:
 
 
 def start_failure_causes(lines: Iterable[str]) -> list[StartFailure]:
-    """Why a tritonserver start failed, one entry per failed model (or per server error when no model failed)."""
+    """Why a tritonserver start failed, one entry per failed model (or per server error when no model failed, or
+    the output's last lines when it said no error)."""
+    lines = list(lines)
     records = [record for record in map(parse_record, lines) if record is not None]
     causes: dict[str, StartFailure] = {}  # in the order the models failed
     ours: set[str] = set()
@@ -150,7 +152,18 @@ def start_failure_causes(lines: Iterable[str]) -> list[StartFailure]:
     if causes:
         return list(causes.values())
     errors = [r.message for r in records if r.level == "E" and not is_gpu_noise(r.message)]
-    return [StartFailure("", message) for message in errors[-3:]]
+    # tritonserver's own fatal errors ("error: creating server: ...") are bare lines, not records.
+    errors += [line.strip() for line in lines if line.startswith("error: ")]
+    if errors:
+        return [StartFailure("", message) for message in errors[-3:]]
+    return [StartFailure("", "no error in its output; its last lines:\n" + "\n".join(last_lines(lines)))]
+
+
+def last_lines(lines: list[str], count: int = 8) -> list[str]:
+    """The last lines of the output that are neither start-up tables nor GPU noise: what a reader needs when the
+    server said no error before it exited."""
+    kept = [line for line in lines if line.strip() and line[:1] not in "+|" and not is_gpu_noise(line)]
+    return [f"    {line}" for line in kept[-count:]] or ["    (none)"]
 
 
 def _structured_failure(record: LogRecord) -> Optional[StartFailure]:

@@ -123,6 +123,23 @@ def test_without_a_failed_model_the_last_errors_are_the_cause():
     assert cause.model == "" and "address in use" in cause.message
 
 
+def test_tritons_bare_fatal_line_is_a_cause():
+    fatal = "error: creating server: Internal - failed to stat file /repo/tensorrt_llm/1"
+    (cause,) = start_failure_causes(NOISE + [BRIDGED, TABLE, fatal])
+    assert cause.message == fatal
+
+
+def test_without_any_error_the_last_plain_lines_are_shown():
+    lines = NOISE + ['I1201 20:05:01.1 29877 server.cc:1] "line %d"' % i for i in range(12)] + [TABLE, "+---+"]
+    (cause,) = start_failure_causes(lines)
+    assert "said no error" not in cause.message and "no error in its output" in cause.message
+    shown = cause.message.splitlines()[1:]
+    assert len(shown) == 8 and shown[-1].endswith('"line 11"') and shown[0].endswith('"line 4"')
+    assert not any("NVML" in line or TABLE in line for line in shown)
+    text = describe_start_failure(1, [cause])
+    assert text.startswith("tritonserver exited with code 1 while starting:\n") and '"line 11"' in text
+
+
 def test_the_pump_writes_everything_to_the_file_and_filters_the_console(capsys, tmp_path):
     text = "\n".join([*NOISE, BRIDGED, TABLE]) + "\n"
     log = open(tmp_path / "server.log", "ab")
