@@ -201,27 +201,20 @@ def test_a_stage_holds_its_layers_and_only_the_ends_it_needs(llama3, qwen2, stag
 def test_a_ranks_kv_cache_is_sized_by_its_own_layers_and_heads(monkeypatch):
     """Without max_tokens a rank's token budget counts the bytes of its stage's layers and its KV heads; the ranks of
     a CPU run share the host's memory."""
-    from types import SimpleNamespace
-
     from tritonllm.engine.config import EngineConfig
     from tritonllm.engine.embedded import device as device_module
-    from tritonllm.engine.embedded.engine_core import EngineCore
+    from tritonllm.engine.embedded.assembly import Placement, Target, rank_kv_blocks
 
     from .test_tensor_parallel import model_config
 
     monkeypatch.setattr(device_module, "available_memory_bytes", lambda _device: 2**30)
     full = model_config(num_hidden_layers=4)  # 2 KV heads of 8, fp32: 4 * 2 * 2 * 8 * 4 = 512 bytes a token
     settings = {"model": "m", "max_batch_size": 10**6, "kv_cache_config": {"tokens_per_block": 4}}
+    placement = Placement(torch.device("cpu"), "VANILLA", torch.float32, torch.float32)
 
     def blocks(layers: range, kv_heads: int, **sizes) -> int:
-        core = SimpleNamespace(
-            config=EngineConfig.from_dict({**settings, **sizes}),
-            model_config=full,
-            kv_dtype=torch.float32,
-            device=torch.device("cpu"),
-            max_seq_len=128,
-        )
-        return EngineCore._rank_kv_blocks(core, layers, kv_heads)  # type: ignore[arg-type]
+        target = Target(None, full, 128, (None,) * 4, layers, 8, kv_heads)  # type: ignore[arg-type]
+        return rank_kv_blocks(EngineConfig.from_dict({**settings, **sizes}), placement, target)
 
     whole = int(2**30 * 0.9) // 512 // 4  # the default fraction 0.9 of the memory, in blocks of 4 tokens
     assert blocks(range(4), 2, tensor_parallel_size=1, pipeline_parallel_size=1) == whole

@@ -14,27 +14,15 @@ import torch
 from ..config import EngineConfig
 from ..seam import EngineStats
 from ..types import CompletionOutput, InvalidRequestError, RequestOutput, SamplingParams, require_guided_backend
-from .attention import resolve_backend
-from .attention.triton_backend import TritonAttention
-from .attention.windows import describe as describe_windows
-from .attention.windows import layer_windows
+from .assembly import attention_kernels, build_runner, kv_block_count, load_target, lora_runtime, place
 from .beam_requests import BeamRequests, beam_snapshot
 from .beam_search import BeamSearch
 from .block_manager import BlockManager, blocks_for
-from .cuda_graphs import DecodeGraphs, graphs_supported
-from .device import (
-    avoid_cudnn_attention,
-    kv_cache_token_budget,
-    resolve_device,
-    resolve_dtype,
-    resolve_kv_cache_dtype,
-)
+from .cuda_graphs import graphs_supported
+from .device import resolve_device
 from .guided import build_guided_decoder
-from .loader import load_model, read_model_config
-from .memory_profile import activation_bytes
-from .model_runner import ModelRunner, StepOutput
+from .model_runner import StepOutput
 from .network.layers import use_fused_kernels
-from .network.rope import uses_long_factors
 from .quant.fusion import defer_fp8_scales, hand_fp8_rows
 from .request import EngineRequest
 from .sampler import SampledTokens, sample, sample_on_device
@@ -46,7 +34,7 @@ from .stop_rules import matched_stop
 
 if TYPE_CHECKING:
     from tritonllm.lora.cache import CachedAdapter
-    from tritonllm.lora.runtime import AdapterRef, LoraRuntime
+    from tritonllm.lora.runtime import AdapterRef
 
 log = logging.getLogger("tritonllm.engine")
 STEP_RANGE_PREFIX = "step "
@@ -65,41 +53,21 @@ class EngineCore:
             self.parallel = Parallel.start(config, resolve_device(config.device))
             config = Parallel.adjusted(config)
         self.config = config
-        self.device = resolve_device(config.device) if self.parallel is None else self.parallel.device
-        avoid_cudnn_attention(self.device)
-        self.attn_backend = resolve_backend(config.attn_backend, self.device)
-        self.dtype = resolve_dtype(config.dtype, read_model_config(config.model).torch_dtype, self.device)
-        self.kv_dtype = resolve_kv_cache_dtype(config, self.dtype, self.device, self.attn_backend)
-        if self.parallel is None:
-            self.model, self.model_config = load_model(
-                config.model, self.dtype, self.device, config.load_format, config.quant_config
-            )
-        else:  # this rank's shard; model_config stays the whole model's
-            self.model, self.model_config = self.parallel.load(config.model, self.dtype, config.load_format)
-        self.max_seq_len = self._max_seq_len()
-        self._fix_rope_context()
-        self.attention_windows = self._attention_windows()
-        mc = self.model_config
-        layers = range(mc.num_layers) if self.parallel is None else self.parallel.local_layers(mc.num_layers)
-        self.model.set_attention_windows(self.attention_windows[layers.start : layers.stop])
+        placement = place(config, self.parallel)
+        self.device, self.attn_backend = placement.device, placement.attn_backend
+        self.dtype, self.kv_dtype = placement.dtype, placement.kv_dtype
+        target = load_target(config, self.parallel, placement)
+        self.model, self.model_config = target.model, target.config
+        self.max_seq_len, self.attention_windows = target.max_seq_len, target.attention_windows
         block_size = config.kv_cache_config.tokens_per_block
-        num_heads, num_kv_heads = (
-            (mc.num_heads, mc.num_kv_heads) if self.parallel is None else self.parallel.local_heads()
-        )
-        kernels = None
-        if self.attn_backend == "TRITON":
-            kernels = TritonAttention(num_heads, num_kv_heads, block_size, self.device)
+        kernels = attention_kernels(placement, target, block_size)
         if fused_kernels_wanted(self.attn_backend, self.device):
             use_fused_kernels(self.model)
             hand_fp8_rows(self.model, self.device)
         graph_settings = config.cuda_graph_settings() if graphs_supported(self.device) else None
-        if self.parallel is None:
-            num_blocks = self._num_kv_blocks(kernels, graph_settings is not None)
-        else:
-            num_blocks = self.parallel.agree_num_blocks(self._rank_kv_blocks(layers, num_kv_heads))
+        num_blocks = kv_block_count(config, self.parallel, placement, target, kernels, graph_settings is not None)
         self.block_manager = BlockManager(num_blocks, block_size, config.kv_cache_config.enable_block_reuse)
-        lora_sharding = None if self.parallel is None else self.parallel.lora_sharding(self.model_config)
-        self.lora = _lora_runtime(config, self.model_config, self.dtype, self.device, lora_sharding)
+        self.lora = lora_runtime(config, self.parallel, placement, self.model_config)
         self.scheduler = Scheduler(
             self.block_manager,
             config.max_batch_size,
@@ -108,49 +76,11 @@ class EngineCore:
             guaranteed_no_evict=config.scheduler_config.capacity_scheduler_policy == "GUARANTEED_NO_EVICT",
             max_loras=self.lora.settings.max_loras if self.lora else None,
         )
-        # With graphs, one block more than the block manager hands out: padding rows write their K/V there.
-        runner_class = ModelRunner if self.parallel is None else self.parallel.runner_class()
-        self.runner = runner_class(
-            self.model,
-            len(layers),
-            num_kv_heads,
-            mc.head_dim,
-            num_blocks + (graph_settings is not None),
-            block_size,
-            self.dtype,
-            self.device,
-            cache_dtype=self.kv_dtype,
-        )
-        self.runner.kernels = kernels
-        if self.parallel is not None:
-            self.runner.group = self.parallel.group
-        if graph_settings is not None:
-            self.runner.graphs = DecodeGraphs(
-                self.model,
-                self.runner.kv_caches,
-                graph_settings,
-                block_size,
-                blocks_for(self.max_seq_len, block_size),
-                scratch_block=num_blocks,
-                device=self.device,
-                kernels=kernels,
-                dtype=self.dtype,
-            )
-            log.info(
-                "CUDA graphs for decode and verification steps of batch sizes %s%s (each captured on first use)",
-                ", ".join(map(str, graph_settings.batch_sizes)),
-                ", smaller batches padded up" if graph_settings.enable_padding else "",
-            )
+        self.runner = build_runner(config, self.parallel, placement, target, num_blocks, kernels, graph_settings)
         self.runner.lora = self.lora
-        parts = TargetParts(self.model, self.model_config, self.runner, self.block_manager, self.dtype, self.device)
-        if self.parallel is not None:
-            parts.drafter_view = lambda: self.parallel.whole_ends(config.model, self.dtype, config.load_format)
-        # Drafts are proposed and accepted on rank 0 alone: the other ranks run its plans and build no drafter.
-        drafting = self.parallel is None or self.parallel.is_leader
-        self.speculator = Speculator(parts, config.speculative_settings() if drafting else None)
+        self.speculator = self._speculator()
         if fused_kernels_wanted(self.attn_backend, self.device):
             defer_fp8_scales(self.model, self.device, lora_enabled=self.lora is not None)
-
         # Grammars over the logits' width (the model's vocabulary, which may pad the tokenizer's).
         self.guided = build_guided_decoder(
             config.guided_decoding_backend, config.tokenizer or config.model, self.model_config.vocab_size
@@ -193,91 +123,19 @@ class EngineCore:
             config.max_num_tokens,
         )
 
-    def _num_kv_blocks(self, kernels, graphs: bool) -> int:
-        """KV blocks for the memory left once the activations of a full step (and, with CUDA graphs, their pool) are
-        set aside: measured by one forward at max_num_tokens (memory_profile.py; CUDA only)."""
-        config, block_size = self.config, self.config.kv_cache_config.tokens_per_block
-        activations = activation_bytes(
-            self.model,
-            self.model_config,
-            self.dtype,
-            self.device,
-            config.max_num_tokens,
-            self.max_seq_len,
-            config.max_batch_size,
-            block_size,
-            kernels,
-            self.kv_dtype,
-        )
-        reserved = activations * (2 if graphs else 1)
-        budget = kv_cache_token_budget(
-            config, self.model_config, self.kv_dtype, self.device, self.max_seq_len, reserved
-        )
-        if reserved:
-            log.info(
-                "%.2f GiB set aside for activations%s before sizing the KV cache",
-                reserved / 2**30,
-                " and CUDA graphs" if graphs else "",
-            )
-        return max(1, budget // block_size)
-
-    def _rank_kv_blocks(self, layers: range, num_kv_heads: int) -> int:
-        """A parallel rank's KV blocks: a token's bytes are those of its stage's layers and its KV heads, and on
-        CPU the ranks share the host's memory. The profile of memory_profile.py runs the whole model, so a rank's
-        activations are not measured (a warning says so on CUDA)."""
-        config, block_size = self.config, self.config.kv_cache_config.tokens_per_block
-        if self.device.type == "cuda" and config.kv_cache_config.max_tokens is None:
-            log.warning(
-                "parallel: activation memory is not measured on a rank; leave room for it with "
-                "kv_cache_config.free_gpu_memory_fraction or max_tokens"
-            )
-        shape = replace(self.model_config, num_layers=len(layers), num_kv_heads=num_kv_heads)
-        budget = kv_cache_token_budget(config, shape, self.kv_dtype, self.device, self.max_seq_len)
-        if self.device.type == "cpu" and config.kv_cache_config.max_tokens is None:
-            budget = max(block_size, budget // config.world_size)  # every rank of a CPU run is on this host
-        return max(1, budget // block_size)
+    def _speculator(self) -> Speculator:
+        """The speculator over this target. Drafts are proposed and accepted on rank 0 alone: the other ranks run
+        its plans and build no drafter; rank 0's drafter reads whole copies of the target's embedding and head."""
+        config = self.config
+        parts = TargetParts(self.model, self.model_config, self.runner, self.block_manager, self.dtype, self.device)
+        if self.parallel is not None:
+            parallel = self.parallel
+            parts.drafter_view = lambda: parallel.whole_ends(config.model, self.dtype, config.load_format)
+        drafting = self.parallel is None or self.parallel.is_leader
+        return Speculator(parts, config.speculative_settings() if drafting else None)
 
     def new_seq_id(self) -> int:
         return next(self._seq_ids)
-
-    def _attention_windows(self) -> tuple[Optional[int], ...]:
-        """Each layer's window (attention/windows.py). Draft nodes measure theirs from their depth, but a tree's
-        own keys are shown whole (every ancestor of a node), so a draft tail must fit in the smallest window."""
-        mc = self.model_config
-        windows = layer_windows(
-            mc.layer_windows, self.config.kv_cache_config.max_attention_window, mc.num_layers, self.max_seq_len
-        )
-        spec = self.config.speculative_settings()
-        smallest = min((w for w in windows if w is not None), default=None)
-        if spec is not None and smallest is not None and 1 + spec.max_total_draft_tokens > smallest:
-            raise InvalidRequestError(
-                f"speculative_config drafts up to {spec.max_total_draft_tokens} tokens a step, which with the root "
-                f"do not fit in the smallest attention window ({smallest}); use fewer draft tokens or a wider window"
-            )
-        log.info("%s", describe_windows(windows))
-        return windows
-
-    def _fix_rope_context(self) -> None:
-        """The longest context a step attends over: a sequence's last token is never fed back, so max_seq_len - 1.
-        Fixes longrope's factor set (RotaryEmbedding.set_context_length); other RoPE types ignore it."""
-        rope = self.model_config.rope
-        for rotary in self.model.rotary_embeddings():
-            rotary.set_context_length(self.max_seq_len - 1)
-        if rope.rope_type == "longrope":
-            long = uses_long_factors(rope, self.max_seq_len - 1)
-            log.info(
-                "longrope: the %s factors for every sequence (max_seq_len %d, original_max_position_embeddings %d)",
-                "long" if long else "short",
-                self.max_seq_len,
-                rope.params["original_max_position_embeddings"],
-            )
-
-    def _max_seq_len(self) -> int:
-        limit = self.model_config.max_position_embeddings
-        wanted = self.config.max_seq_len or limit
-        if wanted > limit:
-            raise InvalidRequestError(f"max_seq_len={wanted} exceeds what the model supports ({limit})")
-        return wanted
 
     # -- requests ---------------------------------------------------------------------------------------------
 
@@ -721,45 +579,6 @@ def needs_host_tokens(params: SamplingParams) -> bool:
         or params.return_context_logits
         or params.return_generation_logits
     )
-
-
-def _lora_runtime(
-    config: EngineConfig, model_config, dtype: torch.dtype, device: torch.device, sharding=None
-) -> Optional[LoraRuntime]:
-    """The LoRA runtime (adapter cache, device slots, preloaded adapters), or None when LoRA is off. `sharding`:
-    this rank's part of each adapter under tensor parallelism (tritonllm.lora.layers.LoraSharding)."""
-    settings = config.lora_settings()
-    if settings is None:
-        return None
-    from tritonllm.lora.layers import WHOLE
-    from tritonllm.lora.modules import LoraFormatError, ModuleShapes
-    from tritonllm.lora.runtime import LoraRequestError, LoraRuntime
-
-    if model_config.moe is not None:
-        settings = _attention_only_lora(settings, config.lora_config or {}, model_config.architecture)
-    try:
-        shapes = ModuleShapes.of_config(model_config)
-        return LoraRuntime(settings, shapes, dtype, device, WHOLE if sharding is None else sharding)
-    except (LoraFormatError, LoraRequestError) as exc:
-        raise InvalidRequestError(f"lora_config: {exc}") from None
-
-
-_MLP_LORA_MODULES = ("gate_proj", "up_proj", "down_proj")
-
-
-def _attention_only_lora(settings, lora_config: dict, architecture: str):
-    """A mixture of experts takes LoRA on attention only: MLP targets would name expert weights, which no adapter
-    here applies. Named in lora_target_modules they are refused; left to the default (every module), dropped."""
-    import dataclasses
-
-    mlp = [name for name in settings.lora_target_modules if name in _MLP_LORA_MODULES]
-    if mlp and lora_config.get("lora_target_modules"):
-        raise InvalidRequestError(
-            f"lora_config.lora_target_modules: {', '.join(mlp)} of {architecture} are expert weights, and LoRA on "
-            "experts is not supported (target the attention: q_proj, k_proj, v_proj, o_proj)"
-        )
-    attention = tuple(name for name in settings.lora_target_modules if name not in _MLP_LORA_MODULES)
-    return dataclasses.replace(settings, lora_target_modules=attention)
 
 
 def _generator(seed: Optional[int], index: int) -> torch.Generator:

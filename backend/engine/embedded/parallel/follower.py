@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from ...config import ConfigError, EngineConfig
 from ..engine_core import EngineCore
+from .step_sync import FollowerRunner
 
 
 def run_follower(config: EngineConfig) -> int:
@@ -15,4 +16,5 @@ def run_follower(config: EngineConfig) -> int:
         raise ConfigError(
             "run_follower is for ranks > 0 of a parallel engine (tensor or pipeline); rank 0 runs the engine"
         )
+    assert isinstance(core.runner, FollowerRunner)  # parallel/setup.py's runner_class for a follower
     return core.runner.follow()
