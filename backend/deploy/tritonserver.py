@@ -154,7 +154,9 @@ class TritonServer:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.started_process.poll() is not None:
-                raise self._start_failure()
+                failure = self._start_failure()
+                self._kill_group()  # stubs it started and left behind
+                raise failure
             if self.is_ready():
                 return
             time.sleep(0.5)

@@ -1,33 +1,58 @@
 """Stub processes end with their tritonserver.
 
 Each Triton model runs in a stub process that tritonserver starts. When tritonserver dies (killed, crashed, or
-past its exit timeout) a stub left running keeps its memory and its engine thread forever, re-parented to init.
-`exit_with_parent` starts one watcher thread a process that ends it once its parent is gone."""
+past its exit timeout) a stub left running keeps its memory (a GPU's too) and its engine thread forever,
+re-parented to init.
+
+The watcher is a separate small process, not a thread: a stub thread that calls into the Python backend while
+tritonserver dies (a metric's `set`, a log line, a response) waits forever for an answer, holding the GIL, so no
+Python thread of that stub runs again (seen: a stub's metrics thread blocked in `Metric.set` after tritonserver
+failed to bind a port). The watcher needs nothing of the stub: it reads the stub's parent from /proc and kills
+the stub once that parent is gone. It ends by itself when the stub does."""
 
 from __future__ import annotations
 
-import logging
 import os
+import subprocess
 import threading
-import time
 
-log = logging.getLogger("tritonllm.triton")
 CHECK_PERIOD_S = 1.0
 _started = threading.Event()
 
+# $1 the stub's pid, $2 its parent (tritonserver), $3 the stub's start time (field 22 of /proc/PID/stat, which tells
+# a reused pid from the stub), $4 seconds between checks. The fields are read after the command name's ")", since a
+# name may hold spaces: state is then $1, the parent $2, the start time ${20}.
+_WATCH_SCRIPT = r"""
+stub=$1 parent=$2 started=$3 period=$4
+while stat=$(cat /proc/$stub/stat 2>/dev/null); do
+    set -- ${stat##*") "}
+    [ "${20}" = "$started" ] || exit 0
+    if [ "$2" != "$parent" ]; then
+        echo "tritonllm: tritonserver (pid $parent) is gone: ending its model process $stub" >&2
+        kill -9 $stub
+        exit 0
+    fi
+    sleep $period
+done
+"""
+
 
 def exit_with_parent(check_period_s: float = CHECK_PERIOD_S) -> None:
-    """End this process (exit code 1) within `check_period_s` of its parent process going away. Idempotent: the
-    models of one stub process share one watcher."""
+    """Have this process killed within `check_period_s` of its parent process going away. Idempotent: the models of
+    one stub process share one watcher."""
     if _started.is_set():
         return
     _started.set()
-    parent = os.getppid()
-    threading.Thread(target=_watch, args=(parent, check_period_s), name="tritonllm-parent-watch", daemon=True).start()
+    stub = os.getpid()
+    watch = [str(stub), str(os.getppid()), start_time(stub), f"{check_period_s:g}"]
+    subprocess.Popen(
+        ["/bin/sh", "-c", _WATCH_SCRIPT, "parent_watch", *watch],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+    )
 
 
-def _watch(parent: int, check_period_s: float) -> None:
-    while os.getppid() == parent:  # a dead parent's children are re-parented (to init or a subreaper)
-        time.sleep(check_period_s)
-    log.error("tritonserver (pid %d) is gone: this model process exits", parent)
-    os._exit(1)
+def start_time(pid: int) -> str:
+    """A process's start time in clock ticks since boot (/proc/PID/stat's 22nd field)."""
+    with open(f"/proc/{pid}/stat") as stat:
+        return stat.read().rsplit(")", 1)[1].split()[19]

@@ -1,6 +1,7 @@
 """Faults on the real tritonserver: a killed `tensorrt_llm` stub under load (the supervisor `tritonllm serve` runs
-restarts the server: no request hangs, readiness drops, serving resumes), and model folders left untouched by
-the stubs (no bytecode written there)."""
+restarts the server: no request hangs, readiness drops, serving resumes), a killed tritonserver whose stubs end
+with it (none left holding memory under init), and model folders left untouched by the stubs (no bytecode written
+there)."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import signal
 import threading
 import time
+from pathlib import Path
 
 import e2e_clients as clients
 import pytest
@@ -101,3 +103,39 @@ def test_the_stubs_write_no_bytecode_into_the_model_folders(server):
     )
     assert written == [], f"Triton would take these model folders for changed ones: {written}"
     assert (repo / "tensorrt_llm" / "1" / "__pycache__").is_file()  # what keeps Python from writing there
+
+
+def test_a_killed_tritonserver_leaves_no_model_process(tiny_model, tmp_path):
+    """SIGKILL to tritonserver alone, with requests streaming: every stub ends within seconds (parent_watch), also
+    one whose threads wait on the dead server for an answer while they hold the GIL."""
+    repo = build_repo(tiny_model, tmp_path / "repo", streaming=True, max_seq_len=MAX_SEQ_LEN)
+    triton = TritonServer(repo, Ports.free(), log_file=tmp_path / "tritonserver.log").start(timeout=180)
+    server = clients.LiveServer(triton, tmp_path / "tritonserver.log", MAX_SEQ_LEN)
+    try:
+        stubs = stub_processes(triton.started_process.pid)
+        assert len(stubs) == 4, stubs
+        outcome: dict = {}
+        threads = [threading.Thread(target=long_request, args=(server, True, outcome, i)) for i in range(4)]
+        for thread in threads:
+            thread.start()
+        deadline = time.monotonic() + 60
+        while server.metrics().get(("nv_trt_llm_request_metrics", "active"), 0) < 4:
+            assert time.monotonic() < deadline, "the requests never all reached the engine"
+            time.sleep(0.05)
+        os.kill(triton.started_process.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while [pid for pid in stubs if _alive(pid)] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [pid for pid in stubs if _alive(pid)], f"stubs outlived tritonserver: {stubs}"
+        for thread in threads:
+            thread.join(15)
+        assert len(outcome) == 4, "a client was left hanging"
+    finally:
+        triton.kill()
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "Z"
+    except OSError:
+        return False
