@@ -803,3 +803,21 @@ def test_validate_repo_finds_missing_step_models_and_version_folders(built):
     errors = "\n".join(validate_repo(built))
     assert "ensemble step model 'postprocessing'" in errors
     assert "ensemble: no version folder" in errors
+
+
+@pytest.mark.parametrize("template", ["tensorrt_llm/1/model.yaml", "llmapi/tensorrt_llm/1/model.yaml"])
+def test_every_commented_engine_argument_of_a_template_is_one_the_engine_takes(template):
+    """A user uncomments what model.yaml shows: every commented key (values as shown) must be an engine argument
+    the embedded engine knows and accepts, none left over in `extra`."""
+    import re
+
+    from tritonllm.engine.config import EngineConfig
+
+    text = (template_dir() / template).read_text().split("triton_config:")[0]
+    shown = [re.match(r"^# ( *)([a-z_]+):(.*)$", line) for line in text.splitlines()]
+    lines = [f"{m.group(1)}{m.group(2)}:{m.group(3).split('#')[0].rstrip()}" for m in shown if m]
+    arguments = yaml.safe_load("\n".join(lines))
+    assert {"kv_cache_config", "quant_config", "dtype"} <= set(arguments)
+    config = EngineConfig.from_dict({**arguments, "model": "m"})
+    assert config.extra == {}
+    assert config.quant_config is not None and config.kv_cache_config.dtype == "auto"
