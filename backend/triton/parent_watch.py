@@ -24,7 +24,7 @@ _started = threading.Event()
 # name may hold spaces: state is then $1, the parent $2, the start time ${20}.
 _WATCH_SCRIPT = r"""
 stub=$1 parent=$2 started=$3 period=$4
-while stat=$(cat /proc/$stub/stat 2>/dev/null); do
+while read -r stat 2>/dev/null </proc/$stub/stat; do
     set -- ${stat##*") "}
     [ "${20}" = "$started" ] || exit 0
     if [ "$2" != "$parent" ]; then
