@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from tritonllm.deploy.tritonserver import ServerError, TritonServer
+from tritonllm.triton.parent_watch import proc_stat_fields
 
 log = logging.getLogger("tritonllm.serve")
 CHECK_PERIOD_S = 0.5
@@ -28,16 +29,16 @@ STUB_NAME = "triton_python_backend_stub"
 def stub_processes(server_pid: int) -> dict[int, str]:
     """The live (not zombie) stub processes of a tritonserver: pid -> the model folder each serves."""
     stubs = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for proc in Path("/proc").glob("[0-9]*"):
         try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
+            fields = proc_stat_fields(int(proc.name))
             if int(fields[1]) != server_pid or fields[0] == "Z":  # fields: state, ppid, ...
                 continue
-            argv = (stat.parent / "cmdline").read_bytes().split(b"\0")
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
         except (OSError, IndexError, ValueError):
             continue  # the process ended while it was read
         if argv and argv[0].decode(errors="replace").endswith(STUB_NAME) and len(argv) > 1:
-            stubs[int(stat.parent.name)] = _model_of(argv[1].decode(errors="replace"))
+            stubs[int(proc.name)] = _model_of(argv[1].decode(errors="replace"))
     return stubs
 
 

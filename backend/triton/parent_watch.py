@@ -54,5 +54,11 @@ def exit_with_parent(check_period_s: float = CHECK_PERIOD_S) -> None:
 
 def start_time(pid: int) -> str:
     """A process's start time in clock ticks since boot (/proc/PID/stat's 22nd field)."""
+    return proc_stat_fields(pid)[19]
+
+
+def proc_stat_fields(pid: int) -> list[str]:
+    """/proc/PID/stat's fields after the command name (which may hold spaces): the state, the parent's pid, ...
+    Raises OSError once the process is gone."""
     with open(f"/proc/{pid}/stat") as stat:
-        return stat.read().rsplit(")", 1)[1].split()[19]
+        return stat.read().rsplit(")", 1)[1].split()

@@ -9,7 +9,6 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import e2e_clients as clients
 import pytest
@@ -17,6 +16,7 @@ import pytest
 from tritonllm.deploy.repo import build_repo
 from tritonllm.deploy.supervisor import Supervisor, stub_processes
 from tritonllm.deploy.tritonserver import Ports, TritonServer
+from tritonllm.triton.parent_watch import proc_stat_fields
 
 from .conftest import MAX_SEQ_LEN
 
@@ -136,6 +136,6 @@ def test_a_killed_tritonserver_leaves_no_model_process(tiny_model, tmp_path):
 
 def _alive(pid: int) -> bool:
     try:
-        return (Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]) != "Z"
+        return proc_stat_fields(pid)[0] != "Z"
     except OSError:
         return False

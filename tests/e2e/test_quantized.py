@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import e2e_clients as clients
 import pytest
+import yaml
 
 from tritonllm.deploy.repo import build_repo
 from tritonllm.deploy.tritonserver import Ports, TritonServer
@@ -19,7 +20,7 @@ pytestmark = pytest.mark.server
 
 PROMPTS = ["The lamp turned and turned", "one two three four", "Explain how bread rises in a warm kitchen."]
 MAX_TOKENS = 12
-ON_LOAD = "\nquant_config:\n  quant_algo: W4A16\n  group_size: 32\nkv_cache_config:\n  dtype: fp8\n"
+ON_LOAD = {"quant_config": {"quant_algo": "W4A16", "group_size": 32}, "kv_cache_config": {"dtype": "fp8"}}
 
 
 @pytest.fixture(scope="module", params=["compressed-tensors W4A16", "W4A16 on load + FP8 KV"])
@@ -28,13 +29,12 @@ def quantized(request, tiny_model, tmp_path_factory):
     work = tmp_path_factory.mktemp("quantized")
     if request.param.startswith("compressed-tensors"):
         model, extra = write_compressed_tensors(tiny_model, work / "w4a16", "W4A16", group_size=32), {}
-        yaml = ""
     else:
-        model, yaml = tiny_model, ON_LOAD
-        extra = {"quant_config": {"quant_algo": "W4A16", "group_size": 32}, "kv_cache_config": {"dtype": "fp8"}}
+        model, extra = tiny_model, ON_LOAD
     repo = build_repo(model, work / "repo", streaming=True, max_seq_len=MAX_SEQ_LEN)
-    with (repo / "tensorrt_llm" / "1" / "model.yaml").open("a") as yaml_file:
-        yaml_file.write(yaml)
+    if extra:  # the same settings, as a user writes them into model.yaml
+        with (repo / "tensorrt_llm" / "1" / "model.yaml").open("a") as yaml_file:
+            yaml_file.write("\n" + yaml.safe_dump(extra))
     triton = TritonServer(repo, Ports.free(), log_file=work / "tritonserver.log").start(timeout=180)
     try:
         yield clients.LiveServer(triton, work / "tritonserver.log", MAX_SEQ_LEN), model, extra
