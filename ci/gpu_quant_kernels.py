@@ -10,8 +10,10 @@ Run by `bash ci/gpu_session.sh quant-kernels` or `quant-sweep`; CI never runs it
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import json
+import re
 import statistics
 import sys
 from typing import Callable, Iterator
@@ -316,16 +318,38 @@ DECODE_SWEEP_WORDS = False  # --words: only the one-row GEMV over int32 words, a
 
 
 def words_variants(m: int) -> list[DecodeVariant]:
-    """The byte GEMV of before, then the word GEMV's shapes of fewest SASS instructions a weight (sm90 compiles)."""
+    """The byte GEMV and the word GEMV's best of the first H100 sweep (docs/gpu-runs.md, twenty-third session),
+    then deep shapes: few columns a program, K steps of several scale groups, more warps, fewer slices (the short
+    programs of the first sweep read ~1.5 TB/s whatever their instruction count)."""
     if m != 1:
         return []
-    gemv = dict(block_m=1, num_stages=1, use_dot=False)
-    found = [DecodeVariant(block_n=32, block_k=128, split_k=16, num_warps=1, **gemv)]
-    shapes = ((64, 128, 1), (128, 128, 1), (128, 128, 2), (128, 64, 1), (256, 64, 1), (256, 64, 2), (256, 128, 2))
-    shapes += ((256, 128, 4), (128, 128, 4))
-    for (bn, bk, warps), split in itertools.product(shapes, (8, 16, 32)):
-        found.append(DecodeVariant(block_n=bn, block_k=bk, split_k=split, num_warps=warps, words=True, **gemv))
+    gemv = dict(block_m=1, use_dot=False)
+    found = [
+        DecodeVariant(block_n=32, block_k=128, split_k=16, num_warps=1, num_stages=1, **gemv),
+        DecodeVariant(block_n=64, block_k=128, split_k=16, num_warps=1, num_stages=1, words=True, **gemv),
+    ]
+    shapes = ((16, 128, 1), (32, 128, 2), (8, 512, 1), (8, 1024, 2), (16, 256, 1), (16, 512, 2), (16, 1024, 4))
+    shapes += ((16, 2048, 8), (32, 256, 2), (32, 512, 4), (32, 1024, 8), (64, 512, 8))
+    for (bn, bk, warps), split, stages in itertools.product(shapes, (1, 2, 4, 8), (1, 2)):
+        found.append(
+            DecodeVariant(block_n=bn, block_k=bk, split_k=split, num_warps=warps, num_stages=stages, words=True, **gemv)
+        )
     return found
+
+
+def use_swept_shapes(path: str) -> dict[tuple[int, int], DecodeVariant]:
+    """Fills kernels.ONE_ROW_SHAPES with each shape's best one-row variant from a --sweep-decode output (its
+    decode-best rows at m = 1), so that a bench in the same GPU call runs what the sweep found (a bench prelude)."""
+    fields = {f.name: f.type for f in dataclasses.fields(DecodeVariant)}
+    for line in open(path):
+        row = json.loads(line) if line.startswith("{") else {}
+        if row.get("kind") != "decode-best" or row.get("m") != 1 or not row.get("best"):
+            continue
+        settings = dict(re.findall(r"(\w+)=(\w+)", row["best"]["variant"]))
+        typed = {k: v == "True" if fields[k] == "bool" else int(v) for k, v in settings.items()}
+        kernels.ONE_ROW_SHAPES[SHAPES[row["shape"]]] = DecodeVariant(**typed)
+    print(f"one-row shapes from {path}: {kernels.ONE_ROW_SHAPES}", file=sys.stderr)
+    return kernels.ONE_ROW_SHAPES
 
 
 def time_decode_variants(

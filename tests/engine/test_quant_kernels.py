@@ -7,6 +7,7 @@ in Triton's interpreter on CPU (tiny shapes: it is slow)."""
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -111,6 +112,10 @@ DECODE_GEMV_SPLIT = int4_decode.DecodeVariant(block_m=4, block_n=16, block_k=32,
 DECODE_PREFETCH = int4_decode.DecodeVariant(block_m=1, block_n=16, block_k=32, split_k=2, use_dot=False, prefetch=True)
 DECODE_WORDS = int4_decode.DecodeVariant(block_m=1, block_n=16, block_k=64, use_dot=False, words=True)
 DECODE_WORDS_SPLIT = int4_decode.DecodeVariant(block_m=1, block_n=16, block_k=32, split_k=3, use_dot=False, words=True)
+# K steps of several scale groups, eight columns a program: 3 K tiles in slices of 2 and 1
+DECODE_WORDS_GROUPS = int4_decode.DecodeVariant(
+    block_m=1, block_n=8, block_k=128, split_k=2, num_warps=2, use_dot=False, words=True
+)
 
 
 @pytest.mark.parametrize(
@@ -127,6 +132,8 @@ DECODE_WORDS_SPLIT = int4_decode.DecodeVariant(block_m=1, block_n=16, block_k=32
         (1, 40, 160, 32, DECODE_PREFETCH, True),  # slices of 3 and 2 steps: the prefetch past a slice is masked
         (1, 40, 128, 64, DECODE_WORDS, True),
         (1, 24, 160, 32, DECODE_WORDS_SPLIT, False),
+        (1, 20, 384, 32, DECODE_WORDS_GROUPS, True),  # four groups a step, 20 columns: a partial block of 8
+        (1, 40, 256, 64, DECODE_WORDS_GROUPS, False),
     ],
 )
 def test_int4_decode_kernel_equals_dequantize_then_matmul(m, n, k, group_size, variant, with_bias):
@@ -183,7 +190,8 @@ def test_int4_word_gemv_on_cuda(dtype, use_asm):
     qweight, scale, zero = random_int4(4096, 1024, 128, dtype=dtype)
     x, bias = random_x(1, 1024, dtype), random_bias(4096, dtype)
     expected = reference(x, dequantize_int4(qweight, scale, zero, 128), bias)
-    for block_n, block_k, split, warps in ((128, 128, 1, 1), (64, 64, 4, 2), (256, 128, 8, 4)):
+    shapes = ((128, 128, 1, 1), (64, 64, 4, 2), (256, 128, 8, 4), (16, 1024, 1, 4), (8, 512, 2, 1), (32, 256, 4, 2))
+    for block_n, block_k, split, warps in shapes:
         variant = int4_decode.DecodeVariant(
             block_m=1,
             block_n=block_n,
@@ -204,13 +212,14 @@ def test_int4_word_gemv_on_cuda(dtype, use_asm):
 def test_the_word_gemv_reads_bytes_that_do_not_start_on_a_word():
     """Packed bytes one byte into their storage cannot be viewed as int32: the byte GEMV takes the call."""
     qweight, scale, zero = random_int4(24, 128, 64)
-    shifted = torch.empty(qweight.numel() + 1, dtype=torch.uint8)[1:].view(qweight.shape)
+    shifted = torch.empty(qweight.numel() + 1, dtype=torch.uint8, device=qweight.device)[1:].view(qweight.shape)
     shifted.copy_(qweight)
     assert not int4_words.int32_viewable(shifted) and int4_words.int32_viewable(qweight)
     x = random_x(1, 128)
-    got = int4_decode.int4_decode_matmul(x, shifted, scale, zero, None, 64, DECODE_WORDS)
     expected = reference(x, dequantize_int4(qweight, scale, zero, 64), None)
-    torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+    for variant in (DECODE_WORDS, DECODE_WORDS_GROUPS):  # the byte GEMV's steps stay inside a group of 64
+        got = int4_decode.int4_decode_matmul(x, shifted, scale, zero, None, 64, variant)
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
 def test_the_word_gemv_is_the_one_row_gemv(monkeypatch):
@@ -219,6 +228,14 @@ def test_the_word_gemv_is_the_one_row_gemv(monkeypatch):
     monkeypatch.setattr(kernels, "INT4_GEMV_WORDS", True)
     assert kernels.choose_decode_variant(1, 4096, 4096).words
     assert not kernels.choose_decode_variant(2, 4096, 4096).words
+    monkeypatch.setitem(kernels.ONE_ROW_SHAPES, (4096, 4096), DECODE_WORDS_GROUPS)
+    assert kernels.choose_decode_variant(1, 4096, 4096) is DECODE_WORDS_GROUPS
+    assert kernels.choose_decode_variant(1, 4096, 14336) is not DECODE_WORDS_GROUPS
+    assert int4_decode.supports(torch.bfloat16, 32, DECODE_WORDS_GROUPS)  # whole groups a step: words only
+    assert not int4_decode.supports(torch.bfloat16, 32, replace(DECODE_WORDS_GROUPS, words=False, block_n=16))
+    assert not int4_decode.supports(torch.bfloat16, 96, DECODE_WORDS_GROUPS)
+    with pytest.raises(ValueError, match="block_n must be a power of two >= 16"):
+        int4_decode.DecodeVariant(block_m=1, block_n=8, use_dot=False)
 
 
 def run_word_asm(word: int) -> list[float]:

@@ -21,6 +21,7 @@ zeroed buffer and a cast after would be two more launches, as long at decode as 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 
 import torch
@@ -52,7 +53,7 @@ class DecodeVariant:
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
             value = getattr(self, name)
-            least = 1 if name == "block_m" and not self.use_dot else 16
+            least = 1 if name == "block_m" and not self.use_dot else 4 if name == "block_n" and self.words else 16
             if value < least or value & (value - 1):
                 raise ValueError(f"DecodeVariant.{name} must be a power of two >= {least}, got {value}")
         if self.split_k < 1:
@@ -62,8 +63,10 @@ class DecodeVariant:
 
 
 def supports(x_dtype: torch.dtype, group_size: int, variant: DecodeVariant) -> bool:
-    """This kernel applies: x of a float type it takes, and K steps that stay inside one scale group."""
-    return x_dtype in DTYPES and group_size % variant.block_k == 0
+    """This kernel applies: x of a float type it takes, and K steps that stay inside one scale group (the word
+    GEMV's may also hold whole groups)."""
+    whole_groups = variant.words and variant.block_k % group_size == 0
+    return x_dtype in DTYPES and (group_size % variant.block_k == 0 or whole_groups)
 
 
 def _unpack_asm(magic: int) -> str:
@@ -215,6 +218,7 @@ def _int4_decode_kernel(
     USE_DOT: tl.constexpr,
     PREFETCH: tl.constexpr,
     WORDS: tl.constexpr,
+    EVEN_K: tl.constexpr,
     INTERPRETED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -239,7 +243,7 @@ def _int4_decode_kernel(
     for k0 in range(k_start, k_end, BLOCK_K):
         if WORDS:  # w is the int32 view, stride_w in words
             step = words_step(
-                w_rows, x, s_rows, z_rows, k0, K, col_ok, stride_sg, stride_zg, GROUP_SIZE, USE_ASM, BLOCK_K
+                w_rows, x, s_rows, z_rows, k0, K, col_ok, stride_sg, stride_zg, GROUP_SIZE, USE_ASM, BLOCK_K, EVEN_K
             )
             acc += step[None, :]
         else:
@@ -305,7 +309,9 @@ def int4_decode_matmul(
     (kernels.py); supports() must hold."""
     M, K = x.shape
     if variant.words and not int32_viewable(qweight):
-        variant = replace(variant, words=False)  # rows not whole words: the byte GEMV reads them
+        # rows not whole words: the byte GEMV reads them, in steps inside one scale group
+        block_n, block_k = max(16, variant.block_n), math.gcd(variant.block_k, group_size)
+        variant = replace(variant, words=False, block_n=block_n, block_k=block_k)
     N = qweight.shape[0]
     if M == 0:
         return torch.empty((0, N), dtype=x.dtype, device=x.device)
@@ -347,6 +353,7 @@ def int4_decode_matmul(
         USE_DOT=variant.use_dot,
         PREFETCH=variant.prefetch,
         WORDS=variant.words,
+        EVEN_K=K % variant.block_k == 0,
         INTERPRETED=x.device.type != "cuda",
         BLOCK_M=variant.block_m,
         BLOCK_N=variant.block_n,

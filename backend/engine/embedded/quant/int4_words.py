@@ -67,33 +67,50 @@ def _word_values(words, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def words_step(w_rows, x, s_rows, z_rows, k0, K, col_ok, stride_sg, stride_zg, GROUP_SIZE, USE_ASM, BLOCK_K):
+def words_step(w_rows, x, s_rows, z_rows, k0, K, col_ok, stride_sg, stride_zg, GROUP_SIZE, USE_ASM, BLOCK_K, EVEN_K):
     """One K step of one row x against int32 words: [BLOCK_N] fp32, zero point and scale applied. With v the
-    nibble values and x' = x (* 16 where v = 128 + q / 16): sum x' v = 128 sum x' + sum q x."""
+    nibble values and x' = x (* 16 where v = 128 + q / 16): sum x' v = 128 sum x' + sum q x. A step may span
+    several scale groups (BLOCK_K a multiple of GROUP_SIZE): each group's sums are scaled apart. EVEN_K (K a
+    multiple of BLOCK_K): no K masks, so that the words load in 16-byte vectors."""
     WORDS: tl.constexpr = BLOCK_K // 8
-    word_ids = k0 // 8 + tl.arange(0, WORDS)
-    words = tl.load(w_rows + word_ids[None, :], mask=col_ok[:, None] & (word_ids < K // 8)[None, :], other=0)
+    word_ids = tl.multiple_of(k0 // 8, WORDS) + tl.arange(0, WORDS)  # k0 is a multiple of BLOCK_K
+    k_ok = word_ids < K // 8
+    if EVEN_K:
+        words = tl.load(w_rows + word_ids[None, :], mask=col_ok[:, None], other=0)
+    else:
+        words = tl.load(w_rows + word_ids[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0)
     v0, v1, v2, v3, v4, v5, v6, v7 = _word_values(words, USE_ASM)
-    ks = k0 + 8 * tl.arange(0, WORDS)
-    x0 = tl.load(x + ks, mask=ks < K, other=0.0).to(tl.float32) * 16.0
-    x1 = tl.load(x + ks + 1, mask=ks < K, other=0.0).to(tl.float32) * 16.0
-    x2 = tl.load(x + ks + 2, mask=ks < K, other=0.0).to(tl.float32)
-    x3 = tl.load(x + ks + 3, mask=ks < K, other=0.0).to(tl.float32) * 16.0
-    x4 = tl.load(x + ks + 4, mask=ks < K, other=0.0).to(tl.float32)
-    x5 = tl.load(x + ks + 5, mask=ks < K, other=0.0).to(tl.float32) * 16.0
-    x6 = tl.load(x + ks + 6, mask=ks < K, other=0.0).to(tl.float32)
-    x7 = tl.load(x + ks + 7, mask=ks < K, other=0.0).to(tl.float32)
+    ks = 8 * word_ids
+    x0 = tl.load(x + ks, mask=k_ok, other=0.0).to(tl.float32) * 16.0
+    x1 = tl.load(x + ks + 1, mask=k_ok, other=0.0).to(tl.float32) * 16.0
+    x2 = tl.load(x + ks + 2, mask=k_ok, other=0.0).to(tl.float32)
+    x3 = tl.load(x + ks + 3, mask=k_ok, other=0.0).to(tl.float32) * 16.0
+    x4 = tl.load(x + ks + 4, mask=k_ok, other=0.0).to(tl.float32)
+    x5 = tl.load(x + ks + 5, mask=k_ok, other=0.0).to(tl.float32) * 16.0
+    x6 = tl.load(x + ks + 6, mask=k_ok, other=0.0).to(tl.float32)
+    x7 = tl.load(x + ks + 7, mask=k_ok, other=0.0).to(tl.float32)
     prod = v0 * x0[None, :] + v1 * x1[None, :] + v2 * x2[None, :] + v3 * x3[None, :]
     prod += v4 * x4[None, :] + v5 * x5[None, :] + v6 * x6[None, :] + v7 * x7[None, :]
-    part = tl.sum(prod, axis=1)
     sixteenths = x0 + x1 + x3 + x5
     others = x2 + x4 + x6 + x7
-    x_scaled_sum = 128.0 * tl.sum(sixteenths + others)
-    x_sum = tl.sum(sixteenths * 0.0625 + others)
-    group = k0 // GROUP_SIZE
-    s = tl.load(s_rows + group * stride_sg, mask=col_ok, other=0.0).to(tl.float32)
-    z = tl.load(z_rows + group * stride_zg, mask=col_ok, other=0).to(tl.float32)
-    return (part - x_scaled_sum - x_sum * z) * s
+    if BLOCK_K <= GROUP_SIZE:
+        part = tl.sum(prod, axis=1)
+        x_scaled_sum = 128.0 * tl.sum(sixteenths + others)
+        x_sum = tl.sum(sixteenths * 0.0625 + others)
+        group = k0 // GROUP_SIZE
+        s = tl.load(s_rows + group * stride_sg, mask=col_ok, other=0.0).to(tl.float32)
+        z = tl.load(z_rows + group * stride_zg, mask=col_ok, other=0).to(tl.float32)
+        return (part - x_scaled_sum - x_sum * z) * s
+    GROUPS: tl.constexpr = BLOCK_K // GROUP_SIZE
+    PER_GROUP: tl.constexpr = WORDS // GROUPS
+    part = tl.sum(tl.reshape(prod, (prod.shape[0], GROUPS, PER_GROUP)), axis=2)  # [BLOCK_N, GROUPS]
+    x_scaled_sum = 128.0 * tl.sum(tl.reshape(sixteenths + others, (GROUPS, PER_GROUP)), axis=1)
+    x_sum = tl.sum(tl.reshape(sixteenths * 0.0625 + others, (GROUPS, PER_GROUP)), axis=1)
+    groups = k0 // GROUP_SIZE + tl.arange(0, GROUPS)
+    group_ok = col_ok[:, None] & (groups < K // GROUP_SIZE)[None, :]
+    s = tl.load(s_rows[:, None] + groups[None, :] * stride_sg, mask=group_ok, other=0.0).to(tl.float32)
+    z = tl.load(z_rows[:, None] + groups[None, :] * stride_zg, mask=group_ok, other=0).to(tl.float32)
+    return tl.sum((part - x_scaled_sum[None, :] - x_sum[None, :] * z) * s, axis=1)
 
 
 def int32_viewable(qweight: torch.Tensor) -> bool:

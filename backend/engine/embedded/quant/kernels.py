@@ -214,6 +214,8 @@ def choose_decode_variant(m: int, n: int, k: int) -> DecodeVariant:
     Llama-3.1-8B's four projections (2026-12-02, docs/gpu-runs.md). One row: the CUDA-core GEMV, one warp a
     program, 32 columns, K in 16 slices (69 us for the four against bf16's 116). More rows: 16-row tl.dot tiles,
     two warps, 64 columns and 8 slices, or 128 columns and 2 slices for the wide gate/up projection."""
+    if m == 1 and (n, k) in ONE_ROW_SHAPES:
+        return ONE_ROW_SHAPES[(n, k)]
     if m == 1 and INT4_GEMV_WORDS:
         return DecodeVariant(
             block_m=1, block_n=128, block_k=128, split_k=16, num_warps=1, num_stages=1, use_dot=False, words=True
@@ -257,6 +259,9 @@ INT4_DECODE_KERNEL = True  # False: int4 decode through weight_only_kernel's gen
 # compiles). Off until an H200 run times it and checks its PTX: ci/gpu_session.sh's int4-decode-sweep with
 # QUANT_ARGS=--words, quant-tests, and bench-quant's w4a16-1-words.
 INT4_GEMV_WORDS = False
+# One row's program shape by (N, K), ahead of the defaults above: filled from a GPU sweep's best shapes
+# (ci/gpu_quant_kernels.py --sweep-decode, then use_swept_shapes in a bench's prelude).
+ONE_ROW_SHAPES: dict[tuple[int, int], DecodeVariant] = {}
 
 
 # ---- inputs ---------------------------------------------------------------------------------------------------
