@@ -254,10 +254,13 @@ def _int4_decode_kernel(
                     w_rows + pairs[None, :], mask=col_ok[:, None] & (pairs < k_end // 2)[None, :], other=0
                 )
             else:
-                step_pairs = k0 // 2 + tl.arange(0, HALF)
-                packed = tl.load(
-                    w_rows + step_pairs[None, :], mask=col_ok[:, None] & (step_pairs < K // 2)[None, :], other=0
-                )
+                step_pairs = tl.multiple_of(k0 // 2, HALF) + tl.arange(0, HALF)
+                if EVEN_K:  # no K mask: the bytes load in 16-byte vectors
+                    packed = tl.load(w_rows + step_pairs[None, :], mask=col_ok[:, None], other=0)
+                else:
+                    packed = tl.load(
+                        w_rows + step_pairs[None, :], mask=col_ok[:, None] & (step_pairs < K // 2)[None, :], other=0
+                    )
             ks = k0 + tl.arange(0, BLOCK_K)
             x_tile = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
             x_even, x_odd = tl.split(tl.reshape(x_tile, (BLOCK_M, HALF, 2)))
