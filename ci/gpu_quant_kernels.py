@@ -323,16 +323,18 @@ def words_variants(m: int) -> list[DecodeVariant]:
     programs of the first sweep read ~1.5 TB/s whatever their instruction count)."""
     if m != 1:
         return []
-    gemv = dict(block_m=1, use_dot=False)
+    gemv = dict(block_m=1, use_dot=False, words=True)
     found = [
-        DecodeVariant(block_n=32, block_k=128, split_k=16, num_warps=1, num_stages=1, **gemv),
-        DecodeVariant(block_n=64, block_k=128, split_k=16, num_warps=1, num_stages=1, words=True, **gemv),
+        DecodeVariant(block_m=1, block_n=32, block_k=128, split_k=16, num_warps=1, num_stages=1, use_dot=False),
+        DecodeVariant(block_n=64, block_k=128, split_k=16, num_warps=1, num_stages=1, **gemv),
     ]
     shapes = ((16, 128, 1), (32, 128, 2), (8, 512, 1), (8, 1024, 2), (16, 256, 1), (16, 512, 2), (16, 1024, 4))
     shapes += ((16, 2048, 8), (32, 256, 2), (32, 512, 4), (32, 1024, 8), (64, 512, 8))
     for (bn, bk, warps), split, stages in itertools.product(shapes, (1, 2, 4, 8), (1, 2)):
+        found.append(DecodeVariant(block_n=bn, block_k=bk, split_k=split, num_warps=warps, num_stages=stages, **gemv))
+    for (bn, bk, warps), split in itertools.product(((64, 128, 1),) + shapes, (1, 4, 16)):  # x as one vector
         found.append(
-            DecodeVariant(block_n=bn, block_k=bk, split_k=split, num_warps=warps, num_stages=stages, words=True, **gemv)
+            DecodeVariant(block_n=bn, block_k=bk, split_k=split, num_warps=warps, num_stages=1, x_vector=True, **gemv)
         )
     return found
 

@@ -24,7 +24,13 @@ def sass(words: bool, block_n: int, block_k: int, warps: int, split: int) -> str
     pointers |= {"w": "*i32" if words else "*u8", "zero": "*u8", "workspace": "*fp32", "counters": "*i32"}
     constexprs = dict(GROUP_SIZE=GROUP, HAS_BIAS=False, SPLIT_K=split, USE_ASM=True, FP16=False, UPCAST=False)
     constexprs |= dict(
-        USE_DOT=False, PREFETCH=False, WORDS=words, EVEN_K=K % block_k == 0, INTERPRETED=False, BLOCK_M=1
+        USE_DOT=False,
+        PREFETCH=False,
+        WORDS=words,
+        EVEN_K=K % block_k == 0,
+        X_VECTOR=False,
+        INTERPRETED=False,
+        BLOCK_M=1,
     )
     constexprs |= dict(BLOCK_N=block_n, BLOCK_K=block_k)
     values = dict(N=N, K=K, k_per_split=K // split, stride_xm=K, stride_w=K // (8 if words else 2))

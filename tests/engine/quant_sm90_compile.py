@@ -45,17 +45,25 @@ def weight_only(bits: int, dtype: str, variant: Variant, group_size: int) -> Non
 
 
 def int4_decode_kernel(
-    dtype: str, split_k: int, use_asm: bool, use_dot: bool, words: bool = False, block_n: int = 32, block_k: int = 128
+    dtype: str,
+    split_k: int,
+    use_asm: bool,
+    use_dot: bool,
+    words: bool = False,
+    block_n: int = 32,
+    block_k: int = 128,
+    x_vector: bool = False,
 ) -> None:
     pointers = {name: f"*{dtype}" for name in ("x", "scale", "bias", "out")}
     pointers |= {"w": "*i32" if words else "*u8", "zero": "*u8", "workspace": "*fp32", "counters": "*i32"}
     constexprs = dict(GROUP_SIZE=128, HAS_BIAS=True, SPLIT_K=split_k, USE_ASM=use_asm, FP16=dtype == "fp16")
     constexprs |= dict(UPCAST=False, USE_DOT=use_dot, PREFETCH=not (use_dot or words), WORDS=words)
     constexprs |= dict(INTERPRETED=False, BLOCK_M=16 if use_dot else 1, BLOCK_N=block_n, BLOCK_K=block_k)
+    constexprs |= dict(X_VECTOR=x_vector)
     for even_k in (False, True):  # K masked in each step, or a multiple of the step
         constexprs["EVEN_K"] = even_k
         compile_for_sm90(int4_decode._int4_decode_kernel, pointers, constexprs, num_warps=4, num_stages=3)
-    shape = f"split {split_k} asm {use_asm} dot {use_dot} words {words} {block_n} x {block_k}"
+    shape = f"split {split_k} asm {use_asm} dot {use_dot} words {words} {block_n} x {block_k} x vector {x_vector}"
     print("compiled the int4 decode kernel", dtype, shape, flush=True)
 
 
@@ -111,7 +119,8 @@ if __name__ == "__main__":
         ("fp16", 1, False, False, True),
     ):
         int4_decode_kernel(dtype, split_k, use_asm, use_dot, words)
-    int4_decode_kernel("bf16", 2, True, False, words=True, block_n=16, block_k=512)  # four groups a K step
+    for x_vector in (False, True):  # four groups a K step
+        int4_decode_kernel("bf16", 2, True, False, words=True, block_n=16, block_k=512, x_vector=x_vector)
     fp8_matmul()
     fp8_rows()
     deferred_scales_norm()

@@ -4,6 +4,7 @@ group sizes 32 / 64 / 128 and per channel, zero points other than 8, with and wi
 quantizer on CPU and torch._scaled_mm on CUDA only. The kernels run on TRITONLLM_TEST_DEVICE: compiled on CUDA,
 in Triton's interpreter on CPU (tiny shapes: it is slow)."""
 
+import itertools
 import os
 import subprocess
 import sys
@@ -116,6 +117,7 @@ DECODE_WORDS_SPLIT = int4_decode.DecodeVariant(block_m=1, block_n=16, block_k=32
 DECODE_WORDS_GROUPS = int4_decode.DecodeVariant(
     block_m=1, block_n=8, block_k=128, split_k=2, num_warps=2, use_dot=False, words=True
 )
+DECODE_WORDS_X_VECTOR = replace(DECODE_WORDS_GROUPS, x_vector=True)  # x read as one vector a step
 
 
 @pytest.mark.parametrize(
@@ -134,6 +136,8 @@ DECODE_WORDS_GROUPS = int4_decode.DecodeVariant(
         (1, 24, 160, 32, DECODE_WORDS_SPLIT, False),
         (1, 20, 384, 32, DECODE_WORDS_GROUPS, True),  # four groups a step, 20 columns: a partial block of 8
         (1, 40, 256, 64, DECODE_WORDS_GROUPS, False),
+        (1, 20, 384, 32, DECODE_WORDS_X_VECTOR, True),
+        (1, 24, 160, 32, replace(DECODE_WORDS_SPLIT, x_vector=True), False),  # a step past K: masked
     ],
 )
 def test_int4_decode_kernel_equals_dequantize_then_matmul(m, n, k, group_size, variant, with_bias):
@@ -191,7 +195,7 @@ def test_int4_word_gemv_on_cuda(dtype, use_asm):
     x, bias = random_x(1, 1024, dtype), random_bias(4096, dtype)
     expected = reference(x, dequantize_int4(qweight, scale, zero, 128), bias)
     shapes = ((128, 128, 1, 1), (64, 64, 4, 2), (256, 128, 8, 4), (16, 1024, 1, 4), (8, 512, 2, 1), (32, 256, 4, 2))
-    for block_n, block_k, split, warps in shapes:
+    for (block_n, block_k, split, warps), x_vector in itertools.product(shapes, (False, True)):
         variant = int4_decode.DecodeVariant(
             block_m=1,
             block_n=block_n,
@@ -202,6 +206,7 @@ def test_int4_word_gemv_on_cuda(dtype, use_asm):
             use_asm=use_asm,
             use_dot=False,
             words=True,
+            x_vector=x_vector,
         )
         for _ in range(10):
             got = int4_decode.int4_decode_matmul(x, qweight, scale, zero, bias, 128, variant)
@@ -236,6 +241,8 @@ def test_the_word_gemv_is_the_one_row_gemv(monkeypatch):
     assert not int4_decode.supports(torch.bfloat16, 96, DECODE_WORDS_GROUPS)
     with pytest.raises(ValueError, match="block_n must be a power of two >= 16"):
         int4_decode.DecodeVariant(block_m=1, block_n=8, use_dot=False)
+    with pytest.raises(ValueError, match="x_vector is the word GEMV's"):
+        int4_decode.DecodeVariant(block_m=1, use_dot=False, x_vector=True)
 
 
 def run_word_asm(word: int) -> list[float]:
@@ -424,7 +431,7 @@ def test_the_kernels_compile_for_sm90():
     script = Path(__file__).with_name("quant_sm90_compile.py")
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("compiled") == 15, done.stdout
+    assert done.stdout.count("compiled") == 16, done.stdout
 
 
 # ---- FP8 ----

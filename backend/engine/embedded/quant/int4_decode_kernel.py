@@ -49,6 +49,7 @@ class DecodeVariant:
     use_dot: bool = True  # False: the CUDA cores' multiply-and-sum, for one row or a few (block_m from 1)
     prefetch: bool = False  # load the next K step's weights before this one's arithmetic (tl.dot pipelines itself)
     words: bool = False  # one row: the weights read as int32 words, each made into eight fp32 values (_word_values)
+    x_vector: bool = False  # words: each step's x read as one vector and split eight ways (int4_words._step_x)
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -60,6 +61,8 @@ class DecodeVariant:
             raise ValueError(f"DecodeVariant.split_k must be >= 1, got {self.split_k}")
         if self.words and (self.block_m != 1 or self.use_dot or self.prefetch):
             raise ValueError("DecodeVariant.words is the one-row GEMV: block_m=1, use_dot=False, prefetch=False")
+        if self.x_vector and not self.words:
+            raise ValueError("DecodeVariant.x_vector is the word GEMV's (words=True)")
 
 
 def supports(x_dtype: torch.dtype, group_size: int, variant: DecodeVariant) -> bool:
@@ -219,6 +222,7 @@ def _int4_decode_kernel(
     PREFETCH: tl.constexpr,
     WORDS: tl.constexpr,
     EVEN_K: tl.constexpr,
+    X_VECTOR: tl.constexpr,
     INTERPRETED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -243,7 +247,20 @@ def _int4_decode_kernel(
     for k0 in range(k_start, k_end, BLOCK_K):
         if WORDS:  # w is the int32 view, stride_w in words
             step = words_step(
-                w_rows, x, s_rows, z_rows, k0, K, col_ok, stride_sg, stride_zg, GROUP_SIZE, USE_ASM, BLOCK_K, EVEN_K
+                w_rows,
+                x,
+                s_rows,
+                z_rows,
+                k0,
+                K,
+                col_ok,
+                stride_sg,
+                stride_zg,
+                GROUP_SIZE,
+                USE_ASM,
+                BLOCK_K,
+                EVEN_K,
+                X_VECTOR,
             )
             acc += step[None, :]
         else:
@@ -314,7 +331,7 @@ def int4_decode_matmul(
     if variant.words and not int32_viewable(qweight):
         # rows not whole words: the byte GEMV reads them, in steps inside one scale group
         block_n, block_k = max(16, variant.block_n), math.gcd(variant.block_k, group_size)
-        variant = replace(variant, words=False, block_n=block_n, block_k=block_k)
+        variant = replace(variant, words=False, x_vector=False, block_n=block_n, block_k=block_k)
     N = qweight.shape[0]
     if M == 0:
         return torch.empty((0, N), dtype=x.dtype, device=x.device)
@@ -357,6 +374,7 @@ def int4_decode_matmul(
         PREFETCH=variant.prefetch,
         WORDS=variant.words,
         EVEN_K=K % variant.block_k == 0,
+        X_VECTOR=variant.x_vector,
         INTERPRETED=x.device.type != "cuda",
         BLOCK_M=variant.block_m,
         BLOCK_N=variant.block_n,

@@ -67,11 +67,42 @@ def _word_values(words, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def words_step(w_rows, x, s_rows, z_rows, k0, K, col_ok, stride_sg, stride_zg, GROUP_SIZE, USE_ASM, BLOCK_K, EVEN_K):
+def _step_x(x, word_ids, k0, K, WORDS, BLOCK_K, X_VECTOR):
+    """The step's x in eight [WORDS] vectors, x_i[c] = x[8c + i] in fp32; those whose nibble values are q / 16
+    (_WORD_SIXTEENTHS) times 16."""
+    if X_VECTOR:
+        ks = 8 * tl.multiple_of(k0 // 8, WORDS) + tl.arange(0, BLOCK_K)
+        x_step = tl.load(x + ks, mask=ks < K, other=0.0).to(tl.float32)
+        evens, odds = tl.split(tl.reshape(x_step, (WORDS, 4, 2)))  # columns 0 2 4 6 and 1 3 5 7 of each word
+        e04, e26 = tl.split(tl.reshape(evens, (WORDS, 2, 2)))
+        o15, o37 = tl.split(tl.reshape(odds, (WORDS, 2, 2)))
+        x0, x4 = tl.split(e04)
+        x2, x6 = tl.split(e26)
+        x1, x5 = tl.split(o15)
+        x3, x7 = tl.split(o37)
+    else:
+        ks = 8 * word_ids
+        k_ok = word_ids < K // 8
+        x0 = tl.load(x + ks, mask=k_ok, other=0.0).to(tl.float32)
+        x1 = tl.load(x + ks + 1, mask=k_ok, other=0.0).to(tl.float32)
+        x2 = tl.load(x + ks + 2, mask=k_ok, other=0.0).to(tl.float32)
+        x3 = tl.load(x + ks + 3, mask=k_ok, other=0.0).to(tl.float32)
+        x4 = tl.load(x + ks + 4, mask=k_ok, other=0.0).to(tl.float32)
+        x5 = tl.load(x + ks + 5, mask=k_ok, other=0.0).to(tl.float32)
+        x6 = tl.load(x + ks + 6, mask=k_ok, other=0.0).to(tl.float32)
+        x7 = tl.load(x + ks + 7, mask=k_ok, other=0.0).to(tl.float32)
+    return x0 * 16.0, x1 * 16.0, x2, x3 * 16.0, x4, x5 * 16.0, x6, x7
+
+
+@triton.jit
+def words_step(
+    w_rows, x, s_rows, z_rows, k0, K, col_ok, stride_sg, stride_zg, GROUP_SIZE, USE_ASM, BLOCK_K, EVEN_K, X_VECTOR
+):
     """One K step of one row x against int32 words: [BLOCK_N] fp32, zero point and scale applied. With v the
     nibble values and x' = x (* 16 where v = 128 + q / 16): sum x' v = 128 sum x' + sum q x. A step may span
     several scale groups (BLOCK_K a multiple of GROUP_SIZE): each group's sums are scaled apart. EVEN_K (K a
-    multiple of BLOCK_K): no K masks, so that the words load in 16-byte vectors."""
+    multiple of BLOCK_K): no K masks, so that the words load in 16-byte vectors. X_VECTOR: the step's x read as
+    one vector and split eight ways (fewer loads, but through shared memory), not in eight strided loads."""
     WORDS: tl.constexpr = BLOCK_K // 8
     word_ids = tl.multiple_of(k0 // 8, WORDS) + tl.arange(0, WORDS)  # k0 is a multiple of BLOCK_K
     k_ok = word_ids < K // 8
@@ -80,15 +111,7 @@ def words_step(w_rows, x, s_rows, z_rows, k0, K, col_ok, stride_sg, stride_zg, G
     else:
         words = tl.load(w_rows + word_ids[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0)
     v0, v1, v2, v3, v4, v5, v6, v7 = _word_values(words, USE_ASM)
-    ks = 8 * word_ids
-    x0 = tl.load(x + ks, mask=k_ok, other=0.0).to(tl.float32) * 16.0
-    x1 = tl.load(x + ks + 1, mask=k_ok, other=0.0).to(tl.float32) * 16.0
-    x2 = tl.load(x + ks + 2, mask=k_ok, other=0.0).to(tl.float32)
-    x3 = tl.load(x + ks + 3, mask=k_ok, other=0.0).to(tl.float32) * 16.0
-    x4 = tl.load(x + ks + 4, mask=k_ok, other=0.0).to(tl.float32)
-    x5 = tl.load(x + ks + 5, mask=k_ok, other=0.0).to(tl.float32) * 16.0
-    x6 = tl.load(x + ks + 6, mask=k_ok, other=0.0).to(tl.float32)
-    x7 = tl.load(x + ks + 7, mask=k_ok, other=0.0).to(tl.float32)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _step_x(x, word_ids, k0, K, WORDS, BLOCK_K, X_VECTOR)
     prod = v0 * x0[None, :] + v1 * x1[None, :] + v2 * x2[None, :] + v3 * x3[None, :]
     prod += v4 * x4[None, :] + v5 * x5[None, :] + v6 * x6[None, :] + v7 * x7[None, :]
     sixteenths = x0 + x1 + x3 + x5
