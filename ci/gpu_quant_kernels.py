@@ -330,9 +330,9 @@ def words_variants(m: int) -> list[DecodeVariant]:
     ]
     shapes = ((16, 128, 1), (32, 128, 2), (8, 512, 1), (8, 1024, 2), (16, 256, 1), (16, 512, 2), (16, 1024, 4))
     shapes += ((16, 2048, 8), (32, 256, 2), (32, 512, 4), (32, 1024, 8), (64, 512, 8))
-    for (bn, bk, warps), split, stages in itertools.product(shapes, (1, 2, 4, 8), (1, 2)):
+    for (bn, bk, warps), (split, stages) in itertools.product(shapes, ((1, 1), (2, 1), (4, 1), (8, 1), (1, 2), (4, 2))):
         found.append(DecodeVariant(block_n=bn, block_k=bk, split_k=split, num_warps=warps, num_stages=stages, **gemv))
-    for (bn, bk, warps), split in itertools.product(((64, 128, 1),) + shapes, (1, 4, 16)):  # x as one vector
+    for (bn, bk, warps), split in itertools.product(((64, 128, 1),) + shapes, (1, 4)):  # x as one vector
         found.append(
             DecodeVariant(block_n=bn, block_k=bk, split_k=split, num_warps=warps, num_stages=1, x_vector=True, **gemv)
         )
