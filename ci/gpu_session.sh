@@ -136,8 +136,8 @@ for what in "$@"; do
           fp8w-256) bench "llama-3.1-8b fp8 weights 256x128/128" --model "$l" --config /tmp/fp8w.yaml "${many[@]}" ;;
           bf16-1) bench "llama-3.1-8b bf16 1x128/128" --model "$l" "${one[@]}" ;;
           w4a16-1) bench "llama-3.1-8b w4a16 1x128/128" --model "$l" --config /tmp/w4a16.yaml "${one[@]}" ;;
-          w4a16-1-words) BENCH_PRELUDE="from tritonllm.engine.embedded.quant import kernels; kernels.INT4_GEMV_WORDS = True" \
-            bench "llama-3.1-8b w4a16, word GEMV, 1x128/128" --model "$l" --config /tmp/w4a16.yaml "${one[@]}" ;;
+          w4a16-1-bytes) BENCH_PRELUDE="from tritonllm.engine.embedded.quant import kernels; kernels.ONE_ROW_SHAPES.clear()" \
+            bench "llama-3.1-8b w4a16, byte GEMV, 1x128/128" --model "$l" --config /tmp/w4a16.yaml "${one[@]}" ;;
           w4a16-1-swept)  # each projection's best one-row shape from this call's int4-decode-sweep
             BENCH_PRELUDE="import sys; sys.path.insert(0, 'ci'); import gpu_quant_kernels; gpu_quant_kernels.use_swept_shapes('$OUT/int4-decode-sweep.jsonl')" \
             bench "llama-3.1-8b w4a16, swept one-row shapes, 1x128/128" --model "$l" --config /tmp/w4a16.yaml "${one[@]}" ;;

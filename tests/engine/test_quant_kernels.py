@@ -230,12 +230,13 @@ def test_the_word_gemv_reads_bytes_that_do_not_start_on_a_word():
 def test_the_word_gemv_is_the_one_row_gemv(monkeypatch):
     with pytest.raises(ValueError, match="words is the one-row GEMV"):
         int4_decode.DecodeVariant(block_m=16, words=True)
-    monkeypatch.setattr(kernels, "INT4_GEMV_WORDS", True)
-    assert kernels.choose_decode_variant(1, 4096, 4096).words
-    assert not kernels.choose_decode_variant(2, 4096, 4096).words
-    monkeypatch.setitem(kernels.ONE_ROW_SHAPES, (4096, 4096), DECODE_WORDS_GROUPS)
-    assert kernels.choose_decode_variant(1, 4096, 4096) is DECODE_WORDS_GROUPS
-    assert kernels.choose_decode_variant(1, 4096, 14336) is not DECODE_WORDS_GROUPS
+    assert kernels.choose_decode_variant(1, 4096, 14336).words  # Llama-3.1-8B's down_proj: the table's
+    assert not kernels.choose_decode_variant(2, 4096, 14336).words
+    assert not kernels.choose_decode_variant(1, 896, 4864).words  # not in the table: the byte GEMV
+    monkeypatch.setitem(kernels.ONE_ROW_SHAPES, (896, 4864), DECODE_WORDS_GROUPS)
+    assert kernels.choose_decode_variant(1, 896, 4864) is DECODE_WORDS_GROUPS
+    for (n, k), variant in kernels.ONE_ROW_SHAPES.items():  # each shape of the table applies at group 128
+        assert int4_decode.supports(torch.bfloat16, 128, variant), (n, k, variant)
     assert int4_decode.supports(torch.bfloat16, 32, DECODE_WORDS_GROUPS)  # whole groups a step: words only
     assert not int4_decode.supports(torch.bfloat16, 32, replace(DECODE_WORDS_GROUPS, words=False, block_n=16))
     assert not int4_decode.supports(torch.bfloat16, 96, DECODE_WORDS_GROUPS)

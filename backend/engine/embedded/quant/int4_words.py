@@ -116,24 +116,26 @@ def words_step(
     prod += v4 * x4[None, :] + v5 * x5[None, :] + v6 * x6[None, :] + v7 * x7[None, :]
     sixteenths = x0 + x1 + x3 + x5
     others = x2 + x4 + x6 + x7
-    if BLOCK_K <= GROUP_SIZE:
+    if BLOCK_K <= GROUP_SIZE:  # one group: (the compiler visits what follows a return, so no early return)
         part = tl.sum(prod, axis=1)
         x_scaled_sum = 128.0 * tl.sum(sixteenths + others)
         x_sum = tl.sum(sixteenths * 0.0625 + others)
         group = k0 // GROUP_SIZE
         s = tl.load(s_rows + group * stride_sg, mask=col_ok, other=0.0).to(tl.float32)
         z = tl.load(z_rows + group * stride_zg, mask=col_ok, other=0).to(tl.float32)
-        return (part - x_scaled_sum - x_sum * z) * s
-    GROUPS: tl.constexpr = BLOCK_K // GROUP_SIZE
-    PER_GROUP: tl.constexpr = WORDS // GROUPS
-    part = tl.sum(tl.reshape(prod, (prod.shape[0], GROUPS, PER_GROUP)), axis=2)  # [BLOCK_N, GROUPS]
-    x_scaled_sum = 128.0 * tl.sum(tl.reshape(sixteenths + others, (GROUPS, PER_GROUP)), axis=1)
-    x_sum = tl.sum(tl.reshape(sixteenths * 0.0625 + others, (GROUPS, PER_GROUP)), axis=1)
-    groups = k0 // GROUP_SIZE + tl.arange(0, GROUPS)
-    group_ok = col_ok[:, None] & (groups < K // GROUP_SIZE)[None, :]
-    s = tl.load(s_rows[:, None] + groups[None, :] * stride_sg, mask=group_ok, other=0.0).to(tl.float32)
-    z = tl.load(z_rows[:, None] + groups[None, :] * stride_zg, mask=group_ok, other=0).to(tl.float32)
-    return tl.sum((part - x_scaled_sum[None, :] - x_sum[None, :] * z) * s, axis=1)
+        step = (part - x_scaled_sum - x_sum * z) * s
+    else:
+        GROUPS: tl.constexpr = BLOCK_K // GROUP_SIZE
+        PER_GROUP: tl.constexpr = WORDS // GROUPS
+        part = tl.sum(tl.reshape(prod, (prod.shape[0], GROUPS, PER_GROUP)), axis=2)  # [BLOCK_N, GROUPS]
+        x_scaled_sums = 128.0 * tl.sum(tl.reshape(sixteenths + others, (GROUPS, PER_GROUP)), axis=1)
+        x_sums = tl.sum(tl.reshape(sixteenths * 0.0625 + others, (GROUPS, PER_GROUP)), axis=1)
+        groups = k0 // GROUP_SIZE + tl.arange(0, GROUPS)
+        group_ok = col_ok[:, None] & (groups < K // GROUP_SIZE)[None, :]
+        s = tl.load(s_rows[:, None] + groups[None, :] * stride_sg, mask=group_ok, other=0.0).to(tl.float32)
+        z = tl.load(z_rows[:, None] + groups[None, :] * stride_zg, mask=group_ok, other=0).to(tl.float32)
+        step = tl.sum((part - x_scaled_sums[None, :] - x_sums[None, :] * z) * s, axis=1)
+    return step
 
 
 def int32_viewable(qweight: torch.Tensor) -> bool:

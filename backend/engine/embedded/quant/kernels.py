@@ -210,16 +210,13 @@ def choose_variant(m: int, n: int, k: int) -> Variant:
 
 
 def choose_decode_variant(m: int, n: int, k: int) -> DecodeVariant:
-    """The int4 decode kernel's program shape for m <= SMALL_M rows (int4_decode_kernel.py), from H200 sweeps over
-    Llama-3.1-8B's four projections (2026-12-02, docs/gpu-runs.md). One row: the CUDA-core GEMV, one warp a
-    program, 32 columns, K in 16 slices (69 us for the four against bf16's 116). More rows: 16-row tl.dot tiles,
-    two warps, 64 columns and 8 slices, or 128 columns and 2 slices for the wide gate/up projection."""
+    """The int4 decode kernel's program shape for m <= SMALL_M rows (int4_decode_kernel.py), from GPU sweeps over
+    Llama-3.1-8B's four projections (docs/gpu-runs.md). One row: ONE_ROW_SHAPES where it has (N, K) (the word
+    GEMV, 62.5 us for the four on an H100 against bf16's 164), else the byte GEMV, one warp a program, 32 columns,
+    K in 16 slices (77 us on the H100). More rows: 16-row tl.dot tiles, two warps, 64 columns and 8 slices, or 128
+    columns and 2 slices for the wide gate/up projection."""
     if m == 1 and (n, k) in ONE_ROW_SHAPES:
         return ONE_ROW_SHAPES[(n, k)]
-    if m == 1 and INT4_GEMV_WORDS:
-        return DecodeVariant(
-            block_m=1, block_n=128, block_k=128, split_k=16, num_warps=1, num_stages=1, use_dot=False, words=True
-        )
     if m == 1:
         return DecodeVariant(block_m=1, block_n=32, block_k=128, split_k=16, num_warps=1, num_stages=1, use_dot=False)
     if n >= 16384:
@@ -255,13 +252,33 @@ def _int4_decode_applies(x: torch.Tensor, group_size: int, variant: DecodeVarian
 
 
 INT4_DECODE_KERNEL = True  # False: int4 decode through weight_only_kernel's general kernel
-# One row through the GEMV over int32 words (half the SASS instructions a weight of the byte GEMV's in sm90
-# compiles). Off until an H200 run times it and checks its PTX: ci/gpu_session.sh's int4-decode-sweep with
-# QUANT_ARGS=--words, quant-tests, and bench-quant's w4a16-1-words.
-INT4_GEMV_WORDS = False
-# One row's program shape by (N, K), ahead of the defaults above: filled from a GPU sweep's best shapes
-# (ci/gpu_quant_kernels.py --sweep-decode, then use_swept_shapes in a bench's prelude).
-ONE_ROW_SHAPES: dict[tuple[int, int], DecodeVariant] = {}
+
+
+def _word_gemv(block_n: int, block_k: int, warps: int, stages: int = 1, x_vector: bool = False) -> DecodeVariant:
+    """A word-GEMV shape of whole rows (no split K)."""
+    return DecodeVariant(
+        block_m=1,
+        block_n=block_n,
+        block_k=block_k,
+        num_warps=warps,
+        num_stages=stages,
+        use_dot=False,
+        words=True,
+        x_vector=x_vector,
+    )
+
+
+# One row's program shape by (N, K), ahead of the byte GEMV: each projection's best in a GPU sweep
+# (`QUANT_ARGS=--words QUANT_MS=1 bash ci/gpu_session.sh int4-decode-sweep`; bench-quant's w4a16-1-swept runs a
+# sweep's table). The word GEMV in few-column programs over whole rows: Llama-3.1-8B's (and Mistral-7B's) shapes
+# from an H100 sweep, 2026-12-06 (docs/gpu-runs.md, twenty-third session, call 2), us against bf16's. Other shapes
+# take the byte GEMV until a sweep covers them.
+ONE_ROW_SHAPES: dict[tuple[int, int], DecodeVariant] = {
+    (6144, 4096): _word_gemv(8, 1024, warps=2, x_vector=True),  # qkv_proj 9.3 us (bf16 20.6)
+    (4096, 4096): _word_gemv(16, 2048, warps=8),  # o_proj 6.8 (15.6)
+    (28672, 4096): _word_gemv(16, 1024, warps=4, x_vector=True),  # gate_up_proj 28.5 (84.4)
+    (4096, 14336): _word_gemv(16, 2048, warps=8, stages=2),  # down_proj 17.9 (43.7)
+}
 
 
 # ---- inputs ---------------------------------------------------------------------------------------------------
