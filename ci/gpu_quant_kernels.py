@@ -13,7 +13,6 @@ import argparse
 import dataclasses
 import itertools
 import json
-import re
 import statistics
 import sys
 from typing import Callable, Iterator
@@ -342,14 +341,10 @@ def words_variants(m: int) -> list[DecodeVariant]:
 def use_swept_shapes(path: str) -> dict[tuple[int, int], DecodeVariant]:
     """Fills kernels.ONE_ROW_SHAPES with each shape's best one-row variant from a --sweep-decode output (its
     decode-best rows at m = 1), so that a bench in the same GPU call runs what the sweep found (a bench prelude)."""
-    fields = {f.name: f.type for f in dataclasses.fields(DecodeVariant)}
     for line in open(path):
         row = json.loads(line) if line.startswith("{") else {}
-        if row.get("kind") != "decode-best" or row.get("m") != 1 or not row.get("best"):
-            continue
-        settings = dict(re.findall(r"(\w+)=(\w+)", row["best"]["variant"]))
-        typed = {k: v == "True" if fields[k] == "bool" else int(v) for k, v in settings.items()}
-        kernels.ONE_ROW_SHAPES[SHAPES[row["shape"]]] = DecodeVariant(**typed)
+        if row.get("kind") == "decode-best" and row.get("m") == 1 and row.get("best"):
+            kernels.ONE_ROW_SHAPES[SHAPES[row["shape"]]] = DecodeVariant(**row["best"]["fields"])
     print(f"one-row shapes from {path}: {kernels.ONE_ROW_SHAPES}", file=sys.stderr)
     return kernels.ONE_ROW_SHAPES
 
@@ -392,17 +387,19 @@ def sweep_decode(ms: tuple[int, ...]) -> None:
             general_us = timed_us([lambda a=a: call_variant(general, x, a) for a in rotation])[0]
             for key, us in (("bf16", dense_us), ("general", general_us)):
                 totals[m][key] = totals[m].get(key, 0.0) + us
-            times = time_decode_variants("decode", name, x, weight, rotation, decode_variants(m))
+            variants = {str(v): v for v in decode_variants(m)}
+            times = time_decode_variants("decode", name, x, weight, rotation, list(variants.values()))
             for variant, us in times.items():
                 totals[m][variant] = totals[m].get(variant, 0.0) + us
             best = min(((us, variant) for variant, us in times.items()), default=None)
+            fields = best and dataclasses.asdict(variants[best[1]])  # what use_swept_shapes builds it from
             emit(
                 kind="decode-best",
                 shape=name,
                 m=m,
                 bf16_us=round(dense_us, 2),
                 general_us=round(general_us, 2),
-                best=best and {"variant": best[1], "us": round(best[0], 2)},
+                best=best and {"variant": best[1], "us": round(best[0], 2), "fields": fields},
             )
             best_sum[m] += best[0] if best else float("nan")
         del weight, rotation

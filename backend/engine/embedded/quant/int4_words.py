@@ -67,11 +67,12 @@ def _word_values(words, USE_ASM: tl.constexpr):
 
 
 @triton.jit
-def _step_x(x, word_ids, k0, K, WORDS, BLOCK_K, X_VECTOR):
-    """The step's x in eight [WORDS] vectors, x_i[c] = x[8c + i] in fp32; those whose nibble values are q / 16
-    (_WORD_SIXTEENTHS) times 16."""
+def _step_x(x, word_ids, k_ok, k0, K, BLOCK_K, X_VECTOR):
+    """The step's x in eight [WORDS] vectors, x_i[c] = x[8c + i] in fp32 (word_ids: the step's words, k_ok: those
+    inside K); those whose nibble values are q / 16 (_WORD_SIXTEENTHS) times 16."""
+    WORDS: tl.constexpr = BLOCK_K // 8
     if X_VECTOR:
-        ks = 8 * tl.multiple_of(k0 // 8, WORDS) + tl.arange(0, BLOCK_K)
+        ks = tl.multiple_of(k0, BLOCK_K) + tl.arange(0, BLOCK_K)  # k0 is a multiple of BLOCK_K
         x_step = tl.load(x + ks, mask=ks < K, other=0.0).to(tl.float32)
         evens, odds = tl.split(tl.reshape(x_step, (WORDS, 4, 2)))  # columns 0 2 4 6 and 1 3 5 7 of each word
         e04, e26 = tl.split(tl.reshape(evens, (WORDS, 2, 2)))
@@ -82,7 +83,6 @@ def _step_x(x, word_ids, k0, K, WORDS, BLOCK_K, X_VECTOR):
         x3, x7 = tl.split(o37)
     else:
         ks = 8 * word_ids
-        k_ok = word_ids < K // 8
         x0 = tl.load(x + ks, mask=k_ok, other=0.0).to(tl.float32)
         x1 = tl.load(x + ks + 1, mask=k_ok, other=0.0).to(tl.float32)
         x2 = tl.load(x + ks + 2, mask=k_ok, other=0.0).to(tl.float32)
@@ -111,7 +111,7 @@ def words_step(
     else:
         words = tl.load(w_rows + word_ids[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0)
     v0, v1, v2, v3, v4, v5, v6, v7 = _word_values(words, USE_ASM)
-    x0, x1, x2, x3, x4, x5, x6, x7 = _step_x(x, word_ids, k0, K, WORDS, BLOCK_K, X_VECTOR)
+    x0, x1, x2, x3, x4, x5, x6, x7 = _step_x(x, word_ids, k_ok, k0, K, BLOCK_K, X_VECTOR)
     prod = v0 * x0[None, :] + v1 * x1[None, :] + v2 * x2[None, :] + v3 * x3[None, :]
     prod += v4 * x4[None, :] + v5 * x5[None, :] + v6 * x6[None, :] + v7 * x7[None, :]
     sixteenths = x0 + x1 + x3 + x5
