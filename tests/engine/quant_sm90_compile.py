@@ -21,12 +21,12 @@ WEIGHT_ONLY = [  # bits, dtype, variant, group size
 ]
 
 
-def compile_for_sm90(kernel, pointers: dict, constexprs: dict, **options) -> None:
-    """Scalars not named are int32."""
+def compile_for_sm90(kernel, pointers: dict, constexprs: dict, **options):
+    """Scalars not named are int32. Returns the compiled kernel."""
     names = kernel.arg_names
     signature = {n: pointers.get(n, "constexpr" if n in constexprs else "i32") for n in names}
     fixed = {(names.index(n),): value for n, value in constexprs.items()}
-    compile(ASTSource(fn=kernel, signature=signature, constexprs=fixed), target=TARGET, options=options)
+    return compile(ASTSource(fn=kernel, signature=signature, constexprs=fixed), target=TARGET, options=options)
 
 
 def weight_only(bits: int, dtype: str, variant: Variant, group_size: int) -> None:
@@ -53,17 +53,26 @@ def int4_decode_kernel(
     block_n: int = 32,
     block_k: int = 128,
     x_vector: bool = False,
+    pdl: bool = False,
+    prefetch: bool | None = None,
 ) -> None:
     pointers = {name: f"*{dtype}" for name in ("x", "scale", "bias", "out")}
     pointers |= {"w": "*i32" if words else "*u8", "zero": "*u8", "workspace": "*fp32", "counters": "*i32"}
     constexprs = dict(GROUP_SIZE=128, HAS_BIAS=True, SPLIT_K=split_k, USE_ASM=use_asm, FP16=dtype == "fp16")
-    constexprs |= dict(UPCAST=False, USE_DOT=use_dot, PREFETCH=not (use_dot or words), WORDS=words)
+    prefetch = not (use_dot or words) if prefetch is None else prefetch
+    constexprs |= dict(UPCAST=False, USE_DOT=use_dot, PREFETCH=prefetch, WORDS=words)
     constexprs |= dict(INTERPRETED=False, BLOCK_M=16 if use_dot else 1, BLOCK_N=block_n, BLOCK_K=block_k)
-    constexprs |= dict(X_VECTOR=x_vector)
+    constexprs |= dict(X_VECTOR=x_vector, PDL=pdl)
     for even_k in (False, True):  # K masked in each step, or a multiple of the step
         constexprs["EVEN_K"] = even_k
-        compile_for_sm90(int4_decode._int4_decode_kernel, pointers, constexprs, num_warps=4, num_stages=3)
+        options = dict(num_warps=4, num_stages=3) | (dict(launch_pdl=True) if pdl else {})
+        ptx = compile_for_sm90(int4_decode._int4_decode_kernel, pointers, constexprs, **options).asm["ptx"]
+        if pdl:  # the first weights are requested before the wait, and nothing is stored before it
+            wait = ptx.index("griddepcontrol.wait")
+            assert "ld.global" in ptx[:wait] and "st.global" not in ptx[:wait], "PDL: loads and stores misplaced"
+            assert "griddepcontrol.launch_dependents" in ptx[:wait]
     shape = f"split {split_k} asm {use_asm} dot {use_dot} words {words} {block_n} x {block_k} x vector {x_vector}"
+    shape += f" pdl {pdl} prefetch {prefetch}"
     print("compiled the int4 decode kernel", dtype, shape, flush=True)
 
 
@@ -86,12 +95,13 @@ def fp8_rows() -> None:
     """The fused norm and SiLU writing FP8 rows, through fp8_kernel's shared rounding helpers."""
     norm = {n: "*bf16" for n in ("x", "residual", "weight", "out", "sum_out")}
     norm |= {"fp8_out": "*fp8e4nv", "fp8_scales": "*fp32", "eps": "fp32", "row_scales": "*fp32", "col_scales": "*fp32"}
-    constexprs = dict(HAS_RESIDUAL=True, FP8_ROWS=True, SCALED=False, BLOCK=4096, ROUND_BF16=False)
+    constexprs = dict(HAS_RESIDUAL=True, FP8_ROWS=True, SCALED=False, BLOCK=4096, ROUND_BF16=False, DEPENDENTS=True)
     compile_for_sm90(fused_ops._rms_norm_kernel, norm, constexprs, num_warps=8)
     silu = {"gate_up": "*bf16", "out": "*bf16", "fp8_out": "*fp8e4nv", "fp8_scales": "*fp32"}
     compile_for_sm90(fused_ops._silu_and_mul_fp8_kernel, silu, dict(BLOCK=1024, ROUND_BF16=False), num_warps=8)
     silu = {"gate_up": "*bf16", "out": "*bf16", "block_amax": "*fp32"}
-    compile_for_sm90(fused_ops._silu_and_mul_kernel, silu, dict(BLOCK=1024, ROUND_BF16=False, AMAX=True), num_warps=4)
+    constexprs = dict(BLOCK=1024, ROUND_BF16=False, AMAX=True, DEPENDENTS=True)
+    compile_for_sm90(fused_ops._silu_and_mul_kernel, silu, constexprs, num_warps=4)
     blocks = {"x": "*bf16", "block_amax": "*fp32", "fp8_out": "*fp8e4nv", "fp8_scales": "*fp32"}
     compile_for_sm90(fused_ops._fp8_blocks_kernel, blocks, dict(BLOCK=2048, BLOCKS=16), num_warps=4)
     print("compiled the norm and SiLU with FP8 rows", flush=True)
@@ -101,7 +111,7 @@ def deferred_scales_norm() -> None:
     """The fused norm scaling an unscaled fp32 FP8 product (quant/kernels.fp8_linear's defer_scales) first."""
     norm = {n: "*bf16" for n in ("residual", "weight", "out", "sum_out")} | {"x": "*fp32", "eps": "fp32"}
     norm |= {"fp8_out": "*fp8e4nv", "fp8_scales": "*fp32", "row_scales": "*fp32", "col_scales": "*fp32"}
-    constexprs = dict(HAS_RESIDUAL=True, FP8_ROWS=True, SCALED=True, BLOCK=4096, ROUND_BF16=False)
+    constexprs = dict(HAS_RESIDUAL=True, FP8_ROWS=True, SCALED=True, BLOCK=4096, ROUND_BF16=False, DEPENDENTS=False)
     compile_for_sm90(fused_ops._rms_norm_kernel, norm, constexprs, num_warps=8)
     print("compiled the norm applying deferred FP8 scales", flush=True)
 
@@ -121,6 +131,8 @@ if __name__ == "__main__":
         int4_decode_kernel(dtype, split_k, use_asm, use_dot, words)
     for x_vector in (False, True):  # four groups a K step
         int4_decode_kernel("bf16", 2, True, False, words=True, block_n=16, block_k=512, x_vector=x_vector)
+    for prefetch in (False, True):  # launched with PDL: the first step's words read before the wait
+        int4_decode_kernel("bf16", 1, True, False, words=True, block_n=16, block_k=1024, pdl=True, prefetch=prefetch)
     fp8_matmul()
     fp8_rows()
     deferred_scales_norm()

@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..pdl import pdl_on, release_dependents
 from .fp8_cache import FP8_MAX as _FP8_MAX
 from .fp8_cache import is_fp8
 
@@ -260,9 +261,11 @@ def _decode_merge_kernel(
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_P: tl.constexpr,
+    DEPENDENTS: tl.constexpr,
 ):
     """Program (sequence, head): the splits' partial outputs weighted by their share of the softmax sum. Empty
     splits (lse -inf) weigh 0; a sequence with no keys at all gets zeros."""
+    release_dependents(DEPENDENTS)  # the output projection after it may start reading its weights (pdl.py)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     split = tl.arange(0, SPLITS_P)
@@ -375,6 +378,7 @@ def decode_attention(
             BLOCK_D=block_d,
             NUM_SPLITS=splits,
             SPLITS_P=triton.next_power_of_2(splits),
+            DEPENDENTS=pdl_on(out.device),
             num_warps=4,
         )
     return out

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..pdl import pdl_on, release_dependents
 from ..quant.formats import FP8_DTYPE
 from ..quant.fp8_kernel import row_scale, store_fp8
 
@@ -76,11 +77,13 @@ def _rms_norm_kernel(
     SCALED: tl.constexpr,
     BLOCK: tl.constexpr,
     ROUND_BF16: tl.constexpr,
+    DEPENDENTS: tl.constexpr,
 ):
     """Program (row): out = weight * round(h * rsqrt(mean(h^2) + eps)), h = x (+ residual, rounded and stored to
     sum_out), rounding to out's dtype (a no-op in fp32) and the product rounded once; FP8_ROWS: out's row
     quantized into fp8_out (contiguous) and its scale into fp8_scales too. SCALED: x is an unscaled fp32 FP8
     product, first scaled by its row's and columns' scales and rounded to out's dtype (as fp8_linear's would)."""
+    release_dependents(DEPENDENTS)  # the matmul after it may start reading its weights (pdl.py)
     dtype = out.dtype.element_ty
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -151,9 +154,11 @@ def _silu_and_mul_kernel(
     BLOCK: tl.constexpr,
     ROUND_BF16: tl.constexpr,
     AMAX: tl.constexpr,
+    DEPENDENTS: tl.constexpr,
 ):
     """Program (row, column block): out = silu(gate) * up in fp32, gate and up the two halves of the row. AMAX:
     also the block's absmax of the rounded values, into block_amax [rows, column blocks] (for _fp8_blocks_kernel)."""
+    release_dependents(DEPENDENTS)  # the matmul after it may start reading its weights (pdl.py)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < size
@@ -272,6 +277,7 @@ def rms_norm(
             SCALED=pending is not None,
             BLOCK=block,
             ROUND_BF16=_round_bf16(out),
+            DEPENDENTS=pdl_on(x.device),
             num_warps=4 if block < 2048 else 8 if block < 8192 else 16,
         )
     if fp8_rows:
@@ -367,6 +373,7 @@ def silu_and_mul(gate_up: torch.Tensor, fp8_rows: bool = False) -> torch.Tensor:
             BLOCK=block,
             ROUND_BF16=_round_bf16(gate_up),
             AMAX=fp8_rows,
+            DEPENDENTS=pdl_on(gate_up.device),
             num_warps=4,
         )
     if fp8_rows:

@@ -28,7 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .int4_words import int32_viewable, words_step
+from ..pdl import pdl_on
+from .int4_words import int32_viewable, words_row
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # fp32: exact fp32 products instead of the magic
 # 128 (bf16) and 1024 (fp16): the powers of two whose mantissa steps are 1, so MAGIC + q is exact for q < 16
@@ -50,6 +51,8 @@ class DecodeVariant:
     prefetch: bool = False  # load the next K step's weights before this one's arithmetic (tl.dot pipelines itself)
     words: bool = False  # one row: the weights read as int32 words, each made into eight fp32 values (_word_values)
     x_vector: bool = False  # words: each step's x read as one vector and split eight ways (int4_words._step_x)
+    pdl: bool = False  # words: launched with PDL where the GPU has it (pdl.py), its first weights read early
+    max_registers: int = 0  # a cap on registers a thread (more programs an SM), 0: the compiler's choice
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -59,10 +62,13 @@ class DecodeVariant:
                 raise ValueError(f"DecodeVariant.{name} must be a power of two >= {least}, got {value}")
         if self.split_k < 1:
             raise ValueError(f"DecodeVariant.split_k must be >= 1, got {self.split_k}")
-        if self.words and (self.block_m != 1 or self.use_dot or self.prefetch):
-            raise ValueError("DecodeVariant.words is the one-row GEMV: block_m=1, use_dot=False, prefetch=False")
-        if self.x_vector and not self.words:
-            raise ValueError("DecodeVariant.x_vector is the word GEMV's (words=True)")
+        if self.words and (self.block_m != 1 or self.use_dot):
+            raise ValueError("DecodeVariant.words is the one-row GEMV: block_m=1, use_dot=False")
+        for name in ("x_vector", "pdl"):
+            if getattr(self, name) and not self.words:
+                raise ValueError(f"DecodeVariant.{name} is the word GEMV's (words=True)")
+        if self.max_registers and not 24 <= self.max_registers <= 255:
+            raise ValueError(f"DecodeVariant.max_registers must be 0 or 24-255, got {self.max_registers}")
 
 
 def supports(x_dtype: torch.dtype, group_size: int, variant: DecodeVariant) -> bool:
@@ -223,6 +229,7 @@ def _int4_decode_kernel(
     WORDS: tl.constexpr,
     EVEN_K: tl.constexpr,
     X_VECTOR: tl.constexpr,
+    PDL: tl.constexpr,
     INTERPRETED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -241,29 +248,31 @@ def _int4_decode_kernel(
     s_rows = scale + cols.to(tl.int64) * stride_s
     z_rows = zero + cols.to(tl.int64) * stride_z
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    pairs = k_start // 2 + tl.arange(0, HALF)  # byte j holds columns 2j (low nibble) and 2j + 1 (high)
-    if PREFETCH:
-        upcoming = tl.load(w_rows + pairs[None, :], mask=col_ok[:, None] & (pairs < k_end // 2)[None, :], other=0)
-    for k0 in range(k_start, k_end, BLOCK_K):
-        if WORDS:  # w is the int32 view, stride_w in words
-            step = words_step(
-                w_rows,
-                x,
-                s_rows,
-                z_rows,
-                k0,
-                K,
-                col_ok,
-                stride_sg,
-                stride_zg,
-                GROUP_SIZE,
-                USE_ASM,
-                BLOCK_K,
-                EVEN_K,
-                X_VECTOR,
-            )
-            acc += step[None, :]
-        else:
+    if WORDS:  # w is the int32 view, stride_w in words
+        acc += words_row(
+            w_rows,
+            x,
+            s_rows,
+            z_rows,
+            k_start,
+            k_end,
+            K,
+            col_ok,
+            stride_sg,
+            stride_zg,
+            GROUP_SIZE,
+            USE_ASM,
+            BLOCK_K,
+            EVEN_K,
+            X_VECTOR,
+            PREFETCH,
+            PDL,
+        )[None, :]
+    else:
+        pairs = k_start // 2 + tl.arange(0, HALF)  # byte j holds columns 2j (low nibble) and 2j + 1 (high)
+        if PREFETCH:
+            upcoming = tl.load(w_rows + pairs[None, :], mask=col_ok[:, None] & (pairs < k_end // 2)[None, :], other=0)
+        for k0 in range(k_start, k_end, BLOCK_K):
             if PREFETCH:  # the next step's bytes are requested before this step's arithmetic: two tiles in flight
                 packed = upcoming
                 pairs += HALF
@@ -331,7 +340,7 @@ def int4_decode_matmul(
     if variant.words and not int32_viewable(qweight):
         # rows not whole words: the byte GEMV reads them, in steps inside one scale group
         block_n, block_k = max(16, variant.block_n), math.gcd(variant.block_k, group_size)
-        variant = replace(variant, words=False, x_vector=False, block_n=block_n, block_k=block_k)
+        variant = replace(variant, words=False, x_vector=False, pdl=False, block_n=block_n, block_k=block_k)
     N = qweight.shape[0]
     if M == 0:
         return torch.empty((0, N), dtype=x.dtype, device=x.device)
@@ -343,6 +352,10 @@ def int4_decode_matmul(
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     workspace, counters = _split_buffers(x.device, N) if split_k > 1 else (out, out)
     weights = qweight.view(torch.int32) if variant.words else qweight  # K // 2 bytes a row: a multiple of 4
+    pdl = variant.words and variant.pdl and pdl_on(x.device)
+    options: dict[str, bool | int] = {"launch_pdl": True} if pdl else {}
+    if variant.max_registers and x.device.type == "cuda":
+        options["maxnreg"] = variant.max_registers
     grid = (triton.cdiv(N, variant.block_n), triton.cdiv(M, variant.block_m), split_k)
     _int4_decode_kernel[grid](
         x,
@@ -375,11 +388,13 @@ def int4_decode_matmul(
         WORDS=variant.words,
         EVEN_K=K % variant.block_k == 0,
         X_VECTOR=variant.x_vector,
+        PDL=pdl,
         INTERPRETED=x.device.type != "cuda",
         BLOCK_M=variant.block_m,
         BLOCK_N=variant.block_n,
         BLOCK_K=variant.block_k,
         num_warps=variant.num_warps,
         num_stages=variant.num_stages,
+        **options,
     )
     return out

@@ -11,33 +11,34 @@ import torch
 import triton
 import triton.language as tl
 
+from ..pdl import release_dependents, wait_for_inputs
+
 # Each nibble of a word goes to mantissa bits 12-15 or 16-19 of an fp32 number whose exponent is 128's, so one
-# LOP3 makes it 128 + q / 16 or 128 + q (four shifts first move the nibbles there). Nibble i of word c is input
-# column 8c + i; _WORD_SIXTEENTHS says which nibbles come out divided by 16 (their x is multiplied by 16 instead).
-# Lower bits would leave too few of fp32's 24 for the sums (at bits 8-11, q / 256 against 128: 2^-9 relative).
+# LOP3 makes it 128 + q / 16 or 128 + q. The word itself holds nibbles 3 and 4 there; shifted by 8 either way it
+# holds 1, 2 and 5, 6; rotated by 16 (one PRMT), 7 and 0. Nibble i of word c is input column 8c + i; the odd
+# nibbles come out divided by 16 (their x is multiplied by 16 instead). Lower bits would leave too few of fp32's
+# 24 for the sums (at bits 8-11, q / 256 against 128: 2^-9 relative).
 _WORD_ASM = tl.constexpr("""{
-    .reg .b32 a, b, c, d;
-    shl.b32 a, $8, 12;
-    shl.b32 b, $8, 8;
-    shr.u32 c, $8, 8;
-    shr.u32 d, $8, 12;
-    lop3.b32 $0, a, 0x0000F000, 0x43000000, 0xEA;
-    lop3.b32 $1, b, 0x0000F000, 0x43000000, 0xEA;
-    lop3.b32 $2, b, 0x000F0000, 0x43000000, 0xEA;
+    .reg .b32 left, right, turned;
+    shl.b32 left, $8, 8;
+    shr.u32 right, $8, 8;
+    prmt.b32 turned, $8, 0, 0x1032;
+    lop3.b32 $0, turned, 0x000F0000, 0x43000000, 0xEA;
+    lop3.b32 $1, left, 0x0000F000, 0x43000000, 0xEA;
+    lop3.b32 $2, left, 0x000F0000, 0x43000000, 0xEA;
     lop3.b32 $3, $8, 0x0000F000, 0x43000000, 0xEA;
     lop3.b32 $4, $8, 0x000F0000, 0x43000000, 0xEA;
-    lop3.b32 $5, c, 0x0000F000, 0x43000000, 0xEA;
-    lop3.b32 $6, c, 0x000F0000, 0x43000000, 0xEA;
-    lop3.b32 $7, d, 0x000F0000, 0x43000000, 0xEA;
+    lop3.b32 $5, right, 0x0000F000, 0x43000000, 0xEA;
+    lop3.b32 $6, right, 0x000F0000, 0x43000000, 0xEA;
+    lop3.b32 $7, turned, 0x0000F000, 0x43000000, 0xEA;
     }""")
-_WORD_SIXTEENTHS = (True, True, False, True, False, True, False, False)
 
 
 @triton.jit
 def _word_value(words, i: tl.constexpr):
-    """Nibble i of each int32 word as fp32 128 + q (/ 16 where _WORD_SIXTEENTHS[i]), by arithmetic."""
+    """Nibble i of each int32 word as fp32 128 + q (/ 16 where i is odd), by arithmetic."""
     q = ((words >> (4 * i)) & 0xF).to(tl.float32)
-    if i == 0 or i == 1 or i == 3 or i == 5:
+    if i % 2 == 1:
         q = q * 0.0625
     return q + 128.0
 
@@ -69,7 +70,7 @@ def _word_values(words, USE_ASM: tl.constexpr):
 @triton.jit
 def _step_x(x, word_ids, k_ok, k0, K, BLOCK_K, X_VECTOR):
     """The step's x in eight [WORDS] vectors, x_i[c] = x[8c + i] in fp32 (word_ids: the step's words, k_ok: those
-    inside K); those whose nibble values are q / 16 (_WORD_SIXTEENTHS) times 16."""
+    inside K); the odd ones, whose nibble values are q / 16, times 16."""
     WORDS: tl.constexpr = BLOCK_K // 8
     if X_VECTOR:
         ks = tl.multiple_of(k0, BLOCK_K) + tl.arange(0, BLOCK_K)  # k0 is a multiple of BLOCK_K
@@ -91,31 +92,38 @@ def _step_x(x, word_ids, k_ok, k0, K, BLOCK_K, X_VECTOR):
         x5 = tl.load(x + ks + 5, mask=k_ok, other=0.0).to(tl.float32)
         x6 = tl.load(x + ks + 6, mask=k_ok, other=0.0).to(tl.float32)
         x7 = tl.load(x + ks + 7, mask=k_ok, other=0.0).to(tl.float32)
-    return x0 * 16.0, x1 * 16.0, x2, x3 * 16.0, x4, x5 * 16.0, x6, x7
+    return x0, x1 * 16.0, x2, x3 * 16.0, x4, x5 * 16.0, x6, x7 * 16.0
 
 
 @triton.jit
-def words_step(
-    w_rows, x, s_rows, z_rows, k0, K, col_ok, stride_sg, stride_zg, GROUP_SIZE, USE_ASM, BLOCK_K, EVEN_K, X_VECTOR
-):
-    """One K step of one row x against int32 words: [BLOCK_N] fp32, zero point and scale applied. With v the
-    nibble values and x' = x (* 16 where v = 128 + q / 16): sum x' v = 128 sum x' + sum q x. A step may span
-    several scale groups (BLOCK_K a multiple of GROUP_SIZE): each group's sums are scaled apart. EVEN_K (K a
-    multiple of BLOCK_K): no K masks, so that the words load in 16-byte vectors. X_VECTOR: the step's x read as
-    one vector and split eight ways (fewer loads, but through shared memory), not in eight strided loads."""
+def load_words(w_rows, k0, K, col_ok, valid, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+    """The int32 words of the K step at k0 (a multiple of BLOCK_K) for each column: [BLOCK_N, BLOCK_K // 8]; none
+    read where `valid` (a scalar) is false. EVEN_K (K a multiple of BLOCK_K): no K mask, so that they load in
+    16-byte vectors (a scalar mask keeps them)."""
+    WORDS: tl.constexpr = BLOCK_K // 8
+    word_ids = tl.multiple_of(k0 // 8, WORDS) + tl.arange(0, WORDS)
+    mask = (col_ok & (tl.zeros_like(col_ok) | valid))[:, None]  # (the interpreter refuses a scalar in a mask)
+    if not EVEN_K:
+        mask = mask & (word_ids < K // 8)[None, :]
+    return tl.load(w_rows + word_ids[None, :], mask=mask, other=0)
+
+
+@triton.jit
+def words_step(words, x, s_rows, z_rows, k0, K, col_ok, stride_sg, stride_zg, GROUP_SIZE, USE_ASM, BLOCK_K, X_VECTOR):
+    """One K step of one row x against its int32 words (load_words): [BLOCK_N] fp32, zero point and scale
+    applied. With v the nibble values and x' = x (* 16 where v = 128 + q / 16): sum x' v = 128 sum x' + sum q x.
+    A step may span several scale groups (BLOCK_K a multiple of GROUP_SIZE): each group's sums are scaled apart.
+    X_VECTOR: the step's x read as one vector and split eight ways (fewer loads, but through shared memory), not
+    in eight strided loads."""
     WORDS: tl.constexpr = BLOCK_K // 8
     word_ids = tl.multiple_of(k0 // 8, WORDS) + tl.arange(0, WORDS)  # k0 is a multiple of BLOCK_K
     k_ok = word_ids < K // 8
-    if EVEN_K:
-        words = tl.load(w_rows + word_ids[None, :], mask=col_ok[:, None], other=0)
-    else:
-        words = tl.load(w_rows + word_ids[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0)
     v0, v1, v2, v3, v4, v5, v6, v7 = _word_values(words, USE_ASM)
     x0, x1, x2, x3, x4, x5, x6, x7 = _step_x(x, word_ids, k_ok, k0, K, BLOCK_K, X_VECTOR)
-    prod = v0 * x0[None, :] + v1 * x1[None, :] + v2 * x2[None, :] + v3 * x3[None, :]
-    prod += v4 * x4[None, :] + v5 * x5[None, :] + v6 * x6[None, :] + v7 * x7[None, :]
-    sixteenths = x0 + x1 + x3 + x5
-    others = x2 + x4 + x6 + x7
+    prod = v0 * x0[None, :] + v1 * x1[None, :] + v2 * x2[None, :] + v3 * x3[None, :]  # one chain: a multiply,
+    prod = prod + v4 * x4[None, :] + v5 * x5[None, :] + v6 * x6[None, :] + v7 * x7[None, :]  # then seven FFMAs
+    sixteenths = x1 + x3 + x5 + x7
+    others = x0 + x2 + x4 + x6
     if BLOCK_K <= GROUP_SIZE:  # one group: (the compiler visits what follows a return, so no early return)
         part = tl.sum(prod, axis=1)
         x_scaled_sum = 128.0 * tl.sum(sixteenths + others)
@@ -136,6 +144,48 @@ def words_step(
         z = tl.load(z_rows[:, None] + groups[None, :] * stride_zg, mask=group_ok, other=0).to(tl.float32)
         step = tl.sum((part - x_scaled_sums[None, :] - x_sums[None, :] * z) * s, axis=1)
     return step
+
+
+@triton.jit
+def words_row(
+    w_rows,
+    x,
+    s_rows,
+    z_rows,
+    k_start,
+    k_end,
+    K,
+    col_ok,
+    stride_sg,
+    stride_zg,
+    GROUP_SIZE,
+    USE_ASM,
+    BLOCK_K,
+    EVEN_K,
+    X_VECTOR,
+    PREFETCH,
+    PDL,
+):
+    """One row x times the columns' words from k_start to k_end (whole K steps): [BLOCK_N] fp32. The first
+    step's words are requested before waiting for the kernels before this one (PDL: no kernel writes weights),
+    so that their DRAM round trip overlaps that wait; PREFETCH: each step's words are requested before the
+    previous step's arithmetic, two steps in flight."""
+    words = load_words(w_rows, k_start, K, col_ok, k_start < k_end, BLOCK_K, EVEN_K)  # (always true)
+    release_dependents(PDL)
+    wait_for_inputs(PDL)
+    total = tl.zeros(col_ok.shape, dtype=tl.float32)
+    for k0 in range(k_start, k_end, BLOCK_K):
+        following = k0 + BLOCK_K
+        if PREFETCH:  # the next step's words requested before this step's arithmetic
+            upcoming = load_words(w_rows, following, K, col_ok, following < k_end, BLOCK_K, EVEN_K)
+        step = words_step(
+            words, x, s_rows, z_rows, k0, K, col_ok, stride_sg, stride_zg, GROUP_SIZE, USE_ASM, BLOCK_K, X_VECTOR
+        )
+        if not PREFETCH:  # after it
+            upcoming = load_words(w_rows, following, K, col_ok, following < k_end, BLOCK_K, EVEN_K)
+        total += step
+        words = upcoming
+    return total
 
 
 def int32_viewable(qweight: torch.Tensor) -> bool:

@@ -212,7 +212,7 @@ def choose_variant(m: int, n: int, k: int) -> Variant:
 def choose_decode_variant(m: int, n: int, k: int) -> DecodeVariant:
     """The int4 decode kernel's program shape for m <= SMALL_M rows (int4_decode_kernel.py), from GPU sweeps over
     Llama-3.1-8B's four projections (docs/gpu-runs.md). One row: ONE_ROW_SHAPES where it has (N, K) (the word
-    GEMV, 62.5 us for the four on an H100 against bf16's 164), else the byte GEMV, one warp a program, 32 columns,
+    GEMV, 60.7 us for the four on an H100 against bf16's 155), else the byte GEMV, one warp a program, 32 columns,
     K in 16 slices (77 us on the H100). More rows: 16-row tl.dot tiles, two warps, 64 columns and 8 slices, or 128
     columns and 2 slices for the wide gate/up projection."""
     if m == 1 and (n, k) in ONE_ROW_SHAPES:
@@ -254,30 +254,33 @@ def _int4_decode_applies(x: torch.Tensor, group_size: int, variant: DecodeVarian
 INT4_DECODE_KERNEL = True  # False: int4 decode through weight_only_kernel's general kernel
 
 
-def _word_gemv(block_n: int, block_k: int, warps: int, stages: int = 1, x_vector: bool = False) -> DecodeVariant:
-    """A word-GEMV shape of whole rows (no split K)."""
+def _word_gemv(block_n: int, block_k: int, warps: int, x_vector: bool = False) -> DecodeVariant:
+    """A word-GEMV shape of whole rows (no split K), each step's words requested before the previous step's
+    arithmetic, launched with PDL where the GPU has it (its first words read while the kernel before it ends)."""
     return DecodeVariant(
         block_m=1,
         block_n=block_n,
         block_k=block_k,
         num_warps=warps,
-        num_stages=stages,
+        num_stages=1,
         use_dot=False,
         words=True,
         x_vector=x_vector,
+        prefetch=True,
+        pdl=True,
     )
 
 
 # One row's program shape by (N, K), ahead of the byte GEMV: each projection's best in a GPU sweep
 # (`QUANT_ARGS=--words QUANT_MS=1 bash ci/gpu_session.sh int4-decode-sweep`; bench-quant's w4a16-1-swept runs a
 # sweep's table). The word GEMV in few-column programs over whole rows: Llama-3.1-8B's (and Mistral-7B's) shapes
-# from an H100 sweep, 2026-12-06 (docs/gpu-runs.md, twenty-third session, call 2), us against bf16's. Other shapes
-# take the byte GEMV until a sweep covers them.
+# from an H100 sweep, 2026-12-06 (docs/gpu-runs.md, twenty-fourth session, call 3), us against bf16's. Other
+# shapes take the byte GEMV until a sweep covers them.
 ONE_ROW_SHAPES: dict[tuple[int, int], DecodeVariant] = {
-    (6144, 4096): _word_gemv(8, 1024, warps=2, x_vector=True),  # qkv_proj 9.3 us (bf16 20.6)
-    (4096, 4096): _word_gemv(16, 2048, warps=8),  # o_proj 6.8 (15.6)
-    (28672, 4096): _word_gemv(16, 1024, warps=4, x_vector=True),  # gate_up_proj 28.5 (84.4)
-    (4096, 14336): _word_gemv(16, 2048, warps=8, stages=2),  # down_proj 17.9 (43.7)
+    (6144, 4096): _word_gemv(16, 1024, warps=4),  # qkv_proj 8.9 us (bf16 20.1)
+    (4096, 4096): _word_gemv(16, 2048, warps=8, x_vector=True),  # o_proj 7.2 (15.3)
+    (28672, 4096): _word_gemv(16, 512, warps=2),  # gate_up_proj 27.4 (77.3)
+    (4096, 14336): _word_gemv(16, 2048, warps=8, x_vector=True),  # down_proj 17.1 (41.9)
 }
 
 
