@@ -317,34 +317,45 @@ DECODE_SWEEP_WORDS = False  # --words: only the one-row GEMV over int32 words, a
 
 
 def words_variants(m: int) -> list[DecodeVariant]:
-    """The byte GEMV and the word GEMV's best of the first H100 sweep (docs/gpu-runs.md, twenty-third session),
-    then deep shapes: few columns a program, K steps of several scale groups, more warps, fewer slices (the short
-    programs of the first sweep read ~1.5 TB/s whatever their instruction count)."""
+    """The byte GEMV, then the word GEMV over whole rows (docs/gpu-runs.md, twenty-third session: few columns a
+    program, K steps of several scale groups, no split): shapes of 4, 8 and 16 words a thread a step, each with
+    and without the next step's words prefetched, x as one vector, and a cap of 96 registers (ncu on an H100 found
+    the best shapes at 128 registers, 25% occupancy, issuing in half the cycles: latency-bound). Timed without
+    PDL: back-to-back GEMVs would overlap more than the engine's norms and GEMVs do."""
     if m != 1:
         return []
-    gemv = dict(block_m=1, use_dot=False, words=True)
-    found = [
-        DecodeVariant(block_m=1, block_n=32, block_k=128, split_k=16, num_warps=1, num_stages=1, use_dot=False),
-        DecodeVariant(block_n=64, block_k=128, split_k=16, num_warps=1, num_stages=1, **gemv),
-    ]
-    shapes = ((16, 128, 1), (32, 128, 2), (8, 512, 1), (8, 1024, 2), (16, 256, 1), (16, 512, 2), (16, 1024, 4))
-    shapes += ((16, 2048, 8), (32, 256, 2), (32, 512, 4), (32, 1024, 8), (64, 512, 8))
-    for (bn, bk, warps), (split, stages) in itertools.product(shapes, ((1, 1), (2, 1), (4, 1), (8, 1), (1, 2), (4, 2))):
-        found.append(DecodeVariant(block_n=bn, block_k=bk, split_k=split, num_warps=warps, num_stages=stages, **gemv))
-    for (bn, bk, warps), split in itertools.product(((64, 128, 1),) + shapes, (1, 4)):  # x as one vector
+    found = [DecodeVariant(block_m=1, block_n=32, block_k=128, split_k=16, num_warps=1, num_stages=1, use_dot=False)]
+    shapes = ((8, 1024, 2), (16, 1024, 4), (16, 2048, 8), (8, 512, 1), (16, 512, 2), (32, 512, 4), (32, 1024, 8))
+    shapes += ((16, 1024, 8), (8, 1024, 4), (16, 512, 4), (32, 256, 2), (64, 256, 4), (64, 512, 8))
+    for (bn, bk, warps), prefetch, x_vector, registers in itertools.product(
+        shapes, (False, True), (False, True), (0, 96)
+    ):
         found.append(
-            DecodeVariant(block_n=bn, block_k=bk, split_k=split, num_warps=warps, num_stages=1, x_vector=True, **gemv)
+            DecodeVariant(
+                block_m=1,
+                block_n=bn,
+                block_k=bk,
+                num_warps=warps,
+                num_stages=1,
+                use_dot=False,
+                words=True,
+                prefetch=prefetch,
+                x_vector=x_vector,
+                max_registers=registers,
+            )
         )
     return found
 
 
-def use_swept_shapes(path: str) -> dict[tuple[int, int], DecodeVariant]:
+def use_swept_shapes(path: str, pdl: bool = True) -> dict[tuple[int, int], DecodeVariant]:
     """Fills kernels.ONE_ROW_SHAPES with each shape's best one-row variant from a --sweep-decode output (its
-    decode-best rows at m = 1), so that a bench in the same GPU call runs what the sweep found (a bench prelude)."""
+    decode-best rows at m = 1), launched with PDL where it is a word GEMV and `pdl`, so that a bench in the same
+    GPU call runs what the sweep found (a bench prelude)."""
     for line in open(path):
         row = json.loads(line) if line.startswith("{") else {}
         if row.get("kind") == "decode-best" and row.get("m") == 1 and row.get("best"):
-            kernels.ONE_ROW_SHAPES[SHAPES[row["shape"]]] = DecodeVariant(**row["best"]["fields"])
+            variant = DecodeVariant(**row["best"]["fields"])
+            kernels.ONE_ROW_SHAPES[SHAPES[row["shape"]]] = dataclasses.replace(variant, pdl=pdl and variant.words)
     print(f"one-row shapes from {path}: {kernels.ONE_ROW_SHAPES}", file=sys.stderr)
     return kernels.ONE_ROW_SHAPES
 
@@ -609,6 +620,61 @@ def race_check() -> None:
             emit(kind="race", m=m, variant=str(variant), worst_rel_err=worst, us=round(us, 2))
 
 
+def pdl_check(replays: int = 50) -> None:
+    """A norm, then two word GEMVs launched with PDL (pdl.py), in a CUDA graph replayed on new inputs: how many
+    replays' products differ at all from the same GEMVs launched without PDL, eagerly, on the graph's own inputs
+    to each (a GEMV reading x before the kernel writing it had finished would differ by far more than rounding)."""
+    from tritonllm.engine.embedded.network.fused_ops import rms_norm
+
+    generator = torch.Generator(device=DEVICE).manual_seed(0)
+    first_w, second_w = quantized("int4", 4096, 1024, generator), quantized("int4", 1024, 4096, generator)
+    norm_weight = torch.rand(1024, device=DEVICE, dtype=DTYPE, generator=generator) + 0.5
+    hidden = torch.randn(1, 1024, device=DEVICE, dtype=DTYPE, generator=generator)
+    shape = dict(block_m=1, block_n=16, block_k=512, num_warps=4, num_stages=1, use_dot=False, words=True)
+    for prefetch in (False, True):
+        with_pdl, without = (DecodeVariant(**shape, prefetch=prefetch, pdl=pdl) for pdl in (True, False))
+
+        def call(x, w, variant):
+            args = w["args"]
+            return int4_decode.int4_decode_matmul(
+                x, args["qweight"], args["weight_scale"], args["weight_zero"], None, GROUP_SIZE, variant
+            )
+
+        def chain():
+            normed = rms_norm(hidden, norm_weight, 1e-5)
+            first = call(normed, first_w, with_pdl)
+            return normed, first, call(first, second_w, with_pdl)
+
+        chain()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            normed, first, second = chain()
+        differ, worst = 0, 0.0
+        for _ in range(replays):
+            hidden.copy_(torch.randn(1, 1024, device=DEVICE, dtype=DTYPE, generator=generator))
+            graph.replay()
+            for got, x, w in ((first, normed, first_w), (second, first, second_w)):
+                want = call(x, w, without)
+                differ += not torch.equal(got, want)
+                worst = max(worst, float((got.float() - want.float()).abs().max()))
+        emit(kind="pdl-check", prefetch=prefetch, products=2 * replays, differ=differ, worst_abs_diff=worst)
+
+
+def ncu_once() -> None:
+    """Each projection's one-row int4 kernel (kernels.choose_decode_variant) and its bf16 F.linear, launched twice
+    each on fresh weights: a program for `ncu` to profile (gpu_session.sh int4-ncu), not a timing."""
+    generator = torch.Generator(device=DEVICE).manual_seed(0)
+    for name, (n, k) in SHAPES.items():
+        weight = quantized("int4", n, k, generator)
+        x = torch.randn(1, k, device=DEVICE, dtype=DTYPE, generator=generator)
+        for _ in range(2):
+            kernels.int4_linear(x, bias=None, **weight["args"])
+            F.linear(x, weight["dense"])
+        torch.cuda.synchronize()
+        emit(kind="ncu-once", shape=name, variant=str(kernels.choose_decode_variant(1, n, k)))
+        del weight
+
+
 FP8_TILES = [
     Fp8Tiles(64, 64, 128, num_warps=4, num_stages=4),
     Fp8Tiles(64, 128, 128, num_warps=4, num_stages=4),
@@ -693,6 +759,8 @@ def main() -> int:
     parser.add_argument("--sweep-fp8", action="store_true", help="time _scaled_mm against the Triton FP8 matmul")
     parser.add_argument("--greedy", action="store_true", help="greedy sampling's kernel against torch's ops")
     parser.add_argument("--int4-prefill", action="store_true", help="int4 dot tiles at prefill sizes")
+    parser.add_argument("--pdl-check", action="store_true", help="PDL GEMV chains in CUDA graphs, wrong replays")
+    parser.add_argument("--ncu-once", action="store_true", help="one-row int4 and bf16 launches for ncu to profile")
     parser.add_argument("--formats", default="int4,int8,fp8", help="comma-separated of int4, int8, fp8")
     parser.add_argument("--ms", default=",".join(map(str, MS)), help="comma-separated row counts")
     args = parser.parse_args()
@@ -707,6 +775,10 @@ def main() -> int:
     )
     if args.race_check:
         race_check()
+    elif args.ncu_once:
+        ncu_once()
+    elif args.pdl_check:
+        pdl_check()
     elif args.fp8_rows:
         time_fp8_rows(ms)
     elif args.sweep_decode:

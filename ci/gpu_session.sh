@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine run (the `device` tool): puts the working tree's package on PYTHONPATH (the machine has torch,
 # triton and transformers but no venv of ours), then runs what the arguments name, each logged under $OUT.
-#   bash ci/gpu_session.sh kernels|fused|greedy|window|guided|parity|features|bench-quick|bench-guided|bench-accuracy|moe-kernel|moe-sweep|fp8-kv|int4-decode-sweep|int4-layouts|attn-sweep|fp8-sweep|families|bench-mixtral|bench-quant|quant|quant-load|quant-tests|quantize|quant-kernels|quant-sweep-decode|quant-sweep-prefill|bench-qwen3|bench-parallel|parallel-tests|sync-check|profile|profile-1 ...
+#   bash ci/gpu_session.sh kernels|fused|greedy|window|guided|parity|features|bench-quick|bench-guided|bench-accuracy|moe-kernel|moe-sweep|fp8-kv|int4-decode-sweep|int4-ncu|pdl-check|int4-layouts|attn-sweep|fp8-sweep|families|bench-mixtral|bench-quant|quant|quant-load|quant-tests|quantize|quant-kernels|quant-sweep-decode|quant-sweep-prefill|bench-qwen3|bench-parallel|parallel-tests|sync-check|profile|profile-1 ...
 # Used by hand for the GPU figures in docs/benchmarks.md; CI never runs it (no GPU there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -96,6 +96,14 @@ for what in "$@"; do
     int4-decode-sweep)  # the int4 decode kernel's variants (int4_decode_kernel.py) at M = 1 and 8
       python3 ci/gpu_quant_kernels.py --sweep-decode --ms "${QUANT_MS:-1,8}" ${QUANT_ARGS:-} 2>&1 \
         | tee -a "$OUT/int4-decode-sweep.jsonl" | grep -v '"kind": "decode"' ;;
+    pdl-check)  # two word GEMVs launched with PDL after a norm, in a CUDA graph: wrong replays, x through L1 or L2
+      python3 ci/gpu_quant_kernels.py --pdl-check 2>&1 | tee -a "$OUT/pdl-check.jsonl" ;;
+    int4-ncu)  # Nsight Compute on each projection's one-row int4 kernel and bf16 GEMV (the second launch of each)
+      ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
+      "$ncu" --clock-control none --kernel-name regex:"_int4_decode_kernel|nvjet|gemv|gemm" --launch-skip 0 \
+        --launch-count 16 --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
+        --section LaunchStats --section WarpStateStats --section SchedulerStats --section ComputeWorkloadAnalysis \
+        python3 ci/gpu_quant_kernels.py --ncu-once > "$OUT/int4-ncu.txt" 2>&1; tail -5 "$OUT/int4-ncu.txt" ;;
     int4-layouts)  # the int4 decode kernel with row- against group-major scales and zeros
       python3 ci/gpu_quant_kernels.py --scale-layouts --ms "${QUANT_MS:-1,8}" 2>&1 | tee -a "$OUT/int4-layouts.jsonl" ;;
     attn-sweep)  # decode attention's tile width, warps and stages over bf16 and fp8 caches
@@ -138,9 +146,15 @@ for what in "$@"; do
           w4a16-1) bench "llama-3.1-8b w4a16 1x128/128" --model "$l" --config /tmp/w4a16.yaml "${one[@]}" ;;
           w4a16-1-bytes) BENCH_PRELUDE="from tritonllm.engine.embedded.quant import kernels; kernels.ONE_ROW_SHAPES.clear()" \
             bench "llama-3.1-8b w4a16, byte GEMV, 1x128/128" --model "$l" --config /tmp/w4a16.yaml "${one[@]}" ;;
-          w4a16-1-swept)  # each projection's best one-row shape from this call's int4-decode-sweep
+          w4a16-1-swept)  # each projection's best one-row shape from this call's int4-decode-sweep, with PDL
             BENCH_PRELUDE="import sys; sys.path.insert(0, 'ci'); import gpu_quant_kernels; gpu_quant_kernels.use_swept_shapes('$OUT/int4-decode-sweep.jsonl')" \
             bench "llama-3.1-8b w4a16, swept one-row shapes, 1x128/128" --model "$l" --config /tmp/w4a16.yaml "${one[@]}" ;;
+          w4a16-1-swept-nopdl)  # the same without programmatic dependent launch (pdl.py)
+            BENCH_PRELUDE="import sys; sys.path.insert(0, 'ci'); import gpu_quant_kernels; gpu_quant_kernels.use_swept_shapes('$OUT/int4-decode-sweep.jsonl'); from tritonllm.engine.embedded import pdl; pdl.ENABLED = False" \
+            bench "llama-3.1-8b w4a16, swept one-row shapes, no PDL, 1x128/128" --model "$l" --config /tmp/w4a16.yaml "${one[@]}" ;;
+          w4a16-1-nopdl)  # the default one-row shapes without programmatic dependent launch (pdl.py)
+            BENCH_PRELUDE="from tritonllm.engine.embedded import pdl; pdl.ENABLED = False" \
+            bench "llama-3.1-8b w4a16, no PDL, 1x128/128" --model "$l" --config /tmp/w4a16.yaml "${one[@]}" ;;
           fp8-1) bench "llama-3.1-8b fp8+fp8kv 1x128/128" --model "$l" --config /tmp/fp8.yaml "${one[@]}" ;;
         esac
       done ;;

@@ -29,6 +29,7 @@ def sass(words: bool, block_n: int, block_k: int, warps: int, split: int) -> str
         WORDS=words,
         EVEN_K=K % block_k == 0,
         X_VECTOR=False,
+        PDL=False,
         INTERPRETED=False,
         BLOCK_M=1,
     )
