@@ -330,20 +330,8 @@ def words_variants(m: int) -> list[DecodeVariant]:
     for (bn, bk, warps), prefetch, x_vector, registers in itertools.product(
         shapes, (False, True), (False, True), (0, 96)
     ):
-        found.append(
-            DecodeVariant(
-                block_m=1,
-                block_n=bn,
-                block_k=bk,
-                num_warps=warps,
-                num_stages=1,
-                use_dot=False,
-                words=True,
-                prefetch=prefetch,
-                x_vector=x_vector,
-                max_registers=registers,
-            )
-        )
+        variant = kernels.word_gemv(bn, bk, warps, x_vector=x_vector, prefetch=prefetch, pdl=False)
+        found.append(dataclasses.replace(variant, max_registers=registers))
     return found
 
 

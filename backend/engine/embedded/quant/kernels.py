@@ -254,9 +254,12 @@ def _int4_decode_applies(x: torch.Tensor, group_size: int, variant: DecodeVarian
 INT4_DECODE_KERNEL = True  # False: int4 decode through weight_only_kernel's general kernel
 
 
-def _word_gemv(block_n: int, block_k: int, warps: int, x_vector: bool = False) -> DecodeVariant:
-    """A word-GEMV shape of whole rows (no split K), each step's words requested before the previous step's
-    arithmetic, launched with PDL where the GPU has it (its first words read while the kernel before it ends)."""
+def word_gemv(
+    block_n: int, block_k: int, warps: int, x_vector: bool = False, prefetch: bool = True, pdl: bool = True
+) -> DecodeVariant:
+    """A word-GEMV shape of whole rows (no split K); by default each step's words requested before the previous
+    step's arithmetic, launched with PDL where the GPU has it (its first words read while the kernel before it
+    ends)."""
     return DecodeVariant(
         block_m=1,
         block_n=block_n,
@@ -266,8 +269,8 @@ def _word_gemv(block_n: int, block_k: int, warps: int, x_vector: bool = False) -
         use_dot=False,
         words=True,
         x_vector=x_vector,
-        prefetch=True,
-        pdl=True,
+        prefetch=prefetch,
+        pdl=pdl,
     )
 
 
@@ -277,10 +280,10 @@ def _word_gemv(block_n: int, block_k: int, warps: int, x_vector: bool = False) -
 # from an H100 sweep, 2026-12-06 (docs/gpu-runs.md, twenty-fourth session, call 3), us against bf16's. Other
 # shapes take the byte GEMV until a sweep covers them.
 ONE_ROW_SHAPES: dict[tuple[int, int], DecodeVariant] = {
-    (6144, 4096): _word_gemv(16, 1024, warps=4),  # qkv_proj 8.9 us (bf16 20.1)
-    (4096, 4096): _word_gemv(16, 2048, warps=8, x_vector=True),  # o_proj 7.2 (15.3)
-    (28672, 4096): _word_gemv(16, 512, warps=2),  # gate_up_proj 27.4 (77.3)
-    (4096, 14336): _word_gemv(16, 2048, warps=8, x_vector=True),  # down_proj 17.1 (41.9)
+    (6144, 4096): word_gemv(16, 1024, warps=4),  # qkv_proj 8.9 us (bf16 20.1)
+    (4096, 4096): word_gemv(16, 2048, warps=8, x_vector=True),  # o_proj 7.2 (15.3)
+    (28672, 4096): word_gemv(16, 512, warps=2),  # gate_up_proj 27.4 (77.3)
+    (4096, 14336): word_gemv(16, 2048, warps=8, x_vector=True),  # down_proj 17.1 (41.9)
 }
 
 
