@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine run (the `device` tool): puts the working tree's package on PYTHONPATH (the machine has torch,
 # triton and transformers but no venv of ours), then runs what the arguments name, each logged under $OUT.
-#   bash ci/gpu_session.sh kernels|fused|greedy|window|guided|parity|features|bench-quick|bench-guided|bench-accuracy|moe-kernel|moe-sweep|fp8-kv|int4-decode-sweep|int4-ncu|pdl-check|int4-layouts|attn-sweep|fp8-sweep|families|bench-mixtral|bench-quant|quant|quant-load|quant-tests|quantize|quant-kernels|quant-sweep-decode|quant-sweep-prefill|bench-qwen3|bench-parallel|parallel-tests|sync-check|profile|profile-1 ...
+#   bash ci/gpu_session.sh kernels|fused|pdl|greedy|window|guided|parity|features|bench-quick|bench-guided|bench-accuracy|moe-kernel|moe-sweep|fp8-kv|int4-decode-sweep|int4-ncu|pdl-check|int4-layouts|attn-sweep|fp8-sweep|families|bench-mixtral|bench-quant|quant|quant-load|quant-tests|quantize|quant-kernels|quant-sweep-decode|quant-sweep-prefill|bench-qwen3|bench-parallel|parallel-tests|sync-check|profile|profile-1 ...
 # Used by hand for the GPU figures in docs/benchmarks.md; CI never runs it (no GPU there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,6 +42,7 @@ for what in "$@"; do
   case $what in
     kernels) run_tests tests/engine/test_triton_attention.py ;;
     fused) run_tests tests/engine/test_fused_ops.py ;;
+    pdl) run_tests tests/engine/test_pdl.py tests/engine/test_quant_kernels.py -k "pdl or word or sm90" ;;
     greedy) run_tests tests/engine/test_greedy_kernel.py tests/engine/test_fp8_rows.py ;;
     window) run_tests tests/engine/test_sliding_window.py ;;
     guided) run_tests tests/engine/test_guided.py ;;  # needs xgrammar (its wheels carried, see docs/gpu-runs.md)
@@ -152,6 +153,12 @@ for what in "$@"; do
           w4a16-1-swept-nopdl)  # the same without programmatic dependent launch (pdl.py)
             BENCH_PRELUDE="import sys; sys.path.insert(0, 'ci'); import gpu_quant_kernels; gpu_quant_kernels.use_swept_shapes('$OUT/int4-decode-sweep.jsonl'); from tritonllm.engine.embedded import pdl; pdl.ENABLED = False" \
             bench "llama-3.1-8b w4a16, swept one-row shapes, no PDL, 1x128/128" --model "$l" --config /tmp/w4a16.yaml "${one[@]}" ;;
+          w4a16-1-pdl-all|bf16-1-pdl-all|fp8-256-pdl-all|bf16-256-pdl-all)  # the small kernels launched with PDL too
+            base=${variant%-pdl-all}; config=(); [ "${base%-*}" = w4a16 ] && config=(--config /tmp/w4a16.yaml)
+            [ "${base%-*}" = fp8 ] && config=(--config /tmp/fp8.yaml)
+            if [ "${base#*-}" = 1 ]; then shape_args=("${one[@]}"); else shape_args=("${many[@]}"); fi
+            BENCH_PRELUDE="from tritonllm.engine.embedded import pdl; pdl.SMALL_KERNELS = True" \
+              bench "llama-3.1-8b $base, small kernels with PDL" --model "$l" "${config[@]}" "${shape_args[@]}" ;;
           w4a16-1-nopdl)  # the default one-row shapes without programmatic dependent launch (pdl.py)
             BENCH_PRELUDE="from tritonllm.engine.embedded import pdl; pdl.ENABLED = False" \
             bench "llama-3.1-8b w4a16, no PDL, 1x128/128" --model "$l" --config /tmp/w4a16.yaml "${one[@]}" ;;

@@ -5,6 +5,7 @@ cubin through its bundled ptxas. Run by test_quant_kernels.py in a process witho
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 
+from tritonllm.engine.embedded.attention import triton_kernels as attention
 from tritonllm.engine.embedded.network import fused_ops
 from tritonllm.engine.embedded.quant import fp8_kernel, fp8_matmul_kernel
 from tritonllm.engine.embedded.quant import int4_decode_kernel as int4_decode
@@ -76,6 +77,40 @@ def int4_decode_kernel(
     print("compiled the int4 decode kernel", dtype, shape, flush=True)
 
 
+def assert_waits_first(ptx: str, wait: bool) -> None:
+    """Launched with PDL (wait), a small kernel waits for the kernels before it ahead of any global load or store."""
+    if not wait:
+        assert "griddepcontrol.wait" not in ptx
+        return
+    first_access = min(ptx.index(op) for op in ("ld.global", "st.global") if op in ptx)
+    assert ptx.index("griddepcontrol.wait") < first_access, "PDL: a global access before the wait"
+
+
+def small_kernels_with_pdl() -> None:
+    """RoPE, the KV store and decode attention's split and merge launched with PDL (pdl.SMALL_KERNELS): each
+    waits for the kernels before it ahead of any global access."""
+    wait = dict(RELEASE=True, WAIT=True)
+    rotary = dict(HALF=64, HALF_P=64, BLOCK_H=4, ROUND_BF16=False) | wait
+    kernels = [(fused_ops._rotary_kernel, {"x": "*bf16", "cos": "*bf16", "sin": "*bf16"}, rotary, 4)]
+    store = dict(HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128, QUANTIZE=False) | wait
+    pointers = {"k": "*bf16", "v": "*bf16", "k_cache": "*bf16", "v_cache": "*bf16", "slot_mapping": "*i64"}
+    kernels.append((attention._store_kv_kernel, pointers | {"k_inv_scale": "fp32", "v_inv_scale": "fp32"}, store, 1))
+    split = dict(GROUP=4, GROUP_P=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_N=64, NUM_SPLITS=16)
+    split |= dict(WINDOWED=False, SOFTCAP=False, UPCAST=False, IEEE=False, FP16_TILES=False) | wait
+    pointers = {n: "*bf16" for n in ("q", "k_cache", "v_cache", "out")} | {"block_tables": "*i32", "seq_lens": "*i32"}
+    pointers |= {"part_out": "*fp32", "part_lse": "*fp32"}
+    pointers |= {n: "fp32" for n in ("scale_log2", "v_scale", "cap_log2", "scale_over_cap")}
+    kernels.append((attention._decode_split_kernel, pointers, split, 4))
+    merge = dict(HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=16, SPLITS_P=16) | wait
+    kernels.append(
+        (attention._decode_merge_kernel, {"part_out": "*fp32", "part_lse": "*fp32", "out": "*bf16"}, merge, 4)
+    )
+    for kernel, pointers, constexprs, warps in kernels:
+        ptx = compile_for_sm90(kernel, pointers, constexprs, num_warps=warps, launch_pdl=True).asm["ptx"]
+        assert_waits_first(ptx, True)
+    print("compiled RoPE, the KV store and decode attention launched with PDL", flush=True)
+
+
 def fp8_matmul() -> None:
     pointers = {"a": "*fp8e4nv", "b": "*fp8e4nv", "a_scale": "*fp32", "b_scale": "*fp32", "bias": "*bf16"}
     constexprs = dict(HAS_BIAS=True, IEEE=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, GROUP_M=8)
@@ -95,13 +130,18 @@ def fp8_rows() -> None:
     """The fused norm and SiLU writing FP8 rows, through fp8_kernel's shared rounding helpers."""
     norm = {n: "*bf16" for n in ("x", "residual", "weight", "out", "sum_out")}
     norm |= {"fp8_out": "*fp8e4nv", "fp8_scales": "*fp32", "eps": "fp32", "row_scales": "*fp32", "col_scales": "*fp32"}
-    constexprs = dict(HAS_RESIDUAL=True, FP8_ROWS=True, SCALED=False, BLOCK=4096, ROUND_BF16=False, DEPENDENTS=True)
-    compile_for_sm90(fused_ops._rms_norm_kernel, norm, constexprs, num_warps=8)
+    constexprs = dict(HAS_RESIDUAL=True, FP8_ROWS=True, SCALED=False, BLOCK=4096, ROUND_BF16=False)
+    for release, wait in ((True, False), (True, True)):  # launched with PDL (pdl.SMALL_KERNELS) or not
+        constexprs |= dict(RELEASE=release, WAIT=wait)
+        options = dict(num_warps=8) | (dict(launch_pdl=True) if wait else {})
+        ptx = compile_for_sm90(fused_ops._rms_norm_kernel, norm, constexprs, **options).asm["ptx"]
+        assert_waits_first(ptx, wait)
     silu = {"gate_up": "*bf16", "out": "*bf16", "fp8_out": "*fp8e4nv", "fp8_scales": "*fp32"}
     compile_for_sm90(fused_ops._silu_and_mul_fp8_kernel, silu, dict(BLOCK=1024, ROUND_BF16=False), num_warps=8)
     silu = {"gate_up": "*bf16", "out": "*bf16", "block_amax": "*fp32"}
-    constexprs = dict(BLOCK=1024, ROUND_BF16=False, AMAX=True, DEPENDENTS=True)
-    compile_for_sm90(fused_ops._silu_and_mul_kernel, silu, constexprs, num_warps=4)
+    constexprs = dict(BLOCK=1024, ROUND_BF16=False, AMAX=True, RELEASE=True, WAIT=True)
+    ptx = compile_for_sm90(fused_ops._silu_and_mul_kernel, silu, constexprs, num_warps=4, launch_pdl=True).asm["ptx"]
+    assert_waits_first(ptx, True)
     blocks = {"x": "*bf16", "block_amax": "*fp32", "fp8_out": "*fp8e4nv", "fp8_scales": "*fp32"}
     compile_for_sm90(fused_ops._fp8_blocks_kernel, blocks, dict(BLOCK=2048, BLOCKS=16), num_warps=4)
     print("compiled the norm and SiLU with FP8 rows", flush=True)
@@ -111,7 +151,8 @@ def deferred_scales_norm() -> None:
     """The fused norm scaling an unscaled fp32 FP8 product (quant/kernels.fp8_linear's defer_scales) first."""
     norm = {n: "*bf16" for n in ("residual", "weight", "out", "sum_out")} | {"x": "*fp32", "eps": "fp32"}
     norm |= {"fp8_out": "*fp8e4nv", "fp8_scales": "*fp32", "row_scales": "*fp32", "col_scales": "*fp32"}
-    constexprs = dict(HAS_RESIDUAL=True, FP8_ROWS=True, SCALED=True, BLOCK=4096, ROUND_BF16=False, DEPENDENTS=False)
+    constexprs = dict(HAS_RESIDUAL=True, FP8_ROWS=True, SCALED=True, BLOCK=4096, ROUND_BF16=False)
+    constexprs |= dict(RELEASE=False, WAIT=False)
     compile_for_sm90(fused_ops._rms_norm_kernel, norm, constexprs, num_warps=8)
     print("compiled the norm applying deferred FP8 scales", flush=True)
 
@@ -136,3 +177,4 @@ if __name__ == "__main__":
     fp8_matmul()
     fp8_rows()
     deferred_scales_norm()
+    small_kernels_with_pdl()

@@ -20,6 +20,10 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 ENABLED = True  # False: no kernel launches with PDL nor releases its dependents early (bench preludes compare)
+# The decode step's small kernels (norms, RoPE, the KV store, SiLU, decode attention) also launched with PDL, each
+# waiting at its start: their launches would overlap the kernel before them. Not yet timed on a GPU, so off:
+# bench-quant's *-pdl-all variants measure it (docs/benchmarks.md, twenty-fourth session).
+SMALL_KERNELS = False
 
 
 @functools.lru_cache(maxsize=None)
@@ -32,6 +36,24 @@ def pdl_on(device: torch.device) -> bool:
     if not ENABLED or device.type != "cuda":
         return False
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def chained(device: torch.device) -> bool:
+    """The small kernels launch with PDL and wait at their start (SMALL_KERNELS, where pdl_on)."""
+    return SMALL_KERNELS and pdl_on(device)
+
+
+def launch_options(with_pdl: bool) -> dict[str, bool]:
+    """Triton launch keywords: launch_pdl where the kernel is launched with PDL."""
+    return {"launch_pdl": True} if with_pdl else {}
+
+
+@triton.jit
+def begin(RELEASE: tl.constexpr, WAIT: tl.constexpr):
+    """A small kernel's first step: let a kernel after it launched with PDL start (RELEASE); launched with PDL
+    itself (WAIT), wait for the kernels before it, before any other memory access."""
+    release_dependents(RELEASE)
+    wait_for_inputs(WAIT)
 
 
 @triton.jit

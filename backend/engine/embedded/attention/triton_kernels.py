@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..pdl import pdl_on, release_dependents
+from ..pdl import begin, chained, launch_options, pdl_on
 from .fp8_cache import FP8_MAX as _FP8_MAX
 from .fp8_cache import is_fp8
 
@@ -190,11 +190,14 @@ def _decode_split_kernel(
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
     FP16_TILES: tl.constexpr,
+    RELEASE: tl.constexpr,
+    WAIT: tl.constexpr,
 ):
     """Program (sequence, KV head, split): the group's query heads over the split's share of the keys it sees
     (all, or WINDOWED the last `window`). Those keys are cut into NUM_SPLITS equal runs of whole BLOCK_N tiles;
     one split writes `out` directly, several write fp32 partials (normalised output and base-2 log-sum-exp, -inf
     for an empty run)."""
+    begin(RELEASE, WAIT)  # (pdl.py)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -261,11 +264,12 @@ def _decode_merge_kernel(
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_P: tl.constexpr,
-    DEPENDENTS: tl.constexpr,
+    RELEASE: tl.constexpr,
+    WAIT: tl.constexpr,
 ):
     """Program (sequence, head): the splits' partial outputs weighted by their share of the softmax sum. Empty
     splits (lse -inf) weigh 0; a sequence with no keys at all gets zeros."""
-    release_dependents(DEPENDENTS)  # the output projection after it may start reading its weights (pdl.py)
+    begin(RELEASE, WAIT)  # the output projection after it may start reading its weights (pdl.py)
     seq = tl.program_id(0)
     head = tl.program_id(1)
     split = tl.arange(0, SPLITS_P)
@@ -363,8 +367,11 @@ def decode_attention(
         UPCAST=upcast,
         IEEE=upcast or q.dtype == torch.float32,
         FP16_TILES=FP8_DECODE_IN_FP16 and is_fp8(k_cache) and not upcast and q.dtype != torch.float32,
+        RELEASE=pdl_on(q.device),
+        WAIT=chained(q.device),
         num_warps=DECODE_NUM_WARPS_FP8 if is_fp8(k_cache) else DECODE_NUM_WARPS,
         num_stages=DECODE_NUM_STAGES,
+        **launch_options(chained(q.device)),
     )
     if splits > 1:
         _decode_merge_kernel[(num_seqs, num_heads)](
@@ -378,8 +385,10 @@ def decode_attention(
             BLOCK_D=block_d,
             NUM_SPLITS=splits,
             SPLITS_P=triton.next_power_of_2(splits),
-            DEPENDENTS=pdl_on(out.device),
+            RELEASE=pdl_on(out.device),
+            WAIT=chained(out.device),
             num_warps=4,
+            **launch_options(chained(out.device)),
         )
     return out
 
@@ -888,10 +897,13 @@ def _store_kv_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     QUANTIZE: tl.constexpr,
+    RELEASE: tl.constexpr,
+    WAIT: tl.constexpr,
 ):
     """Program (token): its K and V rows [kv_heads, head_dim] into the caches at its slot (slot s of the caches
     viewed as [slots, kv_heads, head_dim]: stride_ks per slot, stride_kc per head); QUANTIZE (FP8 caches):
     times 1 / scale and clamped first."""
+    begin(RELEASE, WAIT)  # (pdl.py)
     token = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping + token).to(tl.int64)
     head = tl.arange(0, BLOCK_H)[:, None]
@@ -961,7 +973,10 @@ def store_kv(
         BLOCK_H=block_h,
         BLOCK_D=block_d,
         QUANTIZE=is_fp8(k_cache),
+        RELEASE=pdl_on(k.device),
+        WAIT=chained(k.device),
         num_warps=1 if block_h * block_d <= 256 else 4,
+        **launch_options(chained(k.device)),
     )
 
 

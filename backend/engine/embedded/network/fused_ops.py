@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..pdl import pdl_on, release_dependents
+from ..pdl import begin, chained, launch_options, pdl_on
 from ..quant.formats import FP8_DTYPE
 from ..quant.fp8_kernel import row_scale, store_fp8
 
@@ -77,13 +77,14 @@ def _rms_norm_kernel(
     SCALED: tl.constexpr,
     BLOCK: tl.constexpr,
     ROUND_BF16: tl.constexpr,
-    DEPENDENTS: tl.constexpr,
+    RELEASE: tl.constexpr,
+    WAIT: tl.constexpr,
 ):
     """Program (row): out = weight * round(h * rsqrt(mean(h^2) + eps)), h = x (+ residual, rounded and stored to
     sum_out), rounding to out's dtype (a no-op in fp32) and the product rounded once; FP8_ROWS: out's row
     quantized into fp8_out (contiguous) and its scale into fp8_scales too. SCALED: x is an unscaled fp32 FP8
     product, first scaled by its row's and columns' scales and rounded to out's dtype (as fp8_linear's would)."""
-    release_dependents(DEPENDENTS)  # the matmul after it may start reading its weights (pdl.py)
+    begin(RELEASE, WAIT)  # the matmul after it may start reading its weights (pdl.py)
     dtype = out.dtype.element_ty
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -123,8 +124,11 @@ def _rotary_kernel(
     HALF_P: tl.constexpr,
     BLOCK_H: tl.constexpr,
     ROUND_BF16: tl.constexpr,
+    RELEASE: tl.constexpr,
+    WAIT: tl.constexpr,
 ):
     """Program (token, head block): rotates pairs (i, i + HALF) of BLOCK_H heads in place, in fp32."""
+    begin(RELEASE, WAIT)  # (pdl.py)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, HALF_P)
@@ -154,11 +158,12 @@ def _silu_and_mul_kernel(
     BLOCK: tl.constexpr,
     ROUND_BF16: tl.constexpr,
     AMAX: tl.constexpr,
-    DEPENDENTS: tl.constexpr,
+    RELEASE: tl.constexpr,
+    WAIT: tl.constexpr,
 ):
     """Program (row, column block): out = silu(gate) * up in fp32, gate and up the two halves of the row. AMAX:
     also the block's absmax of the rounded values, into block_amax [rows, column blocks] (for _fp8_blocks_kernel)."""
-    release_dependents(DEPENDENTS)  # the matmul after it may start reading its weights (pdl.py)
+    begin(RELEASE, WAIT)  # the matmul after it may start reading its weights (pdl.py)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < size
@@ -277,8 +282,10 @@ def rms_norm(
             SCALED=pending is not None,
             BLOCK=block,
             ROUND_BF16=_round_bf16(out),
-            DEPENDENTS=pdl_on(x.device),
+            RELEASE=pdl_on(x.device),
+            WAIT=chained(x.device),
             num_warps=4 if block < 2048 else 8 if block < 8192 else 16,
+            **launch_options(chained(x.device)),
         )
     if fp8_rows:
         out.fp8_rows = (fp8_out, fp8_scales)  # type: ignore[attr-defined]  # see fp8_rows_of
@@ -343,7 +350,10 @@ def rotary_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
         HALF_P=half_p,
         BLOCK_H=block_h,
         ROUND_BF16=_round_bf16(x),
+        RELEASE=pdl_on(x.device),
+        WAIT=chained(x.device),
         num_warps=4,
+        **launch_options(chained(x.device)),
     )
     return x
 
@@ -373,8 +383,10 @@ def silu_and_mul(gate_up: torch.Tensor, fp8_rows: bool = False) -> torch.Tensor:
             BLOCK=block,
             ROUND_BF16=_round_bf16(gate_up),
             AMAX=fp8_rows,
-            DEPENDENTS=pdl_on(gate_up.device),
+            RELEASE=pdl_on(gate_up.device),
+            WAIT=chained(gate_up.device),
             num_warps=4,
+            **launch_options(chained(gate_up.device)),
         )
     if fp8_rows:
         out.fp8_rows = _fp8_blocks(out, block_amax)  # type: ignore[attr-defined]  # see fp8_rows_of
