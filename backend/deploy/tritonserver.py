@@ -7,6 +7,7 @@ same libpython as the interpreter. `TritonServer` takes care of all three."""
 from __future__ import annotations
 
 import os
+import random
 import shutil
 import signal
 import socket
@@ -59,10 +60,40 @@ def server_environment() -> dict[str, str]:
     return env
 
 
-def free_port() -> int:
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LOWEST_PORT = 10_000
+_pick = random.SystemRandom()  # not the global generator, which tests seed alike in every process
+
+
+def free_port(avoid: tuple[int, ...] = ()) -> int:
+    """A TCP port nothing listens on now, for a server started next. Chosen below the kernel's ephemeral range
+    where it has one: a port the kernel hands out (what binding port 0 gives) may go to an outgoing connection,
+    another process's or gloo's between engine ranks, before the server binds it."""
+    low = _ephemeral_low()
+    for _ in range(100 if low > LOWEST_PORT else 0):
+        port = _pick.randrange(LOWEST_PORT, low)
+        if port not in avoid and _bindable(port):
+            return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    """The lowest port of the kernel's ephemeral range (Linux), or 0 where unknown."""
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("0.0.0.0", port))
+        except OSError:
+            return False
+    return True
 
 
 @dataclass
@@ -73,7 +104,9 @@ class Ports:
 
     @classmethod
     def free(cls) -> "Ports":
-        return cls(free_port(), free_port(), free_port())
+        http = free_port()
+        grpc = free_port(avoid=(http,))
+        return cls(http, grpc, free_port(avoid=(http, grpc)))
 
 
 STOP_GRACE_S = 5  # past tritonserver's own exit timeout, before its process group is killed

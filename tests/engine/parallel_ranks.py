@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +12,7 @@ import torch
 from safetensors.torch import save_file
 
 from tritonllm.checkpoints.tiny import build_tiny_model, random_weights
+from tritonllm.deploy.tritonserver import free_port
 
 WORKER = Path(__file__).with_name("tp_worker.py")
 
@@ -32,12 +32,6 @@ def one_kv_head_llama(out: Path) -> Path:
             weights[name.replace(".weight", ".bias")] = bias
     save_file(weights, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
     return model_dir
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_ranks(model_dir: Path, out: Path, *extra: str, world_size: int = 2, pipeline: int = 1) -> list:
