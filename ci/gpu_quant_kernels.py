@@ -608,46 +608,6 @@ def race_check() -> None:
             emit(kind="race", m=m, variant=str(variant), worst_rel_err=worst, us=round(us, 2))
 
 
-def pdl_check(replays: int = 50) -> None:
-    """A norm, then two word GEMVs launched with PDL (pdl.py), in a CUDA graph replayed on new inputs: how many
-    replays' products differ at all from the same GEMVs launched without PDL, eagerly, on the graph's own inputs
-    to each (a GEMV reading x before the kernel writing it had finished would differ by far more than rounding)."""
-    from tritonllm.engine.embedded.network.fused_ops import rms_norm
-
-    generator = torch.Generator(device=DEVICE).manual_seed(0)
-    first_w, second_w = quantized("int4", 4096, 1024, generator), quantized("int4", 1024, 4096, generator)
-    norm_weight = torch.rand(1024, device=DEVICE, dtype=DTYPE, generator=generator) + 0.5
-    hidden = torch.randn(1, 1024, device=DEVICE, dtype=DTYPE, generator=generator)
-    shape = dict(block_m=1, block_n=16, block_k=512, num_warps=4, num_stages=1, use_dot=False, words=True)
-    for prefetch in (False, True):
-        with_pdl, without = (DecodeVariant(**shape, prefetch=prefetch, pdl=pdl) for pdl in (True, False))
-
-        def call(x, w, variant):
-            args = w["args"]
-            return int4_decode.int4_decode_matmul(
-                x, args["qweight"], args["weight_scale"], args["weight_zero"], None, GROUP_SIZE, variant
-            )
-
-        def chain():
-            normed = rms_norm(hidden, norm_weight, 1e-5)
-            first = call(normed, first_w, with_pdl)
-            return normed, first, call(first, second_w, with_pdl)
-
-        chain()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            normed, first, second = chain()
-        differ, worst = 0, 0.0
-        for _ in range(replays):
-            hidden.copy_(torch.randn(1, 1024, device=DEVICE, dtype=DTYPE, generator=generator))
-            graph.replay()
-            for got, x, w in ((first, normed, first_w), (second, first, second_w)):
-                want = call(x, w, without)
-                differ += not torch.equal(got, want)
-                worst = max(worst, float((got.float() - want.float()).abs().max()))
-        emit(kind="pdl-check", prefetch=prefetch, products=2 * replays, differ=differ, worst_abs_diff=worst)
-
-
 def ncu_once() -> None:
     """Each projection's one-row int4 kernel (kernels.choose_decode_variant) and its bf16 F.linear, launched twice
     each on fresh weights: a program for `ncu` to profile (gpu_session.sh int4-ncu), not a timing."""
@@ -747,7 +707,6 @@ def main() -> int:
     parser.add_argument("--sweep-fp8", action="store_true", help="time _scaled_mm against the Triton FP8 matmul")
     parser.add_argument("--greedy", action="store_true", help="greedy sampling's kernel against torch's ops")
     parser.add_argument("--int4-prefill", action="store_true", help="int4 dot tiles at prefill sizes")
-    parser.add_argument("--pdl-check", action="store_true", help="PDL GEMV chains in CUDA graphs, wrong replays")
     parser.add_argument("--ncu-once", action="store_true", help="one-row int4 and bf16 launches for ncu to profile")
     parser.add_argument("--formats", default="int4,int8,fp8", help="comma-separated of int4, int8, fp8")
     parser.add_argument("--ms", default=",".join(map(str, MS)), help="comma-separated row counts")
@@ -765,8 +724,6 @@ def main() -> int:
         race_check()
     elif args.ncu_once:
         ncu_once()
-    elif args.pdl_check:
-        pdl_check()
     elif args.fp8_rows:
         time_fp8_rows(ms)
     elif args.sweep_decode:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine run (the `device` tool): puts the working tree's package on PYTHONPATH (the machine has torch,
 # triton and transformers but no venv of ours), then runs what the arguments name, each logged under $OUT.
-#   bash ci/gpu_session.sh kernels|fused|pdl|greedy|window|guided|parity|features|bench-quick|bench-guided|bench-accuracy|moe-kernel|moe-sweep|fp8-kv|int4-decode-sweep|int4-ncu|pdl-check|int4-layouts|attn-sweep|fp8-sweep|families|bench-mixtral|bench-quant|quant|quant-load|quant-tests|quantize|quant-kernels|quant-sweep-decode|quant-sweep-prefill|bench-qwen3|bench-parallel|parallel-tests|sync-check|profile|profile-1 ...
+#   bash ci/gpu_session.sh kernels|fused|pdl|greedy|window|guided|parity|features|bench-quick|bench-guided|bench-accuracy|moe-kernel|moe-sweep|fp8-kv|int4-decode-sweep|int4-ncu|int4-layouts|attn-sweep|fp8-sweep|families|bench-mixtral|bench-quant|quant|quant-load|quant-tests|quantize|quant-kernels|quant-sweep-decode|quant-sweep-prefill|bench-qwen3|bench-parallel|parallel-tests|sync-check|profile|profile-1 ...
 # Used by hand for the GPU figures in docs/benchmarks.md; CI never runs it (no GPU there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,7 +42,8 @@ for what in "$@"; do
   case $what in
     kernels) run_tests tests/engine/test_triton_attention.py ;;
     fused) run_tests tests/engine/test_fused_ops.py ;;
-    pdl) run_tests tests/engine/test_pdl.py tests/engine/test_quant_kernels.py -k "pdl or word or sm90" ;;
+    pdl)  # PDL chains in CUDA graphs against the same kernels launched without it, bit for bit
+      run_tests tests/engine/test_pdl.py tests/engine/test_quant_kernels.py -k "pdl or word or sm90" ;;
     greedy) run_tests tests/engine/test_greedy_kernel.py tests/engine/test_fp8_rows.py ;;
     window) run_tests tests/engine/test_sliding_window.py ;;
     guided) run_tests tests/engine/test_guided.py ;;  # needs xgrammar (its wheels carried, see docs/gpu-runs.md)
@@ -97,8 +98,6 @@ for what in "$@"; do
     int4-decode-sweep)  # the int4 decode kernel's variants (int4_decode_kernel.py) at M = 1 and 8
       python3 ci/gpu_quant_kernels.py --sweep-decode --ms "${QUANT_MS:-1,8}" ${QUANT_ARGS:-} 2>&1 \
         | tee -a "$OUT/int4-decode-sweep.jsonl" | grep -v '"kind": "decode"' ;;
-    pdl-check)  # two word GEMVs launched with PDL after a norm, in a CUDA graph: wrong replays, x through L1 or L2
-      python3 ci/gpu_quant_kernels.py --pdl-check 2>&1 | tee -a "$OUT/pdl-check.jsonl" ;;
     int4-ncu)  # Nsight Compute on each projection's one-row int4 kernel and bf16 GEMV (the second launch of each)
       ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
       "$ncu" --clock-control none --kernel-name regex:"_int4_decode_kernel|nvjet|gemv|gemm" --launch-skip 0 \

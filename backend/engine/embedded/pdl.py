@@ -48,6 +48,13 @@ def launch_options(with_pdl: bool) -> dict[str, bool]:
     return {"launch_pdl": True} if with_pdl else {}
 
 
+def small_kernel_args(device: torch.device) -> dict[str, bool]:
+    """A small kernel's launch keywords on this device: its `begin` constexprs (RELEASE where pdl_on, WAIT where
+    chained) and launch_pdl where chained."""
+    wait = chained(device)
+    return {"RELEASE": pdl_on(device), "WAIT": wait, **launch_options(wait)}
+
+
 @triton.jit
 def begin(RELEASE: tl.constexpr, WAIT: tl.constexpr):
     """A small kernel's first step: let a kernel after it launched with PDL start (RELEASE); launched with PDL

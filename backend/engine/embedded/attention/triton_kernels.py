@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..pdl import begin, chained, launch_options, pdl_on
+from ..pdl import begin, small_kernel_args
 from .fp8_cache import FP8_MAX as _FP8_MAX
 from .fp8_cache import is_fp8
 
@@ -367,11 +367,9 @@ def decode_attention(
         UPCAST=upcast,
         IEEE=upcast or q.dtype == torch.float32,
         FP16_TILES=FP8_DECODE_IN_FP16 and is_fp8(k_cache) and not upcast and q.dtype != torch.float32,
-        RELEASE=pdl_on(q.device),
-        WAIT=chained(q.device),
         num_warps=DECODE_NUM_WARPS_FP8 if is_fp8(k_cache) else DECODE_NUM_WARPS,
         num_stages=DECODE_NUM_STAGES,
-        **launch_options(chained(q.device)),
+        **small_kernel_args(q.device),
     )
     if splits > 1:
         _decode_merge_kernel[(num_seqs, num_heads)](
@@ -385,10 +383,8 @@ def decode_attention(
             BLOCK_D=block_d,
             NUM_SPLITS=splits,
             SPLITS_P=triton.next_power_of_2(splits),
-            RELEASE=pdl_on(out.device),
-            WAIT=chained(out.device),
             num_warps=4,
-            **launch_options(chained(out.device)),
+            **small_kernel_args(out.device),
         )
     return out
 
@@ -973,10 +969,8 @@ def store_kv(
         BLOCK_H=block_h,
         BLOCK_D=block_d,
         QUANTIZE=is_fp8(k_cache),
-        RELEASE=pdl_on(k.device),
-        WAIT=chained(k.device),
         num_warps=1 if block_h * block_d <= 256 else 4,
-        **launch_options(chained(k.device)),
+        **small_kernel_args(k.device),
     )
 
 

@@ -29,7 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..pdl import begin, chained, launch_options, pdl_on
+from ..pdl import begin, small_kernel_args
 from ..quant.formats import FP8_DTYPE
 from ..quant.fp8_kernel import row_scale, store_fp8
 
@@ -282,10 +282,8 @@ def rms_norm(
             SCALED=pending is not None,
             BLOCK=block,
             ROUND_BF16=_round_bf16(out),
-            RELEASE=pdl_on(x.device),
-            WAIT=chained(x.device),
             num_warps=4 if block < 2048 else 8 if block < 8192 else 16,
-            **launch_options(chained(x.device)),
+            **small_kernel_args(x.device),
         )
     if fp8_rows:
         out.fp8_rows = (fp8_out, fp8_scales)  # type: ignore[attr-defined]  # see fp8_rows_of
@@ -350,10 +348,8 @@ def rotary_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
         HALF_P=half_p,
         BLOCK_H=block_h,
         ROUND_BF16=_round_bf16(x),
-        RELEASE=pdl_on(x.device),
-        WAIT=chained(x.device),
         num_warps=4,
-        **launch_options(chained(x.device)),
+        **small_kernel_args(x.device),
     )
     return x
 
@@ -383,10 +379,8 @@ def silu_and_mul(gate_up: torch.Tensor, fp8_rows: bool = False) -> torch.Tensor:
             BLOCK=block,
             ROUND_BF16=_round_bf16(gate_up),
             AMAX=fp8_rows,
-            RELEASE=pdl_on(gate_up.device),
-            WAIT=chained(gate_up.device),
             num_warps=4,
-            **launch_options(chained(gate_up.device)),
+            **small_kernel_args(gate_up.device),
         )
     if fp8_rows:
         out.fp8_rows = _fp8_blocks(out, block_amax)  # type: ignore[attr-defined]  # see fp8_rows_of

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..pdl import pdl_on
+from ..pdl import launch_options, pdl_on
 from .int4_words import int32_viewable, words_row
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # fp32: exact fp32 products instead of the magic
@@ -352,8 +352,8 @@ def int4_decode_matmul(
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     workspace, counters = _split_buffers(x.device, N) if split_k > 1 else (out, out)
     weights = qweight.view(torch.int32) if variant.words else qweight  # K // 2 bytes a row: a multiple of 4
-    pdl = variant.words and variant.pdl and pdl_on(x.device)
-    options: dict[str, bool | int] = {"launch_pdl": True} if pdl else {}
+    pdl = variant.pdl and pdl_on(x.device)  # (pdl is the word GEMV's: DecodeVariant checks it)
+    options: dict[str, bool | int] = dict(launch_options(pdl))
     if variant.max_registers and x.device.type == "cuda":
         options["maxnreg"] = variant.max_registers
     grid = (triton.cdiv(N, variant.block_n), triton.cdiv(M, variant.block_m), split_k)
