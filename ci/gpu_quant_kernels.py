@@ -276,6 +276,8 @@ def sweep(formats: list[str], ms: tuple[int, ...]) -> None:
 
 def decode_variants(m: int) -> list[DecodeVariant]:
     """The tl.dot shapes (16-row tiles) and, for one row, the CUDA-core GEMV's."""
+    if DECODE_SWEEP_LANES:
+        return lanes_variants(m)
     if DECODE_SWEEP_WORDS:
         return words_variants(m)
     found = [DecodeVariant(block_n=64, split_k=8, num_warps=2), DecodeVariant(block_n=128, split_k=2, num_warps=2)]
@@ -314,6 +316,7 @@ def decode_variants(m: int) -> list[DecodeVariant]:
 
 DECODE_SWEEP_DOT = False  # the dot shapes were swept on 2026-12-02 (docs/gpu-runs.md): two of them kept above
 DECODE_SWEEP_WORDS = False  # --words: only the one-row GEMV over int32 words, against the byte GEMV
+DECODE_SWEEP_LANES = False  # --lanes: the lane GEMV's shapes against the word GEMV's table
 
 
 def words_variants(m: int) -> list[DecodeVariant]:
@@ -332,6 +335,18 @@ def words_variants(m: int) -> list[DecodeVariant]:
     ):
         variant = kernels.word_gemv(bn, bk, warps, x_vector=x_vector, prefetch=prefetch, pdl=False)
         found.append(dataclasses.replace(variant, max_registers=registers))
+    return found
+
+
+def lanes_variants(m: int) -> list[DecodeVariant]:
+    """The word GEMV's table (kernels.ONE_ROW_SHAPES, each tried on every shape), then the lane GEMV
+    (int4_lanes.py): 4, 8 and 16 rows a program, 1, 2 and 4 warps, K in 1, 2 or 4 slices, with and without the
+    next step's words prefetched. Without PDL, as words_variants."""
+    if m != 1:
+        return []
+    found = [dataclasses.replace(variant, pdl=False) for variant in kernels.ONE_ROW_SHAPES.values()]
+    for rows, warps, split, prefetch in itertools.product((4, 8, 16), (1, 2, 4), (1, 2, 4), (False, True)):
+        found.append(kernels.lane_gemv(rows, warps, split_k=split, prefetch=prefetch, pdl=False))
     return found
 
 
@@ -701,6 +716,7 @@ def main() -> int:
     parser.add_argument("--sweep", action="store_true", help="time the program shapes instead of the defaults")
     parser.add_argument("--sweep-decode", action="store_true", help="time the int4 decode kernel's variants")
     parser.add_argument("--words", action="store_true", help="with --sweep-decode: the int32-word GEMV's shapes only")
+    parser.add_argument("--lanes", action="store_true", help="with --sweep-decode: lane GEMVs, word table")
     parser.add_argument("--fp8-rows", action="store_true", help="fused norm / SiLU FP8 rows against the quantizer")
     parser.add_argument("--race-check", action="store_true", help="split-K launches repeated, worst error")
     parser.add_argument("--scale-layouts", action="store_true", help="int4 decode: row- against group-major scales")
@@ -727,8 +743,9 @@ def main() -> int:
     elif args.fp8_rows:
         time_fp8_rows(ms)
     elif args.sweep_decode:
-        global DECODE_SWEEP_WORDS
+        global DECODE_SWEEP_WORDS, DECODE_SWEEP_LANES
         DECODE_SWEEP_WORDS = args.words
+        DECODE_SWEEP_LANES = args.lanes
         sweep_decode(ms)
     elif args.scale_layouts:
         scale_layouts(ms)

@@ -56,6 +56,7 @@ def int4_decode_kernel(
     x_vector: bool = False,
     pdl: bool = False,
     prefetch: bool | None = None,
+    lanes: bool = False,
 ) -> None:
     pointers = {name: f"*{dtype}" for name in ("x", "scale", "bias", "out")}
     pointers |= {"w": "*i32" if words else "*u8", "zero": "*u8", "workspace": "*fp32", "counters": "*i32"}
@@ -63,7 +64,7 @@ def int4_decode_kernel(
     prefetch = not (use_dot or words) if prefetch is None else prefetch
     constexprs |= dict(UPCAST=False, USE_DOT=use_dot, PREFETCH=prefetch, WORDS=words)
     constexprs |= dict(INTERPRETED=False, BLOCK_M=16 if use_dot else 1, BLOCK_N=block_n, BLOCK_K=block_k)
-    constexprs |= dict(X_VECTOR=x_vector, PDL=pdl)
+    constexprs |= dict(X_VECTOR=x_vector, PDL=pdl, LANES=lanes)
     for even_k in (False, True):  # K masked in each step, or a multiple of the step
         constexprs["EVEN_K"] = even_k
         options = dict(num_warps=4, num_stages=3) | (dict(launch_pdl=True) if pdl else {})
@@ -73,7 +74,7 @@ def int4_decode_kernel(
             assert "ld.global" in ptx[:wait] and "st.global" not in ptx[:wait], "PDL: loads and stores misplaced"
             assert "griddepcontrol.launch_dependents" in ptx[:wait]
     shape = f"split {split_k} asm {use_asm} dot {use_dot} words {words} {block_n} x {block_k} x vector {x_vector}"
-    shape += f" pdl {pdl} prefetch {prefetch}"
+    shape += f" pdl {pdl} prefetch {prefetch} lanes {lanes}"
     print("compiled the int4 decode kernel", dtype, shape, flush=True)
 
 
@@ -174,6 +175,9 @@ if __name__ == "__main__":
         int4_decode_kernel("bf16", 2, True, False, words=True, block_n=16, block_k=512, x_vector=x_vector)
     for prefetch in (False, True):  # launched with PDL: the first step's words read before the wait
         int4_decode_kernel("bf16", 1, True, False, words=True, block_n=16, block_k=1024, pdl=True, prefetch=prefetch)
+    for dtype, split_k, prefetch in (("bf16", 1, True), ("fp16", 2, False)):  # the lane GEMV (4 warps)
+        lane = dict(words=True, block_n=8, block_k=4096, pdl=True, prefetch=prefetch, lanes=True)
+        int4_decode_kernel(dtype, split_k, True, False, **lane)
     fp8_matmul()
     fp8_rows()
     deferred_scales_norm()

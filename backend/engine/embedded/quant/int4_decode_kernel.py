@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from ..pdl import launch_options, pdl_on
+from .int4_lanes import WORDS_A_WARP, lanes_row
 from .int4_words import int32_viewable, words_row
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # fp32: exact fp32 products instead of the magic
@@ -52,6 +53,7 @@ class DecodeVariant:
     words: bool = False  # one row: the weights read as int32 words, each made into eight fp32 values (_word_values)
     x_vector: bool = False  # words: each step's x read as one vector and split eight ways (int4_words._step_x)
     pdl: bool = False  # words: launched with PDL where the GPU has it (pdl.py), its first weights read early
+    lanes: bool = False  # words: each lane's sums kept apart until the end (int4_lanes.py); block_k 1,024 a warp
     max_registers: int = 0  # a cap on registers a thread (more programs an SM), 0: the compiler's choice
 
     def __post_init__(self) -> None:
@@ -64,9 +66,14 @@ class DecodeVariant:
             raise ValueError(f"DecodeVariant.split_k must be >= 1, got {self.split_k}")
         if self.words and (self.block_m != 1 or self.use_dot):
             raise ValueError("DecodeVariant.words is the one-row GEMV: block_m=1, use_dot=False")
-        for name in ("x_vector", "pdl"):
+        for name in ("x_vector", "pdl", "lanes"):
             if getattr(self, name) and not self.words:
                 raise ValueError(f"DecodeVariant.{name} is the word GEMV's (words=True)")
+        if self.lanes and (self.block_k != 8 * WORDS_A_WARP * self.num_warps or self.x_vector):
+            raise ValueError(
+                f"DecodeVariant.lanes reads 1,024 columns a warp a step: block_k {8 * WORDS_A_WARP * self.num_warps} "
+                f"for {self.num_warps} warps (got {self.block_k}), and its own x (x_vector=False)"
+            )
         if self.max_registers and not 24 <= self.max_registers <= 255:
             raise ValueError(f"DecodeVariant.max_registers must be 0 or 24-255, got {self.max_registers}")
 
@@ -75,7 +82,8 @@ def supports(x_dtype: torch.dtype, group_size: int, variant: DecodeVariant) -> b
     """This kernel applies: x of a float type it takes, and K steps that stay inside one scale group (the word
     GEMV's may also hold whole groups)."""
     whole_groups = variant.words and variant.block_k % group_size == 0
-    return x_dtype in DTYPES and (group_size % variant.block_k == 0 or whole_groups)
+    lanes_fit = not variant.lanes or group_size % 32 == 0  # a lane's 32 columns inside one group
+    return x_dtype in DTYPES and (group_size % variant.block_k == 0 or whole_groups) and lanes_fit
 
 
 def _unpack_asm(magic: int) -> str:
@@ -230,6 +238,7 @@ def _int4_decode_kernel(
     EVEN_K: tl.constexpr,
     X_VECTOR: tl.constexpr,
     PDL: tl.constexpr,
+    LANES: tl.constexpr,
     INTERPRETED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -248,26 +257,46 @@ def _int4_decode_kernel(
     s_rows = scale + cols.to(tl.int64) * stride_s
     z_rows = zero + cols.to(tl.int64) * stride_z
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if WORDS:  # w is the int32 view, stride_w in words
-        acc += words_row(
-            w_rows,
-            x,
-            s_rows,
-            z_rows,
-            k_start,
-            k_end,
-            K,
-            col_ok,
-            stride_sg,
-            stride_zg,
-            GROUP_SIZE,
-            USE_ASM,
-            BLOCK_K,
-            EVEN_K,
-            X_VECTOR,
-            PREFETCH,
-            PDL,
-        )[None, :]
+    if WORDS:  # w is the int32 view, stride_w in words (nested ifs: `WORDS and LANES` would not fold)
+        if LANES:
+            acc += lanes_row(
+                w_rows,
+                x,
+                s_rows,
+                z_rows,
+                k_start,
+                k_end,
+                K,
+                col_ok,
+                stride_sg,
+                stride_zg,
+                GROUP_SIZE,
+                USE_ASM,
+                BLOCK_K,
+                EVEN_K,
+                PREFETCH,
+                PDL,
+            )[None, :]
+        else:
+            acc += words_row(
+                w_rows,
+                x,
+                s_rows,
+                z_rows,
+                k_start,
+                k_end,
+                K,
+                col_ok,
+                stride_sg,
+                stride_zg,
+                GROUP_SIZE,
+                USE_ASM,
+                BLOCK_K,
+                EVEN_K,
+                X_VECTOR,
+                PREFETCH,
+                PDL,
+            )[None, :]
     else:
         pairs = k_start // 2 + tl.arange(0, HALF)  # byte j holds columns 2j (low nibble) and 2j + 1 (high)
         if PREFETCH:
@@ -340,7 +369,9 @@ def int4_decode_matmul(
     if variant.words and not int32_viewable(qweight):
         # rows not whole words: the byte GEMV reads them, in steps inside one scale group
         block_n, block_k = max(16, variant.block_n), math.gcd(variant.block_k, group_size)
-        variant = replace(variant, words=False, x_vector=False, pdl=False, block_n=block_n, block_k=block_k)
+        variant = replace(
+            variant, words=False, x_vector=False, pdl=False, lanes=False, block_n=block_n, block_k=block_k
+        )
     N = qweight.shape[0]
     if M == 0:
         return torch.empty((0, N), dtype=x.dtype, device=x.device)
@@ -389,6 +420,7 @@ def int4_decode_matmul(
         EVEN_K=K % variant.block_k == 0,
         X_VECTOR=variant.x_vector,
         PDL=pdl,
+        LANES=variant.lanes,
         INTERPRETED=x.device.type != "cuda",
         BLOCK_M=variant.block_m,
         BLOCK_N=variant.block_n,

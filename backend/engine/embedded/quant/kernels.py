@@ -16,6 +16,7 @@ weight into x's dtype, then F.linear.
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -272,6 +273,12 @@ def word_gemv(
         prefetch=prefetch,
         pdl=pdl,
     )
+
+
+def lane_gemv(rows: int, warps: int, split_k: int = 1, prefetch: bool = True, pdl: bool = True) -> DecodeVariant:
+    """A lane-GEMV shape (int4_lanes.py): `rows` output columns a program, each lane reading four words of each
+    a step (1,024 input columns a warp), K cut into split_k slices; prefetch and PDL as in word_gemv."""
+    return replace(word_gemv(rows, 1024 * warps, warps, prefetch=prefetch, pdl=pdl), split_k=split_k, lanes=True)
 
 
 # One row's program shape by (N, K), ahead of the byte GEMV: each projection's best in a GPU sweep
