@@ -15,6 +15,7 @@ from triton.compiler import ASTSource, compile
 from tritonllm.engine.embedded.quant import int4_decode_kernel as int4_decode
 
 TARGET = GPUTarget("cuda", 90, 32)
+EXTRA: dict = {}  # more compile options (maxnreg)
 N, K, GROUP = 6144, 4096, 128  # qkv_proj's N x K, the W4A16 group
 
 
@@ -45,7 +46,7 @@ def sass(words: bool, block_n: int, block_k: int, warps: int, split: int) -> str
     }
     fixed = {(names.index(n),): value for n, value in constexprs.items()}
     source = ASTSource(fn=kernel, signature=signature, constexprs=fixed, attrs=attrs)
-    return compile(source, target=TARGET, options=dict(num_warps=warps, num_stages=1)).asm["sass"]
+    return compile(source, target=TARGET, options=dict(num_warps=warps, num_stages=1, **EXTRA)).asm["sass"]
 
 
 def loop_opcodes(text: str) -> collections.Counter:

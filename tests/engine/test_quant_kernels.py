@@ -305,9 +305,13 @@ def test_the_word_gemv_reads_bytes_that_do_not_start_on_a_word():
 def test_the_word_gemv_is_the_one_row_gemv(monkeypatch):
     with pytest.raises(ValueError, match="words is the one-row GEMV"):
         int4_decode.DecodeVariant(block_m=16, words=True)
-    assert kernels.choose_decode_variant(1, 4096, 14336).words  # Llama-3.1-8B's down_proj: the table's
+    assert kernels.choose_decode_variant(1, 4096, 14336).lanes  # Llama-3.1-8B's down_proj: the table's
     assert not kernels.choose_decode_variant(2, 4096, 14336).words
-    assert not kernels.choose_decode_variant(1, 896, 4864).words  # not in the table: the byte GEMV
+    # not in the table: a lane GEMV of 4 rows, split in two (224 programs, fewer than two an SM), or where its
+    # lanes' 32 columns do not fit the groups, the byte GEMV
+    assert kernels.choose_decode_variant(1, 896, 4864) == kernels.lane_gemv(4, 2, split_k=2)
+    assert kernels.choose_decode_variant(1, 8192, 896) == kernels.lane_gemv(4, 1)
+    assert not kernels.choose_decode_variant(1, 896, 4864, group_size=48).words
     monkeypatch.setitem(kernels.ONE_ROW_SHAPES, (896, 4864), DECODE_WORDS_GROUPS)
     assert kernels.choose_decode_variant(1, 896, 4864) is DECODE_WORDS_GROUPS
     for (n, k), variant in kernels.ONE_ROW_SHAPES.items():  # each shape of the table applies at group 128
@@ -319,15 +323,19 @@ def test_the_word_gemv_is_the_one_row_gemv(monkeypatch):
         int4_decode.DecodeVariant(block_m=1, block_n=8, use_dot=False)
     with pytest.raises(ValueError, match="x_vector is the word GEMV's"):
         int4_decode.DecodeVariant(block_m=1, use_dot=False, x_vector=True)
+    with pytest.raises(ValueError, match="lanes reads 1,024 columns a warp a step: block_k 2048 for 2 warps"):
+        replace(kernels.lane_gemv(4, 2), block_k=1024)
+    assert not int4_decode.supports(torch.bfloat16, 16, kernels.lane_gemv(4, 1))  # a lane's 32 columns, 2 groups
 
 
-def run_word_asm(word: int) -> list[float]:
-    """The word GEMV's PTX (_WORD_ASM) run instruction by instruction on one 32-bit word: its eight outputs as fp32."""
+def run_word_asm(word: int, asm: str) -> list[float]:
+    """The word GEMV's PTX (_WORD_ASM, _WORD_ASM_2048) run instruction by instruction on one 32-bit word: its eight
+    outputs as fp32."""
     import re
     import struct
 
     regs = {"$8": word}
-    for line in int4_words._WORD_ASM.value.splitlines():
+    for line in asm.splitlines():
         match = re.match(r"\s*(shl\.b32|shr\.u32|prmt\.b32|lop3\.b32)\s+([$\w]+),\s*(.+);", line)
         if not match:
             continue
@@ -346,15 +354,19 @@ def run_word_asm(word: int) -> list[float]:
     return [struct.unpack("<f", struct.pack("<I", regs[f"${i}"]))[0] for i in range(8)]
 
 
-def test_the_word_gemvs_ptx_makes_the_values_of_its_arithmetic_path():
+@pytest.mark.parametrize("odd_2048", [False, True])
+def test_the_word_gemvs_ptx_makes_the_values_of_its_arithmetic_path(odd_2048):
     """The PTX runs on CUDA only: here its instructions are replayed on every nibble in every position and must
-    give what the interpreter's arithmetic (_word_value) gives: 128 + q, or 128 + q / 16 for the odd nibbles."""
+    give what the interpreter's arithmetic (_word_value) gives: 128 + q, and for the odd nibbles 128 + q / 16
+    (the word GEMV's) or 2048 + q (the lane GEMV's)."""
+    asm = (int4_words._WORD_ASM_2048 if odd_2048 else int4_words._WORD_ASM).value
     for q in range(16):
         for position in range(8):
             for others in (0, 0x77777777, 0xFFFFFFFF):
                 word = (others & ~(0xF << (4 * position))) | (q << (4 * position))
-                got = run_word_asm(word)[position]
-                assert got == 128 + (q / 16 if position % 2 else q), (q, position, others)
+                got = run_word_asm(word, asm)[position]
+                odd = 2048 + q if odd_2048 else 128 + q / 16
+                assert got == (odd if position % 2 else 128 + q), (q, position, others)
 
 
 @cuda_only

@@ -252,10 +252,11 @@ def _int4_decode_kernel(
     row_ok = rows < M
     k_start = tl.program_id(2) * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    w_rows = w + cols.to(tl.int64)[:, None] * stride_w
+    kept = tl.minimum(cols, N - 1).to(tl.int64)  # columns past N read column N - 1's weights, never stored
+    w_rows = w + kept[:, None] * stride_w
     x_rows = x + rows.to(tl.int64)[:, None] * stride_xm
-    s_rows = scale + cols.to(tl.int64) * stride_s
-    z_rows = zero + cols.to(tl.int64) * stride_z
+    s_rows = scale + kept * stride_s
+    z_rows = zero + kept * stride_z
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if WORDS:  # w is the int32 view, stride_w in words (nested ifs: `WORDS and LANES` would not fold)
         if LANES:
@@ -267,7 +268,6 @@ def _int4_decode_kernel(
                 k_start,
                 k_end,
                 K,
-                col_ok,
                 stride_sg,
                 stride_zg,
                 GROUP_SIZE,

@@ -16,37 +16,59 @@ from ..pdl import release_dependents, wait_for_inputs
 # Each nibble of a word goes to mantissa bits 12-15 or 16-19 of an fp32 number whose exponent is 128's, so one
 # LOP3 makes it 128 + q / 16 or 128 + q. The word itself holds nibbles 3 and 4 there; shifted by 8 either way it
 # holds 1, 2 and 5, 6; rotated by 16 (one PRMT), 7 and 0. Nibble i of word c is input column 8c + i; the odd
-# nibbles come out divided by 16 (their x is multiplied by 16 instead). Lower bits would leave too few of fp32's
-# 24 for the sums (at bits 8-11, q / 256 against 128: 2^-9 relative).
-_WORD_ASM = tl.constexpr("""{
+# nibbles come out divided by 16 (their x is multiplied by 16 instead), or, with 2048's exponent instead of
+# 128's (`odd_magic`), as 2048 + q. Lower bits would leave too few of fp32's 24 for the sums (at bits 8-11,
+# q / 256 against 128: 2^-9 relative).
+_EVEN_MAGIC, _ODD_MAGIC_2048 = 0x43000000, 0x45000000  # 128.0 and 2048.0
+
+
+def _word_asm(odd_magic: int) -> str:
+    even, odd = f"{_EVEN_MAGIC:#010x}", f"{odd_magic:#010x}"
+    return f"""{{
     .reg .b32 left, right, turned;
     shl.b32 left, $8, 8;
     shr.u32 right, $8, 8;
     prmt.b32 turned, $8, 0, 0x1032;
-    lop3.b32 $0, turned, 0x000F0000, 0x43000000, 0xEA;
-    lop3.b32 $1, left, 0x0000F000, 0x43000000, 0xEA;
-    lop3.b32 $2, left, 0x000F0000, 0x43000000, 0xEA;
-    lop3.b32 $3, $8, 0x0000F000, 0x43000000, 0xEA;
-    lop3.b32 $4, $8, 0x000F0000, 0x43000000, 0xEA;
-    lop3.b32 $5, right, 0x0000F000, 0x43000000, 0xEA;
-    lop3.b32 $6, right, 0x000F0000, 0x43000000, 0xEA;
-    lop3.b32 $7, turned, 0x0000F000, 0x43000000, 0xEA;
-    }""")
+    lop3.b32 $0, turned, 0x000F0000, {even}, 0xEA;
+    lop3.b32 $1, left, 0x0000F000, {odd}, 0xEA;
+    lop3.b32 $2, left, 0x000F0000, {even}, 0xEA;
+    lop3.b32 $3, $8, 0x0000F000, {odd}, 0xEA;
+    lop3.b32 $4, $8, 0x000F0000, {even}, 0xEA;
+    lop3.b32 $5, right, 0x0000F000, {odd}, 0xEA;
+    lop3.b32 $6, right, 0x000F0000, {even}, 0xEA;
+    lop3.b32 $7, turned, 0x0000F000, {odd}, 0xEA;
+    }}"""
+
+
+_WORD_ASM = tl.constexpr(_word_asm(_EVEN_MAGIC))
+_WORD_ASM_2048 = tl.constexpr(_word_asm(_ODD_MAGIC_2048))
 
 
 @triton.jit
-def _word_value(words, i: tl.constexpr):
-    """Nibble i of each int32 word as fp32 128 + q (/ 16 where i is odd), by arithmetic."""
+def _word_value(words, i: tl.constexpr, ODD_2048: tl.constexpr = False):
+    """Nibble i of each int32 word as fp32 128 + q (where i is odd: q / 16, or 2048 + q under ODD_2048), by
+    arithmetic."""
     q = ((words >> (4 * i)) & 0xF).to(tl.float32)
     if i % 2 == 1:
+        if ODD_2048:
+            return q + 2048.0
         q = q * 0.0625
     return q + 128.0
 
 
 @triton.jit
-def _word_values(words, USE_ASM: tl.constexpr):
-    """int32 words -> the eight nibbles' fp32 values (_word_value), with ten PTX instructions on CUDA."""
+def _word_values(words, USE_ASM: tl.constexpr, ODD_2048: tl.constexpr = False):
+    """int32 words -> the eight nibbles' fp32 values (_word_value), with eleven PTX instructions on CUDA."""
     if USE_ASM:
+        if ODD_2048:
+            return tl.inline_asm_elementwise(
+                asm=_WORD_ASM_2048,
+                constraints="=r,=r,=r,=r,=r,=r,=r,=r,r",
+                args=[words],
+                dtype=(tl.float32,) * 8,
+                is_pure=True,
+                pack=1,
+            )
         return tl.inline_asm_elementwise(
             asm=_WORD_ASM,
             constraints="=r,=r,=r,=r,=r,=r,=r,=r,r",
@@ -56,14 +78,14 @@ def _word_values(words, USE_ASM: tl.constexpr):
             pack=1,
         )
     return (
-        _word_value(words, 0),
-        _word_value(words, 1),
-        _word_value(words, 2),
-        _word_value(words, 3),
-        _word_value(words, 4),
-        _word_value(words, 5),
-        _word_value(words, 6),
-        _word_value(words, 7),
+        _word_value(words, 0, ODD_2048),
+        _word_value(words, 1, ODD_2048),
+        _word_value(words, 2, ODD_2048),
+        _word_value(words, 3, ODD_2048),
+        _word_value(words, 4, ODD_2048),
+        _word_value(words, 5, ODD_2048),
+        _word_value(words, 6, ODD_2048),
+        _word_value(words, 7, ODD_2048),
     )
 
 

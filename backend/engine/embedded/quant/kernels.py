@@ -210,19 +210,34 @@ def choose_variant(m: int, n: int, k: int) -> Variant:
     return Variant(block_m=64, block_n=128, block_k=64, num_warps=8, num_stages=3)
 
 
-def choose_decode_variant(m: int, n: int, k: int) -> DecodeVariant:
+def choose_decode_variant(m: int, n: int, k: int, group_size: int = 128) -> DecodeVariant:
     """The int4 decode kernel's program shape for m <= SMALL_M rows (int4_decode_kernel.py), from GPU sweeps over
-    Llama-3.1-8B's four projections (docs/gpu-runs.md). One row: ONE_ROW_SHAPES where it has (N, K) (the word
-    GEMV, 60.7 us for the four on an H100 against bf16's 155), else the byte GEMV, one warp a program, 32 columns,
-    K in 16 slices (77 us on the H100). More rows: 16-row tl.dot tiles, two warps, 64 columns and 8 slices, or 128
-    columns and 2 slices for the wide gate/up projection."""
+    Llama-3.1-8B's four projections (docs/gpu-runs.md). One row: ONE_ROW_SHAPES where it has (N, K) (lane GEMVs,
+    54.3 us for the four on an H100 against bf16's 161), else a lane GEMV of default shape (default_lane_gemv),
+    or where the groups are not whole lanes' columns the byte GEMV, one warp a program, 32 columns, K in 16 slices
+    (77 us on the H100). More rows: 16-row tl.dot tiles, two warps, 64 columns and 8 slices, or 128 columns and 2
+    slices for the wide gate/up projection."""
     if m == 1 and (n, k) in ONE_ROW_SHAPES:
         return ONE_ROW_SHAPES[(n, k)]
+    if m == 1 and int4_decode.supports(torch.bfloat16, group_size, lanes := default_lane_gemv(n, k)):
+        return lanes
     if m == 1:
         return DecodeVariant(block_m=1, block_n=32, block_k=128, split_k=16, num_warps=1, num_stages=1, use_dot=False)
     if n >= 16384:
         return DecodeVariant(block_m=16, block_n=128, block_k=128, split_k=2, num_warps=2, num_stages=3)
     return DecodeVariant(block_m=16, block_n=64, block_k=128, split_k=max(1, min(8, k // 512)), num_warps=2)
+
+
+def default_lane_gemv(n: int, k: int) -> DecodeVariant:
+    """A lane GEMV for a shape no sweep covered: 4 rows a program (the H100 sweep's best single shape over the
+    four projections, within 2% of each one's best), two warps where K has two steps of 1,024 for them, and K
+    split in up to 4 slices while the programs are fewer than two an SM."""
+    warps = 2 if k >= 2048 else 1
+    programs, steps = -(-n // 4), -(-k // (1024 * warps))
+    split = 1
+    while split < 4 and programs * split < 2 * NUM_SMS and steps >= 2 * split:
+        split *= 2
+    return lane_gemv(4, warps, split_k=split)
 
 
 def weight_only_triton(
@@ -238,9 +253,10 @@ def weight_only_triton(
     x2d = _rows(x)
     m, k = x2d.shape
     n = weight.shape[0]
+    decode = choose_decode_variant(m, n, k, group_size) if bits == 4 and m <= SMALL_M else None
     if m > SMALL_M and LARGE_M_STRATEGY == "dequantize":
         out = F.linear(x2d, wo.dequantize(weight, scale, zero, group_size, bits, x.dtype), bias)
-    elif bits == 4 and m <= SMALL_M and _int4_decode_applies(x, group_size, decode := choose_decode_variant(m, n, k)):
+    elif decode is not None and _int4_decode_applies(x, group_size, decode):
         assert zero is not None
         out = int4_decode.int4_decode_matmul(x2d, weight, scale, zero, bias, group_size, decode)
     else:
@@ -281,16 +297,15 @@ def lane_gemv(rows: int, warps: int, split_k: int = 1, prefetch: bool = True, pd
     return replace(word_gemv(rows, 1024 * warps, warps, prefetch=prefetch, pdl=pdl), split_k=split_k, lanes=True)
 
 
-# One row's program shape by (N, K), ahead of the byte GEMV: each projection's best in a GPU sweep
-# (`QUANT_ARGS=--words QUANT_MS=1 bash ci/gpu_session.sh int4-decode-sweep`; bench-quant's w4a16-1-swept runs a
-# sweep's table). The word GEMV in few-column programs over whole rows: Llama-3.1-8B's (and Mistral-7B's) shapes
-# from an H100 sweep, 2026-12-06 (docs/gpu-runs.md, twenty-fourth session, call 3), us against bf16's. Other
-# shapes take the byte GEMV until a sweep covers them.
+# One row's program shape by (N, K), ahead of default_lane_gemv: each projection's best in a GPU sweep
+# (`QUANT_ARGS=--lanes QUANT_MS=1 bash ci/gpu_session.sh int4-decode-sweep`; bench-quant's w4a16-1-swept runs a
+# sweep's table). Llama-3.1-8B's (and Mistral-7B's) shapes from an H100 sweep, 2026-12-06 (docs/gpu-runs.md,
+# twenty-fifth session, call 3), us against bf16's; the word GEMV's best in the same run in brackets.
 ONE_ROW_SHAPES: dict[tuple[int, int], DecodeVariant] = {
-    (6144, 4096): word_gemv(16, 1024, warps=4),  # qkv_proj 8.9 us (bf16 20.1)
-    (4096, 4096): word_gemv(16, 2048, warps=8, x_vector=True),  # o_proj 7.2 (15.3)
-    (28672, 4096): word_gemv(16, 512, warps=2),  # gate_up_proj 27.4 (77.3)
-    (4096, 14336): word_gemv(16, 2048, warps=8, x_vector=True),  # down_proj 17.1 (41.9)
+    (6144, 4096): lane_gemv(8, 2),  # qkv_proj 8.16 us (word GEMV 8.73, bf16 20.6)
+    (4096, 4096): lane_gemv(4, 2),  # o_proj 6.30 (7.34, 15.6)
+    (28672, 4096): lane_gemv(4, 1),  # gate_up_proj 24.84 (27.53, 81.6)
+    (4096, 14336): lane_gemv(4, 2),  # down_proj 14.96 (17.38, 43.5)
 }
 
 
