@@ -89,6 +89,8 @@ def _rms_norm_kernel(
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < num_cols
+    # the weight requested first: after the sum's barrier its DRAM round trip would be a second one in a row
+    w = tl.load(weight + cols, mask=ok, other=0.0).to(tl.float32)
     h = tl.load(x + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
     if SCALED:
         h *= tl.load(row_scales + row)
@@ -100,7 +102,6 @@ def _rms_norm_kernel(
         h = rounded.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(h * h, 0) / num_cols + eps)
     normed = _to(h * rstd, dtype, ROUND_BF16).to(tl.float32)
-    w = tl.load(weight + cols, mask=ok, other=0.0).to(tl.float32)
     result = _to(normed * w, dtype, ROUND_BF16)
     tl.store(out + row * stride_o + cols, result, mask=ok)
     if FP8_ROWS:

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..gpu_fence import fence_gpu
 from ..pdl import launch_options, pdl_on
 from .int4_lanes import WORDS_A_WARP, lanes_row
 from .int4_words import int32_viewable, words_row
@@ -154,15 +155,6 @@ def _base(FP16: tl.constexpr):
     if FP16:
         return 1024.0
     return 128.0
-
-
-@triton.jit
-def _fence_gpu(value):
-    """`value`, returned after this thread's earlier memory operations are ordered before its later ones at GPU
-    scope (a fence.acq_rel.gpu each thread runs)."""
-    return tl.inline_asm_elementwise(
-        "fence.acq_rel.gpu;\n\tmov.b32 $0, $1;", "=r,r", [value], dtype=tl.int32, is_pure=False, pack=1
-    )
 
 
 @triton.jit
@@ -341,7 +333,7 @@ def _int4_decode_kernel(
         tl.atomic_add(ws_ptrs, acc, mask=mask, sem="relaxed")
         tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
         if not INTERPRETED:  # the interpreter runs programs one after another (and knows no PTX)
-            tile = _fence_gpu(tile)
+            tile = fence_gpu(tile)
         arrived = tl.atomic_add(counters + tile, 1, sem="acq_rel")
         if arrived == SPLIT_K - 1:
             total = tl.load(ws_ptrs, mask=mask, other=0.0, cache_modifier=".cg")  # from L2, where atomics add
