@@ -44,7 +44,7 @@ for what in "$@"; do
     fused) run_tests tests/engine/test_fused_ops.py ;;
     pdl)  # PDL chains in CUDA graphs against the same kernels launched without it, bit for bit
       run_tests tests/engine/test_pdl.py tests/engine/test_quant_kernels.py -k "pdl or word or sm90" ;;
-    attention)  # the Triton attention kernels at real sizes, in CUDA graphs, merged by their last split
+    attention)  # the Triton attention kernels at real sizes and in CUDA graphs, the FP8 cache in the engine
       run_tests tests/engine/test_triton_attention.py tests/engine/test_fp8_kv_engine.py ;;
     greedy) run_tests tests/engine/test_greedy_kernel.py tests/engine/test_fp8_rows.py ;;
     window) run_tests tests/engine/test_sliding_window.py ;;
@@ -160,10 +160,6 @@ for what in "$@"; do
             if [ "${base#*-}" = 1 ]; then shape_args=("${one[@]}"); else shape_args=("${many[@]}"); fi
             BENCH_PRELUDE="from tritonllm.engine.embedded import pdl; pdl.SMALL_KERNELS = True" \
               bench "llama-3.1-8b $base, small kernels with PDL" --model "$l" "${config[@]}" "${shape_args[@]}" ;;
-          w4a16-1-mergekernel|bf16-1-mergekernel)  # decode attention's splits merged by their own kernel
-            base=${variant%-mergekernel}; config=(); [ "$base" = w4a16-1 ] && config=(--config /tmp/w4a16.yaml)
-            BENCH_PRELUDE="from tritonllm.engine.embedded.attention import triton_kernels; triton_kernels.MERGE_IN_SPLITS = False" \
-              bench "llama-3.1-8b $base, the merge kernel" --model "$l" "${config[@]}" "${one[@]}" ;;
           w4a16-1-nopdl)  # the default one-row shapes without programmatic dependent launch (pdl.py)
             BENCH_PRELUDE="from tritonllm.engine.embedded import pdl; pdl.ENABLED = False" \
             bench "llama-3.1-8b w4a16, no PDL, 1x128/128" --model "$l" --config /tmp/w4a16.yaml "${one[@]}" ;;

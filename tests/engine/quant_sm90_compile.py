@@ -97,10 +97,9 @@ def small_kernels_with_pdl() -> None:
     pointers = {"k": "*bf16", "v": "*bf16", "k_cache": "*bf16", "v_cache": "*bf16", "slot_mapping": "*i64"}
     kernels.append((attention._store_kv_kernel, pointers | {"k_inv_scale": "fp32", "v_inv_scale": "fp32"}, store, 1))
     split = dict(GROUP=4, GROUP_P=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_N=64, NUM_SPLITS=16)
-    split |= dict(SPLITS_P=16, WINDOWED=False, SOFTCAP=False, UPCAST=False, IEEE=False, FP16_TILES=False)
-    split |= dict(MERGE_LAST=True) | wait  # the last split merges: fenced, counted, the partials read from L2
+    split |= dict(WINDOWED=False, SOFTCAP=False, UPCAST=False, IEEE=False, FP16_TILES=False) | wait
     pointers = {n: "*bf16" for n in ("q", "k_cache", "v_cache", "out")} | {"block_tables": "*i32", "seq_lens": "*i32"}
-    pointers |= {"part_out": "*fp32", "part_lse": "*fp32", "counters": "*i32"}
+    pointers |= {"part_out": "*fp32", "part_lse": "*fp32"}
     pointers |= {n: "fp32" for n in ("scale_log2", "v_scale", "cap_log2", "scale_over_cap")}
     kernels.append((attention._decode_split_kernel, pointers, split, 4))
     merge = dict(HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=16, SPLITS_P=16) | wait
@@ -110,9 +109,6 @@ def small_kernels_with_pdl() -> None:
     for kernel, pointers, constexprs, warps in kernels:
         ptx = compile_for_sm90(kernel, pointers, constexprs, num_warps=warps, launch_pdl=True).asm["ptx"]
         assert_waits_first(ptx, True)
-        if constexprs.get("MERGE_LAST"):
-            fence, count = ptx.index("fence.acq_rel.gpu"), ptx.index("atom.")
-            assert fence < count < ptx.index("ld.global.cg"), "MERGE_LAST: fence, count, then the partials from L2"
     print("compiled RoPE, the KV store and decode attention launched with PDL", flush=True)
 
 

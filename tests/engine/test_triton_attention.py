@@ -332,11 +332,8 @@ DECODE_CASES = {  # name: (seq_lens, extra table columns, heads, kv_heads, head_
 }
 
 
-@pytest.mark.parametrize("merge_in_splits", [True, False])
 @pytest.mark.parametrize("name", DECODE_CASES)
-def test_decode_equals_portable(name, merge_in_splits, monkeypatch):
-    """Several splits merged by the last of each (sequence, KV head) to finish, or by the merge kernel."""
-    monkeypatch.setattr(tk, "MERGE_IN_SPLITS", merge_in_splits)
+def test_decode_equals_portable(name):
     seq_lens, extra, heads, kv_heads, head_dim, block_size, dtype = DECODE_CASES[name]
     step = Step(len(name), [1] * len(seq_lens), seq_lens, heads, kv_heads, head_dim, block_size, dtype)
     tables = step.block_tables(extra)
@@ -344,7 +341,6 @@ def test_decode_equals_portable(name, merge_in_splits, monkeypatch):
         step.q, *step.caches, tables, step.int_tensor(seq_lens), SCALE, tables.shape[1] * block_size
     )
     assert_close(out, step.reference())
-    assert not any(counters.any() for counters in tk._merge_counters.values())  # left zero for the next launch
 
 
 @pytest.mark.parametrize("max_seq_len", [64, 4096])
@@ -378,21 +374,6 @@ def test_large_decode_on_gpu():
     tables = step.block_tables()
     out = tk.decode_attention(step.q, *step.caches, tables, step.int_tensor(seq_lens), SCALE, tables.shape[1] * 32)
     assert_close(out, step.reference())
-
-
-@gpu_only
-def test_one_sequence_merged_by_its_last_split_on_gpu(monkeypatch):
-    """Batch 1 of Llama-3.1-8B's heads with 32 splits (a 128k bound), launched again and again: the last split
-    of each KV head to finish merges what the merge kernel merges (the same code, compiled into another kernel)."""
-    step = Step(0, [1], [300], 32, 8, 128, 32, torch.bfloat16)
-    tables, lens = step.block_tables(), step.int_tensor([300])
-    assert tk.decode_splits(1, 8, 131072) == 32
-    monkeypatch.setattr(tk, "MERGE_IN_SPLITS", False)
-    expected = tk.decode_attention(step.q, *step.caches, tables, lens, SCALE, 131072)
-    assert_close(expected, step.reference())
-    monkeypatch.setattr(tk, "MERGE_IN_SPLITS", True)
-    for _ in range(50):
-        torch.testing.assert_close(tk.decode_attention(step.q, *step.caches, tables, lens, SCALE, 131072), expected)
 
 
 @gpu_only

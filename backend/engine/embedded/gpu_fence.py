@@ -1,6 +1,5 @@
 """Ordering between the programs of one launch: where the last program to finish a piece of work sums what the
-others wrote (split-K GEMVs, decode attention's splits), each program's writes must be visible before it counts
-itself done."""
+others wrote (the split-K int4 GEMVs), each program's writes must be visible before it counts itself done."""
 
 from __future__ import annotations
 

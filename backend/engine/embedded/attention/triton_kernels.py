@@ -42,7 +42,6 @@ import torch
 import triton
 import triton.language as tl
 
-from ..gpu_fence import fence_gpu
 from ..pdl import begin, small_kernel_args
 from .fp8_cache import FP8_MAX as _FP8_MAX
 from .fp8_cache import is_fp8
@@ -162,7 +161,6 @@ def _decode_split_kernel(
     out,
     part_out,
     part_lse,
-    counters,
     scale_log2,
     v_scale,
     cap_log2,
@@ -187,21 +185,18 @@ def _decode_split_kernel(
     BLOCK_SIZE: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    SPLITS_P: tl.constexpr,
     WINDOWED: tl.constexpr,
     SOFTCAP: tl.constexpr,
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
     FP16_TILES: tl.constexpr,
-    MERGE_LAST: tl.constexpr,
     RELEASE: tl.constexpr,
     WAIT: tl.constexpr,
 ):
     """Program (sequence, KV head, split): the group's query heads over the split's share of the keys it sees
     (all, or WINDOWED the last `window`). Those keys are cut into NUM_SPLITS equal runs of whole BLOCK_N tiles;
     one split writes `out` directly, several write fp32 partials (normalised output and base-2 log-sum-exp, -inf
-    for an empty run), which MERGE_LAST the group's last split to finish merges into `out` (counting the
-    finished ones in counters[sequence, KV head], left zero), else the merge kernel."""
+    for an empty run)."""
     begin(RELEASE, WAIT)  # (pdl.py)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -255,67 +250,6 @@ def _decode_split_kernel(
         tl.store(part_out + part[:, None] * HEAD_DIM + d[None, :], result, mask=head_ok[:, None] & d_ok[None, :])
         lse = tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
         tl.store(part_lse + part, lse, mask=head_ok)
-        if MERGE_LAST:
-            slot = seq * tl.num_programs(1) + kv_head
-            if not UPCAST:  # (CUDA; the interpreter runs programs one after another)
-                slot = fence_gpu(slot)  # this program's partials visible before it counts itself done
-            if tl.atomic_add(counters + slot, 1, sem="acq_rel") == NUM_SPLITS - 1:
-                for index in tl.static_range(GROUP):  # (not `member`: a tensor above)
-                    _merge_head(
-                        part_out,
-                        part_lse,
-                        out,
-                        seq,
-                        kv_head * GROUP + index,
-                        num_heads,
-                        stride_os,
-                        stride_oh,
-                        HEAD_DIM,
-                        BLOCK_D,
-                        NUM_SPLITS,
-                        SPLITS_P,
-                        True,
-                    )
-                tl.store(counters + slot, 0)
-
-
-@triton.jit
-def _merge_head(
-    part_out,
-    part_lse,
-    out,
-    seq,
-    head,
-    num_heads,
-    stride_os,
-    stride_oh,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    SPLITS_P: tl.constexpr,
-    FROM_L2: tl.constexpr,
-):
-    """One (sequence, head): the splits' partial outputs weighted by their share of the softmax sum, into out.
-    Empty splits (lse -inf) weigh 0; a sequence with no keys at all gets zeros. FROM_L2: the partials read past
-    this SM's L1 (other programs of the same launch wrote them)."""
-    split = tl.arange(0, SPLITS_P)
-    split_ok = split < NUM_SPLITS
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HEAD_DIM
-    part = (seq * num_heads + head) * NUM_SPLITS + split
-    part_ptrs = part_out + part[:, None] * HEAD_DIM + d[None, :]
-    part_ok = split_ok[:, None] & d_ok[None, :]
-    if FROM_L2:
-        lse = tl.load(part_lse + part, mask=split_ok, other=float("-inf"), cache_modifier=".cg")
-        parts = tl.load(part_ptrs, mask=part_ok, other=0.0, cache_modifier=".cg")
-    else:
-        lse = tl.load(part_lse + part, mask=split_ok, other=float("-inf"))
-        parts = tl.load(part_ptrs, mask=part_ok, other=0.0)
-    top = tl.max(lse, 0)
-    weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
-    total = tl.sum(weight, 0)
-    merged = tl.sum(weight[:, None] * parts, 0) / tl.where(total > 0, total, 1.0)
-    tl.store(out + seq * stride_os + head * stride_oh + d, merged.to(out.dtype.element_ty), mask=d_ok)
 
 
 @triton.jit
@@ -333,37 +267,23 @@ def _decode_merge_kernel(
     RELEASE: tl.constexpr,
     WAIT: tl.constexpr,
 ):
-    """Program (sequence, head): _merge_head, where the split kernel does not merge itself (MERGE_LAST)."""
+    """Program (sequence, head): the splits' partial outputs weighted by their share of the softmax sum. Empty
+    splits (lse -inf) weigh 0; a sequence with no keys at all gets zeros."""
     begin(RELEASE, WAIT)  # the output projection after it may start reading its weights (pdl.py)
-    _merge_head(
-        part_out,
-        part_lse,
-        out,
-        tl.program_id(0),
-        tl.program_id(1),
-        num_heads,
-        stride_os,
-        stride_oh,
-        HEAD_DIM,
-        BLOCK_D,
-        NUM_SPLITS,
-        SPLITS_P,
-        False,
-    )
-
-
-MERGE_IN_SPLITS = True  # the last split of each (sequence, KV head) merges: one launch, not two
-_merge_counters: dict[torch.device, torch.Tensor] = {}
-
-
-def merge_counters(device: torch.device, slots: int) -> torch.Tensor:
-    """The zeroed int32 counters of MERGE_LAST splits, at least `slots` (sequences x KV heads) of them: made once
-    per device (and again, larger, for more slots), so that a CUDA graph captured later keeps using them; each
-    launch leaves them zero. One stream's launches use them in turn (the engine's forward passes run on one)."""
-    counters = _merge_counters.get(device)
-    if counters is None or counters.numel() < slots:
-        counters = _merge_counters[device] = torch.zeros(max(slots, 1 << 14), dtype=torch.int32, device=device)
-    return counters
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    split = tl.arange(0, SPLITS_P)
+    split_ok = split < NUM_SPLITS
+    d = tl.arange(0, BLOCK_D)
+    d_ok = d < HEAD_DIM
+    part = (seq * num_heads + head) * NUM_SPLITS + split
+    lse = tl.load(part_lse + part, mask=split_ok, other=float("-inf"))
+    top = tl.max(lse, 0)
+    weight = tl.exp2(lse - tl.where(top == float("-inf"), 0.0, top))
+    parts = tl.load(part_out + part[:, None] * HEAD_DIM + d[None, :], mask=split_ok[:, None] & d_ok[None, :], other=0.0)
+    total = tl.sum(weight, 0)
+    merged = tl.sum(weight[:, None] * parts, 0) / tl.where(total > 0, total, 1.0)
+    tl.store(out + seq * stride_os + head * stride_oh + d, merged.to(out.dtype.element_ty), mask=d_ok)
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int) -> int:
@@ -405,13 +325,11 @@ def decode_attention(
     splits = decode_splits(num_seqs, num_kv_heads, max_seq_len)
     block_d = _block_d(head_dim)
     upcast = q.device.type != "cuda"
-    merge_last = splits > 1 and MERGE_IN_SPLITS
     if splits == 1:
         part_out, part_lse = out, out  # unused: the kernel writes out directly
     else:
         part_out = torch.empty((num_seqs, num_heads, splits, head_dim), dtype=torch.float32, device=q.device)
         part_lse = torch.empty((num_seqs, num_heads, splits), dtype=torch.float32, device=q.device)
-    counters = merge_counters(q.device, num_seqs * num_kv_heads) if merge_last else seq_lens  # (unused if not)
     _decode_split_kernel[(num_seqs, num_kv_heads, splits)](
         q,
         k_cache,
@@ -421,7 +339,6 @@ def decode_attention(
         out,
         part_out,
         part_lse,
-        counters,
         scale * LOG2E * k_scale,
         v_scale,
         *_softcap_args(scale * k_scale, softcap),
@@ -445,18 +362,16 @@ def decode_attention(
         BLOCK_SIZE=block_size,
         BLOCK_N=DECODE_BLOCK_N if block_d <= 128 else DECODE_BLOCK_N // 2,
         NUM_SPLITS=splits,
-        SPLITS_P=triton.next_power_of_2(splits),
         WINDOWED=window is not None,
         SOFTCAP=softcap is not None,
         UPCAST=upcast,
         IEEE=upcast or q.dtype == torch.float32,
         FP16_TILES=FP8_DECODE_IN_FP16 and is_fp8(k_cache) and not upcast and q.dtype != torch.float32,
-        MERGE_LAST=merge_last,
         num_warps=DECODE_NUM_WARPS_FP8 if is_fp8(k_cache) else DECODE_NUM_WARPS,
         num_stages=DECODE_NUM_STAGES,
         **small_kernel_args(q.device),
     )
-    if splits > 1 and not merge_last:
+    if splits > 1:
         _decode_merge_kernel[(num_seqs, num_heads)](
             part_out,
             part_lse,
