@@ -1,33 +1,38 @@
 """SASS instructions a weight of the int4 one-row GEMV's main loop, compiled for an H200 (sm90) on any machine:
 Triton's pipeline with its bundled ptxas and nvdisasm, arguments specialised as a Llama-3.1-8B qkv_proj call
 would be (pointers and multiples of 16 marked divisible by 16). No GPU is needed; a GPU run says what the counts
-are worth. Usage: env -u TRITON_INTERPRET .venv/bin/python ci/int4_sass.py [--shapes 128x128x1 32x128x1 ...]"""
+are worth. Usage: env -u TRITON_INTERPRET .venv/bin/python ci/int4_sass.py [--shapes 128x128x1 32x128x1 ...];
+`--lanes 8x2 4x1 ...` counts lane GEMVs (ROWSxWARPS, prefetching) instead, with their registers a thread."""
 
 from __future__ import annotations
 
 import argparse
 import collections
 import re
+import subprocess
+import tempfile
+from pathlib import Path
 
+import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 
 from tritonllm.engine.embedded.quant import int4_decode_kernel as int4_decode
 
 TARGET = GPUTarget("cuda", 90, 32)
-EXTRA: dict = {}  # more compile options (maxnreg)
 N, K, GROUP = 6144, 4096, 128  # qkv_proj's N x K, the W4A16 group
 
 
-def sass(words: bool, block_n: int, block_k: int, warps: int, split: int) -> str:
+def compiled(words: bool, block_n: int, block_k: int, warps: int, split: int, lanes: bool = False):
     kernel = int4_decode._int4_decode_kernel
     pointers = {name: "*bf16" for name in ("x", "scale", "bias", "out")}
     pointers |= {"w": "*i32" if words else "*u8", "zero": "*u8", "workspace": "*fp32", "counters": "*i32"}
     constexprs = dict(GROUP_SIZE=GROUP, HAS_BIAS=False, SPLIT_K=split, USE_ASM=True, FP16=False, UPCAST=False)
     constexprs |= dict(
         USE_DOT=False,
-        PREFETCH=False,
+        PREFETCH=lanes,
         WORDS=words,
+        LANES=lanes,
         EVEN_K=K % block_k == 0,
         X_VECTOR=False,
         PDL=False,
@@ -46,7 +51,21 @@ def sass(words: bool, block_n: int, block_k: int, warps: int, split: int) -> str
     }
     fixed = {(names.index(n),): value for n, value in constexprs.items()}
     source = ASTSource(fn=kernel, signature=signature, constexprs=fixed, attrs=attrs)
-    return compile(source, target=TARGET, options=dict(num_warps=warps, num_stages=1, **EXTRA)).asm["sass"]
+    return compile(source, target=TARGET, options=dict(num_warps=warps, num_stages=1))
+
+
+def sass(words: bool, block_n: int, block_k: int, warps: int, split: int) -> str:
+    return compiled(words, block_n, block_k, warps, split).asm["sass"]
+
+
+def registers(kernel) -> str:
+    """Registers a thread (and bytes of stack, where it spills), from the cubin (cuobjdump beside ptxas)."""
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as cubin:
+        cubin.write(kernel.asm["cubin"])
+        cubin.flush()
+        usage = subprocess.run([tool, "--dump-resource-usage", cubin.name], capture_output=True, text=True).stdout
+    return " ".join(re.findall(r"REG:\d+|STACK:\d+", usage))
 
 
 def loop_opcodes(text: str) -> collections.Counter:
@@ -76,7 +95,21 @@ def main() -> None:
         help="BLOCK_NxBLOCK_KxWARPS program shapes, each compiled as bytes and as words",
     )
     parser.add_argument("--split", type=int, default=16, help="split K")
+    parser.add_argument("--lanes", nargs="*", default=None, help="ROWSxWARPS lane GEMVs, counted instead")
     args = parser.parse_args()
+    for shape in args.lanes or []:
+        rows, warps = (int(part) for part in shape.split("x"))
+        kernel = compiled(True, rows, 1024 * warps, warps, 1, lanes=True)
+        counts = loop_opcodes(kernel.asm["sass"])
+        per_thread = rows * 32  # four words of each row a lane, a step
+        top = ", ".join(f"{op} {n / per_thread:.2f}" for op, n in counts.most_common(6))
+        print(
+            f"lanes {shape}: {sum(counts.values()) / per_thread:.2f} instructions a weight ({top}), "
+            f"{registers(kernel)}",
+            flush=True,
+        )
+    if args.lanes is not None:
+        return
     for shape in args.shapes:
         block_n, block_k, warps = (int(part) for part in shape.split("x"))
         for words in (False, True):
