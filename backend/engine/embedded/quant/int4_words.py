@@ -60,17 +60,8 @@ def _word_value(words, i: tl.constexpr, ODD_2048: tl.constexpr = False):
 def _word_values(words, USE_ASM: tl.constexpr, ODD_2048: tl.constexpr = False):
     """int32 words -> the eight nibbles' fp32 values (_word_value), with eleven PTX instructions on CUDA."""
     if USE_ASM:
-        if ODD_2048:
-            return tl.inline_asm_elementwise(
-                asm=_WORD_ASM_2048,
-                constraints="=r,=r,=r,=r,=r,=r,=r,=r,r",
-                args=[words],
-                dtype=(tl.float32,) * 8,
-                is_pure=True,
-                pack=1,
-            )
         return tl.inline_asm_elementwise(
-            asm=_WORD_ASM,
+            asm=_WORD_ASM_2048 if ODD_2048 else _WORD_ASM,
             constraints="=r,=r,=r,=r,=r,=r,=r,=r,r",
             args=[words],
             dtype=(tl.float32,) * 8,
