@@ -238,12 +238,11 @@ def test_int4_word_gemv_with_lanes_on_cuda(dtype, use_asm):
     """The lane GEMV (int4_lanes.py): its PTX and arithmetic paths give the product of the dequantized weight,
     at 4 to 16 rows a program and 1 to 4 warps, split K, prefetched and launched with PDL or not, K a whole
     number of steps (4,096) or not (3,584), and again and again."""
-    for k in (4096, 3584):
+    for k, shapes in ((4096, ((4, 1, 1), (8, 2, 2), (16, 1, 4), (8, 4, 1))), (3584, ((4, 2, 1), (4, 4, 3)))):
         qweight, scale, zero = random_int4(2048, k, 128, dtype=dtype)
         x, bias = random_x(1, k, dtype), random_bias(2048, dtype)
         # weights dequantized in fp32: rounded to 16 bits they alone move some products by ~0.05 at this K
         expected = reference(x, dequantize_int4(qweight, scale.float(), zero, 128), bias)
-        shapes = ((4, 1, 1), (8, 2, 2), (16, 1, 4), (8, 4, 1), (4, 4, 3))
         for (rows, warps, split), (prefetch, pdl) in itertools.product(shapes, ((False, False), (True, True))):
             variant = kernels.lane_gemv(rows, warps, split_k=split, prefetch=prefetch, pdl=pdl)
             variant = replace(variant, use_asm=use_asm)
