@@ -229,9 +229,10 @@ def choose_decode_variant(m: int, n: int, k: int, group_size: int = 128) -> Deco
 
 
 def default_lane_gemv(n: int, k: int) -> DecodeVariant:
-    """A lane GEMV for a shape no sweep covered: 4 rows a program and two warps where K has two steps of 2,048
-    (the H100 sweep's best single shape over Llama-3.1-8B's four projections: 55.4 us against their own bests'
-    54.3), one warp for shorter K, and K split in up to 4 slices while the programs are fewer than two an SM."""
+    """A lane GEMV for a shape no sweep covered: 4 rows a program and two warps (steps of 2,048 columns) where K
+    holds a step (the H100 sweep's best single shape over Llama-3.1-8B's four projections: 55.4 us against their
+    own bests' 54.3), one warp for shorter K, and K split in up to 4 slices while the programs are fewer than two
+    an SM."""
     warps = 2 if k >= 2048 else 1
     programs, steps = -(-n // 4), -(-k // (1024 * warps))
     split = 1
