@@ -86,6 +86,14 @@ def loop_opcodes(text: str) -> collections.Counter:
     return counts
 
 
+def per_weight(text: str, per_thread: float) -> str:
+    """The K loop's instructions a weight (per_thread: weights a thread handles in one step), and its six
+    commonest opcodes'."""
+    counts = loop_opcodes(text)
+    top = ", ".join(f"{op} {n / per_thread:.2f}" for op, n in counts.most_common(6))
+    return f"{sum(counts.values()) / per_thread:.2f} instructions a weight ({top})"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
@@ -100,24 +108,16 @@ def main() -> None:
     for shape in args.lanes or []:
         rows, warps = (int(part) for part in shape.split("x"))
         kernel = compiled(True, rows, 1024 * warps, warps, 1, lanes=True)
-        counts = loop_opcodes(kernel.asm["sass"])
         per_thread = rows * 32  # four words of each row a lane, a step
-        top = ", ".join(f"{op} {n / per_thread:.2f}" for op, n in counts.most_common(6))
-        print(
-            f"lanes {shape}: {sum(counts.values()) / per_thread:.2f} instructions a weight ({top}), "
-            f"{registers(kernel)}",
-            flush=True,
-        )
+        print(f"lanes {shape}: {per_weight(kernel.asm['sass'], per_thread)}, {registers(kernel)}", flush=True)
     if args.lanes is not None:
         return
     for shape in args.shapes:
         block_n, block_k, warps = (int(part) for part in shape.split("x"))
         for words in (False, True):
-            counts = loop_opcodes(sass(words, block_n, block_k, warps, args.split))
             per_thread = block_n * block_k / (32 * warps)  # weights a thread handles in one K step
-            top = ", ".join(f"{op} {n / per_thread:.2f}" for op, n in counts.most_common(6))
-            kind = "words" if words else "bytes"
-            print(f"{shape} {kind}: {sum(counts.values()) / per_thread:.2f} instructions a weight ({top})", flush=True)
+            counted = per_weight(sass(words, block_n, block_k, warps, args.split), per_thread)
+            print(f"{shape} {'words' if words else 'bytes'}: {counted}", flush=True)
 
 
 if __name__ == "__main__":

@@ -219,6 +219,7 @@ def choose_decode_variant(m: int, n: int, k: int, group_size: int = 128) -> Deco
     slices for the wide gate/up projection."""
     if m == 1 and (n, k) in ONE_ROW_SHAPES:
         return ONE_ROW_SHAPES[(n, k)]
+    # (bf16 stands for x here: _int4_decode_applies checks x's own dtype)
     if m == 1 and int4_decode.supports(torch.bfloat16, group_size, lanes := default_lane_gemv(n, k)):
         return lanes
     if m == 1:
@@ -228,6 +229,7 @@ def choose_decode_variant(m: int, n: int, k: int, group_size: int = 128) -> Deco
     return DecodeVariant(block_m=16, block_n=64, block_k=128, split_k=max(1, min(8, k // 512)), num_warps=2)
 
 
+@functools.cache  # (eager decode asks for each projection's shape at every call)
 def default_lane_gemv(n: int, k: int) -> DecodeVariant:
     """A lane GEMV for a shape no sweep covered: 4 rows a program and two warps (steps of 2,048 columns) where K
     holds a step (the H100 sweep's best single shape over Llama-3.1-8B's four projections: 55.4 us against their
