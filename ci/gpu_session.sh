@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine run (the `device` tool): puts the working tree's package on PYTHONPATH (the machine has torch,
 # triton and transformers but no venv of ours), then runs what the arguments name, each logged under $OUT.
-#   bash ci/gpu_session.sh kernels|fused|pdl|attention|greedy|window|guided|parity|features|bench-quick|bench-guided|bench-accuracy|moe-kernel|moe-sweep|fp8-kv|int4-decode-sweep|int4-ncu|int4-layouts|attn-sweep|fp8-sweep|families|bench-mixtral|bench-quant|quant|quant-load|quant-tests|quantize|quant-kernels|quant-sweep-decode|quant-sweep-prefill|bench-qwen3|bench-parallel|parallel-tests|sync-check|profile|profile-1 ...
+#   bash ci/gpu_session.sh kernels|fused|graphs|pdl|attention|greedy|window|guided|parity|features|bench-quick|bench-guided|bench-accuracy|moe-kernel|moe-sweep|fp8-kv|int4-decode-sweep|int4-ncu|int4-layouts|attn-sweep|fp8-sweep|families|bench-mixtral|bench-quant|host-profile|quant|quant-load|quant-tests|quantize|quant-kernels|quant-sweep-decode|quant-sweep-prefill|bench-qwen3|bench-parallel|parallel-tests|sync-check|profile|profile-1 ...
 # Used by hand for the GPU figures in docs/benchmarks.md; CI never runs it (no GPU there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -42,6 +42,7 @@ for what in "$@"; do
   case $what in
     kernels) run_tests tests/engine/test_triton_attention.py ;;
     fused) run_tests tests/engine/test_fused_ops.py ;;
+    graphs) run_tests tests/engine/test_cuda_graphs.py ;;  # decode steps and short prompts in CUDA graphs
     pdl)  # PDL chains in CUDA graphs against the same kernels launched without it, bit for bit
       run_tests tests/engine/test_pdl.py tests/engine/test_quant_kernels.py -k "pdl or word or sm90" ;;
     attention)  # the Triton attention kernels at real sizes and in CUDA graphs, the FP8 cache in the engine
@@ -165,6 +166,16 @@ for what in "$@"; do
             bench "llama-3.1-8b w4a16, no PDL, 1x128/128" --model "$l" --config /tmp/w4a16.yaml "${one[@]}" ;;
           fp8-1) bench "llama-3.1-8b fp8+fp8kv 1x128/128" --model "$l" --config /tmp/fp8.yaml "${one[@]}" ;;
         esac
+      done ;;
+    host-profile)  # cProfile of the engine thread's prefill steps (ci/host_profile.py), W4A16 and bf16 at batch 1
+      l=$(shape llama-3.1-8b)
+      printf 'quant_config:\n  quant_algo: W4A16\n  group_size: 128\n' > /tmp/w4a16.yaml
+      one=(--requests 1 --min-prompt 128 --max-prompt 128 --min-output 8 --max-output 8 --warmup --baseline none)
+      for name in w4a16 bf16; do
+        config=(); [ $name = w4a16 ] && config=(--config /tmp/w4a16.yaml)
+        BENCH_PRELUDE="import sys; sys.path.insert(0, 'ci'); import host_profile; host_profile.install('$OUT/host-profile-$name.txt')" \
+          bench "llama-3.1-8b $name, prefill steps under cProfile" --model "$l" "${config[@]}" "${one[@]}"
+        head -1 "$OUT/host-profile-$name.txt"
       done ;;
     bench-parallel)  # issue 24 (nvidia-h200-x2 or more): Llama-3.1-8B's shape, nano and batch 1, one rank against two
       l=$(shape llama-3.1-8b)

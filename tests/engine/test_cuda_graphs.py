@@ -99,7 +99,8 @@ def tiny(tmp_path_factory):
     return model_dir, [tokenizer.encode(p) for p in PROMPTS], tokenizer.eos_token_id
 
 
-def run(model_dir, prompts, eos, graphs, attn_backend="VANILLA"):
+def run(model_dir, prompts, eos, graphs, attn_backend="VANILLA", max_tokens=MAX_TOKENS, one_by_one=False):
+    """Each prompt's tokens and the engine's graphs; `one_by_one`: each request submitted once the last ended."""
     engine = EmbeddedEngine(
         EngineConfig.from_dict(
             {
@@ -115,10 +116,15 @@ def run(model_dir, prompts, eos, graphs, attn_backend="VANILLA"):
         )
     )
     try:
-        handles = [
-            engine.generate_async(ids, SamplingParams(max_tokens=n, end_id=eos)) for ids, n in zip(prompts, MAX_TOKENS)
-        ]
-        outputs = [h.result().outputs[0].token_ids for h in handles]
+
+        def submit(ids, n):
+            return engine.generate_async(ids, SamplingParams(max_tokens=n, end_id=eos))
+
+        if one_by_one:
+            outputs = [submit(ids, n).result().outputs[0].token_ids for ids, n in zip(prompts, max_tokens)]
+        else:
+            handles = [submit(ids, n) for ids, n in zip(prompts, max_tokens)]
+            outputs = [h.result().outputs[0].token_ids for h in handles]
         stats = engine.wait_idle()
         assert stats.num_free_blocks == stats.num_total_blocks
         return outputs, engine.core.runner.graphs
@@ -141,6 +147,41 @@ def test_padded_graphs_give_the_eager_tokens(tiny, graphs_on_this_device, attn_b
     else:  # the kernels read each sequence up to its length: one width, the longest a sequence can have
         assert widths == {graphs.max_width}
     assert graphs.replays > 30
+
+
+@pytest.mark.parametrize("attn_backend", ["VANILLA", "TRITON"])
+def test_short_prompts_run_in_graphs_and_give_the_eager_tokens(tiny, graphs_on_this_device, attn_backend):
+    model_dir, _, eos = tiny
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    text = " ".join(PROMPTS)
+    ids = tokenizer.encode(text * 4)
+    # padded to 64, 128 and 256 rows; cut at different places, so that no prompt reuses another's cached prefix
+    prompts = [ids[start : start + n] for start, n in ((0, 40), (7, 100), (13, 150))]
+    expected, _ = run(model_dir, prompts, eos, None, max_tokens=[6, 6, 6], one_by_one=True)
+    outputs, graphs = run(model_dir, prompts, eos, {}, attn_backend, max_tokens=[6, 6, 6], one_by_one=True)
+    assert outputs == expected
+    assert {rows for _, rows, _ in graphs.graphs} >= {64, 128, 256}
+
+
+def test_prompts_take_graphs_of_up_to_prompt_graph_rows():
+    graphs = cuda_graphs.DecodeGraphs(
+        model=None,
+        kv_caches=[],
+        settings=parse_cuda_graph_config({}),
+        block_size=4,
+        max_blocks_per_seq=64,
+        scratch_block=99,
+        device=torch.device("cpu"),
+    )
+    assert graphs.graph_shape([128]) == (1, 128)
+    assert graphs.graph_shape([200]) == (1, 256)
+    assert graphs.graph_shape([100, 90]) == (2, 128)
+    assert graphs.graph_shape([300]) is None  # over PROMPT_GRAPH_ROWS: eager
+    assert graphs.graph_shape([200, 200]) is None
+    assert graphs.graph_shape([40, 1, 1, 1]) == (4, 64)
+    assert graphs.graph_shape([40] + [1] * 7) is None  # eight sequences of 64 rows
+    assert graphs.graph_shape([1] * 8) == (8, 1)
+    assert graphs.graph_shape([32] * 8) == (8, 32)  # draft trees: within MAX_GRAPH_ROWS, as before
 
 
 def test_a_failed_capture_leaves_the_engine_running_eagerly(tiny, graphs_on_this_device, monkeypatch, caplog):

@@ -8,8 +8,11 @@ are rounded up to a power of two, so speculative steps (a root and its draft tre
 widths are rounded up to a power of two of at least MIN_GRAPH_TOKENS (attention masks the extra keys). Graphs share
 one memory pool. Padding rows write their K/V into a scratch block that belongs to no sequence.
 
-Steps with LoRA adapters, with more than MAX_GRAPH_ROWS new tokens in a sequence (prompts) or that padding would
-swell (MAX_PADDING) run eagerly."""
+Short prompts run in graphs too: a step whose longest query is over MAX_GRAPH_ROWS tokens (a prompt) takes a graph
+while its padded rows are at most PROMPT_GRAPH_ROWS (one prompt of up to 256 tokens, say), since an eager prefill
+of a few hundred tokens is bound by launching its kernels (a 128-token prefill of Llama-3.1-8B's shape: ~6 ms of
+GPU work, 16-50 ms eager). Longer prompts, steps with LoRA adapters, or steps that padding would swell
+(MAX_PADDING) run eagerly."""
 
 from __future__ import annotations
 
@@ -28,7 +31,8 @@ from .host_arrays import HostArrays
 log = logging.getLogger(__name__)
 
 MIN_GRAPH_TOKENS = 1024  # the narrowest KV a graph reads a sequence: fewer shapes, and a GPU gathers it cheaply
-MAX_GRAPH_ROWS = 32  # the most new tokens of one sequence a graph takes (a root and its draft tree)
+MAX_GRAPH_ROWS = 32  # the most new tokens of a sequence in a graph of any size (a root and its draft tree)
+PROMPT_GRAPH_ROWS = 256  # the most rows (sequences x rows a sequence) of a graph for longer queries (prompts)
 # Padding must not multiply the work: a graph runs a step only if its rows are at most MAX_PADDING times the step's
 # tokens, or SMALL_GRAPH_ROWS (one short prompt among many decodes pads every decode to the prompt's length).
 MAX_PADDING = 4
@@ -262,15 +266,10 @@ class DecodeGraphs:
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata) -> Optional[torch.Tensor]:
         """The model's output rows (final-norm hidden states, and any captured layers) from a graph, or None where
         no graph applies (run eagerly)."""
-        longest = max(attn.query_lens)
-        if longest > MAX_GRAPH_ROWS or self.failed:
+        shape = None if self.failed else self.graph_shape(attn.query_lens)
+        if shape is None:
             return None
-        seqs = self.settings.graph_batch_size(len(attn.query_lens))
-        if seqs is None:
-            return None
-        rows = _power_of_two(longest)
-        if seqs * rows > max(MAX_PADDING * len(input_ids), SMALL_GRAPH_ROWS):
-            return None
+        seqs, rows = shape
         width = self._width(attn)
         graph = self._graph(seqs, rows, width)
         if graph is None:
@@ -284,6 +283,19 @@ class DecodeGraphs:
         graph.replay()
         self.replays += 1
         return graph.hidden.index_select(0, where)
+
+    def graph_shape(self, query_lens: list[int]) -> Optional[tuple[int, int]]:
+        """(sequences, rows a sequence) of the graph a step with these query lengths runs in, or None (eager)."""
+        seqs = self.settings.graph_batch_size(len(query_lens))
+        if seqs is None:
+            return None
+        longest, tokens = max(query_lens), sum(query_lens)
+        rows = _power_of_two(longest)
+        if longest > MAX_GRAPH_ROWS and seqs * rows > PROMPT_GRAPH_ROWS:
+            return None
+        if seqs * rows > max(MAX_PADDING * tokens, SMALL_GRAPH_ROWS):
+            return None
+        return seqs, rows
 
     def _width(self, attn: AttentionMetadata) -> int:
         """KV blocks a sequence in the graph: kernels take the widest table (they read only up to each length);
