@@ -167,15 +167,17 @@ for what in "$@"; do
           fp8-1) bench "llama-3.1-8b fp8+fp8kv 1x128/128" --model "$l" --config /tmp/fp8.yaml "${one[@]}" ;;
         esac
       done ;;
-    host-profile)  # cProfile of the engine thread's prefill steps (ci/host_profile.py), W4A16 and bf16 at batch 1
+    host-profile)  # cProfile of the engine thread (ci/host_profile.py): W4A16 and bf16 at batch 1, prefill then decode
       l=$(shape llama-3.1-8b)
       printf 'quant_config:\n  quant_algo: W4A16\n  group_size: 128\n' > /tmp/w4a16.yaml
-      one=(--requests 1 --min-prompt 128 --max-prompt 128 --min-output 8 --max-output 8 --warmup --baseline none)
-      for name in w4a16 bf16; do
+      one=(--requests 1 --min-prompt 128 --max-prompt 128 --min-output 128 --max-output 128 --warmup --baseline none)
+      for name in ${HOST_PROFILE_MODELS:-w4a16 bf16}; do
         config=(); [ $name = w4a16 ] && config=(--config /tmp/w4a16.yaml)
-        BENCH_PRELUDE="import sys; sys.path.insert(0, 'ci'); import host_profile; host_profile.install('$OUT/host-profile-$name.txt')" \
-          bench "llama-3.1-8b $name, prefill steps under cProfile" --model "$l" "${config[@]}" "${one[@]}"
-        head -1 "$OUT/host-profile-$name.txt"
+        for mode in prefill decode; do
+          BENCH_PRELUDE="import sys; sys.path.insert(0, 'ci'); import host_profile; host_profile.install('$OUT/host-profile-$name.txt', '$mode')" \
+            bench "llama-3.1-8b $name, $mode steps under cProfile" --model "$l" "${config[@]}" "${one[@]}"
+        done
+        grep "^profiled" "$OUT/host-profile-$name.txt"
       done ;;
     bench-parallel)  # issue 24 (nvidia-h200-x2 or more): Llama-3.1-8B's shape, nano and batch 1, one rank against two
       l=$(shape llama-3.1-8b)

@@ -1,5 +1,9 @@
-"""Where the host's time goes in the engine's prefill steps: cProfile around ModelRunner.execute for prefill
-batches (the engine thread's own Python), written as pstats tables when the process exits.
+"""Where the host's time goes in the engine's steps, by cProfile on the engine thread, written as pstats tables
+when the process exits:
+- "prefill": ModelRunner.execute of prefill batches, between two device synchronisations (the first prefill,
+  the warm-up's, left out);
+- "decode": whole EngineCore.step calls once the warm-up's have passed, no synchronisation added (what the host
+  does between the GPU's steps, the wait for the tokens included).
 
 Used as a bench prelude on the GPU machine (ci/gpu_session.sh's host-profile target):
     BENCH_PRELUDE="import sys; sys.path.insert(0, 'ci'); import host_profile; host_profile.install('OUT.txt')"
@@ -13,25 +17,36 @@ import io
 import pstats
 import time
 
-SKIP_STEPS = 1  # the warm-up request's prefill (compiles, autotuning) is left out
+SKIP_PREFILLS = 1  # the warm-up request's prefill (compiles, autotuning) is left out
+SKIP_STEPS = 150  # engine steps left out in "decode" mode (bench engine's warm-up request of 128 tokens and more)
 TOP = 45
 
 
-def install(path: str) -> None:
+def install(path: str, mode: str = "prefill") -> None:
+    profiler = cProfile.Profile()
+    seen = {"count": 0, "seconds": 0.0, "profiled": 0}
+    if mode == "prefill":
+        _profile_prefills(profiler, seen)
+    elif mode == "decode":
+        _profile_steps(profiler, seen)
+    else:
+        raise ValueError(f"mode must be prefill or decode, got {mode!r}")
+    atexit.register(lambda: _write(profiler, seen, path, mode))
+
+
+def _profile_prefills(profiler: cProfile.Profile, seen: dict) -> None:
     import torch
 
     from tritonllm.engine.embedded.model_runner import ModelRunner
 
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
-    profiler = cProfile.Profile()
-    seen = {"prefills": 0, "seconds": 0.0, "profiled": 0}
     execute = ModelRunner.execute
 
     def profiled_execute(self, batch, *args, **kwargs):
         if batch.phase != "prefill":
             return execute(self, batch, *args, **kwargs)
-        seen["prefills"] += 1
-        if seen["prefills"] <= SKIP_STEPS:
+        seen["count"] += 1
+        if seen["count"] <= SKIP_PREFILLS:
             return execute(self, batch, *args, **kwargs)
         sync()
         started = time.perf_counter()
@@ -45,14 +60,35 @@ def install(path: str) -> None:
             seen["profiled"] += 1
 
     ModelRunner.execute = profiled_execute
-    atexit.register(lambda: _write(profiler, seen, path))
 
 
-def _write(profiler: cProfile.Profile, seen: dict, path: str) -> None:
+def _profile_steps(profiler: cProfile.Profile, seen: dict) -> None:
+    from tritonllm.engine.embedded.engine_core import EngineCore
+
+    step = EngineCore.step
+
+    def profiled_step(self):
+        seen["count"] += 1
+        if seen["count"] <= SKIP_STEPS:
+            return step(self)
+        started = time.perf_counter()
+        profiler.enable()
+        try:
+            return step(self)
+        finally:
+            profiler.disable()
+            seen["seconds"] += time.perf_counter() - started
+            seen["profiled"] += 1
+
+    EngineCore.step = profiled_step
+
+
+def _write(profiler: cProfile.Profile, seen: dict, path: str, mode: str) -> None:
     text = io.StringIO()
-    text.write(f"profiled prefill steps: {seen['profiled']}, {seen['seconds'] * 1e3:.1f} ms with the GPU's work\n")
-    for key in ("tottime", "cumulative"):
-        text.write(f"\n==== by {key}\n")
-        pstats.Stats(profiler, stream=text).sort_stats(key).print_stats(TOP)
+    text.write(f"profiled {mode} steps: {seen['profiled']}, {seen['seconds'] * 1e3:.1f} ms\n")
+    if seen["profiled"]:
+        for key in ("tottime", "cumulative"):
+            text.write(f"\n==== by {key}\n")
+            pstats.Stats(profiler, stream=text).sort_stats(key).print_stats(TOP)
     with open(path, "a", encoding="utf-8") as out:
         out.write(text.getvalue())
