@@ -34,9 +34,16 @@ class HostArrays:
         parts = self._long + self._int32
         if not parts:
             return {}
-        packed = torch.from_numpy(np.concatenate([_padded(array) for _, array in parts]))
+        sizes = [_padded_size(array) for _, array in parts]
+        # written in place into one (pinned, on CUDA) buffer: np.pad and np.concatenate cost ~20 us an array
+        packed = torch.empty(sum(sizes), dtype=torch.int64, pin_memory=device.type == "cuda")
+        flat, offset = packed.numpy(), 0
+        for (_, array), size in zip(parts, sizes):
+            flat[offset : offset + array.size] = array.reshape(-1)
+            flat[offset + array.size : offset + size] = 0
+            offset += size
         if device.type == "cuda":
-            packed = packed.pin_memory().to(device, non_blocking=True)
+            packed = packed.to(device, non_blocking=True)
         split = sum(_padded_size(array) for _, array in self._long)
         views = _views(packed[:split], self._long)
         views.update(_views(packed[split:].to(torch.int32), self._int32))
@@ -50,11 +57,6 @@ ALIGN = 4
 
 def _padded_size(array: np.ndarray) -> int:
     return -(-array.size // ALIGN) * ALIGN
-
-
-def _padded(array: np.ndarray) -> np.ndarray:
-    flat = array.reshape(-1)
-    return np.pad(flat, (0, _padded_size(array) - flat.size))
 
 
 def _views(flat: torch.Tensor, parts: list[tuple[str, np.ndarray]]) -> dict[str, torch.Tensor]:
