@@ -164,6 +164,10 @@ for what in "$@"; do
           w4a16-1-nopdl)  # the default one-row shapes without programmatic dependent launch (pdl.py)
             BENCH_PRELUDE="from tritonllm.engine.embedded import pdl; pdl.ENABLED = False" \
             bench "llama-3.1-8b w4a16, no PDL, 1x128/128" --model "$l" --config /tmp/w4a16.yaml "${one[@]}" ;;
+          w4a16-1-eagerprompt|bf16-1-eagerprompt)  # the prompt's prefill eager, as before prompts took graphs
+            config=(); [ "${variant%%-*}" = w4a16 ] && config=(--config /tmp/w4a16.yaml)
+            BENCH_PRELUDE="from tritonllm.engine.embedded import cuda_graphs; cuda_graphs.PROMPT_GRAPH_ROWS = 0" \
+              bench "llama-3.1-8b ${variant%%-*}, eager prefill, 1x128/128" --model "$l" "${config[@]}" "${one[@]}" ;;
           fp8-1) bench "llama-3.1-8b fp8+fp8kv 1x128/128" --model "$l" --config /tmp/fp8.yaml "${one[@]}" ;;
         esac
       done ;;
