@@ -163,8 +163,9 @@ def test_short_prompts_run_in_graphs_and_give_the_eager_tokens(tiny, graphs_on_t
     assert {rows for _, rows, _ in graphs.graphs} >= {64, 128, 256}
 
 
-def test_prompts_take_graphs_of_up_to_prompt_graph_rows():
-    graphs = cuda_graphs.DecodeGraphs(
+def modelless_graphs() -> cuda_graphs.DecodeGraphs:
+    """Default graph settings with no model behind them: for the choice of shape, which runs nothing."""
+    return cuda_graphs.DecodeGraphs(
         model=None,
         kv_caches=[],
         settings=parse_cuda_graph_config({}),
@@ -173,6 +174,10 @@ def test_prompts_take_graphs_of_up_to_prompt_graph_rows():
         scratch_block=99,
         device=torch.device("cpu"),
     )
+
+
+def test_prompts_take_graphs_of_up_to_prompt_graph_rows():
+    graphs = modelless_graphs()
     assert graphs.graph_shape([128]) == (1, 128)
     assert graphs.graph_shape([200]) == (1, 256)
     assert graphs.graph_shape([100, 90]) == (2, 128)
@@ -277,15 +282,7 @@ def test_a_draft_tree_is_padded_to_its_rows_with_its_own_mask():
 def test_a_step_that_padding_would_swell_runs_eagerly():
     from tritonllm.engine.embedded.attention import step_metadata
 
-    graphs = cuda_graphs.DecodeGraphs(
-        model=None,
-        kv_caches=[],
-        settings=parse_cuda_graph_config({}),
-        block_size=4,
-        max_blocks_per_seq=64,
-        scratch_block=99,
-        device=torch.device("cpu"),
-    )
+    graphs = modelless_graphs()
     decodes, prompt = 64, 20  # every decode would be padded to the prompt's 32 rows: 2,304 rows for 84 tokens
     lens = [1] * decodes + [prompt]
     meta = step_metadata(
