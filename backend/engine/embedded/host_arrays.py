@@ -44,7 +44,7 @@ class HostArrays:
             offset += size
         if device.type == "cuda":
             packed = packed.to(device, non_blocking=True)
-        split = sum(_padded_size(array) for _, array in self._long)
+        split = sum(sizes[: len(self._long)])
         views = _views(packed[:split], self._long)
         views.update(_views(packed[split:].to(torch.int32), self._int32))
         return views
