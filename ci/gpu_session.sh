@@ -31,6 +31,12 @@ bench() {  # bench LABEL ARGS...: one `bench engine --json` line into $OUT/bench
   echo "{\"label\": \"$label\", \"result\": ${line:-null}}" | tee -a "$OUT/bench.jsonl"
 }
 
+quant_configs() {  # the model.yaml files of bench-quant and host-profile
+  printf 'quant_config:\n  quant_algo: FP8\n  kv_cache_quant_algo: FP8\n' > /tmp/fp8.yaml
+  printf 'quant_config:\n  quant_algo: W4A16\n  group_size: 128\n' > /tmp/w4a16.yaml
+  printf 'quant_config:\n  quant_algo: FP8\n' > /tmp/fp8w.yaml
+}
+
 run_tests() {
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
   TRITONLLM_TEST_DEVICE=cuda timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -x -p no:cacheprovider "$@" 2>&1 \
@@ -125,9 +131,7 @@ for what in "$@"; do
       bench "mixtral-8x7b 256x128/128" --model "$(shape mixtral-8x7b)" --requests 256 --min-prompt 128 --max-prompt 128 --min-output 128 --max-output 128 --max-batch-size 256 --warmup --baseline none ;;
     bench-quant)  # issue 25: Llama-3.1-8B's shape, bf16 against FP8 weights + FP8 KV (256x128/128), and W4A16 at batch 1
       l=$(shape llama-3.1-8b)
-      printf 'quant_config:\n  quant_algo: FP8\n  kv_cache_quant_algo: FP8\n' > /tmp/fp8.yaml
-      printf 'quant_config:\n  quant_algo: W4A16\n  group_size: 128\n' > /tmp/w4a16.yaml
-      printf 'quant_config:\n  quant_algo: FP8\n' > /tmp/fp8w.yaml
+      quant_configs
       fp8_run() { BENCH_PRELUDE="$1" bench "llama-3.1-8b fp8+fp8kv, $2, 256x128/128" --model "$l" --config /tmp/fp8.yaml "${many[@]}"; }
       bf16_run() { BENCH_PRELUDE="$1" bench "llama-3.1-8b bf16, $2, 256x128/128" --model "$l" "${many[@]}"; }
       many=(--requests 256 --min-prompt 128 --max-prompt 128 --min-output 128 --max-output 128 --max-batch-size 256 --warmup --baseline none ${QUANT_BENCH_ARGS:-})
@@ -173,7 +177,7 @@ for what in "$@"; do
       done ;;
     host-profile)  # cProfile of the engine thread (ci/host_profile.py): W4A16 and bf16 at batch 1, prefill then decode
       l=$(shape llama-3.1-8b)
-      printf 'quant_config:\n  quant_algo: W4A16\n  group_size: 128\n' > /tmp/w4a16.yaml
+      quant_configs
       one=(--requests 1 --min-prompt 128 --max-prompt 128 --min-output 128 --max-output 128 --warmup --baseline none)
       for name in ${HOST_PROFILE_MODELS:-w4a16 bf16}; do
         config=(); [ $name = w4a16 ] && config=(--config /tmp/w4a16.yaml)

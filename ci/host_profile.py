@@ -45,19 +45,7 @@ def _profile_prefills(profiler: cProfile.Profile, seen: dict) -> None:
     def profiled_execute(self, batch, *args, **kwargs):
         if batch.phase != "prefill":
             return execute(self, batch, *args, **kwargs)
-        seen["count"] += 1
-        if seen["count"] <= SKIP_PREFILLS:
-            return execute(self, batch, *args, **kwargs)
-        sync()
-        started = time.perf_counter()
-        profiler.enable()
-        try:
-            return execute(self, batch, *args, **kwargs)
-        finally:
-            profiler.disable()
-            sync()
-            seen["seconds"] += time.perf_counter() - started
-            seen["profiled"] += 1
+        return _counted(profiler, seen, SKIP_PREFILLS, lambda: execute(self, batch, *args, **kwargs), sync)
 
     ModelRunner.execute = profiled_execute
 
@@ -66,21 +54,24 @@ def _profile_steps(profiler: cProfile.Profile, seen: dict) -> None:
     from tritonllm.engine.embedded.engine_core import EngineCore
 
     step = EngineCore.step
+    EngineCore.step = lambda self: _counted(profiler, seen, SKIP_STEPS, lambda: step(self), lambda: None)
 
-    def profiled_step(self):
-        seen["count"] += 1
-        if seen["count"] <= SKIP_STEPS:
-            return step(self)
-        started = time.perf_counter()
-        profiler.enable()
-        try:
-            return step(self)
-        finally:
-            profiler.disable()
-            seen["seconds"] += time.perf_counter() - started
-            seen["profiled"] += 1
 
-    EngineCore.step = profiled_step
+def _counted(profiler: cProfile.Profile, seen: dict, skip: int, call, sync):
+    """call() under the profiler (between two sync() calls) once `skip` calls have passed, timed into `seen`."""
+    seen["count"] += 1
+    if seen["count"] <= skip:
+        return call()
+    sync()
+    started = time.perf_counter()
+    profiler.enable()
+    try:
+        return call()
+    finally:
+        profiler.disable()
+        sync()
+        seen["seconds"] += time.perf_counter() - started
+        seen["profiled"] += 1
 
 
 def _write(profiler: cProfile.Profile, seen: dict, path: str, mode: str) -> None:
