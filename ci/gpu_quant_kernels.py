@@ -276,6 +276,8 @@ def sweep(formats: list[str], ms: tuple[int, ...]) -> None:
 
 def decode_variants(m: int) -> list[DecodeVariant]:
     """The tl.dot shapes (16-row tiles) and, for one row, the CUDA-core GEMV's."""
+    if DECODE_SWEEP_MMA:
+        return mma_variants(m)
     if DECODE_SWEEP_LANES:
         return lanes_variants(m)
     if DECODE_SWEEP_WORDS:
@@ -317,6 +319,7 @@ def decode_variants(m: int) -> list[DecodeVariant]:
 DECODE_SWEEP_DOT = False  # the dot shapes were swept on 2026-12-02 (docs/gpu-runs.md): two of them kept above
 DECODE_SWEEP_WORDS = False  # --words: only the one-row GEMV over int32 words, against the byte GEMV
 DECODE_SWEEP_LANES = False  # --lanes: the lane GEMV's shapes against the word GEMV's table
+DECODE_SWEEP_MMA = False  # --mma: the tensor-core GEMV's shapes against the lane GEMV's table
 
 
 def words_variants(m: int) -> list[DecodeVariant]:
@@ -347,6 +350,20 @@ def lanes_variants(m: int) -> list[DecodeVariant]:
     found = [dataclasses.replace(variant, pdl=False) for variant in kernels.ONE_ROW_SHAPES.values()]
     for rows, warps, split, prefetch in itertools.product((4, 8, 16), (1, 2, 4), (1, 2, 4), (False, True)):
         found.append(kernels.lane_gemv(rows, warps, split_k=split, prefetch=prefetch, pdl=False))
+    return found
+
+
+def mma_variants(m: int) -> list[DecodeVariant]:
+    """The lane GEMV's table (kernels.ONE_ROW_SHAPES, each tried on every shape), then the tensor-core GEMV
+    (int4_mma.py): 1 or 2 tiles of 16 rows a warp, 1, 2 and 4 warps, K in 1 to 8 slices, registers left to ptxas
+    (which then issues the next step's loads late, to save registers) or capped at 168 (early). Without PDL, as
+    words_variants."""
+    if m != 1:
+        return []
+    found = [dataclasses.replace(variant, pdl=False) for variant in kernels.ONE_ROW_SHAPES.values()]
+    for tiles, warps, split, registers in itertools.product((1, 2), (1, 2, 4), (1, 2, 4, 8), (0, 168)):
+        variant = kernels.mma_gemv(tiles, warps, split_k=split, pdl=False)
+        found.append(dataclasses.replace(variant, max_registers=registers))
     return found
 
 
@@ -717,6 +734,7 @@ def main() -> int:
     parser.add_argument("--sweep-decode", action="store_true", help="time the int4 decode kernel's variants")
     parser.add_argument("--words", action="store_true", help="with --sweep-decode: the int32-word GEMV's shapes only")
     parser.add_argument("--lanes", action="store_true", help="with --sweep-decode: lane GEMVs, word table")
+    parser.add_argument("--mma", action="store_true", help="with --sweep-decode: tensor-core GEMVs, lane table")
     parser.add_argument("--fp8-rows", action="store_true", help="fused norm / SiLU FP8 rows against the quantizer")
     parser.add_argument("--race-check", action="store_true", help="split-K launches repeated, worst error")
     parser.add_argument("--scale-layouts", action="store_true", help="int4 decode: row- against group-major scales")
@@ -743,9 +761,10 @@ def main() -> int:
     elif args.fp8_rows:
         time_fp8_rows(ms)
     elif args.sweep_decode:
-        global DECODE_SWEEP_WORDS, DECODE_SWEEP_LANES
+        global DECODE_SWEEP_WORDS, DECODE_SWEEP_LANES, DECODE_SWEEP_MMA
         DECODE_SWEEP_WORDS = args.words
         DECODE_SWEEP_LANES = args.lanes
+        DECODE_SWEEP_MMA = args.mma
         sweep_decode(ms)
     elif args.scale_layouts:
         scale_layouts(ms)

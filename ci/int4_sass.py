@@ -18,6 +18,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 
 from tritonllm.engine.embedded.quant import int4_decode_kernel as int4_decode
+from tritonllm.engine.embedded.quant import int4_mma
 
 TARGET = GPUTarget("cuda", 90, 32)
 N, K, GROUP = 6144, 4096, 128  # qkv_proj's N x K, the W4A16 group
@@ -42,6 +43,27 @@ def compiled(words: bool, block_n: int, block_k: int, warps: int, split: int, la
     constexprs |= dict(BLOCK_N=block_n, BLOCK_K=block_k)
     values = dict(N=N, K=K, k_per_split=K // split, stride_xm=K, stride_w=K // (8 if words else 2))
     values |= dict(stride_s=K // GROUP, stride_sg=1, stride_z=K // GROUP, stride_zg=1, stride_om=N)
+    names = kernel.arg_names
+    signature = {n: pointers.get(n, "constexpr" if n in constexprs else "i32") for n in names}
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, n in enumerate(names)
+        if n not in constexprs and (n in pointers or values.get(n, 1) % 16 == 0)
+    }
+    fixed = {(names.index(n),): value for n, value in constexprs.items()}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=fixed, attrs=attrs)
+    return compile(source, target=TARGET, options=dict(num_warps=warps, num_stages=1))
+
+
+def compiled_mma(tiles: int, warps: int, split: int):
+    """A tensor-core GEMV (int4_mma.py) of `tiles` 16-row tiles a warp, specialised as compiled() is."""
+    kernel = int4_mma.int4_mma_kernel
+    pointers = {name: "*bf16" for name in ("x", "scale", "bias", "out")}
+    pointers |= {"w": "*i32", "zero": "*u8", "workspace": "*fp32", "counters": "*i32"}
+    constexprs = dict(GROUP_SIZE=GROUP, HAS_BIAS=False, SPLIT_K=split, TILES=tiles, WARPS=warps, FP16=False)
+    constexprs |= dict(USE_ASM=True, PDL=False, INTERPRETED=False)
+    values = dict(N=N, K=K, k_per_split=K // split, stride_w=K // 8, stride_s=K // GROUP, stride_sg=1)
+    values |= dict(stride_z=K // GROUP, stride_zg=1)
     names = kernel.arg_names
     signature = {n: pointers.get(n, "constexpr" if n in constexprs else "i32") for n in names}
     attrs = {
@@ -104,7 +126,15 @@ def main() -> None:
     )
     parser.add_argument("--split", type=int, default=16, help="split K")
     parser.add_argument("--lanes", nargs="*", default=None, help="ROWSxWARPS lane GEMVs, counted instead")
+    parser.add_argument("--mma", nargs="*", default=None, help="TILESxWARPS tensor-core GEMVs, counted instead")
     args = parser.parse_args()
+    for shape in args.mma or []:
+        tiles, warps = (int(part) for part in shape.split("x"))
+        kernel = compiled_mma(tiles, warps, 1)
+        per_thread = tiles * 2 * 32 * 2  # four words of two rows a tile, a lane, a step; two steps a loop
+        print(f"mma {shape}: {per_weight(kernel.asm['sass'], per_thread)}, {registers(kernel)}", flush=True)
+    if args.mma is not None:
+        return
     for shape in args.lanes or []:
         rows, warps = (int(part) for part in shape.split("x"))
         kernel = compiled(True, rows, 1024 * warps, warps, 1, lanes=True)

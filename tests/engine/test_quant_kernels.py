@@ -123,6 +123,9 @@ DECODE_LANES = int4_decode.DecodeVariant(
     block_m=1, block_n=4, block_k=1024, num_warps=1, use_dot=False, words=True, lanes=True, prefetch=True
 )
 DECODE_LANES_SPLIT = replace(DECODE_LANES, block_n=8, block_k=2048, num_warps=2, split_k=2, prefetch=False)
+# On tensor cores (int4_mma.py): 16 or 32 rows a warp, 128 columns a step; here its interpreter path
+DECODE_MMA = kernels.mma_gemv(1, 1, prefetch=False, pdl=False)
+DECODE_MMA_SPLIT = kernels.mma_gemv(2, 2, split_k=3)
 
 
 @pytest.mark.parametrize(
@@ -147,6 +150,10 @@ DECODE_LANES_SPLIT = replace(DECODE_LANES, block_n=8, block_k=2048, num_warps=2,
         (1, 8, 1536, 32, DECODE_LANES, False),  # K not a whole step: a masked half step
         (1, 20, 4096, 64, DECODE_LANES_SPLIT, True),  # two slices of a step, a partial block of 8
         (1, 16, 2560, 128, DECODE_LANES_SPLIT, False),  # slices of a step and a quarter step
+        (1, 16, 256, 128, DECODE_MMA, True),
+        (1, 20, 384, 384, DECODE_MMA, False),  # per channel, a partial tile of 16 rows
+        (1, 72, 640, 128, DECODE_MMA_SPLIT, True),  # slices of 2, 2 and 1 steps, a partial second program
+        (1, 40, 256, 256, DECODE_MMA_SPLIT, False),  # two slices of one step
     ],
 )
 def test_int4_decode_kernel_equals_dequantize_then_matmul(m, n, k, group_size, variant, with_bias):
@@ -253,8 +260,30 @@ def test_int4_word_gemv_with_lanes_on_cuda(dtype, use_asm):
 
 
 @cuda_only
-@pytest.mark.parametrize("prefetch", [False, True])
-def test_a_word_gemv_launched_with_pdl_reads_what_the_norm_before_it_wrote(prefetch):
+@pytest.mark.parametrize("dtype, use_asm", [(torch.bfloat16, True), (torch.float16, True), (torch.bfloat16, False)])
+def test_int4_gemv_on_tensor_cores_on_cuda(dtype, use_asm):
+    """The tensor-core GEMV (int4_mma.py): its PTX (each thread's own rows into mma.sync, whatever layout Triton
+    gave its values) and its arithmetic path give the product of the dequantized weight, at 1 or 2 tiles a warp
+    and 1 to 4 warps, K split or not, N not a whole program, groups of 128 and per channel, registers capped or
+    not, launched with PDL or not, and again and again."""
+    for n, k, group in ((2048, 4096, 128), (1000, 1536, 128), (520, 1024, 1024)):
+        qweight, scale, zero = random_int4(n, k, group, dtype=dtype)
+        x, bias = random_x(1, k, dtype), random_bias(n, dtype)
+        # weights dequantized in fp32: rounded to 16 bits they alone move some products by ~0.05 at this K
+        expected = reference(x, dequantize_int4(qweight, scale.float(), zero, group), bias)
+        shapes = ((1, 1, 1), (2, 1, 4), (1, 4, 3), (2, 2, 8))
+        for (tiles, warps, split), (pdl, registers) in itertools.product(shapes, ((False, 0), (True, 168))):
+            variant = kernels.mma_gemv(tiles, warps, split_k=split, pdl=pdl)
+            variant = replace(variant, use_asm=use_asm, max_registers=registers)
+            for _ in range(5):
+                got = int4_decode.int4_decode_matmul(x, qweight, scale, zero, bias, group, variant)
+                assert got.dtype == dtype
+                torch.testing.assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+@cuda_only
+@pytest.mark.parametrize("prefetch, mma", [(False, False), (True, False), (True, True)])
+def test_a_word_gemv_launched_with_pdl_reads_what_the_norm_before_it_wrote(prefetch, mma):
     """In a CUDA graph, the norm releases its dependents at once and the GEMV (PDL) reads its weights before
     waiting: every replay on new inputs must give exactly what the same GEMV launched without PDL gives on the
     norm's new output, and so must a second GEMV (PDL) right after the first. (Against a dense reference, the
@@ -266,6 +295,8 @@ def test_a_word_gemv_launched_with_pdl_reads_what_the_norm_before_it_wrote(prefe
     second_w = random_int4(1024, 4096, 128, dtype=bf16, seed=5)
     shape = dict(block_m=1, block_n=16, block_k=512, num_warps=4, num_stages=1, use_dot=False, words=True)
     with_pdl, without = (int4_decode.DecodeVariant(**shape, prefetch=prefetch, pdl=pdl) for pdl in (True, False))
+    if mma:  # the tensor-core GEMV (int4_mma.py), its words and x asked for two steps ahead
+        with_pdl, without = (kernels.mma_gemv(2, 2, split_k=4, pdl=pdl) for pdl in (True, False))
     hidden, norm_weight = random_x(1, 1024, bf16), torch.rand(1024, device=DEVICE, dtype=bf16) + 0.5
 
     def gemv(x, weight, variant):
@@ -299,6 +330,35 @@ def test_the_word_gemv_reads_bytes_that_do_not_start_on_a_word():
     for variant in (DECODE_WORDS, DECODE_WORDS_GROUPS):  # the byte GEMV's steps stay inside a group of 64
         got = int4_decode.int4_decode_matmul(x, shifted, scale, zero, None, 64, variant)
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_the_tensor_core_gemv_hands_what_it_cannot_read_to_a_lane_gemv(monkeypatch):
+    """int4_mma.py reads x and the weights' rows in 16-byte loads, one row of x: two rows, or x starting off 16
+    bytes, go to a lane GEMV of the same warps (and get the same product)."""
+    qweight, scale, zero = random_int4(40, 256, 128)
+    x = random_x(2, 256)
+    expected = reference(x, dequantize_int4(qweight, scale, zero, 128), None)
+    calls = []
+    monkeypatch.setattr(int4_decode, "_mma_gemv", lambda *args: calls.append(args))
+    got = int4_decode.int4_decode_matmul(x, qweight, scale, zero, None, 128, kernels.mma_gemv(1, 2))
+    torch.testing.assert_close(got, expected, atol=2e-4, rtol=1e-4)
+    shifted = torch.empty(257, device=DEVICE)[1:].view(1, 256)  # 4 bytes past a 16-byte boundary
+    shifted.copy_(x[:1])
+    got = int4_decode.int4_decode_matmul(shifted, qweight, scale, zero, None, 128, kernels.mma_gemv(1, 2))
+    torch.testing.assert_close(got, expected[:1], atol=2e-4, rtol=1e-4)
+    assert not calls
+    int4_decode.int4_decode_matmul(x[:1], qweight, scale, zero, None, 128, kernels.mma_gemv(1, 2))
+    assert len(calls) == 1
+
+
+def test_a_tensor_core_gemv_shape_is_checked():
+    with pytest.raises(ValueError, match="mma reads 128 columns a step .* block_n 32 or 64 for 2 warps"):
+        replace(kernels.mma_gemv(1, 2), block_n=128)
+    with pytest.raises(ValueError, match="mma is the word GEMV's"):
+        int4_decode.DecodeVariant(mma=True)
+    assert not int4_decode.supports(torch.bfloat16, 64, kernels.mma_gemv(1, 1))  # a step spans two groups
+    assert not int4_decode.supports(torch.float32, 128, kernels.mma_gemv(1, 1))  # the mma's B is 16-bit
+    assert int4_decode.supports(torch.float16, 256, kernels.mma_gemv(2, 1))
 
 
 def test_the_word_gemv_is_the_one_row_gemv(monkeypatch):

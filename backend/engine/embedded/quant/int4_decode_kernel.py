@@ -30,6 +30,7 @@ import triton.language as tl
 
 from ..gpu_fence import fence_gpu
 from ..pdl import launch_options, pdl_on
+from . import int4_mma
 from .int4_lanes import WORDS_A_WARP, lanes_row
 from .int4_words import int32_viewable, words_row
 
@@ -55,6 +56,7 @@ class DecodeVariant:
     x_vector: bool = False  # words: each step's x read as one vector and split eight ways (int4_words._step_x)
     pdl: bool = False  # words: launched with PDL where the GPU has it (pdl.py), its first weights read early
     lanes: bool = False  # words: each lane's sums kept apart until the end (int4_lanes.py); block_k 1,024 a warp
+    mma: bool = False  # words: on tensor cores (int4_mma.py); block_k 128, block_n 16 or 32 rows a warp
     max_registers: int = 0  # a cap on registers a thread (more programs an SM), 0: the compiler's choice
 
     def __post_init__(self) -> None:
@@ -67,13 +69,20 @@ class DecodeVariant:
             raise ValueError(f"DecodeVariant.split_k must be >= 1, got {self.split_k}")
         if self.words and (self.block_m != 1 or self.use_dot):
             raise ValueError("DecodeVariant.words is the one-row GEMV: block_m=1, use_dot=False")
-        for name in ("x_vector", "pdl", "lanes"):
+        mma_rows = [int4_mma.TILE_ROWS * tiles * self.num_warps for tiles in (1, 2)]
+        for name in ("x_vector", "pdl", "lanes", "mma"):
             if getattr(self, name) and not self.words:
                 raise ValueError(f"DecodeVariant.{name} is the word GEMV's (words=True)")
         if self.lanes and (self.block_k != 8 * WORDS_A_WARP * self.num_warps or self.x_vector):
             raise ValueError(
                 f"DecodeVariant.lanes reads 1,024 columns a warp a step: block_k {8 * WORDS_A_WARP * self.num_warps} "
                 f"for {self.num_warps} warps (got {self.block_k}), and its own x (x_vector=False)"
+            )
+        if self.mma and (self.lanes or self.x_vector or self.block_k != int4_mma.STEP or self.block_n not in mma_rows):
+            raise ValueError(
+                f"DecodeVariant.mma reads {int4_mma.STEP} columns a step (block_k) and 16 or 32 rows a warp: block_n "
+                f"{' or '.join(map(str, mma_rows))} for {self.num_warps} warps (got block_k {self.block_k}, block_n "
+                f"{self.block_n}), without lanes or x_vector"
             )
         if self.max_registers and not 24 <= self.max_registers <= 255:
             raise ValueError(f"DecodeVariant.max_registers must be 0 or 24-255, got {self.max_registers}")
@@ -84,7 +93,9 @@ def supports(x_dtype: torch.dtype, group_size: int, variant: DecodeVariant) -> b
     GEMV's may also hold whole groups)."""
     whole_groups = variant.words and variant.block_k % group_size == 0
     lanes_fit = not variant.lanes or group_size % 32 == 0  # a lane's 32 columns inside one group
-    return x_dtype in DTYPES and (group_size % variant.block_k == 0 or whole_groups) and lanes_fit
+    # the mma's B is 16-bit, and a step's sums take one scale
+    mma_fits = not variant.mma or (x_dtype in (torch.bfloat16, torch.float16) and group_size % variant.block_k == 0)
+    return x_dtype in DTYPES and (group_size % variant.block_k == 0 or whole_groups) and lanes_fit and mma_fits
 
 
 def _unpack_asm(magic: int) -> str:
@@ -364,9 +375,14 @@ def int4_decode_matmul(
         variant = replace(
             variant, words=False, x_vector=False, pdl=False, lanes=False, block_n=block_n, block_k=block_k
         )
+    if variant.mma and not _mma_reads(x, qweight):  # a lane GEMV for one row, 16-row tl.dot tiles for more
+        lanes = replace(variant, mma=False, lanes=True, block_n=4, block_k=8 * WORDS_A_WARP * variant.num_warps)
+        variant = lanes if M == 1 else DecodeVariant(block_n=64, block_k=variant.block_k, num_warps=2)
     N = qweight.shape[0]
     if M == 0:
         return torch.empty((0, N), dtype=x.dtype, device=x.device)
+    if variant.mma:
+        return _mma_gemv(x, qweight.view(torch.int32), scale, zero, bias, group_size, variant)
     k_tiles = triton.cdiv(K, variant.block_k)
     tiles = triton.cdiv(N, variant.block_n) * triton.cdiv(M, variant.block_m)
     split_k = max(1, min(variant.split_k, k_tiles)) if M <= SPLIT_ROWS and tiles <= _MAX_TILES else 1
@@ -419,6 +435,66 @@ def int4_decode_matmul(
         BLOCK_K=variant.block_k,
         num_warps=variant.num_warps,
         num_stages=variant.num_stages,
+        **options,
+    )
+    return out
+
+
+def _mma_reads(x: torch.Tensor, qweight: torch.Tensor) -> bool:
+    """int4_mma.py's 16-byte loads can read x (one row) and the weights' rows; else a lane GEMV instead."""
+    aligned = x.data_ptr() % 16 == 0 and qweight.data_ptr() % 16 == 0 and qweight.stride(0) % 16 == 0
+    return x.shape[0] == 1 and aligned and int32_viewable(qweight) and x.shape[1] % int4_mma.STEP == 0
+
+
+def _mma_gemv(
+    x: torch.Tensor,
+    words: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    bias: torch.Tensor | None,
+    group_size: int,
+    variant: DecodeVariant,
+) -> torch.Tensor:
+    """One row x [1, K] times the int32 words [N, K / 8] on tensor cores (int4_mma.py), K in split_k slices."""
+    N, K = words.shape[0], x.shape[1]
+    steps, programs = K // int4_mma.STEP, triton.cdiv(N, variant.block_n)
+    split_k = max(1, min(variant.split_k, steps)) if programs <= _MAX_TILES else 1
+    k_per_split = triton.cdiv(steps, split_k) * int4_mma.STEP
+    split_k = triton.cdiv(K, k_per_split)  # no empty slice
+    out = torch.empty((1, N), dtype=x.dtype, device=x.device)
+    workspace, counters = _split_buffers(x.device, N) if split_k > 1 else (out, out)
+    pdl = variant.pdl and pdl_on(x.device)
+    options: dict[str, bool | int] = dict(launch_options(pdl))
+    if variant.max_registers and x.device.type == "cuda":
+        options["maxnreg"] = variant.max_registers
+    int4_mma.int4_mma_kernel[(programs, split_k)](
+        x,
+        words,
+        scale,
+        zero,
+        bias if bias is not None else scale,
+        out,
+        workspace,
+        counters,
+        N,
+        K,
+        k_per_split,
+        words.stride(0),
+        scale.stride(0),
+        scale.stride(1),
+        zero.stride(0),
+        zero.stride(1),
+        GROUP_SIZE=group_size,
+        HAS_BIAS=bias is not None,
+        SPLIT_K=split_k,
+        TILES=variant.block_n // (int4_mma.TILE_ROWS * variant.num_warps),
+        WARPS=variant.num_warps,
+        FP16=x.dtype == torch.float16,
+        USE_ASM=variant.use_asm and x.device.type == "cuda",  # the interpreter knows no PTX
+        PDL=pdl,
+        INTERPRETED=x.device.type != "cuda",
+        num_warps=variant.num_warps,
+        num_stages=1,
         **options,
     )
     return out

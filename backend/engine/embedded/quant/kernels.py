@@ -300,6 +300,14 @@ def lane_gemv(rows: int, warps: int, split_k: int = 1, prefetch: bool = True, pd
     return replace(word_gemv(rows, 1024 * warps, warps, prefetch=prefetch, pdl=pdl), split_k=split_k, lanes=True)
 
 
+def mma_gemv(tiles: int, warps: int, split_k: int = 1, prefetch: bool = True, pdl: bool = True) -> DecodeVariant:
+    """A tensor-core GEMV shape (int4_mma.py): `tiles` of 16 rows a warp (1 or 2), K steps of 128 columns cut
+    into split_k slices; prefetch and PDL as in word_gemv."""
+    rows = int4_decode.int4_mma.TILE_ROWS * tiles * warps
+    variant = word_gemv(rows, int4_decode.int4_mma.STEP, warps, prefetch=prefetch, pdl=pdl)
+    return replace(variant, split_k=split_k, mma=True)
+
+
 # One row's program shape by (N, K), ahead of default_lane_gemv: each projection's best in a GPU sweep
 # (`QUANT_ARGS=--lanes QUANT_MS=1 bash ci/gpu_session.sh int4-decode-sweep`; bench-quant's w4a16-1-swept runs a
 # sweep's table). Llama-3.1-8B's (and Mistral-7B's) shapes from an H100 sweep, 2026-12-06 (docs/gpu-runs.md,
