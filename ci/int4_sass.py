@@ -24,6 +24,21 @@ TARGET = GPUTarget("cuda", 90, 32)
 N, K, GROUP = 6144, 4096, 128  # qkv_proj's N x K, the W4A16 group
 
 
+def compile_specialised(kernel, pointers: dict, constexprs: dict, values: dict, warps: int):
+    """kernel compiled for sm90 with the pointers and the values that are multiples of 16 marked divisible by 16
+    (as Triton specialises a launch), the other scalars int32."""
+    names = kernel.arg_names
+    signature = {n: pointers.get(n, "constexpr" if n in constexprs else "i32") for n in names}
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, n in enumerate(names)
+        if n not in constexprs and (n in pointers or values.get(n, 1) % 16 == 0)
+    }
+    fixed = {(names.index(n),): value for n, value in constexprs.items()}
+    source = ASTSource(fn=kernel, signature=signature, constexprs=fixed, attrs=attrs)
+    return compile(source, target=TARGET, options=dict(num_warps=warps, num_stages=1))
+
+
 def compiled(words: bool, block_n: int, block_k: int, warps: int, split: int, lanes: bool = False):
     kernel = int4_decode._int4_decode_kernel
     pointers = {name: "*bf16" for name in ("x", "scale", "bias", "out")}
@@ -43,16 +58,7 @@ def compiled(words: bool, block_n: int, block_k: int, warps: int, split: int, la
     constexprs |= dict(BLOCK_N=block_n, BLOCK_K=block_k)
     values = dict(N=N, K=K, k_per_split=K // split, stride_xm=K, stride_w=K // (8 if words else 2))
     values |= dict(stride_s=K // GROUP, stride_sg=1, stride_z=K // GROUP, stride_zg=1, stride_om=N)
-    names = kernel.arg_names
-    signature = {n: pointers.get(n, "constexpr" if n in constexprs else "i32") for n in names}
-    attrs = {
-        (i,): [["tt.divisibility", 16]]
-        for i, n in enumerate(names)
-        if n not in constexprs and (n in pointers or values.get(n, 1) % 16 == 0)
-    }
-    fixed = {(names.index(n),): value for n, value in constexprs.items()}
-    source = ASTSource(fn=kernel, signature=signature, constexprs=fixed, attrs=attrs)
-    return compile(source, target=TARGET, options=dict(num_warps=warps, num_stages=1))
+    return compile_specialised(kernel, pointers, constexprs, values, warps)
 
 
 def compiled_mma(tiles: int, warps: int, split: int):
@@ -64,16 +70,7 @@ def compiled_mma(tiles: int, warps: int, split: int):
     constexprs |= dict(USE_ASM=True, PDL=False, INTERPRETED=False)
     values = dict(N=N, K=K, k_per_split=K // split, stride_w=K // 8, stride_s=K // GROUP, stride_sg=1)
     values |= dict(stride_z=K // GROUP, stride_zg=1)
-    names = kernel.arg_names
-    signature = {n: pointers.get(n, "constexpr" if n in constexprs else "i32") for n in names}
-    attrs = {
-        (i,): [["tt.divisibility", 16]]
-        for i, n in enumerate(names)
-        if n not in constexprs and (n in pointers or values.get(n, 1) % 16 == 0)
-    }
-    fixed = {(names.index(n),): value for n, value in constexprs.items()}
-    source = ASTSource(fn=kernel, signature=signature, constexprs=fixed, attrs=attrs)
-    return compile(source, target=TARGET, options=dict(num_warps=warps, num_stages=1))
+    return compile_specialised(kernel, pointers, constexprs, values, warps)
 
 
 def sass(words: bool, block_n: int, block_k: int, warps: int, split: int) -> str:

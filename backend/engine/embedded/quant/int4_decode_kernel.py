@@ -32,6 +32,7 @@ from ..gpu_fence import fence_gpu
 from ..pdl import launch_options, pdl_on
 from . import int4_mma
 from .int4_lanes import WORDS_A_WARP, lanes_row
+from .int4_mma import magic_value
 from .int4_words import int32_viewable, words_row
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # fp32: exact fp32 products instead of the magic
@@ -147,8 +148,8 @@ def _magic_pairs(packed, USE_ASM: tl.constexpr, FP16: tl.constexpr, UPCAST: tl.c
     """(MAGIC + low nibble, MAGIC + high nibble) of each byte: fp32 under UPCAST (the interpreter, or fp32 x),
     else the 16-bit type, by asm or by bit operations on int16."""
     if UPCAST:
-        lo = (packed & 0xF).to(tl.float32) + _base(FP16)
-        hi = (packed >> 4).to(tl.float32) + _base(FP16)
+        lo = (packed & 0xF).to(tl.float32) + magic_value(FP16)
+        hi = (packed >> 4).to(tl.float32) + magic_value(FP16)
     elif USE_ASM:
         lo, hi = _magic_pairs_asm(packed, FP16)
     elif FP16:
@@ -158,14 +159,6 @@ def _magic_pairs(packed, USE_ASM: tl.constexpr, FP16: tl.constexpr, UPCAST: tl.c
         lo = ((packed & 0xF).to(tl.int16) | _BF16_MAGIC).to(tl.bfloat16, bitcast=True)
         hi = ((packed >> 4).to(tl.int16) | _BF16_MAGIC).to(tl.bfloat16, bitcast=True)
     return lo, hi
-
-
-@triton.jit
-def _base(FP16: tl.constexpr):
-    """MAGIC's value: what a nibble's 16-bit number exceeds the nibble by."""
-    if FP16:
-        return 1024.0
-    return 128.0
 
 
 @triton.jit
@@ -326,7 +319,7 @@ def _int4_decode_kernel(
             x_sum = tl.sum(x_even.to(tl.float32) + x_odd.to(tl.float32), axis=1)
             group = k0 // GROUP_SIZE
             s = tl.load(s_rows + group * stride_sg, mask=col_ok, other=0.0).to(tl.float32)
-            z = tl.load(z_rows + group * stride_zg, mask=col_ok, other=0).to(tl.float32) + _base(FP16)
+            z = tl.load(z_rows + group * stride_zg, mask=col_ok, other=0).to(tl.float32) + magic_value(FP16)
             acc += (part - x_sum[:, None] * z[None, :]) * s[None, :]
     if HAS_BIAS:
         if tl.program_id(2) == 0:
@@ -391,10 +384,7 @@ def int4_decode_matmul(
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     workspace, counters = _split_buffers(x.device, N) if split_k > 1 else (out, out)
     weights = qweight.view(torch.int32) if variant.words else qweight  # K // 2 bytes a row: a multiple of 4
-    pdl = variant.pdl and pdl_on(x.device)  # (pdl is the word GEMV's: DecodeVariant checks it)
-    options: dict[str, bool | int] = dict(launch_options(pdl))
-    if variant.max_registers and x.device.type == "cuda":
-        options["maxnreg"] = variant.max_registers
+    pdl, options = _launch(variant, x.device)  # (pdl is the word GEMV's: DecodeVariant checks it)
     grid = (triton.cdiv(N, variant.block_n), triton.cdiv(M, variant.block_m), split_k)
     _int4_decode_kernel[grid](
         x,
@@ -440,6 +430,15 @@ def int4_decode_matmul(
     return out
 
 
+def _launch(variant: DecodeVariant, device: torch.device) -> tuple[bool, dict[str, bool | int]]:
+    """Whether the launch uses PDL here, and its launch options (PDL, a register cap on CUDA)."""
+    pdl = variant.pdl and pdl_on(device)
+    options: dict[str, bool | int] = dict(launch_options(pdl))
+    if variant.max_registers and device.type == "cuda":
+        options["maxnreg"] = variant.max_registers
+    return pdl, options
+
+
 def _mma_reads(x: torch.Tensor, qweight: torch.Tensor) -> bool:
     """int4_mma.py's 16-byte loads can read x (one row) and the weights' rows; else a lane GEMV instead."""
     aligned = x.data_ptr() % 16 == 0 and qweight.data_ptr() % 16 == 0 and qweight.stride(0) % 16 == 0
@@ -463,10 +462,7 @@ def _mma_gemv(
     split_k = triton.cdiv(K, k_per_split)  # no empty slice
     out = torch.empty((1, N), dtype=x.dtype, device=x.device)
     workspace, counters = _split_buffers(x.device, N) if split_k > 1 else (out, out)
-    pdl = variant.pdl and pdl_on(x.device)
-    options: dict[str, bool | int] = dict(launch_options(pdl))
-    if variant.max_registers and x.device.type == "cuda":
-        options["maxnreg"] = variant.max_registers
+    pdl, options = _launch(variant, x.device)
     int4_mma.int4_mma_kernel[(programs, split_k)](
         x,
         words,

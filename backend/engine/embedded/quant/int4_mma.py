@@ -107,8 +107,8 @@ _BF16_ONES_VALUE, _FP16_ONES_VALUE = tl.constexpr(_BF16_ONES), tl.constexpr(_FP1
 
 
 @triton.jit
-def _magic(FP16: tl.constexpr):
-    """What a nibble's 16-bit value exceeds the nibble by."""
+def magic_value(FP16: tl.constexpr):
+    """What a nibble's 16-bit value (MAGIC + q) exceeds the nibble by."""
     if FP16:
         return 1024.0
     return 128.0
@@ -225,7 +225,7 @@ def _nibbles_dot(word, x, col, FP16: tl.constexpr):
     """The interpreter's one word: sum_i (MAGIC + q_i) x_i over its eight nibbles (input columns col + i)."""
     total = tl.zeros(word.shape, dtype=tl.float32)
     for i in tl.static_range(8):
-        total += (((word >> (4 * i)) & 0xF).to(tl.float32) + _magic(FP16)) * tl.load(x + col + i).to(tl.float32)
+        total += (((word >> (4 * i)) & 0xF).to(tl.float32) + magic_value(FP16)) * tl.load(x + col + i).to(tl.float32)
     return total
 
 
@@ -271,7 +271,7 @@ def _step_words(w, kept_a, kept_b, kept_c, kept_d, stride_w, k0, t, TILES: tl.co
 def _group_scale(row, group, scale, zero, stride_s, stride_sg, stride_z, stride_zg, FP16: tl.constexpr):
     """A row's scale and (MAGIC + zero point) for one group, fp32."""
     s = tl.load(scale + row * stride_s + group * stride_sg).to(tl.float32)
-    z = tl.load(zero + row * stride_z + group * stride_zg).to(tl.float32) + _magic(FP16)
+    z = tl.load(zero + row * stride_z + group * stride_zg).to(tl.float32) + magic_value(FP16)
     return s, z
 
 
