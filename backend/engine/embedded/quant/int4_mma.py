@@ -104,6 +104,12 @@ _FP16_TILE = tl.constexpr(_tile_asm("f16", _FP16_MAGIC))
 _BF16_SUM = tl.constexpr(_ones_asm("bf16"))
 _FP16_SUM = tl.constexpr(_ones_asm("f16"))
 _BF16_ONES_VALUE, _FP16_ONES_VALUE = tl.constexpr(_BF16_ONES), tl.constexpr(_FP16_ONES)
+# inline asm constraints: sixteen int32 results from one address; sixteen from sixteen; four fp32 sums from 24
+# (a tile's words and x) and from 17 (ones and x) int32 inputs
+_X_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 16 + ["l"]))
+_PAIRS_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 16 + ["r"] * 16))
+_TILE_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 4 + ["r"] * 24))
+_SUM_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 4 + ["r"] * 17))
 
 
 @triton.jit
@@ -151,7 +157,7 @@ def _x_words(x, col, USE_ASM: tl.constexpr):
     if USE_ASM:
         p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15 = tl.inline_asm_elementwise(
             _X_ASM,
-            "=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,l",
+            _X_CONSTRAINTS,
             [(x + col).to(tl.int64, bitcast=True)],
             dtype=(tl.int32,) * 16,
             is_pure=False,
@@ -159,7 +165,9 @@ def _x_words(x, col, USE_ASM: tl.constexpr):
         )
     else:
         p0 = tl.zeros(col.shape, dtype=tl.int32)
-        p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15 = (p0,) * 15
+        p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15 = (
+            p0, p0, p0, p0, p0, p0, p0, p0, p0, p0, p0, p0, p0, p0, p0
+        )  # fmt: skip
     return p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15
 
 
@@ -170,7 +178,7 @@ def _tile_mma(
     """One tile's step on tensor cores (_tile_asm): the sums of rows g and g + 8."""
     sa, _, sb, _ = tl.inline_asm_elementwise(
         _FP16_TILE if FP16 else _BF16_TILE,
-        "=f,=f,=f,=f," + ",".join(["r"] * 24),
+        _TILE_CONSTRAINTS,
         [a0, a1, a2, a3, b0, b1, b2, b3, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15],
         dtype=(tl.float32,) * 4,
         is_pure=True,
@@ -188,7 +196,7 @@ def _mma_step(
     and of the step's x."""
     x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15 = tl.inline_asm_elementwise(
         _PAIRS_ASM,
-        "=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r,=r," + ",".join(["r"] * 16),
+        _PAIRS_CONSTRAINTS,
         [p0, p1, p2, p3, p4, p5, p6, p7, p8, p9, p10, p11, p12, p13, p14, p15],
         dtype=(tl.int32,) * 16,
         is_pure=True,
@@ -196,7 +204,7 @@ def _mma_step(
     )
     xs, _, _, _ = tl.inline_asm_elementwise(
         _FP16_SUM if FP16 else _BF16_SUM,
-        "=f,=f,=f,=f," + ",".join(["r"] * 17),
+        _SUM_CONSTRAINTS,
         [ones, x0, x1, x2, x3, x4, x5, x6, x7, x8, x9, x10, x11, x12, x13, x14, x15],
         dtype=(tl.float32,) * 4,
         is_pure=True,
