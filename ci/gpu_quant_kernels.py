@@ -13,6 +13,7 @@ import argparse
 import dataclasses
 import itertools
 import json
+import os
 import statistics
 import sys
 from typing import Callable, Iterator
@@ -356,12 +357,13 @@ def lanes_variants(m: int) -> list[DecodeVariant]:
 def mma_variants(m: int) -> list[DecodeVariant]:
     """The lane GEMV's table (kernels.ONE_ROW_SHAPES, each tried on every shape), then the tensor-core GEMV
     (int4_mma.py): 1 or 2 tiles of 16 rows a warp, 1, 2 and 4 warps, K in 1 to 8 slices, registers left to ptxas
-    (which then issues the next step's loads late, to save registers) or capped at 168 (early). Without PDL, as
-    words_variants."""
+    (which then issues the next step's loads late, to save registers) or capped at 168 (early; MMA_REGISTERS, a
+    comma-separated list, picks the caps). Without PDL, as words_variants."""
     if m != 1:
         return []
     found = [dataclasses.replace(variant, pdl=False) for variant in kernels.ONE_ROW_SHAPES.values()]
-    for tiles, warps, split, registers in itertools.product((1, 2), (1, 2, 4), (1, 2, 4, 8), (0, 168)):
+    caps = tuple(int(cap) for cap in os.environ.get("MMA_REGISTERS", "0,168").split(","))
+    for tiles, warps, split, registers in itertools.product((1, 2), (1, 2, 4), (1, 2, 4, 8), caps):
         variant = kernels.mma_gemv(tiles, warps, split_k=split, pdl=False)
         found.append(dataclasses.replace(variant, max_registers=registers))
     return found
