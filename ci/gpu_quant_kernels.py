@@ -612,34 +612,32 @@ def time_greedy(ms: tuple[int, ...]) -> None:
 
 
 def race_check() -> None:
-    """Split-K launches many times over on the gate/up shape at 8 rows, among them the shapes whose sums the first
-    sweep found wrong: the worst relative error of 200 launches each, and the time (us)."""
+    """Split-K launches many times over, on the gate/up and down shapes at 1 and 8 rows: the default shapes, the
+    shapes whose sums sweeps found wrong (16 x 32 tiles on two warps; tensor-core GEMVs of several warps, before
+    their programs' warps met at a barrier ahead of the counter), lane GEMVs of two warps split: the worst
+    relative error of 100 launches each, and the time (us)."""
     generator = torch.Generator(device=DEVICE).manual_seed(0)
-    n, k = SHAPES["gate_up"]
-    weight = quantized("int4", n, k, generator)
-    rotation = copies(weight["args"])
-    a = weight["args"]
-    for m in (1, 8):
-        x = torch.randn(m, k, device=DEVICE, dtype=DTYPE, generator=generator)
-        expected = F.linear(x, weight["dense"])
-        variants = (
-            [kernels.choose_decode_variant(m, n, k)]
-            + [
-                DecodeVariant(block_n=32, block_k=128, split_k=split, num_warps=2, num_stages=stages)
-                for split, stages in ((1, 3), (2, 3), (8, 4))
-            ]
-            + [
-                DecodeVariant(block_n=32, block_k=128, split_k=1, num_warps=4),
-                DecodeVariant(block_n=64, split_k=1, num_warps=2),
-            ]
-        )
-        for variant in variants:
-            call = lambda a, v=variant: int4_decode.int4_decode_matmul(  # noqa: E731
-                x, a["qweight"], a["weight_scale"], a["weight_zero"], None, GROUP_SIZE, v
-            )
-            worst = max(errors(call(a), expected)["rel_err"] for _ in range(200))
-            us = timed_us([lambda r=r: call(r) for r in rotation], repeats=5)[0]
-            emit(kind="race", m=m, variant=str(variant), worst_rel_err=worst, us=round(us, 2))
+    for shape in ("gate_up", "down"):
+        n, k = SHAPES[shape]
+        weight = quantized("int4", n, k, generator)
+        rotation = copies(weight["args"])
+        for m in (1, 8):
+            x = torch.randn(m, k, device=DEVICE, dtype=DTYPE, generator=generator)
+            expected = F.linear(x, weight["dense"])
+            variants = [kernels.choose_decode_variant(m, n, k)]
+            variants += [DecodeVariant(block_n=32, block_k=128, split_k=split, num_warps=2) for split in (2, 8)]
+            if m == 1:
+                variants += [kernels.mma_gemv(1, 4, split_k=2), kernels.mma_gemv(1, 2, split_k=4)]
+                variants += [kernels.mma_gemv(2, 2, split_k=8), kernels.lane_gemv(4, 2, split_k=4)]
+            for variant in variants:
+                call = lambda a, v=variant: int4_decode.int4_decode_matmul(  # noqa: E731
+                    x, a["qweight"], a["weight_scale"], a["weight_zero"], None, GROUP_SIZE, v
+                )
+                worst = max(errors(call(weight["args"]), expected)["rel_err"] for _ in range(100))
+                us = timed_us([lambda r=r: call(r) for r in rotation], repeats=5)[0]
+                emit(kind="race", shape=shape, m=m, variant=str(variant), worst_rel_err=worst, us=round(us, 2))
+        del weight, rotation
+        torch.cuda.empty_cache()
 
 
 def ncu_once() -> None:

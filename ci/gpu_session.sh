@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine run (the `device` tool): puts the working tree's package on PYTHONPATH (the machine has torch,
 # triton and transformers but no venv of ours), then runs what the arguments name, each logged under $OUT.
-#   bash ci/gpu_session.sh kernels|fused|graphs|pdl|mma-tests|attention|greedy|window|guided|parity|features|bench-quick|bench-guided|bench-accuracy|moe-kernel|moe-sweep|fp8-kv|int4-decode-sweep|int4-ncu|int4-layouts|attn-sweep|fp8-sweep|families|bench-mixtral|bench-quant|host-profile|quant|quant-load|quant-tests|quantize|quant-kernels|quant-sweep-decode|quant-sweep-prefill|bench-qwen3|bench-parallel|parallel-tests|sync-check|profile|profile-1 ...
+#   bash ci/gpu_session.sh kernels|fused|graphs|pdl|mma-tests|race-check|attention|greedy|window|guided|parity|features|bench-quick|bench-guided|bench-accuracy|moe-kernel|moe-sweep|fp8-kv|int4-decode-sweep|int4-ncu|int4-layouts|attn-sweep|fp8-sweep|families|bench-mixtral|bench-quant|host-profile|quant|quant-load|quant-tests|quantize|quant-kernels|quant-sweep-decode|quant-sweep-prefill|bench-qwen3|bench-parallel|parallel-tests|sync-check|profile|profile-1 ...
 # Used by hand for the GPU figures in docs/benchmarks.md; CI never runs it (no GPU there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -98,6 +98,8 @@ for what in "$@"; do
     quant-load) python3 ci/gpu_quant.py "${QUANT_SHAPE:-llama-3.1-8b}" 2>&1 | tee -a "$OUT/quant-load.jsonl" ;;
     quant-tests) run_tests tests/engine/test_quant_kernels.py ;;
     mma-tests) run_tests tests/engine/test_quant_kernels.py -k "tensor_core or pdl_reads" ;;  # int4_mma.py on CUDA
+    race-check)  # split-K int4 launches repeated: the worst error of each (ci/gpu_quant_kernels.py race_check)
+      python3 ci/gpu_quant_kernels.py --race-check 2>&1 | tee -a "$OUT/race-check.jsonl" ;;
     quantize)  # tritonllm quantize calibrating on CUDA against CPU; QUANTIZE_MODEL: a folder to time (e.g. SmolLM2)
       python3 ci/gpu_quantize.py ${QUANTIZE_MODEL:-} 2>&1 | tee -a "$OUT/quantize.jsonl" ;;
     quant-kernels)  # the default paths checked and timed against bf16; QUANT_ARGS e.g. "--formats int4 --ms 1,8"

@@ -338,6 +338,9 @@ def _int4_decode_kernel(
         tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
         if not INTERPRETED:  # the interpreter runs programs one after another (and knows no PTX)
             tile = fence_gpu(tile)
+        # One thread counts for the program: every warp's adds and fences must come first (a GPU sweep found
+        # sums missing the adds of a program's later warps without this barrier).
+        tl.debug_barrier()
         arrived = tl.atomic_add(counters + tile, 1, sem="acq_rel")
         if arrived == SPLIT_K - 1:
             total = tl.load(ws_ptrs, mask=mask, other=0.0, cache_modifier=".cg")  # from L2, where atomics add

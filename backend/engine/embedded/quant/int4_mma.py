@@ -422,6 +422,9 @@ def int4_mma_kernel(
         tile = tl.program_id(0)
         if not INTERPRETED:  # the interpreter runs programs one after another (and knows no PTX)
             tile = fence_gpu(tile)
+        # One thread counts for the program: every warp's adds and fences must come first (a GPU sweep found
+        # sums missing the adds of a program's later warps without this barrier).
+        tl.debug_barrier()
         arrived = tl.atomic_add(counters + tile, 1, sem="acq_rel")
         if arrived == SPLIT_K - 1:
             _flush_row(row_a, writer & (row_a < N), out, workspace)
