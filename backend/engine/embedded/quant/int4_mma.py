@@ -18,7 +18,10 @@ once (sum_k x_k (q_k - z) s = s (sum_k x_k (MAGIC + q_k) - (MAGIC + z) sum_k x_k
 ones against the same B.
 
 On Triton's interpreter (CPU tests), the same roles come from the thread's index and the mma from arithmetic and
-a sum over each row's four lanes: the addressing, scales and split K are tested there, the PTX on CUDA."""
+a sum over each row's four lanes: the addressing, scales and split K are tested there, the PTX on CUDA.
+
+Measured on an H100 (docs/benchmarks.md, twenty-seventh session): the lane GEMV's sums, 19% slower than it, the
+GEMV being bound by bytes in flight there (a warp here moves 1 KB a step): a sweep option, not the default."""
 
 from __future__ import annotations
 
