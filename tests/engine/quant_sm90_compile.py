@@ -7,7 +7,7 @@ from triton.compiler import ASTSource, compile
 
 from tritonllm.engine.embedded.attention import triton_kernels as attention
 from tritonllm.engine.embedded.network import fused_ops
-from tritonllm.engine.embedded.quant import fp8_kernel, fp8_matmul_kernel
+from tritonllm.engine.embedded.quant import fp8_kernel, fp8_matmul_kernel, int4_mma
 from tritonllm.engine.embedded.quant import int4_decode_kernel as int4_decode
 from tritonllm.engine.embedded.quant import weight_only_kernel as wo
 from tritonllm.engine.embedded.quant.weight_only_kernel import Variant
@@ -69,6 +69,8 @@ def int4_decode_kernel(
         constexprs["EVEN_K"] = even_k
         options = dict(num_warps=4, num_stages=3) | (dict(launch_pdl=True) if pdl else {})
         ptx = compile_for_sm90(int4_decode._int4_decode_kernel, pointers, constexprs, **options).asm["ptx"]
+        if split_k > 1:
+            assert_counts_after_barrier(ptx)
         if pdl:  # the first weights are requested before the wait, and nothing is stored before it
             wait = ptx.index("griddepcontrol.wait")
             assert "ld.global" in ptx[:wait] and "st.global" not in ptx[:wait], "PDL: loads and stores misplaced"
@@ -76,6 +78,34 @@ def int4_decode_kernel(
     shape = f"split {split_k} asm {use_asm} dot {use_dot} words {words} {block_n} x {block_k} x vector {x_vector}"
     shape += f" pdl {pdl} prefetch {prefetch} lanes {lanes}"
     print("compiled the int4 decode kernel", dtype, shape, flush=True)
+
+
+def assert_counts_after_barrier(ptx: str) -> None:
+    """A split-K program's one counting thread increments the tile counter only after a barrier that follows the
+    fences: every warp's workspace adds come before the count. (Triton 3.9 puts a barrier before a scalar atomic
+    of its own; the GPU machine's 3.6 does not, and there only the kernels' own barrier passes: run this script
+    with Triton 3.6's wheel first on PYTHONPATH to check it there.)"""
+    count = ptx.index("atom.global.gpu.acq_rel")
+    fence = ptx.rindex("fence.acq_rel.gpu", 0, count)
+    assert "bar.sync" in ptx[fence:count], "split K: the counter is incremented before the program's warps meet"
+
+
+def int4_mma_kernel(dtype: str, split_k: int, tiles: int, warps: int, use_asm: bool, pdl: bool) -> None:
+    """The tensor-core GEMV (int4_mma.py): its PTX compiles (mma.sync on sm90); split K counts after a barrier;
+    launched with PDL, the first step's words are requested before the wait and nothing is stored before it."""
+    pointers = {name: f"*{dtype}" for name in ("x", "scale", "bias", "out")}
+    pointers |= {"w": "*i32", "zero": "*u8", "workspace": "*fp32", "counters": "*i32"}
+    constexprs = dict(GROUP_SIZE=128, HAS_BIAS=True, SPLIT_K=split_k, TILES=tiles, WARPS=warps, FP16=dtype == "fp16")
+    constexprs |= dict(USE_ASM=use_asm, PDL=pdl, INTERPRETED=False)
+    options = dict(num_warps=warps, num_stages=1) | (dict(launch_pdl=True) if pdl else {})
+    ptx = compile_for_sm90(int4_mma.int4_mma_kernel, pointers, constexprs, **options).asm["ptx"]
+    assert ("mma.sync.aligned.m16n8k16" in ptx) == use_asm
+    if split_k > 1:
+        assert_counts_after_barrier(ptx)
+    if pdl:
+        wait = ptx.index("griddepcontrol.wait")
+        assert "ld.global.nc" in ptx[:wait] and "st.global" not in ptx[:wait], "PDL: loads and stores misplaced"
+    print("compiled the tensor-core int4 GEMV", dtype, f"split {split_k} tiles {tiles} warps {warps}", flush=True)
 
 
 def assert_waits_first(ptx: str, wait: bool) -> None:
@@ -178,6 +208,12 @@ if __name__ == "__main__":
     for dtype, split_k, prefetch in (("bf16", 1, True), ("fp16", 2, False)):  # the lane GEMV (4 warps)
         lane = dict(words=True, block_n=8, block_k=4096, pdl=True, prefetch=prefetch, lanes=True)
         int4_decode_kernel(dtype, split_k, True, False, **lane)
+    for dtype, split_k, tiles, warps, use_asm, pdl in (
+        ("bf16", 4, 2, 2, True, True),
+        ("fp16", 1, 1, 1, True, False),
+        ("bf16", 2, 2, 1, False, False),
+    ):
+        int4_mma_kernel(dtype, split_k, tiles, warps, use_asm, pdl)
     fp8_matmul()
     fp8_rows()
     deferred_scales_norm()
