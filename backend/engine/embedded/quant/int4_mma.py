@@ -4,7 +4,7 @@ The lane GEMV (int4_lanes.py) multiplies on the CUDA cores: one FMA a weight plu
 instructions a weight, about what an H200 can issue while its memory delivers packed weights. Here the weights
 are the A operand of `mma.sync.m16n8k16` (16 rows x 16 input columns, fp32 sums) and x the B operand: one
 instruction multiplies 256 weights, so a weight costs its unpacking (seven instructions a word of eight) and
-little else, ~1.5 instructions in all.
+little else: 1.8 SASS instructions a weight in all at two tiles a warp (ci/int4_sass.py --mma 2x1).
 
 Triton does not let a program choose which thread holds which weights, so the PTX here does not depend on it:
 every tensor is one value a thread ([32 x warps], elementwise operations only), and each thread works out its
