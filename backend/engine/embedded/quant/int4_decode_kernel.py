@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..gpu_fence import fence_gpu
+from ..gpu_fence import count_slice
 from ..pdl import launch_options, pdl_on
 from . import int4_mma
 from .int4_lanes import WORDS_A_WARP, lanes_row
@@ -329,20 +329,12 @@ def _int4_decode_kernel(
     if SPLIT_K == 1:
         tl.store(out_ptrs, acc.to(out.dtype.element_ty), mask=mask)
     else:
-        # Slices add into the fp32 workspace; the tile's last slice to arrive (its counter's acquire sees every
-        # earlier slice's release) takes the sum out, leaving workspace and counter zero for the next launch.
-        # Every thread fences its own adds before the counter's increment (one thread's, after a barrier), as
-        # CUDA's fence-then-count reductions do, rather than rely on that one thread's fence covering the others.
+        # Slices add into the fp32 workspace; the tile's last slice to arrive (gpu_fence.count_slice) takes the
+        # sum out, leaving workspace and counter zero for the next launch.
         ws_ptrs = workspace + rows.to(tl.int64)[:, None] * N + cols[None, :]
         tl.atomic_add(ws_ptrs, acc, mask=mask, sem="relaxed")
         tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-        if not INTERPRETED:  # the interpreter runs programs one after another (and knows no PTX)
-            tile = fence_gpu(tile)
-        # One thread counts for the program: every warp's adds and fences must come first (a GPU sweep found
-        # sums missing the adds of a program's later warps without this barrier).
-        tl.debug_barrier()
-        arrived = tl.atomic_add(counters + tile, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:
+        if count_slice(counters, tile, INTERPRETED) == SPLIT_K - 1:
             total = tl.load(ws_ptrs, mask=mask, other=0.0, cache_modifier=".cg")  # from L2, where atomics add
             tl.store(out_ptrs, total.to(out.dtype.element_ty), mask=mask)
             # Where the layout gives two threads the same element, neither may zero it before both have read it

@@ -28,7 +28,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from ..gpu_fence import fence_gpu
+from ..gpu_fence import count_slice
 from ..pdl import release_dependents, wait_for_inputs
 
 STEP = 128  # input columns a K step: 4 lanes x 4 words x 8 nibbles
@@ -420,16 +420,10 @@ def int4_mma_kernel(
         _add_out(acc_c, row_c, writer & (row_c < N), bias, out, workspace, HAS_BIAS, SPLIT_K)
         _add_out(acc_d, row_d, writer & (row_d < N), bias, out, workspace, HAS_BIAS, SPLIT_K)
     if SPLIT_K > 1:
-        # The tile's last slice to arrive (its counter's acquire sees every earlier slice's release, each thread
-        # having fenced its own adds) writes the sums out and leaves workspace and counter zero.
+        # The tile's last slice to arrive (gpu_fence.count_slice) writes the sums out and leaves workspace and
+        # counter zero.
         tile = tl.program_id(0)
-        if not INTERPRETED:  # the interpreter runs programs one after another (and knows no PTX)
-            tile = fence_gpu(tile)
-        # One thread counts for the program: every warp's adds and fences must come first (a GPU sweep found
-        # sums missing the adds of a program's later warps without this barrier).
-        tl.debug_barrier()
-        arrived = tl.atomic_add(counters + tile, 1, sem="acq_rel")
-        if arrived == SPLIT_K - 1:
+        if count_slice(counters, tile, INTERPRETED) == SPLIT_K - 1:
             _flush_row(row_a, writer & (row_a < N), out, workspace)
             _flush_row(row_b, writer & (row_b < N), out, workspace)
             if TILES == 2:
