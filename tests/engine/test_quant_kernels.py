@@ -124,7 +124,7 @@ DECODE_LANES = int4_decode.DecodeVariant(
 )
 DECODE_LANES_SPLIT = replace(DECODE_LANES, block_n=8, block_k=2048, num_warps=2, split_k=2, prefetch=False)
 # On tensor cores (int4_mma.py): 16 or 32 rows a warp, 128 columns a step; here its interpreter path
-DECODE_MMA = kernels.mma_gemv(1, 1, prefetch=False, pdl=False)
+DECODE_MMA = kernels.mma_gemv(1, 1, pdl=False)
 DECODE_MMA_SPLIT = kernels.mma_gemv(2, 2, split_k=3)
 
 

@@ -371,11 +371,8 @@ def int4_decode_matmul(
         return torch.empty((0, N), dtype=x.dtype, device=x.device)
     if variant.mma:
         return _mma_gemv(x, qweight.view(torch.int32), scale, zero, bias, group_size, variant)
-    k_tiles = triton.cdiv(K, variant.block_k)
     tiles = triton.cdiv(N, variant.block_n) * triton.cdiv(M, variant.block_m)
-    split_k = max(1, min(variant.split_k, k_tiles)) if M <= SPLIT_ROWS and tiles <= _MAX_TILES else 1
-    k_per_split = triton.cdiv(k_tiles, split_k) * variant.block_k
-    split_k = triton.cdiv(K, k_per_split)  # no empty slice
+    split_k, k_per_split = _slices(K, variant.block_k, variant.split_k, M <= SPLIT_ROWS and tiles <= _MAX_TILES)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     workspace, counters = _split_buffers(x.device, N) if split_k > 1 else (out, out)
     weights = qweight.view(torch.int32) if variant.words else qweight  # K // 2 bytes a row: a multiple of 4
@@ -425,6 +422,14 @@ def int4_decode_matmul(
     return out
 
 
+def _slices(K: int, step: int, wanted: int, splittable: bool) -> tuple[int, int]:
+    """How many K slices a launch takes (at most `wanted`, one where its counters or workspace do not cover it)
+    and the columns of each: whole steps, and no slice empty."""
+    steps = triton.cdiv(K, step)
+    k_per_split = triton.cdiv(steps, max(1, min(wanted, steps)) if splittable else 1) * step
+    return triton.cdiv(K, k_per_split), k_per_split
+
+
 def _launch(variant: DecodeVariant, device: torch.device) -> tuple[bool, dict[str, bool | int]]:
     """Whether the launch uses PDL here, and its launch options (PDL, a register cap on CUDA)."""
     pdl = variant.pdl and pdl_on(device)
@@ -451,10 +456,8 @@ def _mma_gemv(
 ) -> torch.Tensor:
     """One row x [1, K] times the int32 words [N, K / 8] on tensor cores (int4_mma.py), K in split_k slices."""
     N, K = words.shape[0], x.shape[1]
-    steps, programs = K // int4_mma.STEP, triton.cdiv(N, variant.block_n)
-    split_k = max(1, min(variant.split_k, steps)) if programs <= _MAX_TILES else 1
-    k_per_split = triton.cdiv(steps, split_k) * int4_mma.STEP
-    split_k = triton.cdiv(K, k_per_split)  # no empty slice
+    programs = triton.cdiv(N, variant.block_n)
+    split_k, k_per_split = _slices(K, int4_mma.STEP, variant.split_k, programs <= _MAX_TILES)
     out = torch.empty((1, N), dtype=x.dtype, device=x.device)
     workspace, counters = _split_buffers(x.device, N) if split_k > 1 else (out, out)
     pdl, options = _launch(variant, x.device)

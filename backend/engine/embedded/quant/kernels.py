@@ -300,11 +300,11 @@ def lane_gemv(rows: int, warps: int, split_k: int = 1, prefetch: bool = True, pd
     return replace(word_gemv(rows, 1024 * warps, warps, prefetch=prefetch, pdl=pdl), split_k=split_k, lanes=True)
 
 
-def mma_gemv(tiles: int, warps: int, split_k: int = 1, prefetch: bool = True, pdl: bool = True) -> DecodeVariant:
+def mma_gemv(tiles: int, warps: int, split_k: int = 1, pdl: bool = True) -> DecodeVariant:
     """A tensor-core GEMV shape (int4_mma.py): `tiles` of 16 rows a warp (1 or 2), K steps of 128 columns cut
-    into split_k slices; prefetch and PDL as in word_gemv."""
+    into split_k slices (each step's loads always ahead of the step before it); PDL as in word_gemv."""
     rows = int4_decode.int4_mma.TILE_ROWS * tiles * warps
-    variant = word_gemv(rows, int4_decode.int4_mma.STEP, warps, prefetch=prefetch, pdl=pdl)
+    variant = word_gemv(rows, int4_decode.int4_mma.STEP, warps, pdl=pdl)
     return replace(variant, split_k=split_k, mma=True)
 
 
