@@ -348,10 +348,15 @@ def lanes_variants(m: int) -> list[DecodeVariant]:
     next step's words prefetched. Without PDL, as words_variants."""
     if m != 1:
         return []
-    found = [dataclasses.replace(variant, pdl=False) for variant in kernels.ONE_ROW_SHAPES.values()]
+    found = table_without_pdl()
     for rows, warps, split, prefetch in itertools.product((4, 8, 16), (1, 2, 4), (1, 2, 4), (False, True)):
         found.append(kernels.lane_gemv(rows, warps, split_k=split, prefetch=prefetch, pdl=False))
     return found
+
+
+def table_without_pdl() -> list[DecodeVariant]:
+    """kernels.ONE_ROW_SHAPES' shapes, launched without PDL as the sweeps time them."""
+    return [dataclasses.replace(variant, pdl=False) for variant in kernels.ONE_ROW_SHAPES.values()]
 
 
 def mma_variants(m: int) -> list[DecodeVariant]:
@@ -361,7 +366,7 @@ def mma_variants(m: int) -> list[DecodeVariant]:
     comma-separated list, picks the caps). Without PDL, as words_variants."""
     if m != 1:
         return []
-    found = [dataclasses.replace(variant, pdl=False) for variant in kernels.ONE_ROW_SHAPES.values()]
+    found = table_without_pdl()
     caps = tuple(int(cap) for cap in os.environ.get("MMA_REGISTERS", "0,168").split(","))
     for tiles, warps, split, registers in itertools.product((1, 2), (1, 2, 4), (1, 2, 4, 8), caps):
         variant = kernels.mma_gemv(tiles, warps, split_k=split, pdl=False)

@@ -71,13 +71,19 @@ def int4_decode_kernel(
         ptx = compile_for_sm90(int4_decode._int4_decode_kernel, pointers, constexprs, **options).asm["ptx"]
         if split_k > 1:
             assert_counts_after_barrier(ptx)
-        if pdl:  # the first weights are requested before the wait, and nothing is stored before it
-            wait = ptx.index("griddepcontrol.wait")
-            assert "ld.global" in ptx[:wait] and "st.global" not in ptx[:wait], "PDL: loads and stores misplaced"
-            assert "griddepcontrol.launch_dependents" in ptx[:wait]
+        if pdl:
+            assert_loads_weights_first(ptx, "ld.global")
+            assert "griddepcontrol.launch_dependents" in ptx[: ptx.index("griddepcontrol.wait")]
     shape = f"split {split_k} asm {use_asm} dot {use_dot} words {words} {block_n} x {block_k} x vector {x_vector}"
     shape += f" pdl {pdl} prefetch {prefetch} lanes {lanes}"
     print("compiled the int4 decode kernel", dtype, shape, flush=True)
+
+
+def assert_loads_weights_first(ptx: str, load: str) -> None:
+    """Launched with PDL, a GEMV requests its first weights (`load`) before it waits for the kernels before it,
+    and stores nothing before the wait."""
+    wait = ptx.index("griddepcontrol.wait")
+    assert load in ptx[:wait] and "st.global" not in ptx[:wait], "PDL: loads and stores misplaced"
 
 
 def assert_counts_after_barrier(ptx: str) -> None:
@@ -103,8 +109,7 @@ def int4_mma_kernel(dtype: str, split_k: int, tiles: int, warps: int, use_asm: b
     if split_k > 1:
         assert_counts_after_barrier(ptx)
     if pdl:
-        wait = ptx.index("griddepcontrol.wait")
-        assert "ld.global.nc" in ptx[:wait] and "st.global" not in ptx[:wait], "PDL: loads and stores misplaced"
+        assert_loads_weights_first(ptx, "ld.global.nc")
     print("compiled the tensor-core int4 GEMV", dtype, f"split {split_k} tiles {tiles} warps {warps}", flush=True)
 
 
