@@ -277,10 +277,10 @@ def sweep(formats: list[str], ms: tuple[int, ...]) -> None:
 
 def decode_variants(m: int) -> list[DecodeVariant]:
     """The tl.dot shapes (16-row tiles) and, for one row, the CUDA-core GEMV's."""
+    if DECODE_SWEEP_LANES:  # with DECODE_SWEEP_MMA too: both GEMVs in one sweep
+        return lanes_variants(m) + (tensor_core_variants(m) if DECODE_SWEEP_MMA else [])
     if DECODE_SWEEP_MMA:
         return mma_variants(m)
-    if DECODE_SWEEP_LANES:
-        return lanes_variants(m)
     if DECODE_SWEEP_WORDS:
         return words_variants(m)
     found = [DecodeVariant(block_n=64, split_k=8, num_warps=2), DecodeVariant(block_n=128, split_k=2, num_warps=2)]
@@ -364,9 +364,14 @@ def mma_variants(m: int) -> list[DecodeVariant]:
     (int4_mma.py): 1 or 2 tiles of 16 rows a warp, 1, 2 and 4 warps, K in 1 to 8 slices, registers left to ptxas
     (which then issues the next step's loads late, to save registers) or capped at 168 (early; MMA_REGISTERS, a
     comma-separated list, picks the caps). Without PDL, as words_variants."""
+    return table_without_pdl() + tensor_core_variants(m) if m == 1 else []
+
+
+def tensor_core_variants(m: int) -> list[DecodeVariant]:
+    """mma_variants' tensor-core GEMVs alone."""
     if m != 1:
         return []
-    found = table_without_pdl()
+    found = []
     caps = tuple(int(cap) for cap in os.environ.get("MMA_REGISTERS", "0,168").split(","))
     for tiles, warps, split, registers in itertools.product((1, 2), (1, 2, 4), (1, 2, 4, 8), caps):
         variant = kernels.mma_gemv(tiles, warps, split_k=split, pdl=False)
@@ -738,7 +743,9 @@ def main() -> int:
     parser.add_argument("--sweep", action="store_true", help="time the program shapes instead of the defaults")
     parser.add_argument("--sweep-decode", action="store_true", help="time the int4 decode kernel's variants")
     parser.add_argument("--words", action="store_true", help="with --sweep-decode: the int32-word GEMV's shapes only")
-    parser.add_argument("--lanes", action="store_true", help="with --sweep-decode: lane GEMVs, word table")
+    parser.add_argument(
+        "--lanes", action="store_true", help="with --sweep-decode: lane GEMVs, word table (with --mma: both GEMVs)"
+    )
     parser.add_argument("--mma", action="store_true", help="with --sweep-decode: tensor-core GEMVs, lane table")
     parser.add_argument("--fp8-rows", action="store_true", help="fused norm / SiLU FP8 rows against the quantizer")
     parser.add_argument("--race-check", action="store_true", help="split-K launches repeated, worst error")
