@@ -476,12 +476,13 @@ def shape_rows(fmt: str, ms: tuple[int, ...]) -> Iterator[tuple[str, dict, list[
 
 
 def sweep_int4_prefill(ms: tuple[int, ...]) -> None:
-    """The int4 decode kernel's tl.dot tiles at prefill sizes (its magic-number nibbles, no split) against the
+    """The int4 decode kernel's tl.dot tiles at prefill sizes (its magic-number nibbles, no split: its workspace
+    is decode's; narrow column blocks give the narrow projections programs enough to fill the SMs) against the
     path those sizes take now (the weight dequantized into a scratch buffer, then F.linear) and bf16: per shape,
     then the four projections' totals."""
     variants = [
-        DecodeVariant(block_m=bm, block_n=bn, block_k=128, num_warps=warps, num_stages=stages)
-        for bm, bn, warps, stages in itertools.product((64, 128), (64, 128), (4, 8), (3, 4))
+        DecodeVariant(block_m=bm, block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+        for bm, bn, bk, warps, stages in itertools.product((64, 128), (32, 64, 128), (64, 128), (4, 8), (3, 4))
     ]
     totals: dict[int, dict[str, float]] = {m: {} for m in ms}
     for name, weight, rotation, m, x in shape_rows("int4", ms):
