@@ -22,11 +22,12 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from tritonllm.engine.embedded.quant import formats, fp8_kernel, kernels
+from tritonllm.engine.embedded.quant import formats, fp8_kernel, int4_gemm, kernels
 from tritonllm.engine.embedded.quant import int4_decode_kernel as int4_decode
 from tritonllm.engine.embedded.quant import weight_only_kernel as wo
 from tritonllm.engine.embedded.quant.fp8_matmul_kernel import Fp8Tiles, fp8_matmul
 from tritonllm.engine.embedded.quant.int4_decode_kernel import DecodeVariant
+from tritonllm.engine.embedded.quant.int4_gemm import GemmTiles
 from tritonllm.engine.embedded.quant.weight_only_kernel import Variant
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}  # (N, K)
@@ -393,14 +394,21 @@ def use_swept_shapes(path: str, pdl: bool = True) -> dict[tuple[int, int], Decod
 
 
 def time_decode_variants(
-    kind: str, name: str, x: torch.Tensor, weight: dict, rotation: list[dict], variants: list[DecodeVariant]
+    kind: str,
+    name: str,
+    x: torch.Tensor,
+    weight: dict,
+    rotation: list[dict],
+    variants: list[DecodeVariant] | list[GemmTiles],
+    matmul: Callable = int4_decode.int4_decode_matmul,
 ) -> dict[str, float]:
-    """Each int4 decode-kernel variant on x: its relative error and microseconds emitted as `kind` rows; returns
-    the times of those within 2e-2 of the dense product."""
+    """Each int4 kernel variant on x (the decode kernel's, or int4_gemm's tiles with matmul=int4_gemm): its
+    relative error and microseconds emitted as `kind` rows; returns the times of those within 2e-2 of the dense
+    product."""
     times = {}
     for variant in variants:
         try:
-            call = lambda a, v=variant: int4_decode.int4_decode_matmul(  # noqa: E731
+            call = lambda a, v=variant: matmul(  # noqa: E731
                 x, a["qweight"], a["weight_scale"], a["weight_zero"], None, GROUP_SIZE, v
             )
             err = errors(call(weight["args"]), F.linear(x, weight["dense"]))["rel_err"]
@@ -493,6 +501,34 @@ def sweep_int4_prefill(ms: tuple[int, ...]) -> None:
         for variant, us in time_decode_variants("prefill", name, x, weight, rotation, variants).items():
             per[variant] = per.get(variant, 0.0) + us
     emit_totals("prefill-overall", totals, ("bf16", "dequantize"), 4)
+
+
+def sweep_int4_gemm(ms: tuple[int, ...]) -> None:
+    """int4_gemm.py's tiles (the weight as the tensor cores' register operand) against the dequantize path and
+    bf16 at many rows (a prompt, a large decode batch): per shape and M the best, then the totals."""
+    tiles = [
+        GemmTiles(block_n=bn, block_m=bm, block_k=bk, num_warps=warps, num_stages=stages)
+        for bn, bm, bk, warps, stages in itertools.product((64, 128), (32, 64, 128), (64, 128), (4, 8), (3, 4))
+    ]
+    totals: dict[int, dict[str, float]] = {m: {} for m in ms}
+    for name, weight, rotation, m, x in shape_rows("int4", ms):
+        per = totals[m]
+        dense_us = bf16_us(weight["dense"], x)
+        dequantize_us = timed_us([lambda a=a: call_variant("dequantize", x, a) for a in rotation])[0]
+        fitting = [t for t in tiles if t.block_m <= max(32, triton.next_power_of_2(m))]
+        times = time_decode_variants("gemm", name, x, weight, rotation, fitting, int4_gemm.int4_gemm)
+        best = min(((us, tile) for tile, us in times.items()), default=None)
+        emit(
+            kind="gemm-best",
+            shape=name,
+            m=m,
+            bf16_us=round(dense_us, 2),
+            dequantize_us=round(dequantize_us, 2),
+            best=best and {"tiles": best[1], "us": round(best[0], 2)},
+        )
+        for key, us in (("bf16", dense_us), ("dequantize", dequantize_us), *times.items()):
+            per[key] = per.get(key, 0.0) + us
+    emit_totals("gemm-overall", totals, ("bf16", "dequantize"), 4)
 
 
 def layout_variants(m: int, n: int, k: int) -> list[DecodeVariant]:
@@ -754,6 +790,7 @@ def main() -> int:
     parser.add_argument("--sweep-fp8", action="store_true", help="time _scaled_mm against the Triton FP8 matmul")
     parser.add_argument("--greedy", action="store_true", help="greedy sampling's kernel against torch's ops")
     parser.add_argument("--int4-prefill", action="store_true", help="int4 dot tiles at prefill sizes")
+    parser.add_argument("--int4-gemm", action="store_true", help="int4_gemm's tiles against dequantize at many rows")
     parser.add_argument("--ncu-once", action="store_true", help="one-row int4 and bf16 launches for ncu to profile")
     parser.add_argument("--formats", default="int4,int8,fp8", help="comma-separated of int4, int8, fp8")
     parser.add_argument("--ms", default=",".join(map(str, MS)), help="comma-separated row counts")
@@ -787,6 +824,8 @@ def main() -> int:
         time_greedy(ms)
     elif args.int4_prefill:
         sweep_int4_prefill(ms)
+    elif args.int4_gemm:
+        sweep_int4_gemm(ms)
     else:
         (sweep if args.sweep else check_and_time)(formats, ms)
     return 0

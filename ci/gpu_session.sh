@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine run (the `device` tool): puts the working tree's package on PYTHONPATH (the machine has torch,
 # triton and transformers but no venv of ours), then runs what the arguments name, each logged under $OUT.
-#   bash ci/gpu_session.sh kernels|fused|graphs|pdl|mma-tests|race-check|attention|greedy|window|guided|parity|features|bench-quick|bench-guided|bench-accuracy|moe-kernel|moe-sweep|fp8-kv|int4-decode-sweep|int4-ncu|int4-layouts|attn-sweep|fp8-sweep|families|bench-mixtral|bench-quant|host-profile|quant|quant-load|quant-tests|quantize|quant-kernels|quant-sweep-decode|quant-sweep-prefill|bench-qwen3|bench-parallel|parallel-tests|sync-check|profile|profile-1 ...
+#   bash ci/gpu_session.sh kernels|fused|graphs|pdl|mma-tests|race-check|attention|greedy|window|guided|parity|features|bench-quick|bench-guided|bench-accuracy|moe-kernel|moe-sweep|fp8-kv|int4-decode-sweep|int4-gemm|int4-ncu|int4-layouts|attn-sweep|fp8-sweep|families|bench-mixtral|bench-quant|host-profile|quant|quant-load|quant-tests|quantize|quant-kernels|quant-sweep-decode|quant-sweep-prefill|bench-qwen3|bench-parallel|parallel-tests|sync-check|profile|profile-1 ...
 # Used by hand for the GPU figures in docs/benchmarks.md; CI never runs it (no GPU there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -110,6 +110,10 @@ for what in "$@"; do
     int4-decode-sweep)  # the int4 decode kernel's variants (int4_decode_kernel.py) at M = 1 and 8
       python3 ci/gpu_quant_kernels.py --sweep-decode --ms "${QUANT_MS:-1,8}" ${QUANT_ARGS:-} 2>&1 \
         | tee -a "$OUT/int4-decode-sweep.jsonl" | grep -v '"kind": "decode"' ;;
+    int4-gemm)  # int4_gemm.py's tiles against dequantize + cuBLAS at many rows (QUANT_MS, default 128), then its tests
+      python3 ci/gpu_quant_kernels.py --int4-gemm --ms "${QUANT_MS:-128}" 2>&1 \
+        | tee -a "$OUT/int4-gemm.jsonl" | grep -v '"kind": "gemm"'
+      run_tests tests/engine/test_int4_gemm.py ;;
     int4-ncu)  # Nsight Compute on each projection's one-row int4 kernel and bf16 GEMV (the second launch of each)
       ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
       "$ncu" --clock-control none --kernel-name regex:"_int4_decode_kernel|nvjet|gemv|gemm" --launch-skip 0 \
@@ -154,6 +158,9 @@ for what in "$@"; do
           fp8w-256) bench "llama-3.1-8b fp8 weights 256x128/128" --model "$l" --config /tmp/fp8w.yaml "${many[@]}" ;;
           bf16-1) bench "llama-3.1-8b bf16 1x128/128" --model "$l" "${one[@]}" ;;
           w4a16-1) bench "llama-3.1-8b w4a16 1x128/128" --model "$l" --config /tmp/w4a16.yaml "${one[@]}" ;;
+          w4a16-1-gemm)  # the prompt's projections through int4_gemm.py instead of dequantize + cuBLAS
+            BENCH_PRELUDE="from tritonllm.engine.embedded.quant import kernels; kernels.LARGE_M_STRATEGY = 'int4_gemm'" \
+            bench "llama-3.1-8b w4a16, int4 GEMM prompt, 1x128/128" --model "$l" --config /tmp/w4a16.yaml "${one[@]}" ;;
           w4a16-1-bytes) BENCH_PRELUDE="from tritonllm.engine.embedded.quant import kernels; kernels.ONE_ROW_SHAPES.clear()" \
             bench "llama-3.1-8b w4a16, byte GEMV, 1x128/128" --model "$l" --config /tmp/w4a16.yaml "${one[@]}" ;;
           w4a16-1-swept)  # each projection's best one-row shape from this call's int4-decode-sweep, with PDL

@@ -509,7 +509,7 @@ def test_the_dequantize_kernel_writes_the_reference_weight(bits, group_size):
         torch.testing.assert_close(got, expected, atol=0, rtol=2**-7)
 
 
-@pytest.mark.parametrize("strategy", ["dequantize", "tiled"])
+@pytest.mark.parametrize("strategy", ["dequantize", "tiled", "int4_gemm"])
 @pytest.mark.parametrize("m", [1, 6, 23])
 def test_int4_and_int8_linear_take_any_leading_shape(m, strategy, monkeypatch):
     """2 m rows: a GEMV (2), a 16-row dot split along K (12) and the large-M strategy (46) on the Triton path."""

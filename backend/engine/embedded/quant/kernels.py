@@ -7,8 +7,8 @@
   fp32 model casts after.
 - int8_linear, int4_linear: Triton kernels (weight_only_kernel.py) that dequantize the weight inside the
   matmul. M <= SMALL_M (decode): a GEMV or a 16-row tl.dot program, split along K when N alone does not fill
-  the GPU. Larger M: LARGE_M_STRATEGY, "tiled" (the tl.dot kernel) or "dequantize" (one kernel writes the dense
-  weight into a scratch buffer, then F.linear).
+  the GPU. Larger M: LARGE_M_STRATEGY, "dequantize" (one kernel writes the dense weight into a scratch buffer,
+  then F.linear), "tiled" (the tl.dot kernel) or, for int4, "int4_gemm" (int4_gemm.py).
 Anywhere else (CPU, an older GPU, shapes _scaled_mm refuses) each falls back to the portable path: dequantize the
 weight into x's dtype, then F.linear.
 """
@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from ..network.fused_ops import fp8_rows_of
 from . import int4_decode_kernel as int4_decode
+from . import int4_gemm
 from . import weight_only_kernel as wo
 from .formats import FP8_MAX, dequantize_fp8, dequantize_int4, dequantize_int8
 from .fp8_kernel import MIN_SCALE, quantize_rows
@@ -36,7 +37,10 @@ TRITON_ACTIVATION_QUANT = True  # False: quantize_per_token's torch ops on CUDA 
 FP8_FAST_ACCUM = True
 
 SMALL_M = 16
-LARGE_M_STRATEGY = "dequantize"  # or "tiled"; ci/gpu_quant_kernels.py times both
+# Past SMALL_M rows: "dequantize" (a scratch weight, then cuBLAS), "tiled" (weight_only_kernel's tl.dot) or, for
+# int4, "int4_gemm" (int4_gemm.py, the weight tile as the tensor cores' register operand; int8 takes "dequantize").
+# ci/gpu_quant_kernels.py times them.
+LARGE_M_STRATEGY = "dequantize"
 NUM_SMS = 132  # an H200's; the decode variant's column blocks times its K split should reach it
 
 
@@ -257,7 +261,10 @@ def weight_only_triton(
     m, k = x2d.shape
     n = weight.shape[0]
     decode = choose_decode_variant(m, n, k, group_size) if bits == 4 and m <= SMALL_M else None
-    if m > SMALL_M and LARGE_M_STRATEGY == "dequantize":
+    if m > SMALL_M and _int4_gemm_applies(bits, group_size):
+        assert zero is not None
+        out = int4_gemm.int4_gemm(x2d, weight, scale, zero, bias, group_size, INT4_GEMM_TILES)
+    elif m > SMALL_M and LARGE_M_STRATEGY != "tiled":
         out = F.linear(x2d, wo.dequantize(weight, scale, zero, group_size, bits, x.dtype), bias)
     elif decode is not None and _int4_decode_applies(x, group_size, decode):
         assert zero is not None
@@ -265,6 +272,13 @@ def weight_only_triton(
     else:
         out = wo.weight_only_matmul(x2d, weight, scale, zero, bias, group_size, bits, choose_variant(m, n, k))
     return out.reshape(*x.shape[:-1], n)
+
+
+INT4_GEMM_TILES = int4_gemm.DEFAULT_TILES
+
+
+def _int4_gemm_applies(bits: int, group_size: int) -> bool:
+    return LARGE_M_STRATEGY == "int4_gemm" and bits == 4 and int4_gemm.fits(group_size, INT4_GEMM_TILES)
 
 
 def _int4_decode_applies(x: torch.Tensor, group_size: int, variant: DecodeVariant) -> bool:

@@ -1,0 +1,179 @@
+"""W4A16 for many rows of x (a prompt, a large decode batch): y = x W^T + b with the int4 weight of formats.py,
+each weight dequantized once, in the program that multiplies it, and never written to memory.
+
+Past a few rows the dequantize path (a scratch copy of the whole weight in x's dtype, then cuBLAS) reads and
+writes five bytes for every packed half byte; the decode kernel's tl.dot tiles (int4_decode_kernel.py) keep x
+as the A operand and apply scales after each step. Here the roles are swapped: a program computes
+out^T[cols, rows] = W[cols, :] x[rows, :]^T, so the dequantized weight tile is the A operand, which Hopper's
+wgmma reads straight from registers, and x's tile the B operand, staged in shared memory by Triton's pipeline.
+The tile is dequantized in full, w = (q - zero) * scale, so the tensor cores accumulate across K steps with no
+per-step correction; (MAGIC + q) - (MAGIC + zero) is exact in 16 bits and the one rounding is the product's, as
+the reference dequantizer (formats.dequantize_int4) rounds, so the result equals dequantize-then-matmul up to
+the order of fp32 sums. A K step never crosses a scale group (BLOCK_K divides the group size).
+
+On CPU (Triton's interpreter, whose 16-bit arithmetic is wrong) the tile is made in fp32 and the dots run in
+fp32 (IEEE): the tests check the indexing and the groups there, and the 16-bit path on CUDA."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+_BF16_MAGIC, _FP16_MAGIC = tl.constexpr(0x4300), tl.constexpr(0x6400)
+
+
+@dataclass(frozen=True)
+class GemmTiles:
+    """One program shape: BLOCK_N weight rows (output columns) by BLOCK_M rows of x, K steps of BLOCK_K."""
+
+    block_n: int = 128
+    block_m: int = 128
+    block_k: int = 64
+    num_warps: int = 4
+    num_stages: int = 4
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_m", "block_k"):
+            value = getattr(self, name)
+            if value < 16 or value & (value - 1):
+                raise ValueError(f"GemmTiles.{name} must be a power of two >= 16, got {value}")
+
+
+DEFAULT_TILES = GemmTiles()
+
+
+def fits(group_size: int, tiles: GemmTiles) -> bool:
+    """Whether the kernel can take this group size: each K step inside one group (and K, whole groups, whole
+    steps)."""
+    return group_size % tiles.block_k == 0
+
+
+@triton.jit
+def _magic(values, FP16: tl.constexpr):
+    """uint8 values 0..15 -> MAGIC + value in the 16-bit type, by OR-ing them into MAGIC's mantissa."""
+    if FP16:
+        return (values.to(tl.int16) | _FP16_MAGIC).to(tl.float16, bitcast=True)
+    return (values.to(tl.int16) | _BF16_MAGIC).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _weight_tile(packed, s, z, FP16: tl.constexpr, UPCAST: tl.constexpr):
+    """uint8 [BLOCK_N, BLOCK_K // 2] (low nibble the even column) with the rows' scale and zero point ([BLOCK_N])
+    -> (q - zero) * scale, [BLOCK_N, BLOCK_K], columns in memory order."""
+    if UPCAST:
+        zero = z.to(tl.float32)[:, None]
+        lo = ((packed & 0xF).to(tl.float32) - zero) * s.to(tl.float32)[:, None]
+        hi = ((packed >> 4).to(tl.float32) - zero) * s.to(tl.float32)[:, None]
+    else:
+        zero = _magic(z, FP16)[:, None]
+        lo = (_magic(packed & 0xF, FP16) - zero) * s[:, None]
+        hi = (_magic(packed >> 4, FP16) - zero) * s[:, None]
+    return tl.reshape(tl.join(lo, hi), (packed.shape[0], 2 * packed.shape[1]))
+
+
+@triton.jit(do_not_specialize=["M"])
+def _int4_gemm_kernel(
+    x,
+    w,
+    scale,
+    zero,
+    bias,
+    out,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_w,
+    stride_s,
+    stride_sg,
+    stride_z,
+    stride_zg,
+    stride_om,
+    GROUP_SIZE: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    FP16: tl.constexpr,
+    UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Program (column block, row block): out[rows, cols] = x[rows, :] W[cols, :]^T (+ bias), as its transpose."""
+    HALF: tl.constexpr = BLOCK_K // 2
+    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    col_ok = cols < N
+    row_ok = rows < M
+    kept = tl.minimum(cols, N - 1).to(tl.int64)  # columns past N read column N - 1's weights, never stored
+    w_rows = w + kept[:, None] * stride_w
+    x_rows = x + tl.minimum(rows, M - 1).to(tl.int64)[:, None] * stride_xm  # rows past M: row M - 1, not stored
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        pairs = tl.multiple_of(k0 // 2, HALF) + tl.arange(0, HALF)
+        ks = tl.multiple_of(k0, BLOCK_K) + tl.arange(0, BLOCK_K)
+        packed = tl.load(w_rows + pairs[None, :])  # K is whole groups, so whole steps: nothing to mask
+        group = k0 // GROUP_SIZE
+        s = tl.load(scale + kept * stride_s + group * stride_sg)
+        z = tl.load(zero + kept * stride_z + group * stride_zg)
+        x_tile = tl.load(x_rows + ks[None, :])
+        if UPCAST:
+            acc = tl.dot(
+                _weight_tile(packed, s, z, FP16, UPCAST), tl.trans(x_tile.to(tl.float32)), acc, input_precision="ieee"
+            )
+        else:
+            acc = tl.dot(_weight_tile(packed, s, z, FP16, UPCAST), tl.trans(x_tile), acc)
+    if HAS_BIAS:
+        acc += tl.load(bias + kept).to(tl.float32)[:, None]
+    out_ptrs = out + rows.to(tl.int64)[None, :] * stride_om + cols[:, None]
+    tl.store(out_ptrs, acc.to(out.dtype.element_ty), mask=col_ok[:, None] & row_ok[None, :])
+
+
+def int4_gemm(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    scale: torch.Tensor,
+    zero: torch.Tensor,
+    bias: torch.Tensor | None,
+    group_size: int,
+    tiles: GemmTiles = DEFAULT_TILES,
+) -> torch.Tensor:
+    """x [M, K] (last dim contiguous) times qweight uint8 [N, K // 2] -> [M, N] in x's dtype; scale [N, groups]
+    in x's dtype and zero uint8 [N, groups], row- or group-major. Shapes are checked by the caller (kernels.py);
+    fits(group_size, tiles) must hold."""
+    M, K = x.shape
+    N = qweight.shape[0]
+    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    if M == 0:
+        return out
+    upcast = x.device.type != "cuda" or x.dtype == torch.float32
+    grid = (triton.cdiv(N, tiles.block_n), triton.cdiv(M, tiles.block_m))
+    _int4_gemm_kernel[grid](
+        x,
+        qweight,
+        scale,
+        zero,
+        bias if bias is not None else out,
+        out,
+        M,
+        N,
+        K,
+        x.stride(0),
+        qweight.stride(0),
+        scale.stride(0),
+        scale.stride(1),
+        zero.stride(0),
+        zero.stride(1),
+        out.stride(0),
+        GROUP_SIZE=group_size,
+        HAS_BIAS=bias is not None,
+        FP16=x.dtype == torch.float16,
+        UPCAST=upcast,
+        BLOCK_N=tiles.block_n,
+        BLOCK_M=tiles.block_m,
+        BLOCK_K=tiles.block_k,
+        num_warps=tiles.num_warps,
+        num_stages=tiles.num_stages,
+    )
+    return out

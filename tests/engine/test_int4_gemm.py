@@ -1,0 +1,122 @@
+"""The many-row W4A16 kernel (quant/int4_gemm.py) against dequantize-then-matmul on random inputs: rows and
+columns past a tile, several tiles along both, group sizes 32 to 128 and per channel, zero points other than 8,
+group-major scales, bias; in Triton's interpreter on CPU (fp32) and compiled in bf16 / fp16 on CUDA
+(TRITONLLM_TEST_DEVICE=cuda)."""
+
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tritonllm.engine.embedded.quant import int4_gemm, kernels
+from tritonllm.engine.embedded.quant.formats import dequantize_int4, pack_int4
+from tritonllm.engine.embedded.quant.int4_gemm import GemmTiles
+
+DEVICE = torch.device(os.environ.get("TRITONLLM_TEST_DEVICE", "cpu"))
+CUDA = DEVICE.type == "cuda"
+
+if not CUDA:
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if not isinstance(int4_gemm._int4_gemm_kernel, InterpretedFunction):
+        pytest.skip("the Triton kernels were compiled without TRITON_INTERPRET=1", allow_module_level=True)
+
+SMALL = GemmTiles(block_n=16, block_m=16, block_k=32)  # the interpreter's: tiny tiles, many of them
+WIDE = GemmTiles(block_n=32, block_m=16, block_k=64)
+
+
+def random_int4(n, k, group_size, dtype, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randint(0, 16, (n, k), generator=generator, dtype=torch.uint8)
+    scale = (torch.rand(n, k // group_size, generator=generator) * 0.02 + 0.005).to(dtype)
+    zero = torch.randint(0, 16, (n, k // group_size), generator=generator, dtype=torch.uint8)
+    assert (zero != 8).any()
+    return pack_int4(values).to(DEVICE), scale.to(DEVICE), zero.to(DEVICE)
+
+
+def random_x(m, k, dtype, seed=1):
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(dtype).to(DEVICE)
+
+
+def expected(x, qweight, scale, zero, bias, group_size):
+    """fp32 product of x and the weight dequantized into x's dtype (the portable path's weight)."""
+    dense = dequantize_int4(qweight, scale, zero, group_size)
+    return F.linear(x.float(), dense.float(), None if bias is None else bias.float())
+
+
+@pytest.mark.skipif(CUDA, reason="the interpreter's fp32 path")
+@pytest.mark.parametrize(
+    "m, n, k, group_size, tiles, with_bias",
+    [
+        (17, 40, 128, 32, SMALL, False),  # rows and columns past a tile, four groups of one step each
+        (33, 48, 256, 128, SMALL, True),  # a group of four steps, bias
+        (20, 70, 128, 128, WIDE, False),  # per channel (one group), two steps a group
+        (5, 16, 64, 64, WIDE, True),  # fewer rows than a tile
+    ],
+)
+def test_the_int4_gemm_equals_dequantize_then_matmul(m, n, k, group_size, tiles, with_bias):
+    qweight, scale, zero = random_int4(n, k, group_size, torch.float32)
+    x = random_x(m, k, torch.float32)
+    bias = torch.randn(n).to(DEVICE) if with_bias else None
+    got = int4_gemm.int4_gemm(x, qweight, scale, zero, bias, group_size, tiles)
+    assert got.shape == (m, n) and got.dtype == torch.float32
+    torch.testing.assert_close(got, expected(x, qweight, scale, zero, bias, group_size), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(CUDA, reason="the interpreter's fp32 path")
+def test_the_int4_gemm_reads_group_major_scales_and_zeros():
+    qweight, scale, zero = random_int4(24, 128, 32, torch.float32)
+    moved_scale, moved_zero = scale.t().contiguous().t(), zero.t().contiguous().t()
+    assert moved_scale.stride(0) == 1
+    x = random_x(18, 128, torch.float32)
+    got = int4_gemm.int4_gemm(x, qweight, moved_scale, moved_zero, None, 32, SMALL)
+    torch.testing.assert_close(got, expected(x, qweight, scale, zero, None, 32), atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.skipif(not CUDA, reason="the 16-bit path is compiled: TRITONLLM_TEST_DEVICE=cuda")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    "m, n, k, group_size, tiles",
+    [
+        (128, 6144, 4096, 128, int4_gemm.DEFAULT_TILES),  # a 128-token prompt through Llama-3.1-8B's qkv
+        (40, 1000, 1024, 64, GemmTiles(block_n=64, block_m=64, block_k=64, num_warps=4, num_stages=3)),
+        (300, 256, 512, 512, GemmTiles(block_n=128, block_m=64, block_k=128, num_warps=8, num_stages=3)),
+    ],
+)
+def test_the_int4_gemm_in_16_bits_on_cuda(dtype, m, n, k, group_size, tiles):
+    """Each weight rounded once into the 16-bit type, as the reference: the sums differ only in their fp32 order
+    and the output's rounding."""
+    qweight, scale, zero = random_int4(n, k, group_size, dtype)
+    x = random_x(m, k, dtype)
+    bias = torch.randn(n).to(dtype).to(DEVICE)
+    got = int4_gemm.int4_gemm(x, qweight, scale, zero, bias, group_size, tiles)
+    want = expected(x, qweight, scale, zero, bias, group_size)
+    assert got.dtype == dtype
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
+
+
+def test_int4_linear_takes_the_int4_gemm_past_a_few_rows(monkeypatch):
+    """With the strategy set, int4_linear's Triton path sends many rows through int4_gemm, and groups its K
+    steps cannot fit in to the dequantize path."""
+    calls = []
+    original = int4_gemm.int4_gemm
+    monkeypatch.setattr(int4_gemm, "int4_gemm", lambda *args: calls.append(args[-2]) or original(*args))
+    monkeypatch.setattr(kernels, "LARGE_M_STRATEGY", "int4_gemm")
+    monkeypatch.setattr(kernels, "INT4_GEMM_TILES", SMALL)
+    for group_size, taken in ((32, [32]), (16, [])):
+        calls.clear()
+        qweight, scale, zero = random_int4(24, 64, group_size, torch.float32)
+        x = random_x(2 * (kernels.SMALL_M + 1), 64, torch.float32).reshape(2, -1, 64)
+        got = kernels.weight_only_triton(x, qweight, scale, zero, None, group_size, bits=4)
+        assert calls == taken
+        want = expected(x.reshape(-1, 64), qweight, scale, zero, None, group_size).reshape(2, -1, 24)
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+
+
+def test_gemm_tiles_are_checked():
+    with pytest.raises(ValueError, match="block_k must be a power of two >= 16, got 24"):
+        GemmTiles(block_k=24)
+    with pytest.raises(ValueError, match="block_m"):
+        GemmTiles(block_m=8)
+    assert int4_gemm.fits(128, GemmTiles(block_k=64)) and not int4_gemm.fits(32, GemmTiles(block_k=64))
