@@ -2,12 +2,14 @@
 cubin through its bundled ptxas. Run by test_quant_kernels.py in a process without TRITON_INTERPRET; prints one
 `compiled ...` line a kernel variant and exits non-zero on the first failure."""
 
+import re
+
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 
 from tritonllm.engine.embedded.attention import triton_kernels as attention
 from tritonllm.engine.embedded.network import fused_ops
-from tritonllm.engine.embedded.quant import fp8_kernel, fp8_matmul_kernel, int4_mma
+from tritonllm.engine.embedded.quant import fp8_kernel, fp8_matmul_kernel, int4_gemm, int4_mma
 from tritonllm.engine.embedded.quant import int4_decode_kernel as int4_decode
 from tritonllm.engine.embedded.quant import weight_only_kernel as wo
 from tritonllm.engine.embedded.quant.weight_only_kernel import Variant
@@ -111,6 +113,19 @@ def int4_mma_kernel(dtype: str, split_k: int, tiles: int, warps: int, use_asm: b
     if pdl:
         assert_loads_weights_first(ptx, "ld.global.nc")
     print("compiled the tensor-core int4 GEMV", dtype, f"split {split_k} tiles {tiles} warps {warps}", flush=True)
+
+
+def int4_gemm_kernel(dtype: str, tiles: int4_gemm.GemmTiles) -> None:
+    """The many-row W4A16 kernel: its dequantized weight tile must reach wgmma as the register operand A (a list of
+    registers, where a shared-memory operand is a descriptor), else the tile makes a round trip through memory."""
+    pointers = {name: f"*{dtype}" for name in ("x", "scale", "bias", "out")} | {"w": "*u8", "zero": "*u8"}
+    constexprs = dict(GROUP_SIZE=128, HAS_BIAS=True, FP16=dtype == "fp16", UPCAST=False)
+    constexprs |= dict(BLOCK_N=tiles.block_n, BLOCK_M=tiles.block_m, BLOCK_K=tiles.block_k)
+    options = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
+    ptx = compile_for_sm90(int4_gemm._int4_gemm_kernel, pointers, constexprs, **options).asm["ptx"]
+    mmas = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
+    assert mmas and all(re.search(r"\}, \{%r\d+(,%r\d+)*\}, %rd\d+", line) for line in mmas), mmas[:1]
+    print("compiled the int4 GEMM", dtype, tiles, flush=True)
 
 
 def assert_waits_first(ptx: str, wait: bool) -> None:
@@ -219,6 +234,8 @@ if __name__ == "__main__":
         ("bf16", 2, 2, 1, False, False),
     ):
         int4_mma_kernel(dtype, split_k, tiles, warps, use_asm, pdl)
+    for dtype in ("bf16", "fp16"):
+        int4_gemm_kernel(dtype, int4_gemm.tiles_for(128, 128))
     fp8_matmul()
     fp8_rows()
     deferred_scales_norm()

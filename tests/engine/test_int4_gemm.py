@@ -96,22 +96,27 @@ def test_the_int4_gemm_in_16_bits_on_cuda(dtype, m, n, k, group_size, tiles):
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=1e-2)
 
 
-def test_int4_linear_takes_the_int4_gemm_past_a_few_rows(monkeypatch):
-    """With the strategy set, int4_linear's Triton path sends many rows through int4_gemm, and groups its K
-    steps cannot fit in to the dequantize path."""
+def test_int4_linear_takes_the_int4_gemm_from_a_few_rows_to_max_rows(monkeypatch):
+    """int4_linear's Triton path sends SMALL_M + 1 to MAX_ROWS rows through int4_gemm, and more rows, or groups no
+    K step fits in, to the dequantize path."""
     calls = []
     original = int4_gemm.int4_gemm
-    monkeypatch.setattr(int4_gemm, "int4_gemm", lambda *args: calls.append(args[-2]) or original(*args))
-    monkeypatch.setattr(kernels, "LARGE_M_STRATEGY", "int4_gemm")
-    monkeypatch.setattr(kernels, "INT4_GEMM_TILES", SMALL)
-    for group_size, taken in ((32, [32]), (16, [])):
+    monkeypatch.setattr(int4_gemm, "int4_gemm", lambda *args: calls.append(args[0].shape[0]) or original(*args))
+    monkeypatch.setattr(int4_gemm, "MAX_ROWS", 40)
+    for rows, group_size, taken in ((kernels.SMALL_M + 1, 32, True), (40, 64, True), (41, 32, False), (20, 8, False)):
         calls.clear()
         qweight, scale, zero = random_int4(24, 64, group_size, torch.float32)
-        x = random_x(2 * (kernels.SMALL_M + 1), 64, torch.float32).reshape(2, -1, 64)
+        x = random_x(rows, 64, torch.float32)
         got = kernels.weight_only_triton(x, qweight, scale, zero, None, group_size, bits=4)
-        assert calls == taken
-        want = expected(x.reshape(-1, 64), qweight, scale, zero, None, group_size).reshape(2, -1, 24)
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+        assert calls == ([rows] if taken else [])
+        torch.testing.assert_close(got, expected(x, qweight, scale, zero, None, group_size), atol=1e-4, rtol=1e-4)
+
+
+def test_the_tiles_follow_the_rows_and_the_group_size():
+    assert int4_gemm.tiles_for(17, 128) == GemmTiles(block_n=64, block_m=64, block_k=128, num_warps=4, num_stages=3)
+    assert int4_gemm.tiles_for(65, 128).block_m == 128
+    assert [int4_gemm.tiles_for(128, g).block_k for g in (32, 64, 96, 576, 4096)] == [32, 64, 32, 64, 128]
+    assert not int4_gemm.fits(8, int4_gemm.tiles_for(128, 8))
 
 
 def test_gemm_tiles_are_checked():

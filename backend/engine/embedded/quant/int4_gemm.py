@@ -16,7 +16,7 @@ fp32 (IEEE): the tests check the indexing and the groups there, and the 16-bit p
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -29,11 +29,11 @@ _BF16_MAGIC, _FP16_MAGIC = tl.constexpr(0x4300), tl.constexpr(0x6400)
 class GemmTiles:
     """One program shape: BLOCK_N weight rows (output columns) by BLOCK_M rows of x, K steps of BLOCK_K."""
 
-    block_n: int = 128
+    block_n: int = 64
     block_m: int = 128
-    block_k: int = 64
+    block_k: int = 128
     num_warps: int = 4
-    num_stages: int = 4
+    num_stages: int = 3
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_m", "block_k"):
@@ -43,6 +43,17 @@ class GemmTiles:
 
 
 DEFAULT_TILES = GemmTiles()
+MAX_ROWS = 256  # past this, a scratch weight and cuBLAS win (H100: 522 against 559 us for Llama-3.1-8B at 512 rows)
+
+
+def tiles_for(m: int, group_size: int) -> GemmTiles:
+    """The H100 sweep's best for Llama-3.1-8B's four projections (docs/gpu-runs.md, twenty-eighth session): 64
+    weight rows by 128 rows of x, K steps of 128, four warps, three stages (280 us at 128 rows against the
+    dequantize path's 390); 64 rows of x up to 64 (223 against 381). Smaller groups take K steps of their size."""
+    step = 128
+    while step > 16 and group_size % step:
+        step //= 2
+    return replace(DEFAULT_TILES, block_m=128 if m > 64 else 64, block_k=step)
 
 
 def fits(group_size: int, tiles: GemmTiles) -> bool:
@@ -54,9 +65,11 @@ def fits(group_size: int, tiles: GemmTiles) -> bool:
 @triton.jit
 def _magic(values, FP16: tl.constexpr):
     """uint8 values 0..15 -> MAGIC + value in the 16-bit type, by OR-ing them into MAGIC's mantissa."""
-    if FP16:
-        return (values.to(tl.int16) | _FP16_MAGIC).to(tl.float16, bitcast=True)
-    return (values.to(tl.int16) | _BF16_MAGIC).to(tl.bfloat16, bitcast=True)
+    if FP16:  # (one return after the branches: Triton 3.6 types both of them)
+        magic = (values.to(tl.int16) | _FP16_MAGIC).to(tl.float16, bitcast=True)
+    else:
+        magic = (values.to(tl.int16) | _BF16_MAGIC).to(tl.bfloat16, bitcast=True)
+    return magic
 
 
 @triton.jit

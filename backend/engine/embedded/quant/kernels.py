@@ -37,10 +37,10 @@ TRITON_ACTIVATION_QUANT = True  # False: quantize_per_token's torch ops on CUDA 
 FP8_FAST_ACCUM = True
 
 SMALL_M = 16
-# Past SMALL_M rows: "dequantize" (a scratch weight, then cuBLAS), "tiled" (weight_only_kernel's tl.dot) or, for
-# int4, "int4_gemm" (int4_gemm.py, the weight tile as the tensor cores' register operand; int8 takes "dequantize").
-# ci/gpu_quant_kernels.py times them.
-LARGE_M_STRATEGY = "dequantize"
+# Past SMALL_M rows: "int4_gemm" (int4_gemm.py, the weight tile as the tensor cores' register operand) for int4 up
+# to int4_gemm.MAX_ROWS rows, "dequantize" (a scratch weight, then cuBLAS) past them and for int8, or "tiled"
+# (weight_only_kernel's tl.dot). ci/gpu_quant_kernels.py times them (--int4-gemm, --sweep).
+LARGE_M_STRATEGY = "int4_gemm"
 NUM_SMS = 132  # an H200's; the decode variant's column blocks times its K split should reach it
 
 
@@ -261,9 +261,9 @@ def weight_only_triton(
     m, k = x2d.shape
     n = weight.shape[0]
     decode = choose_decode_variant(m, n, k, group_size) if bits == 4 and m <= SMALL_M else None
-    if m > SMALL_M and _int4_gemm_applies(bits, group_size):
+    if m > SMALL_M and _int4_gemm_applies(m, bits, group_size):
         assert zero is not None
-        out = int4_gemm.int4_gemm(x2d, weight, scale, zero, bias, group_size, INT4_GEMM_TILES)
+        out = int4_gemm.int4_gemm(x2d, weight, scale, zero, bias, group_size, int4_gemm.tiles_for(m, group_size))
     elif m > SMALL_M and LARGE_M_STRATEGY != "tiled":
         out = F.linear(x2d, wo.dequantize(weight, scale, zero, group_size, bits, x.dtype), bias)
     elif decode is not None and _int4_decode_applies(x, group_size, decode):
@@ -274,11 +274,9 @@ def weight_only_triton(
     return out.reshape(*x.shape[:-1], n)
 
 
-INT4_GEMM_TILES = int4_gemm.DEFAULT_TILES
-
-
-def _int4_gemm_applies(bits: int, group_size: int) -> bool:
-    return LARGE_M_STRATEGY == "int4_gemm" and bits == 4 and int4_gemm.fits(group_size, INT4_GEMM_TILES)
+def _int4_gemm_applies(m: int, bits: int, group_size: int) -> bool:
+    fits = int4_gemm.fits(group_size, int4_gemm.tiles_for(m, group_size))
+    return LARGE_M_STRATEGY == "int4_gemm" and bits == 4 and m <= int4_gemm.MAX_ROWS and fits
 
 
 def _int4_decode_applies(x: torch.Tensor, group_size: int, variant: DecodeVariant) -> bool:
