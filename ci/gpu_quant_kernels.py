@@ -504,12 +504,15 @@ def sweep_int4_prefill(ms: tuple[int, ...]) -> None:
 
 
 def sweep_int4_gemm(ms: tuple[int, ...]) -> None:
-    """int4_gemm.py's tiles (the weight as the tensor cores' register operand) against the dequantize path and
-    bf16 at many rows (a prompt, a large decode batch): per shape and M the best, then the totals."""
+    """int4_gemm.py's tiles (the weight as the tensor cores' register operand; the default shape with K split 2-8)
+    against the dequantize path and bf16 at many rows (a prompt, a large decode batch): per shape and M the best,
+    then the totals."""
     tiles = [
         GemmTiles(block_n=bn, block_m=bm, block_k=bk, num_warps=warps, num_stages=stages)
         for bn, bm, bk, warps, stages in itertools.product((64, 128), (32, 64, 128), (64, 128), (4, 8), (3, 4))
     ]
+    for split, bm in itertools.product((2, 4, 8), (64, 128)):  # K cut for the narrow projections (down_proj's)
+        tiles.append(GemmTiles(block_m=bm, split_k=split))
     totals: dict[int, dict[str, float]] = {m: {} for m in ms}
     for name, weight, rotation, m, x in shape_rows("int4", ms):
         per = totals[m]

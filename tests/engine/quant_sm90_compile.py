@@ -3,6 +3,7 @@ cubin through its bundled ptxas. Run by test_quant_kernels.py in a process witho
 `compiled ...` line a kernel variant and exits non-zero on the first failure."""
 
 import re
+from dataclasses import replace
 
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
@@ -119,12 +120,16 @@ def int4_gemm_kernel(dtype: str, tiles: int4_gemm.GemmTiles) -> None:
     """The many-row W4A16 kernel: its dequantized weight tile must reach wgmma as the register operand A (a list of
     registers, where a shared-memory operand is a descriptor), else the tile makes a round trip through memory."""
     pointers = {name: f"*{dtype}" for name in ("x", "scale", "bias", "out")} | {"w": "*u8", "zero": "*u8"}
+    pointers |= {"workspace": "*fp32", "counters": "*i32"}
     constexprs = dict(GROUP_SIZE=128, HAS_BIAS=True, FP16=dtype == "fp16", UPCAST=False)
+    constexprs |= dict(SPLIT_K=tiles.split_k, INTERPRETED=False)
     constexprs |= dict(BLOCK_N=tiles.block_n, BLOCK_M=tiles.block_m, BLOCK_K=tiles.block_k)
     options = dict(num_warps=tiles.num_warps, num_stages=tiles.num_stages)
     ptx = compile_for_sm90(int4_gemm._int4_gemm_kernel, pointers, constexprs, **options).asm["ptx"]
     mmas = [line for line in ptx.splitlines() if "wgmma.mma_async" in line]
     assert mmas and all(re.search(r"\}, \{%r\d+(,%r\d+)*\}, %rd\d+", line) for line in mmas), mmas[:1]
+    if tiles.split_k > 1:
+        assert_counts_after_barrier(ptx)
     print("compiled the int4 GEMM", dtype, tiles, flush=True)
 
 
@@ -234,8 +239,8 @@ if __name__ == "__main__":
         ("bf16", 2, 2, 1, False, False),
     ):
         int4_mma_kernel(dtype, split_k, tiles, warps, use_asm, pdl)
-    for dtype in ("bf16", "fp16"):
-        int4_gemm_kernel(dtype, int4_gemm.tiles_for(128, 128))
+    for dtype, split_k in (("bf16", 1), ("fp16", 4)):
+        int4_gemm_kernel(dtype, replace(int4_gemm.tiles_for(128, 128), split_k=split_k))
     fp8_matmul()
     fp8_rows()
     deferred_scales_norm()

@@ -4,11 +4,13 @@ group-major scales, bias; in Triton's interpreter on CPU (fp32) and compiled in 
 (TRITONLLM_TEST_DEVICE=cuda)."""
 
 import os
+from dataclasses import replace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from tritonllm.engine.embedded import gpu_fence
 from tritonllm.engine.embedded.quant import int4_gemm, kernels
 from tritonllm.engine.embedded.quant.formats import dequantize_int4, pack_int4
 from tritonllm.engine.embedded.quant.int4_gemm import GemmTiles
@@ -64,6 +66,22 @@ def test_the_int4_gemm_equals_dequantize_then_matmul(m, n, k, group_size, tiles,
     torch.testing.assert_close(got, expected(x, qweight, scale, zero, bias, group_size), atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("split_k", [2, 3, 8])
+def test_a_split_k_int4_gemm_sums_its_slices_and_leaves_its_workspace_zero(split_k):
+    """K (four steps) in slices: 2; 3, which makes two of two steps (no slice empty); 8, one a step. The tile's last
+    slice takes the sum out of the workspace; a second launch finds workspace and counters zero again."""
+    dtype = torch.bfloat16 if CUDA else torch.float32
+    qweight, scale, zero = random_int4(40, 256, 64, dtype)
+    x, bias = random_x(20, 256, dtype), torch.randn(40).to(dtype).to(DEVICE)
+    tiles = GemmTiles(block_n=16, block_m=16, block_k=64, split_k=split_k)
+    want = expected(x, qweight, scale, zero, bias, 64)
+    for _ in range(2):
+        got = int4_gemm.int4_gemm(x, qweight, scale, zero, bias, 64, tiles)
+        torch.testing.assert_close(got.float(), want, atol=2e-2 if CUDA else 1e-4, rtol=1e-2 if CUDA else 1e-4)
+    workspace, counters = gpu_fence._buffers[(x.device, int4_gemm.MAX_ROWS, 40)]
+    assert not workspace.any() and not counters.any()
+
+
 @pytest.mark.skipif(CUDA, reason="the interpreter's fp32 path")
 def test_the_int4_gemm_reads_group_major_scales_and_zeros():
     qweight, scale, zero = random_int4(24, 128, 32, torch.float32)
@@ -82,6 +100,7 @@ def test_the_int4_gemm_reads_group_major_scales_and_zeros():
         (128, 6144, 4096, 128, int4_gemm.DEFAULT_TILES),  # a 128-token prompt through Llama-3.1-8B's qkv
         (40, 1000, 1024, 64, GemmTiles(block_n=64, block_m=64, block_k=64, num_warps=4, num_stages=3)),
         (300, 256, 512, 512, GemmTiles(block_n=128, block_m=64, block_k=128, num_warps=8, num_stages=3)),
+        (128, 4096, 14336, 128, replace(int4_gemm.DEFAULT_TILES, split_k=4)),  # down_proj's, K in four slices
     ],
 )
 def test_the_int4_gemm_in_16_bits_on_cuda(dtype, m, n, k, group_size, tiles):
@@ -124,4 +143,6 @@ def test_gemm_tiles_are_checked():
         GemmTiles(block_k=24)
     with pytest.raises(ValueError, match="block_m"):
         GemmTiles(block_m=8)
+    with pytest.raises(ValueError, match="split_k must be >= 1, got 0"):
+        GemmTiles(split_k=0)
     assert int4_gemm.fits(128, GemmTiles(block_k=64)) and not int4_gemm.fits(32, GemmTiles(block_k=64))

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tritonllm.engine.embedded import gpu_fence
 from tritonllm.engine.embedded.quant import fp8_kernel, int4_words, kernels
 from tritonllm.engine.embedded.quant import fp8_matmul_kernel as fp8_mm
 from tritonllm.engine.embedded.quant import int4_decode_kernel as int4_decode
@@ -166,7 +167,8 @@ def test_int4_decode_kernel_equals_dequantize_then_matmul(m, n, k, group_size, v
     for _ in range(2):  # the second launch finds the split workspace and counters zeroed by the first
         got = int4_decode.int4_decode_matmul(x, qweight, scale, zero, bias, group_size, variant)
         torch.testing.assert_close(got, expected, atol=atol, rtol=1e-4)
-    workspace, counters = int4_decode._split_state.get((x.device, n), (torch.zeros(1), torch.zeros(1)))
+    key = (x.device, int4_decode.SPLIT_ROWS, n)
+    workspace, counters = gpu_fence._buffers.get(key, (torch.zeros(1), torch.zeros(1)))
     assert not workspace.any() and not counters.any()
 
 
@@ -185,12 +187,12 @@ def test_int4_decode_kernel_reads_group_major_scales_and_zeros(variant):
 def test_int4_decode_kernel_splits_only_what_its_counters_cover(monkeypatch):
     """More output tiles than the workspace has counters: one slice, not counters written past their end."""
     monkeypatch.setattr(int4_decode, "_MAX_TILES", 2)
-    monkeypatch.setattr(int4_decode, "_split_state", {})
+    monkeypatch.setattr(gpu_fence, "_buffers", {})
     qweight, scale, zero = random_int4(48, 128, 64)
     x = random_x(1, 128)
     got = int4_decode.int4_decode_matmul(x, qweight, scale, zero, None, 64, DECODE_PREFETCH)  # 3 tiles, split 2
     torch.testing.assert_close(got, reference(x, dequantize_int4(qweight, scale, zero, 64), None), atol=1e-4, rtol=1e-4)
-    assert (x.device, 48) not in int4_decode._split_state
+    assert (x.device, int4_decode.SPLIT_ROWS, 48) not in gpu_fence._buffers
 
 
 def test_int4_decode_kernel_needs_groups_its_steps_fit_in():

@@ -1,10 +1,38 @@
-"""Ordering between the programs of one launch: where the last program to finish a piece of work sums what the
-others wrote (the split-K int4 GEMVs), each program's writes must be visible before it counts itself done."""
+"""Split-K reductions in one launch (the int4 kernels): the K range is cut into slices whose programs add into a
+persistent fp32 workspace, and the last program to finish a tile takes the sum out and zeroes the workspace. Each
+program's adds must be visible before it counts itself done (count_slice); split_buffers holds the workspaces
+and their tile counters, k_slices says how K is cut."""
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
+
+MAX_TILES = 4096  # counters a workspace holds: output tiles of one launch
+_buffers: dict[tuple[torch.device, int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def split_buffers(device: torch.device, rows: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The fp32 workspace [rows, n] and the MAX_TILES tile counters of split-K launches of up to `rows` rows and n
+    columns, zero between launches (each launch's last slices leave them so). Made once: a CUDA graph captured
+    later keeps using them. Launches share them in order on one stream; two streams running split launches of
+    one shape at once would not (the engine runs its forward passes on one)."""
+    key = (device, rows, n)
+    if key not in _buffers:
+        _buffers[key] = (
+            torch.zeros((rows, n), dtype=torch.float32, device=device),
+            torch.zeros((MAX_TILES,), dtype=torch.int32, device=device),
+        )
+    return _buffers[key]
+
+
+def k_slices(K: int, step: int, wanted: int, splittable: bool) -> tuple[int, int]:
+    """How many K slices a launch takes (at most `wanted`, one where its counters or workspace do not cover it)
+    and the columns of each: whole steps, and no slice empty."""
+    steps = triton.cdiv(K, step)
+    k_per_split = triton.cdiv(steps, max(1, min(wanted, steps)) if splittable else 1) * step
+    return triton.cdiv(K, k_per_split), k_per_split
 
 
 @triton.jit

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import gpu_fence
 from ..gpu_fence import count_slice
 from ..pdl import launch_options, pdl_on
 from . import int4_mma
@@ -183,22 +184,12 @@ def _tile_product(packed, x_even, x_odd, USE_ASM, FP16, UPCAST, USE_DOT, BLOCK_M
 
 
 SPLIT_ROWS = 16  # a split K is for decode: at most this many rows, the workspace's
-_MAX_TILES = 4096  # counters a workspace holds: column blocks times row blocks of one launch
-_split_state: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
+_MAX_TILES = gpu_fence.MAX_TILES  # (a name of this module's: tests lower it)
 
 
 def _split_buffers(device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The fp32 workspace [SPLIT_ROWS, n] and the tile counters of split-K launches with n columns, zero between
-    launches (each launch's last slices leave them so). Made once: a CUDA graph captured later keeps using them.
-    Launches share them in order on one stream; two streams running split launches of one width at once would
-    not (the engine runs its forward passes on one)."""
-    key = (device, n)
-    if key not in _split_state:
-        _split_state[key] = (
-            torch.zeros((SPLIT_ROWS, n), dtype=torch.float32, device=device),
-            torch.zeros((_MAX_TILES,), dtype=torch.int32, device=device),
-        )
-    return _split_state[key]
+    """The workspace [SPLIT_ROWS, n] and counters of this kernel's split-K launches (gpu_fence.split_buffers)."""
+    return gpu_fence.split_buffers(device, SPLIT_ROWS, n)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -372,7 +363,8 @@ def int4_decode_matmul(
     if variant.mma:
         return _mma_gemv(x, qweight.view(torch.int32), scale, zero, bias, group_size, variant)
     tiles = triton.cdiv(N, variant.block_n) * triton.cdiv(M, variant.block_m)
-    split_k, k_per_split = _slices(K, variant.block_k, variant.split_k, M <= SPLIT_ROWS and tiles <= _MAX_TILES)
+    splittable = M <= SPLIT_ROWS and tiles <= _MAX_TILES
+    split_k, k_per_split = gpu_fence.k_slices(K, variant.block_k, variant.split_k, splittable)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     workspace, counters = _split_buffers(x.device, N) if split_k > 1 else (out, out)
     weights = qweight.view(torch.int32) if variant.words else qweight  # K // 2 bytes a row: a multiple of 4
@@ -422,14 +414,6 @@ def int4_decode_matmul(
     return out
 
 
-def _slices(K: int, step: int, wanted: int, splittable: bool) -> tuple[int, int]:
-    """How many K slices a launch takes (at most `wanted`, one where its counters or workspace do not cover it)
-    and the columns of each: whole steps, and no slice empty."""
-    steps = triton.cdiv(K, step)
-    k_per_split = triton.cdiv(steps, max(1, min(wanted, steps)) if splittable else 1) * step
-    return triton.cdiv(K, k_per_split), k_per_split
-
-
 def _launch(variant: DecodeVariant, device: torch.device) -> tuple[bool, dict[str, bool | int]]:
     """Whether the launch uses PDL here, and its launch options (PDL, a register cap on CUDA)."""
     pdl = variant.pdl and pdl_on(device)
@@ -457,7 +441,7 @@ def _mma_gemv(
     """One row x [1, K] times the int32 words [N, K / 8] on tensor cores (int4_mma.py), K in split_k slices."""
     N, K = words.shape[0], x.shape[1]
     programs = triton.cdiv(N, variant.block_n)
-    split_k, k_per_split = _slices(K, int4_mma.STEP, variant.split_k, programs <= _MAX_TILES)
+    split_k, k_per_split = gpu_fence.k_slices(K, int4_mma.STEP, variant.split_k, programs <= _MAX_TILES)
     out = torch.empty((1, N), dtype=x.dtype, device=x.device)
     workspace, counters = _split_buffers(x.device, N) if split_k > 1 else (out, out)
     pdl, options = _launch(variant, x.device)

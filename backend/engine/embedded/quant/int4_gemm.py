@@ -11,6 +11,10 @@ per-step correction; (MAGIC + q) - (MAGIC + zero) is exact in 16 bits and the on
 the reference dequantizer (formats.dequantize_int4) rounds, so the result equals dequantize-then-matmul up to
 the order of fp32 sums. A K step never crosses a scale group (BLOCK_K divides the group size).
 
+split_k > 1 cuts K into slices for shapes whose tiles alone leave SMs idle (down_proj: 4,096 columns, K 14,336):
+the slices add into a persistent fp32 workspace and the last one to finish a tile writes it out and zeroes it, in
+the one launch (gpu_fence.py).
+
 On CPU (Triton's interpreter, whose 16-bit arithmetic is wrong) the tile is made in fp32 and the dots run in
 fp32 (IEEE): the tests check the indexing and the groups there, and the 16-bit path on CUDA."""
 
@@ -22,24 +26,31 @@ import torch
 import triton
 import triton.language as tl
 
+from .. import gpu_fence
+from ..gpu_fence import count_slice
+
 _BF16_MAGIC, _FP16_MAGIC = tl.constexpr(0x4300), tl.constexpr(0x6400)
 
 
 @dataclass(frozen=True)
 class GemmTiles:
-    """One program shape: BLOCK_N weight rows (output columns) by BLOCK_M rows of x, K steps of BLOCK_K."""
+    """One program shape: BLOCK_N weight rows (output columns) by BLOCK_M rows of x, K steps of BLOCK_K, K cut
+    into up to split_k slices."""
 
     block_n: int = 64
     block_m: int = 128
     block_k: int = 128
     num_warps: int = 4
     num_stages: int = 3
+    split_k: int = 1
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_m", "block_k"):
             value = getattr(self, name)
             if value < 16 or value & (value - 1):
                 raise ValueError(f"GemmTiles.{name} must be a power of two >= 16, got {value}")
+        if self.split_k < 1:
+            raise ValueError(f"GemmTiles.split_k must be >= 1, got {self.split_k}")
 
 
 DEFAULT_TILES = GemmTiles()
@@ -95,9 +106,12 @@ def _int4_gemm_kernel(
     zero,
     bias,
     out,
+    workspace,
+    counters,
     M,
     N,
     K,
+    k_per_split,
     stride_xm,
     stride_w,
     stride_s,
@@ -109,11 +123,14 @@ def _int4_gemm_kernel(
     HAS_BIAS: tl.constexpr,
     FP16: tl.constexpr,
     UPCAST: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    INTERPRETED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """Program (column block, row block): out[rows, cols] = x[rows, :] W[cols, :]^T (+ bias), as its transpose."""
+    """Program (column block, row block, K slice): out[rows, cols] (+)= x[rows, slice] W[cols, slice]^T (+ bias),
+    as its transpose."""
     HALF: tl.constexpr = BLOCK_K // 2
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -122,8 +139,10 @@ def _int4_gemm_kernel(
     kept = tl.minimum(cols, N - 1).to(tl.int64)  # columns past N read column N - 1's weights, never stored
     w_rows = w + kept[:, None] * stride_w
     x_rows = x + tl.minimum(rows, M - 1).to(tl.int64)[:, None] * stride_xm  # rows past M: row M - 1, not stored
+    k_start = tl.program_id(2) * k_per_split
+    k_end = tl.minimum(k_start + k_per_split, K)
     acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_start, k_end, BLOCK_K):
         pairs = tl.multiple_of(k0 // 2, HALF) + tl.arange(0, HALF)
         ks = tl.multiple_of(k0, BLOCK_K) + tl.arange(0, BLOCK_K)
         packed = tl.load(w_rows + pairs[None, :])  # K is whole groups, so whole steps: nothing to mask
@@ -138,9 +157,22 @@ def _int4_gemm_kernel(
         else:
             acc = tl.dot(_weight_tile(packed, s, z, FP16, UPCAST), tl.trans(x_tile), acc)
     if HAS_BIAS:
-        acc += tl.load(bias + kept).to(tl.float32)[:, None]
+        if tl.program_id(2) == 0:
+            acc += tl.load(bias + kept).to(tl.float32)[:, None]
     out_ptrs = out + rows.to(tl.int64)[None, :] * stride_om + cols[:, None]
-    tl.store(out_ptrs, acc.to(out.dtype.element_ty), mask=col_ok[:, None] & row_ok[None, :])
+    mask = col_ok[:, None] & row_ok[None, :]
+    if SPLIT_K == 1:
+        tl.store(out_ptrs, acc.to(out.dtype.element_ty), mask=mask)
+    else:  # the tile's last slice to arrive takes the sum out, leaving workspace and counter zero
+        ws_ptrs = workspace + rows.to(tl.int64)[None, :] * N + cols[:, None]
+        tl.atomic_add(ws_ptrs, acc, mask=mask, sem="relaxed")
+        tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        if count_slice(counters, tile, INTERPRETED) == SPLIT_K - 1:
+            total = tl.load(ws_ptrs, mask=mask, other=0.0, cache_modifier=".cg")  # from L2, where atomics add
+            tl.store(out_ptrs, total.to(out.dtype.element_ty), mask=mask)
+            tl.debug_barrier()  # every thread has read its sums before any is zeroed
+            tl.store(ws_ptrs, tl.zeros_like(total), mask=mask)
+            tl.store(counters + tile, 0)
 
 
 def int4_gemm(
@@ -162,16 +194,22 @@ def int4_gemm(
         return out
     upcast = x.device.type != "cuda" or x.dtype == torch.float32
     grid = (triton.cdiv(N, tiles.block_n), triton.cdiv(M, tiles.block_m))
-    _int4_gemm_kernel[grid](
+    splittable = M <= MAX_ROWS and grid[0] * grid[1] <= gpu_fence.MAX_TILES
+    split_k, k_per_split = gpu_fence.k_slices(K, tiles.block_k, tiles.split_k, splittable)
+    workspace, counters = gpu_fence.split_buffers(x.device, MAX_ROWS, N) if split_k > 1 else (out, out)
+    _int4_gemm_kernel[(*grid, split_k)](
         x,
         qweight,
         scale,
         zero,
         bias if bias is not None else out,
         out,
+        workspace,
+        counters,
         M,
         N,
         K,
+        k_per_split,
         x.stride(0),
         qweight.stride(0),
         scale.stride(0),
@@ -183,6 +221,8 @@ def int4_gemm(
         HAS_BIAS=bias is not None,
         FP16=x.dtype == torch.float16,
         UPCAST=upcast,
+        SPLIT_K=split_k,
+        INTERPRETED=x.device.type != "cuda",
         BLOCK_N=tiles.block_n,
         BLOCK_M=tiles.block_m,
         BLOCK_K=tiles.block_k,
