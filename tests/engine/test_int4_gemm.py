@@ -3,7 +3,6 @@ columns past a tile, several tiles along both, group sizes 32 to 128 and per cha
 group-major scales, bias; in Triton's interpreter on CPU (fp32) and compiled in bf16 / fp16 on CUDA
 (TRITONLLM_TEST_DEVICE=cuda)."""
 
-import os
 from dataclasses import replace
 
 import pytest
@@ -12,11 +11,10 @@ import torch.nn.functional as F
 
 from tritonllm.engine.embedded import gpu_fence
 from tritonllm.engine.embedded.quant import int4_gemm, kernels
-from tritonllm.engine.embedded.quant.formats import dequantize_int4, pack_int4
+from tritonllm.engine.embedded.quant.formats import dequantize_int4
 from tritonllm.engine.embedded.quant.int4_gemm import GemmTiles
 
-DEVICE = torch.device(os.environ.get("TRITONLLM_TEST_DEVICE", "cpu"))
-CUDA = DEVICE.type == "cuda"
+from .test_quant_kernels import CUDA, DEVICE, random_int4, random_x
 
 if not CUDA:
     from triton.runtime.interpreter import InterpretedFunction
@@ -26,19 +24,6 @@ if not CUDA:
 
 SMALL = GemmTiles(block_n=16, block_m=16, block_k=32)  # the interpreter's: tiny tiles, many of them
 WIDE = GemmTiles(block_n=32, block_m=16, block_k=64)
-
-
-def random_int4(n, k, group_size, dtype, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    values = torch.randint(0, 16, (n, k), generator=generator, dtype=torch.uint8)
-    scale = (torch.rand(n, k // group_size, generator=generator) * 0.02 + 0.005).to(dtype)
-    zero = torch.randint(0, 16, (n, k // group_size), generator=generator, dtype=torch.uint8)
-    assert (zero != 8).any()
-    return pack_int4(values).to(DEVICE), scale.to(DEVICE), zero.to(DEVICE)
-
-
-def random_x(m, k, dtype, seed=1):
-    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(dtype).to(DEVICE)
 
 
 def expected(x, qweight, scale, zero, bias, group_size):
