@@ -56,3 +56,18 @@ def count_slice(counters, tile, INTERPRETED: tl.constexpr):
         tile = fence_gpu(tile)
     tl.debug_barrier()
     return tl.atomic_add(counters + tile, 1, sem="acq_rel")
+
+
+@triton.jit
+def add_slice(acc, ws_ptrs, out_ptrs, mask, counters, tile, SPLIT_K: tl.constexpr, INTERPRETED: tl.constexpr):
+    """A split-K program's part of a tile: acc (fp32) added into the workspace at ws_ptrs; the tile's last slice to
+    arrive stores the sums at out_ptrs, in out's type, and leaves workspace and counter zero for the next launch."""
+    tl.atomic_add(ws_ptrs, acc, mask=mask, sem="relaxed")
+    if count_slice(counters, tile, INTERPRETED) == SPLIT_K - 1:
+        total = tl.load(ws_ptrs, mask=mask, other=0.0, cache_modifier=".cg")  # from L2, where atomics add
+        tl.store(out_ptrs, total.to(out_ptrs.dtype.element_ty), mask=mask)
+        # Where the layout gives two threads the same element, neither may zero it before both have read it
+        # (without this barrier an H200 sweep saw sums zeroed: 16 x 32 tiles on two warps).
+        tl.debug_barrier()
+        tl.store(ws_ptrs, tl.zeros_like(total), mask=mask)
+        tl.store(counters + tile, 0)

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from .. import gpu_fence
-from ..gpu_fence import count_slice
+from ..gpu_fence import add_slice
 from ..pdl import launch_options, pdl_on
 from . import int4_mma
 from .int4_lanes import WORDS_A_WARP, lanes_row
@@ -320,19 +320,11 @@ def _int4_decode_kernel(
     if SPLIT_K == 1:
         tl.store(out_ptrs, acc.to(out.dtype.element_ty), mask=mask)
     else:
-        # Slices add into the fp32 workspace; the tile's last slice to arrive (gpu_fence.count_slice) takes the
-        # sum out, leaving workspace and counter zero for the next launch.
+        # Slices add into the fp32 workspace; the tile's last slice to arrive takes the sum out and leaves
+        # workspace and counter zero for the next launch (gpu_fence.add_slice).
         ws_ptrs = workspace + rows.to(tl.int64)[:, None] * N + cols[None, :]
-        tl.atomic_add(ws_ptrs, acc, mask=mask, sem="relaxed")
         tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-        if count_slice(counters, tile, INTERPRETED) == SPLIT_K - 1:
-            total = tl.load(ws_ptrs, mask=mask, other=0.0, cache_modifier=".cg")  # from L2, where atomics add
-            tl.store(out_ptrs, total.to(out.dtype.element_ty), mask=mask)
-            # Where the layout gives two threads the same element, neither may zero it before both have read it
-            # (without this barrier an H200 sweep saw sums zeroed: 16 x 32 tiles on two warps).
-            tl.debug_barrier()
-            tl.store(ws_ptrs, tl.zeros_like(total), mask=mask)
-            tl.store(counters + tile, 0)
+        add_slice(acc, ws_ptrs, out_ptrs, mask, counters, tile, SPLIT_K, INTERPRETED)
 
 
 def int4_decode_matmul(

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from .. import gpu_fence
-from ..gpu_fence import count_slice
+from ..gpu_fence import add_slice
 
 _BF16_MAGIC, _FP16_MAGIC = tl.constexpr(0x4300), tl.constexpr(0x6400)
 
@@ -165,14 +165,8 @@ def _int4_gemm_kernel(
         tl.store(out_ptrs, acc.to(out.dtype.element_ty), mask=mask)
     else:  # the tile's last slice to arrive takes the sum out, leaving workspace and counter zero
         ws_ptrs = workspace + rows.to(tl.int64)[None, :] * N + cols[:, None]
-        tl.atomic_add(ws_ptrs, acc, mask=mask, sem="relaxed")
         tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-        if count_slice(counters, tile, INTERPRETED) == SPLIT_K - 1:
-            total = tl.load(ws_ptrs, mask=mask, other=0.0, cache_modifier=".cg")  # from L2, where atomics add
-            tl.store(out_ptrs, total.to(out.dtype.element_ty), mask=mask)
-            tl.debug_barrier()  # every thread has read its sums before any is zeroed
-            tl.store(ws_ptrs, tl.zeros_like(total), mask=mask)
-            tl.store(counters + tile, 0)
+        add_slice(acc, ws_ptrs, out_ptrs, mask, counters, tile, SPLIT_K, INTERPRETED)
 
 
 def int4_gemm(
