@@ -505,33 +505,32 @@ def sweep_int4_prefill(ms: tuple[int, ...]) -> None:
 
 def sweep_int4_gemm(ms: tuple[int, ...]) -> None:
     """int4_gemm.py's tiles (the weight as the tensor cores' register operand; the default shape with K split 2-8)
-    against the dequantize path and bf16 at many rows (a prompt, a large decode batch): per shape and M the best,
-    then the totals."""
+    against bf16, the dequantize path and the decode kernel's choice (16-row tiles with x as the A operand) at many
+    rows, or a few (16-row tiles of int4_gemm then): per shape and M the best, then the totals."""
     tiles = [
         GemmTiles(block_n=bn, block_m=bm, block_k=bk, num_warps=warps, num_stages=stages)
-        for bn, bm, bk, warps, stages in itertools.product((64, 128), (32, 64, 128), (64, 128), (4, 8), (3, 4))
+        for bn, bm, bk, warps, stages in itertools.product((64, 128), (16, 32, 64, 128), (64, 128), (4, 8), (3, 4))
     ]
-    for split, bm in itertools.product((2, 4, 8), (64, 128)):  # K cut for the narrow projections (down_proj's)
+    for split, bm in itertools.product((2, 4, 8), (16, 64, 128)):  # K cut for the narrow projections (down_proj's)
         tiles.append(GemmTiles(block_m=bm, split_k=split))
     totals: dict[int, dict[str, float]] = {m: {} for m in ms}
     for name, weight, rotation, m, x in shape_rows("int4", ms):
-        per = totals[m]
-        dense_us = bf16_us(weight["dense"], x)
-        dequantize_us = timed_us([lambda a=a: call_variant("dequantize", x, a) for a in rotation])[0]
-        fitting = [t for t in tiles if t.block_m <= max(32, triton.next_power_of_2(m))]
+        n, k = SHAPES[name]
+        decode = kernels.choose_decode_variant(m, n, k)
+        base = {
+            "bf16": bf16_us(weight["dense"], x),
+            "dequantize": timed_us([lambda a=a: call_variant("dequantize", x, a) for a in rotation])[0],
+            "decode": time_decode_variants("gemm-decode", name, x, weight, rotation, [decode]).get(str(decode), 0.0),
+        }
+        rows = max(16, triton.next_power_of_2(m))  # 16-row tiles only where a few rows are all there is
+        fitting = [t for t in tiles if t.block_m <= rows and (t.block_m > 16 or m <= 16)]
         times = time_decode_variants("gemm", name, x, weight, rotation, fitting, int4_gemm.int4_gemm)
         best = min(((us, tile) for tile, us in times.items()), default=None)
-        emit(
-            kind="gemm-best",
-            shape=name,
-            m=m,
-            bf16_us=round(dense_us, 2),
-            dequantize_us=round(dequantize_us, 2),
-            best=best and {"tiles": best[1], "us": round(best[0], 2)},
-        )
-        for key, us in (("bf16", dense_us), ("dequantize", dequantize_us), *times.items()):
-            per[key] = per.get(key, 0.0) + us
-    emit_totals("gemm-overall", totals, ("bf16", "dequantize"), 4)
+        rounded = {f"{key}_us": round(us, 2) for key, us in base.items()}
+        emit(kind="gemm-best", shape=name, m=m, **rounded, best=best and {"tiles": best[1], "us": round(best[0], 2)})
+        for key, us in (*base.items(), *times.items()):
+            totals[m][key] = totals[m].get(key, 0.0) + us
+    emit_totals("gemm-overall", totals, ("bf16", "dequantize", "decode"), 4)
 
 
 def layout_variants(m: int, n: int, k: int) -> list[DecodeVariant]:

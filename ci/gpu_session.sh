@@ -110,7 +110,7 @@ for what in "$@"; do
     int4-decode-sweep)  # the int4 decode kernel's variants (int4_decode_kernel.py) at M = 1 and 8
       python3 ci/gpu_quant_kernels.py --sweep-decode --ms "${QUANT_MS:-1,8}" ${QUANT_ARGS:-} 2>&1 \
         | tee -a "$OUT/int4-decode-sweep.jsonl" | grep -v '"kind": "decode"' ;;
-    int4-gemm)  # int4_gemm.py's tiles against dequantize + cuBLAS at many rows (QUANT_MS, default 128), then its tests
+    int4-gemm)  # int4_gemm.py's tiles against bf16, dequantize + cuBLAS and the decode kernel (QUANT_MS, default 128), then its tests
       python3 ci/gpu_quant_kernels.py --int4-gemm --ms "${QUANT_MS:-128}" 2>&1 \
         | tee -a "$OUT/int4-gemm.jsonl" | grep -v '"kind": "gemm"'
       run_tests tests/engine/test_int4_gemm.py ;;
