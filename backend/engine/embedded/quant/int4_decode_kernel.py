@@ -145,6 +145,17 @@ def _magic_pairs_asm(packed, FP16: tl.constexpr):
 
 
 @triton.jit
+def magic16(values, FP16: tl.constexpr):
+    """Values 0..15 -> MAGIC + value in the 16-bit type, by OR-ing them into MAGIC's mantissa (int4_gemm.py
+    shares it)."""
+    if FP16:  # (one return after the branches: Triton 3.6 types both of them)
+        magic = (values.to(tl.int16) | _FP16_MAGIC).to(tl.float16, bitcast=True)
+    else:
+        magic = (values.to(tl.int16) | _BF16_MAGIC).to(tl.bfloat16, bitcast=True)
+    return magic
+
+
+@triton.jit
 def _magic_pairs(packed, USE_ASM: tl.constexpr, FP16: tl.constexpr, UPCAST: tl.constexpr):
     """(MAGIC + low nibble, MAGIC + high nibble) of each byte: fp32 under UPCAST (the interpreter, or fp32 x),
     else the 16-bit type, by asm or by bit operations on int16."""
@@ -153,12 +164,9 @@ def _magic_pairs(packed, USE_ASM: tl.constexpr, FP16: tl.constexpr, UPCAST: tl.c
         hi = (packed >> 4).to(tl.float32) + magic_value(FP16)
     elif USE_ASM:
         lo, hi = _magic_pairs_asm(packed, FP16)
-    elif FP16:
-        lo = ((packed & 0xF).to(tl.int16) | _FP16_MAGIC).to(tl.float16, bitcast=True)
-        hi = ((packed >> 4).to(tl.int16) | _FP16_MAGIC).to(tl.float16, bitcast=True)
     else:
-        lo = ((packed & 0xF).to(tl.int16) | _BF16_MAGIC).to(tl.bfloat16, bitcast=True)
-        hi = ((packed >> 4).to(tl.int16) | _BF16_MAGIC).to(tl.bfloat16, bitcast=True)
+        lo = magic16(packed & 0xF, FP16)
+        hi = magic16(packed >> 4, FP16)
     return lo, hi
 
 

@@ -28,8 +28,7 @@ import triton.language as tl
 
 from .. import gpu_fence
 from ..gpu_fence import add_slice
-
-_BF16_MAGIC, _FP16_MAGIC = tl.constexpr(0x4300), tl.constexpr(0x6400)
+from .int4_decode_kernel import magic16
 
 
 @dataclass(frozen=True)
@@ -74,16 +73,6 @@ def fits(group_size: int, tiles: GemmTiles) -> bool:
 
 
 @triton.jit
-def _magic(values, FP16: tl.constexpr):
-    """uint8 values 0..15 -> MAGIC + value in the 16-bit type, by OR-ing them into MAGIC's mantissa."""
-    if FP16:  # (one return after the branches: Triton 3.6 types both of them)
-        magic = (values.to(tl.int16) | _FP16_MAGIC).to(tl.float16, bitcast=True)
-    else:
-        magic = (values.to(tl.int16) | _BF16_MAGIC).to(tl.bfloat16, bitcast=True)
-    return magic
-
-
-@triton.jit
 def _weight_tile(packed, s, z, FP16: tl.constexpr, UPCAST: tl.constexpr):
     """uint8 [BLOCK_N, BLOCK_K // 2] (low nibble the even column) with the rows' scale and zero point ([BLOCK_N])
     -> (q - zero) * scale, [BLOCK_N, BLOCK_K], columns in memory order."""
@@ -92,9 +81,9 @@ def _weight_tile(packed, s, z, FP16: tl.constexpr, UPCAST: tl.constexpr):
         lo = ((packed & 0xF).to(tl.float32) - zero) * s.to(tl.float32)[:, None]
         hi = ((packed >> 4).to(tl.float32) - zero) * s.to(tl.float32)[:, None]
     else:
-        zero = _magic(z, FP16)[:, None]
-        lo = (_magic(packed & 0xF, FP16) - zero) * s[:, None]
-        hi = (_magic(packed >> 4, FP16) - zero) * s[:, None]
+        zero = magic16(z, FP16)[:, None]
+        lo = (magic16(packed & 0xF, FP16) - zero) * s[:, None]
+        hi = (magic16(packed >> 4, FP16) - zero) * s[:, None]
     return tl.reshape(tl.join(lo, hi), (packed.shape[0], 2 * packed.shape[1]))
 
 

@@ -261,9 +261,10 @@ def weight_only_triton(
     m, k = x2d.shape
     n = weight.shape[0]
     decode = choose_decode_variant(m, n, k, group_size) if bits == 4 and m <= SMALL_M else None
-    if m > SMALL_M and _int4_gemm_applies(m, bits, group_size):
+    tiles = _int4_gemm_tiles(m, bits, group_size)
+    if tiles is not None:
         assert zero is not None
-        out = int4_gemm.int4_gemm(x2d, weight, scale, zero, bias, group_size, int4_gemm.tiles_for(m, group_size))
+        out = int4_gemm.int4_gemm(x2d, weight, scale, zero, bias, group_size, tiles)
     elif m > SMALL_M and LARGE_M_STRATEGY != "tiled":
         out = F.linear(x2d, wo.dequantize(weight, scale, zero, group_size, bits, x.dtype), bias)
     elif decode is not None and _int4_decode_applies(x, group_size, decode):
@@ -274,9 +275,12 @@ def weight_only_triton(
     return out.reshape(*x.shape[:-1], n)
 
 
-def _int4_gemm_applies(m: int, bits: int, group_size: int) -> bool:
-    fits = int4_gemm.fits(group_size, int4_gemm.tiles_for(m, group_size))
-    return LARGE_M_STRATEGY == "int4_gemm" and bits == 4 and m <= int4_gemm.MAX_ROWS and fits
+def _int4_gemm_tiles(m: int, bits: int, group_size: int) -> int4_gemm.GemmTiles | None:
+    """int4_gemm's tiles where it takes these rows (SMALL_M < m <= MAX_ROWS, int4, a group its K steps fit in)."""
+    if LARGE_M_STRATEGY != "int4_gemm" or bits != 4 or not SMALL_M < m <= int4_gemm.MAX_ROWS:
+        return None
+    tiles = int4_gemm.tiles_for(m, group_size)
+    return tiles if int4_gemm.fits(group_size, tiles) else None
 
 
 def _int4_decode_applies(x: torch.Tensor, group_size: int, variant: DecodeVariant) -> bool:
