@@ -159,9 +159,9 @@ for what in "$@"; do
           fp8w-256) bench "llama-3.1-8b fp8 weights 256x128/128" --model "$l" --config /tmp/fp8w.yaml "${many[@]}" ;;
           bf16-1) bench "llama-3.1-8b bf16 1x128/128" --model "$l" "${one[@]}" ;;
           w4a16-1) bench "llama-3.1-8b w4a16 1x128/128" --model "$l" --config /tmp/w4a16.yaml "${one[@]}" ;;
-          w4a16-1-gemm)  # the prompt's projections through int4_gemm.py instead of dequantize + cuBLAS
-            BENCH_PRELUDE="from tritonllm.engine.embedded.quant import kernels; kernels.LARGE_M_STRATEGY = 'int4_gemm'" \
-            bench "llama-3.1-8b w4a16, int4 GEMM prompt, 1x128/128" --model "$l" --config /tmp/w4a16.yaml "${one[@]}" ;;
+          w4a16-1-dequantize)  # the prompt's projections through dequantize + cuBLAS, as before int4_gemm.py
+            BENCH_PRELUDE="from tritonllm.engine.embedded.quant import kernels; kernels.LARGE_M_STRATEGY = 'dequantize'" \
+            bench "llama-3.1-8b w4a16, dequantized prompt, 1x128/128" --model "$l" --config /tmp/w4a16.yaml "${one[@]}" ;;
           w4a16-1-bytes) BENCH_PRELUDE="from tritonllm.engine.embedded.quant import kernels; kernels.ONE_ROW_SHAPES.clear()" \
             bench "llama-3.1-8b w4a16, byte GEMV, 1x128/128" --model "$l" --config /tmp/w4a16.yaml "${one[@]}" ;;
           w4a16-1-swept)  # each projection's best one-row shape from this call's int4-decode-sweep, with PDL
