@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine run (the `device` tool): puts the working tree's package on PYTHONPATH (the machine has torch,
 # triton and transformers but no venv of ours), then runs what the arguments name, each logged under $OUT.
-#   bash ci/gpu_session.sh kernels|fused|graphs|pdl|mma-tests|race-check|attention|greedy|window|guided|parity|features|bench-quick|bench-guided|bench-accuracy|moe-kernel|moe-sweep|fp8-kv|int4-decode-sweep|int4-gemm|int4-gemm-tests|int4-ncu|int4-layouts|attn-sweep|fp8-sweep|families|bench-mixtral|bench-quant|host-profile|quant|quant-load|quant-tests|quantize|quant-kernels|quant-sweep-decode|quant-sweep-prefill|bench-qwen3|bench-parallel|parallel-tests|sync-check|profile|profile-1 ...
+#   bash ci/gpu_session.sh kernels|fused|graphs|pdl|mma-tests|race-check|attention|greedy|window|guided|parity|features|bench-quick|bench-guided|bench-accuracy|moe-kernel|moe-sweep|fp8-kv|int4-decode-sweep|int4-gemm|int4-gemm-tests|norm-fold|int4-ncu|int4-layouts|attn-sweep|fp8-sweep|families|bench-mixtral|bench-quant|host-profile|quant|quant-load|quant-tests|quantize|quant-kernels|quant-sweep-decode|quant-sweep-prefill|bench-qwen3|bench-parallel|parallel-tests|sync-check|profile|profile-1 ...
 # Used by hand for the GPU figures in docs/benchmarks.md; CI never runs it (no GPU there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -114,6 +114,7 @@ for what in "$@"; do
       python3 ci/gpu_quant_kernels.py --int4-gemm --ms "${QUANT_MS:-128}" 2>&1 \
         | tee -a "$OUT/int4-gemm.jsonl" | grep -v '"kind": "gemm"'
       run_tests tests/engine/test_int4_gemm.py ;;
+    norm-fold) run_tests tests/engine/test_norm_fold.py ;;  # norms folded into one-row int4 GEMVs, compiled
     int4-gemm-tests) run_tests tests/engine/test_int4_gemm.py tests/engine/test_quant_kernels.py -k "gemm or leading_shape" ;;
     int4-ncu)  # Nsight Compute on each projection's one-row int4 kernel and bf16 GEMV (the second launch of each)
       ncu=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)
@@ -176,6 +177,9 @@ for what in "$@"; do
             if [ "${base#*-}" = 1 ]; then shape_args=("${one[@]}"); else shape_args=("${many[@]}"); fi
             BENCH_PRELUDE="from tritonllm.engine.embedded import pdl; pdl.SMALL_KERNELS = True" \
               bench "llama-3.1-8b $base, small kernels with PDL" --model "$l" "${config[@]}" "${shape_args[@]}" ;;
+          w4a16-1-fold)  # the norms folded into the one-row int4 GEMVs around them (quant/norm_fold.py)
+            BENCH_PRELUDE="from tritonllm.engine.embedded.quant import fusion; fusion.FOLD_NORMS = True" \
+            bench "llama-3.1-8b w4a16, norms folded, 1x128/128" --model "$l" --config /tmp/w4a16.yaml "${one[@]}" ;;
           w4a16-1-nopdl)  # the default one-row shapes without programmatic dependent launch (pdl.py)
             BENCH_PRELUDE="from tritonllm.engine.embedded import pdl; pdl.ENABLED = False" \
             bench "llama-3.1-8b w4a16, no PDL, 1x128/128" --model "$l" --config /tmp/w4a16.yaml "${one[@]}" ;;

@@ -60,10 +60,14 @@ def int4_decode_kernel(
     pdl: bool = False,
     prefetch: bool | None = None,
     lanes: bool = False,
+    fold_in: bool = False,
+    fold_out: bool = False,
 ) -> None:
-    pointers = {name: f"*{dtype}" for name in ("x", "scale", "bias", "out")}
+    pointers = {name: f"*{dtype}" for name in ("x", "scale", "bias", "out", "fold_residual", "fold_weight", "fold_h")}
     pointers |= {"w": "*i32" if words else "*u8", "zero": "*u8", "workspace": "*fp32", "counters": "*i32"}
+    pointers |= {name: "*fp32" for name in ("scale_sums", "fold_sums", "fold_stale")} | {"scale_eps": "fp32"}
     constexprs = dict(GROUP_SIZE=128, HAS_BIAS=True, SPLIT_K=split_k, USE_ASM=use_asm, FP16=dtype == "fp16")
+    constexprs |= dict(FOLD_IN=fold_in, FOLD_OUT=fold_out)
     prefetch = not (use_dot or words) if prefetch is None else prefetch
     constexprs |= dict(UPCAST=False, USE_DOT=use_dot, PREFETCH=prefetch, WORDS=words)
     constexprs |= dict(INTERPRETED=False, BLOCK_M=16 if use_dot else 1, BLOCK_N=block_n, BLOCK_K=block_k)
@@ -77,8 +81,10 @@ def int4_decode_kernel(
         if pdl:
             assert_loads_weights_first(ptx, "ld.global")
             assert "griddepcontrol.launch_dependents" in ptx[: ptx.index("griddepcontrol.wait")]
+        if fold_out:  # the slots' adds: after the wait (their readers' reads come after theirs)
+            assert "atom.global" in ptx and "atom.global" not in ptx[: ptx.index("griddepcontrol.wait")]
     shape = f"split {split_k} asm {use_asm} dot {use_dot} words {words} {block_n} x {block_k} x vector {x_vector}"
-    shape += f" pdl {pdl} prefetch {prefetch} lanes {lanes}"
+    shape += f" pdl {pdl} prefetch {prefetch} lanes {lanes} fold in {fold_in} out {fold_out}"
     print("compiled the int4 decode kernel", dtype, shape, flush=True)
 
 
@@ -233,6 +239,9 @@ if __name__ == "__main__":
     for dtype, split_k, prefetch in (("bf16", 1, True), ("fp16", 2, False)):  # the lane GEMV (4 warps)
         lane = dict(words=True, block_n=8, block_k=4096, pdl=True, prefetch=prefetch, lanes=True)
         int4_decode_kernel(dtype, split_k, True, False, **lane)
+    for fold_in, fold_out in ((True, False), (False, True)):  # a folded norm's reader and producer (norm_fold.py)
+        lane = dict(words=True, block_n=4, block_k=2048, pdl=True, prefetch=True, lanes=True)
+        int4_decode_kernel("bf16", 1, True, False, **lane, fold_in=fold_in, fold_out=fold_out)
     for dtype, split_k, tiles, warps, use_asm, pdl in (
         ("bf16", 4, 2, 2, True, True),
         ("fp16", 1, 1, 1, True, False),

@@ -23,7 +23,7 @@ from .device import resolve_device
 from .guided import build_guided_decoder
 from .model_runner import StepOutput
 from .network.layers import use_fused_kernels
-from .quant.fusion import defer_fp8_scales, hand_fp8_rows
+from .quant.fusion import defer_fp8_scales, fold_int4_norms, hand_fp8_rows
 from .request import EngineRequest
 from .sampler import SampledTokens, sample, sample_on_device
 from .scheduler import ScheduledBatch, Scheduler
@@ -81,6 +81,7 @@ class EngineCore:
         self.speculator = self._speculator()
         if fused_kernels_wanted(self.attn_backend, self.device):
             defer_fp8_scales(self.model, self.device, lora_enabled=self.lora is not None)
+            fold_int4_norms(self.model, self.device, lora_enabled=self.lora is not None)
         # Grammars over the logits' width (the model's vocabulary, which may pad the tokenizer's).
         self.guided = build_guided_decoder(
             config.guided_decoding_backend, config.tokenizer or config.model, self.model_config.vocab_size

@@ -62,7 +62,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        """norm(x); with `residual`: (norm(x + residual), x + residual), the sum in x's dtype."""
+        """norm(x); with `residual`: (norm(x + residual), x + residual), the sum in x's dtype. Where the projection
+        before has done the add and begun the norm (quant/norm_fold.py), x and that sum as they are."""
+        folded_sum = getattr(x, "folded_residual", None)
+        if folded_sum is not None and residual is not None:
+            return x, folded_sum
         if self.fused and x.dim() == 2 and x.stride(-1) == 1:
             from . import fused_ops
 
@@ -166,8 +170,9 @@ class GatedMLP(nn.Module):
         self.gate_up_proj = Linear(hidden_size, 2 * intermediate_size, bias=bias)
         self.down_proj = Linear(intermediate_size, hidden_size, bias=bias)
 
-    def forward(self, x: torch.Tensor, lora=None) -> torch.Tensor:
-        """`lora`: the layer's LoRA view (tritonllm.lora.layers.LayerLora), which adds its deltas in place."""
+    def forward(self, x: torch.Tensor, lora=None, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """`lora`: the layer's LoRA view (tritonllm.lora.layers.LayerLora), which adds its deltas in place.
+        `residual`: for a down_proj that folds the norm after it (quant/norm_fold.py)."""
         gate_up = self.gate_up_proj(x)
         if lora is not None:
             lora.apply("gate_up", x, gate_up)
@@ -178,5 +183,5 @@ class GatedMLP(nn.Module):
         else:
             gate, up = gate_up.split(self.intermediate_size, dim=-1)
             hidden = (F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")) * up
-        out = self.down_proj(hidden)
+        out = self.down_proj(hidden) if residual is None else self.down_proj(hidden, residual=residual)
         return out if lora is None else lora.apply("down", hidden, out)

@@ -69,7 +69,9 @@ class LlamaAttention(nn.Module):
         attn: AttentionMetadata,
         kv_cache: KVCache,
         lora=None,
+        residual: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """`residual`: for an o_proj that folds the norm after it (quant/norm_fold.py)."""
         tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         if lora is not None:
@@ -85,11 +87,13 @@ class LlamaAttention(nn.Module):
         out = paged_attention(
             q, k, v, kv_cache[0], kv_cache[1], attn, self.scale, self.window, self.softcap, self.k_scale, self.v_scale
         ).reshape(tokens, -1)
-        projected = self.o_proj(out)
+        projected = self.o_proj(out) if residual is None else self.o_proj(out, residual=residual)
         return projected if lora is None else lora.apply("o", out, projected)
 
 
 class LlamaDecoderLayer(nn.Module):
+    folds_norms = False  # o_proj and down_proj begin the norms after them (quant/norm_fold.py; fusion.py sets it)
+
     def __init__(self, config: ModelConfig, mlp: nn.Module | None = None):
         """`mlp`: what follows attention in place of the dense GatedMLP (a mixture-of-experts block, moe.py)."""
         super().__init__()
@@ -113,9 +117,11 @@ class LlamaDecoderLayer(nn.Module):
             normed, residual = self.input_layernorm(delta), delta
         else:
             normed, residual = self.input_layernorm(delta, residual=residual)
-        attended = self.self_attn(normed, cos, sin, attn, kv_cache, lora)
+        fold = {"residual": residual} if self.folds_norms else {}
+        attended = self.self_attn(normed, cos, sin, attn, kv_cache, lora, **fold)
         normed, residual = self.post_attention_layernorm(attended, residual=residual)
-        return self.mlp(normed, lora), residual
+        fold = {"residual": residual} if self.folds_norms else {}
+        return self.mlp(normed, lora, **fold), residual
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,4 +1,5 @@
-"""Where the kernel before an FP8 projection quantizes its input (network/fused_ops.py's FP8 rows).
+"""Where the kernel before an FP8 projection quantizes its input (network/fused_ops.py's FP8 rows), and where
+one-row int4 projections take over the norms between them (norm_fold.py).
 
 A projection with dynamic per-token FP8 scales quantizes its input in a launch of its own (fp8_kernel.py) that
 reads the activations again. Where that input is a fused RMSNorm's output (qkv_proj, gate_up_proj) or the fused
@@ -15,12 +16,16 @@ from torch import nn
 
 from ..network.layers import GatedMLP, RMSNorm
 from ..network.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
-from .kernels import fp8_supported
+from .kernels import fp8_supported, int4_folds, int4_one_row_applies
 from .linear import QuantLinear
+from .norm_fold import NormFold, ring
 
 log = logging.getLogger("tritonllm.engine")
 FP8_ROWS = True  # False: every FP8 projection quantizes its input itself (for comparisons)
 DEFER_SCALES = True  # False: every FP8 projection scales its own output (for comparisons)
+# Batch-1 W4A16 decode with the norms folded into the int4 GEMVs around them (norm_fold.py): written and tested on
+# CPU, not yet timed on a GPU, so off (bench-quant's w4a16-1-fold variant times it).
+FOLD_NORMS = False
 
 
 def takes_fp8_rows(projection: object) -> bool:
@@ -93,3 +98,59 @@ def _deferring(projection: object, reader: object) -> QuantLinear | None:
     if isinstance(projection, QuantLinear) and projection.kind == "fp8" and projection.bias is None:
         return projection if _fusable_norm(reader) else None
     return None
+
+
+def fold_int4_norms(model: nn.Module, device: torch.device, lora_enabled: bool) -> int:
+    """Fold each norm between two int4 projections of a Llama-flow model into them at one-row steps
+    (norm_fold.py): on CUDA, without LoRA (its deltas read the normed input and add to the output). Call once
+    the speculator is built; returns how many norms fold."""
+    if not FOLD_NORMS or lora_enabled or device.type != "cuda" or not _llama_flow(model):
+        return 0
+    count = install_norm_folds(model, device)
+    if count:
+        log.info("W4A16: %d norms fold into the one-row int4 projections around them", count)
+    return count
+
+
+def install_norm_folds(model: nn.Module, device: torch.device) -> int:
+    """Each o_proj folds the post-attention norm, each down_proj but the last the next layer's input norm: all of
+    them, or none where one pair does not qualify (the slots' ring needs every fold of a step). Returns the count."""
+    layers = list(getattr(model, "decoder_layers", ()))
+    pairs = []  # (producer, the norm after it, the projection that reads that norm) in step order
+    for index, layer in enumerate(layers):
+        if not _plain_llama_layer(layer):
+            return 0
+        pairs.append((layer.self_attn.o_proj, layer.post_attention_layernorm, layer.mlp.gate_up_proj))
+        if index + 1 < len(layers):
+            following = layers[index + 1]
+            pairs.append((layer.mlp.down_proj, following.input_layernorm, following.self_attn.qkv_proj))
+    if len(pairs) < 2 or not all(_foldable(*pair) for pair in pairs):
+        return 0
+    for (producer, norm, _), (sums, stale) in zip(pairs, ring(len(pairs), device)):
+        producer.norm_fold = NormFold(norm.weight, norm.eps, sums, stale)
+    for layer in layers:
+        layer.folds_norms = True
+    return len(pairs)
+
+
+def _plain_llama_layer(layer: object) -> bool:
+    return (
+        type(layer) is LlamaDecoderLayer
+        and type(layer.self_attn) is LlamaAttention
+        and type(layer.mlp) is GatedMLP
+        and layer.mlp.activation == "silu"
+    )
+
+
+def _foldable(producer: object, norm: object, reader: object) -> bool:
+    """An unhooked int4 producer whose one-row kernel folds, a plain RMSNorm, an int4 reader."""
+    if not (type(producer) is QuantLinear and producer.kind == "int4" and type(norm) is RMSNorm):
+        return False
+    if producer._forward_hooks or producer._forward_pre_hooks:  # e.g. tensor parallelism's all-reduce
+        return False
+    dtype = norm.weight.dtype
+    if not int4_folds(producer.out_features, producer.in_features, producer.group_size, dtype):
+        return False
+    if not (type(reader) is QuantLinear and reader.kind == "int4"):
+        return False
+    return int4_one_row_applies(reader.out_features, reader.in_features, reader.group_size, dtype)

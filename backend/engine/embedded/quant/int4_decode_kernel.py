@@ -35,10 +35,12 @@ from . import int4_mma
 from .int4_lanes import WORDS_A_WARP, lanes_row
 from .int4_mma import magic_value
 from .int4_words import int32_viewable, words_row
+from .norm_fold import SLOTS, FoldedInput, FoldingOutput, fold_epilogue, folded_scale
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # fp32: exact fp32 products instead of the magic
 # 128 (bf16) and 1024 (fp16): the powers of two whose mantissa steps are 1, so MAGIC + q is exact for q < 16
 _BF16_MAGIC, _FP16_MAGIC = tl.constexpr(0x4300), tl.constexpr(0x6400)
+FOLD_SLOTS = tl.constexpr(SLOTS)
 
 
 @dataclass(frozen=True)
@@ -221,9 +223,18 @@ def _int4_decode_kernel(
     stride_z,
     stride_zg,
     stride_om,
+    scale_sums,
+    scale_eps,
+    fold_residual,
+    fold_weight,
+    fold_h,
+    fold_sums,
+    fold_stale,
     GROUP_SIZE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    FOLD_IN: tl.constexpr,
+    FOLD_OUT: tl.constexpr,
     USE_ASM: tl.constexpr,
     FP16: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -239,7 +250,9 @@ def _int4_decode_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
-    """Program (column block, row block, K slice): out[rows, cols] (+)= x[rows, slice] W[cols, slice]^T."""
+    """Program (column block, row block, K slice): out[rows, cols] (+)= x[rows, slice] W[cols, slice]^T.
+    FOLD_IN: x is a folded norm's h * g, the product scaled by its 1 / rms; FOLD_OUT (one row, whole K): the norm
+    after this projection begins in the epilogue (norm_fold.py, both)."""
     HALF: tl.constexpr = BLOCK_K // 2
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -320,12 +333,18 @@ def _int4_decode_kernel(
             s = tl.load(s_rows + group * stride_sg, mask=col_ok, other=0.0).to(tl.float32)
             z = tl.load(z_rows + group * stride_zg, mask=col_ok, other=0).to(tl.float32) + magic_value(FP16)
             acc += (part - x_sum[:, None] * z[None, :]) * s[None, :]
+    if FOLD_IN:  # (the slots read after lanes_row's PDL wait, as x is)
+        acc *= folded_scale(scale_sums, K, scale_eps, FOLD_SLOTS)
     if HAS_BIAS:
         if tl.program_id(2) == 0:
             acc += tl.load(bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     out_ptrs = out + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
-    if SPLIT_K == 1:
+    if FOLD_OUT:
+        y = tl.sum(acc, axis=0)  # the one row
+        fold_args = (fold_residual, fold_weight, fold_h, fold_sums, fold_stale)
+        fold_epilogue(y, cols, col_ok, out, *fold_args, FOLD_SLOTS, INTERPRETED and out.dtype.element_ty == tl.bfloat16)
+    elif SPLIT_K == 1:
         tl.store(out_ptrs, acc.to(out.dtype.element_ty), mask=mask)
     else:
         # Slices add into the fp32 workspace; the tile's last slice to arrive takes the sum out and leaves
@@ -343,10 +362,13 @@ def int4_decode_matmul(
     bias: torch.Tensor | None,
     group_size: int,
     variant: DecodeVariant,
+    folded_input: FoldedInput | None = None,
+    folding: FoldingOutput | None = None,
 ) -> torch.Tensor:
     """x [M, K] (bf16 / fp16 / fp32, last dim contiguous) times qweight uint8 [N, K // 2]
     -> [M, N] in x's dtype; scale and zero [N, groups] row- or group-major. Shapes are checked by the caller
-    (kernels.py); supports() must hold."""
+    (kernels.py); supports() must hold. folded_input, folding: norm_fold.py's two halves (folding: one row, and
+    folds() must hold)."""
     M, K = x.shape
     if variant.words and not int32_viewable(qweight):
         # rows not whole words: the byte GEMV reads them, in steps inside one scale group
@@ -360,10 +382,14 @@ def int4_decode_matmul(
     N = qweight.shape[0]
     if M == 0:
         return torch.empty((0, N), dtype=x.dtype, device=x.device)
-    if variant.mma:
+    if folding is not None and not (M == 1 and folds(variant)):
+        raise ValueError(f"a norm folds into one row's GEMV without split K, not {M} rows through {variant}")
+    if variant.mma and folded_input is None:
         return _mma_gemv(x, qweight.view(torch.int32), scale, zero, bias, group_size, variant)
+    if variant.mma:  # (int4_mma.py has no folded input: a lane GEMV of the same warps instead)
+        variant = replace(variant, mma=False, lanes=True, block_n=4, block_k=8 * WORDS_A_WARP * variant.num_warps)
     tiles = triton.cdiv(N, variant.block_n) * triton.cdiv(M, variant.block_m)
-    splittable = M <= SPLIT_ROWS and tiles <= _MAX_TILES
+    splittable = M <= SPLIT_ROWS and tiles <= _MAX_TILES and folding is None
     split_k, k_per_split = gpu_fence.k_slices(K, variant.block_k, variant.split_k, splittable)
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
     workspace, counters = _split_buffers(x.device, N) if split_k > 1 else (out, out)
@@ -390,9 +416,12 @@ def int4_decode_matmul(
         zero.stride(0),
         zero.stride(1),
         out.stride(0),
+        *_fold_args(out, folded_input, folding),
         GROUP_SIZE=group_size,
         HAS_BIAS=bias is not None,
         SPLIT_K=split_k,
+        FOLD_IN=folded_input is not None,
+        FOLD_OUT=folding is not None,
         USE_ASM=variant.use_asm and x.device.type == "cuda",  # the interpreter knows no PTX
         FP16=x.dtype == torch.float16,
         UPCAST=x.device.type != "cuda" or x.dtype == torch.float32,
@@ -412,6 +441,20 @@ def int4_decode_matmul(
         **options,
     )
     return out
+
+
+def folds(variant: DecodeVariant) -> bool:
+    """A one-row GEMV of this shape can end with a folded norm's first half (norm_fold.py): K whole, not split,
+    and the rows one program's (not int4_mma.py's tiles)."""
+    return variant.split_k == 1 and not variant.mma and variant.block_m == 1
+
+
+def _fold_args(out: torch.Tensor, folded_input: FoldedInput | None, folding: FoldingOutput | None) -> tuple:
+    """The kernel's scale_sums .. fold_stale arguments (out where unused)."""
+    scale = (folded_input.sums, folded_input.eps) if folded_input is not None else (out, 0.0)
+    if folding is None:
+        return (*scale, out, out, out, out, out)
+    return (*scale, folding.residual, folding.weight, folding.h_out, folding.sums, folding.stale)
 
 
 def _launch(variant: DecodeVariant, device: torch.device) -> tuple[bool, dict[str, bool | int]]:

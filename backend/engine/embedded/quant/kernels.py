@@ -29,6 +29,7 @@ from .formats import FP8_MAX, dequantize_fp8, dequantize_int4, dequantize_int8
 from .fp8_kernel import MIN_SCALE, quantize_rows
 from .fp8_matmul_kernel import Fp8Tiles, fp8_matmul
 from .int4_decode_kernel import DecodeVariant
+from .norm_fold import FoldedInput, FoldingOutput
 from .weight_only_kernel import Variant
 
 TRITON_ACTIVATION_QUANT = True  # False: quantize_per_token's torch ops on CUDA too
@@ -200,6 +201,43 @@ def int4_linear(
     if x.device.type != "cuda":
         return F.linear(x, dequantize_int4(qweight, weight_scale, weight_zero, group_size), bias)
     return weight_only_triton(x, qweight, weight_scale, weight_zero, bias, group_size, bits=4)
+
+
+def int4_one_row(
+    x: torch.Tensor,
+    qweight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    weight_zero: torch.Tensor,
+    bias: torch.Tensor | None,
+    group_size: int,
+    folded_input: FoldedInput | None = None,
+    folding: FoldingOutput | None = None,
+) -> torch.Tensor:
+    """int4_linear of one row through the decode kernel (CUDA, or Triton's interpreter), with norm_fold.py's
+    halves: x a folded norm's h * g (folded_input), and/or the norm after it begun here (folding, where
+    int4_folds holds)."""
+    _check_weight_only(x, qweight, weight_scale, weight_zero, bias, group_size, bits=4)
+    x2d = _rows(x)
+    if x2d.shape[0] != 1:
+        raise ValueError(f"int4_one_row takes one row of x, got {x2d.shape[0]}")
+    variant = choose_decode_variant(1, qweight.shape[0], x2d.shape[1], group_size)
+    if not _int4_decode_applies(x, group_size, variant):
+        raise ValueError(f"the int4 decode kernel does not take x {x.dtype} with groups of {group_size}")
+    out = int4_decode.int4_decode_matmul(
+        x2d, qweight, weight_scale, weight_zero, bias, group_size, variant, folded_input, folding
+    )
+    return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def int4_one_row_applies(n: int, k: int, group_size: int, dtype: torch.dtype) -> bool:
+    """int4_one_row takes one row of an [n, k] int4 projection with x in dtype."""
+    return INT4_DECODE_KERNEL and int4_decode.supports(dtype, group_size, choose_decode_variant(1, n, k, group_size))
+
+
+def int4_folds(n: int, k: int, group_size: int, dtype: torch.dtype) -> bool:
+    """int4_one_row takes it, through a kernel shape that can begin a folded norm (folding)."""
+    applies = int4_one_row_applies(n, k, group_size, dtype)
+    return applies and int4_decode.folds(choose_decode_variant(1, n, k, group_size))
 
 
 def choose_variant(m: int, n: int, k: int) -> Variant:

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .formats import FP8_DTYPE, INT4_SYMMETRIC_ZERO
+from .norm_fold import NormFold, fold_result, folded_input_of, unfold
 from .quantize import quantize_fp8, quantize_int4, quantize_int8
 
 KINDS = ("fp8", "int8", "int4")
@@ -24,6 +25,7 @@ class QuantLinear(nn.Module):
     for its shape, and checkpoint.py replaces those slots with the format's own."""
 
     defer_scales = False  # FP8: the fused norm after it applies its output's scales (quant/fusion.py sets it)
+    norm_fold: Optional[NormFold] = None  # int4: the norm after it begins in its one-row GEMV (quant/fusion.py)
     weight: torch.Tensor
     weight_scale: torch.Tensor
     input_scale: Optional[torch.Tensor]
@@ -89,9 +91,14 @@ class QuantLinear(nn.Module):
             for name, value in parts.items():
                 getattr(self, name).narrow(0, start, rows).copy_(value)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """`residual`: the residual stream the norm after this projection adds to, given where that norm may
+        be folded into it (norm_fold.py; `norm_fold` set); otherwise unused."""
         from . import kernels  # the qkern branch's Triton kernels live there; imported on first use
 
+        folded_input = folded_input_of(x)
+        if folded_input is not None or (residual is not None and self.norm_fold is not None):
+            return self._folded(x, residual, folded_input)
         if self.kind == "fp8":
             return kernels.fp8_linear(
                 x, self.weight, self.weight_scale, self.bias, self.input_scale, defer_scales=self.defer_scales
@@ -100,6 +107,22 @@ class QuantLinear(nn.Module):
             return kernels.int8_linear(x, self.weight, self.weight_scale, self.bias, self.group_size)
         assert self.qweight is not None and self.weight_zero is not None
         return kernels.int4_linear(x, self.qweight, self.weight_scale, self.weight_zero, self.bias, self.group_size)
+
+    def _folded(self, x: torch.Tensor, residual: Optional[torch.Tensor], folded_input) -> torch.Tensor:
+        """One row through the int4 decode kernel with norm_fold.py's halves; anything else unfolded."""
+        from . import kernels
+
+        one_row = self.kind == "int4" and x.numel() == x.shape[-1]
+        folding = None
+        if one_row and self.norm_fold is not None and residual is not None and residual.shape == (1, self.out_features):
+            folding = self.norm_fold.output(residual.contiguous())
+        if not one_row:
+            return self.forward(unfold(x, folded_input) if folded_input is not None else x)
+        assert self.qweight is not None and self.weight_zero is not None
+        out = kernels.int4_one_row(
+            x, self.qweight, self.weight_scale, self.weight_zero, self.bias, self.group_size, folded_input, folding
+        )
+        return out if folding is None else fold_result(out, folding)
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, kind={self.kind}, group_size={self.group_size}"
