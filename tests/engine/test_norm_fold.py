@@ -14,6 +14,7 @@ from tritonllm.engine.embedded.engine import EmbeddedEngine
 from tritonllm.engine.embedded.loader import load_model
 from tritonllm.engine.embedded.network.layers import RMSNorm, use_fused_kernels
 from tritonllm.engine.embedded.quant import fusion, kernels, norm_fold
+from tritonllm.engine.embedded.quant import int4_decode_kernel as int4_decode
 from tritonllm.engine.embedded.quant.formats import dequantize_int4
 from tritonllm.engine.embedded.quant.linear import QuantLinear
 from tritonllm.engine.types import SamplingParams
@@ -99,11 +100,36 @@ def test_producer_then_reader_equal_the_unfolded_norm_between_them(dtype):
     torch.testing.assert_close(unfolded, normed, rtol=tolerance, atol=tolerance)
 
 
+@pytest.mark.parametrize(
+    "variant",
+    [
+        kernels.word_gemv(16, 128, 1),  # the word GEMV: the residual read after its loop
+        int4_decode.DecodeVariant(block_m=1, block_n=32, block_k=32, num_warps=1, use_dot=False),  # bytes
+    ],
+    ids=["words", "bytes"],
+)
+def test_the_other_one_row_gemvs_fold_alike(variant):
+    n, k, group_size = 40, 128, 32
+    qweight, scale, zero, residual, weight = _problem(n, k, group_size, torch.float32, seed=8)
+    x = random_x(1, k)
+    slots = torch.zeros((2, norm_fold.SLOTS), device=DEVICE)
+    folding = _fold(residual, weight, slots)
+    hg = int4_decode.int4_decode_matmul(x, qweight, scale, zero, None, group_size, variant, folding=folding)
+    y = int4_decode.int4_decode_matmul(x, qweight, scale, zero, None, group_size, variant)
+    h = y + residual
+    torch.testing.assert_close(folding.h_out, h, rtol=0, atol=0)
+    torch.testing.assert_close(hg, h * weight, rtol=0, atol=0)
+    torch.testing.assert_close(slots[1].sum(), h.pow(2).sum(), rtol=1e-5, atol=1e-5)
+
+
 def test_a_fold_refuses_a_split_or_several_rows():
     qweight, scale, zero, residual, weight = _problem(48, 64, 32, torch.float32, seed=7)
     folding = _fold(residual, weight, torch.zeros((2, norm_fold.SLOTS), device=DEVICE))
     with pytest.raises(ValueError, match="takes one row of x, got 2"):
         kernels.int4_one_row(random_x(2, 64), qweight, scale, zero, None, 32, folding=folding)
+    split = kernels.lane_gemv(4, 1, split_k=2)
+    with pytest.raises(ValueError, match="a norm folds into one row's GEMV without split K"):
+        int4_decode.int4_decode_matmul(random_x(1, 64), qweight, scale, zero, None, 32, split, folding=folding)
     with pytest.raises(ValueError, match="two folds at least"):
         norm_fold.ring(1, DEVICE)
 

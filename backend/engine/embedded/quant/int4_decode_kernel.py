@@ -266,9 +266,10 @@ def _int4_decode_kernel(
     s_rows = scale + kept * stride_s
     z_rows = zero + kept * stride_z
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    residual_cols = tl.zeros((BLOCK_N,), dtype=tl.float32)  # FOLD_OUT's residual, read early by the lane GEMV
     if WORDS:  # w is the int32 view, stride_w in words (nested ifs: `WORDS and LANES` would not fold)
         if LANES:
-            acc += lanes_row(
+            row, residual_cols = lanes_row(
                 w_rows,
                 x,
                 s_rows,
@@ -284,7 +285,10 @@ def _int4_decode_kernel(
                 EVEN_K,
                 PREFETCH,
                 PDL,
-            )[None, :]
+                fold_residual + kept,
+                FOLD_OUT,
+            )
+            acc += row[None, :]
         else:
             acc += words_row(
                 w_rows,
@@ -341,9 +345,13 @@ def _int4_decode_kernel(
     out_ptrs = out + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
     if FOLD_OUT:
+        if not LANES:
+            residual_cols = tl.load(fold_residual + kept).to(tl.float32)
         y = tl.sum(acc, axis=0)  # the one row
-        fold_args = (fold_residual, fold_weight, fold_h, fold_sums, fold_stale)
-        fold_epilogue(y, cols, col_ok, out, *fold_args, FOLD_SLOTS, INTERPRETED and out.dtype.element_ty == tl.bfloat16)
+        outputs = (out, fold_weight, fold_h, fold_sums, fold_stale)  # (constexprs stay out of tuples)
+        fold_epilogue(
+            y, residual_cols, cols, col_ok, *outputs, FOLD_SLOTS, INTERPRETED and out.dtype.element_ty == tl.bfloat16
+        )
     elif SPLIT_K == 1:
         tl.store(out_ptrs, acc.to(out.dtype.element_ty), mask=mask)
     else:

@@ -149,14 +149,20 @@ def lanes_row(
     EVEN_K,
     PREFETCH,
     PDL,
+    early,
+    EARLY: tl.constexpr,
 ):
     """One row x times the rows' words from k_start to k_end (whole K steps), [ROWS] fp32; w_rows, s_rows and
     z_rows point at rows that exist (the kernel's rows past N at row N - 1). PDL and PREFETCH as in
-    int4_words.words_row."""
+    int4_words.words_row. EARLY: also returns what the pointers `early` [ROWS] hold in fp32, read as soon as the
+    kernels before have finished (a folded norm's residual: its round trip then overlaps the K loop)."""
     PAIRS: tl.constexpr = USE_ASM and x.dtype.element_ty == tl.bfloat16
     words = _step_words(w_rows, k_start, k_end, K, BLOCK_K, EVEN_K)
     release_dependents(PDL)
     wait_for_inputs(PDL)
+    early_values = tl.zeros((words.shape[0],), dtype=tl.float32)
+    if EARLY:
+        early_values = tl.load(early).to(tl.float32)
     lanes = tl.zeros((words.shape[0], words.shape[1] // 4), dtype=tl.float32)
     for k0 in range(k_start, k_end, BLOCK_K):
         if PREFETCH:
@@ -165,4 +171,4 @@ def lanes_row(
         if not PREFETCH:
             upcoming = _step_words(w_rows, k0 + BLOCK_K, k_end, K, BLOCK_K, EVEN_K)
         words = upcoming
-    return tl.sum(lanes, axis=1)
+    return tl.sum(lanes, axis=1), early_values

@@ -98,14 +98,14 @@ def folded_scale(sums, K, eps, SLOTS_P: tl.constexpr):
 
 @triton.jit
 def fold_epilogue(
-    y, cols, col_ok, out, residual, weight, h_out, sums, stale, SLOTS_P: tl.constexpr, ROUND_BF16: tl.constexpr
+    y, residual, cols, col_ok, out, weight, h_out, sums, stale, SLOTS_P: tl.constexpr, ROUND_BF16: tl.constexpr
 ):
-    """The producer's end for one row: y [BLOCK_N] fp32 the product's columns `cols`. Stores h and h * g, adds
-    this program's sum(h^2) into a slot, and the first program zeroes the stale slots. h and h * g round as the
-    fused norm's (fused_ops._to: ROUND_BF16 on the interpreter)."""
+    """The producer's end for one row: y [BLOCK_N] fp32 the product's columns `cols`, residual those of the
+    residual stream (fp32). Stores h and h * g, adds this program's sum(h^2) into a slot, and the first program
+    zeroes the stale slots. h and h * g round as the fused norm's (fused_ops._to: ROUND_BF16 on the interpreter)."""
     dtype = out.dtype.element_ty
     y = y.to(dtype).to(tl.float32)  # the projection's output as stored unfolded
-    h = round_to(y + tl.load(residual + cols, mask=col_ok, other=0.0).to(tl.float32), dtype, ROUND_BF16)
+    h = round_to(y + residual, dtype, ROUND_BF16)
     tl.store(h_out + cols, h, mask=col_ok)
     h = h.to(tl.float32)
     g = tl.load(weight + cols, mask=col_ok, other=0.0).to(tl.float32)
