@@ -179,9 +179,12 @@ def _layer_without_attention(layer, delta, residual):
 
 def test_a_w4a16_model_folds_every_norm_between_its_int4_projections_or_none(tiny, monkeypatch):
     model = _w4a16(tiny)
-    assert fusion.fold_int4_norms(model, DEVICE, lora_enabled=False) == 0  # off by default
-    monkeypatch.setattr(fusion, "FOLD_NORMS", True)
-    assert fusion.fold_int4_norms(model, DEVICE, lora_enabled=True) == 0
+    assert fusion.FOLD_NORMS
+    assert fusion.fold_int4_norms(model, torch.device("cpu"), lora_enabled=False) == 0  # CUDA's only
+    cuda = torch.device("cuda")  # (fold_int4_norms only reads its type; install_norm_folds below takes DEVICE)
+    assert fusion.fold_int4_norms(model, cuda, lora_enabled=True) == 0
+    monkeypatch.setattr(fusion, "FOLD_NORMS", False)
+    assert fusion.fold_int4_norms(model, cuda, lora_enabled=False) == 0
     assert fusion.install_norm_folds(model, DEVICE) == 3  # two layers: o_proj, down_proj, o_proj
     names = [name for name, m in model.named_modules() if isinstance(m, QuantLinear) and m.norm_fold is not None]
     assert names == ["layers.0.self_attn.o_proj", "layers.0.mlp.down_proj", "layers.1.self_attn.o_proj"]

@@ -23,9 +23,9 @@ from .norm_fold import NormFold, ring
 log = logging.getLogger("tritonllm.engine")
 FP8_ROWS = True  # False: every FP8 projection quantizes its input itself (for comparisons)
 DEFER_SCALES = True  # False: every FP8 projection scales its own output (for comparisons)
-# Batch-1 W4A16 decode with the norms folded into the int4 GEMVs around them (norm_fold.py): written and tested on
-# CPU, not yet timed on a GPU, so off (bench-quant's w4a16-1-fold variant times it).
-FOLD_NORMS = False
+# Batch-1 W4A16 decode with the norms folded into the int4 GEMVs around them (norm_fold.py): 410-412 against 399
+# tok/s on an H200 (docs/benchmarks.md, twenty-ninth session). False: every norm its own launch (for comparisons).
+FOLD_NORMS = True
 
 
 def takes_fp8_rows(projection: object) -> bool:

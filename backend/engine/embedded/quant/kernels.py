@@ -255,7 +255,7 @@ def choose_variant(m: int, n: int, k: int) -> Variant:
 def choose_decode_variant(m: int, n: int, k: int, group_size: int = 128) -> DecodeVariant:
     """The int4 decode kernel's program shape for m <= SMALL_M rows (int4_decode_kernel.py), from GPU sweeps over
     Llama-3.1-8B's four projections (docs/gpu-runs.md). One row: ONE_ROW_SHAPES where it has (N, K) (lane GEMVs,
-    54.3 us for the four on an H100 against bf16's 161), else a lane GEMV of default shape (default_lane_gemv),
+    49.6 us for the four on an H200 against bf16's 113.7), else a lane GEMV of default shape (default_lane_gemv),
     or where the groups are not whole lanes' columns the byte GEMV, one warp a program, 32 columns, K in 16 slices
     (77 us on the H100). More rows: 16-row tl.dot tiles, two warps, 64 columns and 8 slices, or 128 columns and 2
     slices for the wide gate/up projection."""
@@ -364,13 +364,14 @@ def mma_gemv(tiles: int, warps: int, split_k: int = 1, pdl: bool = True) -> Deco
 
 # One row's program shape by (N, K), ahead of default_lane_gemv: each projection's best in a GPU sweep
 # (`QUANT_ARGS=--lanes QUANT_MS=1 bash ci/gpu_session.sh int4-decode-sweep`; bench-quant's w4a16-1-swept runs a
-# sweep's table). Llama-3.1-8B's (and Mistral-7B's) shapes from an H100 sweep, 2026-12-06 (docs/gpu-runs.md,
-# twenty-fifth session, call 3), us against bf16's; the word GEMV's best in the same run in brackets.
+# sweep's table). Llama-3.1-8B's (and Mistral-7B's) shapes from an H200 sweep, 2026-12-06 (docs/gpu-runs.md,
+# twenty-ninth session, call 2), us against bf16's; the H100's best in the twenty-fifth session's sweep in brackets
+# (the same shapes, but gate_up's 4 rows and one warp there).
 ONE_ROW_SHAPES: dict[tuple[int, int], DecodeVariant] = {
-    (6144, 4096): lane_gemv(8, 2),  # qkv_proj 8.16 us (word GEMV 8.73, bf16 20.6)
-    (4096, 4096): lane_gemv(4, 2),  # o_proj 6.30 (7.34, 15.6)
-    (28672, 4096): lane_gemv(4, 1),  # gate_up_proj 24.84 (27.53, 81.6)
-    (4096, 14336): lane_gemv(4, 2),  # down_proj 14.96 (17.38, 43.5)
+    (6144, 4096): lane_gemv(8, 2),  # qkv_proj 6.88 us against bf16's 14.90 (H100 8.16)
+    (4096, 4096): lane_gemv(4, 2),  # o_proj 5.91, 12.58 (6.30)
+    (28672, 4096): lane_gemv(8, 2),  # gate_up_proj 22.62, 54.91 (24.84)
+    (4096, 14336): lane_gemv(4, 2),  # down_proj 14.18, 31.35 (14.96)
 }
 
 
