@@ -384,7 +384,9 @@ def int4_decode_matmul(
         variant = replace(
             variant, words=False, x_vector=False, pdl=False, lanes=False, block_n=block_n, block_k=block_k
         )
-    if variant.mma and not _mma_reads(x, qweight):  # a lane GEMV for one row, 16-row tl.dot tiles for more
+    # int4_mma.py reads neither rows it cannot load in 16 bytes nor a folded input: a lane GEMV for one row,
+    # 16-row tl.dot tiles for more
+    if variant.mma and (folded_input is not None or not _mma_reads(x, qweight)):
         lanes = replace(variant, mma=False, lanes=True, block_n=4, block_k=8 * WORDS_A_WARP * variant.num_warps)
         variant = lanes if M == 1 else DecodeVariant(block_n=64, block_k=variant.block_k, num_warps=2)
     N = qweight.shape[0]
@@ -392,10 +394,8 @@ def int4_decode_matmul(
         return torch.empty((0, N), dtype=x.dtype, device=x.device)
     if folding is not None and not (M == 1 and folds(variant)):
         raise ValueError(f"a norm folds into one row's GEMV without split K, not {M} rows through {variant}")
-    if variant.mma and folded_input is None:
+    if variant.mma:
         return _mma_gemv(x, qweight.view(torch.int32), scale, zero, bias, group_size, variant)
-    if variant.mma:  # (int4_mma.py has no folded input: a lane GEMV of the same warps instead)
-        variant = replace(variant, mma=False, lanes=True, block_n=4, block_k=8 * WORDS_A_WARP * variant.num_warps)
     tiles = triton.cdiv(N, variant.block_n) * triton.cdiv(M, variant.block_m)
     splittable = M <= SPLIT_ROWS and tiles <= _MAX_TILES and folding is None
     split_k, k_per_split = gpu_fence.k_slices(K, variant.block_k, variant.split_k, splittable)

@@ -220,8 +220,8 @@ def int4_one_row(
     x2d = _rows(x)
     if x2d.shape[0] != 1:
         raise ValueError(f"int4_one_row takes one row of x, got {x2d.shape[0]}")
-    variant = choose_decode_variant(1, qweight.shape[0], x2d.shape[1], group_size)
-    if not _int4_decode_applies(x, group_size, variant):
+    variant = _one_row_variant(qweight.shape[0], x2d.shape[1], group_size, x.dtype)
+    if variant is None:
         raise ValueError(f"the int4 decode kernel does not take x {x.dtype} with groups of {group_size}")
     out = int4_decode.int4_decode_matmul(
         x2d, qweight, weight_scale, weight_zero, bias, group_size, variant, folded_input, folding
@@ -229,15 +229,22 @@ def int4_one_row(
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+def _one_row_variant(n: int, k: int, group_size: int, dtype: torch.dtype) -> DecodeVariant | None:
+    """The decode kernel's shape for one row of an [n, k] int4 projection with x in dtype, None where it does not
+    take it."""
+    variant = choose_decode_variant(1, n, k, group_size)
+    return variant if _int4_decode_applies(dtype, group_size, variant) else None
+
+
 def int4_one_row_applies(n: int, k: int, group_size: int, dtype: torch.dtype) -> bool:
     """int4_one_row takes one row of an [n, k] int4 projection with x in dtype."""
-    return INT4_DECODE_KERNEL and int4_decode.supports(dtype, group_size, choose_decode_variant(1, n, k, group_size))
+    return _one_row_variant(n, k, group_size, dtype) is not None
 
 
 def int4_folds(n: int, k: int, group_size: int, dtype: torch.dtype) -> bool:
     """int4_one_row takes it, through a kernel shape that can begin a folded norm (folding)."""
-    applies = int4_one_row_applies(n, k, group_size, dtype)
-    return applies and int4_decode.folds(choose_decode_variant(1, n, k, group_size))
+    variant = _one_row_variant(n, k, group_size, dtype)
+    return variant is not None and int4_decode.folds(variant)
 
 
 def choose_variant(m: int, n: int, k: int) -> Variant:
@@ -305,7 +312,7 @@ def weight_only_triton(
         out = int4_gemm.int4_gemm(x2d, weight, scale, zero, bias, group_size, tiles)
     elif m > SMALL_M and LARGE_M_STRATEGY != "tiled":
         out = F.linear(x2d, wo.dequantize(weight, scale, zero, group_size, bits, x.dtype), bias)
-    elif decode is not None and _int4_decode_applies(x, group_size, decode):
+    elif decode is not None and _int4_decode_applies(x.dtype, group_size, decode):
         assert zero is not None
         out = int4_decode.int4_decode_matmul(x2d, weight, scale, zero, bias, group_size, decode)
     else:
@@ -321,8 +328,8 @@ def _int4_gemm_tiles(m: int, bits: int, group_size: int) -> int4_gemm.GemmTiles 
     return tiles if int4_gemm.fits(group_size, tiles) else None
 
 
-def _int4_decode_applies(x: torch.Tensor, group_size: int, variant: DecodeVariant) -> bool:
-    return INT4_DECODE_KERNEL and int4_decode.supports(x.dtype, group_size, variant)
+def _int4_decode_applies(dtype: torch.dtype, group_size: int, variant: DecodeVariant) -> bool:
+    return INT4_DECODE_KERNEL and int4_decode.supports(dtype, group_size, variant)
 
 
 INT4_DECODE_KERNEL = True  # False: int4 decode through weight_only_kernel's general kernel

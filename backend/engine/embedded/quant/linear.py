@@ -112,12 +112,11 @@ class QuantLinear(nn.Module):
         """One row through the int4 decode kernel with norm_fold.py's halves; anything else unfolded."""
         from . import kernels
 
-        one_row = self.kind == "int4" and x.numel() == x.shape[-1]
-        folding = None
-        if one_row and self.norm_fold is not None and residual is not None and residual.shape == (1, self.out_features):
-            folding = self.norm_fold.output(residual.contiguous())
-        if not one_row:
+        if self.kind != "int4" or x.numel() != x.shape[-1]:
             return self.forward(unfold(x, folded_input) if folded_input is not None else x)
+        folding = None
+        if self.norm_fold is not None and residual is not None and residual.shape == (1, self.out_features):
+            folding = self.norm_fold.output(residual.contiguous())
         assert self.qweight is not None and self.weight_zero is not None
         out = kernels.int4_one_row(
             x, self.qweight, self.weight_scale, self.weight_zero, self.bias, self.group_size, folded_input, folding
