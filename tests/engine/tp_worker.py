@@ -279,7 +279,17 @@ def main(model_dir: str, out_path: str) -> None:
     leave_group()
 
 
+def end_process(code: int) -> None:
+    """Exit without the interpreter's teardown once the group is left and the output flushed: a C++ destructor of
+    that teardown aborts a rank now and then ("terminate called without an active exception"), as it did the
+    `tritonllm follow` processes (commands/follow.py ends the same way), reporting a clean run as a crash."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
     if len(sys.argv) > 3:
-        sys.exit(lost_rank(sys.argv[1], sys.argv[2], sys.argv[3]))
+        end_process(lost_rank(sys.argv[1], sys.argv[2], sys.argv[3]))
     main(sys.argv[1], sys.argv[2])
+    end_process(0)
