@@ -22,7 +22,7 @@ import sys
 import torch
 from gpu_timing import graphed, timed_ms
 
-from tritonllm.engine.embedded.attention import step_metadata, write_kv
+from tritonllm.engine.embedded.attention import decode_kernels, step_metadata, write_kv
 from tritonllm.engine.embedded.attention import triton_kernels as tk
 from tritonllm.engine.embedded.attention.fp8_cache import FP8_DTYPE
 from tritonllm.engine.embedded.attention.portable import portable_attention
@@ -171,16 +171,16 @@ def time_decode() -> None:
             ("fp8", FP8_DTYPE, True),
             ("fp8_bf16_tiles", FP8_DTYPE, False),
         ):
-            tk.FP8_DECODE_IN_FP16 = fp16_tiles
+            decode_kernels.FP8_DECODE_IN_FP16 = fp16_tiles
             row[f"{name}_ms"], row[f"{name}_cache_gib"] = _decode_ms(q, shape, dtype, table, lens, context)
             torch.cuda.empty_cache()
-        tk.FP8_DECODE_IN_FP16 = True
+        decode_kernels.FP8_DECODE_IN_FP16 = True
         if batch == 256:  # the key tile's width, for fp8
-            default = tk.DECODE_BLOCK_N
+            default = decode_kernels.DECODE_BLOCK_N
             for block_n in (32, 128):
-                tk.DECODE_BLOCK_N = block_n
+                decode_kernels.DECODE_BLOCK_N = block_n
                 row[f"fp8_block_n{block_n}_ms"] = _decode_ms(q, shape, FP8_DTYPE, table, lens, context)[0]
-            tk.DECODE_BLOCK_N = default
+            decode_kernels.DECODE_BLOCK_N = default
         row["speedup"] = round(row["bf16_ms"] / row["fp8_ms"], 2)
         print(json.dumps(row), flush=True)
 
@@ -196,7 +196,12 @@ def _graphed_decode_ms(q, caches, table, lens, context, launches: int = 20) -> f
 def sweep_decode() -> None:
     """decode_attention's tile width, warps and pipeline stages over bf16 and fp8 caches, each replayed from a CUDA
     graph of 20 launches (as a decode step runs it); one JSON line a (shape, cache), its configurations ranked."""
-    defaults = tk.DECODE_BLOCK_N, tk.DECODE_NUM_WARPS, tk.DECODE_NUM_WARPS_FP8, tk.DECODE_NUM_STAGES
+    defaults = (
+        decode_kernels.DECODE_BLOCK_N,
+        decode_kernels.DECODE_NUM_WARPS,
+        decode_kernels.DECODE_NUM_WARPS_FP8,
+        decode_kernels.DECODE_NUM_STAGES,
+    )
     for batch, context in ((256, 256), (256, 1024), (64, 4096)):
         blocks_per_seq = context // BLOCK
         shape = (batch * blocks_per_seq, BLOCK, KV_HEADS, DIM)
@@ -208,15 +213,20 @@ def sweep_decode() -> None:
             gib = sum(c.numel() * c.element_size() for c in caches) / 2**30
             found = []
             for block_n, warps, stages in itertools.product((32, 64, 128), (2, 4, 8), (1, 2, 3)):
-                tk.DECODE_BLOCK_N, tk.DECODE_NUM_STAGES = block_n, stages
-                tk.DECODE_NUM_WARPS = tk.DECODE_NUM_WARPS_FP8 = warps
+                decode_kernels.DECODE_BLOCK_N, decode_kernels.DECODE_NUM_STAGES = block_n, stages
+                decode_kernels.DECODE_NUM_WARPS = decode_kernels.DECODE_NUM_WARPS_FP8 = warps
                 try:
                     ms = _graphed_decode_ms(q, caches, table, lens, context)
                 except Exception as error:  # a shape past the shared memory, say
                     found.append((float("inf"), f"{block_n}/{warps}/{stages}: {type(error).__name__}"))
                     continue
                 found.append((ms, f"{block_n}/{warps}/{stages}"))
-            tk.DECODE_BLOCK_N, tk.DECODE_NUM_WARPS, tk.DECODE_NUM_WARPS_FP8, tk.DECODE_NUM_STAGES = defaults
+            (
+                decode_kernels.DECODE_BLOCK_N,
+                decode_kernels.DECODE_NUM_WARPS,
+                decode_kernels.DECODE_NUM_WARPS_FP8,
+                decode_kernels.DECODE_NUM_STAGES,
+            ) = defaults
             warps = defaults[2] if dtype == FP8_DTYPE else defaults[1]
             default = next(ms for ms, label in found if label == f"{defaults[0]}/{warps}/{defaults[3]}")
             ranked = sorted(found)[:6]

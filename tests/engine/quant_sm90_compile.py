@@ -8,7 +8,7 @@ from dataclasses import replace
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 
-from tritonllm.engine.embedded.attention import triton_kernels as attention
+from tritonllm.engine.embedded.attention import decode_kernels, kv_store
 from tritonllm.engine.embedded.network import fused_ops
 from tritonllm.engine.embedded.quant import fp8_kernel, fp8_matmul_kernel, int4_gemm, int4_mma
 from tritonllm.engine.embedded.quant import int4_decode_kernel as int4_decode
@@ -156,16 +156,16 @@ def small_kernels_with_pdl() -> None:
     kernels = [(fused_ops._rotary_kernel, {"x": "*bf16", "cos": "*bf16", "sin": "*bf16"}, rotary, 4)]
     store = dict(HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128, QUANTIZE=False) | wait
     pointers = {"k": "*bf16", "v": "*bf16", "k_cache": "*bf16", "v_cache": "*bf16", "slot_mapping": "*i64"}
-    kernels.append((attention._store_kv_kernel, pointers | {"k_inv_scale": "fp32", "v_inv_scale": "fp32"}, store, 1))
+    kernels.append((kv_store._store_kv_kernel, pointers | {"k_inv_scale": "fp32", "v_inv_scale": "fp32"}, store, 1))
     split = dict(GROUP=4, GROUP_P=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_N=64, NUM_SPLITS=16)
     split |= dict(WINDOWED=False, SOFTCAP=False, UPCAST=False, IEEE=False, FP16_TILES=False) | wait
     pointers = {n: "*bf16" for n in ("q", "k_cache", "v_cache", "out")} | {"block_tables": "*i32", "seq_lens": "*i32"}
     pointers |= {"part_out": "*fp32", "part_lse": "*fp32"}
     pointers |= {n: "fp32" for n in ("scale_log2", "v_scale", "cap_log2", "scale_over_cap")}
-    kernels.append((attention._decode_split_kernel, pointers, split, 4))
+    kernels.append((decode_kernels._decode_split_kernel, pointers, split, 4))
     merge = dict(HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=16, SPLITS_P=16) | wait
     kernels.append(
-        (attention._decode_merge_kernel, {"part_out": "*fp32", "part_lse": "*fp32", "out": "*bf16"}, merge, 4)
+        (decode_kernels._decode_merge_kernel, {"part_out": "*fp32", "part_lse": "*fp32", "out": "*bf16"}, merge, 4)
     )
     for kernel, pointers, constexprs, warps in kernels:
         ptx = compile_for_sm90(kernel, pointers, constexprs, num_warps=warps, launch_pdl=True).asm["ptx"]

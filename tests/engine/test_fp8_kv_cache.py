@@ -13,7 +13,11 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tritonllm.engine.embedded.attention import step_metadata, write_kv  # noqa: E402
+from tritonllm.engine.embedded.attention import (  # noqa: E402
+    prefill_kernels,  # noqa: E402
+    step_metadata,
+    write_kv,
+)
 from tritonllm.engine.embedded.attention import triton_kernels as tk  # noqa: E402
 from tritonllm.engine.embedded.attention.fp8_cache import FP8_DTYPE, FP8_MAX, dequantize, quantize  # noqa: E402
 from tritonllm.engine.embedded.attention.portable import portable_attention, zero_blocks  # noqa: E402
@@ -23,7 +27,7 @@ INTERPRETED = False
 if not CUDA:
     from triton.runtime.interpreter import InterpretedFunction
 
-    INTERPRETED = isinstance(tk._prefill_kernel, InterpretedFunction)
+    INTERPRETED = isinstance(prefill_kernels._prefill_kernel, InterpretedFunction)
 
 needs_kernels = pytest.mark.skipif(
     not CUDA and not INTERPRETED,

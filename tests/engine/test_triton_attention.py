@@ -14,7 +14,11 @@ CUDA = torch.cuda.is_available()
 if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tritonllm.engine.embedded.attention import step_metadata, write_kv  # noqa: E402
+from tritonllm.engine.embedded.attention import (  # noqa: E402
+    prefill_kernels,  # noqa: E402
+    step_metadata,
+    write_kv,
+)
 from tritonllm.engine.embedded.attention import triton_kernels as tk  # noqa: E402
 from tritonllm.engine.embedded.attention.portable import portable_attention  # noqa: E402
 from tritonllm.engine.embedded.block_manager import blocks_for  # noqa: E402
@@ -22,7 +26,7 @@ from tritonllm.engine.embedded.block_manager import blocks_for  # noqa: E402
 if not CUDA:
     from triton.runtime.interpreter import InterpretedFunction
 
-    if not isinstance(tk._prefill_kernel, InterpretedFunction):
+    if not isinstance(prefill_kernels._prefill_kernel, InterpretedFunction):
         pytest.skip(
             f"no CUDA, and the Triton kernels were compiled without TRITON_INTERPRET=1 (triton imported "
             f"first: {'triton' in sys.modules}); set TRITON_INTERPRET=1 before triton is imported",

@@ -26,7 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..attention.triton_kernels import _dot  # the paged-attention kernels' fp32-accumulating dot
+from ..attention.tile_ops import dot  # the paged-attention kernels' fp32-accumulating dot
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -77,8 +77,8 @@ def _gate_up_kernel(
         up_w = tl.load(w_expert + (cols[None, :] + inter) * stride_wn + ks[:, None], mask=w_ok, other=0.0)
         if UPCAST:
             a, gate_w, up_w = a.to(tl.float32), gate_w.to(tl.float32), up_w.to(tl.float32)
-        acc_gate += _dot(a, gate_w, IEEE)
-        acc_up += _dot(a, up_w, IEEE)
+        acc_gate += dot(a, gate_w, IEEE)
+        acc_up += dot(a, up_w, IEEE)
     hidden_act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
     out_ptrs = out + rows.to(tl.int64)[:, None] * stride_or + cols[None, :]
     tl.store(out_ptrs, hidden_act.to(out.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
@@ -133,7 +133,7 @@ def _down_kernel(
         )
         if UPCAST:
             a, down_w = a.to(tl.float32), down_w.to(tl.float32)
-        acc += _dot(a, down_w, IEEE)
+        acc += dot(a, down_w, IEEE)
     weight = tl.load(router_weights + pair, mask=valid, other=0.0).to(tl.float32)
     acc = acc * weight[:, None]
     out_ptrs = out + pair.to(tl.int64)[:, None] * stride_op + cols[None, :]
