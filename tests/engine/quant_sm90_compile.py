@@ -149,20 +149,29 @@ def assert_waits_first(ptx: str, wait: bool) -> None:
 
 
 def small_kernels_with_pdl() -> None:
-    """RoPE, the KV store and decode attention's split and merge launched with PDL (pdl.SMALL_KERNELS): each
-    waits for the kernels before it ahead of any global access."""
+    """RoPE, the KV store, the two in one launch (into a bf16 and an FP8 cache) and decode attention's split
+    (merging its splits itself or not) and merge, launched with PDL (pdl.SMALL_KERNELS): each waits for the
+    kernels before it ahead of any global access. (One `compiled` line: test_quant_kernels.py counts them.)"""
     wait = dict(RELEASE=True, WAIT=True)
     rotary = dict(HALF=64, HALF_P=64, BLOCK_H=4, ROUND_BF16=False) | wait
     kernels = [(fused_ops._rotary_kernel, {"x": "*bf16", "cos": "*bf16", "sin": "*bf16"}, rotary, 4)]
     store = dict(HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128, QUANTIZE=False) | wait
     pointers = {"k": "*bf16", "v": "*bf16", "k_cache": "*bf16", "v_cache": "*bf16", "slot_mapping": "*i64"}
-    kernels.append((kv_store._store_kv_kernel, pointers | {"k_inv_scale": "fp32", "v_inv_scale": "fp32"}, store, 1))
+    pointers |= {"k_inv_scale": "fp32", "v_inv_scale": "fp32"}
+    kernels.append((kv_store._store_kv_kernel, pointers, store, 1))
+    pointers = pointers | {"q": "*bf16", "cos": "*bf16", "sin": "*bf16"}
+    rotate_store = dict(HALF=64, HALF_P=64, BLOCK_H=16, QUANTIZE=False, ROUND_BF16=False) | wait
+    kernels.append((kv_store._rotate_store_kv_kernel, pointers, rotate_store, 4))
+    fp8_caches = {"k_cache": "*fp8e4nv", "v_cache": "*fp8e4nv"}
+    kernels.append((kv_store._rotate_store_kv_kernel, pointers | fp8_caches, rotate_store | dict(QUANTIZE=True), 4))
     split = dict(GROUP=4, GROUP_P=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_N=64, NUM_SPLITS=16)
-    split |= dict(WINDOWED=False, SOFTCAP=False, UPCAST=False, IEEE=False, FP16_TILES=False) | wait
+    split |= dict(WINDOWED=False, SOFTCAP=False, UPCAST=False, IEEE=False, FP16_TILES=False, MERGE_HERE=False) | wait
+    merging = dict(MERGE_HERE=True)
     pointers = {n: "*bf16" for n in ("q", "k_cache", "v_cache", "out")} | {"block_tables": "*i32", "seq_lens": "*i32"}
     pointers |= {"part_out": "*fp32", "part_lse": "*fp32"}
     pointers |= {n: "fp32" for n in ("scale_log2", "v_scale", "cap_log2", "scale_over_cap")}
     kernels.append((decode_kernels._decode_split_kernel, pointers, split, 4))
+    kernels.append((decode_kernels._decode_split_kernel, pointers | {"arrivals": "*i32"}, split | merging, 4))
     merge = dict(HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=16, SPLITS_P=16) | wait
     kernels.append(
         (decode_kernels._decode_merge_kernel, {"part_out": "*fp32", "part_lse": "*fp32", "out": "*bf16"}, merge, 4)
@@ -170,7 +179,10 @@ def small_kernels_with_pdl() -> None:
     for kernel, pointers, constexprs, warps in kernels:
         ptx = compile_for_sm90(kernel, pointers, constexprs, num_warps=warps, launch_pdl=True).asm["ptx"]
         assert_waits_first(ptx, True)
-    print("compiled RoPE, the KV store and decode attention launched with PDL", flush=True)
+        if constexprs.get("MERGE_HERE"):  # the splits' counter: after every thread's fence and a barrier
+            assert_counts_after_barrier(ptx)
+            assert "ld.global.cg" in ptx[ptx.index("atom.global.gpu.acq_rel") :], "the merge reads partials via L1"
+    print("compiled RoPE, the KV store, both in one and decode attention (two merges) launched with PDL", flush=True)
 
 
 def fp8_matmul() -> None:

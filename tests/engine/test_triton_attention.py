@@ -15,7 +15,8 @@ if not CUDA:
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tritonllm.engine.embedded.attention import (  # noqa: E402
-    prefill_kernels,  # noqa: E402
+    decode_kernels,
+    prefill_kernels,
     step_metadata,
     write_kv,
 )
@@ -336,8 +337,15 @@ DECODE_CASES = {  # name: (seq_lens, extra table columns, heads, kv_heads, head_
 }
 
 
+@pytest.fixture(params=[False, True], ids=["merge launch", "last split merges"])
+def merging(request, monkeypatch):
+    """Decode's splits merged by a launch of their own, or by the last of them to finish (MERGE_IN_LAST_SPLIT)."""
+    monkeypatch.setattr(decode_kernels, "MERGE_IN_LAST_SPLIT", request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("name", DECODE_CASES)
-def test_decode_equals_portable(name):
+def test_decode_equals_portable(name, merging):
     seq_lens, extra, heads, kv_heads, head_dim, block_size, dtype = DECODE_CASES[name]
     step = Step(len(name), [1] * len(seq_lens), seq_lens, heads, kv_heads, head_dim, block_size, dtype)
     tables = step.block_tables(extra)
@@ -348,12 +356,41 @@ def test_decode_equals_portable(name):
 
 
 @pytest.mark.parametrize("max_seq_len", [64, 4096])
-def test_decode_of_a_sequence_without_keys_is_zero(max_seq_len):
+def test_decode_of_a_sequence_without_keys_is_zero(max_seq_len, merging):
     """A CUDA graph's padding sequences have no keys: zeros, not NaN, with one split or many."""
     step = Step(8, [1, 1], [40, 1], 4, 2, 16, 4, torch.float32)
     out = tk.decode_attention(step.q, *step.caches, step.block_tables(), step.int_tensor([40, 0]), SCALE, max_seq_len)
     assert (out[1] == 0).all()
     assert_close(out[:1], step.reference()[:1])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_last_split_merges_as_the_merge_launch_and_resets_its_counters(monkeypatch, dtype):
+    """Merged by the last split: the merge launch's output (fp32 sums in another order: within 1e-6), every
+    counter back at 0 after each launch, and a second launch over the same counters the same output (a counter
+    left at 1 would leave every (sequence, KV head) unmerged: empty memory)."""
+    seq_lens = [2100, 5, 1, 0, 300]  # the fourth has no keys (a CUDA graph's padding row)
+    step = Step(11, [1] * len(seq_lens), [max(1, n) for n in seq_lens], 8, 2, 32, 16, dtype)
+    tables, lens = step.block_tables(), step.int_tensor(seq_lens)
+    args = (step.q, *step.caches, tables, lens, SCALE, tables.shape[1] * 16)
+    assert tk.decode_splits(len(seq_lens), 2, args[-1]) > 1
+    launched = tk.decode_attention(*args)
+    monkeypatch.setattr(decode_kernels, "MERGE_IN_LAST_SPLIT", True)
+    counters = decode_kernels.arrival_counters(DEVICE, len(seq_lens) * 2)
+    for _ in range(2):
+        merged = tk.decode_attention(*args, out=torch.full_like(step.q, float("nan")))
+        assert (counters == 0).all()
+        torch.testing.assert_close(merged, launched, atol=1e-6 if dtype == torch.float32 else 1e-2, rtol=0)
+    assert (merged[3] == 0).all()  # no keys
+
+
+def test_arrival_counters_grow_and_keep_what_graphs_captured():
+    device = torch.device("cpu")
+    small = decode_kernels.arrival_counters(device, 8)
+    assert small.numel() >= decode_kernels.MIN_ARRIVALS and (small == 0).all() and small.dtype == torch.int32
+    assert decode_kernels.arrival_counters(device, 8) is small
+    grown = decode_kernels.arrival_counters(device, small.numel() + 1)
+    assert grown.numel() > small.numel() and any(t is small for t in decode_kernels._OUTGROWN)
 
 
 def test_decode_splits_fill_the_gpu_within_bounds():
@@ -371,7 +408,7 @@ def test_decode_splits_fill_the_gpu_within_bounds():
 
 
 @gpu_only
-def test_large_decode_on_gpu():
+def test_large_decode_on_gpu(merging):
     gen = torch.Generator().manual_seed(0)
     seq_lens = torch.randint(1500, 2001, (64,), generator=gen).tolist()
     step = Step(0, [1] * 64, seq_lens, 32, 8, 128, 32, torch.bfloat16)
@@ -388,7 +425,7 @@ def test_large_prefill_on_gpu():
 
 
 @gpu_only
-def test_kernels_replay_in_a_cuda_graph():
+def test_kernels_replay_in_a_cuda_graph(merging):
     """Captured once, replayed over new lengths and tables written into the same tensors."""
     heads, kv_heads, rows_per_seq = 8, 2, 4
     first = Step(1, [1, 4, 2], [100, 300, 50], heads, kv_heads, 64, 16, torch.bfloat16)
@@ -473,7 +510,7 @@ def test_windowed_prefill_equals_portable(name):
 
 
 @pytest.mark.parametrize("seq_lens, window", [([40, 3, 77], 5), ([1000, 64], 300), ([9], 9)])
-def test_windowed_decode_equals_portable(seq_lens, window):
+def test_windowed_decode_equals_portable(seq_lens, window, merging):
     """The decode kernel reads only each sequence's last `window` keys, with one split or several."""
     step = Step(window, [1] * len(seq_lens), seq_lens, 4, 2, 16, 4, torch.float32, window=window)
     tables = step.block_tables()

@@ -43,14 +43,20 @@ def paged_attention(
     softcap: float | None = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] (this step's, written into the caches first);
     caches: [blocks, block_size, kv_heads, head_dim]; window: the layer's attention window (windows.py), None for
     full attention; softcap: scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2), None
     for plain scores; k_scale, v_scale: the layer's FP8 cache scales (fp8_cache.py), unused by caches in another
-    dtype. Returns [T, heads, head_dim]."""
+    dtype; rotary: (cos, sin) [T, head_dim] when q and k are not rotated yet (the Triton backend rotates them in
+    place as it stores k, kv_store.rotate_and_store_kv), None when they are. Returns [T, heads, head_dim]."""
     if meta.kernel is not None:
-        return meta.kernel.attend(q, k, v, k_cache, v_cache, scale, window, softcap, k_scale, v_scale)
+        return meta.kernel.attend(q, k, v, k_cache, v_cache, scale, window, softcap, k_scale, v_scale, rotary=rotary)
+    if rotary is not None:
+        from ..network.layers import apply_rotary  # here: network imports attention
+
+        q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
     return portable_attention(q, k, v, k_cache, v_cache, meta, scale, window, softcap, k_scale, v_scale)
 
 

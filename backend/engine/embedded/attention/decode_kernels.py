@@ -7,6 +7,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..gpu_fence import count_slice
 from ..pdl import begin, small_kernel_args
 from .fp8_cache import is_fp8
 from .tile_ops import (
@@ -34,6 +35,10 @@ DECODE_BLOCK_N = 64
 DECODE_NUM_WARPS = 4
 DECODE_NUM_WARPS_FP8 = 2
 DECODE_NUM_STAGES = 2
+# Several splits are merged by the last of them to finish (an atomic counter a (sequence, KV head)) rather than by
+# a launch of their own: at batch 1 the merge launch costs ~2.6 us a layer (H200 profile, twenty-ninth session).
+# Off until an H200 run has timed it and checked it under CUDA graphs.
+MERGE_IN_LAST_SPLIT = False
 # FP8 caches: tiles widened to fp16 rather than to the queries' bf16 (one instruction a pair; e4m3 is exact in fp16).
 FP8_DECODE_IN_FP16 = True
 
@@ -48,6 +53,7 @@ def _decode_split_kernel(
     out,
     part_out,
     part_lse,
+    arrivals,
     scale_log2,
     v_scale,
     cap_log2,
@@ -77,13 +83,15 @@ def _decode_split_kernel(
     UPCAST: tl.constexpr,
     IEEE: tl.constexpr,
     FP16_TILES: tl.constexpr,
+    MERGE_HERE: tl.constexpr,
     RELEASE: tl.constexpr,
     WAIT: tl.constexpr,
 ):
     """Program (sequence, KV head, split): the group's query heads over the split's share of the keys it sees
     (all, or WINDOWED the last `window`). Those keys are cut into NUM_SPLITS equal runs of whole BLOCK_N tiles;
     one split writes `out` directly, several write fp32 partials (normalised output and base-2 log-sum-exp, -inf
-    for an empty run)."""
+    for an empty run). MERGE_HERE: the last split of a (sequence, KV head) to finish merges them (_merge_if_last),
+    instead of a merge launch."""
     begin(RELEASE, WAIT)  # (pdl.py)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -133,10 +141,79 @@ def _decode_split_kernel(
             mask=head_ok[:, None] & d_ok[None, :],
         )
     else:
-        part = (seq * num_heads + head) * NUM_SPLITS + split  # [S, heads, NUM_SPLITS] scratch row
-        tl.store(part_out + part[:, None] * HEAD_DIM + d[None, :], result, mask=head_ok[:, None] & d_ok[None, :])
+        first_part = (seq * num_heads + head) * NUM_SPLITS  # [S, heads, NUM_SPLITS] scratch rows
+        part = first_part + split
         lse = tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
-        tl.store(part_lse + part, lse, mask=head_ok)
+        if MERGE_HERE:
+            # Splits past the keys hold nothing the merge reads (one split stands for a sequence without keys).
+            active = tl.maximum(tl.cdiv(seq_len - first_key, tl.maximum(split_len, 1)), 1)
+            written = head_ok & (member * 0 + split < active)  # (a block: the interpreter masks no scalar)
+        else:
+            written = head_ok
+        tl.store(part_out + part[:, None] * HEAD_DIM + d[None, :], result, mask=written[:, None] & d_ok[None, :])
+        tl.store(part_lse + part, lse, mask=written)
+        if MERGE_HERE:
+            arrival = arrivals + seq * tl.num_programs(1) + kv_head
+            out_rows = out + seq * stride_os + head * stride_oh
+            _merge_if_last(
+                part_out,
+                part_lse,
+                out_rows,
+                arrival,
+                first_part,
+                active,
+                head_ok,
+                d,
+                d_ok,
+                HEAD_DIM,
+                NUM_SPLITS,
+                GROUP_P,
+                BLOCK_D,
+                UPCAST,  # on CPU: in the interpreter
+            )
+
+
+@triton.jit
+def _merge_if_last(
+    part_out,
+    part_lse,
+    out_rows,
+    arrival,
+    first_part,
+    active,
+    head_ok,
+    d,
+    d_ok,
+    HEAD_DIM: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    GROUP_P: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+):
+    """Count this split in at `arrival` (its (sequence, KV head)'s counter) as a split-K slice is counted
+    (gpu_fence.count_slice: every thread's partial stores ordered before the count); the one that arrives last
+    merges the `active` splits' partials of the group's heads into `out_rows` and sets the counter back to 0 for
+    the next launch. Its loads bypass L1 (.cg), which may hold lines another SM has since rewritten."""
+    if count_slice(arrival, 0, INTERPRETED) == NUM_SPLITS - 1:
+        m = tl.full([GROUP_P], float("-inf"), tl.float32)
+        total = tl.zeros([GROUP_P], tl.float32)
+        acc = tl.zeros([GROUP_P, BLOCK_D], tl.float32)
+        for split in range(0, active):
+            part = first_part + split
+            lse = tl.load(part_lse + part, mask=head_ok, other=float("-inf"), cache_modifier=".cg")
+            ok = head_ok[:, None] & d_ok[None, :]
+            values = tl.load(part_out + part[:, None] * HEAD_DIM + d[None, :], mask=ok, other=0.0, cache_modifier=".cg")
+            m_new = tl.maximum(m, lse)
+            shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+            alpha, weight = tl.exp2(m - shift), tl.exp2(lse - shift)
+            acc = acc * alpha[:, None] + weight[:, None] * values
+            total = total * alpha + weight
+            m = m_new
+        merged = acc / tl.where(total > 0, total, 1.0)[:, None]
+        tl.store(
+            out_rows[:, None] + d[None, :], merged.to(out_rows.dtype.element_ty), mask=head_ok[:, None] & d_ok[None, :]
+        )
+        tl.store(arrival, 0)
 
 
 @triton.jit
@@ -171,6 +248,25 @@ def _decode_merge_kernel(
     total = tl.sum(weight, 0)
     merged = tl.sum(weight[:, None] * parts, 0) / tl.where(total > 0, total, 1.0)
     tl.store(out + seq * stride_os + head * stride_oh + d, merged.to(out.dtype.element_ty), mask=d_ok)
+
+
+# The merging splits' counters, one int32 a (sequence, KV head), zero between launches (the last split resets its
+# own): one buffer a device, shared by every layer and CUDA graph, since a stream runs one launch at a time. A
+# buffer outgrown is kept: graphs captured over it still point there.
+_ARRIVALS: dict[torch.device, torch.Tensor] = {}
+_OUTGROWN: list[torch.Tensor] = []
+MIN_ARRIVALS = 4096  # 512 sequences of 8 KV heads: enough for every graph of a usual batch
+
+
+def arrival_counters(device: torch.device, count: int) -> torch.Tensor:
+    """At least `count` zeroed int32 counters on `device` for the merging splits (see _ARRIVALS)."""
+    counters = _ARRIVALS.get(device)
+    if counters is None or counters.numel() < count:
+        if counters is not None:
+            _OUTGROWN.append(counters)
+        counters = torch.zeros(max(count, MIN_ARRIVALS), dtype=torch.int32, device=device)
+        _ARRIVALS[device] = counters
+    return counters
 
 
 def decode_splits(num_seqs: int, num_kv_heads: int, max_seq_len: int) -> int:
@@ -212,6 +308,8 @@ def decode_attention(
     splits = decode_splits(num_seqs, num_kv_heads, max_seq_len)
     block_d = padded_head_dim(head_dim)
     upcast = q.device.type != "cuda"
+    merge_here = splits > 1 and MERGE_IN_LAST_SPLIT
+    arrivals = arrival_counters(q.device, num_seqs * num_kv_heads) if merge_here else seq_lens  # (unused if not)
     if splits == 1:
         part_out, part_lse = out, out  # unused: the kernel writes out directly
     else:
@@ -226,6 +324,7 @@ def decode_attention(
         out,
         part_out,
         part_lse,
+        arrivals,
         scale * LOG2E * k_scale,
         v_scale,
         *softcap_args(scale * k_scale, softcap),
@@ -254,11 +353,12 @@ def decode_attention(
         UPCAST=upcast,
         IEEE=upcast or q.dtype == torch.float32,
         FP16_TILES=FP8_DECODE_IN_FP16 and is_fp8(k_cache) and not upcast and q.dtype != torch.float32,
+        MERGE_HERE=merge_here,
         num_warps=DECODE_NUM_WARPS_FP8 if is_fp8(k_cache) else DECODE_NUM_WARPS,
         num_stages=DECODE_NUM_STAGES,
         **small_kernel_args(q.device),
     )
-    if splits > 1:
+    if splits > 1 and not merge_here:
         _decode_merge_kernel[(num_seqs, num_heads)](
             part_out,
             part_lse,

@@ -1,4 +1,6 @@
-"""Writing a step's keys and values into the paged KV caches in one launch (quantized into FP8 caches)."""
+"""Writing a step's keys and values into the paged KV caches in one launch (quantized into FP8 caches); or, with
+the rotary embedding of its queries and keys done in that same launch, rotating them first (rotate_and_store_kv:
+one small kernel fewer a layer at a decode step)."""
 
 from __future__ import annotations
 
@@ -7,8 +9,11 @@ import triton
 import triton.language as tl
 
 from ..pdl import begin, small_kernel_args
+from ..rounding import DTYPES, round_to, rounds_bf16_by_hand
 from .fp8_cache import is_fp8
 from .tile_ops import FP8_MAX
+
+ROTATE_BLOCK = 1024  # (head, pair) elements a rotating program holds at most, as fused_ops.rotary_inplace's
 
 
 @triton.jit
@@ -62,6 +67,98 @@ def _scaled_in_range(x, inv_scale):
     return tl.minimum(tl.maximum(scaled, -FP8_MAX), FP8_MAX)
 
 
+@triton.jit
+def _rotate_store_kv_kernel(
+    q,
+    k,
+    v,
+    cos,
+    sin,
+    k_cache,
+    v_cache,
+    slot_mapping,
+    stride_qt,
+    stride_qh,
+    stride_kt,
+    stride_kh,
+    stride_vt,
+    stride_vh,
+    stride_ct,
+    stride_st,
+    stride_ks,
+    stride_kc,
+    stride_vs,
+    stride_vc,
+    num_heads,
+    num_kv_heads,
+    k_inv_scale,
+    v_inv_scale,
+    HALF: tl.constexpr,
+    HALF_P: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    QUANTIZE: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    RELEASE: tl.constexpr,
+    WAIT: tl.constexpr,
+):
+    """Program (token, head block): the first cdiv(num_heads, BLOCK_H) blocks rotate BLOCK_H query heads in place
+    (fused_ops._rotary_kernel's math); the others BLOCK_H key heads, in place too, and store them and the same heads'
+    values into the caches at the token's slot (_store_kv_kernel's placement and quantization). Every row is
+    handled as its two halves [i] and [i + HALF], the pairs the rotation mixes."""
+    begin(RELEASE, WAIT)  # (pdl.py)
+    token = tl.program_id(0).to(tl.int64)
+    q_blocks = tl.cdiv(num_heads, BLOCK_H)
+    d = tl.arange(0, HALF_P)
+    d_ok = d < HALF
+    cos_row = cos + token * stride_ct + d
+    sin_row = sin + token * stride_st + d
+    cos1 = tl.load(cos_row, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    cos2 = tl.load(cos_row + HALF, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    sin1 = tl.load(sin_row, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    sin2 = tl.load(sin_row + HALF, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    if tl.program_id(1) < q_blocks:
+        head = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        ok = (head < num_heads)[:, None] & d_ok[None, :]
+        query = q + token * stride_qt + head[:, None] * stride_qh + d[None, :]
+        _rotate(query, ok, cos1, cos2, sin1, sin2, HALF, ROUND_BF16)
+    else:
+        head = (tl.program_id(1) - q_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
+        ok = (head < num_kv_heads)[:, None] & d_ok[None, :]
+        slot = tl.load(slot_mapping + token).to(tl.int64)
+        key = k + token * stride_kt + head[:, None] * stride_kh + d[None, :]
+        key1, key2 = _rotate(key, ok, cos1, cos2, sin1, sin2, HALF, ROUND_BF16)
+        key_slot = k_cache + slot * stride_ks + head[:, None] * stride_kc + d[None, :]
+        _store_halves(key_slot, key1, key2, ok, k_inv_scale, HALF, QUANTIZE)
+        value = v + token * stride_vt + head[:, None] * stride_vh + d[None, :]
+        value1 = tl.load(value, mask=ok)
+        value2 = tl.load(value + HALF, mask=ok)
+        value_slot = v_cache + slot * stride_vs + head[:, None] * stride_vc + d[None, :]
+        _store_halves(value_slot, value1, value2, ok, v_inv_scale, HALF, QUANTIZE)
+
+
+@triton.jit
+def _rotate(first, ok, cos1, cos2, sin1, sin2, HALF: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """Rotates the pairs (first, first + HALF) in place in fp32, rounded once to their dtype; returns both halves
+    as stored."""
+    x1 = tl.load(first, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(first + HALF, mask=ok, other=0.0).to(tl.float32)
+    out1 = round_to(x1 * cos1 - x2 * sin1, first.dtype.element_ty, ROUND_BF16)
+    out2 = round_to(x2 * cos2 + x1 * sin2, first.dtype.element_ty, ROUND_BF16)
+    tl.store(first, out1, mask=ok)
+    tl.store(first + HALF, out2, mask=ok)
+    return out1, out2
+
+
+@triton.jit
+def _store_halves(cached, half1, half2, ok, inv_scale, HALF: tl.constexpr, QUANTIZE: tl.constexpr):
+    """A row's two halves into a cache at `cached` and `cached + HALF`; QUANTIZE: as _store_kv_kernel does."""
+    if QUANTIZE:
+        half1 = _scaled_in_range(half1, inv_scale).to(cached.dtype.element_ty)
+        half2 = _scaled_in_range(half2, inv_scale).to(cached.dtype.element_ty)
+    tl.store(cached, half1, mask=ok)
+    tl.store(cached + HALF, half2, mask=ok)
+
+
 def store_kv(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -74,17 +171,8 @@ def store_kv(
     """portable.write_kv in one launch: k, v [T, kv_heads, head_dim] (last dim contiguous, any token and head
     strides: views of a fused qkv output) at slots slot_mapping [T] of caches [blocks, block_size, kv_heads,
     head_dim] whose blocks are contiguous runs of slots; into FP8 caches quantized with k_scale, v_scale."""
+    _check_store(k, v, k_cache, v_cache)
     num_tokens, num_kv_heads, head_dim = k.shape
-    if v.shape != k.shape or k.stride(-1) != 1 or v.stride(-1) != 1 or k_cache.shape != v_cache.shape:
-        raise ValueError(
-            f"keys {tuple(k.shape)} and values {tuple(v.shape)} (contiguous head_dim) do not fit the "
-            f"caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
-        )
-    if k_cache.dtype != v_cache.dtype:
-        raise ValueError(f"the key cache is {k_cache.dtype} but the value cache {v_cache.dtype}")
-    for cache in (k_cache, v_cache):
-        if cache.stride(0) != cache.shape[1] * cache.stride(1) or cache.stride(-1) != 1:
-            raise ValueError("a KV cache's blocks must be contiguous runs of slots")
     if num_tokens == 0:
         return
     block_h, block_d = triton.next_power_of_2(num_kv_heads), triton.next_power_of_2(head_dim)
@@ -112,3 +200,96 @@ def store_kv(
         num_warps=1 if block_h * block_d <= 256 else 4,
         **small_kernel_args(k.device),
     )
+
+
+def rotate_and_store_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
+) -> None:
+    """fused_ops.rotary_inplace of q [T, heads, head_dim] and of k [T, kv_heads, head_dim] by cos, sin [T, head_dim],
+    then store_kv of the rotated k and of v, in one launch: the same values, bit for bit. q, k and v as those two
+    take them (last dim contiguous, token and head strides free: views of a fused qkv output), q and k of one dtype."""
+    if q.dim() != 3 or k.dim() != 3:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must be [tokens, heads, head_dim]")
+    _check_store(k, v, k_cache, v_cache)
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    if k.shape[0] != num_tokens or k.shape[2] != head_dim:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} differ in tokens or head_dim")
+    if q.dtype != k.dtype or q.dtype not in DTYPES:
+        raise ValueError(f"q ({q.dtype}) and k ({k.dtype}) need one dtype of {', '.join(map(str, DTYPES))}")
+    if q.stride(2) != 1:
+        raise ValueError("q needs a contiguous last (head_dim) dimension")
+    if head_dim % 2:
+        raise ValueError(f"head_dim {head_dim} is odd: rotary rotates pairs (i, i + head_dim / 2)")
+    for name, table in (("cos", cos), ("sin", sin)):
+        if table.shape != (num_tokens, head_dim) or table.device != q.device or not table.is_floating_point():
+            raise ValueError(
+                f"{name} {tuple(table.shape)} {table.dtype} on {table.device} does not fit q "
+                f"{tuple(q.shape)} on {q.device} (wanted a float [{num_tokens}, {head_dim}])"
+            )
+        if table.stride(1) != 1:
+            raise ValueError(f"{name} needs a contiguous last dimension")
+    if num_tokens == 0 or head_dim == 0:
+        return
+    half = head_dim // 2
+    half_p = triton.next_power_of_2(half)
+    # as rotary_inplace blocks heads; the key blocks carry the same heads' values too
+    block_h = max(1, min(triton.next_power_of_2(max(num_heads, num_kv_heads)), ROTATE_BLOCK // half_p))
+    head_blocks = triton.cdiv(num_heads, block_h) + triton.cdiv(num_kv_heads, block_h)
+    _rotate_store_kv_kernel[(num_tokens, head_blocks)](
+        q,
+        k,
+        v,
+        cos,
+        sin,
+        k_cache,
+        v_cache,
+        slot_mapping,
+        q.stride(0),
+        q.stride(1),
+        k.stride(0),
+        k.stride(1),
+        v.stride(0),
+        v.stride(1),
+        cos.stride(0),
+        sin.stride(0),
+        k_cache.stride(1),
+        k_cache.stride(2),
+        v_cache.stride(1),
+        v_cache.stride(2),
+        num_heads,
+        num_kv_heads,
+        1.0 / k_scale,
+        1.0 / v_scale,
+        HALF=half,
+        HALF_P=half_p,
+        BLOCK_H=block_h,
+        QUANTIZE=is_fp8(k_cache),
+        ROUND_BF16=rounds_bf16_by_hand(q),
+        num_warps=4,
+        **small_kernel_args(q.device),
+    )
+
+
+def _check_store(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    """What store_kv takes: k and v of one shape with a contiguous head_dim, caches of one shape and dtype whose
+    blocks are contiguous runs of slots."""
+    if v.shape != k.shape or k.stride(-1) != 1 or v.stride(-1) != 1 or k_cache.shape != v_cache.shape:
+        raise ValueError(
+            f"keys {tuple(k.shape)} and values {tuple(v.shape)} (contiguous head_dim) do not fit the "
+            f"caches {tuple(k_cache.shape)}, {tuple(v_cache.shape)}"
+        )
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"the key cache is {k_cache.dtype} but the value cache {v_cache.dtype}")
+    for cache in (k_cache, v_cache):
+        if cache.stride(0) != cache.shape[1] * cache.stride(1) or cache.stride(-1) != 1:
+            raise ValueError("a KV cache's blocks must be contiguous runs of slots")

@@ -17,6 +17,10 @@ import torch
 if TYPE_CHECKING:
     from .triton_kernels import TreeMasks
 
+# Fused models rotate queries and keys in the KV store's launch (kv_store.rotate_and_store_kv: one small kernel fewer
+# a layer; network/llama.py reads this at each forward). Off: not yet timed on a GPU.
+ROTATE_WHILE_STORING = False
+
 
 def triton_usable(device: torch.device) -> Optional[str]:
     """None if Triton kernels can run on `device`, else why not: CUDA with the `triton` package, or the CPU under
@@ -57,10 +61,15 @@ class KernelMetadata:
         softcap: Optional[float] = None,
         k_scale: float = 1.0,
         v_scale: float = 1.0,
+        rotary: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
     ) -> torch.Tensor:
+        """rotary: (cos, sin) by which q and k, not rotated yet, rotate in place as k is stored."""
         from . import triton_kernels as kernels
 
-        kernels.store_kv(k, v, k_cache, v_cache, self.slot_mapping, k_scale, v_scale)
+        if rotary is None:
+            kernels.store_kv(k, v, k_cache, v_cache, self.slot_mapping, k_scale, v_scale)
+        else:
+            kernels.rotate_and_store_kv(q, k, v, *rotary, k_cache, v_cache, self.slot_mapping, k_scale, v_scale)
         if self.decode:
             return kernels.decode_attention(
                 q,

@@ -20,7 +20,7 @@ On CPU the kernels run in Triton's interpreter (TRITON_INTERPRET=1 before triton
 arithmetic is wrong; these kernels never do any: every loaded value is converted to fp32 first, on every device
 (nothing here wants low-precision math on the GPU, so unlike triton_kernels they need no UPCAST switch). Its fp32 ->
 bf16 cast truncates where a GPU (and torch) rounds to nearest even, so there (ROUND_BF16) the kernels round the
-bits by hand before casting, and give the GPU's results on CPU too.
+bits by hand before casting (rounding.py), and give the GPU's results on CPU too.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ import triton.language as tl
 from ..pdl import begin, small_kernel_args
 from ..quant.formats import FP8_DTYPE
 from ..quant.fp8_kernel import row_scale, store_fp8
+from ..rounding import DTYPES, round_to, rounds_bf16_by_hand
 
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 MAX_NORM_BLOCK = 65536  # a row of rms_norm lives in one program's registers
 ROTARY_BLOCK = 1024  # (head, pair) elements a rotary program rotates at most
 SILU_BLOCK = 1024  # output columns a silu_and_mul program writes (a step of its FP8 rows' loop)
@@ -43,16 +43,6 @@ SILU_FP8_WARPS = 8
 # ----------------------------------------------------------------------------------------------------------------
 # Kernels
 # ----------------------------------------------------------------------------------------------------------------
-
-
-@triton.jit
-def _to(h, dtype: tl.constexpr, ROUND_BF16: tl.constexpr):
-    """fp32 h rounded to nearest even in dtype. ROUND_BF16 (the interpreter, bf16): round the bits here, since its
-    cast truncates (the cast of a value bf16 holds exactly is then exact)."""
-    if ROUND_BF16:
-        bits = h.to(tl.int32, bitcast=True)
-        h = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
-    return h.to(dtype)
 
 
 @triton.jit
@@ -94,15 +84,15 @@ def _rms_norm_kernel(
     h = tl.load(x + row * stride_x + cols, mask=ok, other=0.0).to(tl.float32)
     if SCALED:
         h *= tl.load(row_scales + row)
-        h = _to(h * tl.load(col_scales + cols, mask=ok, other=0.0), dtype, ROUND_BF16).to(tl.float32)
+        h = round_to(h * tl.load(col_scales + cols, mask=ok, other=0.0), dtype, ROUND_BF16).to(tl.float32)
     if HAS_RESIDUAL:
         h += tl.load(residual + row * stride_r + cols, mask=ok, other=0.0).to(tl.float32)
-        rounded = _to(h, dtype, ROUND_BF16)
+        rounded = round_to(h, dtype, ROUND_BF16)
         tl.store(sum_out + row * stride_s + cols, rounded, mask=ok)
         h = rounded.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(h * h, 0) / num_cols + eps)
-    normed = _to(h * rstd, dtype, ROUND_BF16).to(tl.float32)
-    result = _to(normed * w, dtype, ROUND_BF16)
+    normed = round_to(h * rstd, dtype, ROUND_BF16).to(tl.float32)
+    result = round_to(normed * w, dtype, ROUND_BF16)
     tl.store(out + row * stride_o + cols, result, mask=ok)
     if FP8_ROWS:
         values = result.to(tl.float32)
@@ -144,8 +134,8 @@ def _rotary_kernel(
     first = x + token * stride_xt + head[:, None] * stride_xh + d[None, :]
     x1 = tl.load(first, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(first + HALF, mask=ok, other=0.0).to(tl.float32)
-    tl.store(first, _to(x1 * cos1 - x2 * sin1, x.dtype.element_ty, ROUND_BF16), mask=ok)
-    tl.store(first + HALF, _to(x2 * cos2 + x1 * sin2, x.dtype.element_ty, ROUND_BF16), mask=ok)
+    tl.store(first, round_to(x1 * cos1 - x2 * sin1, x.dtype.element_ty, ROUND_BF16), mask=ok)
+    tl.store(first + HALF, round_to(x2 * cos2 + x1 * sin2, x.dtype.element_ty, ROUND_BF16), mask=ok)
 
 
 @triton.jit
@@ -170,7 +160,7 @@ def _silu_and_mul_kernel(
     ok = cols < size
     gate = tl.load(gate_up + row * stride_in + cols, mask=ok, other=0.0).to(tl.float32)
     up = tl.load(gate_up + row * stride_in + size + cols, mask=ok, other=0.0).to(tl.float32)
-    result = _to(gate / (1.0 + tl.exp(-gate)) * up, out.dtype.element_ty, ROUND_BF16)
+    result = round_to(gate / (1.0 + tl.exp(-gate)) * up, out.dtype.element_ty, ROUND_BF16)
     tl.store(out + row * stride_out + cols, result, mask=ok)
     if AMAX:
         tl.store(block_amax + row * tl.num_programs(1) + tl.program_id(1), tl.max(tl.abs(result.to(tl.float32)), 0))
@@ -207,7 +197,7 @@ def _silu_and_mul_fp8_kernel(
         ok = cols < size
         gate = tl.load(gate_up + row * stride_in + cols, mask=ok, other=0.0).to(tl.float32)
         up = tl.load(gate_up + row * stride_in + size + cols, mask=ok, other=0.0).to(tl.float32)
-        result = _to(gate / (1.0 + tl.exp(-gate)) * up, out.dtype.element_ty, ROUND_BF16)
+        result = round_to(gate / (1.0 + tl.exp(-gate)) * up, out.dtype.element_ty, ROUND_BF16)
         tl.store(out + row * stride_out + cols, result, mask=ok)
         amax = tl.maximum(amax, tl.abs(result.to(tl.float32)))
     scale = row_scale(tl.max(amax, 0))
@@ -282,7 +272,7 @@ def rms_norm(
             FP8_ROWS=fp8_rows,
             SCALED=pending is not None,
             BLOCK=block,
-            ROUND_BF16=_round_bf16(out),
+            ROUND_BF16=rounds_bf16_by_hand(out),
             num_warps=4 if block < 2048 else 8 if block < 8192 else 16,
             **small_kernel_args(x.device),
         )
@@ -348,7 +338,7 @@ def rotary_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
         HALF=half,
         HALF_P=half_p,
         BLOCK_H=block_h,
-        ROUND_BF16=_round_bf16(x),
+        ROUND_BF16=rounds_bf16_by_hand(x),
         num_warps=4,
         **small_kernel_args(x.device),
     )
@@ -378,7 +368,7 @@ def silu_and_mul(gate_up: torch.Tensor, fp8_rows: bool = False) -> torch.Tensor:
             gate_up.stride(0),
             out.stride(0),
             BLOCK=block,
-            ROUND_BF16=_round_bf16(gate_up),
+            ROUND_BF16=rounds_bf16_by_hand(gate_up),
             AMAX=fp8_rows,
             num_warps=4,
             **small_kernel_args(gate_up.device),
@@ -430,7 +420,7 @@ def _silu_and_mul_fp8_rows(gate_up: torch.Tensor, out: torch.Tensor) -> torch.Te
             gate_up.stride(0),
             out.stride(0),
             BLOCK=min(SILU_BLOCK, triton.next_power_of_2(size)),
-            ROUND_BF16=_round_bf16(gate_up),
+            ROUND_BF16=rounds_bf16_by_hand(gate_up),
             num_warps=SILU_FP8_WARPS,
         )
     out.fp8_rows = (fp8_out, fp8_scales)  # type: ignore[attr-defined]  # see fp8_rows_of
@@ -445,8 +435,3 @@ def _check_rows(name: str, t: torch.Tensor) -> None:
         raise ValueError(f"{name} has dtype {t.dtype}; supported: {', '.join(map(str, DTYPES))}")
     if t.stride(1) != 1 and t.shape[1] > 1:
         raise ValueError(f"{name} needs a contiguous last dimension (strides {t.stride()})")
-
-
-def _round_bf16(t: torch.Tensor) -> bool:
-    """Whether the kernels must round to bf16 by hand: bf16 off CUDA, where Triton's interpreter runs them."""
-    return t.dtype == torch.bfloat16 and t.device.type != "cuda"

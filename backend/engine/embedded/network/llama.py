@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention import AttentionMetadata, paged_attention
+from ..attention import AttentionMetadata, paged_attention, triton_backend
 from .cpu_gemm import pack_weight, packed_linear
 from .layers import Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding, rotate
 from .model_config import ModelConfig
@@ -82,10 +82,15 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:  # Qwen3 normalises each head before rotating it
             q, k = q_and_k.split([self.num_heads, self.num_kv_heads], dim=1)
             q_and_k = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
-        # Queries and keys rotate in one go (fewer small ops per layer, which count on CPU).
-        q, k = rotate(q_and_k, cos, sin, self.fused).split([self.num_heads, self.num_kv_heads], dim=1)
+        # Fused on the Triton backend, queries and keys may rotate in the KV store's launch (one kernel fewer);
+        # read at each call, so that tests can switch it.
+        rotate_later = self.fused and attn.kernel is not None and triton_backend.ROTATE_WHILE_STORING
+        if not rotate_later:  # queries and keys rotate in one go (fewer small ops per layer, which count on CPU)
+            q_and_k = rotate(q_and_k, cos, sin, self.fused)
+        q, k = q_and_k.split([self.num_heads, self.num_kv_heads], dim=1)
+        rotary = (cos, sin) if rotate_later else None
         out = paged_attention(
-            q, k, v, kv_cache[0], kv_cache[1], attn, self.scale, self.window, self.softcap, self.k_scale, self.v_scale
+            q, k, v, *kv_cache, attn, self.scale, self.window, self.softcap, self.k_scale, self.v_scale, rotary=rotary
         ).reshape(tokens, -1)
         projected = self.o_proj(out) if residual is None else self.o_proj(out, residual=residual)
         return projected if lora is None else lora.apply("o", out, projected)

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..network.fused_ops import _to as round_to
+from ..rounding import round_to
 
 SLOTS = 32  # sum(h^2) spread over this many fp32 slots: 32 programs' atomic adds share one
 
@@ -102,7 +102,7 @@ def fold_epilogue(
 ):
     """The producer's end for one row: y [BLOCK_N] fp32 the product's columns `cols`, residual those of the
     residual stream (fp32). Stores h and h * g, adds this program's sum(h^2) into a slot, and the first program
-    zeroes the stale slots. h and h * g round as the fused norm's (fused_ops._to: ROUND_BF16 on the interpreter)."""
+    zeroes the stale slots. h and h * g round as the fused norm's (rounding.round_to: ROUND_BF16 on the interpreter)."""
     dtype = out.dtype.element_ty
     y = y.to(dtype).to(tl.float32)  # the projection's output as stored unfolded
     h = round_to(y + residual, dtype, ROUND_BF16)
