@@ -62,12 +62,13 @@ def int4_decode_kernel(
     lanes: bool = False,
     fold_in: bool = False,
     fold_out: bool = False,
+    gated: bool = False,
 ) -> None:
     pointers = {name: f"*{dtype}" for name in ("x", "scale", "bias", "out", "fold_residual", "fold_weight", "fold_h")}
     pointers |= {"w": "*i32" if words else "*u8", "zero": "*u8", "workspace": "*fp32", "counters": "*i32"}
     pointers |= {name: "*fp32" for name in ("scale_sums", "fold_sums", "fold_stale")} | {"scale_eps": "fp32"}
     constexprs = dict(GROUP_SIZE=128, HAS_BIAS=True, SPLIT_K=split_k, USE_ASM=use_asm, FP16=dtype == "fp16")
-    constexprs |= dict(FOLD_IN=fold_in, FOLD_OUT=fold_out)
+    constexprs |= dict(FOLD_IN=fold_in, FOLD_OUT=fold_out, GATED=gated)
     prefetch = not (use_dot or words) if prefetch is None else prefetch
     constexprs |= dict(UPCAST=False, USE_DOT=use_dot, PREFETCH=prefetch, WORDS=words)
     constexprs |= dict(INTERPRETED=False, BLOCK_M=16 if use_dot else 1, BLOCK_N=block_n, BLOCK_K=block_k)
@@ -84,7 +85,7 @@ def int4_decode_kernel(
         if fold_out:  # the slots' adds: after the wait (their readers' reads come after theirs)
             assert "atom.global" in ptx and "atom.global" not in ptx[: ptx.index("griddepcontrol.wait")]
     shape = f"split {split_k} asm {use_asm} dot {use_dot} words {words} {block_n} x {block_k} x vector {x_vector}"
-    shape += f" pdl {pdl} prefetch {prefetch} lanes {lanes} fold in {fold_in} out {fold_out}"
+    shape += f" pdl {pdl} prefetch {prefetch} lanes {lanes} fold in {fold_in} out {fold_out} gated {gated}"
     print("compiled the int4 decode kernel", dtype, shape, flush=True)
 
 
@@ -213,9 +214,10 @@ def fp8_rows() -> None:
     silu = {"gate_up": "*bf16", "out": "*bf16", "fp8_out": "*fp8e4nv", "fp8_scales": "*fp32"}
     compile_for_sm90(fused_ops._silu_and_mul_fp8_kernel, silu, dict(BLOCK=1024, ROUND_BF16=False), num_warps=8)
     silu = {"gate_up": "*bf16", "out": "*bf16", "block_amax": "*fp32"}
-    constexprs = dict(BLOCK=1024, ROUND_BF16=False, AMAX=True, RELEASE=True, WAIT=True)
-    ptx = compile_for_sm90(fused_ops._silu_and_mul_kernel, silu, constexprs, num_warps=4, launch_pdl=True).asm["ptx"]
-    assert_waits_first(ptx, True)
+    for runs in (0, 4):  # halves, or gate_up_runs.py's runs
+        constexprs = dict(BLOCK=1024, ROUND_BF16=False, AMAX=not runs, RUNS=runs, RELEASE=True, WAIT=True)
+        kernel = fused_ops._silu_and_mul_kernel
+        assert_waits_first(compile_for_sm90(kernel, silu, constexprs, num_warps=4, launch_pdl=True).asm["ptx"], True)
     blocks = {"x": "*bf16", "block_amax": "*fp32", "fp8_out": "*fp8e4nv", "fp8_scales": "*fp32"}
     compile_for_sm90(fused_ops._fp8_blocks_kernel, blocks, dict(BLOCK=2048, BLOCKS=16), num_warps=4)
     print("compiled the norm and SiLU with FP8 rows", flush=True)
@@ -254,6 +256,8 @@ if __name__ == "__main__":
     for fold_in, fold_out in ((True, False), (False, True)):  # a folded norm's reader and producer (norm_fold.py)
         lane = dict(words=True, block_n=4, block_k=2048, pdl=True, prefetch=True, lanes=True)
         int4_decode_kernel("bf16", 1, True, False, **lane, fold_in=fold_in, fold_out=fold_out)
+    lane = dict(words=True, block_n=8, block_k=2048, pdl=True, prefetch=True, lanes=True)
+    int4_decode_kernel("bf16", 1, True, False, **lane, fold_in=True, gated=True)  # gate_up applying the SiLU
     for dtype, split_k, tiles, warps, use_asm, pdl in (
         ("bf16", 4, 2, 2, True, True),
         ("fp16", 1, 1, 1, True, False),

@@ -128,7 +128,7 @@ def test_a_fold_refuses_a_split_or_several_rows():
     with pytest.raises(ValueError, match="takes one row of x, got 2"):
         kernels.int4_one_row(random_x(2, 64), qweight, scale, zero, None, 32, folding=folding)
     split = kernels.lane_gemv(4, 1, split_k=2)
-    with pytest.raises(ValueError, match="a norm folds into one row's GEMV without split K"):
+    with pytest.raises(ValueError, match="folds into one row's GEMV without split K"):
         int4_decode.int4_decode_matmul(random_x(1, 64), qweight, scale, zero, None, 32, split, folding=folding)
     with pytest.raises(ValueError, match="two folds at least"):
         norm_fold.ring(1, DEVICE)

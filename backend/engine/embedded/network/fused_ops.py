@@ -149,17 +149,24 @@ def _silu_and_mul_kernel(
     BLOCK: tl.constexpr,
     ROUND_BF16: tl.constexpr,
     AMAX: tl.constexpr,
+    RUNS: tl.constexpr,
     RELEASE: tl.constexpr,
     WAIT: tl.constexpr,
 ):
-    """Program (row, column block): out = silu(gate) * up in fp32, gate and up the two halves of the row. AMAX:
-    also the block's absmax of the rounded values, into block_amax [rows, column blocks] (for _fp8_blocks_kernel)."""
+    """Program (row, column block): out = silu(gate) * up in fp32, gate and up the two halves of the row (RUNS:
+    alternating runs of RUNS gates and RUNS ups, layers.split_gate_up). AMAX: also the block's absmax of the
+    rounded values, into block_amax [rows, column blocks] (for _fp8_blocks_kernel)."""
     begin(RELEASE, WAIT)  # the matmul after it may start reading its weights (pdl.py)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < size
-    gate = tl.load(gate_up + row * stride_in + cols, mask=ok, other=0.0).to(tl.float32)
-    up = tl.load(gate_up + row * stride_in + size + cols, mask=ok, other=0.0).to(tl.float32)
+    if RUNS:
+        gates = (cols // RUNS) * (2 * RUNS) + cols % RUNS
+        ups = gates + RUNS
+    else:
+        gates, ups = cols, size + cols
+    gate = tl.load(gate_up + row * stride_in + gates, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(gate_up + row * stride_in + ups, mask=ok, other=0.0).to(tl.float32)
     result = round_to(gate / (1.0 + tl.exp(-gate)) * up, out.dtype.element_ty, ROUND_BF16)
     tl.store(out + row * stride_out + cols, result, mask=ok)
     if AMAX:
@@ -345,14 +352,17 @@ def rotary_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     return x
 
 
-def silu_and_mul(gate_up: torch.Tensor, fp8_rows: bool = False) -> torch.Tensor:
-    """gate_up [T, 2I] (last dim contiguous) -> silu(gate) * up [T, I], gate and up = gate_up.split(I, -1);
-    computed in fp32, rounded once. The output is contiguous. fp8_rows: it carries its FP8 rows."""
+def silu_and_mul(gate_up: torch.Tensor, fp8_rows: bool = False, runs: int = 0) -> torch.Tensor:
+    """gate_up [T, 2I] (last dim contiguous) -> silu(gate) * up [T, I], gate and up = gate_up.split(I, -1), or
+    with `runs` layers.split_gate_up's runs (quant/gate_up_runs.py); computed in fp32, rounded once. The output
+    is contiguous. fp8_rows: it carries its FP8 rows (halves only)."""
     _check_rows("gate_up", gate_up)
     num_rows, width = gate_up.shape
     if width % 2:
         raise ValueError(f"gate_up has {width} columns, not two equal halves")
     size = width // 2
+    if runs and (size % runs or fp8_rows):
+        raise ValueError(f"gate_up's {size} columns in runs of {runs} (with FP8 rows: {fp8_rows}) are not taken")
     out = torch.empty((num_rows, size), dtype=gate_up.dtype, device=gate_up.device)
     if fp8_rows and not SILU_FP8_SPLIT:
         return _silu_and_mul_fp8_rows(gate_up, out)
@@ -370,6 +380,7 @@ def silu_and_mul(gate_up: torch.Tensor, fp8_rows: bool = False) -> torch.Tensor:
             BLOCK=block,
             ROUND_BF16=rounds_bf16_by_hand(gate_up),
             AMAX=fp8_rows,
+            RUNS=runs,
             num_warps=4,
             **small_kernel_args(gate_up.device),
         )

@@ -154,6 +154,22 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
+# A gate_up output that already holds silu(gate) * up carries this attribute (an int4 one-row GEMV that applied
+# the SiLU itself, quant/gate_up_runs.py); a gate_up projection whose rows alternate gate and up in runs has
+# `gate_up_runs` set (split_gate_up).
+ACTIVATED = "activated"
+
+
+def split_gate_up(gate_up: torch.Tensor, size: int, runs: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate and up halves of a gate_up output [..., 2 * size]: its two halves, or with `runs`, rows that
+    alternate runs of `runs` gates and `runs` ups."""
+    if not runs:
+        gate, up = gate_up.split(size, dim=-1)
+        return gate, up
+    paired = gate_up.unflatten(-1, (size // runs, 2, runs))
+    return paired[..., 0, :].flatten(-2), paired[..., 1, :].flatten(-2)
+
+
 class GatedMLP(nn.Module):
     """down(act(gate(x)) * up(x)), with gate and up fused into one matmul; act is SiLU (Llama) or tanh-approximated
     GELU (`gelu_pytorch_tanh`, Gemma's GeGLU)."""
@@ -174,14 +190,17 @@ class GatedMLP(nn.Module):
         """`lora`: the layer's LoRA view (tritonllm.lora.layers.LayerLora), which adds its deltas in place.
         `residual`: for a down_proj that folds the norm after it (quant/norm_fold.py)."""
         gate_up = self.gate_up_proj(x)
+        runs = getattr(self.gate_up_proj, "gate_up_runs", 0)  # (never with LoRA, whose deltas are in halves)
         if lora is not None:
             lora.apply("gate_up", x, gate_up)
-        if self.fused and gate_up.dim() == 2 and self.activation == "silu":
+        if getattr(gate_up, ACTIVATED, False):
+            hidden = gate_up
+        elif self.fused and gate_up.dim() == 2 and self.activation == "silu":
             from . import fused_ops
 
-            hidden = fused_ops.silu_and_mul(gate_up, self.fp8_rows)
+            hidden = fused_ops.silu_and_mul(gate_up, self.fp8_rows, runs)
         else:
-            gate, up = gate_up.split(self.intermediate_size, dim=-1)
+            gate, up = split_gate_up(gate_up, self.intermediate_size, runs)
             hidden = (F.silu(gate) if self.activation == "silu" else F.gelu(gate, approximate="tanh")) * up
         out = self.down_proj(hidden) if residual is None else self.down_proj(hidden, residual=residual)
         return out if lora is None else lora.apply("down", hidden, out)

@@ -1,5 +1,5 @@
 """Where the kernel before an FP8 projection quantizes its input (network/fused_ops.py's FP8 rows), and where
-one-row int4 projections take over the norms between them (norm_fold.py).
+one-row int4 projections take over the norms between them (norm_fold.py) and gate_up the SiLU (gate_up_runs.py).
 
 A projection with dynamic per-token FP8 scales quantizes its input in a launch of its own (fp8_kernel.py) that
 reads the activations again. Where that input is a fused RMSNorm's output (qkv_proj, gate_up_proj) or the fused
@@ -16,6 +16,8 @@ from torch import nn
 
 from ..network.layers import GatedMLP, RMSNorm
 from ..network.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
+from . import kernels
+from .gate_up_runs import reorder_rows
 from .kernels import fp8_supported, int4_folds, int4_one_row_applies
 from .linear import QuantLinear
 from .norm_fold import NormFold, ring
@@ -26,6 +28,9 @@ DEFER_SCALES = True  # False: every FP8 projection scales its own output (for co
 # Batch-1 W4A16 decode with the norms folded into the int4 GEMVs around them (norm_fold.py): 410-412 against 399
 # tok/s on an H200 (docs/benchmarks.md, twenty-ninth session). False: every norm its own launch (for comparisons).
 FOLD_NORMS = True
+# With the norms folded, gate_up's one-row GEMV also applies the SiLU (gate_up_runs.py: its rows reordered at
+# load), a launch fewer a layer. Off until an H200 run has timed it.
+SILU_IN_GATE_UP = False
 
 
 def takes_fp8_rows(projection: object) -> bool:
@@ -109,7 +114,37 @@ def fold_int4_norms(model: nn.Module, device: torch.device, lora_enabled: bool) 
     count = install_norm_folds(model, device)
     if count:
         log.info("W4A16: %d norms fold into the one-row int4 projections around them", count)
+    if count and SILU_IN_GATE_UP:
+        runs = install_gate_up_runs(model)
+        log.info("W4A16: %d gate_up projections apply the SiLU in their one-row GEMV", runs)
     return count
+
+
+def install_gate_up_runs(model: nn.Module) -> int:
+    """Reorder every decoder layer's int4 gate_up rows into runs (gate_up_runs.py) so that its one-row GEMV
+    applies the SiLU: all of them, or none where one cannot. Returns how many."""
+    projections = [_int4_gate_up(getattr(layer, "mlp", None)) for layer in getattr(model, "decoder_layers", ())]
+    int4 = [p for p in projections if p is not None]
+    if not projections or len(int4) != len(projections):
+        return 0
+    runs = [
+        kernels.int4_gate_up_runs(p.qweight, p.group_size, p.weight_scale.dtype) for p in int4 if p.qweight is not None
+    ]
+    if len(runs) != len(int4) or not all(runs):
+        return 0
+    for projection, run in zip(int4, runs):
+        reorder_rows(projection, run)
+    return len(int4)
+
+
+def _int4_gate_up(mlp: object) -> QuantLinear | None:
+    """A dense SiLU MLP's unhooked int4 gate_up projection, else None."""
+    if type(mlp) is not GatedMLP or mlp.activation != "silu":
+        return None
+    projection: object = mlp.gate_up_proj
+    if isinstance(projection, QuantLinear) and projection.kind == "int4" and not projection._forward_hooks:
+        return projection
+    return None
 
 
 def install_norm_folds(model: nn.Module, device: torch.device) -> int:

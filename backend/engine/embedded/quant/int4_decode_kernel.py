@@ -32,6 +32,7 @@ from .. import gpu_fence
 from ..gpu_fence import add_slice
 from ..pdl import launch_options, pdl_on
 from . import int4_mma
+from .gate_up_runs import store_activated
 from .int4_lanes import WORDS_A_WARP, lanes_row
 from .int4_mma import magic_value
 from .int4_words import int32_viewable, words_row
@@ -235,6 +236,7 @@ def _int4_decode_kernel(
     SPLIT_K: tl.constexpr,
     FOLD_IN: tl.constexpr,
     FOLD_OUT: tl.constexpr,
+    GATED: tl.constexpr,
     USE_ASM: tl.constexpr,
     FP16: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -252,7 +254,8 @@ def _int4_decode_kernel(
 ):
     """Program (column block, row block, K slice): out[rows, cols] (+)= x[rows, slice] W[cols, slice]^T.
     FOLD_IN: x is a folded norm's h * g, the product scaled by its 1 / rms; FOLD_OUT (one row, whole K): the norm
-    after this projection begins in the epilogue (norm_fold.py, both)."""
+    after this projection begins in the epilogue (norm_fold.py, both). GATED (one row, whole K): the rows are
+    gate_up's in runs of BLOCK_N / 2, and out [1, N / 2] gets silu(gate) * up (gate_up_runs.py)."""
     HALF: tl.constexpr = BLOCK_K // 2
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -352,6 +355,9 @@ def _int4_decode_kernel(
         fold_epilogue(
             y, residual_cols, cols, col_ok, *outputs, FOLD_SLOTS, INTERPRETED and out.dtype.element_ty == tl.bfloat16
         )
+    elif GATED:
+        round_bf16 = INTERPRETED and out.dtype.element_ty == tl.bfloat16
+        store_activated(tl.sum(acc, axis=0), out, tl.program_id(0), N // 2, BLOCK_N // 2, round_bf16)
     elif SPLIT_K == 1:
         tl.store(out_ptrs, acc.to(out.dtype.element_ty), mask=mask)
     else:
@@ -372,11 +378,13 @@ def int4_decode_matmul(
     variant: DecodeVariant,
     folded_input: FoldedInput | None = None,
     folding: FoldingOutput | None = None,
+    gate_up_runs: int = 0,
 ) -> torch.Tensor:
     """x [M, K] (bf16 / fp16 / fp32, last dim contiguous) times qweight uint8 [N, K // 2]
     -> [M, N] in x's dtype; scale and zero [N, groups] row- or group-major. Shapes are checked by the caller
     (kernels.py); supports() must hold. folded_input, folding: norm_fold.py's two halves (folding: one row, and
-    folds() must hold)."""
+    folds() must hold). gate_up_runs: qweight is gate_up's in runs of that many rows, and the result [1, N / 2] is
+    silu(gate) * up (gate_up_runs.py; one row, folds() must hold, a program's rows two runs)."""
     M, K = x.shape
     if variant.words and not int32_viewable(qweight):
         # rows not whole words: the byte GEMV reads them, in steps inside one scale group
@@ -392,14 +400,17 @@ def int4_decode_matmul(
     N = qweight.shape[0]
     if M == 0:
         return torch.empty((0, N), dtype=x.dtype, device=x.device)
-    if folding is not None and not (M == 1 and folds(variant)):
-        raise ValueError(f"a norm folds into one row's GEMV without split K, not {M} rows through {variant}")
+    gated = gate_up_runs > 0
+    if (folding is not None or gated) and not (M == 1 and folds(variant)):
+        raise ValueError(f"a norm or the SiLU folds into one row's GEMV without split K, not {M} rows via {variant}")
+    if gated and (folding is not None or N % variant.block_n or variant.block_n != 2 * gate_up_runs):
+        raise ValueError(f"gate_up's {N} rows in runs of {gate_up_runs} through programs of {variant.block_n} rows")
     if variant.mma:
         return _mma_gemv(x, qweight.view(torch.int32), scale, zero, bias, group_size, variant)
     tiles = triton.cdiv(N, variant.block_n) * triton.cdiv(M, variant.block_m)
     splittable = M <= SPLIT_ROWS and tiles <= _MAX_TILES and folding is None
     split_k, k_per_split = gpu_fence.k_slices(K, variant.block_k, variant.split_k, splittable)
-    out = torch.empty((M, N), dtype=x.dtype, device=x.device)
+    out = torch.empty((M, N // 2 if gated else N), dtype=x.dtype, device=x.device)
     workspace, counters = _split_buffers(x.device, N) if split_k > 1 else (out, out)
     weights = qweight.view(torch.int32) if variant.words else qweight  # K // 2 bytes a row: a multiple of 4
     pdl, options = _launch(variant, x.device)  # (pdl is the word GEMV's: DecodeVariant checks it)
@@ -430,6 +441,7 @@ def int4_decode_matmul(
         SPLIT_K=split_k,
         FOLD_IN=folded_input is not None,
         FOLD_OUT=folding is not None,
+        GATED=gated,
         USE_ASM=variant.use_asm and x.device.type == "cuda",  # the interpreter knows no PTX
         FP16=x.dtype == torch.float16,
         UPCAST=x.device.type != "cuda" or x.dtype == torch.float32,

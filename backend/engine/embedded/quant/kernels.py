@@ -29,6 +29,7 @@ from .formats import FP8_MAX, dequantize_fp8, dequantize_int4, dequantize_int8
 from .fp8_kernel import MIN_SCALE, quantize_rows
 from .fp8_matmul_kernel import Fp8Tiles, fp8_matmul
 from .int4_decode_kernel import DecodeVariant
+from .int4_words import int32_viewable
 from .norm_fold import FoldedInput, FoldingOutput
 from .weight_only_kernel import Variant
 
@@ -212,10 +213,12 @@ def int4_one_row(
     group_size: int,
     folded_input: FoldedInput | None = None,
     folding: FoldingOutput | None = None,
+    gate_up_runs: int = 0,
 ) -> torch.Tensor:
     """int4_linear of one row through the decode kernel (CUDA, or Triton's interpreter), with norm_fold.py's
     halves: x a folded norm's h * g (folded_input), and/or the norm after it begun here (folding, where
-    int4_folds holds)."""
+    int4_folds holds). gate_up_runs (int4_gate_up_runs's): qweight's rows are gate_up's in such runs and the
+    result is silu(gate) * up [..., N / 2] (gate_up_runs.py)."""
     _check_weight_only(x, qweight, weight_scale, weight_zero, bias, group_size, bits=4)
     x2d = _rows(x)
     if x2d.shape[0] != 1:
@@ -224,7 +227,7 @@ def int4_one_row(
     if variant is None:
         raise ValueError(f"the int4 decode kernel does not take x {x.dtype} with groups of {group_size}")
     out = int4_decode.int4_decode_matmul(
-        x2d, qweight, weight_scale, weight_zero, bias, group_size, variant, folded_input, folding
+        x2d, qweight, weight_scale, weight_zero, bias, group_size, variant, folded_input, folding, gate_up_runs
     )
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
@@ -245,6 +248,17 @@ def int4_folds(n: int, k: int, group_size: int, dtype: torch.dtype) -> bool:
     """int4_one_row takes it, through a kernel shape that can begin a folded norm (folding)."""
     variant = _one_row_variant(n, k, group_size, dtype)
     return variant is not None and int4_decode.folds(variant)
+
+
+def int4_gate_up_runs(qweight: torch.Tensor, group_size: int, dtype: torch.dtype) -> int:
+    """The runs (rows) in which the gate and up rows of gate_up's qweight [N, K / 2] must alternate for
+    int4_one_row to apply the SiLU itself (half a program's rows); 0 where its kernel shape cannot
+    (int4_decode.folds), N does not split, or its rows are not whole words (the byte GEMV's programs differ)."""
+    n, k = qweight.shape[0], 2 * qweight.shape[1]
+    variant = _one_row_variant(n, k, group_size, dtype)
+    if variant is None or not int4_decode.folds(variant) or variant.block_n % 2 or n % variant.block_n:
+        return 0
+    return variant.block_n // 2 if int32_viewable(qweight) or not variant.words else 0
 
 
 def choose_variant(m: int, n: int, k: int) -> Variant:

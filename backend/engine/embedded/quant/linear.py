@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from .formats import FP8_DTYPE, INT4_SYMMETRIC_ZERO
+from .gate_up_runs import mark_activated
 from .norm_fold import NormFold, fold_result, folded_input_of, unfold
 from .quantize import quantize_fp8, quantize_int4, quantize_int8
 
@@ -26,6 +27,7 @@ class QuantLinear(nn.Module):
 
     defer_scales = False  # FP8: the fused norm after it applies its output's scales (quant/fusion.py sets it)
     norm_fold: Optional[NormFold] = None  # int4: the norm after it begins in its one-row GEMV (quant/fusion.py)
+    gate_up_runs = 0  # int4 gate_up: its rows in runs, its one-row GEMV applying the SiLU (gate_up_runs.py)
     weight: torch.Tensor
     weight_scale: torch.Tensor
     input_scale: Optional[torch.Tensor]
@@ -118,9 +120,20 @@ class QuantLinear(nn.Module):
         if self.norm_fold is not None and residual is not None and residual.shape == (1, self.out_features):
             folding = self.norm_fold.output(residual.contiguous())
         assert self.qweight is not None and self.weight_zero is not None
+        runs = self.gate_up_runs if folding is None else 0
         out = kernels.int4_one_row(
-            x, self.qweight, self.weight_scale, self.weight_zero, self.bias, self.group_size, folded_input, folding
+            x,
+            self.qweight,
+            self.weight_scale,
+            self.weight_zero,
+            self.bias,
+            self.group_size,
+            folded_input,
+            folding,
+            runs,
         )
+        if runs:
+            return mark_activated(out)
         return out if folding is None else fold_result(out, folding)
 
     def extra_repr(self) -> str:
