@@ -37,7 +37,9 @@ DECODE_NUM_WARPS_FP8 = 2
 DECODE_NUM_STAGES = 2
 # Several splits are merged by the last of them to finish (an atomic counter a (sequence, KV head)) rather than by
 # a launch of their own: at batch 1 the merge launch costs ~2.6 us a layer (H200 profile, twenty-ninth session).
-# Off until an H200 run has timed it and checked it under CUDA graphs.
+# A first version, where all NUM_SPLITS splits counted and the last merged all 32 partials, was slower on an H100
+# (twenty-fifth session); here only the splits holding keys count and merge (4 at a 256-token context). Off until
+# an H200 run has timed it (bench-quant's -merge variants).
 MERGE_IN_LAST_SPLIT = False
 # FP8 caches: tiles widened to fp16 rather than to the queries' bf16 (one instruction a pair; e4m3 is exact in fp16).
 FP8_DECODE_IN_FP16 = True
@@ -145,32 +147,37 @@ def _decode_split_kernel(
         part = first_part + split
         lse = tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
         if MERGE_HERE:
-            # Splits past the keys hold nothing the merge reads (one split stands for a sequence without keys).
+            # Only the splits that hold keys store and count (one stands for a sequence without keys): at a short
+            # context most of the NUM_SPLITS (sized for the longest) end here, and the merge reads few partials.
             active = tl.maximum(tl.cdiv(seq_len - first_key, tl.maximum(split_len, 1)), 1)
-            written = head_ok & (member * 0 + split < active)  # (a block: the interpreter masks no scalar)
+            if split < active:
+                _store_partial(part_out, part_lse, part, result, lse, head_ok, d, d_ok, HEAD_DIM)
+                arrival = arrivals + seq * tl.num_programs(1) + kv_head
+                out_rows = out + seq * stride_os + head * stride_oh
+                _merge_if_last(
+                    part_out,
+                    part_lse,
+                    out_rows,
+                    arrival,
+                    first_part,
+                    active,
+                    head_ok,
+                    d,
+                    d_ok,
+                    HEAD_DIM,
+                    GROUP_P,
+                    BLOCK_D,
+                    UPCAST,  # on CPU: in the interpreter
+                )
         else:
-            written = head_ok
-        tl.store(part_out + part[:, None] * HEAD_DIM + d[None, :], result, mask=written[:, None] & d_ok[None, :])
-        tl.store(part_lse + part, lse, mask=written)
-        if MERGE_HERE:
-            arrival = arrivals + seq * tl.num_programs(1) + kv_head
-            out_rows = out + seq * stride_os + head * stride_oh
-            _merge_if_last(
-                part_out,
-                part_lse,
-                out_rows,
-                arrival,
-                first_part,
-                active,
-                head_ok,
-                d,
-                d_ok,
-                HEAD_DIM,
-                NUM_SPLITS,
-                GROUP_P,
-                BLOCK_D,
-                UPCAST,  # on CPU: in the interpreter
-            )
+            _store_partial(part_out, part_lse, part, result, lse, head_ok, d, d_ok, HEAD_DIM)
+
+
+@triton.jit
+def _store_partial(part_out, part_lse, part, result, lse, head_ok, d, d_ok, HEAD_DIM: tl.constexpr):
+    """A split's normalised output and base-2 log-sum-exp for the group's heads, into their scratch rows."""
+    tl.store(part_out + part[:, None] * HEAD_DIM + d[None, :], result, mask=head_ok[:, None] & d_ok[None, :])
+    tl.store(part_lse + part, lse, mask=head_ok)
 
 
 @triton.jit
@@ -185,16 +192,15 @@ def _merge_if_last(
     d,
     d_ok,
     HEAD_DIM: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     GROUP_P: tl.constexpr,
     BLOCK_D: tl.constexpr,
     INTERPRETED: tl.constexpr,
 ):
     """Count this split in at `arrival` (its (sequence, KV head)'s counter) as a split-K slice is counted
-    (gpu_fence.count_slice: every thread's partial stores ordered before the count); the one that arrives last
-    merges the `active` splits' partials of the group's heads into `out_rows` and sets the counter back to 0 for
+    (gpu_fence.count_slice: every thread's partial stores ordered before the count); the last of the `active`
+    splits to arrive merges their partials of the group's heads into `out_rows` and sets the counter back to 0 for
     the next launch. Its loads bypass L1 (.cg), which may hold lines another SM has since rewritten."""
-    if count_slice(arrival, 0, INTERPRETED) == NUM_SPLITS - 1:
+    if count_slice(arrival, 0, INTERPRETED) == active - 1:
         m = tl.full([GROUP_P], float("-inf"), tl.float32)
         total = tl.zeros([GROUP_P], tl.float32)
         acc = tl.zeros([GROUP_P, BLOCK_D], tl.float32)
