@@ -127,8 +127,12 @@ def test_bad_inputs_are_refused_by_name():
         kv_store.rotate_and_store_kv(q, k, v, inputs.cos[:, :8], inputs.sin, *caches, inputs.slots)
     with pytest.raises(ValueError, match="^sin "):
         kv_store.rotate_and_store_kv(q, k, v, inputs.cos, inputs.sin.long(), *caches, inputs.slots)
-    with pytest.raises(ValueError, match="q .* and k .* need one dtype"):
+    with pytest.raises(ValueError, match="^k has dtype torch.float64"):
         kv_store.rotate_and_store_kv(q, k.double(), v.double(), inputs.cos, inputs.sin, *caches, inputs.slots)
+    with pytest.raises(ValueError, match=r"q \(torch.float32\) and k \(torch.bfloat16\) need one dtype"):
+        kv_store.rotate_and_store_kv(q, k.bfloat16(), v.bfloat16(), inputs.cos, inputs.sin, *caches, inputs.slots)
+    with pytest.raises(ValueError, match="^cos .* does not fit k"):
+        kv_store.rotate_and_store_kv(q, k[:2], v[:2], inputs.cos, inputs.sin, *caches, inputs.slots)
     with pytest.raises(ValueError, match="do not fit the caches"):
         kv_store.rotate_and_store_kv(q, k, v[:, :1], inputs.cos, inputs.sin, *caches, inputs.slots)
 

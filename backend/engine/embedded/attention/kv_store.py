@@ -9,7 +9,8 @@ import triton
 import triton.language as tl
 
 from ..pdl import begin, small_kernel_args
-from ..rounding import DTYPES, round_to, rounds_bf16_by_hand
+from ..rotary_checks import check_rotary
+from ..rounding import round_to, rounds_bf16_by_hand
 from .fp8_cache import is_fp8
 from .tile_ops import FP8_MAX
 
@@ -217,27 +218,13 @@ def rotate_and_store_kv(
     """fused_ops.rotary_inplace of q [T, heads, head_dim] and of k [T, kv_heads, head_dim] by cos, sin [T, head_dim],
     then store_kv of the rotated k and of v, in one launch: the same values, bit for bit. q, k and v as those two
     take them (last dim contiguous, token and head strides free: views of a fused qkv output), q and k of one dtype."""
-    if q.dim() != 3 or k.dim() != 3:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must be [tokens, heads, head_dim]")
+    check_rotary("q", q, cos, sin)
+    check_rotary("k", k, cos, sin)
     _check_store(k, v, k_cache, v_cache)
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k.shape[1]
-    if k.shape[0] != num_tokens or k.shape[2] != head_dim:
-        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} differ in tokens or head_dim")
-    if q.dtype != k.dtype or q.dtype not in DTYPES:
-        raise ValueError(f"q ({q.dtype}) and k ({k.dtype}) need one dtype of {', '.join(map(str, DTYPES))}")
-    if q.stride(2) != 1:
-        raise ValueError("q needs a contiguous last (head_dim) dimension")
-    if head_dim % 2:
-        raise ValueError(f"head_dim {head_dim} is odd: rotary rotates pairs (i, i + head_dim / 2)")
-    for name, table in (("cos", cos), ("sin", sin)):
-        if table.shape != (num_tokens, head_dim) or table.device != q.device or not table.is_floating_point():
-            raise ValueError(
-                f"{name} {tuple(table.shape)} {table.dtype} on {table.device} does not fit q "
-                f"{tuple(q.shape)} on {q.device} (wanted a float [{num_tokens}, {head_dim}])"
-            )
-        if table.stride(1) != 1:
-            raise ValueError(f"{name} needs a contiguous last dimension")
+    if q.dtype != k.dtype:
+        raise ValueError(f"q ({q.dtype}) and k ({k.dtype}) need one dtype")
     if num_tokens == 0 or head_dim == 0:
         return
     half = head_dim // 2

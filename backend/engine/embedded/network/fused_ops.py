@@ -32,6 +32,7 @@ import triton.language as tl
 from ..pdl import begin, small_kernel_args
 from ..quant.formats import FP8_DTYPE
 from ..quant.fp8_kernel import row_scale, store_fp8
+from ..rotary_checks import check_rotary
 from ..rounding import DTYPES, round_to, rounds_bf16_by_hand
 
 MAX_NORM_BLOCK = 65536  # a row of rms_norm lives in one program's registers
@@ -311,23 +312,8 @@ def rotary_inplace(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tor
     """layers.apply_rotary, in place: x [T, H, D] (last dim contiguous, token and head strides free: a view into a
     fused qkv output works), cos and sin [T, D] (last dim contiguous). Computed in fp32, rounded once to x's dtype.
     Returns x."""
-    if x.dim() != 3:
-        raise ValueError(f"x must be [tokens, heads, head_dim], got shape {tuple(x.shape)}")
+    check_rotary("x", x, cos, sin)
     num_tokens, num_heads, head_dim = x.shape
-    if x.dtype not in DTYPES:
-        raise ValueError(f"x has dtype {x.dtype}; supported: {', '.join(map(str, DTYPES))}")
-    if x.stride(2) != 1:
-        raise ValueError("x needs a contiguous last (head_dim) dimension")
-    if head_dim % 2:
-        raise ValueError(f"head_dim {head_dim} is odd: rotary rotates pairs (i, i + head_dim / 2)")
-    for name, table in (("cos", cos), ("sin", sin)):
-        if table.shape != (num_tokens, head_dim) or table.device != x.device or not table.is_floating_point():
-            raise ValueError(
-                f"{name} {tuple(table.shape)} {table.dtype} on {table.device} does not fit x "
-                f"{tuple(x.shape)} on {x.device} (wanted a float [{num_tokens}, {head_dim}])"
-            )
-        if table.stride(1) != 1:
-            raise ValueError(f"{name} needs a contiguous last dimension")
     if num_tokens == 0 or num_heads == 0 or head_dim == 0:
         return x
     half = head_dim // 2
