@@ -9,8 +9,8 @@ import triton
 import triton.language as tl
 
 from ..pdl import begin, small_kernel_args
-from ..rotary_checks import check_rotary
-from ..rounding import round_to, rounds_bf16_by_hand
+from ..rotary_ops import check_rotary, load_rotation, rotate_pairs
+from ..rounding import rounds_bf16_by_hand
 from .fp8_cache import is_fp8
 from .tile_ops import FP8_MAX
 
@@ -103,31 +103,26 @@ def _rotate_store_kv_kernel(
     WAIT: tl.constexpr,
 ):
     """Program (token, head block): the first cdiv(num_heads, BLOCK_H) blocks rotate BLOCK_H query heads in place
-    (fused_ops._rotary_kernel's math); the others BLOCK_H key heads, in place too, and store them and the same heads'
-    values into the caches at the token's slot (_store_kv_kernel's placement and quantization). Every row is
-    handled as its two halves [i] and [i + HALF], the pairs the rotation mixes."""
+    (rotary_ops.rotate_pairs, as fused_ops._rotary_kernel); the others BLOCK_H key heads, in place too, and store
+    them and the same heads' values into the caches at the token's slot (_store_kv_kernel's placement and
+    quantization). Every row is handled as its two halves [i] and [i + HALF], the pairs the rotation mixes."""
     begin(RELEASE, WAIT)  # (pdl.py)
     token = tl.program_id(0).to(tl.int64)
     q_blocks = tl.cdiv(num_heads, BLOCK_H)
     d = tl.arange(0, HALF_P)
     d_ok = d < HALF
-    cos_row = cos + token * stride_ct + d
-    sin_row = sin + token * stride_st + d
-    cos1 = tl.load(cos_row, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-    cos2 = tl.load(cos_row + HALF, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-    sin1 = tl.load(sin_row, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-    sin2 = tl.load(sin_row + HALF, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    cos1, cos2, sin1, sin2 = load_rotation(cos, sin, token, stride_ct, stride_st, d, d_ok, HALF)
     if tl.program_id(1) < q_blocks:
         head = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         ok = (head < num_heads)[:, None] & d_ok[None, :]
         query = q + token * stride_qt + head[:, None] * stride_qh + d[None, :]
-        _rotate(query, ok, cos1, cos2, sin1, sin2, HALF, ROUND_BF16)
+        rotate_pairs(query, ok, cos1, cos2, sin1, sin2, HALF, ROUND_BF16)
     else:
         head = (tl.program_id(1) - q_blocks) * BLOCK_H + tl.arange(0, BLOCK_H)
         ok = (head < num_kv_heads)[:, None] & d_ok[None, :]
         slot = tl.load(slot_mapping + token).to(tl.int64)
         key = k + token * stride_kt + head[:, None] * stride_kh + d[None, :]
-        key1, key2 = _rotate(key, ok, cos1, cos2, sin1, sin2, HALF, ROUND_BF16)
+        key1, key2 = rotate_pairs(key, ok, cos1, cos2, sin1, sin2, HALF, ROUND_BF16)
         key_slot = k_cache + slot * stride_ks + head[:, None] * stride_kc + d[None, :]
         _store_halves(key_slot, key1, key2, ok, k_inv_scale, HALF, QUANTIZE)
         value = v + token * stride_vt + head[:, None] * stride_vh + d[None, :]
@@ -135,19 +130,6 @@ def _rotate_store_kv_kernel(
         value2 = tl.load(value + HALF, mask=ok)
         value_slot = v_cache + slot * stride_vs + head[:, None] * stride_vc + d[None, :]
         _store_halves(value_slot, value1, value2, ok, v_inv_scale, HALF, QUANTIZE)
-
-
-@triton.jit
-def _rotate(first, ok, cos1, cos2, sin1, sin2, HALF: tl.constexpr, ROUND_BF16: tl.constexpr):
-    """Rotates the pairs (first, first + HALF) in place in fp32, rounded once to their dtype; returns both halves
-    as stored."""
-    x1 = tl.load(first, mask=ok, other=0.0).to(tl.float32)
-    x2 = tl.load(first + HALF, mask=ok, other=0.0).to(tl.float32)
-    out1 = round_to(x1 * cos1 - x2 * sin1, first.dtype.element_ty, ROUND_BF16)
-    out2 = round_to(x2 * cos2 + x1 * sin2, first.dtype.element_ty, ROUND_BF16)
-    tl.store(first, out1, mask=ok)
-    tl.store(first + HALF, out2, mask=ok)
-    return out1, out2
 
 
 @triton.jit

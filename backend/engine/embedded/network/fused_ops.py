@@ -32,7 +32,7 @@ import triton.language as tl
 from ..pdl import begin, small_kernel_args
 from ..quant.formats import FP8_DTYPE
 from ..quant.fp8_kernel import row_scale, store_fp8
-from ..rotary_checks import check_rotary
+from ..rotary_ops import check_rotary, load_rotation, rotate_pairs
 from ..rounding import DTYPES, round_to, rounds_bf16_by_hand
 
 MAX_NORM_BLOCK = 65536  # a row of rms_norm lives in one program's registers
@@ -125,18 +125,10 @@ def _rotary_kernel(
     head = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     d = tl.arange(0, HALF_P)
     d_ok = d < HALF
-    cos_row = cos + token * stride_ct + d
-    sin_row = sin + token * stride_st + d
-    cos1 = tl.load(cos_row, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-    cos2 = tl.load(cos_row + HALF, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-    sin1 = tl.load(sin_row, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-    sin2 = tl.load(sin_row + HALF, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    cos1, cos2, sin1, sin2 = load_rotation(cos, sin, token, stride_ct, stride_st, d, d_ok, HALF)
     ok = (head < num_heads)[:, None] & d_ok[None, :]
     first = x + token * stride_xt + head[:, None] * stride_xh + d[None, :]
-    x1 = tl.load(first, mask=ok, other=0.0).to(tl.float32)
-    x2 = tl.load(first + HALF, mask=ok, other=0.0).to(tl.float32)
-    tl.store(first, round_to(x1 * cos1 - x2 * sin1, x.dtype.element_ty, ROUND_BF16), mask=ok)
-    tl.store(first + HALF, round_to(x2 * cos2 + x1 * sin2, x.dtype.element_ty, ROUND_BF16), mask=ok)
+    rotate_pairs(first, ok, cos1, cos2, sin1, sin2, HALF, ROUND_BF16)
 
 
 @triton.jit

@@ -1,0 +1,59 @@
+"""What the kernels that rotate by the rotary embedding share (network/fused_ops.py's rotary_inplace,
+attention/kv_store.py's rotate_and_store_kv): the host check of their inputs (a ValueError that names the input at
+fault), and on the device a token's cos and sin halves and the rotation of pairs (i, i + D / 2) in place, in fp32,
+rounded once."""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .rounding import DTYPES, round_to
+
+
+def check_rotary(name: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """x (called `name`) [T, H, D] in one of DTYPES with a contiguous last dimension and D even (pairs i, i + D / 2
+    rotate); cos and sin float [T, D] on x's device, their last dimension contiguous."""
+    if x.dim() != 3:
+        raise ValueError(f"{name} must be [tokens, heads, head_dim], got shape {tuple(x.shape)}")
+    num_tokens, _, head_dim = x.shape
+    if x.dtype not in DTYPES:
+        raise ValueError(f"{name} has dtype {x.dtype}; supported: {', '.join(map(str, DTYPES))}")
+    if x.stride(2) != 1:
+        raise ValueError(f"{name} needs a contiguous last (head_dim) dimension")
+    if head_dim % 2:
+        raise ValueError(f"head_dim {head_dim} is odd: rotary rotates pairs (i, i + head_dim / 2)")
+    for table_name, table in (("cos", cos), ("sin", sin)):
+        if table.shape != (num_tokens, head_dim) or table.device != x.device or not table.is_floating_point():
+            raise ValueError(
+                f"{table_name} {tuple(table.shape)} {table.dtype} on {table.device} does not fit {name} "
+                f"{tuple(x.shape)} on {x.device} (wanted a float [{num_tokens}, {head_dim}])"
+            )
+        if table.stride(1) != 1:
+            raise ValueError(f"{table_name} needs a contiguous last dimension")
+
+
+@triton.jit
+def load_rotation(cos, sin, token, stride_ct, stride_st, d, d_ok, HALF: tl.constexpr):
+    """The token's cos and sin, each as its two halves [1, HALF_P] in fp32: (cos1, cos2, sin1, sin2)."""
+    cos_row = cos + token * stride_ct + d
+    sin_row = sin + token * stride_st + d
+    cos1 = tl.load(cos_row, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    cos2 = tl.load(cos_row + HALF, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    sin1 = tl.load(sin_row, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    sin2 = tl.load(sin_row + HALF, mask=d_ok, other=0.0).to(tl.float32)[None, :]
+    return cos1, cos2, sin1, sin2
+
+
+@triton.jit
+def rotate_pairs(first, ok, cos1, cos2, sin1, sin2, HALF: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """Rotates the pairs (first, first + HALF) in place in fp32, rounded once to their dtype (ROUND_BF16: by hand,
+    rounding.round_to); returns both halves as stored."""
+    x1 = tl.load(first, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(first + HALF, mask=ok, other=0.0).to(tl.float32)
+    out1 = round_to(x1 * cos1 - x2 * sin1, first.dtype.element_ty, ROUND_BF16)
+    out2 = round_to(x2 * cos2 + x1 * sin2, first.dtype.element_ty, ROUND_BF16)
+    tl.store(first, out1, mask=ok)
+    tl.store(first + HALF, out2, mask=ok)
+    return out1, out2
