@@ -94,7 +94,7 @@ def test_a_w4a16_model_takes_runs_in_every_gate_up_or_none(tiny):  # noqa: F811
     assert all(p.gate_up_runs == 2 for p in gate_ups)
     assert not any(torch.equal(p.qweight, b) for p, b in zip(gate_ups, before))
     with pytest.raises(ValueError, match="already in run order"):
-        gate_up_runs.reorder_rows(gate_ups[0], 2)
+        fusion.reorder_gate_up(gate_ups[0], 2)
     other = _w4a16(tiny)
     other.decoder_layers[1].mlp.gate_up_proj.register_forward_hook(lambda *args: None)  # e.g. a TP all-reduce
     assert fusion.install_gate_up_runs(other) == 0

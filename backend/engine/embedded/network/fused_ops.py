@@ -132,6 +132,12 @@ def _rotary_kernel(
 
 
 @triton.jit
+def silu_times(gate, up):
+    """silu(gate) * up in fp32, written once for every kernel that applies the SiLU (so all round alike)."""
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
 def _silu_and_mul_kernel(
     gate_up,
     out,
@@ -160,7 +166,7 @@ def _silu_and_mul_kernel(
         gates, ups = cols, size + cols
     gate = tl.load(gate_up + row * stride_in + gates, mask=ok, other=0.0).to(tl.float32)
     up = tl.load(gate_up + row * stride_in + ups, mask=ok, other=0.0).to(tl.float32)
-    result = round_to(gate / (1.0 + tl.exp(-gate)) * up, out.dtype.element_ty, ROUND_BF16)
+    result = round_to(silu_times(gate, up), out.dtype.element_ty, ROUND_BF16)
     tl.store(out + row * stride_out + cols, result, mask=ok)
     if AMAX:
         tl.store(block_amax + row * tl.num_programs(1) + tl.program_id(1), tl.max(tl.abs(result.to(tl.float32)), 0))
@@ -197,7 +203,7 @@ def _silu_and_mul_fp8_kernel(
         ok = cols < size
         gate = tl.load(gate_up + row * stride_in + cols, mask=ok, other=0.0).to(tl.float32)
         up = tl.load(gate_up + row * stride_in + size + cols, mask=ok, other=0.0).to(tl.float32)
-        result = round_to(gate / (1.0 + tl.exp(-gate)) * up, out.dtype.element_ty, ROUND_BF16)
+        result = round_to(silu_times(gate, up), out.dtype.element_ty, ROUND_BF16)
         tl.store(out + row * stride_out + cols, result, mask=ok)
         amax = tl.maximum(amax, tl.abs(result.to(tl.float32)))
     scale = row_scale(tl.max(amax, 0))

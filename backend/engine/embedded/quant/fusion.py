@@ -133,8 +133,16 @@ def install_gate_up_runs(model: nn.Module) -> int:
     if len(runs) != len(int4) or not all(runs):
         return 0
     for projection, run in zip(int4, runs):
-        reorder_rows(projection, run)
+        reorder_gate_up(projection, run)
     return len(int4)
+
+
+def reorder_gate_up(projection: QuantLinear, runs: int) -> None:
+    """An int4 gate_up's rows in runs of `runs` (gate_up_runs.py), marked so (`gate_up_runs`)."""
+    if projection.gate_up_runs:
+        raise ValueError("gate_up's rows are already in run order")
+    reorder_rows([projection.qweight, projection.weight_scale, projection.weight_zero, projection.bias], runs)
+    projection.gate_up_runs = runs
 
 
 def _int4_gate_up(mlp: object) -> QuantLinear | None:

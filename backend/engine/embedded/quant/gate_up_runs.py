@@ -13,17 +13,13 @@ the activations' dtype first, then silu(gate) * up in fp32, rounded once."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import triton
 import triton.language as tl
 
+from ..network.fused_ops import silu_times
 from ..network.layers import ACTIVATED
 from ..rounding import round_to
-
-if TYPE_CHECKING:
-    from .linear import QuantLinear
 
 
 @triton.jit
@@ -34,7 +30,7 @@ def store_activated(y, out, block, size, HALF: tl.constexpr, ROUND_BF16: tl.cons
     rounded = y.to(dtype).to(tl.float32)  # gate_up's output as stored unfused
     gate, up = tl.split(tl.trans(tl.reshape(rounded, (2, HALF))))
     cols = block * HALF + tl.arange(0, HALF)
-    tl.store(out + cols, round_to(gate / (1.0 + tl.exp(-gate)) * up, dtype, ROUND_BF16), mask=cols < size)
+    tl.store(out + cols, round_to(silu_times(gate, up), dtype, ROUND_BF16), mask=cols < size)
 
 
 def run_order(size: int, runs: int) -> torch.Tensor:
@@ -45,19 +41,14 @@ def run_order(size: int, runs: int) -> torch.Tensor:
     return torch.cat([gate, gate + size], dim=1).reshape(-1)
 
 
-def reorder_rows(linear: QuantLinear, runs: int) -> None:
-    """Put an int4 QuantLinear gate_up's rows (packed weight, scales, zero points, bias) in run order, in place,
-    and mark it (`gate_up_runs`)."""
-    size = linear.out_features // 2
-    if linear.gate_up_runs:
-        raise ValueError("gate_up's rows are already in run order")
-    assert linear.qweight is not None, "an int4 projection"
-    order = run_order(size, runs).to(linear.qweight.device)
+def reorder_rows(tensors: list[torch.Tensor | None], runs: int) -> None:
+    """Put the rows of a gate_up projection's tensors (packed weight, scales, zero points, bias: [2 * size, ...]
+    each, None skipped) in run order, in place."""
+    present = [t for t in tensors if t is not None]
+    order = run_order(present[0].shape[0] // 2, runs).to(present[0].device)
     with torch.no_grad():
-        for tensor in (linear.qweight, linear.weight_scale, linear.weight_zero, linear.bias):
-            if tensor is not None:
-                tensor.copy_(tensor[order])
-    linear.gate_up_runs = runs
+        for tensor in present:
+            tensor.copy_(tensor[order])
 
 
 def mark_activated(out: torch.Tensor) -> torch.Tensor:
