@@ -98,7 +98,10 @@ def _round_kv_on_the_way_in(monkeypatch):
     """Every layer's attention sees its K/V rounded as an FP8 cache rounds them, over a full-precision cache."""
     real = llama.paged_attention
 
-    def rounded(q, k, v, k_cache, v_cache, meta, scale, window=None, softcap=None, k_scale=1.0, v_scale=1.0):
+    def rounded(
+        q, k, v, k_cache, v_cache, meta, scale, window=None, softcap=None, k_scale=1.0, v_scale=1.0, rotary=None
+    ):
+        assert rotary is None  # (the rotation before the store would come after this rounding)
         k = dequantize(quantize(k, k_scale), k_scale, k.dtype)
         v = dequantize(quantize(v, v_scale), v_scale, v.dtype)
         return real(q, k, v, k_cache, v_cache, meta, scale, window, softcap)
