@@ -1,6 +1,7 @@
-"""What the kernels that rotate by the rotary embedding share (network/fused_ops.py's rotary_inplace,
-attention/kv_store.py's rotate_and_store_kv): the host check of their inputs (a ValueError that names the input at
-fault), and on the device a token's cos and sin halves and the rotation of pairs (i, i + D / 2) in place, in fp32,
+"""The rotary embedding's rotation of pairs (i, i + D / 2): apply_rotary, the PyTorch reference that the model
+layers and the portable attention path use, and what the kernels that rotate share (network/fused_ops.py's
+rotary_inplace, attention/kv_store.py's rotate_and_store_kv): the host check of their inputs (a ValueError that
+names the input at fault), and on the device a token's cos and sin halves and the rotation in place, in fp32,
 rounded once."""
 
 from __future__ import annotations
@@ -10,6 +11,13 @@ import triton
 import triton.language as tl
 
 from .rounding import DTYPES, round_to
+
+
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, heads, head_dim]; cos, sin: [T, head_dim]."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
 def check_rotary(name: str, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from ..rotary_ops import apply_rotary
 from .metadata import (
     AttentionMetadata,
     add_step_arrays,
@@ -54,8 +55,6 @@ def paged_attention(
     if meta.kernel is not None:
         return meta.kernel.attend(q, k, v, k_cache, v_cache, scale, window, softcap, k_scale, v_scale, rotary=rotary)
     if rotary is not None:
-        from ..network.layers import apply_rotary  # here: network imports attention
-
         q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
     return portable_attention(q, k, v, k_cache, v_cache, meta, scale, window, softcap, k_scale, v_scale)
 

@@ -27,8 +27,8 @@ import triton
 import triton.language as tl
 
 from ..attention.tile_ops import dot  # the paged-attention kernels' fp32-accumulating dot
-
-DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+from ..rounding import DTYPES
+from .fused_ops import silu_times
 
 
 @triton.jit
@@ -79,7 +79,7 @@ def _gate_up_kernel(
             a, gate_w, up_w = a.to(tl.float32), gate_w.to(tl.float32), up_w.to(tl.float32)
         acc_gate += dot(a, gate_w, IEEE)
         acc_up += dot(a, up_w, IEEE)
-    hidden_act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
+    hidden_act = silu_times(acc_gate, acc_up)
     out_ptrs = out + rows.to(tl.int64)[:, None] * stride_or + cols[None, :]
     tl.store(out_ptrs, hidden_act.to(out.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
 

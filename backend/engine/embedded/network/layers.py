@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ..rotary_ops import apply_rotary
 from .cpu_gemm import pack_weight, packed_linear
 from .model_config import RopeConfig
 from .rope import rope_frequencies
@@ -145,13 +146,6 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool) -
 
         return fused_ops.rotary_inplace(x, cos, sin)
     return apply_rotary(x, cos, sin)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]; cos, sin: [T, head_dim]."""
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
 # A gate_up output that already holds silu(gate) * up carries this attribute (an int4 one-row GEMV that applied

@@ -16,9 +16,8 @@ from torch import nn
 
 from ..network.layers import GatedMLP, RMSNorm
 from ..network.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
-from . import kernels
 from .gate_up_runs import reorder_rows
-from .kernels import fp8_supported, int4_folds, int4_one_row_applies
+from .kernels import fp8_supported, int4_folds, int4_gate_up_runs, int4_one_row_applies
 from .linear import QuantLinear
 from .norm_fold import NormFold, ring
 
@@ -123,18 +122,13 @@ def fold_int4_norms(model: nn.Module, device: torch.device, lora_enabled: bool) 
 def install_gate_up_runs(model: nn.Module) -> int:
     """Reorder every decoder layer's int4 gate_up rows into runs (gate_up_runs.py) so that its one-row GEMV
     applies the SiLU: all of them, or none where one cannot. Returns how many."""
-    projections = [_int4_gate_up(getattr(layer, "mlp", None)) for layer in getattr(model, "decoder_layers", ())]
-    int4 = [p for p in projections if p is not None]
-    if not projections or len(int4) != len(projections):
+    plans = [_gate_up_runs_plan(getattr(layer, "mlp", None)) for layer in getattr(model, "decoder_layers", ())]
+    ready = [plan for plan in plans if plan is not None]
+    if not plans or len(ready) != len(plans):
         return 0
-    runs = [
-        kernels.int4_gate_up_runs(p.qweight, p.group_size, p.weight_scale.dtype) for p in int4 if p.qweight is not None
-    ]
-    if len(runs) != len(int4) or not all(runs):
-        return 0
-    for projection, run in zip(int4, runs):
-        reorder_gate_up(projection, run)
-    return len(int4)
+    for projection, runs in ready:
+        reorder_gate_up(projection, runs)
+    return len(ready)
 
 
 def reorder_gate_up(projection: QuantLinear, runs: int) -> None:
@@ -145,14 +139,21 @@ def reorder_gate_up(projection: QuantLinear, runs: int) -> None:
     projection.gate_up_runs = runs
 
 
-def _int4_gate_up(mlp: object) -> QuantLinear | None:
-    """A dense SiLU MLP's unhooked int4 gate_up projection, else None."""
+def _gate_up_runs_plan(mlp: object) -> tuple[QuantLinear, int] | None:
+    """A dense SiLU MLP's unhooked int4 gate_up projection and the runs its one-row GEMV needs, else None."""
     if type(mlp) is not GatedMLP or mlp.activation != "silu":
         return None
     projection: object = mlp.gate_up_proj
-    if isinstance(projection, QuantLinear) and projection.kind == "int4" and not projection._forward_hooks:
-        return projection
-    return None
+    if not (isinstance(projection, QuantLinear) and projection.kind == "int4" and _unhooked(projection)):
+        return None
+    assert projection.qweight is not None  # (int4)
+    runs = int4_gate_up_runs(projection.qweight, projection.group_size, projection.weight_scale.dtype)
+    return (projection, runs) if runs else None
+
+
+def _unhooked(module: nn.Module) -> bool:
+    """No forward hooks (e.g. tensor parallelism's all-reduce) that a fused epilogue would leave out."""
+    return not (module._forward_hooks or module._forward_pre_hooks)
 
 
 def install_norm_folds(model: nn.Module, device: torch.device) -> int:
@@ -189,7 +190,7 @@ def _foldable(producer: object, norm: object, reader: object) -> bool:
     """An unhooked int4 producer whose one-row kernel folds, a plain RMSNorm, an int4 reader."""
     if not (type(producer) is QuantLinear and producer.kind == "int4" and type(norm) is RMSNorm):
         return False
-    if producer._forward_hooks or producer._forward_pre_hooks:  # e.g. tensor parallelism's all-reduce
+    if not _unhooked(producer):
         return False
     dtype = norm.weight.dtype
     if not int4_folds(producer.out_features, producer.in_features, producer.group_size, dtype):

@@ -347,17 +347,15 @@ def _int4_decode_kernel(
             acc += tl.load(bias + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     out_ptrs = out + rows.to(tl.int64)[:, None] * stride_om + cols[None, :]
     mask = row_ok[:, None] & col_ok[None, :]
+    ROUND_BF16: tl.constexpr = INTERPRETED and out.dtype.element_ty == tl.bfloat16  # the epilogues' (rounding.py)
     if FOLD_OUT:
         if not LANES:
             residual_cols = tl.load(fold_residual + kept).to(tl.float32)
         y = tl.sum(acc, axis=0)  # the one row
         outputs = (out, fold_weight, fold_h, fold_sums, fold_stale)  # (constexprs stay out of tuples)
-        fold_epilogue(
-            y, residual_cols, cols, col_ok, *outputs, FOLD_SLOTS, INTERPRETED and out.dtype.element_ty == tl.bfloat16
-        )
+        fold_epilogue(y, residual_cols, cols, col_ok, *outputs, FOLD_SLOTS, ROUND_BF16)
     elif GATED:
-        round_bf16 = INTERPRETED and out.dtype.element_ty == tl.bfloat16
-        store_activated(tl.sum(acc, axis=0), out, tl.program_id(0), N // 2, BLOCK_N // 2, round_bf16)
+        store_activated(tl.sum(acc, axis=0), out, tl.program_id(0), N // 2, BLOCK_N // 2, ROUND_BF16)
     elif SPLIT_K == 1:
         tl.store(out_ptrs, acc.to(out.dtype.element_ty), mask=mask)
     else:
