@@ -18,7 +18,11 @@ from .conftest import MAX_SEQ_LEN
 
 pytestmark = pytest.mark.server
 CANCELLED_STREAMS = 20
-STREAMED_TOKENS = 1500  # a stream asks for many: the cancel must stop it
+STREAMED_TOKENS = 2000  # a stream asks for many: the cancel must stop it
+# The cancel reaches the generation once postprocessing has answered the responses queued before it: on a
+# loaded 2-core machine one of 20 streams once ran past 500 tokens. Half of STREAMED_TOKENS still tells a
+# stopped generation from one that ran to its end.
+STOPPED_BY = 1000  # a bucket of nv_llm_output_token_len
 UNSTREAMED_TOKENS = 100  # nothing stops those before their end (docs/faults.md): kept short
 
 
@@ -119,7 +123,7 @@ def test_cancelled_ensemble_streams_end_so_unload_and_shutdown_complete(tiny_mod
         gauges = live.wait_engine_idle(timeout=60)
         assert clients.engine_is_idle(gauges), f"the cancelled generations still run or hold blocks: {gauges}"
         if streaming:  # the stop reached the generation: none ran on to its STREAMED_TOKENS
-            assert _requests_with_at_most(live, 500) == CANCELLED_STREAMS, log_tail()
+            assert _requests_with_at_most(live, STOPPED_BY) == CANCELLED_STREAMS, log_tail()
         _unload(triton, "ensemble")
         deadline = time.monotonic() + 20
         while _repository_states(triton).get("ensemble") != "UNAVAILABLE":
