@@ -116,10 +116,10 @@ def test_one_token_steps_with_the_silu_in_gate_up_equal_those_without(tiny):  # 
     runs.decoder_layers[0].mlp.gate_up_proj.register_forward_hook(
         lambda module, args, out: activated.append(getattr(out, ACTIVATED, False))
     )
-    tokens = [5, 9, 5]
+    tokens = [5, 9]  # two steps (the interpreter's one-row launches are slow); test_norm_fold takes the third
     for want, have in zip(_one_token_steps(plain, tokens), _one_token_steps(runs, tokens)):
         torch.testing.assert_close(have, want, rtol=0, atol=0)
-    assert activated == [True] * 3
+    assert activated == [True] * 2
 
 
 def test_several_rows_read_the_runs_through_the_silu_launch(tiny):  # noqa: F811
