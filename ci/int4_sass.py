@@ -2,7 +2,8 @@
 Triton's pipeline with its bundled ptxas and nvdisasm, arguments specialised as a Llama-3.1-8B qkv_proj call
 would be (pointers and multiples of 16 marked divisible by 16). No GPU is needed; a GPU run says what the counts
 are worth. Usage: env -u TRITON_INTERPRET .venv/bin/python ci/int4_sass.py [--shapes 128x128x1 32x128x1 ...];
-`--lanes 8x2 4x1 ...` counts lane GEMVs (ROWSxWARPS, prefetching) instead, with their registers a thread."""
+`--lanes 8x2 4x1 ...` counts lane GEMVs (ROWSxWARPS, prefetching) instead, with their registers a thread, and
+`--epilogue` compiles them with a norm fold or gate_up's SiLU, as the engine's one-row calls run."""
 
 from __future__ import annotations
 
@@ -39,11 +40,19 @@ def compile_specialised(kernel, pointers: dict, constexprs: dict, values: dict, 
     return compile(source, target=TARGET, options=dict(num_warps=warps, num_stages=1))
 
 
-def compiled(words: bool, block_n: int, block_k: int, warps: int, split: int, lanes: bool = False):
+FOLDED = ("x", "scale", "bias", "out", "fold_residual", "fold_weight", "fold_h")
+EPILOGUES = {"plain": {}, "fold-in": dict(FOLD_IN=True), "fold-out": dict(FOLD_OUT=True)}
+EPILOGUES["gated"] = dict(FOLD_IN=True, GATED=True)  # gate_up at one row with fusion.SILU_IN_GATE_UP
+
+
+def compiled(words: bool, block_n: int, block_k: int, warps: int, split: int, lanes: bool = False, epilogue="plain"):
+    """The one-row kernel specialised as a call would be; `epilogue` names its norm folds or gated SiLU."""
     kernel = int4_decode._int4_decode_kernel
-    pointers = {name: "*bf16" for name in ("x", "scale", "bias", "out")}
+    pointers = {name: "*bf16" for name in FOLDED}
     pointers |= {"w": "*i32" if words else "*u8", "zero": "*u8", "workspace": "*fp32", "counters": "*i32"}
+    pointers |= {name: "*fp32" for name in ("scale_sums", "fold_sums", "fold_stale")} | {"scale_eps": "fp32"}
     constexprs = dict(GROUP_SIZE=GROUP, HAS_BIAS=False, SPLIT_K=split, USE_ASM=True, FP16=False, UPCAST=False)
+    constexprs |= dict(FOLD_IN=False, FOLD_OUT=False, GATED=False) | EPILOGUES[epilogue]
     constexprs |= dict(
         USE_DOT=False,
         PREFETCH=lanes,
@@ -123,6 +132,9 @@ def main() -> None:
     )
     parser.add_argument("--split", type=int, default=16, help="split K")
     parser.add_argument("--lanes", nargs="*", default=None, help="ROWSxWARPS lane GEMVs, counted instead")
+    parser.add_argument(
+        "--epilogue", choices=sorted(EPILOGUES), default="plain", help="the lane GEMVs' epilogue (norm folds, SiLU)"
+    )
     parser.add_argument("--mma", nargs="*", default=None, help="TILESxWARPS tensor-core GEMVs, counted instead")
     args = parser.parse_args()
     for shape in args.mma or []:
@@ -134,9 +146,12 @@ def main() -> None:
         return
     for shape in args.lanes or []:
         rows, warps = (int(part) for part in shape.split("x"))
-        kernel = compiled(True, rows, 1024 * warps, warps, 1, lanes=True)
+        kernel = compiled(True, rows, 1024 * warps, warps, 1, lanes=True, epilogue=args.epilogue)
         per_thread = rows * 32  # four words of each row a lane, a step
-        print(f"lanes {shape}: {per_weight(kernel.asm['sass'], per_thread)}, {registers(kernel)}", flush=True)
+        print(
+            f"lanes {shape} {args.epilogue}: {per_weight(kernel.asm['sass'], per_thread)}, {registers(kernel)}",
+            flush=True,
+        )
     if args.lanes is not None:
         return
     for shape in args.shapes:
