@@ -6,6 +6,7 @@ in Triton's interpreter on CPU (tiny shapes: it is slow)."""
 
 import itertools
 import os
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -584,6 +585,17 @@ def test_the_kernels_compile_for_sm90():
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
     assert done.stdout.count("compiled") == 29, done.stdout
+
+
+def test_the_sass_counter_compiles_the_one_row_kernel_as_calls_do():
+    """ci/int4_sass.py (what GPU sessions read instruction and register counts from) keeps up with the kernel's
+    arguments: it had failed unnoticed once the norm folds added some."""
+    env = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    script = Path(__file__).parents[2] / "ci" / "int4_sass.py"
+    command = [sys.executable, str(script), "--lanes", "4x1", "--epilogue", "gated"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert re.search(r"lanes 4x1 gated: \d+\.\d+ instructions a weight .*REG:\d+", done.stdout), done.stdout
 
 
 # ---- FP8 ----
