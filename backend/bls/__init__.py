@@ -10,6 +10,6 @@
 Why tensorrt_llm goes over gRPC in a decoupled repository: with a BLS `exec(decoupled=True)` iterator (TensorRT-LLM's
 BLS pattern) and clients cancelling streams among concurrent ones, Triton 2.51's Python backend crashed the whole
 server (SIGSEGV) in every one of three stress runs here, after wrong text had reached some clients; and 2.51
-cannot cancel such an iterator. A gRPC stream to the server's own endpoint streams just as well, and cancelling
-it is an ordinary client cancellation, which tensorrt_llm turns into an engine abort (KV blocks freed).
-The same stress runs passed with it (README, "The BLS model")."""
+cannot cancel such an iterator. A gRPC stream to the server's own endpoint streams just as well, and a `stop`
+request with the same id ends it (an engine abort, KV blocks freed) without cancelling the stream, which 2.51's
+gRPC front end can also crash on (llm_calls). The same stress runs passed with it (README, "The BLS model")."""

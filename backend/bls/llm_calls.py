@@ -1,12 +1,15 @@
 """One request to the tensorrt_llm model, as an iterator of its responses that another thread may cancel.
 
 Two transports, chosen by the repository's transaction policy:
-  * decoupled: a gRPC stream to this server's own endpoint (`GrpcTransport`). It streams, and cancelling it is a
-    client cancellation that tensorrt_llm sees (it aborts the engine request, freeing its KV blocks). It avoids
-    BLS `exec(decoupled=True)`: Triton 2.51 cannot cancel that iterator, and under concurrent streams with
-    clients cancelling, that path crashed the server (see tritonllm.bls).
-  * non-decoupled: BLS `exec` (`ExecTransport`), one response; cancelling sends tensorrt_llm a `stop` request
-    with the same request id, as TensorRT-LLM's own clients do.
+  * decoupled: a gRPC stream to this server's own endpoint (`GrpcTransport`). It streams, and it avoids BLS
+    `exec(decoupled=True)`: Triton 2.51 cannot cancel that iterator, and under concurrent streams with clients
+    cancelling, that path crashed the server (see tritonllm.bls).
+  * non-decoupled: BLS `exec` (`ExecTransport`), one response.
+Either cancels by sending tensorrt_llm a `stop` request with the same request id, as TensorRT-LLM's own clients
+do; tensorrt_llm aborts the engine request (its KV blocks freed) and ends it with a CANCELLED error. A gRPC
+stream is then read to its end, not cancelled: Triton 2.51's gRPC front end can crash (SIGSEGV in
+TRITONBACKEND_ResponseSend, a race fixed upstream in Triton 2.53) when a stream is cancelled while responses
+are still being sent on it, and a CI run here saw it under the BLS stress test.
 """
 
 from __future__ import annotations
@@ -43,6 +46,19 @@ class LlmCall(Protocol):
 # ---------------------------------------------------------------------------------------------- gRPC
 
 
+STOP_GRACE_S = 10.0  # a stream that a stop has not ended by then is cancelled after all
+
+
+def stop_inputs() -> dict[str, np.ndarray]:
+    """A `stop` request's tensors (its request id names the request to stop)."""
+    return {
+        "input_ids": np.zeros((1, 1), np.int32),
+        "input_lengths": np.zeros((1, 1), np.int32),
+        "request_output_len": np.zeros((1, 1), np.int32),
+        "stop": np.ones((1, 1), bool),
+    }
+
+
 class GrpcTransport:
     """One channel to the server's gRPC endpoint, shared by every call of a model instance."""
 
@@ -63,15 +79,23 @@ class GrpcTransport:
     def start(self, inputs: Mapping[str, np.ndarray], request_id: str) -> "GrpcCall":
         return GrpcCall(self, inputs, request_id)
 
+    def stop(self, request_id: str) -> None:
+        """Sends a `stop` request for `request_id` on a stream of its own and reads its one (empty) response."""
+        request = infer_request(self.model, stop_inputs(), request_id)
+        for _ in self.stub.ModelStreamInfer(iter([request]), timeout=STOP_GRACE_S):
+            pass
+
     def close(self) -> None:
         self.channel.close()
 
 
 class GrpcCall:
     def __init__(self, transport: GrpcTransport, inputs: Mapping[str, np.ndarray], request_id: str):
-        self.transport = transport
+        self.transport, self.request_id = transport, request_id
         self.cancelled = self.completed = False
-        # One request on its own stream, so that cancelling the stream cancels exactly this request.
+        self.lock = threading.Lock()
+        self.grace: threading.Timer | None = None  # cancels the stream if a stop has not ended it
+        # One request on its own stream, so that its end is the stream's end.
         self.stream = transport.stub.ModelStreamInfer(iter([infer_request(transport.model, inputs, request_id)]))
 
     def responses(self) -> Iterator[LlmResponse]:
@@ -79,7 +103,8 @@ class GrpcCall:
 
         try:
             for message in self.stream:
-                if message.error_message:
+                if message.error_message:  # the request's end (a stopped one's too): its stream closes
+                    self._finish()
                     if self.cancelled:
                         raise LlmCancelled()
                     raise InnerModelError(
@@ -101,7 +126,7 @@ class GrpcCall:
             ) from None
         finally:
             if not self.completed:
-                self.stream.cancel()  # ends the stream on our side too
+                self._end()
 
     def _finish(self) -> None:
         """After the final response, read the stream to its end: the server closes it once the request is done.
@@ -111,9 +136,38 @@ class GrpcCall:
         for _ in self.stream:
             pass
         self.completed = True
+        if self.grace is not None:
+            self.grace.cancel()
+
+    def _end(self) -> None:
+        """The caller stopped reading before the final response: stop the request and read its stream out."""
+        import grpc
+
+        self.cancel()
+        try:
+            self._finish()
+        except grpc.RpcError:
+            pass  # cancelled by the grace timer, or the server went away
 
     def cancel(self) -> None:
-        self.cancelled = True
+        """Stops the request with a `stop` request, without cancelling its stream (module docstring); a stream
+        the stop has not ended within STOP_GRACE_S is cancelled, as is one whose stop could not be sent."""
+        import grpc
+
+        with self.lock:
+            if self.cancelled or self.completed:
+                return
+            self.cancelled = True
+        try:
+            self.transport.stop(self.request_id)
+        except grpc.RpcError:
+            self.stream.cancel()
+            return
+        self.grace = threading.Timer(STOP_GRACE_S, self._cancel_if_running)
+        self.grace.daemon = True
+        self.grace.start()
+
+    def _cancel_if_running(self) -> None:
         if not self.completed:
             self.stream.cancel()
 
@@ -184,13 +238,7 @@ class ExecCall:
             if self.cancelled:
                 return
             self.cancelled = True
-        stop = {
-            "input_ids": np.zeros((1, 1), np.int32),
-            "input_lengths": np.zeros((1, 1), np.int32),
-            "request_output_len": np.zeros((1, 1), np.int32),
-            "stop": np.ones((1, 1), bool),
-        }
         try:
-            exec_model(self.model, stop, request_id=self.request_id)
+            exec_model(self.model, stop_inputs(), request_id=self.request_id)
         except InnerModelError:
             pass  # the request may have finished meanwhile; nothing left to stop
