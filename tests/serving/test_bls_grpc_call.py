@@ -148,8 +148,8 @@ def test_an_error_ends_the_call_without_a_stop():
     assert transport.stops == [] and not transport.stream.cancelled.is_set()
 
 
-def test_a_stop_that_cannot_be_sent_cancels_the_stream():
-    transport = ScriptedTransport(stop_fails=True)
+def cancelled_after_one_token(transport: ScriptedTransport) -> None:
+    """Reads one response, cancels, and expects the call to end cancelled."""
     call = started(transport)
     responses = call.responses()
     transport.stream.messages.put(token_message(1))
@@ -157,17 +157,16 @@ def test_a_stop_that_cannot_be_sent_cancels_the_stream():
     call.cancel()
     with pytest.raises(LlmCancelled):
         next(responses)
+
+
+def test_a_stop_that_cannot_be_sent_cancels_the_stream():
+    transport = ScriptedTransport(stop_fails=True)
+    cancelled_after_one_token(transport)
     assert transport.stream.cancelled.is_set()
 
 
 def test_a_stop_that_does_not_end_the_stream_in_time_cancels_it(monkeypatch):
     monkeypatch.setattr(llm_calls, "STOP_GRACE_S", 0.2)
     transport = ScriptedTransport(stop_ends=False)
-    call = started(transport)
-    responses = call.responses()
-    transport.stream.messages.put(token_message(1))
-    next(responses)
-    call.cancel()
-    with pytest.raises(LlmCancelled):
-        next(responses)  # nothing came after the stop: the grace timer cancelled the stream
+    cancelled_after_one_token(transport)  # nothing came after the stop: the grace timer cancelled the stream
     assert transport.stops == ["bls-1"] and transport.stream.cancelled.is_set()
