@@ -9,16 +9,20 @@ import os
 import pytest
 import torch
 
-from tritonllm.engine.config import EngineConfig
-from tritonllm.engine.embedded.engine import EmbeddedEngine
 from tritonllm.engine.embedded.network import fused_ops
 from tritonllm.engine.embedded.network.layers import ACTIVATED, split_gate_up
 from tritonllm.engine.embedded.quant import fusion, gate_up_runs, kernels, norm_fold
 from tritonllm.engine.embedded.quant import int4_decode_kernel as int4_decode
 from tritonllm.engine.embedded.quant.linear import QuantLinear
-from tritonllm.engine.types import SamplingParams
 
-from .test_norm_fold import _layer_without_attention, _one_row_forward, _one_token_steps, _w4a16, tiny  # noqa: F401
+from .test_norm_fold import (  # noqa: F401
+    _layer_without_attention,
+    _one_row_forward,
+    _one_token_steps,
+    _w4a16,
+    tiny,
+    w4a16_greedy_tokens_on_cuda,
+)
 from .test_quant_kernels import random_bias, random_int4, random_x
 
 DEVICE = torch.device(os.environ.get("TRITONLLM_TEST_DEVICE", "cpu"))
@@ -149,20 +153,14 @@ def test_cuda_the_engine_decodes_alike_with_and_without_the_launch_cuts(tiny, mo
     triton_backend.ROTATE_WHILE_STORING all on as all off."""
     from tritonllm.engine.embedded.attention import decode_kernels, triton_backend
 
-    quant = {"quant_algo": "W4A16", "group_size": 32}
-    config = {"model": str(tiny), "dtype": "float32", "device": "cuda", "quant_config": quant}
-    prompts = [[1, 5, 9, 14, 3], [7, 7, 2], list(range(2, 40))]
     outputs = []
     for on in (True, False):
         monkeypatch.setattr(fusion, "SILU_IN_GATE_UP", on)
         monkeypatch.setattr(decode_kernels, "MERGE_IN_LAST_SPLIT", on)
         monkeypatch.setattr(triton_backend, "ROTATE_WHILE_STORING", on)
-        engine = EmbeddedEngine(EngineConfig.from_dict(config))
-        try:
-            gate_up = engine.core.model.decoder_layers[0].mlp.gate_up_proj
-            assert (gate_up.gate_up_runs > 0) == on
-            params = SamplingParams(max_tokens=12, end_id=-1)
-            outputs.append([engine.generate(p, params).outputs[0].token_ids for p in prompts])
-        finally:
-            engine.shutdown()
+
+        def check(model, on=on):
+            assert (model.decoder_layers[0].mlp.gate_up_proj.gate_up_runs > 0) == on
+
+        outputs.append(w4a16_greedy_tokens_on_cuda(tiny, check))
     assert outputs[0] == outputs[1]

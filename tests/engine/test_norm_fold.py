@@ -224,21 +224,30 @@ def _one_row_forward(module):
     return forward
 
 
-@pytest.mark.skipif(DEVICE.type != "cuda", reason="the engine folds norms on CUDA only")
-def test_cuda_the_engine_decodes_alike_with_and_without_folded_norms(tiny, monkeypatch):
-    """One request at a time (one-row decode steps, in CUDA graphs): the same greedy tokens folded or not."""
+def w4a16_greedy_tokens_on_cuda(tiny, check_model) -> list[list[int]]:
+    """Greedy tokens of three prompts, one request at a time (one-row decode steps, in CUDA graphs), from a W4A16
+    engine over `tiny`; check_model(model) runs on its network first."""
     quant = {"quant_algo": "W4A16", "group_size": 32}
     config = {"model": str(tiny), "dtype": "float32", "device": "cuda", "quant_config": quant}
     prompts = [[1, 5, 9, 14, 3], [7, 7, 2], list(range(2, 40))]
+    engine = EmbeddedEngine(EngineConfig.from_dict(config))
+    try:
+        check_model(engine.core.model)
+        params = SamplingParams(max_tokens=12, end_id=-1)
+        return [engine.generate(p, params).outputs[0].token_ids for p in prompts]
+    finally:
+        engine.shutdown()
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="the engine folds norms on CUDA only")
+def test_cuda_the_engine_decodes_alike_with_and_without_folded_norms(tiny, monkeypatch):
+    """One request at a time (one-row decode steps, in CUDA graphs): the same greedy tokens folded or not."""
     outputs = []
     for folded in (True, False):
         monkeypatch.setattr(fusion, "FOLD_NORMS", folded)
-        engine = EmbeddedEngine(EngineConfig.from_dict(config))
-        try:
-            model = engine.core.model
+
+        def check(model, folded=folded):
             assert any(getattr(m, "norm_fold", None) is not None for m in model.modules()) == folded
-            params = SamplingParams(max_tokens=12, end_id=-1)
-            outputs.append([engine.generate(p, params).outputs[0].token_ids for p in prompts])
-        finally:
-            engine.shutdown()
+
+        outputs.append(w4a16_greedy_tokens_on_cuda(tiny, check))
     assert outputs[0] == outputs[1]
