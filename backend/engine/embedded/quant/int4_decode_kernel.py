@@ -4,8 +4,8 @@ Where weight_only_kernel.py's general kernel dequantizes every weight ((q - zero
 float conversion and a float to bf16 one on each), this one does almost no arithmetic per weight, so that a
 decode step is bound by reading the packed bytes, not by the CUDA cores unpacking them:
 - A nibble q becomes the bf16 (or fp16) number 128 + q (1024 + q) by bit operations alone: OR-ing q into the
-  mantissa of 128's (1024's) bit pattern. On CUDA an inline-PTX routine turns four bytes into eight such values
-  with eight instructions; elsewhere (Triton's interpreter, fp32 x) the same values come from plain arithmetic.
+  mantissa of 128's (1024's) bit pattern (int4_bytes.py for the byte layout; int4_words.py, int4_lanes.py and
+  int4_mma.py read the weights as int32 words for one row).
 - The low nibbles (even input columns) and the high ones (odd columns) stay apart: the product is
   x[:, even] . lo^T + x[:, odd] . hi^T, two tl.dot calls, so no interleave is needed.
 - Zero point and scale are applied once per (row, group) instead of once per weight: over one group,
@@ -33,14 +33,13 @@ from ..gpu_fence import add_slice
 from ..pdl import launch_options, pdl_on
 from . import int4_mma
 from .gate_up_runs import store_activated
+from .int4_bytes import tile_product
 from .int4_lanes import WORDS_A_WARP, lanes_row
 from .int4_mma import magic_value
 from .int4_words import int32_viewable, words_row
 from .norm_fold import SLOTS, FoldedInput, FoldingOutput, fold_epilogue, folded_scale
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # fp32: exact fp32 products instead of the magic
-# 128 (bf16) and 1024 (fp16): the powers of two whose mantissa steps are 1, so MAGIC + q is exact for q < 16
-_BF16_MAGIC, _FP16_MAGIC = tl.constexpr(0x4300), tl.constexpr(0x6400)
 FOLD_SLOTS = tl.constexpr(SLOTS)
 
 
@@ -101,97 +100,6 @@ def supports(x_dtype: torch.dtype, group_size: int, variant: DecodeVariant) -> b
     # the mma's B is 16-bit, and a step's sums take one scale
     mma_fits = not variant.mma or (x_dtype in (torch.bfloat16, torch.float16) and group_size % variant.block_k == 0)
     return x_dtype in DTYPES and (group_size % variant.block_k == 0 or whole_groups) and lanes_fit and mma_fits
-
-
-def _unpack_asm(magic: int) -> str:
-    """PTX for one asm instance: four bytes in $4 -> the low nibbles' values in $0, $1 and the high ones' in $2,
-    $3 (two 16-bit values a register, byte order kept). PRMT spreads bytes 0, 1 (then 2, 3) into the two halves
-    of a word; LOP3 (a & b) | c masks one nibble into each half and ORs the magic exponent in."""
-    return f"""{{
-    .reg .b32 t0, t1, u0, u1;
-    prmt.b32 t0, $4, 0, 0x4140;
-    prmt.b32 t1, $4, 0, 0x4342;
-    shr.u32 u0, t0, 4;
-    shr.u32 u1, t1, 4;
-    lop3.b32 $0, t0, 0x000F000F, {magic:#010x}, 0xEA;
-    lop3.b32 $1, t1, 0x000F000F, {magic:#010x}, 0xEA;
-    lop3.b32 $2, u0, 0x000F000F, {magic:#010x}, 0xEA;
-    lop3.b32 $3, u1, 0x000F000F, {magic:#010x}, 0xEA;
-    }}"""
-
-
-_BF16_ASM, _FP16_ASM = tl.constexpr(_unpack_asm(0x43004300)), tl.constexpr(_unpack_asm(0x64006400))
-
-
-@triton.jit
-def _magic_pairs_asm(packed, FP16: tl.constexpr):
-    """uint8 [...] -> (low nibbles, high nibbles) as MAGIC + q in bf16 / fp16, four bytes an asm instance."""
-    if FP16:
-        lo, hi = tl.inline_asm_elementwise(
-            asm=_FP16_ASM,
-            constraints="=r,=r,=r,=r,r",
-            args=[packed],
-            dtype=(tl.float16, tl.float16),
-            is_pure=True,
-            pack=4,
-        )
-    else:
-        lo, hi = tl.inline_asm_elementwise(
-            asm=_BF16_ASM,
-            constraints="=r,=r,=r,=r,r",
-            args=[packed],
-            dtype=(tl.bfloat16, tl.bfloat16),
-            is_pure=True,
-            pack=4,
-        )
-    return lo, hi
-
-
-@triton.jit
-def magic16(values, FP16: tl.constexpr):
-    """Values 0..15 -> MAGIC + value in the 16-bit type, by OR-ing them into MAGIC's mantissa (int4_gemm.py
-    shares it)."""
-    if FP16:  # (one return after the branches: Triton 3.6 types both of them)
-        magic = (values.to(tl.int16) | _FP16_MAGIC).to(tl.float16, bitcast=True)
-    else:
-        magic = (values.to(tl.int16) | _BF16_MAGIC).to(tl.bfloat16, bitcast=True)
-    return magic
-
-
-@triton.jit
-def _magic_pairs(packed, USE_ASM: tl.constexpr, FP16: tl.constexpr, UPCAST: tl.constexpr):
-    """(MAGIC + low nibble, MAGIC + high nibble) of each byte: fp32 under UPCAST (the interpreter, or fp32 x),
-    else the 16-bit type, by asm or by bit operations on int16."""
-    if UPCAST:
-        lo = (packed & 0xF).to(tl.float32) + magic_value(FP16)
-        hi = (packed >> 4).to(tl.float32) + magic_value(FP16)
-    elif USE_ASM:
-        lo, hi = _magic_pairs_asm(packed, FP16)
-    else:
-        lo = magic16(packed & 0xF, FP16)
-        hi = magic16(packed >> 4, FP16)
-    return lo, hi
-
-
-@triton.jit
-def _tile_product(packed, x_even, x_odd, USE_ASM, FP16, UPCAST, USE_DOT, BLOCK_M, BLOCK_N, HALF):
-    """x[:, even] . (MAGIC + lo)^T + x[:, odd] . (MAGIC + hi)^T for one K step: [BLOCK_M, BLOCK_N] fp32."""
-    lo, hi = _magic_pairs(packed, USE_ASM, FP16, UPCAST)
-    if not USE_DOT and BLOCK_M == 1:  # one row: a 2-D product, summed along K mostly inside each thread
-        row_even = tl.reshape(x_even, (HALF,)).to(tl.float32)
-        row_odd = tl.reshape(x_odd, (HALF,)).to(tl.float32)
-        prod = lo.to(tl.float32) * row_even[None, :] + hi.to(tl.float32) * row_odd[None, :]
-        part = tl.reshape(tl.sum(prod, axis=1), (1, BLOCK_N))
-    elif not USE_DOT:  # CUDA cores: products of the rows and the tile, summed along K
-        part = tl.sum(x_even.to(tl.float32)[:, None, :] * lo.to(tl.float32)[None, :, :], axis=2)
-        part += tl.sum(x_odd.to(tl.float32)[:, None, :] * hi.to(tl.float32)[None, :, :], axis=2)
-    elif UPCAST:
-        part = tl.dot(x_even.to(tl.float32), tl.trans(lo), input_precision="ieee")
-        part += tl.dot(x_odd.to(tl.float32), tl.trans(hi), input_precision="ieee")
-    else:
-        part = tl.dot(x_even, tl.trans(lo))
-        part += tl.dot(x_odd, tl.trans(hi))
-    return part
 
 
 SPLIT_ROWS = 16  # a split K is for decode: at most this many rows, the workspace's
@@ -334,7 +242,7 @@ def _int4_decode_kernel(
             ks = k0 + tl.arange(0, BLOCK_K)
             x_tile = tl.load(x_rows + ks[None, :], mask=row_ok[:, None] & (ks < K)[None, :], other=0.0)
             x_even, x_odd = tl.split(tl.reshape(x_tile, (BLOCK_M, HALF, 2)))
-            part = _tile_product(packed, x_even, x_odd, USE_ASM, FP16, UPCAST, USE_DOT, BLOCK_M, BLOCK_N, HALF)
+            part = tile_product(packed, x_even, x_odd, USE_ASM, FP16, UPCAST, USE_DOT, BLOCK_M, BLOCK_N, HALF)
             x_sum = tl.sum(x_even.to(tl.float32) + x_odd.to(tl.float32), axis=1)
             group = k0 // GROUP_SIZE
             s = tl.load(s_rows + group * stride_sg, mask=col_ok, other=0.0).to(tl.float32)

@@ -28,7 +28,7 @@ import triton.language as tl
 
 from .. import gpu_fence
 from ..gpu_fence import add_slice
-from .int4_decode_kernel import magic16
+from .int4_bytes import magic16
 
 
 @dataclass(frozen=True)
