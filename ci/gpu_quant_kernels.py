@@ -52,8 +52,8 @@ def quantized(fmt: str, n: int, k: int, generator: torch.Generator) -> dict:
         q = torch.randint(0, 256, (n, k // 2), device=dev, dtype=torch.uint8, generator=generator)
         scale = (torch.rand(n, k // GROUP_SIZE, device=dev, generator=generator) * 0.004 + 0.001).to(DTYPE)
         zero = torch.randint(0, 16, (n, k // GROUP_SIZE), device=dev, dtype=torch.uint8, generator=generator)
-        args = dict(qweight=q, weight_scale=scale, weight_zero=zero, group_size=GROUP_SIZE)
-        dense = formats.dequantize_int4(q, scale, zero, GROUP_SIZE)
+        args = group_major(dict(qweight=q, weight_scale=scale, weight_zero=zero, group_size=GROUP_SIZE))
+        dense = formats.dequantize_int4(q, scale, zero, GROUP_SIZE)  # (scales and zeros as QuantLinear stores them)
     elif fmt == "int8":  # per channel, as TensorRT-LLM's W8A16
         w = torch.randint(-128, 128, (n, k), device=dev, dtype=torch.int8, generator=generator)
         scale = (torch.rand(n, 1, device=dev, generator=generator) * 2e-4 + 5e-5).to(DTYPE)
@@ -547,9 +547,15 @@ def layout_variants(m: int, n: int, k: int) -> list[DecodeVariant]:
 
 
 def group_major(args: dict) -> dict:
-    """The same weight with scales and zeros stored [groups, N] (still viewed as [N, groups])."""
+    """The same weight with scales and zeros stored [groups, N] (still viewed as [N, groups]), as QuantLinear
+    stores them."""
     moved = {key: args[key].t().contiguous().t() for key in ("weight_scale", "weight_zero")}
     return {**args, **moved}
+
+
+def row_major(args: dict) -> dict:
+    """The same weight with scales and zeros stored [N, groups]."""
+    return {**args, **{key: args[key].contiguous() for key in ("weight_scale", "weight_zero")}}
 
 
 def scale_layouts(ms: tuple[int, ...]) -> None:
@@ -559,8 +565,8 @@ def scale_layouts(ms: tuple[int, ...]) -> None:
     totals: dict[tuple[int, str], float] = {}
     for name, (n, k) in SHAPES.items():
         weight = quantized("int4", n, k, generator)
-        layouts = {"row": copies(weight["args"])}
-        layouts["group"] = [group_major(a) for a in layouts["row"]]
+        layouts = {"group": copies(weight["args"])}
+        layouts["row"] = [row_major(a) for a in layouts["group"]]
         expected_for = {}
         for m in ms:
             x = torch.randn(m, k, device=DEVICE, dtype=DTYPE, generator=generator)

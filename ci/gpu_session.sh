@@ -179,6 +179,9 @@ for what in "$@"; do
             if [ "${base#*-}" = 1 ]; then shape_args=("${one[@]}"); else shape_args=("${many[@]}"); fi
             BENCH_PRELUDE="from tritonllm.engine.embedded import pdl; pdl.SMALL_KERNELS = True" \
               bench "llama-3.1-8b $base, small kernels with PDL" --model "$l" "${config[@]}" "${shape_args[@]}" ;;
+          w4a16-1-rowscales)  # int4 scales and zero points stored row-major, as before group-major (quant/linear.py)
+            BENCH_PRELUDE="from tritonllm.engine.embedded.quant import linear; linear.INT4_SCALES_GROUP_MAJOR = False" \
+            bench "llama-3.1-8b w4a16, row-major scales, 1x128/128" --model "$l" --config /tmp/w4a16.yaml "${one[@]}" ;;
           w4a16-1-nofold)  # each norm its own launch, not folded into the int4 GEMVs around it (quant/norm_fold.py)
             BENCH_PRELUDE="from tritonllm.engine.embedded.quant import fusion; fusion.FOLD_NORMS = False" \
             bench "llama-3.1-8b w4a16, norms not folded, 1x128/128" --model "$l" --config /tmp/w4a16.yaml "${one[@]}" ;;

@@ -25,9 +25,9 @@ TARGET = GPUTarget("cuda", 90, 32)
 N, K, GROUP = 6144, 4096, 128  # qkv_proj's N x K, the W4A16 group
 
 
-def compile_specialised(kernel, pointers: dict, constexprs: dict, values: dict, warps: int):
+def compile_specialised(kernel, pointers: dict, constexprs: dict, values: dict, warps: int, max_registers: int = 0):
     """kernel compiled for sm90 with the pointers and the values that are multiples of 16 marked divisible by 16
-    (as Triton specialises a launch), the other scalars int32."""
+    (as Triton specialises a launch), the other scalars int32; max_registers caps registers a thread (0: none)."""
     names = kernel.arg_names
     signature = {n: pointers.get(n, "constexpr" if n in constexprs else "i32") for n in names}
     attrs = {
@@ -37,7 +37,8 @@ def compile_specialised(kernel, pointers: dict, constexprs: dict, values: dict, 
     }
     fixed = {(names.index(n),): value for n, value in constexprs.items()}
     source = ASTSource(fn=kernel, signature=signature, constexprs=fixed, attrs=attrs)
-    return compile(source, target=TARGET, options=dict(num_warps=warps, num_stages=1))
+    options = dict(num_warps=warps, num_stages=1) | (dict(maxnreg=max_registers) if max_registers else {})
+    return compile(source, target=TARGET, options=options)
 
 
 FOLDED = ("x", "scale", "bias", "out", "fold_residual", "fold_weight", "fold_h")
@@ -45,8 +46,9 @@ EPILOGUES = {"plain": {}, "fold-in": dict(FOLD_IN=True), "fold-out": dict(FOLD_O
 EPILOGUES["gated"] = dict(FOLD_IN=True, GATED=True)  # gate_up at one row with fusion.SILU_IN_GATE_UP
 
 
-def compiled(words: bool, block_n: int, block_k: int, warps: int, split: int, lanes: bool = False, epilogue="plain"):
-    """The one-row kernel specialised as a call would be; `epilogue` names its norm folds or gated SiLU."""
+def compiled(words: bool, block_n: int, block_k: int, warps: int, split: int, lanes=False, epilogue="plain", cap=0):
+    """The one-row kernel specialised as a call would be; `epilogue` names its norm folds or gated SiLU, `cap` a
+    cap on registers a thread (DecodeVariant.max_registers)."""
     kernel = int4_decode._int4_decode_kernel
     pointers = {name: "*bf16" for name in FOLDED}
     pointers |= {"w": "*i32" if words else "*u8", "zero": "*u8", "workspace": "*fp32", "counters": "*i32"}
@@ -66,8 +68,9 @@ def compiled(words: bool, block_n: int, block_k: int, warps: int, split: int, la
     )
     constexprs |= dict(BLOCK_N=block_n, BLOCK_K=block_k)
     values = dict(N=N, K=K, k_per_split=K // split, stride_xm=K, stride_w=K // (8 if words else 2))
-    values |= dict(stride_s=K // GROUP, stride_sg=1, stride_z=K // GROUP, stride_zg=1, stride_om=N)
-    return compile_specialised(kernel, pointers, constexprs, values, warps)
+    constexprs |= dict(stride_s=1, stride_z=1, EVEN_N=N % block_n == 0)  # group-major scales (QuantLinear's): a
+    values |= dict(stride_sg=N, stride_zg=N, stride_om=N)  # row stride of 1 is specialised as Triton's launch does
+    return compile_specialised(kernel, pointers, constexprs, values, warps, cap)
 
 
 def compiled_mma(tiles: int, warps: int, split: int):
@@ -136,6 +139,7 @@ def main() -> None:
         "--epilogue", choices=sorted(EPILOGUES), default="plain", help="the lane GEMVs' epilogue (norm folds, SiLU)"
     )
     parser.add_argument("--mma", nargs="*", default=None, help="TILESxWARPS tensor-core GEMVs, counted instead")
+    parser.add_argument("--max-registers", type=int, default=0, help="with --lanes: a cap on registers a thread")
     args = parser.parse_args()
     for shape in args.mma or []:
         tiles, warps = (int(part) for part in shape.split("x"))
@@ -146,12 +150,10 @@ def main() -> None:
         return
     for shape in args.lanes or []:
         rows, warps = (int(part) for part in shape.split("x"))
-        kernel = compiled(True, rows, 1024 * warps, warps, 1, lanes=True, epilogue=args.epilogue)
+        kernel = compiled(True, rows, 1024 * warps, warps, 1, True, args.epilogue, args.max_registers)
         per_thread = rows * 32  # four words of each row a lane, a step
-        print(
-            f"lanes {shape} {args.epilogue}: {per_weight(kernel.asm['sass'], per_thread)}, {registers(kernel)}",
-            flush=True,
-        )
+        label = f"lanes {shape} {args.epilogue}" + (f" cap {args.max_registers}" if args.max_registers else "")
+        print(f"{label}: {per_weight(kernel.asm['sass'], per_thread)}, {registers(kernel)}", flush=True)
     if args.lanes is not None:
         return
     for shape in args.shapes:

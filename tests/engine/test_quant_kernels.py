@@ -22,6 +22,7 @@ from tritonllm.engine.embedded.quant import fp8_matmul_kernel as fp8_mm
 from tritonllm.engine.embedded.quant import int4_decode_kernel as int4_decode
 from tritonllm.engine.embedded.quant import weight_only_kernel as wo
 from tritonllm.engine.embedded.quant.formats import dequantize_int4, dequantize_int8, pack_int4
+from tritonllm.engine.embedded.quant.linear import QuantLinear
 from tritonllm.engine.embedded.quant.weight_only_kernel import Variant
 
 DEVICE = torch.device(os.environ.get("TRITONLLM_TEST_DEVICE", "cpu"))
@@ -173,16 +174,62 @@ def test_int4_decode_kernel_equals_dequantize_then_matmul(m, n, k, group_size, v
     assert not workspace.any() and not counters.any()
 
 
-@pytest.mark.parametrize("variant", [DECODE_SPLIT, DECODE_GEMV_SPLIT])
-def test_int4_decode_kernel_reads_group_major_scales_and_zeros(variant):
-    """Scales and zeros stored [groups, N] (viewed as [N, groups]): the same product as row-major ones."""
-    qweight, scale, zero = random_int4(48, 160, 32)
-    x = random_x(3, 160)
-    expected = int4_decode.int4_decode_matmul(x, qweight, scale, zero, None, 32, variant)
+def group_major(scale, zero):
+    """Scales and zero points stored [groups, N], viewed as [N, groups] (QuantLinear's int4 layout)."""
     by_group = scale.t().contiguous().t(), zero.t().contiguous().t()
-    assert by_group[0].stride() == (1, 48) and torch.equal(by_group[1], zero)
-    got = int4_decode.int4_decode_matmul(x, qweight, *by_group, None, 32, variant)
+    assert by_group[0].stride() == (1, scale.shape[0]) and torch.equal(by_group[1], zero)
+    return by_group
+
+
+@pytest.mark.parametrize(
+    "m, n, k, group_size, variant",
+    [
+        (3, 48, 160, 32, DECODE_SPLIT),
+        (3, 48, 160, 32, DECODE_GEMV_SPLIT),
+        (1, 16, 4096, 64, DECODE_LANES_SPLIT),  # whole blocks of 8 rows: their scales read as one vector
+        (1, 20, 4096, 64, DECODE_LANES_SPLIT),  # a partial block: rows past N clamped
+        (1, 20, 384, 32, DECODE_WORDS_GROUPS),
+        (1, 72, 640, 128, DECODE_MMA_SPLIT),
+    ],
+)
+def test_int4_decode_kernel_reads_group_major_scales_and_zeros(m, n, k, group_size, variant):
+    """The same product from group-major scales and zeros as from row-major ones, in each GEMV."""
+    qweight, scale, zero = random_int4(n, k, group_size)
+    x = random_x(m, k)
+    expected = int4_decode.int4_decode_matmul(x, qweight, scale, zero, None, group_size, variant)
+    got = int4_decode.int4_decode_matmul(x, qweight, *group_major(scale, zero), None, group_size, variant)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("strategy", ["dequantize", "tiled", "int4_gemm"])
+def test_the_weight_only_paths_read_group_major_scales_and_zeros(strategy, monkeypatch):
+    """int4_linear's other paths (the general kernel at 2 rows, the large-M strategy at 24) and the dequantize
+    kernel with QuantLinear's layout: the products and weight of row-major scales and zeros."""
+    monkeypatch.setattr(kernels, "LARGE_M_STRATEGY", strategy)
+    qweight, scale, zero = random_int4(40, 128, 32)
+    by_group = group_major(scale, zero)
+    for m in (2, 24):
+        x = random_x(m, 128)
+        expected = kernels.weight_only_triton(x, qweight, scale, zero, None, 32, bits=4)
+        got = kernels.weight_only_triton(x, qweight, *by_group, None, 32, bits=4)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+    for block_k in (32, 64, 16):  # one group a tile, two, and a group across tiles
+        expected = wo.dequantize(qweight, scale, zero, 32, 4, torch.float32, block_n=16, block_k=block_k)
+        got = wo.dequantize(qweight, *by_group, 32, 4, torch.float32, block_n=16, block_k=block_k)
+        assert torch.equal(got, expected)
+
+
+def test_quant_linear_stores_int4_scales_and_zeros_group_major():
+    layer = QuantLinear(256, 48, bias=False, kind="int4", group_size=64, static_input=False)
+    layer.allocate(torch.float32, DEVICE)
+    assert layer.weight_scale.shape == layer.weight_zero.shape == (48, 4)
+    assert layer.weight_scale.stride() == layer.weight_zero.stride() == (1, 48)
+    assert (layer.weight_zero == 8).all()
+    dense = torch.randn(48, 256, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    layer.store_rows(0, dense)
+    x = random_x(1, 256)
+    expected = reference(x, dequantize_int4(layer.qweight, layer.weight_scale, layer.weight_zero, 64), None)
+    torch.testing.assert_close(layer(x), expected, atol=1e-4, rtol=1e-4)
 
 
 def test_int4_decode_kernel_splits_only_what_its_counters_cover(monkeypatch):

@@ -152,6 +152,7 @@ def _int4_decode_kernel(
     PREFETCH: tl.constexpr,
     WORDS: tl.constexpr,
     EVEN_K: tl.constexpr,
+    EVEN_N: tl.constexpr,
     X_VECTOR: tl.constexpr,
     PDL: tl.constexpr,
     LANES: tl.constexpr,
@@ -171,7 +172,10 @@ def _int4_decode_kernel(
     row_ok = rows < M
     k_start = tl.program_id(2) * k_per_split
     k_end = tl.minimum(k_start + k_per_split, K)
-    kept = tl.minimum(cols, N - 1).to(tl.int64)  # columns past N read column N - 1's weights, never stored
+    if EVEN_N:  # no clamp: the columns' scales then read as one vector where they are contiguous (group-major)
+        kept = cols.to(tl.int64)
+    else:  # columns past N read column N - 1's weights, never stored
+        kept = tl.minimum(cols, N - 1).to(tl.int64)
     w_rows = w + kept[:, None] * stride_w
     x_rows = x + rows.to(tl.int64)[:, None] * stride_xm
     s_rows = scale + kept * stride_s
@@ -355,6 +359,7 @@ def int4_decode_matmul(
         PREFETCH=variant.prefetch,
         WORDS=variant.words,
         EVEN_K=K % variant.block_k == 0,
+        EVEN_N=N % variant.block_n == 0,
         X_VECTOR=variant.x_vector,
         PDL=pdl,
         LANES=variant.lanes,

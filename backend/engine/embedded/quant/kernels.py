@@ -447,7 +447,6 @@ def _check_weight_only(x, weight, scale, zero, bias, group_size: int, bits: int)
         )
     if zero is not None and (zero.shape != groups or zero.dtype != torch.uint8):
         raise ValueError(f"int4 weight_zero must be uint8 {list(groups)}, got {zero.dtype} {tuple(zero.shape)}")
-    for tensor_name, tensor in (("weight", weight), ("weight_scale", scale), ("weight_zero", zero)):
-        if tensor is not None and tensor.stride(-1) != 1:
-            raise ValueError(f"{name} {tensor_name} must have a contiguous last dimension")
+    if weight.stride(-1) != 1:  # (scales and zero points may be strided either way: the kernels take both)
+        raise ValueError(f"{name} weight must have a contiguous last dimension")
     _check_bias(bias, n, x.dtype)

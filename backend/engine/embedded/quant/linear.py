@@ -16,6 +16,8 @@ from .quantize import quantize_fp8, quantize_int4, quantize_int8
 
 KINDS = ("fp8", "int8", "int4")
 _OPTIONAL_BUFFERS = ("input_scale", "weight_zero", "qweight")
+_GROUP_MAJOR = ("weight_scale", "weight_zero")  # int4's, stored [groups, out] (allocate)
+INT4_SCALES_GROUP_MAJOR = True  # False: int4's stored [out, groups] (bench-quant's w4a16-1-rowscales, ci/)
 
 
 class QuantLinear(nn.Module):
@@ -71,9 +73,14 @@ class QuantLinear(nn.Module):
 
     def allocate(self, dtype: torch.dtype, device: torch.device) -> None:
         """Storage for every buffer: zeros (a static input scale is the max over fused parts, so it starts at 0),
-        and int4 zero points at 8 (symmetric checkpoints store none)."""
+        and int4 zero points at 8 (symmetric checkpoints store none). int4's scales and zero points are [out, groups]
+        views of group-major storage: a program of consecutive rows then reads a group's scales as one vector, and
+        Triton keeps them in the layout of the products they scale (the one-row GEMV, int4_decode_kernel's EVEN_N)."""
         for name, (shape, buffer_dtype) in self._tensor_specs(dtype).items():
-            storage = torch.zeros(shape, dtype=buffer_dtype, device=device)
+            if self.kind == "int4" and name in _GROUP_MAJOR and INT4_SCALES_GROUP_MAJOR:
+                storage = torch.zeros(shape[::-1], dtype=buffer_dtype, device=device).t()
+            else:
+                storage = torch.zeros(shape, dtype=buffer_dtype, device=device)
             if name == "weight_zero":
                 storage.fill_(INT4_SYMMETRIC_ZERO)
             setattr(self, name, storage)

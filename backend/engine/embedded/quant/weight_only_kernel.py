@@ -66,7 +66,9 @@ def _dequantized_tile(
     K,
     stride_w,
     stride_s,
+    stride_sg,
     stride_z,
+    stride_zg,
     BITS: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
     SCALES: tl.constexpr,
@@ -89,26 +91,30 @@ def _dequantized_tile(
         q = tl.load(w + row_base * stride_w + ks[None, :], mask=mask, other=0).to(tl.float32)
     if SCALES == ONE_GROUP:  # one scale (and zero) a row
         group = k0 // GROUP_SIZE
-        s = tl.load(scale + rows.to(tl.int64) * stride_s + group, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+        s = tl.load(scale + rows.to(tl.int64) * stride_s + group * stride_sg, mask=row_ok, other=0.0).to(tl.float32)[
+            :, None
+        ]
         if BITS == 4:
-            z = tl.load(zero + rows.to(tl.int64) * stride_z + group, mask=row_ok, other=0).to(tl.float32)[:, None]
+            z = tl.load(zero + rows.to(tl.int64) * stride_z + group * stride_zg, mask=row_ok, other=0).to(tl.float32)[
+                :, None
+            ]
             q = q - z
         w_tile = q * s
     elif SCALES == WHOLE_GROUPS:  # BLOCK_K // GROUP_SIZE scales a row, broadcast over their groups
         groups = k0 // GROUP_SIZE + tl.arange(0, BLOCK_K // GROUP_SIZE)
         mask = row_ok[:, None] & (groups < K // GROUP_SIZE)[None, :]
-        s = tl.load(scale + row_base * stride_s + groups[None, :], mask=mask, other=0.0).to(tl.float32)
+        s = tl.load(scale + row_base * stride_s + groups[None, :] * stride_sg, mask=mask, other=0.0).to(tl.float32)
         q3 = tl.reshape(q, (BLOCK_N, BLOCK_K // GROUP_SIZE, GROUP_SIZE))
         if BITS == 4:
-            z = tl.load(zero + row_base * stride_z + groups[None, :], mask=mask, other=0).to(tl.float32)
+            z = tl.load(zero + row_base * stride_z + groups[None, :] * stride_zg, mask=mask, other=0).to(tl.float32)
             q3 = q3 - z[:, :, None]
         w_tile = tl.reshape(q3 * s[:, :, None], (BLOCK_N, BLOCK_K))
     else:  # GATHER: groups and tiles do not nest; one scale (and zero) loaded a weight
         groups = (ks // GROUP_SIZE)[None, :]
         mask = row_ok[:, None] & k_ok[None, :]
-        s = tl.load(scale + row_base * stride_s + groups, mask=mask, other=0.0).to(tl.float32)
+        s = tl.load(scale + row_base * stride_s + groups * stride_sg, mask=mask, other=0.0).to(tl.float32)
         if BITS == 4:
-            z = tl.load(zero + row_base * stride_z + groups, mask=mask, other=0).to(tl.float32)
+            z = tl.load(zero + row_base * stride_z + groups * stride_zg, mask=mask, other=0).to(tl.float32)
             q = q - z
         w_tile = q * s
     return w_tile
@@ -131,7 +137,9 @@ def _weight_only_matmul_kernel(
     stride_xm,
     stride_w,
     stride_s,
+    stride_sg,
     stride_z,
+    stride_zg,
     stride_om,
     BITS: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
@@ -168,7 +176,9 @@ def _weight_only_matmul_kernel(
             K,
             stride_w,
             stride_s,
+            stride_sg,
             stride_z,
+            stride_zg,
             BITS,
             GROUP_SIZE,
             SCALES,
@@ -207,7 +217,9 @@ def _dequantize_kernel(
     K,
     stride_w,
     stride_s,
+    stride_sg,
     stride_z,
+    stride_zg,
     stride_o,
     BITS: tl.constexpr,
     GROUP_SIZE: tl.constexpr,
@@ -220,16 +232,33 @@ def _dequantize_kernel(
     row_ok = rows < N
     k0 = tl.program_id(1) * BLOCK_K
     tile = _dequantized_tile(
-        w, scale, zero, rows, row_ok, k0, K, stride_w, stride_s, stride_z, BITS, GROUP_SIZE, SCALES, BLOCK_N, BLOCK_K
+        w,
+        scale,
+        zero,
+        rows,
+        row_ok,
+        k0,
+        K,
+        stride_w,
+        stride_s,
+        stride_sg,
+        stride_z,
+        stride_zg,
+        BITS,
+        GROUP_SIZE,
+        SCALES,
+        BLOCK_N,
+        BLOCK_K,
     )
     ks = k0 + tl.arange(0, BLOCK_K)
     ptrs = out + rows.to(tl.int64)[:, None] * stride_o + ks[None, :]
     tl.store(ptrs, tile.to(out.dtype.element_ty), mask=row_ok[:, None] & (ks < K)[None, :])
 
 
-def _zero_arg(zero: torch.Tensor | None, scale: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """int8 has no zero point: the kernel never reads it, so the scale stands in for the pointer."""
-    return (scale, 0) if zero is None else (zero, zero.stride(0))
+def _zero_arg(zero: torch.Tensor | None, scale: torch.Tensor) -> tuple[torch.Tensor, int, int]:
+    """The zero points and their row and group strides. int8 has none: the kernel never reads them, so the scale
+    stands in for the pointer."""
+    return (scale, 0, 0) if zero is None else (zero, zero.stride(0), zero.stride(1))
 
 
 def scale_layout(group_size: int, block_k: int) -> int:
@@ -266,7 +295,7 @@ def weight_only_matmul(
         if split_k == 1
         else torch.zeros((M, N), dtype=torch.float32, device=x.device)
     )
-    zero_arg, stride_z = _zero_arg(zero, scale)
+    zero_arg, stride_z, stride_zg = _zero_arg(zero, scale)
     grid = (triton.cdiv(N, variant.block_n), triton.cdiv(M, variant.block_m), split_k)
     _weight_only_matmul_kernel[grid](
         x,
@@ -282,7 +311,9 @@ def weight_only_matmul(
         x.stride(0),
         weight.stride(0),
         scale.stride(0),
+        scale.stride(1),
         stride_z,
+        stride_zg,
         out.stride(0),
         BITS=bits,
         GROUP_SIZE=group_size,
@@ -315,7 +346,7 @@ def dequantize(
     N = weight.shape[0]
     K = weight.shape[1] * (2 if bits == 4 else 1)
     out = torch.empty((N, K), dtype=dtype, device=weight.device)
-    zero_arg, stride_z = _zero_arg(zero, scale)
+    zero_arg, stride_z, stride_zg = _zero_arg(zero, scale)
     grid = (triton.cdiv(N, block_n), triton.cdiv(K, block_k))
     _dequantize_kernel[grid](
         weight,
@@ -326,7 +357,9 @@ def dequantize(
         K,
         weight.stride(0),
         scale.stride(0),
+        scale.stride(1),
         stride_z,
+        stride_zg,
         out.stride(0),
         BITS=bits,
         GROUP_SIZE=group_size,
