@@ -344,7 +344,7 @@ def words_variants(m: int) -> list[DecodeVariant]:
 
 
 def lanes_variants(m: int) -> list[DecodeVariant]:
-    """The word GEMV's table (kernels.ONE_ROW_SHAPES, each tried on every shape), then the lane GEMV
+    """The word GEMV's table (kernels.one_row_table, each tried on every shape), then the lane GEMV
     (int4_lanes.py): 4, 8 and 16 rows a program, 1, 2 and 4 warps, K in 1, 2 or 4 slices, with and without the
     next step's words prefetched. Without PDL, as words_variants."""
     if m != 1:
@@ -356,12 +356,12 @@ def lanes_variants(m: int) -> list[DecodeVariant]:
 
 
 def table_without_pdl() -> list[DecodeVariant]:
-    """kernels.ONE_ROW_SHAPES' shapes, launched without PDL as the sweeps time them."""
-    return [dataclasses.replace(variant, pdl=False) for variant in kernels.ONE_ROW_SHAPES.values()]
+    """This GPU's one-row shapes (kernels.one_row_table), launched without PDL as the sweeps time them."""
+    return [dataclasses.replace(variant, pdl=False) for variant in kernels.one_row_table().values()]
 
 
 def mma_variants(m: int) -> list[DecodeVariant]:
-    """The lane GEMV's table (kernels.ONE_ROW_SHAPES, each tried on every shape), then the tensor-core GEMV
+    """The lane GEMV's table (kernels.one_row_table, each tried on every shape), then the tensor-core GEMV
     (int4_mma.py): 1 or 2 tiles of 16 rows a warp, 1, 2 and 4 warps, K in 1 to 8 slices, registers left to ptxas
     (which then issues the next step's loads late, to save registers) or capped at 168 (early; MMA_REGISTERS, a
     comma-separated list, picks the caps). Without PDL, as words_variants."""
@@ -381,16 +381,17 @@ def tensor_core_variants(m: int) -> list[DecodeVariant]:
 
 
 def use_swept_shapes(path: str, pdl: bool = True) -> dict[tuple[int, int], DecodeVariant]:
-    """Fills kernels.ONE_ROW_SHAPES with each shape's best one-row variant from a --sweep-decode output (its
-    decode-best rows at m = 1), launched with PDL where it is a word GEMV and `pdl`, so that a bench in the same
-    GPU call runs what the sweep found (a bench prelude)."""
+    """Fills this GPU's one-row table (kernels.one_row_table) with each shape's best one-row variant from a
+    --sweep-decode output (its decode-best rows at m = 1), launched with PDL where it is a word GEMV and `pdl`, so
+    that a bench in the same GPU call runs what the sweep found (a bench prelude)."""
+    table = kernels.one_row_table()
     for line in open(path):
         row = json.loads(line) if line.startswith("{") else {}
         if row.get("kind") == "decode-best" and row.get("m") == 1 and row.get("best"):
             variant = DecodeVariant(**row["best"]["fields"])
-            kernels.ONE_ROW_SHAPES[SHAPES[row["shape"]]] = dataclasses.replace(variant, pdl=pdl and variant.words)
-    print(f"one-row shapes from {path}: {kernels.ONE_ROW_SHAPES}", file=sys.stderr)
-    return kernels.ONE_ROW_SHAPES
+            table[SHAPES[row["shape"]]] = dataclasses.replace(variant, pdl=pdl and variant.words)
+    print(f"one-row shapes from {path}: {table}", file=sys.stderr)
+    return table
 
 
 def time_decode_variants(

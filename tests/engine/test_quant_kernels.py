@@ -27,6 +27,7 @@ from tritonllm.engine.embedded.quant.weight_only_kernel import Variant
 
 DEVICE = torch.device(os.environ.get("TRITONLLM_TEST_DEVICE", "cpu"))
 CUDA = DEVICE.type == "cuda"
+ON_H100 = CUDA and "H100" in torch.cuda.get_device_name(DEVICE)
 cuda_only = pytest.mark.skipif(
     not CUDA, reason="torch._scaled_mm and the compiled kernels need TRITONLLM_TEST_DEVICE=cuda"
 )
@@ -131,6 +132,13 @@ DECODE_MMA = kernels.mma_gemv(1, 1, pdl=False)
 DECODE_MMA_SPLIT = kernels.mma_gemv(2, 2, split_k=3)
 
 
+def skip_where_cuda_refuses(x, group_size, variant):
+    """The tensor-core GEMV takes 16-bit x only (int4_decode.supports; kernels.py never gives it fp32 x): on CUDA
+    these fp32 products skip it (test_int4_gemv_on_tensor_cores_on_cuda runs it in bf16 and fp16)."""
+    if CUDA and not int4_decode.supports(x.dtype, group_size, variant):
+        pytest.skip(f"int4_decode.supports refuses {x.dtype} x for {variant}")
+
+
 @pytest.mark.parametrize(
     "m, n, k, group_size, variant, with_bias",
     [
@@ -162,6 +170,7 @@ DECODE_MMA_SPLIT = kernels.mma_gemv(2, 2, split_k=3)
 def test_int4_decode_kernel_equals_dequantize_then_matmul(m, n, k, group_size, variant, with_bias):
     qweight, scale, zero = random_int4(n, k, group_size)
     x, bias = random_x(m, k), random_bias(n) if with_bias else None
+    skip_where_cuda_refuses(x, group_size, variant)
     expected = reference(x, dequantize_int4(qweight, scale, zero, group_size), bias)
     # The word GEMV's fp32 sums hold 128 times x (16 x for odd nibbles) and take it out again: a few units of
     # 2^-24 of 128 * 16 * sum |x| a group, ~1e-4 here, growing with K (~5e-4 at K = 2,560, both word GEMVs).
@@ -196,6 +205,7 @@ def test_int4_decode_kernel_reads_group_major_scales_and_zeros(m, n, k, group_si
     """The same product from group-major scales and zeros as from row-major ones, in each GEMV."""
     qweight, scale, zero = random_int4(n, k, group_size)
     x = random_x(m, k)
+    skip_where_cuda_refuses(x, group_size, variant)
     expected = int4_decode.int4_decode_matmul(x, qweight, scale, zero, None, group_size, variant)
     got = int4_decode.int4_decode_matmul(x, qweight, *group_major(scale, zero), None, group_size, variant)
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
@@ -421,10 +431,11 @@ def test_the_word_gemv_is_the_one_row_gemv(monkeypatch):
     assert kernels.choose_decode_variant(1, 896, 4864) == kernels.lane_gemv(4, 2, split_k=2)
     assert kernels.choose_decode_variant(1, 8192, 896) == kernels.lane_gemv(4, 1)
     assert not kernels.choose_decode_variant(1, 896, 4864, group_size=48).words
-    monkeypatch.setitem(kernels.ONE_ROW_SHAPES, (896, 4864), DECODE_WORDS_GROUPS)
+    monkeypatch.setitem(kernels.one_row_table(), (896, 4864), DECODE_WORDS_GROUPS)
     assert kernels.choose_decode_variant(1, 896, 4864) is DECODE_WORDS_GROUPS
-    for (n, k), variant in kernels.ONE_ROW_SHAPES.items():  # each shape of the table applies at group 128
+    for (n, k), variant in (kernels.ONE_ROW_SHAPES | kernels.ONE_ROW_SHAPES_H100).items():  # each applies at 128
         assert int4_decode.supports(torch.bfloat16, 128, variant), (n, k, variant)
+    assert kernels.one_row_table() is (kernels.ONE_ROW_SHAPES_H100 if ON_H100 else kernels.ONE_ROW_SHAPES)
     assert int4_decode.supports(torch.bfloat16, 32, DECODE_WORDS_GROUPS)  # whole groups a step: words only
     assert not int4_decode.supports(torch.bfloat16, 32, replace(DECODE_WORDS_GROUPS, words=False, block_n=16))
     assert not int4_decode.supports(torch.bfloat16, 96, DECODE_WORDS_GROUPS)

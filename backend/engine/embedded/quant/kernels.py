@@ -275,13 +275,14 @@ def choose_variant(m: int, n: int, k: int) -> Variant:
 
 def choose_decode_variant(m: int, n: int, k: int, group_size: int = 128) -> DecodeVariant:
     """The int4 decode kernel's program shape for m <= SMALL_M rows (int4_decode_kernel.py), from GPU sweeps over
-    Llama-3.1-8B's four projections (docs/gpu-runs.md). One row: ONE_ROW_SHAPES where it has (N, K) (lane GEMVs,
-    49.6 us for the four on an H200 against bf16's 113.7), else a lane GEMV of default shape (default_lane_gemv),
-    or where the groups are not whole lanes' columns the byte GEMV, one warp a program, 32 columns, K in 16 slices
-    (77 us on the H100). More rows: 16-row tl.dot tiles, two warps, 64 columns and 8 slices, or 128 columns and 2
-    slices for the wide gate/up projection."""
-    if m == 1 and (n, k) in ONE_ROW_SHAPES:
-        return ONE_ROW_SHAPES[(n, k)]
+    Llama-3.1-8B's four projections (docs/gpu-runs.md). One row: the GPU's table (one_row_table) where it has
+    (N, K) (lane GEMVs, 49.6 us for the four on an H200 against bf16's 113.7), else a lane GEMV of default shape
+    (default_lane_gemv), or where the groups are not whole lanes' columns the byte GEMV, one warp a program, 32
+    columns, K in 16 slices (77 us on the H100). More rows: 16-row tl.dot tiles, two warps, 64 columns and 8
+    slices, or 128 columns and 2 slices for the wide gate/up projection."""
+    table = one_row_table()
+    if m == 1 and (n, k) in table:
+        return table[(n, k)]
     # (bf16 stands for x here: _int4_decode_applies checks x's own dtype)
     if m == 1 and int4_decode.supports(torch.bfloat16, group_size, lanes := default_lane_gemv(n, k)):
         return lanes
@@ -394,6 +395,23 @@ ONE_ROW_SHAPES: dict[tuple[int, int], DecodeVariant] = {
     (28672, 4096): lane_gemv(8, 2),  # gate_up_proj 22.62, 54.91 (24.84)
     (4096, 14336): lane_gemv(4, 2),  # down_proj 14.18, 31.35 (14.96)
 }
+
+# An H100's own (its sweep with group-major scales, 2026-12-07, docs/gpu-runs.md, thirty-third session): the
+# four at 52.4 us against 56.4 with the H200's shapes, 375.4 tok/s end to end against 363.6 (bench-quant's
+# w4a16-1-swept against w4a16-1, the same call).
+ONE_ROW_SHAPES_H100: dict[tuple[int, int], DecodeVariant] = {
+    (6144, 4096): lane_gemv(8, 2),  # qkv_proj 7.46 us against bf16's 20.05
+    (4096, 4096): lane_gemv(4, 2, prefetch=False),  # o_proj 6.15, 15.10
+    (28672, 4096): lane_gemv(4, 1, split_k=4, prefetch=False),  # gate_up_proj 24.65, 77.22
+    (4096, 14336): lane_gemv(4, 2, prefetch=False),  # down_proj 14.11, 41.97
+}
+
+
+@functools.cache  # (asked at every eager one-row call)
+def one_row_table() -> dict[tuple[int, int], DecodeVariant]:
+    """The one-row shapes of this process's GPU: ONE_ROW_SHAPES_H100 on an H100, else ONE_ROW_SHAPES."""
+    on_h100 = torch.cuda.is_available() and "H100" in torch.cuda.get_device_name()
+    return ONE_ROW_SHAPES_H100 if on_h100 else ONE_ROW_SHAPES
 
 
 # ---- inputs ---------------------------------------------------------------------------------------------------
