@@ -230,16 +230,20 @@ def test_the_weight_only_paths_read_group_major_scales_and_zeros(strategy, monke
 
 
 def test_quant_linear_stores_int4_scales_and_zeros_group_major():
-    layer = QuantLinear(256, 48, bias=False, kind="int4", group_size=64, static_input=False)
-    layer.allocate(torch.float32, DEVICE)
-    assert layer.weight_scale.shape == layer.weight_zero.shape == (48, 4)
+    """QuantLinear's layout, and its one-row product (a lane GEMV on CUDA) the same as with row-major copies."""
+    layer = QuantLinear(2048, 48, bias=False, kind="int4", group_size=64, static_input=False)
+    layer.allocate(torch.bfloat16, DEVICE)
+    assert layer.weight_scale.shape == layer.weight_zero.shape == (48, 32)
     assert layer.weight_scale.stride() == layer.weight_zero.stride() == (1, 48)
     assert (layer.weight_zero == 8).all()
-    dense = torch.randn(48, 256, generator=torch.Generator().manual_seed(5)).to(DEVICE)
-    layer.store_rows(0, dense)
-    x = random_x(1, 256)
-    expected = reference(x, dequantize_int4(layer.qweight, layer.weight_scale, layer.weight_zero, 64), None)
-    torch.testing.assert_close(layer(x), expected, atol=1e-4, rtol=1e-4)
+    dense = torch.randn(48, 2048, generator=torch.Generator().manual_seed(5)).to(DEVICE)
+    layer.store_rows(0, dense.to(torch.bfloat16))
+    x = random_x(1, 2048, torch.bfloat16)
+    qweight, scale, zero = layer.qweight, layer.weight_scale, layer.weight_zero
+    row_major = kernels.int4_linear(x, qweight, scale.contiguous(), zero.contiguous(), None, 64)
+    torch.testing.assert_close(layer(x), row_major)
+    expected = reference(x, dequantize_int4(qweight, scale, zero, 64), None).to(torch.bfloat16)
+    torch.testing.assert_close(layer(x), expected, atol=2e-2, rtol=2e-2)
 
 
 def test_int4_decode_kernel_splits_only_what_its_counters_cover(monkeypatch):
