@@ -242,8 +242,9 @@ def test_quant_linear_stores_int4_scales_and_zeros_group_major():
     qweight, scale, zero = layer.qweight, layer.weight_scale, layer.weight_zero
     row_major = kernels.int4_linear(x, qweight, scale.contiguous(), zero.contiguous(), None, 64)
     torch.testing.assert_close(layer(x), row_major)
+    # the reference's weight rounded to bf16 (the kernel's is not) moves outputs of ~45 by ~0.1 at this K
     expected = reference(x, dequantize_int4(qweight, scale, zero, 64), None).to(torch.bfloat16)
-    torch.testing.assert_close(layer(x), expected, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(layer(x), expected, atol=0.25, rtol=2e-2)
 
 
 def test_int4_decode_kernel_splits_only_what_its_counters_cover(monkeypatch):
@@ -375,12 +376,14 @@ def test_a_word_gemv_launched_with_pdl_reads_what_the_norm_before_it_wrote(prefe
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         normed, first, second = chain()
+    # split K's slices add into fp32 by atomics in any order: a bf16 product may then differ in its last bit
+    rtol = 2**-7 if with_pdl.split_k > 1 else 0
     for seed in range(20):
         hidden.copy_(random_x(1, 1024, bf16, seed=seed + 10))
         graph.replay()
         torch.testing.assert_close(normed, rms_norm(hidden, norm_weight, 1e-5), atol=0, rtol=0)
-        torch.testing.assert_close(first, gemv(normed, first_w, without), atol=0, rtol=0)
-        torch.testing.assert_close(second, gemv(first, second_w, without), atol=0, rtol=0)
+        torch.testing.assert_close(first, gemv(normed, first_w, without), atol=0, rtol=rtol)
+        torch.testing.assert_close(second, gemv(first, second_w, without), atol=0, rtol=rtol)
 
 
 def test_the_word_gemv_reads_bytes_that_do_not_start_on_a_word():
