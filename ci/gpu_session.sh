@@ -185,16 +185,18 @@ for what in "$@"; do
           w4a16-1-nofold)  # each norm its own launch, not folded into the int4 GEMVs around it (quant/norm_fold.py)
             BENCH_PRELUDE="from tritonllm.engine.embedded.quant import fusion; fusion.FOLD_NORMS = False" \
             bench "llama-3.1-8b w4a16, norms not folded, 1x128/128" --model "$l" --config /tmp/w4a16.yaml "${one[@]}" ;;
-          w4a16-1-merge|bf16-1-merge|w4a16-1-ropestore|bf16-1-ropestore|w4a16-1-silu|w4a16-1-cuts|bf16-1-cuts)
+          w4a16-1-merge|bf16-1-merge|w4a16-1-ropestore|bf16-1-ropestore|w4a16-1-ropeapart|bf16-1-ropeapart|w4a16-1-silu|w4a16-1-cuts|bf16-1-cuts)
             # a small launch fewer a layer each: decode's splits merged by the last of them
             # (decode_kernels.MERGE_IN_LAST_SPLIT), RoPE in the KV store's launch (triton_backend.ROTATE_WHILE_STORING),
-            # the SiLU in gate_up's one-row GEMV (fusion.SILU_IN_GATE_UP, W4A16 only), or all of them ("cuts")
+            # the SiLU in gate_up's one-row GEMV (fusion.SILU_IN_GATE_UP, W4A16 only), or all of them ("cuts");
+            # "ropeapart": RoPE in its own launch (the store's rotation is the default now)
             base=${variant%-*}; config=(); [ "${base%-*}" = w4a16 ] && config=(--config /tmp/w4a16.yaml)
             merge="from tritonllm.engine.embedded.attention import decode_kernels; decode_kernels.MERGE_IN_LAST_SPLIT = True"
             rope="from tritonllm.engine.embedded.attention import triton_backend; triton_backend.ROTATE_WHILE_STORING = True"
             silu="from tritonllm.engine.embedded.quant import fusion; fusion.SILU_IN_GATE_UP = True"
             case ${variant##*-} in
-              merge) prelude=$merge ;; ropestore) prelude=$rope ;; silu) prelude=$silu ;; *) prelude="$merge; $rope; $silu" ;;
+              merge) prelude=$merge ;; ropestore) prelude=$rope ;; silu) prelude=$silu ;; ropeapart) prelude=${rope/True/False} ;;
+              *) prelude="$merge; $rope; $silu" ;;
             esac
             BENCH_PRELUDE="$prelude" bench "llama-3.1-8b $base, ${variant##*-}, 1x128/128" --model "$l" "${config[@]}" "${one[@]}" ;;
           w4a16-1-nopdl)  # the default one-row shapes without programmatic dependent launch (pdl.py)

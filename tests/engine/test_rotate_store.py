@@ -235,6 +235,7 @@ def test_the_engine_answers_the_same_rotating_while_storing(tiny_llama, monkeypa
 
     monkeypatch.setattr(triton_kernels, "rotate_and_store_kv", counted)
     prompts = [[5, 17, 3, 44, 9, 12], [7, 7, 30]]
+    monkeypatch.setattr(triton_backend, "ROTATE_WHILE_STORING", False)
     tokens_off, logits_off = run_engine(tiny_llama, prompts)
     assert calls == []
     monkeypatch.setattr(triton_backend, "ROTATE_WHILE_STORING", True)
@@ -275,6 +276,7 @@ def test_the_engine_answers_the_same_with_both_decode_launches_cut(tiny_llama, m
     monkeypatch.setattr(decode_kernels, "_decode_merge_kernel", CountedMerge())
     monkeypatch.setattr(decode_kernels, "decode_splits", counted_splits)
     prompts = [[5, 17, 3, 44, 9, 12], [7, 7, 30]]
+    monkeypatch.setattr(triton_backend, "ROTATE_WHILE_STORING", False)
     tokens_off, logits_off = run_engine(tiny_llama, prompts, graphs)
     assert max(splits) > 1 and merges
     merges.clear()

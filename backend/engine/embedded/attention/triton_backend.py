@@ -18,8 +18,9 @@ if TYPE_CHECKING:
     from .triton_kernels import TreeMasks
 
 # Fused models rotate queries and keys in the KV store's launch (kv_store.rotate_and_store_kv: one small kernel fewer
-# a layer; network/llama.py reads this at each forward). Off: not yet timed on a GPU.
-ROTATE_WHILE_STORING = False
+# a layer; network/llama.py reads this at each forward). Llama-3.1-8B's shape at batch 1 on an H100: W4A16 +1.2% in
+# three calls (docs/gpu-runs.md, thirty-third session), bf16 about +0.9%.
+ROTATE_WHILE_STORING = True
 
 
 def triton_usable(device: torch.device) -> Optional[str]:
