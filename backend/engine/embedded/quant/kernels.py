@@ -397,7 +397,7 @@ ONE_ROW_SHAPES: dict[tuple[int, int], DecodeVariant] = {
 }
 
 # An H100's own (its sweep with group-major scales, 2026-12-07, docs/gpu-runs.md, thirty-third session): the
-# four at 52.4 us against 56.4 with the H200's shapes, 375.4 tok/s end to end against 363.6 (bench-quant's
+# four at 52.4 us against 55.3 with the H200's shapes, 375.4 tok/s end to end against 363.6 (bench-quant's
 # w4a16-1-swept against w4a16-1, the same call).
 ONE_ROW_SHAPES_H100: dict[tuple[int, int], DecodeVariant] = {
     (6144, 4096): lane_gemv(8, 2),  # qkv_proj 7.46 us against bf16's 20.05
