@@ -192,6 +192,18 @@ def wait_running(server, timeout: float = 30) -> None:
         time.sleep(0.02)
 
 
+def stop_until_found(server, request_id: str, thread: threading.Thread, timeout: float = 30) -> tuple[int, str]:
+    """A curl-style stop, sent again while no request of that id runs yet and its call has not returned: the
+    running gauge wait_running reads can be a sample old or still count the test before's request, so the first
+    stop may come before this request has reached the engine (the server answers NOT_FOUND then)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        status, message = server.generate_error({"id": request_id, "text_input": "", "stop": True}, model=MODEL)
+        if "no running request" not in message or not thread.is_alive() or time.monotonic() > deadline:
+            return status, message
+        time.sleep(0.05)
+
+
 def in_background(call) -> tuple[threading.Thread, dict]:
     result: dict = {}
 
@@ -233,7 +245,7 @@ def test_a_curl_style_stop_with_the_running_requests_id_aborts_it(llmapi_server,
     call = llmapi_server.generate_stream if endpoint == "generate_stream" else llmapi_server.generate
     thread, result = in_background(lambda: call(body, model=MODEL))
     wait_running(llmapi_server)
-    status, message = llmapi_server.generate_error({"id": body["id"], "text_input": "", "stop": True}, model=MODEL)
+    status, message = stop_until_found(llmapi_server, body["id"], thread)
     thread.join(timeout=60)
     assert message == "Request cancelled by client", (status, message)
     assert "error" not in result, result
