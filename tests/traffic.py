@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable, Optional
 
 from tritonllm.engine.types import InvalidRequestError, SamplingParams
@@ -54,6 +54,15 @@ class TrafficRequest:
         if self.kind == "prompt past max_seq_len":
             return [5] * 100_000
         return self.prompt
+
+
+PREEMPTING_PACE = 0.2  # the preempting cases' delays between arrivals, as a share of the traffic's own
+
+
+def close_together(traffic: list[TrafficRequest], pace: float = PREEMPTING_PACE) -> list[TrafficRequest]:
+    """`traffic` with its delays between arrivals scaled by `pace`, so that a small KV budget surely preempts (how
+    far apart they land otherwise depends on how fast the machine steps)."""
+    return [replace(request, delay_s=request.delay_s * pace) for request in traffic]
 
 
 def random_traffic(seed: int, count: int, vocab: int, beams: bool = True, adapters: int = 0) -> list[TrafficRequest]:

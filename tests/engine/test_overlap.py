@@ -5,8 +5,6 @@ overlap (nothing to gain); these tests switch it on there, so the pipelining log
 (arrivals mid-flight, streaming, aborts, refused requests, stop words, sampled requests, beams, which make steps
 wait for their tokens) keeps every greedy answer and frees every block, eagerly and in CUDA graphs."""
 
-from dataclasses import replace
-
 import pytest
 
 from tritonllm.engine.config import EngineConfig
@@ -18,10 +16,9 @@ from ..spec_decode.test_engine_spec import (
     make_engine,
     model_dir,  # noqa: F401 (fixture)
 )
-from ..traffic import mismatches, preemptions, random_traffic, send
+from ..traffic import close_together, mismatches, preemptions, random_traffic, send
 
 VOCAB = 400
-BURST = 12  # requests sent at once ahead of the rest (the preempting setting)
 
 
 @pytest.fixture
@@ -52,8 +49,8 @@ def test_overlapped_traffic_keeps_every_greedy_answer(
     if graphs:
         request.getfixturevalue("graphs_on_this_device")
     traffic = random_traffic(seed, count=40, vocab=VOCAB, beams=True)
-    if setting == "preempting":  # a burst first, so that the small cache overflows whatever the machine's pace
-        traffic = [replace(request, delay_s=0.0) if i < BURST else request for i, request in enumerate(traffic)]
+    if setting == "preempting":
+        traffic = close_together(traffic)
     engine = make_engine(
         model_dir, max_beam_width=2, **SETTINGS[setting], **({} if graphs else {"cuda_graph_config": None})
     )

@@ -4,14 +4,12 @@ prefix reuse or a KV cache small enough to preempt: every greedy answer equals t
 and every KV block (the draft model's and the Eagle layer's too) is free afterwards. Also with decode and
 verification steps in CUDA graphs (on CPU, eager runs of the padded forward a graph would hold)."""
 
-import dataclasses
-
 import pytest
 
 from tritonllm.engine.embedded.speculation.eagle import random_eagle
 from tritonllm.engine.embedded.speculation.eagle3 import random_eagle3
 
-from ..traffic import mismatches, preemptions, random_traffic, send
+from ..traffic import close_together, mismatches, preemptions, random_traffic, send
 from .test_engine_spec import (  # noqa: F401 (fixtures)
     SETTINGS,
     assert_all_blocks_free,
@@ -23,7 +21,6 @@ from .test_engine_spec import (  # noqa: F401 (fixtures)
 )
 
 VOCAB = 400  # prompts draw their tokens below this
-PREEMPTING_PACE = 0.2  # the preempting cases' delays between arrivals, as a share of the traffic's own
 
 
 @pytest.fixture(scope="module")
@@ -100,9 +97,8 @@ def test_random_traffic_keeps_every_greedy_answer(
         request.getfixturevalue("graphs_on_this_device")
     spec = speculative_config(method, model_dir, other_draft_dir, medusa_dir, eagle_dir, eagle3_dir)
     traffic = random_traffic(seed, count=40, vocab=VOCAB, beams=spec is None)
-    if setting == "preempting":  # arrivals close together, so that the small KV budget surely preempts (how far
-        # apart they land otherwise depends on how fast this machine steps)
-        traffic = [dataclasses.replace(r, delay_s=r.delay_s * PREEMPTING_PACE) for r in traffic]
+    if setting == "preempting":
+        traffic = close_together(traffic)
     engine = make_engine(
         model_dir,
         spec,
