@@ -91,13 +91,9 @@ def _dequantized_tile(
         q = tl.load(w + row_base * stride_w + ks[None, :], mask=mask, other=0).to(tl.float32)
     if SCALES == ONE_GROUP:  # one scale (and zero) a row
         group = k0 // GROUP_SIZE
-        s = tl.load(scale + rows.to(tl.int64) * stride_s + group * stride_sg, mask=row_ok, other=0.0).to(tl.float32)[
-            :, None
-        ]
+        s = tl.load(scale + row_base * stride_s + group * stride_sg, mask=row_ok[:, None], other=0.0).to(tl.float32)
         if BITS == 4:
-            z = tl.load(zero + rows.to(tl.int64) * stride_z + group * stride_zg, mask=row_ok, other=0).to(tl.float32)[
-                :, None
-            ]
+            z = tl.load(zero + row_base * stride_z + group * stride_zg, mask=row_ok[:, None], other=0).to(tl.float32)
             q = q - z
         w_tile = q * s
     elif SCALES == WHOLE_GROUPS:  # BLOCK_K // GROUP_SIZE scales a row, broadcast over their groups
