@@ -37,6 +37,24 @@ quant_configs() {  # the model.yaml files of bench-quant and host-profile
   printf 'quant_config:\n  quant_algo: FP8\n' > /tmp/fp8w.yaml
 }
 
+quant_mods() {  # quant_mods "swept,merge,splits4": one python prelude making each change (bench-quant's BASE:MODS)
+  local mod code=() e=tritonllm.engine.embedded
+  for mod in ${1//,/ }; do
+    case $mod in
+      swept) code+=("import sys; sys.path.insert(0, 'ci'); import gpu_quant_kernels; gpu_quant_kernels.use_swept_shapes('$OUT/int4-decode-sweep.jsonl')") ;;
+      merge) code+=("from $e.attention import decode_kernels; decode_kernels.MERGE_IN_LAST_SPLIT = True") ;;
+      ropeapart) code+=("from $e.attention import triton_backend; triton_backend.ROTATE_WHILE_STORING = False") ;;
+      silu) code+=("from $e.quant import fusion; fusion.SILU_IN_GATE_UP = True") ;;
+      rowscales) code+=("from $e.quant import linear; linear.INT4_SCALES_GROUP_MAJOR = False") ;;
+      nofold) code+=("from $e.quant import fusion; fusion.FOLD_NORMS = False") ;;
+      nopdl) code+=("from $e import pdl; pdl.ENABLED = False") ;;
+      splits*) code+=("from $e.attention import decode_kernels; decode_kernels.MAX_DECODE_SPLITS = ${mod#splits}") ;;
+      *) echo "quant_mods: unknown change '$mod'" >&2; return 1 ;;
+    esac
+  done
+  local IFS=';'; echo "${code[*]}"
+}
+
 run_tests() {
   python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__, torch.cuda.get_device_name())"
   TRITONLLM_TEST_DEVICE=cuda timeout "${TEST_TIMEOUT:-200}" python3 -m pytest -q -x -p no:cacheprovider "$@" 2>&1 \
@@ -207,6 +225,10 @@ for what in "$@"; do
             BENCH_PRELUDE="from tritonllm.engine.embedded import cuda_graphs; cuda_graphs.PROMPT_GRAPH_ROWS = 0" \
               bench "llama-3.1-8b ${variant%%-*}, eager prefill, 1x128/128" --model "$l" "${config[@]}" "${one[@]}" ;;
           fp8-1) bench "llama-3.1-8b fp8+fp8kv 1x128/128" --model "$l" --config /tmp/fp8.yaml "${one[@]}" ;;
+          bf16-1:*|w4a16-1:*)  # BASE:MOD,MOD... several changes in one run (quant_mods below)
+            base=${variant%%:*}; config=(); [ "$base" = w4a16-1 ] && config=(--config /tmp/w4a16.yaml)
+            BENCH_PRELUDE="$(quant_mods "${variant#*:}")" \
+              bench "llama-3.1-8b ${base%-1}, ${variant#*:}, 1x128/128" --model "$l" "${config[@]}" "${one[@]}" ;;
         esac
       done ;;
     host-profile)  # cProfile of the engine thread (ci/host_profile.py): W4A16 and bf16 at batch 1, prefill then decode
