@@ -173,10 +173,9 @@ def small_kernels_with_pdl() -> None:
     pointers |= {n: "fp32" for n in ("scale_log2", "v_scale", "cap_log2", "scale_over_cap")}
     kernels.append((decode_kernels._decode_split_kernel, pointers, split, 4))
     kernels.append((decode_kernels._decode_split_kernel, pointers | {"arrivals": "*i32"}, split | merging, 4))
-    merge = dict(HEAD_DIM=128, BLOCK_D=128, NUM_SPLITS=16, SPLITS_P=16) | wait
-    kernels.append(
-        (decode_kernels._decode_merge_kernel, {"part_out": "*fp32", "part_lse": "*fp32", "out": "*bf16"}, merge, 4)
-    )
+    merge = dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64, NUM_SPLITS=16, SPLITS_P=16, WINDOWED=False) | wait
+    partials = {"part_out": "*fp32", "part_lse": "*fp32", "out": "*bf16", "seq_lens": "*i32"}
+    kernels.append((decode_kernels._decode_merge_kernel, partials, merge, 4))
     for kernel, pointers, constexprs, warps in kernels:
         ptx = compile_for_sm90(kernel, pointers, constexprs, num_warps=warps, launch_pdl=True).asm["ptx"]
         assert_waits_first(ptx, True)

@@ -98,12 +98,7 @@ def _decode_split_kernel(
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    seq_len = tl.load(seq_lens + seq)
-    if WINDOWED:
-        first_key = tl.maximum(seq_len - window, 0)
-    else:
-        first_key = seq_len * 0
-    split_len = tl.cdiv(tl.cdiv(seq_len - first_key, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    seq_len, first_key, split_len, active = _splits_of(seq_lens, seq, window, NUM_SPLITS, BLOCK_N, WINDOWED)
     lo = first_key + split * split_len
     hi = tl.minimum(lo + split_len, seq_len)
 
@@ -146,12 +141,12 @@ def _decode_split_kernel(
         first_part = (seq * num_heads + head) * NUM_SPLITS  # [S, heads, NUM_SPLITS] scratch rows
         part = first_part + split
         lse = tl.where(l > 0, m + tl.log2(tl.where(l > 0, l, 1.0)), float("-inf"))
+        # Only the splits that hold keys store (one stands for a sequence without keys): at a short context most
+        # of the NUM_SPLITS (sized for the longest) end here, and the merge reads few partials.
+        if split < active:
+            _store_partial(part_out, part_lse, part, result, lse, head_ok, d, d_ok, HEAD_DIM)
         if MERGE_HERE:
-            # Only the splits that hold keys store and count (one stands for a sequence without keys): at a short
-            # context most of the NUM_SPLITS (sized for the longest) end here, and the merge reads few partials.
-            active = tl.maximum(tl.cdiv(seq_len - first_key, tl.maximum(split_len, 1)), 1)
             if split < active:
-                _store_partial(part_out, part_lse, part, result, lse, head_ok, d, d_ok, HEAD_DIM)
                 arrival = arrivals + seq * tl.num_programs(1) + kv_head
                 out_rows = out + seq * stride_os + head * stride_oh
                 _merge_if_last(
@@ -169,8 +164,20 @@ def _decode_split_kernel(
                     BLOCK_D,
                     UPCAST,  # on CPU: in the interpreter
                 )
-        else:
-            _store_partial(part_out, part_lse, part, result, lse, head_ok, d, d_ok, HEAD_DIM)
+
+
+@triton.jit
+def _splits_of(seq_lens, seq, window, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, WINDOWED: tl.constexpr):
+    """How the sequence's keys are split: its length, its first key seen (WINDOWED: the last `window`), the keys a
+    split (whole BLOCK_N tiles) and the splits holding any (at least 1)."""
+    seq_len = tl.load(seq_lens + seq)
+    if WINDOWED:
+        first_key = tl.maximum(seq_len - window, 0)
+    else:
+        first_key = seq_len * 0
+    split_len = tl.cdiv(tl.cdiv(seq_len - first_key, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    active = tl.maximum(tl.cdiv(seq_len - first_key, tl.maximum(split_len, 1)), 1)
+    return seq_len, first_key, split_len, active
 
 
 @triton.jit
@@ -227,23 +234,28 @@ def _decode_merge_kernel(
     part_out,
     part_lse,
     out,
+    seq_lens,
+    window,
     num_heads,
     stride_os,
     stride_oh,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     SPLITS_P: tl.constexpr,
+    WINDOWED: tl.constexpr,
     RELEASE: tl.constexpr,
     WAIT: tl.constexpr,
 ):
-    """Program (sequence, head): the splits' partial outputs weighted by their share of the softmax sum. Empty
-    splits (lse -inf) weigh 0; a sequence with no keys at all gets zeros."""
+    """Program (sequence, head): the partial outputs of the splits that hold keys (_splits_of: only they
+    stored any), weighted by their share of the softmax sum; a sequence with no keys at all gets zeros."""
     begin(RELEASE, WAIT)  # the output projection after it may start reading its weights (pdl.py)
     seq = tl.program_id(0)
     head = tl.program_id(1)
+    _, _, _, active = _splits_of(seq_lens, seq, window, NUM_SPLITS, BLOCK_N, WINDOWED)
     split = tl.arange(0, SPLITS_P)
-    split_ok = split < NUM_SPLITS
+    split_ok = split < active
     d = tl.arange(0, BLOCK_D)
     d_ok = d < HEAD_DIM
     part = (seq * num_heads + head) * NUM_SPLITS + split
@@ -313,6 +325,7 @@ def decode_attention(
     out = torch.empty_like(q) if out is None else out
     splits = decode_splits(num_seqs, num_kv_heads, max_seq_len)
     block_d = padded_head_dim(head_dim)
+    block_n = DECODE_BLOCK_N if block_d <= 128 else DECODE_BLOCK_N // 2
     upcast = q.device.type != "cuda"
     merge_here = splits > 1 and MERGE_IN_LAST_SPLIT
     arrivals = arrival_counters(q.device, num_seqs * num_kv_heads) if merge_here else seq_lens  # (unused if not)
@@ -352,7 +365,7 @@ def decode_attention(
         HEAD_DIM=head_dim,
         BLOCK_D=block_d,
         BLOCK_SIZE=block_size,
-        BLOCK_N=DECODE_BLOCK_N if block_d <= 128 else DECODE_BLOCK_N // 2,
+        BLOCK_N=block_n,
         NUM_SPLITS=splits,
         WINDOWED=window is not None,
         SOFTCAP=softcap is not None,
@@ -369,13 +382,17 @@ def decode_attention(
             part_out,
             part_lse,
             out,
+            seq_lens,
+            window or 0,
             num_heads,
             out.stride(0),
             out.stride(1),
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
+            BLOCK_N=block_n,
             NUM_SPLITS=splits,
             SPLITS_P=triton.next_power_of_2(splits),
+            WINDOWED=window is not None,
             num_warps=4,
             **small_kernel_args(out.device),
         )
