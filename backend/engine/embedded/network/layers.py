@@ -105,6 +105,12 @@ class OffsetRMSNorm(RMSNorm):
         return (normed * (1.0 + self.weight.float())).to(x.dtype)
 
 
+# A step's cos and sin come from a table of every position up to the engine's context, one gather a step where
+# computing them took eight small launches (~14 us of a decode step on a GPU); past this many positions the table
+# (~128 MB at head_dim 128 in bf16) is not worth its memory and they are computed each step.
+MAX_TABLE_POSITIONS = 1 << 18
+
+
 class RotaryEmbedding(nn.Module):
     """Rotates pairs (i, i + head_dim/2) of each head by position * frequency; angles are computed in fp32."""
 
@@ -115,28 +121,54 @@ class RotaryEmbedding(nn.Module):
         self.context_len: int | None = None  # None: as transformers starts, before it has seen a sequence
         inv_freq, self.attention_factor = rope_frequencies(rope, head_dim)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.tables: dict[torch.dtype, torch.Tensor] = {}  # [positions, 2 * head_dim]: cos then sin, by dtype
 
     def reset_frequencies(self, device) -> None:
         """Recompute the fp32 frequencies on `device` (after the module was built on the meta device)."""
         inv_freq, _ = rope_frequencies(self.rope, self.head_dim, self.context_len)
         self.inv_freq = inv_freq.to(device)
+        self.tables.clear()
 
     def set_context_length(self, context_len: int) -> None:
         """The longest sequence the engine runs, before the first forward. Only longrope (Phi-3) depends on it:
         transformers picks the long factors once a sequence outgrows original_max_position_embeddings and then
         rotates every key again with them (it drops its cache); a paged cache whose blocks may be shared cannot
         rotate its keys again, so the engine fixes one set for its lifetime: the long set when max_seq_len allows
-        sequences past that length, the short set otherwise (see docs on Phi-3)."""
+        sequences past that length, the short set otherwise (see docs on Phi-3). It also bounds the positions
+        table (`forward`)."""
         self.context_len = context_len
         self.reset_frequencies(self.inv_freq.device)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [T] -> (cos, sin), each [T, head_dim] in `dtype`."""
+        """positions: [T] -> (cos, sin), each [T, head_dim] in `dtype` (views of one [T, 2 * head_dim] tensor)."""
+        table = self._table(dtype)
+        if table is None:
+            both = self._rotations(positions, dtype)
+        else:  # positions past the table (a lookahead window's, past max_seq_len) never commit: its last row
+            both = table[positions.clamp(max=table.shape[0] - 1)]
+        return both[:, : self.head_dim], both[:, self.head_dim :]
+
+    def _rotations(self, positions: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[T, 2 * head_dim]: cos then sin of each position's angles, in fp32, rounded once to dtype."""
         angles = positions.to(torch.float32)[:, None] * self.inv_freq.float()[None, :]
         angles = torch.cat((angles, angles), dim=-1)
-        cos = angles.cos() * self.attention_factor
-        sin = angles.sin() * self.attention_factor
-        return cos.to(dtype), sin.to(dtype)
+        both = torch.cat((angles.cos(), angles.sin()), dim=-1)
+        if self.attention_factor != 1.0:
+            both = both * self.attention_factor
+        return both.to(dtype)
+
+    def _table(self, dtype: torch.dtype) -> torch.Tensor | None:
+        """Every position's rotations up to the context (built on first use, never while a CUDA graph is being
+        captured: the graphs' warm-up runs build it), or None: no context set yet, or too long a one."""
+        table = self.tables.get(dtype)
+        if table is not None or self.context_len is None or self.context_len >= MAX_TABLE_POSITIONS:
+            return table
+        device = self.inv_freq.device
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        positions = torch.arange(self.context_len + 1, device=device)
+        self.tables[dtype] = table = self._rotations(positions, dtype)
+        return table
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, fused: bool) -> torch.Tensor:
