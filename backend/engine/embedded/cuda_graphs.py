@@ -90,7 +90,7 @@ class _Graph:
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         attn: AttentionMetadata,
-        placement: torch.Tensor,
+        placement: Optional[torch.Tensor],
         visible: torch.Tensor,
     ) -> None:
         """This step's rows at their `placement`; every other row becomes a padding row (its slot the scratch
@@ -153,7 +153,11 @@ class _KernelGraph:
         )
 
     def load(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, placement: torch.Tensor
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        placement: Optional[torch.Tensor],
     ) -> None:
         """This step's rows at their `placement`; the other rows and sequences become padding."""
         seqs = _load_rows(self, input_ids, positions, attn, placement)
@@ -187,18 +191,32 @@ class _KernelGraph:
 
 
 def _load_rows(
-    graph, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, placement: torch.Tensor
+    graph, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionMetadata, placement: Optional[torch.Tensor]
 ) -> int:
     """Either graph's ids, positions, slots (padding rows: the scratch slot) and block tables for this step;
-    returns its number of sequences."""
-    graph.slots.fill_(graph.scratch_slot)
-    graph.slots.index_copy_(0, placement, attn.slot_mapping)
-    graph.input_ids.index_copy_(0, placement, input_ids)
-    graph.positions.zero_()  # padding rows at 0: a windowed layer still shows them key 0
-    graph.positions.index_copy_(0, placement, positions)
+    returns its number of sequences. placement None: the step's rows are the graph's first rows (decode)."""
+    if placement is None:
+        _load_front(graph.slots, attn.slot_mapping, graph.scratch_slot)
+        _load_front(graph.input_ids, input_ids, None)  # a padding row's stale id is harmless
+        _load_front(graph.positions, positions, 0)
+    else:
+        graph.slots.fill_(graph.scratch_slot)
+        graph.slots.index_copy_(0, placement, attn.slot_mapping)
+        graph.input_ids.index_copy_(0, placement, input_ids)
+        graph.positions.zero_()  # padding rows at 0: a windowed layer still shows them key 0
+        graph.positions.index_copy_(0, placement, positions)
     seqs, columns = attn.block_tables.shape
     graph.tables[:seqs, :columns].copy_(attn.block_tables)
     return seqs
+
+
+def _load_front(buffer: torch.Tensor, values: torch.Tensor, padding: Optional[int]) -> None:
+    """values into the buffer's first rows, the rows after them set to `padding` (None: left as they are): a
+    decode step's two launches at most, where placement's fill and index copy took three."""
+    count = values.shape[0]
+    buffer[:count].copy_(values)
+    if padding is not None and count < buffer.shape[0]:
+        buffer[count:].fill_(padding)
 
 
 def visible_keys(attn: AttentionMetadata, rows: int, width: int) -> torch.Tensor:
@@ -222,10 +240,10 @@ def placement(attn: AttentionMetadata, rows: int) -> np.ndarray:
     return np.repeat(shift, lens) + np.arange(lens.sum())
 
 
-def placement_on(attn: AttentionMetadata, rows: int, device: torch.device) -> torch.Tensor:
-    """`placement` as a device tensor; a decode step's rows stay where they are (no copy to make)."""
+def placement_on(attn: AttentionMetadata, rows: int, device: torch.device) -> Optional[torch.Tensor]:
+    """`placement` as a device tensor; None for a decode step, whose rows stay where they are (the graph's first)."""
     if rows == 1:
-        return torch.arange(len(attn.query_lens), device=device)
+        return None
     return HostArrays.one(placement(attn, rows), device)
 
 
@@ -282,6 +300,8 @@ class DecodeGraphs:
         assert graph.replay is not None and graph.hidden is not None  # set when the graph was captured
         graph.replay()
         self.replays += 1
+        if where is None:  # a copy: the graph's buffer is overwritten by the next replay
+            return graph.hidden[: len(attn.query_lens)].clone()
         return graph.hidden.index_select(0, where)
 
     def graph_shape(self, query_lens: list[int]) -> Optional[tuple[int, int]]:

@@ -107,11 +107,11 @@ class ModelRunner:
         if hidden is None:
             hidden = self.model(inputs.input_ids, inputs.positions, inputs.attn, self.kv_caches, lora)
         hidden, features = self._split(hidden)
-        logits = self.model.compute_logits(hidden[inputs.logits_indices], cast=False)
+        logits = self.model.compute_logits(inputs.logits_rows(hidden), cast=False)
         for seq, indices in inputs.context_requests:
             seq.context_logits.append(self.model.compute_logits(hidden[self._long(indices)]).float().cpu())
         all_hidden = computed_hidden(batch, inputs.attn.query_starts, features) if self.keep_all_hidden else None
-        return StepOutput(logits, features[inputs.logits_indices], inputs.sampling_seqs, inputs.first_rows, all_hidden)
+        return StepOutput(logits, inputs.logits_rows(features), inputs.sampling_seqs, inputs.first_rows, all_hidden)
 
     def _split(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(final-norm hidden states, what drafters read): the same tensor, unless the model also returned the
