@@ -4,7 +4,7 @@ either way, with and without CUDA graphs (their decode rows are the graph's firs
 
 import pytest
 
-from tritonllm.engine.embedded import step_inputs
+from tritonllm.engine.embedded import engine_core, step_inputs
 from tritonllm.engine.types import SamplingParams
 
 from ..spec_decode.test_engine_spec import make_engine, model_dir  # noqa: F401 (fixture)
@@ -47,3 +47,28 @@ def test_decode_steps_skip_the_gather_and_keep_their_tokens(model_dir, monkeypat
         finally:
             engine.shutdown()
     assert True in seen and False in seen  # decode steps took the shortcut, the prompts did not
+
+
+def test_overlapped_decode_reads_its_tokens_where_the_last_step_left_them(model_dir, monkeypatch):  # noqa: F811
+    """Under the overlap scheduler a steady decode batch's input tokens are the last step's, row for row: the step
+    reads that tensor as it is (no index copy), with the same tokens as a step that does not overlap."""
+    engine = make_engine(model_dir, cuda_graph_config=None, disable_overlap_scheduler=True)
+    try:
+        plain = answers(engine)
+    finally:
+        engine.shutdown()
+    monkeypatch.setattr(engine_core, "overlap_wanted", lambda config, device: not config.disable_overlap_scheduler)
+    in_order, upload = [], step_inputs.HostStep.upload
+
+    def watched(self, *args):
+        in_order.append(self.has_pending and self.pending_in_order)
+        return upload(self, *args)
+
+    monkeypatch.setattr(step_inputs.HostStep, "upload", watched)
+    engine = make_engine(model_dir, cuda_graph_config=None)
+    try:
+        assert answers(engine) == plain
+        assert engine.core.num_overlapped_steps > 0
+    finally:
+        engine.shutdown()
+    assert True in in_order

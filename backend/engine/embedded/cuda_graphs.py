@@ -163,8 +163,7 @@ class _KernelGraph:
         seqs = _load_rows(self, input_ids, positions, attn, placement)
         kernel = attn.kernel
         assert kernel is not None  # the step ran with the Triton backend's metadata, as this graph does
-        self.seq_lens.fill_(1)
-        self.seq_lens[:seqs].copy_(kernel.seq_lens)
+        _load_front(self.seq_lens, kernel.seq_lens, 1)  # padding sequences: length 1
         if self.rows > 1:
             assert kernel.query_lens is not None  # a sequence has several rows: not a decode-only step
             self.query_lens.zero_()

@@ -31,6 +31,8 @@ class HostStep:
     block_size: int
     tail_masks: list[Optional[torch.Tensor]]
     has_pending: bool  # some input token is still on the device (the overlap scheduler's last step)
+    # every row's token is pending, row i's at row i of the last step's tokens (a steady decode batch)
+    pending_in_order: bool = False
 
     def upload(
         self, device: torch.device, dtype: torch.dtype, masks: bool, kernels, last_tokens: Optional[torch.Tensor]
@@ -38,10 +40,14 @@ class HostStep:
         """(input_ids, positions, attention metadata, logits_indices) on `device`, in one copy; pending tokens are
         then copied in from `last_tokens` on the device."""
         arrays = self.arrays.upload(device)
+        input_ids = arrays["input_ids"]
         if self.has_pending:
             assert last_tokens is not None  # pending tokens are the last step's, which the overlap step hands over
-            pending = last_tokens.index_select(0, arrays["pending_sources"])
-            arrays["input_ids"].index_copy_(0, arrays["pending_rows"], pending)
+            if self.pending_in_order:  # read where they are: two launches fewer a decode step
+                input_ids = last_tokens[: input_ids.shape[0]]
+            else:
+                pending = last_tokens.index_select(0, arrays["pending_sources"])
+                input_ids.index_copy_(0, arrays["pending_rows"], pending)
         attn = metadata_from(
             arrays,
             self.query_starts,
@@ -54,7 +60,7 @@ class HostStep:
             masks,
             kernels,
         )
-        return arrays["input_ids"], arrays["positions"], attn, arrays["logits_indices"]
+        return input_ids, arrays["positions"], attn, arrays["logits_indices"]
 
 
 @dataclass
@@ -180,6 +186,7 @@ class StepBuilder:
             self.block_size,
             self.tail_masks,
             bool(self.pending_rows),
+            self.pending_rows == self.pending_sources == list(range(len(self.input_ids))),
         )
 
     def build(
