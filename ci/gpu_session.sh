@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine run (the `device` tool): puts the working tree's package on PYTHONPATH (the machine has torch,
 # triton and transformers but no venv of ours), then runs what the arguments name, each logged under $OUT.
-#   bash ci/gpu_session.sh kernels|launch-cuts|fused|graphs|pdl|mma-tests|race-check|attention|greedy|window|guided|parity|features|bench-quick|bench-guided|bench-accuracy|moe-kernel|moe-sweep|fp8-kv|int4-decode-sweep|int4-gemm|int4-gemm-tests|norm-fold|int4-ncu|int4-layouts|attn-sweep|fp8-sweep|families|bench-mixtral|bench-quant|host-profile|quant|quant-load|quant-tests|quantize|quant-kernels|quant-sweep-decode|quant-sweep-prefill|bench-qwen3|bench-parallel|parallel-tests|sync-check|profile|profile-1 ...
+#   bash ci/gpu_session.sh kernels|launch-cuts|fused|graphs|decode-steps|step-trace|pdl|mma-tests|race-check|attention|greedy|window|guided|parity|features|bench-quick|bench-guided|bench-accuracy|moe-kernel|moe-sweep|fp8-kv|int4-decode-sweep|int4-gemm|int4-gemm-tests|norm-fold|int4-ncu|int4-layouts|attn-sweep|fp8-sweep|families|bench-mixtral|bench-quant|host-profile|quant|quant-load|quant-tests|quantize|quant-kernels|quant-sweep-decode|quant-sweep-prefill|bench-qwen3|bench-parallel|parallel-tests|sync-check|profile|profile-1 ...
 # Used by hand for the GPU figures in docs/benchmarks.md; CI never runs it (no GPU there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -69,6 +69,11 @@ for what in "$@"; do
       run_tests tests/engine/test_rotate_store.py tests/engine/test_gate_up_runs.py tests/engine/test_triton_attention.py ;;
     fused) run_tests tests/engine/test_fused_ops.py ;;
     graphs) run_tests tests/engine/test_cuda_graphs.py ;;  # decode steps and short prompts in CUDA graphs
+    decode-steps)  # a decode step's own launches: graph inputs by slices, the rotary table, no logits gathers
+      run_tests tests/engine/test_cuda_graphs.py tests/engine/test_rotary_table.py tests/engine/test_step_rows.py ;;
+    step-trace)  # W4A16 at batch 1 under the profiler (TRACE_VARIANT, default w4a16-1): each kernel of a decode step
+      QUANT_BENCH_ARGS="--profile-trace $OUT/trace.json" QUANT_VARIANTS=${TRACE_VARIANT:-w4a16-1} bash "$0" bench-quant >/dev/null
+      gzip -f "$OUT/trace.json" && python3 ci/trace_steps.py "$OUT/trace.json.gz" --top 16 ;;
     pdl)  # PDL chains in CUDA graphs against the same kernels launched without it, bit for bit
       run_tests tests/engine/test_pdl.py tests/engine/test_quant_kernels.py -k "pdl or word or sm90" ;;
     attention)  # the Triton attention kernels at real sizes and in CUDA graphs, the FP8 cache in the engine
