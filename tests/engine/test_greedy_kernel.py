@@ -79,23 +79,37 @@ def _seq(i: int, **params) -> Sequence:
     return Sequence(i, i, 0, [1], SamplingParams(max_tokens=4, **params))
 
 
+def test_the_pair_holds_the_tokens_as_floats_then_their_logprobs():
+    """What SampledTokens copies to the host as it is: no launch to stack tokens and log-probs."""
+    logits = (torch.randn((3, VOCAB), generator=torch.Generator().manual_seed(6)) * 4).to(DEVICE)
+    tokens, pair = greedy_kernel.greedy_pair(logits)
+    want_tokens, want_logprobs = _reference(logits)
+    assert pair.shape == (2, 3) and pair.dtype == torch.float32
+    assert pair[0].tolist() == [float(t) for t in want_tokens.tolist()] and tokens.tolist() == want_tokens.tolist()
+    torch.testing.assert_close(pair[1], want_logprobs, rtol=1e-5, atol=1e-5)
+    host = sampler.SampledTokens([_seq(0), _seq(1), _seq(2)], tokens, pair[1], pair).host()
+    assert host[0] == want_tokens.tolist() and host[1] == pair[1].tolist()
+
+
 def test_sampler_takes_the_kernel_for_plain_greedy_batches_on_cuda(monkeypatch):
     calls = []
-    real = greedy_kernel.greedy_pick
-    monkeypatch.setattr(greedy_kernel, "greedy_pick", lambda logits: calls.append(logits.dtype) or real(logits))
+    real = greedy_kernel.greedy_pair
+    monkeypatch.setattr(greedy_kernel, "greedy_pair", lambda logits: calls.append(logits.dtype) or real(logits))
     logits = torch.randn((2, VOCAB), generator=torch.Generator().manual_seed(4)).to(torch.bfloat16).to(DEVICE)
-    tokens, logprobs = sampler.sample_on_device(logits, [_seq(0), _seq(1)])
+    tokens, logprobs, pair = sampler.sample_on_device(logits, [_seq(0), _seq(1)])
     want_tokens, want_logprobs = _reference(logits)
     assert calls == ([torch.bfloat16] if CUDA else [])  # off CUDA, torch's ops
+    assert (pair is not None) == CUDA
     assert tokens.tolist() == want_tokens.tolist()
     torch.testing.assert_close(logprobs, want_logprobs, rtol=1e-5, atol=1e-5)
 
 
 def test_processed_or_sampled_rows_take_the_fp32_path(monkeypatch):
-    monkeypatch.setattr(greedy_kernel, "greedy_pick", lambda logits: pytest.fail("kernel taken"))
+    monkeypatch.setattr(greedy_kernel, "greedy_pair", lambda logits: pytest.fail("kernel taken"))
     logits = torch.randn((2, 50), generator=torch.Generator().manual_seed(5)).to(torch.bfloat16).to(DEVICE)
     banned = int(logits[0].float().argmax())
     seqs = [_seq(0, bad_words=[[banned]]), _seq(1)]
-    tokens, _ = sampler.sample_on_device(logits, seqs)
+    tokens, _, pair = sampler.sample_on_device(logits, seqs)
+    assert pair is None
     assert tokens[0].item() != banned
     assert logits.dtype == torch.bfloat16  # the caller's tensor left alone: the processors changed a copy

@@ -38,9 +38,9 @@ def _chunk_kernel(logits, maxes, firsts, sums, vocab, stride_row, chunks, CHUNK:
 
 
 @triton.jit
-def _fold_kernel(maxes, firsts, sums, tokens, logprobs, chunks, CHUNKS: tl.constexpr):
-    """Program (row): the row's max over its chunks (the first chunk holding it gives the token) and
-    -log(sum over chunks of sum_c * exp(max_c - max))."""
+def _fold_kernel(maxes, firsts, sums, tokens, token_floats, logprobs, chunks, CHUNKS: tl.constexpr):
+    """Program (row): the row's max over its chunks (the first chunk holding it gives the token, stored as int64 and
+    as fp32) and -log(sum over chunks of sum_c * exp(max_c - max))."""
     row = tl.program_id(0).to(tl.int64)
     index = tl.arange(0, CHUNKS)
     ok = index < chunks
@@ -48,20 +48,29 @@ def _fold_kernel(maxes, firsts, sums, tokens, logprobs, chunks, CHUNKS: tl.const
     best, winner = tl.max(chunk_max, axis=0, return_indices=True, return_indices_tie_break_left=True)
     chunk_sum = tl.load(sums + row * chunks + index, mask=ok, other=0.0)
     total = tl.sum(tl.where(ok, chunk_sum * tl.exp(chunk_max - best), 0.0), axis=0)
-    tl.store(tokens + row, tl.load(firsts + row * chunks + winner).to(tl.int64))
+    token = tl.load(firsts + row * chunks + winner)
+    tl.store(tokens + row, token.to(tl.int64))
+    tl.store(token_floats + row, token.to(tl.float32))
     tl.store(logprobs + row, -tl.log(total))
 
 
 def greedy_pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [rows, vocab] (fp32 / bf16 / fp16, last dim contiguous) -> (argmax int64 [rows],
     log_softmax at it, fp32 [rows]), on the logits' device."""
+    tokens, pair = greedy_pair(logits)
+    return tokens, pair[1]
+
+
+def greedy_pair(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """greedy_pick's tokens (int64 [rows]) and [2, rows] fp32: the tokens again, then their log-probs, as the host
+    copy of a step's choices wants them (sampler.SampledTokens), with no launch to stack them."""
     if logits.dim() != 2 or logits.stride(-1) != 1:
         raise ValueError(f"logits must be 2-D with a contiguous last dimension, got {tuple(logits.shape)}")
     rows, vocab = logits.shape
     tokens = torch.empty((rows,), dtype=torch.int64, device=logits.device)
-    logprobs = torch.empty((rows,), dtype=torch.float32, device=logits.device)
+    pair = torch.empty((2, rows), dtype=torch.float32, device=logits.device)
     if rows == 0:
-        return tokens, logprobs
+        return tokens, pair
     chunks = triton.cdiv(vocab, CHUNK)
     partial = torch.empty((2, rows, chunks), dtype=torch.float32, device=logits.device)
     firsts = torch.empty((rows, chunks), dtype=torch.int32, device=logits.device)
@@ -69,6 +78,14 @@ def greedy_pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits, partial[0], firsts, partial[1], vocab, logits.stride(0), chunks, CHUNK=CHUNK, num_warps=4
     )
     _fold_kernel[(rows,)](
-        partial[0], firsts, partial[1], tokens, logprobs, chunks, CHUNKS=triton.next_power_of_2(chunks), num_warps=1
+        partial[0],
+        firsts,
+        partial[1],
+        tokens,
+        pair[0],
+        pair[1],
+        chunks,
+        CHUNKS=triton.next_power_of_2(chunks),
+        num_warps=1,
     )
-    return tokens, logprobs
+    return tokens, pair

@@ -30,11 +30,14 @@ class SampledTokens:
     """A step's sampled tokens and log-probs: on the device (the next step's inputs can read them there), and on
     their way to the host in one copy that does not block it until `host()` is called."""
 
-    def __init__(self, seqs: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor):
+    def __init__(
+        self, seqs: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor, pair: Optional[torch.Tensor] = None
+    ):
+        """pair: [2, N] fp32, the tokens then their log-probs, where the sampler left them so (else stacked here)."""
         self.seqs = seqs
         self.tokens = tokens
         # Token ids are exact in float32 (vocabularies stay far below 2^24): one copy for both.
-        both = torch.stack((tokens.to(logprobs.dtype), logprobs))
+        both = torch.stack((tokens.to(logprobs.dtype), logprobs)) if pair is None else pair
         self.event = None
         if both.device.type == "cuda":
             self._host = torch.empty(both.shape, dtype=both.dtype, pin_memory=True)
@@ -51,13 +54,16 @@ class SampledTokens:
 
 
 @torch.inference_mode()
-def sample_on_device(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_on_device(
+    logits: torch.Tensor, seqs: list[Sequence]
+) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Tokens [N] (int64) and their log-probs [N], on the logits' device, batched: greedy rows take the argmax,
     unseeded sampled rows draw together from the device's generator; a seeded row draws from its own generator
     (the same tokens whatever else is in the batch). `logits` may be the LM head's own dtype: a batch of plain
-    greedy rows is read as it is (greedy_kernel.py on CUDA), any other is processed in an fp32 copy."""
+    greedy rows is read as it is (greedy_kernel.py on CUDA), any other is processed in an fp32 copy. Third: the
+    greedy kernel's [2, N] pair of both (SampledTokens' `pair`), or None."""
     if all(seq.params.greedy and _processors_idle(seq) for seq in seqs):
-        return greedy_choices(logits)
+        return _greedy_on_device(logits)
     logits = logits.float()
     for row, seq in enumerate(seqs):
         if not _processors_idle(seq):
@@ -67,7 +73,7 @@ def sample_on_device(logits: torch.Tensor, seqs: list[Sequence]) -> tuple[torch.
     if sampled:
         logits = _scaled(logits, seqs)
         _draw_rows(logits, tokens, seqs, sampled)
-    return tokens, chosen_logprobs(logits, tokens)
+    return tokens, chosen_logprobs(logits, tokens), None
 
 
 GREEDY_KERNEL = True  # False: torch's argmax and logsumexp on CUDA too
@@ -75,11 +81,18 @@ GREEDY_KERNEL = True  # False: torch's argmax and logsumexp on CUDA too
 
 def greedy_choices(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Each row's argmax and its log-softmax (fp32), from logits of any float dtype."""
+    tokens, logprobs, _ = _greedy_on_device(logits)
+    return tokens, logprobs
+
+
+def _greedy_on_device(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """greedy_choices, and the kernel's [2, N] pair of both where it ran (on CUDA), else None."""
     if GREEDY_KERNEL and logits.device.type == "cuda" and logits.stride(-1) == 1:
-        return greedy_kernel.greedy_pick(logits)
+        tokens, pair = greedy_kernel.greedy_pair(logits)
+        return tokens, pair[1], pair
     logits = logits.float()
     tokens = logits.argmax(dim=-1)
-    return tokens, chosen_logprobs(logits, tokens)
+    return tokens, chosen_logprobs(logits, tokens), None
 
 
 def chosen_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
