@@ -186,7 +186,7 @@ class StepBuilder:
             self.block_size,
             self.tail_masks,
             bool(self.pending_rows),
-            self.pending_rows == self.pending_sources == list(range(len(self.input_ids))),
+            _in_order(self.pending_rows, len(self.input_ids)) and self.pending_sources == self.pending_rows,
         )
 
     def build(
@@ -210,8 +210,13 @@ class StepBuilder:
             self.context_requests,
             self.first_rows,
             host,
-            len(self.logits_indices) == len(self.input_ids) and self.logits_indices == list(range(len(self.input_ids))),
+            _in_order(self.logits_indices, len(self.input_ids)),
         )
+
+
+def _in_order(rows: list[int], count: int) -> bool:
+    """rows are 0 .. count - 1 in order (the length compared first: a prompt's rows differ at once)."""
+    return len(rows) == count and rows == list(range(count))
 
 
 def step_inputs(
