@@ -37,13 +37,13 @@ quant_configs() {  # the model.yaml files of bench-quant and host-profile
   printf 'quant_config:\n  quant_algo: FP8\n' > /tmp/fp8w.yaml
 }
 
-quant_mods() {  # quant_mods "swept,merge,splits4": one python prelude making each change (bench-quant's BASE:MODS)
+quant_mods() {  # quant_mods "swept,merge,splits4": one python prelude making each change (bench-quant's variants)
   local mod code=() e=tritonllm.engine.embedded
   for mod in ${1//,/ }; do
     case $mod in
       swept) code+=("import sys; sys.path.insert(0, 'ci'); import gpu_quant_kernels; gpu_quant_kernels.use_swept_shapes('$OUT/int4-decode-sweep.jsonl')") ;;
       merge) code+=("from $e.attention import decode_kernels; decode_kernels.MERGE_IN_LAST_SPLIT = True") ;;
-      ropeapart) code+=("from $e.attention import triton_backend; triton_backend.ROTATE_WHILE_STORING = False") ;;
+      ropestore|ropeapart) code+=("from $e.attention import triton_backend; triton_backend.ROTATE_WHILE_STORING = $([ $mod = ropestore ] && echo True || echo False)") ;;
       silu) code+=("from $e.quant import fusion; fusion.SILU_IN_GATE_UP = True") ;;
       rowscales) code+=("from $e.quant import linear; linear.INT4_SCALES_GROUP_MAJOR = False") ;;
       nofold) code+=("from $e.quant import fusion; fusion.FOLD_NORMS = False") ;;
@@ -191,10 +191,10 @@ for what in "$@"; do
           w4a16-1-bytes) BENCH_PRELUDE="from tritonllm.engine.embedded.quant import kernels; kernels.ONE_ROW_SHAPES.clear()" \
             bench "llama-3.1-8b w4a16, byte GEMV, 1x128/128" --model "$l" --config /tmp/w4a16.yaml "${one[@]}" ;;
           w4a16-1-swept)  # each projection's best one-row shape from this call's int4-decode-sweep, with PDL
-            BENCH_PRELUDE="import sys; sys.path.insert(0, 'ci'); import gpu_quant_kernels; gpu_quant_kernels.use_swept_shapes('$OUT/int4-decode-sweep.jsonl')" \
+            BENCH_PRELUDE="$(quant_mods swept)" \
             bench "llama-3.1-8b w4a16, swept one-row shapes, 1x128/128" --model "$l" --config /tmp/w4a16.yaml "${one[@]}" ;;
           w4a16-1-swept-nopdl)  # the same without programmatic dependent launch (pdl.py)
-            BENCH_PRELUDE="import sys; sys.path.insert(0, 'ci'); import gpu_quant_kernels; gpu_quant_kernels.use_swept_shapes('$OUT/int4-decode-sweep.jsonl'); from tritonllm.engine.embedded import pdl; pdl.ENABLED = False" \
+            BENCH_PRELUDE="$(quant_mods swept,nopdl)" \
             bench "llama-3.1-8b w4a16, swept one-row shapes, no PDL, 1x128/128" --model "$l" --config /tmp/w4a16.yaml "${one[@]}" ;;
           w4a16-1-pdl-all|bf16-1-pdl-all|fp8-256-pdl-all|bf16-256-pdl-all)  # the small kernels launched with PDL too
             base=${variant%-pdl-all}; config=(); [ "${base%-*}" = w4a16 ] && config=(--config /tmp/w4a16.yaml)
@@ -203,10 +203,10 @@ for what in "$@"; do
             BENCH_PRELUDE="from tritonllm.engine.embedded import pdl; pdl.SMALL_KERNELS = True" \
               bench "llama-3.1-8b $base, small kernels with PDL" --model "$l" "${config[@]}" "${shape_args[@]}" ;;
           w4a16-1-rowscales)  # int4 scales and zero points stored row-major, as before group-major (quant/linear.py)
-            BENCH_PRELUDE="from tritonllm.engine.embedded.quant import linear; linear.INT4_SCALES_GROUP_MAJOR = False" \
+            BENCH_PRELUDE="$(quant_mods rowscales)" \
             bench "llama-3.1-8b w4a16, row-major scales, 1x128/128" --model "$l" --config /tmp/w4a16.yaml "${one[@]}" ;;
           w4a16-1-nofold)  # each norm its own launch, not folded into the int4 GEMVs around it (quant/norm_fold.py)
-            BENCH_PRELUDE="from tritonllm.engine.embedded.quant import fusion; fusion.FOLD_NORMS = False" \
+            BENCH_PRELUDE="$(quant_mods nofold)" \
             bench "llama-3.1-8b w4a16, norms not folded, 1x128/128" --model "$l" --config /tmp/w4a16.yaml "${one[@]}" ;;
           w4a16-1-merge|bf16-1-merge|w4a16-1-ropestore|bf16-1-ropestore|w4a16-1-ropeapart|bf16-1-ropeapart|w4a16-1-silu|w4a16-1-cuts|bf16-1-cuts)
             # a small launch fewer a layer each: decode's splits merged by the last of them
@@ -214,23 +214,17 @@ for what in "$@"; do
             # the SiLU in gate_up's one-row GEMV (fusion.SILU_IN_GATE_UP, W4A16 only), or all of them ("cuts");
             # "ropeapart": RoPE in its own launch (the store's rotation is the default now)
             base=${variant%-*}; config=(); [ "${base%-*}" = w4a16 ] && config=(--config /tmp/w4a16.yaml)
-            merge="from tritonllm.engine.embedded.attention import decode_kernels; decode_kernels.MERGE_IN_LAST_SPLIT = True"
-            rope="from tritonllm.engine.embedded.attention import triton_backend; triton_backend.ROTATE_WHILE_STORING = True"
-            silu="from tritonllm.engine.embedded.quant import fusion; fusion.SILU_IN_GATE_UP = True"
-            case ${variant##*-} in
-              merge) prelude=$merge ;; ropestore) prelude=$rope ;; silu) prelude=$silu ;; ropeapart) prelude=${rope/True/False} ;;
-              *) prelude="$merge; $rope; $silu" ;;
-            esac
-            BENCH_PRELUDE="$prelude" bench "llama-3.1-8b $base, ${variant##*-}, 1x128/128" --model "$l" "${config[@]}" "${one[@]}" ;;
+            mods=${variant##*-}; [ "$mods" = cuts ] && mods=merge,ropestore,silu
+            BENCH_PRELUDE="$(quant_mods $mods)" bench "llama-3.1-8b $base, ${variant##*-}, 1x128/128" --model "$l" "${config[@]}" "${one[@]}" ;;
           w4a16-1-nopdl)  # the default one-row shapes without programmatic dependent launch (pdl.py)
-            BENCH_PRELUDE="from tritonllm.engine.embedded import pdl; pdl.ENABLED = False" \
+            BENCH_PRELUDE="$(quant_mods nopdl)" \
             bench "llama-3.1-8b w4a16, no PDL, 1x128/128" --model "$l" --config /tmp/w4a16.yaml "${one[@]}" ;;
           w4a16-1-eagerprompt|bf16-1-eagerprompt)  # the prompt's prefill eager, as before prompts took graphs
             config=(); [ "${variant%%-*}" = w4a16 ] && config=(--config /tmp/w4a16.yaml)
             BENCH_PRELUDE="from tritonllm.engine.embedded import cuda_graphs; cuda_graphs.PROMPT_GRAPH_ROWS = 0" \
               bench "llama-3.1-8b ${variant%%-*}, eager prefill, 1x128/128" --model "$l" "${config[@]}" "${one[@]}" ;;
           fp8-1) bench "llama-3.1-8b fp8+fp8kv 1x128/128" --model "$l" --config /tmp/fp8.yaml "${one[@]}" ;;
-          bf16-1:*|w4a16-1:*)  # BASE:MOD,MOD... several changes in one run (quant_mods below)
+          bf16-1:*|w4a16-1:*)  # BASE:MOD,MOD... several changes in one run (quant_mods)
             base=${variant%%:*}; config=(); [ "$base" = w4a16-1 ] && config=(--config /tmp/w4a16.yaml)
             BENCH_PRELUDE="$(quant_mods "${variant#*:}")" \
               bench "llama-3.1-8b ${base%-1}, ${variant#*:}, 1x128/128" --model "$l" "${config[@]}" "${one[@]}" ;;
