@@ -228,6 +228,7 @@ for what in "$@"; do
             base=${variant%%:*}; config=(); [ "$base" = w4a16-1 ] && config=(--config /tmp/w4a16.yaml)
             BENCH_PRELUDE="$(quant_mods "${variant#*:}")" \
               bench "llama-3.1-8b ${base%-1}, ${variant#*:}, 1x128/128" --model "$l" "${config[@]}" "${one[@]}" ;;
+          *) echo "bench-quant: unknown variant '$variant'" | tee -a "$OUT/bench.log" >&2 ;;
         esac
       done ;;
     host-profile)  # cProfile of the engine thread (ci/host_profile.py): W4A16 and bf16 at batch 1, prefill then decode
