@@ -45,6 +45,7 @@ quant_mods() {  # quant_mods "swept,merge,splits4": one python prelude making ea
       merge) code+=("from $e.attention import decode_kernels; decode_kernels.MERGE_IN_LAST_SPLIT = True") ;;
       ropestore|ropeapart) code+=("from $e.attention import triton_backend; triton_backend.ROTATE_WHILE_STORING = $([ $mod = ropestore ] && echo True || echo False)") ;;
       silu) code+=("from $e.quant import fusion; fusion.SILU_IN_GATE_UP = True") ;;
+      rotqkv) code+=("from $e.quant import fusion; fusion.ROTARY_IN_QKV = True") ;;
       rowscales) code+=("from $e.quant import linear; linear.INT4_SCALES_GROUP_MAJOR = False") ;;
       nofold) code+=("from $e.quant import fusion; fusion.FOLD_NORMS = False") ;;
       nopdl) code+=("from $e import pdl; pdl.ENABLED = False") ;;
@@ -70,7 +71,8 @@ for what in "$@"; do
     fused) run_tests tests/engine/test_fused_ops.py ;;
     graphs) run_tests tests/engine/test_cuda_graphs.py ;;  # decode steps and short prompts in CUDA graphs
     decode-steps)  # a decode step's own launches: graph inputs by slices, the rotary table, no logits gathers
-      run_tests tests/engine/test_cuda_graphs.py tests/engine/test_rotary_table.py tests/engine/test_step_rows.py ;;
+      run_tests tests/engine/test_cuda_graphs.py tests/engine/test_rotary_table.py tests/engine/test_step_rows.py \
+        tests/engine/test_qkv_rotary.py ;;
     step-trace)  # W4A16 at batch 1 under the profiler (TRACE_VARIANT, default w4a16-1): each kernel of a decode step
       QUANT_BENCH_ARGS="--profile-trace $OUT/trace.json" QUANT_VARIANTS=${TRACE_VARIANT:-w4a16-1} bash "$0" bench-quant >/dev/null
       gzip -f "$OUT/trace.json" && python3 ci/trace_steps.py "$OUT/trace.json.gz" --top 16 ;;

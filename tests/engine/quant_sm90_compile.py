@@ -63,12 +63,23 @@ def int4_decode_kernel(
     fold_in: bool = False,
     fold_out: bool = False,
     gated: bool = False,
+    kv_cache: str = "",
 ) -> None:
+    """kv_cache: the KV caches' type where qkv's rotation folds in (qkv_rotary.py), "" where it does not."""
     pointers = {name: f"*{dtype}" for name in ("x", "scale", "bias", "out", "fold_residual", "fold_weight", "fold_h")}
     pointers |= {"w": "*i32" if words else "*u8", "zero": "*u8", "workspace": "*fp32", "counters": "*i32"}
     pointers |= {name: "*fp32" for name in ("scale_sums", "fold_sums", "fold_stale")} | {"scale_eps": "fp32"}
     constexprs = dict(GROUP_SIZE=128, HAS_BIAS=True, SPLIT_K=split_k, USE_ASM=use_asm, FP16=dtype == "fp16")
     constexprs |= dict(FOLD_IN=fold_in, FOLD_OUT=fold_out, GATED=gated)
+    constexprs |= dict(ROTARY=bool(kv_cache), HEADS=32, KV_HEADS=8, HEAD_DIM=128, QUANTIZE_KV=kv_cache == "fp8e4nv")
+    if kv_cache:
+        pointers |= {"rot_cos": f"*{dtype}", "rot_sin": f"*{dtype}", "rot_slots": "*i64"}
+        pointers |= {
+            "rot_k_cache": f"*{kv_cache}",
+            "rot_v_cache": f"*{kv_cache}",
+            "rot_k_inv": "fp32",
+            "rot_v_inv": "fp32",
+        }
     prefetch = not (use_dot or words) if prefetch is None else prefetch
     constexprs |= dict(UPCAST=False, USE_DOT=use_dot, PREFETCH=prefetch, WORDS=words)
     constexprs |= dict(INTERPRETED=False, BLOCK_M=16 if use_dot else 1, BLOCK_N=block_n, BLOCK_K=block_k)
@@ -86,6 +97,7 @@ def int4_decode_kernel(
             assert "atom.global" in ptx and "atom.global" not in ptx[: ptx.index("griddepcontrol.wait")]
     shape = f"split {split_k} asm {use_asm} dot {use_dot} words {words} {block_n} x {block_k} x vector {x_vector}"
     shape += f" pdl {pdl} prefetch {prefetch} lanes {lanes} fold in {fold_in} out {fold_out} gated {gated}"
+    shape += f" rotary {kv_cache or False}"
     print("compiled the int4 decode kernel", dtype, shape, flush=True)
 
 
@@ -257,6 +269,8 @@ if __name__ == "__main__":
         int4_decode_kernel("bf16", 1, True, False, **lane, fold_in=fold_in, fold_out=fold_out)
     lane = dict(words=True, block_n=8, block_k=2048, pdl=True, prefetch=True, lanes=True)
     int4_decode_kernel("bf16", 1, True, False, **lane, fold_in=True, gated=True)  # gate_up applying the SiLU
+    for kv_cache in ("bf16", "fp8e4nv"):  # qkv rotating and storing keys and values (qkv_rotary.py)
+        int4_decode_kernel("bf16", 1, True, False, **lane, fold_in=True, kv_cache=kv_cache)
     for dtype, split_k, tiles, warps, use_asm, pdl in (
         ("bf16", 4, 2, 2, True, True),
         ("fp16", 1, 1, 1, True, False),

@@ -60,8 +60,15 @@ def rotate_pairs(first, ok, cos1, cos2, sin1, sin2, HALF: tl.constexpr, ROUND_BF
     rounding.round_to); returns both halves as stored."""
     x1 = tl.load(first, mask=ok, other=0.0).to(tl.float32)
     x2 = tl.load(first + HALF, mask=ok, other=0.0).to(tl.float32)
-    out1 = round_to(x1 * cos1 - x2 * sin1, first.dtype.element_ty, ROUND_BF16)
-    out2 = round_to(x2 * cos2 + x1 * sin2, first.dtype.element_ty, ROUND_BF16)
+    out1, out2 = rotated_halves(x1, x2, cos1, cos2, sin1, sin2, first.dtype.element_ty, ROUND_BF16)
     tl.store(first, out1, mask=ok)
     tl.store(first + HALF, out2, mask=ok)
+    return out1, out2
+
+
+@triton.jit
+def rotated_halves(x1, x2, cos1, cos2, sin1, sin2, dtype: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """The pairs (x1, x2) (fp32) rotated, each half rounded once to dtype: what every rotating kernel stores."""
+    out1 = round_to(x1 * cos1 - x2 * sin1, dtype, ROUND_BF16)
+    out2 = round_to(x2 * cos2 + x1 * sin2, dtype, ROUND_BF16)
     return out1, out2

@@ -45,15 +45,21 @@ def paged_attention(
     k_scale: float = 1.0,
     v_scale: float = 1.0,
     rotary: tuple[torch.Tensor, torch.Tensor] | None = None,
+    stored: bool = False,
 ) -> torch.Tensor:
     """q: [T, heads, head_dim]; k, v: [T, kv_heads, head_dim] (this step's, written into the caches first);
     caches: [blocks, block_size, kv_heads, head_dim]; window: the layer's attention window (windows.py), None for
     full attention; softcap: scores become softcap * tanh(scores / softcap) before the softmax (Gemma 2), None
     for plain scores; k_scale, v_scale: the layer's FP8 cache scales (fp8_cache.py), unused by caches in another
     dtype; rotary: (cos, sin) [T, head_dim] when q and k are not rotated yet (the Triton backend rotates them in
-    place as it stores k, kv_store.rotate_and_store_kv), None when they are. Returns [T, heads, head_dim]."""
+    place as it stores k, kv_store.rotate_and_store_kv), None when they are; stored: k and v are in the caches
+    already (the Triton backend only, quant/qkv_rotary.py). Returns [T, heads, head_dim]."""
     if meta.kernel is not None:
-        return meta.kernel.attend(q, k, v, k_cache, v_cache, scale, window, softcap, k_scale, v_scale, rotary=rotary)
+        return meta.kernel.attend(
+            q, k, v, k_cache, v_cache, scale, window, softcap, k_scale, v_scale, rotary=rotary, stored=stored
+        )
+    if stored:
+        raise ValueError("keys and values stored before attention need the Triton backend's metadata")
     if rotary is not None:
         q, k = apply_rotary(q, *rotary), apply_rotary(k, *rotary)
     return portable_attention(q, k, v, k_cache, v_cache, meta, scale, window, softcap, k_scale, v_scale)

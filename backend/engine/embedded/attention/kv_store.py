@@ -4,6 +4,8 @@ one small kernel fewer a layer at a decode step)."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -15,6 +17,38 @@ from .fp8_cache import is_fp8
 from .tile_ops import FP8_MAX
 
 ROTATE_BLOCK = 1024  # (head, pair) elements a rotating program holds at most, as fused_ops.rotary_inplace's
+
+
+@dataclass(frozen=True)
+class RotaryStore:
+    """What rotate_and_store_kv does to one step's fused qkv rows, handed to the projection that computes them
+    (quant/qkv_rotary.py: the one-row int4 GEMV does it in its epilogue): cos, sin [T, head_dim], the caches,
+    slot_mapping [T] and the FP8 scales, for num_heads query and num_kv_heads key and value heads."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    slot_mapping: torch.Tensor
+    k_scale: float
+    v_scale: float
+    num_heads: int
+    num_kv_heads: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.k_cache.shape[-1]
+
+    def check(self, qkv: torch.Tensor) -> None:
+        """qkv [T, (heads + 2 kv_heads) head_dim] fits: the same checks as rotate_and_store_kv's."""
+        d, heads, kv = self.head_dim, self.num_heads, self.num_kv_heads
+        if qkv.dim() != 2 or qkv.shape[1] != (heads + 2 * kv) * d:
+            raise ValueError(f"qkv {tuple(qkv.shape)} is not [tokens, ({heads} + 2 x {kv}) x {d}]")
+        q, k, v = qkv.split([heads * d, kv * d, kv * d], dim=1)
+        check_rotary("q", q.view(-1, heads, d), self.cos, self.sin)
+        _check_store(k.view(-1, kv, d), v.view(-1, kv, d), self.k_cache, self.v_cache)
+        if self.k_cache.stride() != self.v_cache.stride():
+            raise ValueError("the key and value caches need the same strides")
 
 
 @triton.jit
@@ -53,16 +87,16 @@ def _store_kv_kernel(
     ok = (head < num_kv_heads) & (d < HEAD_DIM)
     key = tl.load(k + token * stride_kt + head * stride_kh + d, mask=ok)
     if QUANTIZE:
-        key = _scaled_in_range(key, k_inv_scale).to(k_cache.dtype.element_ty)
+        key = scaled_in_range(key, k_inv_scale).to(k_cache.dtype.element_ty)
     tl.store(k_cache + slot * stride_ks + head * stride_kc + d, key, mask=ok)
     value = tl.load(v + token * stride_vt + head * stride_vh + d, mask=ok)
     if QUANTIZE:
-        value = _scaled_in_range(value, v_inv_scale).to(v_cache.dtype.element_ty)
+        value = scaled_in_range(value, v_inv_scale).to(v_cache.dtype.element_ty)
     tl.store(v_cache + slot * stride_vs + head * stride_vc + d, value, mask=ok)
 
 
 @triton.jit
-def _scaled_in_range(x, inv_scale):
+def scaled_in_range(x, inv_scale):
     """fp8_cache.quantize before its rounding: x * (1 / scale) in fp32, clamped to +-FP8_MAX."""
     scaled = x.to(tl.float32) * inv_scale
     return tl.minimum(tl.maximum(scaled, -FP8_MAX), FP8_MAX)
@@ -136,8 +170,8 @@ def _rotate_store_kv_kernel(
 def _store_halves(cached, half1, half2, ok, inv_scale, HALF: tl.constexpr, QUANTIZE: tl.constexpr):
     """A row's two halves into a cache at `cached` and `cached + HALF`; QUANTIZE: as _store_kv_kernel does."""
     if QUANTIZE:
-        half1 = _scaled_in_range(half1, inv_scale).to(cached.dtype.element_ty)
-        half2 = _scaled_in_range(half2, inv_scale).to(cached.dtype.element_ty)
+        half1 = scaled_in_range(half1, inv_scale).to(cached.dtype.element_ty)
+        half2 = scaled_in_range(half2, inv_scale).to(cached.dtype.element_ty)
     tl.store(cached, half1, mask=ok)
     tl.store(cached + HALF, half2, mask=ok)
 

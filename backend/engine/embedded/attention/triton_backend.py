@@ -63,11 +63,15 @@ class KernelMetadata:
         k_scale: float = 1.0,
         v_scale: float = 1.0,
         rotary: Optional[tuple[torch.Tensor, torch.Tensor]] = None,
+        stored: bool = False,
     ) -> torch.Tensor:
-        """rotary: (cos, sin) by which q and k, not rotated yet, rotate in place as k is stored."""
+        """rotary: (cos, sin) by which q and k, not rotated yet, rotate in place as k is stored; stored: q rotated
+        and k and v in the caches already (quant/qkv_rotary.py), so nothing is stored here."""
         from . import triton_kernels as kernels
 
-        if rotary is None:
+        if stored:
+            pass
+        elif rotary is None:
             kernels.store_kv(k, v, k_cache, v_cache, self.slot_mapping, k_scale, v_scale)
         else:
             kernels.rotate_and_store_kv(q, k, v, *rotary, k_cache, v_cache, self.slot_mapping, k_scale, v_scale)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..attention import AttentionMetadata, paged_attention, triton_backend
+from ..attention.kv_store import RotaryStore
 from .cpu_gemm import pack_weight, packed_linear
 from .layers import Embedding, GatedMLP, Linear, RMSNorm, RotaryEmbedding, rotate
 from .model_config import ModelConfig
@@ -40,6 +41,7 @@ class WeightSlot:
 
 class LlamaAttention(nn.Module):
     fused = False  # rotary embedding in place, in one kernel (layers.use_fused_kernels)
+    rotary_in_qkv = False  # a one-row int4 qkv_proj rotates and stores k and v itself (quant/fusion.py sets it)
 
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -73,6 +75,11 @@ class LlamaAttention(nn.Module):
     ) -> torch.Tensor:
         """`residual`: for an o_proj that folds the norm after it (quant/norm_fold.py)."""
         tokens = hidden.shape[0]
+        # Fused on the Triton backend, queries and keys may rotate in the KV store's launch (one kernel fewer);
+        # read at each call, so that tests can switch it.
+        rotate_later = self.fused and attn.kernel is not None and triton_backend.ROTATE_WHILE_STORING
+        if rotate_later and self.rotary_in_qkv and tokens == 1 and lora is None:
+            return self._rotated_in_qkv(hidden, cos, sin, attn, kv_cache, residual)
         qkv = self.qkv_proj(hidden)
         if lora is not None:
             lora.apply("qkv", hidden, qkv)
@@ -82,9 +89,6 @@ class LlamaAttention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:  # Qwen3 normalises each head before rotating it
             q, k = q_and_k.split([self.num_heads, self.num_kv_heads], dim=1)
             q_and_k = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
-        # Fused on the Triton backend, queries and keys may rotate in the KV store's launch (one kernel fewer);
-        # read at each call, so that tests can switch it.
-        rotate_later = self.fused and attn.kernel is not None and triton_backend.ROTATE_WHILE_STORING
         if not rotate_later:  # queries and keys rotate in one go (fewer small ops per layer, which count on CPU)
             q_and_k = rotate(q_and_k, cos, sin, self.fused)
         q, k = q_and_k.split([self.num_heads, self.num_kv_heads], dim=1)
@@ -94,6 +98,22 @@ class LlamaAttention(nn.Module):
         ).reshape(tokens, -1)
         projected = self.o_proj(out) if residual is None else self.o_proj(out, residual=residual)
         return projected if lora is None else lora.apply("o", out, projected)
+
+    def _rotated_in_qkv(self, hidden, cos, sin, attn: AttentionMetadata, kv_cache: KVCache, residual):
+        """One token whose qkv_proj also rotates q and k and stores k and v (quant/qkv_rotary.py): attention
+        only reads the caches."""
+        assert attn.kernel is not None  # (the caller's rotate_later)
+        store = RotaryStore(
+            cos, sin, *kv_cache, attn.kernel.slot_mapping, self.k_scale, self.v_scale, self.num_heads, self.num_kv_heads
+        )
+        qkv = self.qkv_proj(hidden, rotary=store)
+        q, k, v = qkv.split(self.split_sizes, dim=-1)
+        q = q.view(1, self.num_heads, self.head_dim)
+        k, v = (t.view(1, self.num_kv_heads, self.head_dim) for t in (k, v))
+        out = paged_attention(
+            q, k, v, *kv_cache, attn, self.scale, self.window, self.softcap, self.k_scale, self.v_scale, stored=True
+        ).reshape(1, -1)
+        return self.o_proj(out) if residual is None else self.o_proj(out, residual=residual)
 
 
 class LlamaDecoderLayer(nn.Module):

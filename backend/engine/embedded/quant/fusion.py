@@ -17,7 +17,7 @@ from torch import nn
 from ..network.layers import GatedMLP, RMSNorm
 from ..network.llama import LlamaAttention, LlamaDecoderLayer, LlamaForCausalLM
 from .gate_up_runs import reorder_rows
-from .kernels import fp8_supported, int4_folds, int4_gate_up_runs, int4_one_row_applies
+from .kernels import fp8_supported, int4_folds, int4_gate_up_runs, int4_one_row_applies, int4_rotates
 from .linear import QuantLinear
 from .norm_fold import NormFold, ring
 
@@ -30,6 +30,9 @@ FOLD_NORMS = True
 # With the norms folded, gate_up's one-row GEMV also applies the SiLU (gate_up_runs.py: its rows reordered at
 # load), a launch fewer a layer. Off until an H200 run has timed it.
 SILU_IN_GATE_UP = False
+# With the norms folded, qkv_proj's one-row GEMV also rotates q and k and stores k and v into the caches
+# (qkv_rotary.py), a launch fewer a layer. Off until a GPU run has timed it.
+ROTARY_IN_QKV = False
 
 
 def takes_fp8_rows(projection: object) -> bool:
@@ -116,6 +119,28 @@ def fold_int4_norms(model: nn.Module, device: torch.device, lora_enabled: bool) 
     if count and SILU_IN_GATE_UP:
         runs = install_gate_up_runs(model)
         log.info("W4A16: %d gate_up projections apply the SiLU in their one-row GEMV", runs)
+    if count and ROTARY_IN_QKV:
+        rotating = install_qkv_rotary(model)
+        log.info("W4A16: %d qkv projections rotate and store keys and values in their one-row GEMV", rotating)
+    return count
+
+
+def install_qkv_rotary(model: nn.Module) -> int:
+    """Let each plain Llama layer's int4 qkv_proj rotate q and k and store k and v at one-row steps
+    (qkv_rotary.py): where its attention rotates as the Triton backend stores (fused, no per-head norm) and
+    its kernel shape holds rotary pairs. Returns how many."""
+    count = 0
+    for layer in getattr(model, "decoder_layers", ()):
+        if not _plain_llama_layer(layer):
+            continue
+        attn = layer.self_attn
+        qkv = attn.qkv_proj
+        if not (attn.fused and attn.q_norm is None and type(qkv) is QuantLinear and qkv.kind == "int4"):
+            continue
+        assert qkv.qweight is not None  # (int4)
+        if _unhooked(qkv) and int4_rotates(qkv.qweight, qkv.group_size, qkv.weight_scale.dtype, attn.head_dim):
+            attn.rotary_in_qkv = True
+            count += 1
     return count
 
 

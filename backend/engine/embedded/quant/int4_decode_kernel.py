@@ -38,6 +38,7 @@ from .int4_lanes import WORDS_A_WARP, lanes_row
 from .int4_mma import magic_value
 from .int4_words import int32_viewable, words_row
 from .norm_fold import SLOTS, FoldedInput, FoldingOutput, fold_epilogue, folded_scale
+from .qkv_rotary import RotaryStore, rotary_args, rotary_constants, rotary_fits, rotary_rows, rotate_and_store
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # fp32: exact fp32 products instead of the magic
 FOLD_SLOTS = tl.constexpr(SLOTS)
@@ -139,12 +140,26 @@ def _int4_decode_kernel(
     fold_h,
     fold_sums,
     fold_stale,
+    rot_cos,
+    rot_sin,
+    rot_k_cache,
+    rot_v_cache,
+    rot_slots,
+    rot_stride_cs,
+    rot_stride_ch,
+    rot_k_inv,
+    rot_v_inv,
     GROUP_SIZE: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     SPLIT_K: tl.constexpr,
     FOLD_IN: tl.constexpr,
     FOLD_OUT: tl.constexpr,
     GATED: tl.constexpr,
+    ROTARY: tl.constexpr,
+    HEADS: tl.constexpr,
+    KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    QUANTIZE_KV: tl.constexpr,
     USE_ASM: tl.constexpr,
     FP16: tl.constexpr,
     UPCAST: tl.constexpr,
@@ -164,9 +179,13 @@ def _int4_decode_kernel(
     """Program (column block, row block, K slice): out[rows, cols] (+)= x[rows, slice] W[cols, slice]^T.
     FOLD_IN: x is a folded norm's h * g, the product scaled by its 1 / rms; FOLD_OUT (one row, whole K): the norm
     after this projection begins in the epilogue (norm_fold.py, both). GATED (one row, whole K): the rows are
-    gate_up's in runs of BLOCK_N / 2, and out [1, N / 2] gets silu(gate) * up (gate_up_runs.py)."""
+    gate_up's in runs of BLOCK_N / 2, and out [1, N / 2] gets silu(gate) * up (gate_up_runs.py). ROTARY (one
+    row, whole K): the rows are qkv's, rotated and stored into the KV caches as well (qkv_rotary.py)."""
     HALF: tl.constexpr = BLOCK_K // 2
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    if ROTARY:
+        cols = rotary_rows(tl.program_id(0), BLOCK_N, HEADS, KV_HEADS, HEAD_DIM)
+    else:
+        cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     col_ok = cols < N
     row_ok = rows < M
@@ -268,6 +287,23 @@ def _int4_decode_kernel(
         fold_epilogue(y, residual_cols, cols, col_ok, *outputs, FOLD_SLOTS, ROUND_BF16)
     elif GATED:
         store_activated(tl.sum(acc, axis=0), out, tl.program_id(0), N // 2, BLOCK_N // 2, ROUND_BF16)
+    elif ROTARY:
+        caches = (rot_k_cache, rot_v_cache, rot_slots, rot_stride_cs, rot_stride_ch, rot_k_inv, rot_v_inv)
+        rotate_and_store(
+            tl.sum(acc, axis=0),
+            cols,
+            tl.program_id(0),
+            out,
+            rot_cos,
+            rot_sin,
+            *caches,
+            BLOCK_N,
+            HEADS,
+            KV_HEADS,
+            HEAD_DIM,
+            QUANTIZE_KV,
+            ROUND_BF16,
+        )
     elif SPLIT_K == 1:
         tl.store(out_ptrs, acc.to(out.dtype.element_ty), mask=mask)
     else:
@@ -289,12 +325,14 @@ def int4_decode_matmul(
     folded_input: FoldedInput | None = None,
     folding: FoldingOutput | None = None,
     gate_up_runs: int = 0,
+    rotary: RotaryStore | None = None,
 ) -> torch.Tensor:
     """x [M, K] (bf16 / fp16 / fp32, last dim contiguous) times qweight uint8 [N, K // 2]
     -> [M, N] in x's dtype; scale and zero [N, groups] row- or group-major. Shapes are checked by the caller
     (kernels.py); supports() must hold. folded_input, folding: norm_fold.py's two halves (folding: one row, and
     folds() must hold). gate_up_runs: qweight is gate_up's in runs of that many rows, and the result [1, N / 2] is
-    silu(gate) * up (gate_up_runs.py; one row, folds() must hold, a program's rows two runs)."""
+    silu(gate) * up (gate_up_runs.py; one row, folds() must hold, a program's rows two runs). rotary: qweight is
+    qkv_proj's, and its one row is rotated and stored into the caches too (qkv_rotary.py; folds() must hold)."""
     M, K = x.shape
     if variant.words and not int32_viewable(qweight):
         # rows not whole words: the byte GEMV reads them, in steps inside one scale group
@@ -315,12 +353,18 @@ def int4_decode_matmul(
         raise ValueError(f"a norm or the SiLU folds into one row's GEMV without split K, not {M} rows via {variant}")
     if gated and (folding is not None or N % variant.block_n or variant.block_n != 2 * gate_up_runs):
         raise ValueError(f"gate_up's {N} rows in runs of {gate_up_runs} through programs of {variant.block_n} rows")
+    if rotary is not None and not (M == 1 and folds(variant) and folding is None and not gated):
+        raise ValueError(f"qkv's rotation folds into one row's GEMV without split K or other epilogue, not {variant}")
+    if rotary is not None and not rotary_fits(variant.block_n, rotary.head_dim):
+        raise ValueError(f"programs of {variant.block_n} rows do not hold rotary pairs of head_dim {rotary.head_dim}")
     if variant.mma:
         return _mma_gemv(x, qweight.view(torch.int32), scale, zero, bias, group_size, variant)
     tiles = triton.cdiv(N, variant.block_n) * triton.cdiv(M, variant.block_m)
     splittable = M <= SPLIT_ROWS and tiles <= _MAX_TILES and folding is None
     split_k, k_per_split = gpu_fence.k_slices(K, variant.block_k, variant.split_k, splittable)
     out = torch.empty((M, N // 2 if gated else N), dtype=x.dtype, device=x.device)
+    if rotary is not None:
+        rotary.check(out)
     workspace, counters = _split_buffers(x.device, N) if split_k > 1 else (out, out)
     weights = qweight.view(torch.int32) if variant.words else qweight  # K // 2 bytes a row: a multiple of 4
     pdl, options = _launch(variant, x.device)  # (pdl is the word GEMV's: DecodeVariant checks it)
@@ -346,12 +390,14 @@ def int4_decode_matmul(
         zero.stride(1),
         out.stride(0),
         *_fold_args(out, folded_input, folding),
+        *rotary_args(rotary, out),
         GROUP_SIZE=group_size,
         HAS_BIAS=bias is not None,
         SPLIT_K=split_k,
         FOLD_IN=folded_input is not None,
         FOLD_OUT=folding is not None,
         GATED=gated,
+        **rotary_constants(rotary),
         USE_ASM=variant.use_asm and x.device.type == "cuda",  # the interpreter knows no PTX
         FP16=x.dtype == torch.float16,
         UPCAST=x.device.type != "cuda" or x.dtype == torch.float32,

@@ -21,6 +21,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
+from ..attention.kv_store import RotaryStore
 from ..network.fused_ops import fp8_rows_of
 from . import int4_decode_kernel as int4_decode
 from . import int4_gemm
@@ -31,6 +32,7 @@ from .fp8_matmul_kernel import Fp8Tiles, fp8_matmul
 from .int4_decode_kernel import DecodeVariant
 from .int4_words import int32_viewable
 from .norm_fold import FoldedInput, FoldingOutput
+from .qkv_rotary import rotary_fits
 from .weight_only_kernel import Variant
 
 TRITON_ACTIVATION_QUANT = True  # False: quantize_per_token's torch ops on CUDA too
@@ -214,11 +216,13 @@ def int4_one_row(
     folded_input: FoldedInput | None = None,
     folding: FoldingOutput | None = None,
     gate_up_runs: int = 0,
+    rotary: RotaryStore | None = None,
 ) -> torch.Tensor:
     """int4_linear of one row through the decode kernel (CUDA, or Triton's interpreter), with norm_fold.py's
     halves: x a folded norm's h * g (folded_input), and/or the norm after it begun here (folding, where
     int4_folds holds). gate_up_runs (int4_gate_up_runs's): qweight's rows are gate_up's in such runs and the
-    result is silu(gate) * up [..., N / 2] (gate_up_runs.py)."""
+    result is silu(gate) * up [..., N / 2] (gate_up_runs.py). rotary (where int4_rotates holds): qweight is
+    qkv_proj's, and the row comes out rotated and stored into the KV caches (qkv_rotary.py)."""
     _check_weight_only(x, qweight, weight_scale, weight_zero, bias, group_size, bits=4)
     x2d = _rows(x)
     if x2d.shape[0] != 1:
@@ -227,7 +231,7 @@ def int4_one_row(
     if variant is None:
         raise ValueError(f"the int4 decode kernel does not take x {x.dtype} with groups of {group_size}")
     out = int4_decode.int4_decode_matmul(
-        x2d, qweight, weight_scale, weight_zero, bias, group_size, variant, folded_input, folding, gate_up_runs
+        x2d, qweight, weight_scale, weight_zero, bias, group_size, variant, folded_input, folding, gate_up_runs, rotary
     )
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
@@ -259,6 +263,16 @@ def int4_gate_up_runs(qweight: torch.Tensor, group_size: int, dtype: torch.dtype
     if variant is None or not int4_decode.folds(variant) or variant.block_n % 2 or n % variant.block_n:
         return 0
     return variant.block_n // 2 if int32_viewable(qweight) or not variant.words else 0
+
+
+def int4_rotates(qweight: torch.Tensor, group_size: int, dtype: torch.dtype, head_dim: int) -> bool:
+    """int4_one_row can rotate qkv_proj's row and store it into the KV caches (its `rotary`): a kernel shape that
+    folds (int4_decode.folds) with programs that hold rotary pairs, over rows of whole words."""
+    n, k = qweight.shape[0], 2 * qweight.shape[1]
+    variant = _one_row_variant(n, k, group_size, dtype)
+    if variant is None or not int4_decode.folds(variant) or not (variant.words and int32_viewable(qweight)):
+        return False
+    return rotary_fits(variant.block_n, head_dim)
 
 
 def choose_variant(m: int, n: int, k: int) -> Variant:

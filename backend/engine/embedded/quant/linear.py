@@ -9,6 +9,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from ..attention.kv_store import RotaryStore
 from .formats import FP8_DTYPE, INT4_SYMMETRIC_ZERO
 from .gate_up_runs import mark_activated
 from .norm_fold import NormFold, fold_result, folded_input_of, unfold
@@ -100,14 +101,17 @@ class QuantLinear(nn.Module):
             for name, value in parts.items():
                 getattr(self, name).narrow(0, start, rows).copy_(value)
 
-    def forward(self, x: torch.Tensor, residual: Optional[torch.Tensor] = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: Optional[torch.Tensor] = None, rotary: Optional[RotaryStore] = None
+    ) -> torch.Tensor:
         """`residual`: the residual stream the norm after this projection adds to, given where that norm may
-        be folded into it (norm_fold.py; `norm_fold` set); otherwise unused."""
+        be folded into it (norm_fold.py; `norm_fold` set); otherwise unused. `rotary`: an int4 qkv_proj's one
+        row is rotated and stored into the KV caches as well (qkv_rotary.py; fusion.py says where it may)."""
         from . import kernels  # the qkern branch's Triton kernels live there; imported on first use
 
         folded_input = folded_input_of(x)
-        if folded_input is not None or (residual is not None and self.norm_fold is not None):
-            return self._folded(x, residual, folded_input)
+        if folded_input is not None or rotary is not None or (residual is not None and self.norm_fold is not None):
+            return self._folded(x, residual, folded_input, rotary)
         if self.kind == "fp8":
             return kernels.fp8_linear(
                 x, self.weight, self.weight_scale, self.bias, self.input_scale, defer_scales=self.defer_scales
@@ -117,11 +121,14 @@ class QuantLinear(nn.Module):
         assert self.qweight is not None and self.weight_zero is not None
         return kernels.int4_linear(x, self.qweight, self.weight_scale, self.weight_zero, self.bias, self.group_size)
 
-    def _folded(self, x: torch.Tensor, residual: Optional[torch.Tensor], folded_input) -> torch.Tensor:
-        """One row through the int4 decode kernel with norm_fold.py's halves; anything else unfolded."""
+    def _folded(self, x: torch.Tensor, residual: Optional[torch.Tensor], folded_input, rotary=None) -> torch.Tensor:
+        """One row through the int4 decode kernel with norm_fold.py's halves (and qkv's rotation); anything else
+        unfolded."""
         from . import kernels
 
         if self.kind != "int4" or x.numel() != x.shape[-1]:
+            if rotary is not None:
+                raise ValueError(f"qkv's rotation folds into one row of an int4 projection, not {self.kind} {x.shape}")
             return self.forward(unfold(x, folded_input) if folded_input is not None else x)
         folding = None
         if self.norm_fold is not None and residual is not None and residual.shape == (1, self.out_features):
@@ -138,6 +145,7 @@ class QuantLinear(nn.Module):
             folded_input,
             folding,
             runs,
+            rotary,
         )
         if runs:
             return mark_activated(out)
