@@ -69,12 +69,10 @@ class KernelMetadata:
         and k and v in the caches already (quant/qkv_rotary.py), so nothing is stored here."""
         from . import triton_kernels as kernels
 
-        if stored:
-            pass
-        elif rotary is None:
-            kernels.store_kv(k, v, k_cache, v_cache, self.slot_mapping, k_scale, v_scale)
-        else:
+        if rotary is not None and not stored:
             kernels.rotate_and_store_kv(q, k, v, *rotary, k_cache, v_cache, self.slot_mapping, k_scale, v_scale)
+        elif not stored:
+            kernels.store_kv(k, v, k_cache, v_cache, self.slot_mapping, k_scale, v_scale)
         if self.decode:
             return kernels.decode_attention(
                 q,
