@@ -68,7 +68,9 @@ def rotate_pairs(first, ok, cos1, cos2, sin1, sin2, HALF: tl.constexpr, ROUND_BF
 
 @triton.jit
 def rotated_halves(x1, x2, cos1, cos2, sin1, sin2, dtype: tl.constexpr, ROUND_BF16: tl.constexpr):
-    """The pairs (x1, x2) (fp32) rotated, each half rounded once to dtype: what every rotating kernel stores."""
-    out1 = round_to(x1 * cos1 - x2 * sin1, dtype, ROUND_BF16)
-    out2 = round_to(x2 * cos2 + x1 * sin2, dtype, ROUND_BF16)
+    """The pairs (x1, x2) (fp32) rotated, each half rounded once to dtype: what every rotating kernel stores. The
+    fused multiply-adds are spelled out, so that the compiler cannot contract each kernel's differently (their
+    results then differ in the last bit: qkv_rotary.py's epilogue against rotate_and_store_kv on an H100)."""
+    out1 = round_to(tl.fma(x1, cos1, -(x2 * sin1)), dtype, ROUND_BF16)
+    out2 = round_to(tl.fma(x2, cos2, x1 * sin2), dtype, ROUND_BF16)
     return out1, out2
