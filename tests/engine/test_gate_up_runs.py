@@ -48,6 +48,15 @@ def test_the_silu_launch_and_the_unfused_split_read_run_order(dtype):
             fused_ops.silu_and_mul(in_runs, runs=5)
 
 
+def one_row_case(n, k, group_size, dtype, seed, folded, with_bias):
+    """An int4 weight [n, k] (qweight, scale, zero), a bias or None, one row x and a folded norm's input or None."""
+    qweight, scale, zero = random_int4(n, k, group_size, dtype, seed=seed)
+    bias = random_bias(n, dtype) if with_bias else None
+    sums = torch.rand(norm_fold.SLOTS, generator=torch.Generator().manual_seed(4)).to(DEVICE) * 9
+    fold = norm_fold.FoldedInput(sums, 1e-5) if folded else None
+    return qweight, scale, zero, bias, random_x(1, k, dtype), fold
+
+
 def _reordered(qweight, scale, zero, bias, runs):
     order = gate_up_runs.run_order(qweight.shape[0] // 2, runs).to(DEVICE)
     return qweight[order], scale[order], zero[order], None if bias is None else bias[order]
@@ -59,11 +68,7 @@ def _reordered(qweight, scale, zero, bias, runs):
 @pytest.mark.parametrize("rows", [4, 8], ids=["runs of 2", "runs of 4"])
 def test_the_one_row_gemv_applies_the_silu_as_the_unfused_pair(dtype, folded, with_bias, rows):
     n, k, group_size = 2 * 48, 1024, 128
-    qweight, scale, zero = random_int4(n, k, group_size, dtype, seed=rows)
-    bias = random_bias(n, dtype) if with_bias else None
-    x = random_x(1, k, dtype)
-    sums = torch.rand(norm_fold.SLOTS, generator=torch.Generator().manual_seed(4)).to(DEVICE) * 9
-    fold = norm_fold.FoldedInput(sums, 1e-5) if folded else None
+    qweight, scale, zero, bias, x, fold = one_row_case(n, k, group_size, dtype, rows, folded, with_bias)
     variant = kernels.lane_gemv(rows, 1)
     product = int4_decode.int4_decode_matmul(x, qweight, scale, zero, bias, group_size, variant, fold)
     expected = fused_ops.silu_and_mul(product)

@@ -11,11 +11,12 @@ import torch
 
 from tritonllm.engine.embedded.attention.fp8_cache import FP8_DTYPE
 from tritonllm.engine.embedded.attention.kv_store import RotaryStore, rotate_and_store_kv
-from tritonllm.engine.embedded.quant import fusion, kernels, norm_fold, qkv_rotary
+from tritonllm.engine.embedded.quant import fusion, kernels, qkv_rotary
 from tritonllm.engine.embedded.quant import int4_decode_kernel as int4_decode
 
+from .test_gate_up_runs import one_row_case
 from .test_norm_fold import _w4a16, tiny, w4a16_greedy_tokens_on_cuda  # noqa: F401
-from .test_quant_kernels import random_bias, random_int4, random_x
+from .test_quant_kernels import random_int4, random_x
 
 DEVICE = torch.device(os.environ.get("TRITONLLM_TEST_DEVICE", "cpu"))
 INTERPRETED_OR_CUDA = DEVICE.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
@@ -73,11 +74,7 @@ def _store(caches, cos, sin, k_scale=1.0, v_scale=1.0):
 @pytest.mark.parametrize("with_bias", [False, True], ids=["", "bias"])
 @pytest.mark.parametrize("rows", [4, 8])
 def test_the_one_row_gemv_rotates_and_stores_as_the_unfused_pair(dtype, cache_dtype, folded, with_bias, rows):
-    qweight, scale, zero = random_int4(N, K, GROUP, dtype, seed=rows)
-    bias = random_bias(N, dtype) if with_bias else None
-    x = random_x(1, K, dtype)
-    sums = torch.rand(norm_fold.SLOTS, generator=torch.Generator().manual_seed(4)).to(DEVICE) * 9
-    fold = norm_fold.FoldedInput(sums, 1e-5) if folded else None
+    qweight, scale, zero, bias, x, fold = one_row_case(N, K, GROUP, dtype, rows, folded, with_bias)
     variant = kernels.lane_gemv(rows, 1)
     cos, sin = _rotation()
     scales = (0.5, 2.0) if cache_dtype == FP8_DTYPE else (1.0, 1.0)
