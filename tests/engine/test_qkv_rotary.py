@@ -1,7 +1,8 @@
 """RoPE and the KV store in qkv_proj's one-row int4 GEMV (quant/qkv_rotary.py): the rows a program takes, the
 GEMV's rotated output and cache slots against the unfused GEMV plus kv_store.rotate_and_store_kv bit for bit
 (plain or folded x, a bias, bf16 and FP8 caches, 4- and 8-row programs), what it refuses, which models take it
-(fusion.install_qkv_rotary), and on CUDA a W4A16 engine's greedy tokens with and without it. The kernels run on
+(fusion.install_qkv_rotary), a one-token attention step with it against one without, and on CUDA a W4A16
+engine's greedy tokens with and without it. The kernels run on
 TRITONLLM_TEST_DEVICE: compiled on CUDA, in Triton's interpreter on CPU."""
 
 import os
@@ -9,13 +10,14 @@ import os
 import pytest
 import torch
 
+from tritonllm.engine.embedded.attention import step_metadata, triton_backend, triton_kernels
 from tritonllm.engine.embedded.attention.fp8_cache import FP8_DTYPE
 from tritonllm.engine.embedded.attention.kv_store import RotaryStore, rotate_and_store_kv
 from tritonllm.engine.embedded.quant import fusion, kernels, qkv_rotary
 from tritonllm.engine.embedded.quant import int4_decode_kernel as int4_decode
 
 from .test_gate_up_runs import one_row_case
-from .test_norm_fold import _w4a16, tiny, w4a16_greedy_tokens_on_cuda  # noqa: F401
+from .test_norm_fold import _one_row_forward, _w4a16, tiny, w4a16_greedy_tokens_on_cuda  # noqa: F401
 from .test_quant_kernels import random_int4, random_x
 
 DEVICE = torch.device(os.environ.get("TRITONLLM_TEST_DEVICE", "cpu"))
@@ -133,6 +135,34 @@ def test_a_w4a16_llama_rotates_in_every_qkv(tiny):  # noqa: F811
     other.decoder_layers[0].self_attn.qkv_proj.register_forward_hook(lambda *args: None)  # e.g. a TP all-reduce
     assert fusion.install_qkv_rotary(other) == len(other.decoder_layers) - 1
     assert not other.decoder_layers[0].self_attn.rotary_in_qkv
+
+
+@needs_kernels
+def test_a_one_token_attention_step_rotating_in_qkv_answers_as_without(tiny, monkeypatch):  # noqa: F811
+    """LlamaAttention on one token with the Triton backend's metadata: its output and both caches as when the KV
+    store's launch rotates (qkv_proj through the one-row kernel in both), with that launch never called."""
+    plain, rotating = _w4a16(tiny), _w4a16(tiny)
+    assert fusion.install_qkv_rotary(rotating) == len(rotating.decoder_layers)
+    attention = plain.decoder_layers[0].self_attn
+    attention.qkv_proj.forward = _one_row_forward(attention.qkv_proj)
+    heads, kv_heads, head_dim = attention.num_heads, attention.num_kv_heads, attention.head_dim
+    kernels = triton_backend.TritonAttention(heads, kv_heads, 4, DEVICE)
+    # one sequence at position 5 (6 keys), its blocks 2 and 0: slot 0 * 4 + 1
+    meta = step_metadata([1], [[2, 0]], [0], [1], [6], 4, [None], DEVICE, torch.float32, kernels=kernels)
+    generator = torch.Generator().manual_seed(7)
+    hidden = torch.randn(1, attention.qkv_proj.in_features, generator=generator).to(DEVICE)
+    angles = torch.rand(1, head_dim // 2, generator=generator).repeat(1, 2) * 6
+    cos, sin = angles.cos().to(DEVICE), angles.sin().to(DEVICE)
+    caches = [torch.randn(3, 4, kv_heads, head_dim, generator=generator).to(DEVICE) for _ in range(2)]
+    want_caches, before = [c.clone() for c in caches], [c.clone() for c in caches]
+    want = attention(hidden, cos, sin, meta, want_caches)
+    calls = []
+    monkeypatch.setattr(triton_kernels, "rotate_and_store_kv", lambda *args: calls.append(args))
+    got = rotating.decoder_layers[0].self_attn(hidden, cos, sin, meta, caches)
+    assert calls == []
+    assert torch.equal(got, want)
+    assert all(torch.equal(have, expected) for have, expected in zip(caches, want_caches))
+    assert not torch.equal(caches[0][0, 1], before[0][0, 1])  # slot 1, the step's: its key stored
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="the engine folds norms (and rotates in qkv) on CUDA only")
