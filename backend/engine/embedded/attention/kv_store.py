@@ -86,17 +86,25 @@ def _store_kv_kernel(
     d = tl.arange(0, BLOCK_D)[None, :]
     ok = (head < num_kv_heads) & (d < HEAD_DIM)
     key = tl.load(k + token * stride_kt + head * stride_kh + d, mask=ok)
-    if QUANTIZE:
-        key = scaled_in_range(key, k_inv_scale).to(k_cache.dtype.element_ty)
-    tl.store(k_cache + slot * stride_ks + head * stride_kc + d, key, mask=ok)
+    tl.store(
+        k_cache + slot * stride_ks + head * stride_kc + d, cache_values(key, k_inv_scale, k_cache, QUANTIZE), mask=ok
+    )
     value = tl.load(v + token * stride_vt + head * stride_vh + d, mask=ok)
-    if QUANTIZE:
-        value = scaled_in_range(value, v_inv_scale).to(v_cache.dtype.element_ty)
-    tl.store(v_cache + slot * stride_vs + head * stride_vc + d, value, mask=ok)
+    tl.store(
+        v_cache + slot * stride_vs + head * stride_vc + d, cache_values(value, v_inv_scale, v_cache, QUANTIZE), mask=ok
+    )
 
 
 @triton.jit
-def scaled_in_range(x, inv_scale):
+def cache_values(x, inv_scale, cache, QUANTIZE: tl.constexpr):
+    """x as the cache at `cache` stores it, in its dtype: QUANTIZE (FP8 caches) times 1 / scale and clamped first."""
+    if QUANTIZE:
+        return _scaled_in_range(x, inv_scale).to(cache.dtype.element_ty)
+    return x.to(cache.dtype.element_ty)
+
+
+@triton.jit
+def _scaled_in_range(x, inv_scale):
     """fp8_cache.quantize before its rounding: x * (1 / scale) in fp32, clamped to +-FP8_MAX."""
     scaled = x.to(tl.float32) * inv_scale
     return tl.minimum(tl.maximum(scaled, -FP8_MAX), FP8_MAX)
@@ -168,12 +176,9 @@ def _rotate_store_kv_kernel(
 
 @triton.jit
 def _store_halves(cached, half1, half2, ok, inv_scale, HALF: tl.constexpr, QUANTIZE: tl.constexpr):
-    """A row's two halves into a cache at `cached` and `cached + HALF`; QUANTIZE: as _store_kv_kernel does."""
-    if QUANTIZE:
-        half1 = scaled_in_range(half1, inv_scale).to(cached.dtype.element_ty)
-        half2 = scaled_in_range(half2, inv_scale).to(cached.dtype.element_ty)
-    tl.store(cached, half1, mask=ok)
-    tl.store(cached + HALF, half2, mask=ok)
+    """A row's two halves into a cache at `cached` and `cached + HALF` (cache_values)."""
+    tl.store(cached, cache_values(half1, inv_scale, cached, QUANTIZE), mask=ok)
+    tl.store(cached + HALF, cache_values(half2, inv_scale, cached, QUANTIZE), mask=ok)
 
 
 def store_kv(

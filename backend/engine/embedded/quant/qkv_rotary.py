@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from ..attention.fp8_cache import is_fp8
-from ..attention.kv_store import RotaryStore, scaled_in_range
+from ..attention.kv_store import RotaryStore, cache_values
 from ..rotary_ops import rotated_halves
 
 
@@ -93,7 +93,8 @@ def rotate_and_store(
     stores them rotated (query and key heads) into out [1, N] and the key and value heads into the caches at the
     token's slot, as rotate_and_store_kv does after an unfused GEMV."""
     dtype = out.dtype.element_ty
-    rounded = y.to(dtype).to(tl.float32)  # qkv's output as the unfused GEMV stores it
+    stored = y.to(dtype)  # qkv's output as the unfused GEMV stores it
+    rounded = stored.to(tl.float32)
     slot = tl.load(slot_mapping).to(tl.int64)
     PER_HEAD: tl.constexpr = HEAD_DIM // BLOCK_N
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -110,18 +111,10 @@ def rotate_and_store(
         tl.store(row + HALF, out2)
         if head >= HEADS:
             cached = k_cache + slot * stride_cs + (head - HEADS) * stride_ch + d
-            tl.store(cached, _cache_values(out1, k_inv_scale, k_cache, QUANTIZE_KV))
-            tl.store(cached + HALF, _cache_values(out2, k_inv_scale, k_cache, QUANTIZE_KV))
+            tl.store(cached, cache_values(out1, k_inv_scale, k_cache, QUANTIZE_KV))
+            tl.store(cached + HALF, cache_values(out2, k_inv_scale, k_cache, QUANTIZE_KV))
     else:
-        tl.store(out + cols, rounded.to(dtype))
+        tl.store(out + cols, stored)
         values = cols - (HEADS + KV_HEADS) * HEAD_DIM
         cached = v_cache + slot * stride_cs + (values // HEAD_DIM) * stride_ch + values % HEAD_DIM
-        tl.store(cached, _cache_values(rounded.to(dtype), v_inv_scale, v_cache, QUANTIZE_KV))
-
-
-@triton.jit
-def _cache_values(x, inv_scale, cache, QUANTIZE_KV: tl.constexpr):
-    """x as a cache stores it: quantized (FP8 caches, kv_store.scaled_in_range) or as it is."""
-    if QUANTIZE_KV:
-        return scaled_in_range(x, inv_scale).to(cache.dtype.element_ty)
-    return x.to(cache.dtype.element_ty)
+        tl.store(cached, cache_values(stored, v_inv_scale, v_cache, QUANTIZE_KV))
