@@ -99,9 +99,22 @@ def _round_kv_on_the_way_in(monkeypatch):
     real = llama.paged_attention
 
     def rounded(
-        q, k, v, k_cache, v_cache, meta, scale, window=None, softcap=None, k_scale=1.0, v_scale=1.0, rotary=None
+        q,
+        k,
+        v,
+        k_cache,
+        v_cache,
+        meta,
+        scale,
+        window=None,
+        softcap=None,
+        k_scale=1.0,
+        v_scale=1.0,
+        rotary=None,
+        stored=False,
     ):
         assert rotary is None  # (the rotation before the store would come after this rounding)
+        assert not stored  # (nor may a projection have stored them)
         k = dequantize(quantize(k, k_scale), k_scale, k.dtype)
         v = dequantize(quantize(v, v_scale), v_scale, v.dtype)
         return real(q, k, v, k_cache, v_cache, meta, scale, window, softcap)

@@ -78,8 +78,37 @@ class LlamaAttention(nn.Module):
         # Fused on the Triton backend, queries and keys may rotate in the KV store's launch (one kernel fewer);
         # read at each call, so that tests can switch it.
         rotate_later = self.fused and attn.kernel is not None and triton_backend.ROTATE_WHILE_STORING
+        store = None
         if rotate_later and self.rotary_in_qkv and tokens == 1 and lora is None:
-            return self._rotated_in_qkv(hidden, cos, sin, attn, kv_cache, residual)
+            store = self._rotary_store(cos, sin, attn, kv_cache)
+        if store is None:
+            q, k, v = self._queries_keys_values(hidden, cos, sin, lora, rotate_later)
+        else:  # qkv_proj rotates q and k and stores k and v itself (quant/qkv_rotary.py): attention only reads
+            q, k, v = self.qkv_proj(hidden, rotary=store).split(self.split_sizes, dim=-1)
+            q = q.view(tokens, self.num_heads, self.head_dim)
+            k, v = (t.view(tokens, self.num_kv_heads, self.head_dim) for t in (k, v))
+        rotary = (cos, sin) if rotate_later and store is None else None
+        out = paged_attention(
+            q,
+            k,
+            v,
+            *kv_cache,
+            attn,
+            self.scale,
+            self.window,
+            self.softcap,
+            self.k_scale,
+            self.v_scale,
+            rotary=rotary,
+            stored=store is not None,
+        ).reshape(tokens, -1)
+        projected = self.o_proj(out) if residual is None else self.o_proj(out, residual=residual)
+        return projected if lora is None else lora.apply("o", out, projected)
+
+    def _queries_keys_values(self, hidden, cos, sin, lora, rotate_later: bool):
+        """q [T, heads, head_dim], k and v [T, kv_heads, head_dim] of qkv_proj (plus LoRA), q and k rotated here
+        unless the KV store rotates them (rotate_later)."""
+        tokens = hidden.shape[0]
         qkv = self.qkv_proj(hidden)
         if lora is not None:
             lora.apply("qkv", hidden, qkv)
@@ -92,28 +121,13 @@ class LlamaAttention(nn.Module):
         if not rotate_later:  # queries and keys rotate in one go (fewer small ops per layer, which count on CPU)
             q_and_k = rotate(q_and_k, cos, sin, self.fused)
         q, k = q_and_k.split([self.num_heads, self.num_kv_heads], dim=1)
-        rotary = (cos, sin) if rotate_later else None
-        out = paged_attention(
-            q, k, v, *kv_cache, attn, self.scale, self.window, self.softcap, self.k_scale, self.v_scale, rotary=rotary
-        ).reshape(tokens, -1)
-        projected = self.o_proj(out) if residual is None else self.o_proj(out, residual=residual)
-        return projected if lora is None else lora.apply("o", out, projected)
+        return q, k, v
 
-    def _rotated_in_qkv(self, hidden, cos, sin, attn: AttentionMetadata, kv_cache: KVCache, residual):
-        """One token whose qkv_proj also rotates q and k and stores k and v (quant/qkv_rotary.py): attention
-        only reads the caches."""
+    def _rotary_store(self, cos, sin, attn: AttentionMetadata, kv_cache: KVCache) -> RotaryStore:
+        """What qkv_proj needs to rotate q and k and store k and v itself (kv_store.RotaryStore)."""
         assert attn.kernel is not None  # (the caller's rotate_later)
-        store = RotaryStore(
-            cos, sin, *kv_cache, attn.kernel.slot_mapping, self.k_scale, self.v_scale, self.num_heads, self.num_kv_heads
-        )
-        qkv = self.qkv_proj(hidden, rotary=store)
-        q, k, v = qkv.split(self.split_sizes, dim=-1)
-        q = q.view(1, self.num_heads, self.head_dim)
-        k, v = (t.view(1, self.num_kv_heads, self.head_dim) for t in (k, v))
-        out = paged_attention(
-            q, k, v, *kv_cache, attn, self.scale, self.window, self.softcap, self.k_scale, self.v_scale, stored=True
-        ).reshape(1, -1)
-        return self.o_proj(out) if residual is None else self.o_proj(out, residual=residual)
+        slots = attn.kernel.slot_mapping
+        return RotaryStore(cos, sin, *kv_cache, slots, self.k_scale, self.v_scale, self.num_heads, self.num_kv_heads)
 
 
 class LlamaDecoderLayer(nn.Module):
