@@ -3,7 +3,7 @@ Triton's pipeline with its bundled ptxas and nvdisasm, arguments specialised as 
 would be (pointers and multiples of 16 marked divisible by 16). No GPU is needed; a GPU run says what the counts
 are worth. Usage: env -u TRITON_INTERPRET .venv/bin/python ci/int4_sass.py [--shapes 128x128x1 32x128x1 ...];
 `--lanes 8x2 4x1 ...` counts lane GEMVs (ROWSxWARPS, prefetching) instead, with their registers a thread, and
-`--epilogue` compiles them with a norm fold or gate_up's SiLU, as the engine's one-row calls run."""
+`--epilogue` compiles them with a norm fold, gate_up's SiLU or qkv's rotation, as the engine's one-row calls run."""
 
 from __future__ import annotations
 
@@ -44,6 +44,9 @@ def compile_specialised(kernel, pointers: dict, constexprs: dict, values: dict, 
 FOLDED = ("x", "scale", "bias", "out", "fold_residual", "fold_weight", "fold_h")
 EPILOGUES = {"plain": {}, "fold-in": dict(FOLD_IN=True), "fold-out": dict(FOLD_OUT=True)}
 EPILOGUES["gated"] = dict(FOLD_IN=True, GATED=True)  # gate_up at one row with fusion.SILU_IN_GATE_UP
+EPILOGUES["rotary"] = dict(FOLD_IN=True, ROTARY=True)  # qkv at one row with fusion.ROTARY_IN_QKV (a bf16 cache)
+ROTARY_POINTERS = {"rot_cos": "*bf16", "rot_sin": "*bf16", "rot_slots": "*i64", "rot_k_cache": "*bf16"}
+ROTARY_POINTERS |= {"rot_v_cache": "*bf16", "rot_k_inv": "fp32", "rot_v_inv": "fp32"}
 
 
 def compiled(words: bool, block_n: int, block_k: int, warps: int, split: int, lanes=False, epilogue="plain", cap=0):
@@ -54,7 +57,10 @@ def compiled(words: bool, block_n: int, block_k: int, warps: int, split: int, la
     pointers |= {"w": "*i32" if words else "*u8", "zero": "*u8", "workspace": "*fp32", "counters": "*i32"}
     pointers |= {name: "*fp32" for name in ("scale_sums", "fold_sums", "fold_stale")} | {"scale_eps": "fp32"}
     constexprs = dict(GROUP_SIZE=GROUP, HAS_BIAS=False, SPLIT_K=split, USE_ASM=True, FP16=False, UPCAST=False)
-    constexprs |= dict(FOLD_IN=False, FOLD_OUT=False, GATED=False) | EPILOGUES[epilogue]
+    constexprs |= dict(FOLD_IN=False, FOLD_OUT=False, GATED=False, ROTARY=False) | EPILOGUES[epilogue]
+    constexprs |= dict(HEADS=32, KV_HEADS=8, HEAD_DIM=128, QUANTIZE_KV=False)  # Llama-3.1-8B's attention
+    if constexprs["ROTARY"]:
+        pointers |= ROTARY_POINTERS
     constexprs |= dict(
         USE_DOT=False,
         PREFETCH=lanes,
@@ -136,7 +142,10 @@ def main() -> None:
     parser.add_argument("--split", type=int, default=16, help="split K")
     parser.add_argument("--lanes", nargs="*", default=None, help="ROWSxWARPS lane GEMVs, counted instead")
     parser.add_argument(
-        "--epilogue", choices=sorted(EPILOGUES), default="plain", help="the lane GEMVs' epilogue (norm folds, SiLU)"
+        "--epilogue",
+        choices=sorted(EPILOGUES),
+        default="plain",
+        help="the lane GEMVs' epilogue (norm folds, SiLU, RoPE and KV store)",
     )
     parser.add_argument("--mma", nargs="*", default=None, help="TILESxWARPS tensor-core GEMVs, counted instead")
     parser.add_argument("--max-registers", type=int, default=0, help="with --lanes: a cap on registers a thread")
