@@ -102,8 +102,8 @@ def _decode_split_kernel(
     (all, or WINDOWED the last `window`). Those keys are cut into NUM_SPLITS equal runs of whole BLOCK_N tiles;
     one split writes `out` directly, several write fp32 partials (normalised output and base-2 log-sum-exp, -inf
     for an empty run). MERGE_HERE: the last split of a (sequence, KV head) to finish merges them (_merge_if_last),
-    instead of a merge launch. PREFETCH (launched with PDL, WAIT): the split's first PREFETCH_TILES tiles asked
-    of L2 before the wait."""
+    instead of a merge launch. PREFETCH (launched with PDL, WAIT): the split's first tiles asked of L2 before the
+    wait (_prefetch_then_wait)."""
     release_dependents(RELEASE)  # (pdl.py)
     if not PREFETCH:
         wait_for_inputs(WAIT)
@@ -114,28 +114,11 @@ def _decode_split_kernel(
     lo = first_key + split * split_len
     hi = tl.minimum(lo + split_len, seq_len)
     table_row = block_tables + seq * stride_table
-    if PREFETCH:  # (launched with PDL) the split's first tiles asked of L2, then the wait. Safe before it: the
-        # lengths and block tables are the step's inputs, copied before its first kernel (which no PDL launch
-        # precedes), and the keys older steps wrote; the key the kernels before it may still be writing is only
-        # prefetched (L2 is where their writes land), and every load comes after the wait.
-        k_strides, v_strides = (stride_kb, stride_ks, stride_kh), (stride_vb, stride_vs, stride_vh)
-        prefetch_kv(
-            k_cache,
-            v_cache,
-            table_row,
-            lo,
-            hi,
-            kv_head,
-            k_strides,
-            v_strides,
-            HEAD_DIM,
-            BLOCK_D,
-            BLOCK_SIZE,
-            BLOCK_N,
-            PREFETCH_TILES,
-            SECTOR,
+    if PREFETCH:
+        strides = (stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh)
+        _prefetch_then_wait(
+            k_cache, v_cache, table_row, lo, hi, kv_head, *strides, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, SECTOR
         )
-        wait_for_inputs(WAIT)
 
     member = tl.arange(0, GROUP_P)
     head = kv_head * GROUP + member
@@ -198,6 +181,52 @@ def _decode_split_kernel(
                     BLOCK_D,
                     UPCAST,  # on CPU: in the interpreter
                 )
+
+
+@triton.jit
+def _prefetch_then_wait(
+    k_cache,
+    v_cache,
+    table_row,
+    lo,
+    hi,
+    kv_head,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_vb,
+    stride_vs,
+    stride_vh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    SECTOR: tl.constexpr,
+):
+    """The split's first PREFETCH_TILES tiles of K and V asked of L2, then the PDL wait. Safe before the wait:
+    the sequence lengths and block tables are the step's inputs, copied before its first kernel (which no PDL
+    launch precedes), and the keys older steps wrote; the one key the kernels before it may still be writing is
+    only prefetched (L2 is where their writes land), and every load comes after the wait."""
+    k_strides = (stride_kb, stride_ks, stride_kh)
+    v_strides = (stride_vb, stride_vs, stride_vh)
+    tiles: tl.constexpr = PREFETCH_TILES
+    prefetch_kv(
+        k_cache,
+        v_cache,
+        table_row,
+        lo,
+        hi,
+        kv_head,
+        k_strides,
+        v_strides,
+        HEAD_DIM,
+        BLOCK_D,
+        BLOCK_SIZE,
+        BLOCK_N,
+        tiles,
+        SECTOR,
+    )
+    wait_for_inputs(True)
 
 
 @triton.jit
