@@ -43,7 +43,6 @@ quant_mods() {  # quant_mods "swept,merge,splits4": one python prelude making ea
     case $mod in
       swept) code+=("import sys; sys.path.insert(0, 'ci'); import gpu_quant_kernels; gpu_quant_kernels.use_swept_shapes('$OUT/int4-decode-sweep.jsonl')") ;;
       merge) code+=("from $e.attention import decode_kernels; decode_kernels.MERGE_IN_LAST_SPLIT = True") ;;
-      attnpdl) code+=("from $e.attention import decode_kernels; decode_kernels.PREFETCH_BEFORE_WAIT = True") ;;
       ropestore|ropeapart) code+=("from $e.attention import triton_backend; triton_backend.ROTATE_WHILE_STORING = $([ $mod = ropestore ] && echo True || echo False)") ;;
       silu) code+=("from $e.quant import fusion; fusion.SILU_IN_GATE_UP = True") ;;
       rotqkv) code+=("from $e.quant import fusion; fusion.ROTARY_IN_QKV = True") ;;

@@ -179,7 +179,6 @@ def small_kernels_with_pdl() -> None:
     kernels.append((kv_store._rotate_store_kv_kernel, pointers | fp8_caches, rotate_store | dict(QUANTIZE=True), 4))
     split = dict(GROUP=4, GROUP_P=4, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_N=64, NUM_SPLITS=16)
     split |= dict(WINDOWED=False, SOFTCAP=False, UPCAST=False, IEEE=False, FP16_TILES=False, MERGE_HERE=False) | wait
-    split |= dict(PREFETCH=False, SECTOR=16)
     merging = dict(MERGE_HERE=True)
     pointers = {n: "*bf16" for n in ("q", "k_cache", "v_cache", "out")} | {"block_tables": "*i32", "seq_lens": "*i32"}
     pointers |= {"part_out": "*fp32", "part_lse": "*fp32"}
@@ -196,27 +195,6 @@ def small_kernels_with_pdl() -> None:
             assert_counts_after_barrier(ptx)
             assert "ld.global.cg" in ptx[ptx.index("atom.global.gpu.acq_rel") :], "the merge reads partials via L1"
     print("compiled RoPE, the KV store, both in one and decode attention (two merges) launched with PDL", flush=True)
-
-
-def decode_split_prefetching() -> None:
-    """Decode attention's split with PREFETCH (decode_kernels.PREFETCH_BEFORE_WAIT), over a bf16 and an FP8
-    cache: L2 prefetches and the loads of its lengths and block table before the PDL wait, no store before it, and
-    no prefetch after it."""
-    for cache, sector in (("bf16", 16), ("fp8e4nv", 32)):
-        split = dict(GROUP=4, GROUP_P=16, HEAD_DIM=128, BLOCK_D=128, BLOCK_SIZE=16, BLOCK_N=64, NUM_SPLITS=4)
-        split |= dict(WINDOWED=False, SOFTCAP=False, UPCAST=False, IEEE=False, FP16_TILES=cache != "bf16")
-        split |= dict(MERGE_HERE=True, PREFETCH=True, SECTOR=sector, RELEASE=True, WAIT=True)
-        pointers = {"q": "*bf16", "out": "*bf16", "k_cache": f"*{cache}", "v_cache": f"*{cache}"}
-        pointers |= {"block_tables": "*i32", "seq_lens": "*i32", "arrivals": "*i32"}
-        pointers |= {"part_out": "*fp32", "part_lse": "*fp32"}
-        pointers |= {n: "fp32" for n in ("scale_log2", "v_scale", "cap_log2", "scale_over_cap")}
-        kernel = decode_kernels._decode_split_kernel
-        ptx = compile_for_sm90(kernel, pointers, split, num_warps=4, launch_pdl=True).asm["ptx"]
-        before, after = ptx.split("griddepcontrol.wait", 1)
-        assert "prefetch.global.L2" in before and "prefetch.global.L2" not in after, "prefetches around the wait"
-        assert "ld.global" in before and "st.global" not in before and "atom" not in before
-        assert before.index("griddepcontrol.launch_dependents") < before.index("ld.global")
-    print("compiled decode attention's split prefetching before its PDL wait", flush=True)
 
 
 def fp8_matmul() -> None:
@@ -305,4 +283,3 @@ if __name__ == "__main__":
     fp8_rows()
     deferred_scales_norm()
     small_kernels_with_pdl()
-    decode_split_prefetching()

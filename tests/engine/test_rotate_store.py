@@ -255,9 +255,8 @@ def test_the_engine_answers_the_same_rotating_while_storing(tiny_llama, monkeypa
 )
 def test_the_engine_answers_the_same_with_both_decode_launches_cut(tiny_llama, monkeypatch, graphs):
     """RoPE rotated by the store and decode's splits merged by the last of them (decode_kernels.
-    MERGE_IN_LAST_SPLIT), their keys asked of L2 before their PDL wait on a GPU that has it (PREFETCH_BEFORE_WAIT):
-    the tokens and logits of neither, eager or replayed in CUDA graphs. Splits of 4 keys, so that these short
-    decodes split (2 to 4 ways); no merge launch runs once the splits merge themselves."""
+    MERGE_IN_LAST_SPLIT): the tokens and logits of neither, eager or replayed in CUDA graphs. Splits of 4 keys,
+    so that these short decodes split (2 to 4 ways); no merge launch runs once the splits merge themselves."""
     from tritonllm.engine.embedded import engine_core
     from tritonllm.engine.embedded.attention import decode_kernels
 
@@ -283,7 +282,6 @@ def test_the_engine_answers_the_same_with_both_decode_launches_cut(tiny_llama, m
     merges.clear()
     monkeypatch.setattr(triton_backend, "ROTATE_WHILE_STORING", True)
     monkeypatch.setattr(decode_kernels, "MERGE_IN_LAST_SPLIT", True)
-    monkeypatch.setattr(decode_kernels, "PREFETCH_BEFORE_WAIT", True)
     tokens_on, logits_on = run_engine(tiny_llama, prompts, graphs)
     assert merges == [] and tokens_on == tokens_off
     for on, off in zip(logits_on, logits_off):

@@ -477,43 +477,6 @@ def test_kernels_replay_in_a_cuda_graph(merging):
         assert_close(prefill[step.placement(starts.tolist())], step.reference())
 
 
-@gpu_only
-@pytest.mark.parametrize("head_dim", [128, 64])
-def test_the_split_prefetching_before_its_wait_answers_bit_for_bit(monkeypatch, merging, head_dim):
-    """decode_kernels.PREFETCH_BEFORE_WAIT: the split launched with PDL asks L2 for its first tiles before it
-    waits for the KV store before it, which writes the step's keys over NaN: the output of the plain launch bit
-    for bit (no NaN: no key read before its write), eager and replayed in a CUDA graph."""
-    from tritonllm.engine.embedded.attention import kv_store
-
-    seq_lens = [256, 1, 700, 64, 2000]
-    step = Step(head_dim, [1] * len(seq_lens), seq_lens, 32, 8, head_dim, 16, torch.bfloat16)
-    tables, lens = step.block_tables(), step.int_tensor(seq_lens)
-    slots = torch.tensor(step.slots, device=DEVICE)
-
-    def forward():
-        for cache in step.caches:  # the step's keys unwritten until the store just before the attention
-            cache.view(-1, *cache.shape[2:])[slots] = float("nan")
-        kv_store.store_kv(step.k, step.v, *step.caches, slots)
-        return tk.decode_attention(step.q, *step.caches, tables, lens, SCALE, tables.shape[1] * 16)
-
-    plain = forward()
-    assert_close(plain, step.reference())
-    monkeypatch.setattr(decode_kernels, "PREFETCH_BEFORE_WAIT", True)
-    assert torch.equal(forward(), plain)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        forward()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = forward()
-    for _ in range(3):
-        captured.fill_(float("nan"))
-        graph.replay()
-        assert torch.equal(captured, plain)
-
-
 WINDOW_CASES = {  # name: (q_lens, ctx_lens, tree sizes, heads, kv_heads, block_size, window)
     "a prompt longer than the window": ([37], [37], [0], 4, 2, 4, 8),
     "a chunk over a prefix, windows crossing key tiles": ([90], [300], [0], 4, 2, 16, 70),

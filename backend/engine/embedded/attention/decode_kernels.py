@@ -8,7 +8,7 @@ import triton
 import triton.language as tl
 
 from ..gpu_fence import count_slice
-from ..pdl import begin, launch_options, pdl_on, release_dependents, small_kernel_args, wait_for_inputs
+from ..pdl import begin, small_kernel_args
 from .fp8_cache import is_fp8
 from .tile_ops import (
     LOG2E,
@@ -19,8 +19,6 @@ from .tile_ops import (
     load_kv,
     online_softmax,
     padded_head_dim,
-    prefetch_kv,
-    sector_elements,
     softcap_args,
     tile_scores,
 )
@@ -43,11 +41,6 @@ DECODE_NUM_STAGES = 2
 # (twenty-fifth session); here only the splits holding keys count and merge (4 at a 256-token context). Off until
 # an H200 run has timed it (bench-quant's -merge variants).
 MERGE_IN_LAST_SPLIT = False
-# The split launch with PDL, its first tiles of keys asked of L2 before it waits for the kernels before it (qkv's
-# GEMV and the KV store): a step's attention then starts from L2 rather than DRAM. Off until a GPU run has timed it
-# (bench-quant's `attnpdl`): the small kernels launched with PDL were slower on an H200 (twenty-ninth session).
-PREFETCH_BEFORE_WAIT = False
-PREFETCH_TILES = tl.constexpr(4)  # at most this many BLOCK_N tiles a split
 # FP8 caches: tiles widened to fp16 rather than to the queries' bf16 (one instruction a pair; e4m3 is exact in fp16).
 FP8_DECODE_IN_FP16 = True
 
@@ -93,8 +86,6 @@ def _decode_split_kernel(
     IEEE: tl.constexpr,
     FP16_TILES: tl.constexpr,
     MERGE_HERE: tl.constexpr,
-    PREFETCH: tl.constexpr,
-    SECTOR: tl.constexpr,
     RELEASE: tl.constexpr,
     WAIT: tl.constexpr,
 ):
@@ -102,23 +93,14 @@ def _decode_split_kernel(
     (all, or WINDOWED the last `window`). Those keys are cut into NUM_SPLITS equal runs of whole BLOCK_N tiles;
     one split writes `out` directly, several write fp32 partials (normalised output and base-2 log-sum-exp, -inf
     for an empty run). MERGE_HERE: the last split of a (sequence, KV head) to finish merges them (_merge_if_last),
-    instead of a merge launch. PREFETCH (launched with PDL, WAIT): the split's first tiles asked of L2 before the
-    wait (_prefetch_then_wait)."""
-    release_dependents(RELEASE)  # (pdl.py)
-    if not PREFETCH:
-        wait_for_inputs(WAIT)
+    instead of a merge launch."""
+    begin(RELEASE, WAIT)  # (pdl.py)
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
     seq_len, first_key, split_len, active = _splits_of(seq_lens, seq, window, NUM_SPLITS, BLOCK_N, WINDOWED)
     lo = first_key + split * split_len
     hi = tl.minimum(lo + split_len, seq_len)
-    table_row = block_tables + seq * stride_table
-    if PREFETCH:
-        strides = (stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh)
-        _prefetch_then_wait(
-            k_cache, v_cache, table_row, lo, hi, kv_head, *strides, HEAD_DIM, BLOCK_D, BLOCK_SIZE, BLOCK_N, SECTOR
-        )
 
     member = tl.arange(0, GROUP_P)
     head = kv_head * GROUP + member
@@ -136,6 +118,7 @@ def _decode_split_kernel(
     m = tl.full([GROUP_P], float("-inf"), tl.float32)
     l = tl.zeros([GROUP_P], tl.float32)
     acc = tl.zeros([GROUP_P, BLOCK_D], tl.float32)
+    table_row = block_tables + seq * stride_table
     for start in range(lo, hi, BLOCK_N):
         keys = start + tl.arange(0, BLOCK_N)
         key_ok = keys < hi
@@ -181,52 +164,6 @@ def _decode_split_kernel(
                     BLOCK_D,
                     UPCAST,  # on CPU: in the interpreter
                 )
-
-
-@triton.jit
-def _prefetch_then_wait(
-    k_cache,
-    v_cache,
-    table_row,
-    lo,
-    hi,
-    kv_head,
-    stride_kb,
-    stride_ks,
-    stride_kh,
-    stride_vb,
-    stride_vs,
-    stride_vh,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    SECTOR: tl.constexpr,
-):
-    """The split's first PREFETCH_TILES tiles of K and V asked of L2, then the PDL wait. Safe before the wait:
-    the sequence lengths and block tables are the step's inputs, copied before its first kernel (which no PDL
-    launch precedes), and the keys older steps wrote; the one key the kernels before it may still be writing is
-    only prefetched (L2 is where their writes land), and every load comes after the wait."""
-    k_strides = (stride_kb, stride_ks, stride_kh)
-    v_strides = (stride_vb, stride_vs, stride_vh)
-    tiles: tl.constexpr = PREFETCH_TILES
-    prefetch_kv(
-        k_cache,
-        v_cache,
-        table_row,
-        lo,
-        hi,
-        kv_head,
-        k_strides,
-        v_strides,
-        HEAD_DIM,
-        BLOCK_D,
-        BLOCK_SIZE,
-        BLOCK_N,
-        tiles,
-        SECTOR,
-    )
-    wait_for_inputs(True)
 
 
 @triton.jit
@@ -391,8 +328,6 @@ def decode_attention(
     block_n = DECODE_BLOCK_N if block_d <= 128 else DECODE_BLOCK_N // 2
     upcast = q.device.type != "cuda"
     merge_here = splits > 1 and MERGE_IN_LAST_SPLIT
-    prefetch = PREFETCH_BEFORE_WAIT and pdl_on(q.device)
-    launch = dict(RELEASE=True, WAIT=True, **launch_options(True)) if prefetch else small_kernel_args(q.device)
     arrivals = arrival_counters(q.device, num_seqs * num_kv_heads) if merge_here else seq_lens  # (unused if not)
     if splits == 1:
         part_out, part_lse = out, out  # unused: the kernel writes out directly
@@ -438,11 +373,9 @@ def decode_attention(
         IEEE=upcast or q.dtype == torch.float32,
         FP16_TILES=FP8_DECODE_IN_FP16 and is_fp8(k_cache) and not upcast and q.dtype != torch.float32,
         MERGE_HERE=merge_here,
-        PREFETCH=prefetch,
-        SECTOR=sector_elements(k_cache, block_d),
         num_warps=DECODE_NUM_WARPS_FP8 if is_fp8(k_cache) else DECODE_NUM_WARPS,
         num_stages=DECODE_NUM_STAGES,
-        **launch,
+        **small_kernel_args(q.device),
     )
     if splits > 1 and not merge_here:
         _decode_merge_kernel[(num_seqs, num_heads)](

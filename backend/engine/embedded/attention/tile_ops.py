@@ -92,56 +92,6 @@ def load_kv(
     return tile
 
 
-# One L2 prefetch a 32-byte sector (no register written: the `mov` gives inline asm the result it must have).
-_PREFETCH_L2_ASM = tl.constexpr("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;")
-SECTOR_BYTES = 32
-
-
-@triton.jit
-def _prefetch_l2(pointers):
-    tl.inline_asm_elementwise(
-        asm=_PREFETCH_L2_ASM, constraints="=r,l", args=[pointers], dtype=tl.int32, is_pure=False, pack=1
-    )
-
-
-@triton.jit
-def prefetch_kv(
-    k_cache,
-    v_cache,
-    table_row,
-    lo,
-    hi,
-    kv_head,
-    k_strides,
-    v_strides,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    TILES: tl.constexpr,
-    SECTOR: tl.constexpr,
-):
-    """Ask L2 for the K and V rows of one KV head at keys lo .. hi - 1 (the first TILES tiles of BLOCK_N from
-    lo; strides: (block, slot, head) of each cache), one prefetch a SECTOR of elements (32 bytes, at most
-    BLOCK_D): the loads after it then find them there. Nothing but the block table is read into registers; a
-    tile's keys past hi prefetch block 0's rows (harmless), and head dims stay inside the row. CUDA only (PTX)."""
-    sectors = tl.minimum(tl.arange(0, BLOCK_D // SECTOR) * SECTOR, HEAD_DIM - 1)
-    for tile in tl.static_range(TILES):
-        first = lo + tile * BLOCK_N
-        if first < hi:
-            keys = first + tl.arange(0, BLOCK_N)
-            block, offset = key_slots(table_row, keys, keys < hi, BLOCK_SIZE)
-            k_rows = block * k_strides[0] + offset * k_strides[1] + kv_head * k_strides[2]
-            v_rows = block * v_strides[0] + offset * v_strides[1] + kv_head * v_strides[2]
-            _prefetch_l2(k_cache + k_rows[:, None] + sectors[None, :])
-            _prefetch_l2(v_cache + v_rows[:, None] + sectors[None, :])
-
-
-def sector_elements(cache: torch.Tensor, block_d: int) -> int:
-    """prefetch_kv's SECTOR for this cache: the elements in 32 bytes, at most block_d."""
-    return min(SECTOR_BYTES // cache.element_size(), block_d)
-
-
 @triton.jit
 def online_softmax(scores, v, m, l, acc, IEEE: tl.constexpr):
     """Fold one key tile (base-2 scores, -inf where hidden) into the running max m, sum l and output acc.
