@@ -42,10 +42,12 @@ quant_mods() {  # quant_mods "swept,merge,splits4": one python prelude making ea
   for mod in ${1//,/ }; do
     case $mod in
       swept) code+=("import sys; sys.path.insert(0, 'ci'); import gpu_quant_kernels; gpu_quant_kernels.use_swept_shapes('$OUT/int4-decode-sweep.jsonl')") ;;
-      merge) code+=("from $e.attention import decode_kernels; decode_kernels.MERGE_IN_LAST_SPLIT = True") ;;
+      merge) code+=("from $e.attention import decode_kernels; decode_kernels.MERGE_IN_LAST_SPLIT = True") ;;  # (the default)
       ropestore|ropeapart) code+=("from $e.attention import triton_backend; triton_backend.ROTATE_WHILE_STORING = $([ $mod = ropestore ] && echo True || echo False)") ;;
       silu) code+=("from $e.quant import fusion; fusion.SILU_IN_GATE_UP = True") ;;
-      rotqkv) code+=("from $e.quant import fusion; fusion.ROTARY_IN_QKV = True") ;;
+      rotqkv) code+=("from $e.quant import fusion; fusion.ROTARY_IN_QKV = True") ;;  # (the default)
+      norotqkv) code+=("from $e.quant import fusion; fusion.ROTARY_IN_QKV = False") ;;
+      nomerge) code+=("from $e.attention import decode_kernels; decode_kernels.MERGE_IN_LAST_SPLIT = False") ;;
       rowscales) code+=("from $e.quant import linear; linear.INT4_SCALES_GROUP_MAJOR = False") ;;
       nofold) code+=("from $e.quant import fusion; fusion.FOLD_NORMS = False") ;;
       nopdl) code+=("from $e import pdl; pdl.ENABLED = False") ;;

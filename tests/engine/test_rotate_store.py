@@ -277,6 +277,7 @@ def test_the_engine_answers_the_same_with_both_decode_launches_cut(tiny_llama, m
     monkeypatch.setattr(decode_kernels, "decode_splits", counted_splits)
     prompts = [[5, 17, 3, 44, 9, 12], [7, 7, 30]]
     monkeypatch.setattr(triton_backend, "ROTATE_WHILE_STORING", False)
+    monkeypatch.setattr(decode_kernels, "MERGE_IN_LAST_SPLIT", False)
     tokens_off, logits_off = run_engine(tiny_llama, prompts, graphs)
     assert max(splits) > 1 and merges
     merges.clear()

@@ -374,6 +374,7 @@ def test_the_last_split_merges_as_the_merge_launch_and_resets_its_counters(monke
     tables, lens = step.block_tables(), step.int_tensor(seq_lens)
     args = (step.q, *step.caches, tables, lens, SCALE, tables.shape[1] * 16)
     assert tk.decode_splits(len(seq_lens), 2, args[-1]) > 1
+    monkeypatch.setattr(decode_kernels, "MERGE_IN_LAST_SPLIT", False)
     launched = tk.decode_attention(*args)
     monkeypatch.setattr(decode_kernels, "MERGE_IN_LAST_SPLIT", True)
     counters = decode_kernels.arrival_counters(DEVICE, len(seq_lens) * 2)

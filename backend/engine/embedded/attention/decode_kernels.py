@@ -38,9 +38,9 @@ DECODE_NUM_STAGES = 2
 # Several splits are merged by the last of them to finish (an atomic counter a (sequence, KV head)) rather than by
 # a launch of their own: at batch 1 the merge launch costs ~2.6 us a layer (H200 profile, twenty-ninth session).
 # A first version, where all NUM_SPLITS splits counted and the last merged all 32 partials, was slower on an H100
-# (twenty-fifth session); here only the splits holding keys count and merge (4 at a 256-token context). Off until
-# an H200 run has timed it (bench-quant's -merge variants).
-MERGE_IN_LAST_SPLIT = False
+# (twenty-fifth session); here only the splits holding keys count and merge (4 at a 256-token context): +0.9% for
+# W4A16 at batch 1 on an H100, bf16 unchanged (thirty-sixth session, docs/benchmarks.md). No H200 has timed it.
+MERGE_IN_LAST_SPLIT = True
 # FP8 caches: tiles widened to fp16 rather than to the queries' bf16 (one instruction a pair; e4m3 is exact in fp16).
 FP8_DECODE_IN_FP16 = True
 

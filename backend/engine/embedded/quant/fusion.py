@@ -31,8 +31,9 @@ FOLD_NORMS = True
 # load), a launch fewer a layer. Off until an H200 run has timed it.
 SILU_IN_GATE_UP = False
 # With the norms folded, qkv_proj's one-row GEMV also rotates q and k and stores k and v into the caches
-# (qkv_rotary.py), a launch fewer a layer. Off until a GPU run has timed it.
-ROTARY_IN_QKV = False
+# (qkv_rotary.py), a launch fewer a layer: +2.4-2.8% for W4A16 at batch 1 on H100s (thirty-fifth and thirty-sixth
+# sessions, docs/benchmarks.md), its kernel and greedy-token tests passing there.
+ROTARY_IN_QKV = True
 
 
 def takes_fp8_rows(projection: object) -> bool:
