@@ -132,8 +132,7 @@ def _prefill_tile(
     not even read. kv: the caches and where the tile's rows live (k_cache, v_cache, table_row, kv_head, their
     strides, d, d_ok); rows: (token, q_pos, tree_row, row_lo) of each row; tree: (tree_first, tree_key0,
     tree_n, tree_mask); scoring: tile_scores' (scale_log2, cap_log2, scale_over_cap)."""
-    k_cache, v_cache, table_row, kv_head = kv[0], kv[1], kv[2], kv[3]
-    stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, d, d_ok = kv[4:]
+    k_cache, v_cache, table_row, kv_head, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh, d, d_ok = kv
     token, q_pos, tree_row, row_lo = rows
     tree_first, tree_key0, tree_n, tree_mask = tree
     m, l, acc = state
