@@ -63,6 +63,18 @@ def _repository_states(triton) -> dict[str, str]:
         return {entry["name"]: entry.get("state", "") for entry in json.loads(response.read())}
 
 
+def _step_counts(triton) -> str:
+    """Each model's requests as Triton counts them (succeeded, failed, queued): where an unfinished ensemble
+    request's step went, for a failure message."""
+    with urllib.request.urlopen(f"http://{triton.http_url}/v2/models/stats", timeout=30) as response:
+        models = json.loads(response.read()).get("model_stats", [])
+    counts = {
+        entry["name"]: {kind: entry["inference_stats"][kind]["count"] for kind in ("success", "fail", "queue")}
+        for entry in models
+    }
+    return f"requests a model: {counts}"
+
+
 def _unload(triton, model: str) -> None:
     request = urllib.request.Request(
         f"http://{triton.http_url}/v2/repository/models/{model}/unload",
@@ -127,7 +139,8 @@ def test_cancelled_ensemble_streams_end_so_unload_and_shutdown_complete(tiny_mod
         _unload(triton, "ensemble")
         deadline = time.monotonic() + 20
         while _repository_states(triton).get("ensemble") != "UNAVAILABLE":
-            assert time.monotonic() < deadline, f"unload did not finish: {_repository_states(triton)}\n{log_tail()}"
+            states, counts = _repository_states(triton), _step_counts(triton)
+            assert time.monotonic() < deadline, f"unload did not finish: {states}\n{counts}\n{log_tail()}"
             time.sleep(0.2)
     finally:
         started = time.monotonic()
