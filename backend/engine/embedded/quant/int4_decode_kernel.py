@@ -202,46 +202,17 @@ def _int4_decode_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     residual_cols = tl.zeros((BLOCK_N,), dtype=tl.float32)  # FOLD_OUT's residual, read early by the lane GEMV
     if WORDS:  # w is the int32 view, stride_w in words (nested ifs: `WORDS and LANES` would not fold)
+        scales = (s_rows, z_rows, stride_sg, stride_zg)
+        span = (k_start, k_end, K)
         if LANES:
+            early = fold_residual + kept  # FOLD_OUT's residual, read while the K loop runs
             row, residual_cols = lanes_row(
-                w_rows,
-                x,
-                s_rows,
-                z_rows,
-                k_start,
-                k_end,
-                K,
-                stride_sg,
-                stride_zg,
-                GROUP_SIZE,
-                USE_ASM,
-                BLOCK_K,
-                EVEN_K,
-                PREFETCH,
-                PDL,
-                fold_residual + kept,
-                FOLD_OUT,
+                w_rows, x, scales, span, GROUP_SIZE, USE_ASM, BLOCK_K, EVEN_K, PREFETCH, PDL, early, FOLD_OUT
             )
             acc += row[None, :]
         else:
             acc += words_row(
-                w_rows,
-                x,
-                s_rows,
-                z_rows,
-                k_start,
-                k_end,
-                K,
-                col_ok,
-                stride_sg,
-                stride_zg,
-                GROUP_SIZE,
-                USE_ASM,
-                BLOCK_K,
-                EVEN_K,
-                X_VECTOR,
-                PREFETCH,
-                PDL,
+                w_rows, x, scales, span, col_ok, GROUP_SIZE, USE_ASM, BLOCK_K, EVEN_K, X_VECTOR, PREFETCH, PDL
             )[None, :]
     else:
         pairs = k_start // 2 + tl.arange(0, HALF)  # byte j holds columns 2j (low nibble) and 2j + 1 (high)

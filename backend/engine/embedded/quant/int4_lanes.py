@@ -93,8 +93,9 @@ def _word_chain(chain, word, x, lane_ids, k0, r: tl.constexpr, K, USE_ASM, PAIRS
 
 
 @triton.jit
-def _lanes_step(words, x, s_rows, z_rows, k0, K, stride_sg, stride_zg, GROUP_SIZE, USE_ASM, PAIRS, EVEN_K):
-    """One K step: each lane's [ROWS, LANES] sum over its 32 columns, zero point and scale applied. With v the
+def _lanes_step(words, x, scales, k0, K, GROUP_SIZE, USE_ASM, PAIRS, EVEN_K):
+    """One K step: each lane's [ROWS, LANES] sum over its 32 columns, zero point and scale applied (scales:
+    int4_words.words_step's). With v the
     nibbles' values, sum v x = 128 sum x_even + 2048 sum x_odd + sum q x. (Each word's x is read just before
     its products: all 32 values read first would hold ~90 more registers.)"""
     w0, w1, w2, w3 = _quarters(words)
@@ -106,6 +107,7 @@ def _lanes_step(words, x, s_rows, z_rows, k0, K, stride_sg, stride_zg, GROUP_SIZ
     chain, even3, odd3 = _word_chain(chain, w3, x, lane_ids, k0, 3, K, USE_ASM, PAIRS, EVEN_K)
     evens = (even0 + even1) + (even2 + even3)
     odds = (odd0 + odd1) + (odd2 + odd3)
+    s_rows, z_rows, stride_sg, stride_zg = scales
     groups = (k0 + COLUMNS_A_LANE * lane_ids) // GROUP_SIZE
     s_ptrs = s_rows[:, None] + groups[None, :] * stride_sg
     z_ptrs = z_rows[:, None] + groups[None, :] * stride_zg
@@ -133,30 +135,14 @@ def _step_words(w_rows, k0, k_end, K, BLOCK_K: tl.constexpr, EVEN_K: tl.constexp
 
 
 @triton.jit
-def lanes_row(
-    w_rows,
-    x,
-    s_rows,
-    z_rows,
-    k_start,
-    k_end,
-    K,
-    stride_sg,
-    stride_zg,
-    GROUP_SIZE,
-    USE_ASM,
-    BLOCK_K,
-    EVEN_K,
-    PREFETCH,
-    PDL,
-    early,
-    EARLY: tl.constexpr,
-):
-    """One row x times the rows' words from k_start to k_end (whole K steps), [ROWS] fp32; w_rows, s_rows and
-    z_rows point at rows that exist (the kernel's rows past N at row N - 1). PDL and PREFETCH as in
-    int4_words.words_row. EARLY: also returns what the pointers `early` [ROWS] hold in fp32, read as soon as the
-    kernels before have finished (a folded norm's residual: its round trip then overlaps the K loop)."""
+def lanes_row(w_rows, x, scales, span, GROUP_SIZE, USE_ASM, BLOCK_K, EVEN_K, PREFETCH, PDL, early, EARLY: tl.constexpr):
+    """One row x times the rows' words over span (k_start, k_end, K: whole K steps), [ROWS] fp32; w_rows and
+    scales (int4_words.words_row's) point at rows that exist (the kernel's rows past N at row N - 1). PDL and
+    PREFETCH as in int4_words.words_row. EARLY: also returns what the pointers `early` [ROWS] hold in fp32, read
+    as soon as the kernels before have finished (a folded norm's residual: its round trip then overlaps the K
+    loop)."""
     PAIRS: tl.constexpr = USE_ASM and x.dtype.element_ty == tl.bfloat16
+    k_start, k_end, K = span
     words = _step_words(w_rows, k_start, k_end, K, BLOCK_K, EVEN_K)
     release_dependents(PDL)
     wait_for_inputs(PDL)
@@ -167,7 +153,7 @@ def lanes_row(
     for k0 in range(k_start, k_end, BLOCK_K):
         if PREFETCH:
             upcoming = _step_words(w_rows, k0 + BLOCK_K, k_end, K, BLOCK_K, EVEN_K)
-        lanes += _lanes_step(words, x, s_rows, z_rows, k0, K, stride_sg, stride_zg, GROUP_SIZE, USE_ASM, PAIRS, EVEN_K)
+        lanes += _lanes_step(words, x, scales, k0, K, GROUP_SIZE, USE_ASM, PAIRS, EVEN_K)
         if not PREFETCH:
             upcoming = _step_words(w_rows, k0 + BLOCK_K, k_end, K, BLOCK_K, EVEN_K)
         words = upcoming

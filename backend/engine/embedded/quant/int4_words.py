@@ -122,13 +122,15 @@ def load_words(w_rows, k0, K, col_ok, valid, BLOCK_K: tl.constexpr, EVEN_K: tl.c
 
 
 @triton.jit
-def words_step(words, x, s_rows, z_rows, k0, K, col_ok, stride_sg, stride_zg, GROUP_SIZE, USE_ASM, BLOCK_K, X_VECTOR):
+def words_step(words, x, scales, k0, K, col_ok, GROUP_SIZE, USE_ASM, BLOCK_K, X_VECTOR):
     """One K step of one row x against its int32 words (load_words): [BLOCK_N] fp32, zero point and scale
-    applied. With v the nibble values and x' = x (* 16 where v = 128 + q / 16): sum x' v = 128 sum x' + sum q x.
+    applied (scales: the columns' scale and zero-point pointers and their strides between groups). With v the
+    nibble values and x' = x (* 16 where v = 128 + q / 16): sum x' v = 128 sum x' + sum q x.
     A step may span several scale groups (BLOCK_K a multiple of GROUP_SIZE): each group's sums are scaled apart.
     X_VECTOR: the step's x read as one vector and split eight ways (fewer loads, but through shared memory), not
     in eight strided loads."""
     WORDS: tl.constexpr = BLOCK_K // 8
+    s_rows, z_rows, stride_sg, stride_zg = scales
     word_ids = tl.multiple_of(k0 // 8, WORDS) + tl.arange(0, WORDS)  # k0 is a multiple of BLOCK_K
     k_ok = word_ids < K // 8
     v0, v1, v2, v3, v4, v5, v6, v7 = _word_values(words, USE_ASM)
@@ -160,29 +162,13 @@ def words_step(words, x, s_rows, z_rows, k0, K, col_ok, stride_sg, stride_zg, GR
 
 
 @triton.jit
-def words_row(
-    w_rows,
-    x,
-    s_rows,
-    z_rows,
-    k_start,
-    k_end,
-    K,
-    col_ok,
-    stride_sg,
-    stride_zg,
-    GROUP_SIZE,
-    USE_ASM,
-    BLOCK_K,
-    EVEN_K,
-    X_VECTOR,
-    PREFETCH,
-    PDL,
-):
-    """One row x times the columns' words from k_start to k_end (whole K steps): [BLOCK_N] fp32. The first
+def words_row(w_rows, x, scales, span, col_ok, GROUP_SIZE, USE_ASM, BLOCK_K, EVEN_K, X_VECTOR, PREFETCH, PDL):
+    """One row x times the columns' words over span (k_start, k_end, K: whole K steps): [BLOCK_N] fp32; scales:
+    (s_rows, z_rows, stride_sg, stride_zg), the columns' scale and zero-point pointers and group strides. The first
     step's words are requested before waiting for the kernels before this one (PDL: no kernel writes weights),
     so that their DRAM round trip overlaps that wait; PREFETCH: each step's words are requested before the
     previous step's arithmetic, two steps in flight."""
+    k_start, k_end, K = span
     words = load_words(w_rows, k_start, K, col_ok, k_start < k_end, BLOCK_K, EVEN_K)  # (always true)
     release_dependents(PDL)
     wait_for_inputs(PDL)
@@ -191,9 +177,7 @@ def words_row(
         following = k0 + BLOCK_K
         if PREFETCH:  # the next step's words requested before this step's arithmetic
             upcoming = load_words(w_rows, following, K, col_ok, following < k_end, BLOCK_K, EVEN_K)
-        step = words_step(
-            words, x, s_rows, z_rows, k0, K, col_ok, stride_sg, stride_zg, GROUP_SIZE, USE_ASM, BLOCK_K, X_VECTOR
-        )
+        step = words_step(words, x, scales, k0, K, col_ok, GROUP_SIZE, USE_ASM, BLOCK_K, X_VECTOR)
         if not PREFETCH:  # after it
             upcoming = load_words(w_rows, following, K, col_ok, following < k_end, BLOCK_K, EVEN_K)
         total += step
