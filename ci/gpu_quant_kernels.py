@@ -346,15 +346,12 @@ def words_variants(m: int) -> list[DecodeVariant]:
 def lanes_variants(m: int) -> list[DecodeVariant]:
     """The word GEMV's table (kernels.one_row_table, each tried on every shape), then the lane GEMV
     (int4_lanes.py): 4, 8 and 16 rows a program, 1, 2 and 4 warps, K in 1, 2 or 4 slices, with and without the
-    next step's words prefetched; and persistent (int4_persistent.py): 4 and 8 rows, 1 and 2 warps, 1 to 8
-    programs an SM. Without PDL, as words_variants."""
+    next step's words prefetched. Without PDL, as words_variants."""
     if m != 1:
         return []
     found = table_without_pdl()
     for rows, warps, split, prefetch in itertools.product((4, 8, 16), (1, 2, 4), (1, 2, 4), (False, True)):
         found.append(kernels.lane_gemv(rows, warps, split_k=split, prefetch=prefetch, pdl=False))
-    for rows, warps, per_sm in itertools.product((4, 8), (1, 2), (1, 2, 4, 8)):
-        found.append(kernels.lane_gemv(rows, warps, pdl=False, persistent=per_sm))
     return found
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU-machine run (the `device` tool): puts the working tree's package on PYTHONPATH (the machine has torch,
 # triton and transformers but no venv of ours), then runs what the arguments name, each logged under $OUT.
-#   bash ci/gpu_session.sh kernels|persistent|launch-cuts|fused|graphs|decode-steps|step-trace|bench-summary|pdl|mma-tests|race-check|attention|greedy|window|guided|parity|features|bench-quick|bench-guided|bench-accuracy|moe-kernel|moe-sweep|fp8-kv|int4-decode-sweep|int4-gemm|int4-gemm-tests|norm-fold|int4-ncu|int4-layouts|attn-sweep|fp8-sweep|families|bench-mixtral|bench-quant|host-profile|quant|quant-load|quant-tests|quantize|quant-kernels|quant-sweep-decode|quant-sweep-prefill|bench-qwen3|bench-parallel|parallel-tests|sync-check|profile|profile-1 ...
+#   bash ci/gpu_session.sh kernels|launch-cuts|fused|graphs|decode-steps|step-trace|bench-summary|pdl|mma-tests|race-check|attention|greedy|window|guided|parity|features|bench-quick|bench-guided|bench-accuracy|moe-kernel|moe-sweep|fp8-kv|int4-decode-sweep|int4-gemm|int4-gemm-tests|norm-fold|int4-ncu|int4-layouts|attn-sweep|fp8-sweep|families|bench-mixtral|bench-quant|host-profile|quant|quant-load|quant-tests|quantize|quant-kernels|quant-sweep-decode|quant-sweep-prefill|bench-qwen3|bench-parallel|parallel-tests|sync-check|profile|profile-1 ...
 # Used by hand for the GPU figures in docs/benchmarks.md; CI never runs it (no GPU there).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -51,7 +51,6 @@ quant_mods() {  # quant_mods "swept,merge,splits4": one python prelude making ea
       rowscales) code+=("from $e.quant import linear; linear.INT4_SCALES_GROUP_MAJOR = False") ;;
       nofold) code+=("from $e.quant import fusion; fusion.FOLD_NORMS = False") ;;
       nopdl) code+=("from $e import pdl; pdl.ENABLED = False") ;;
-      persist*) code+=("import dataclasses; from $e.quant import kernels; t = kernels.one_row_table(); t.update({s: dataclasses.replace(v, split_k=1, persistent=${mod#persist}) for s, v in t.items()})") ;;  # each one-row shape as persistent lanes, N programs an SM
       splits*) code+=("from $e.attention import decode_kernels; decode_kernels.MAX_DECODE_SPLITS = ${mod#splits}") ;;
       *) echo "quant_mods: unknown change '$mod'" >&2; return 1 ;;
     esac
@@ -76,7 +75,6 @@ for what in "$@"; do
     decode-steps)  # a decode step's own launches: graph inputs by slices, the rotary table, no logits gathers
       run_tests tests/engine/test_cuda_graphs.py tests/engine/test_rotary_table.py tests/engine/test_step_rows.py \
         tests/engine/test_qkv_rotary.py ;;
-    persistent) run_tests tests/engine/test_int4_persistent.py ;;  # the persistent lane GEMV against the lane GEMV, bit for bit
     bench-summary) python3 ci/bench_summary.py "$OUT/bench.jsonl" ;;  # each variant's runs, mean and x bf16
     step-trace)  # W4A16 at batch 1 under the profiler (TRACE_VARIANT, default w4a16-1): each kernel of a decode step
       QUANT_BENCH_ARGS="--profile-trace $OUT/trace.json" QUANT_VARIANTS=${TRACE_VARIANT:-w4a16-1} bash "$0" bench-quant >/dev/null

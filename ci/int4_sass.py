@@ -3,9 +3,7 @@ Triton's pipeline with its bundled ptxas and nvdisasm, arguments specialised as 
 would be (pointers and multiples of 16 marked divisible by 16). No GPU is needed; a GPU run says what the counts
 are worth. Usage: env -u TRITON_INTERPRET .venv/bin/python ci/int4_sass.py [--shapes 128x128x1 32x128x1 ...];
 `--lanes 8x2 4x1 ...` counts lane GEMVs (ROWSxWARPS, prefetching) instead, with their registers a thread, and
-`--epilogue` compiles them with a norm fold, gate_up's SiLU or qkv's rotation, as the engine's one-row calls run;
-`--persistent` compiles them as int4_persistent.py's kernel (its loop also holds a block's end, which runs once
-every K / (1,024 x WARPS) steps: at K = 4,096 and two warps, every second one)."""
+`--epilogue` compiles them with a norm fold, gate_up's SiLU or qkv's rotation, as the engine's one-row calls run."""
 
 from __future__ import annotations
 
@@ -21,7 +19,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource, compile
 
 from tritonllm.engine.embedded.quant import int4_decode_kernel as int4_decode
-from tritonllm.engine.embedded.quant import int4_mma, int4_persistent
+from tritonllm.engine.embedded.quant import int4_mma
 
 TARGET = GPUTarget("cuda", 90, 32)
 N, K, GROUP = 6144, 4096, 128  # qkv_proj's N x K, the W4A16 group
@@ -78,21 +76,6 @@ def compiled(words: bool, block_n: int, block_k: int, warps: int, split: int, la
     values = dict(N=N, K=K, k_per_split=K // split, stride_xm=K, stride_w=K // (8 if words else 2))
     constexprs |= dict(stride_s=1, stride_z=1, EVEN_N=N % block_n == 0)  # group-major scales (QuantLinear's): a
     values |= dict(stride_sg=N, stride_zg=N, stride_om=N)  # row stride of 1 is specialised as Triton's launch does
-    return compile_specialised(kernel, pointers, constexprs, values, warps, cap)
-
-
-def compiled_persistent(block_n: int, warps: int, epilogue="plain", cap=0):
-    """A persistent lane GEMV (int4_persistent.py) of block_n rows a block, specialised as compiled() is."""
-    kernel = int4_persistent.int4_persistent_kernel
-    pointers = {name: "*bf16" for name in FOLDED} | {"w": "*i32", "zero": "*u8", "scale_eps": "fp32"}
-    pointers |= {name: "*fp32" for name in ("scale_sums", "fold_sums", "fold_stale")}
-    constexprs = dict(GROUP_SIZE=GROUP, HAS_BIAS=False, USE_ASM=True, EVEN_K=True, EVEN_N=N % block_n == 0)
-    constexprs |= dict(FOLD_IN=False, FOLD_OUT=False, GATED=False, ROTARY=False) | EPILOGUES[epilogue]
-    constexprs |= dict(HEADS=32, KV_HEADS=8, HEAD_DIM=128, QUANTIZE_KV=False, PDL=False, INTERPRETED=False)
-    constexprs |= dict(BLOCK_N=block_n, BLOCK_K=1024 * warps, stride_s=1, stride_z=1)
-    if constexprs["ROTARY"]:
-        pointers |= ROTARY_POINTERS
-    values = dict(N=N, K=K, stride_w=K // 8, stride_sg=N, stride_zg=N)
     return compile_specialised(kernel, pointers, constexprs, values, warps, cap)
 
 
@@ -166,7 +149,6 @@ def main() -> None:
     )
     parser.add_argument("--mma", nargs="*", default=None, help="TILESxWARPS tensor-core GEMVs, counted instead")
     parser.add_argument("--max-registers", type=int, default=0, help="with --lanes: a cap on registers a thread")
-    parser.add_argument("--persistent", action="store_true", help="with --lanes: the persistent kernel's")
     args = parser.parse_args()
     for shape in args.mma or []:
         tiles, warps = (int(part) for part in shape.split("x"))
@@ -177,13 +159,9 @@ def main() -> None:
         return
     for shape in args.lanes or []:
         rows, warps = (int(part) for part in shape.split("x"))
-        if args.persistent:
-            kernel = compiled_persistent(rows, warps, args.epilogue, args.max_registers)
-        else:
-            kernel = compiled(True, rows, 1024 * warps, warps, 1, True, args.epilogue, args.max_registers)
+        kernel = compiled(True, rows, 1024 * warps, warps, 1, True, args.epilogue, args.max_registers)
         per_thread = rows * 32  # four words of each row a lane, a step
-        label = f"{'persistent ' if args.persistent else ''}lanes {shape} {args.epilogue}"
-        label += f" cap {args.max_registers}" if args.max_registers else ""
+        label = f"lanes {shape} {args.epilogue}" + (f" cap {args.max_registers}" if args.max_registers else "")
         print(f"{label}: {per_weight(kernel.asm['sass'], per_thread)}, {registers(kernel)}", flush=True)
     if args.lanes is not None:
         return

@@ -10,7 +10,7 @@ from triton.compiler import ASTSource, compile
 
 from tritonllm.engine.embedded.attention import decode_kernels, kv_store
 from tritonllm.engine.embedded.network import fused_ops
-from tritonllm.engine.embedded.quant import fp8_kernel, fp8_matmul_kernel, int4_gemm, int4_mma, int4_persistent
+from tritonllm.engine.embedded.quant import fp8_kernel, fp8_matmul_kernel, int4_gemm, int4_mma
 from tritonllm.engine.embedded.quant import int4_decode_kernel as int4_decode
 from tritonllm.engine.embedded.quant import weight_only_kernel as wo
 from tritonllm.engine.embedded.quant.weight_only_kernel import Variant
@@ -133,29 +133,6 @@ def int4_mma_kernel(dtype: str, split_k: int, tiles: int, warps: int, use_asm: b
     if pdl:
         assert_loads_weights_first(ptx, "ld.global.nc")
     print("compiled the tensor-core int4 GEMV", dtype, f"split {split_k} tiles {tiles} warps {warps}", flush=True)
-
-
-def int4_persistent_kernel(dtype: str, epilogue: str) -> None:
-    """The persistent lane GEMV (int4_persistent.py), launched with PDL: its first words are requested before the
-    wait and nothing is stored before it; the norm's slot adds come after it. epilogue: plain, fold-in, fold-out,
-    gated, or rotary-bf16 / rotary-fp8e4nv (qkv's rotation into caches of that type)."""
-    pointers = {name: f"*{dtype}" for name in ("x", "scale", "bias", "out", "fold_residual", "fold_weight", "fold_h")}
-    pointers |= {"w": "*i32", "zero": "*u8", "scale_eps": "fp32"}
-    pointers |= {name: "*fp32" for name in ("scale_sums", "fold_sums", "fold_stale")}
-    kv_cache = epilogue.removeprefix("rotary-") if epilogue.startswith("rotary") else ""
-    if kv_cache:
-        pointers |= {"rot_cos": f"*{dtype}", "rot_sin": f"*{dtype}", "rot_slots": "*i64", "rot_k_inv": "fp32"}
-        pointers |= {"rot_k_cache": f"*{kv_cache}", "rot_v_cache": f"*{kv_cache}", "rot_v_inv": "fp32"}
-    constexprs = dict(GROUP_SIZE=128, HAS_BIAS=True, FOLD_IN=epilogue == "fold-in", FOLD_OUT=epilogue == "fold-out")
-    constexprs |= dict(GATED=epilogue == "gated", ROTARY=bool(kv_cache), HEADS=32, KV_HEADS=8, HEAD_DIM=128)
-    constexprs |= dict(QUANTIZE_KV=kv_cache == "fp8e4nv", USE_ASM=True, EVEN_K=True, EVEN_N=True, PDL=True)
-    constexprs |= dict(INTERPRETED=False, BLOCK_N=8, BLOCK_K=2048)
-    options = dict(num_warps=2, num_stages=1, launch_pdl=True)
-    ptx = compile_for_sm90(int4_persistent.int4_persistent_kernel, pointers, constexprs, **options).asm["ptx"]
-    assert_loads_weights_first(ptx, "ld.global")
-    if epilogue == "fold-out":
-        assert "atom.global" in ptx and "atom.global" not in ptx[: ptx.index("griddepcontrol.wait")]
-    print("compiled the persistent int4 lane GEMV", dtype, epilogue, flush=True)
 
 
 def int4_gemm_kernel(dtype: str, tiles: int4_gemm.GemmTiles) -> None:
@@ -300,10 +277,6 @@ if __name__ == "__main__":
         ("bf16", 2, 2, 1, False, False),
     ):
         int4_mma_kernel(dtype, split_k, tiles, warps, use_asm, pdl)
-    for dtype, epilogue in (("bf16", "plain"), ("fp16", "fold-in"), ("bf16", "fold-out"), ("bf16", "gated")):
-        int4_persistent_kernel(dtype, epilogue)
-    for kv_cache in ("bf16", "fp8e4nv"):
-        int4_persistent_kernel("bf16", f"rotary-{kv_cache}")
     for dtype, split_k in (("bf16", 1), ("fp16", 4)):
         int4_gemm_kernel(dtype, replace(int4_gemm.tiles_for(128, 128), split_k=split_k))
     fp8_matmul()

@@ -649,7 +649,7 @@ def test_the_kernels_compile_for_sm90():
     script = Path(__file__).with_name("quant_sm90_compile.py")
     done = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert done.stdout.count("compiled") == 37, done.stdout
+    assert done.stdout.count("compiled") == 31, done.stdout
 
 
 def test_the_sass_counter_compiles_the_one_row_kernel_as_calls_do():

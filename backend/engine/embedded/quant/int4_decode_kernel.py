@@ -31,13 +31,13 @@ import triton.language as tl
 from .. import gpu_fence
 from ..gpu_fence import add_slice
 from ..pdl import launch_options, pdl_on
-from . import int4_mma, int4_persistent
+from . import int4_mma
 from .gate_up_runs import store_activated
 from .int4_bytes import tile_product
 from .int4_lanes import WORDS_A_WARP, lanes_row
 from .int4_mma import magic_value
 from .int4_words import int32_viewable, words_row
-from .norm_fold import SLOTS, FoldedInput, FoldingOutput, fold_args, fold_epilogue, folded_scale
+from .norm_fold import SLOTS, FoldedInput, FoldingOutput, fold_epilogue, folded_scale
 from .qkv_rotary import RotaryStore, rotary_args, rotary_constants, rotary_fits, rotary_rows, rotate_and_store
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)  # fp32: exact fp32 products instead of the magic
@@ -63,7 +63,6 @@ class DecodeVariant:
     lanes: bool = False  # words: each lane's sums kept apart until the end (int4_lanes.py); block_k 1,024 a warp
     mma: bool = False  # words: on tensor cores (int4_mma.py); block_k 128, block_n 16 or 32 rows a warp
     max_registers: int = 0  # a cap on registers a thread (more programs an SM), 0: the compiler's choice
-    persistent: int = 0  # lanes: this many programs an SM, each taking row blocks in turn (int4_persistent.py)
 
     def __post_init__(self) -> None:
         for name in ("block_m", "block_n", "block_k"):
@@ -90,8 +89,6 @@ class DecodeVariant:
                 f"{' or '.join(map(str, mma_rows))} for {self.num_warps} warps (got block_k {self.block_k}, block_n "
                 f"{self.block_n}), without lanes or x_vector"
             )
-        if self.persistent < 0 or self.persistent and not (self.lanes and self.split_k == 1):
-            raise ValueError(f"DecodeVariant.persistent is a lane GEMV's without split K, got {self}")
         if self.max_registers and not 24 <= self.max_registers <= 255:
             raise ValueError(f"DecodeVariant.max_registers must be 0 or 24-255, got {self.max_registers}")
 
@@ -312,7 +309,7 @@ def int4_decode_matmul(
         # rows not whole words: the byte GEMV reads them, in steps inside one scale group
         block_n, block_k = max(16, variant.block_n), math.gcd(variant.block_k, group_size)
         variant = replace(
-            variant, words=False, x_vector=False, pdl=False, lanes=False, persistent=0, block_n=block_n, block_k=block_k
+            variant, words=False, x_vector=False, pdl=False, lanes=False, block_n=block_n, block_k=block_k
         )
     # int4_mma.py reads neither rows it cannot load in 16 bytes nor a folded input: a lane GEMV for one row,
     # 16-row tl.dot tiles for more
@@ -331,14 +328,6 @@ def int4_decode_matmul(
         raise ValueError(f"qkv's rotation folds into one row's GEMV without split K or other epilogue, not {variant}")
     if rotary is not None and not rotary_fits(variant.block_n, rotary.head_dim):
         raise ValueError(f"programs of {variant.block_n} rows do not hold rotary pairs of head_dim {rotary.head_dim}")
-    if variant.persistent:
-        if M != 1:
-            raise ValueError(f"persistent programs take one row of x, not {M}: {variant}")
-        pdl, options = _launch(variant, x.device)
-        words = qweight.view(torch.int32)
-        return int4_persistent.persistent_gemv(
-            x, words, scale, zero, bias, group_size, variant, pdl, options, folded_input, folding, gated, rotary
-        )
     if variant.mma:
         return _mma_gemv(x, qweight.view(torch.int32), scale, zero, bias, group_size, variant)
     tiles = triton.cdiv(N, variant.block_n) * triton.cdiv(M, variant.block_m)
@@ -371,7 +360,7 @@ def int4_decode_matmul(
         zero.stride(0),
         zero.stride(1),
         out.stride(0),
-        *fold_args(out, folded_input, folding),
+        *_fold_args(out, folded_input, folding),
         *rotary_args(rotary, out),
         GROUP_SIZE=group_size,
         HAS_BIAS=bias is not None,
@@ -406,6 +395,14 @@ def folds(variant: DecodeVariant) -> bool:
     """A one-row GEMV of this shape can end with a folded norm's first half (norm_fold.py): K whole, not split,
     and the rows one program's (not int4_mma.py's tiles)."""
     return variant.split_k == 1 and not variant.mma and variant.block_m == 1
+
+
+def _fold_args(out: torch.Tensor, folded_input: FoldedInput | None, folding: FoldingOutput | None) -> tuple:
+    """The kernel's scale_sums .. fold_stale arguments (out where unused)."""
+    scale = (folded_input.sums, folded_input.eps) if folded_input is not None else (out, 0.0)
+    if folding is None:
+        return (*scale, out, out, out, out, out)
+    return (*scale, folding.residual, folding.weight, folding.h_out, folding.sums, folding.stale)
 
 
 def _launch(variant: DecodeVariant, device: torch.device) -> tuple[bool, dict[str, bool | int]]:

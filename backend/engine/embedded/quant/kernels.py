@@ -384,14 +384,10 @@ def word_gemv(
     )
 
 
-def lane_gemv(
-    rows: int, warps: int, split_k: int = 1, prefetch: bool = True, pdl: bool = True, persistent: int = 0
-) -> DecodeVariant:
+def lane_gemv(rows: int, warps: int, split_k: int = 1, prefetch: bool = True, pdl: bool = True) -> DecodeVariant:
     """A lane-GEMV shape (int4_lanes.py): `rows` output columns a program, each lane reading four words of each
-    a step (1,024 input columns a warp), K cut into split_k slices; prefetch and PDL as in word_gemv. persistent:
-    that many programs an SM, each taking blocks of `rows` in turn (int4_persistent.py; always prefetching)."""
-    variant = word_gemv(rows, 1024 * warps, warps, prefetch=prefetch, pdl=pdl)
-    return replace(variant, split_k=split_k, lanes=True, persistent=persistent)
+    a step (1,024 input columns a warp), K cut into split_k slices; prefetch and PDL as in word_gemv."""
+    return replace(word_gemv(rows, 1024 * warps, warps, prefetch=prefetch, pdl=pdl), split_k=split_k, lanes=True)
 
 
 def mma_gemv(tiles: int, warps: int, split_k: int = 1, pdl: bool = True) -> DecodeVariant:

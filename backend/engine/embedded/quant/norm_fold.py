@@ -114,11 +114,3 @@ def fold_epilogue(
     tl.atomic_add(sums + program % SLOTS_P, tl.sum(tl.where(col_ok, h * h, 0.0), axis=0))
     if program == 0:
         tl.store(stale + tl.arange(0, SLOTS_P), tl.zeros((SLOTS_P,), dtype=tl.float32))
-
-
-def fold_args(out: torch.Tensor, folded_input: FoldedInput | None, folding: FoldingOutput | None) -> tuple:
-    """The one-row int4 kernels' scale_sums .. fold_stale arguments (out where unused)."""
-    scale = (folded_input.sums, folded_input.eps) if folded_input is not None else (out, 0.0)
-    if folding is None:
-        return (*scale, out, out, out, out, out)
-    return (*scale, folding.residual, folding.weight, folding.h_out, folding.sums, folding.stale)
