@@ -229,10 +229,15 @@ for what in "$@"; do
             BENCH_PRELUDE="from tritonllm.engine.embedded import cuda_graphs; cuda_graphs.PROMPT_GRAPH_ROWS = 0" \
               bench "llama-3.1-8b ${variant%%-*}, eager prefill, 1x128/128" --model "$l" "${config[@]}" "${one[@]}" ;;
           fp8-1) bench "llama-3.1-8b fp8+fp8kv 1x128/128" --model "$l" --config /tmp/fp8.yaml "${one[@]}" ;;
-          bf16-1:*|w4a16-1:*)  # BASE:MOD,MOD... several changes in one run (quant_mods)
-            base=${variant%%:*}; config=(); [ "$base" = w4a16-1 ] && config=(--config /tmp/w4a16.yaml)
-            BENCH_PRELUDE="$(quant_mods "${variant#*:}")" \
-              bench "llama-3.1-8b ${base%-1}, ${variant#*:}, 1x128/128" --model "$l" "${config[@]}" "${one[@]}" ;;
+          bf16-*:*|w4a16-*:*|fp8-*:*)  # DTYPE-REQUESTS:MOD,MOD... several changes in one run (quant_mods; none after
+            # the colon: the defaults), the requests all in one batch, e.g. bf16-16:nomerge
+            base=${variant%%:*}; dtype=${base%-*}; n=${base#*-}; config=()
+            [ "$dtype" = w4a16 ] && config=(--config /tmp/w4a16.yaml)
+            [ "$dtype" = fp8 ] && config=(--config /tmp/fp8.yaml)
+            shape_args=("${one[@]}"); [ "$n" != 1 ] && shape_args=(--requests "$n" --max-batch-size "$n" "${one[@]:2}")
+            mods=${variant#*:}
+            BENCH_PRELUDE="$(quant_mods "$mods")" \
+              bench "llama-3.1-8b $dtype${mods:+, $mods,} ${n}x128/128" --model "$l" "${config[@]}" "${shape_args[@]}" ;;
           *) echo "bench-quant: unknown variant '$variant'" | tee -a "$OUT/bench.log" >&2 ;;
         esac
       done ;;
