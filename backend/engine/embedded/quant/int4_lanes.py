@@ -95,9 +95,8 @@ def _word_chain(chain, word, x, lane_ids, k0, r: tl.constexpr, K, USE_ASM, PAIRS
 @triton.jit
 def _lanes_step(words, x, scales, k0, K, GROUP_SIZE, USE_ASM, PAIRS, EVEN_K):
     """One K step: each lane's [ROWS, LANES] sum over its 32 columns, zero point and scale applied (scales:
-    int4_words.words_step's). With v the
-    nibbles' values, sum v x = 128 sum x_even + 2048 sum x_odd + sum q x. (Each word's x is read just before
-    its products: all 32 values read first would hold ~90 more registers.)"""
+    int4_words.words_step's). With v the nibbles' values, sum v x = 128 sum x_even + 2048 sum x_odd + sum q x.
+    (Each word's x is read just before its products: all 32 values read first would hold ~90 more registers.)"""
     w0, w1, w2, w3 = _quarters(words)
     lane_ids = tl.arange(0, w0.shape[1])
     chain = tl.zeros(w0.shape, dtype=tl.float32)
