@@ -173,8 +173,9 @@ for what in "$@"; do
       quant_configs
       fp8_run() { BENCH_PRELUDE="$1" bench "llama-3.1-8b fp8+fp8kv, $2, 256x128/128" --model "$l" --config /tmp/fp8.yaml "${many[@]}"; }
       bf16_run() { BENCH_PRELUDE="$1" bench "llama-3.1-8b bf16, $2, 256x128/128" --model "$l" "${many[@]}"; }
-      many=(--requests 256 --min-prompt 128 --max-prompt 128 --min-output 128 --max-output 128 --max-batch-size 256 --warmup --baseline none ${QUANT_BENCH_ARGS:-})
-      one=(--requests 1 --min-prompt 128 --max-prompt 128 --min-output 128 --max-output 128 --warmup --baseline none ${QUANT_BENCH_ARGS:-})
+      lengths=(--min-prompt 128 --max-prompt 128 --min-output 128 --max-output 128 --warmup --baseline none ${QUANT_BENCH_ARGS:-})
+      many=(--requests 256 --max-batch-size 256 "${lengths[@]}")
+      one=(--requests 1 "${lengths[@]}")
       for variant in ${QUANT_VARIANTS:-bf16-256 fp8-256 bf16-1 w4a16-1 fp8-1}; do
         case $variant in
           bf16-256) bench "llama-3.1-8b bf16 256x128/128" --model "$l" "${many[@]}" ;;
@@ -234,7 +235,7 @@ for what in "$@"; do
             base=${variant%%:*}; dtype=${base%-*}; n=${base#*-}; config=()
             [ "$dtype" = w4a16 ] && config=(--config /tmp/w4a16.yaml)
             [ "$dtype" = fp8 ] && config=(--config /tmp/fp8.yaml)
-            shape_args=("${one[@]}"); [ "$n" != 1 ] && shape_args=(--requests "$n" --max-batch-size "$n" "${one[@]:2}")
+            shape_args=("${one[@]}"); [ "$n" != 1 ] && shape_args=(--requests "$n" --max-batch-size "$n" "${lengths[@]}")
             mods=${variant#*:}
             BENCH_PRELUDE="$(quant_mods "$mods")" \
               bench "llama-3.1-8b $dtype${mods:+, $mods,} ${n}x128/128" --model "$l" "${config[@]}" "${shape_args[@]}" ;;
