@@ -41,7 +41,7 @@ quant_mods() {  # quant_mods "swept,merge,splits4": one python prelude making ea
   local mod code=() e=tritonllm.engine.embedded
   for mod in ${1//,/ }; do
     case $mod in
-      swept) code+=("import sys; sys.path.insert(0, 'ci'); import gpu_quant_kernels; gpu_quant_kernels.use_swept_shapes('$OUT/int4-decode-sweep.jsonl')") ;;
+      swept) code+=("import sys; sys.path.insert(0, 'ci'); import gpu_int4_sweeps; gpu_int4_sweeps.use_swept_shapes('$OUT/int4-decode-sweep.jsonl')") ;;
       merge) code+=("from $e.attention import decode_kernels; decode_kernels.MERGE_IN_LAST_SPLIT = True") ;;  # (the default)
       ropestore|ropeapart) code+=("from $e.attention import triton_backend; triton_backend.ROTATE_WHILE_STORING = $([ $mod = ropestore ] && echo True || echo False)") ;;
       silu) code+=("from $e.quant import fusion; fusion.SILU_IN_GATE_UP = True") ;;
@@ -128,7 +128,7 @@ for what in "$@"; do
     quant-load) python3 ci/gpu_quant.py "${QUANT_SHAPE:-llama-3.1-8b}" 2>&1 | tee -a "$OUT/quant-load.jsonl" ;;
     quant-tests) run_tests tests/engine/test_quant_kernels.py ;;
     mma-tests) run_tests tests/engine/test_quant_kernels.py -k "tensor_core or pdl_reads" ;;  # int4_mma.py on CUDA
-    race-check)  # split-K int4 launches repeated: the worst error of each (ci/gpu_quant_kernels.py race_check)
+    race-check)  # split-K int4 launches repeated: the worst error of each (ci/gpu_int4_sweeps.py race_check)
       python3 ci/gpu_quant_kernels.py --race-check 2>&1 | tee -a "$OUT/race-check.jsonl" ;;
     quantize)  # tritonllm quantize calibrating on CUDA against CPU; QUANTIZE_MODEL: a folder to time (e.g. SmolLM2)
       python3 ci/gpu_quantize.py ${QUANTIZE_MODEL:-} 2>&1 | tee -a "$OUT/quantize.jsonl" ;;
