@@ -5,11 +5,11 @@ copies of a weight to overflow the L2, the calls, and CUDA-graph timing. JSON li
 from __future__ import annotations
 
 import json
-import statistics
 from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
+from gpu_timing import timed_ms
 
 from tritonllm.engine.embedded.quant import formats, kernels
 from tritonllm.engine.embedded.quant import weight_only_kernel as wo
@@ -114,16 +114,7 @@ def timed_us(calls: list[Callable[[], object]], min_calls: int = 48, repeats: in
         replay = graph.replay
     except RuntimeError:
         mode, replay = "eager", run_all
-    replay()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end) * 1000 / (rounds * len(calls)))
-    return statistics.median(times), mode
+    return timed_ms(replay, repeats) * 1000 / (rounds * len(calls)), mode
 
 
 def errors(got: torch.Tensor, expected: torch.Tensor) -> dict:
